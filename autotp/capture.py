@@ -1,0 +1,158 @@
+"""Capture an unmodified nn.Module into a torch.fx graph with parameter and module names kept.
+
+``torch.fx.symbolic_trace`` fails on Hugging Face models in transformers 5.x; ``torch.export`` with
+``strict=False`` captures them, keeps ``nn_module_stack`` (so every node maps back to a module) and,
+with ``Dim.AUTO`` on every input dimension, keeps batch and sequence length dynamic.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import traceback
+from dataclasses import dataclass, field
+
+import torch
+from torch import fx, nn
+
+from autotp.errors import CaptureError, InputError
+
+_WRAPPER_PREFIX = "model."
+
+
+class _CaptureWrapper(nn.Module):
+    """Calls the user's model with fixed keyword arguments (``use_cache=False``) without touching it."""
+
+    def __init__(self, model: nn.Module, fixed_kwargs: dict):
+        super().__init__()
+        self.model = model
+        self.fixed_kwargs = fixed_kwargs
+
+    def forward(self, *args):
+        return self.model(*args, **self.fixed_kwargs)
+
+
+@dataclass
+class Captured:
+    """A captured model: the exported GraphModule plus the names that map it back to the original."""
+
+    module: fx.GraphModule
+    """The exported module; parameters live under ``model.<original name>``."""
+    model_name: str
+    """The class name of the captured model."""
+    state_keys: tuple[str, ...]
+    """Keys of the original ``model.state_dict()``, in order."""
+    aliases: dict[str, str] = field(default_factory=dict)
+    """Every state-dict key -> the canonical name of the tensor it shares (tied weights)."""
+    dim_names: dict[str, str] = field(default_factory=dict)
+    """Symbol of each dynamic input size (``s72``) -> a readable name (``B``, ``T``)."""
+
+    @property
+    def graph(self) -> fx.Graph:
+        """The captured graph."""
+        return self.module.graph
+
+    def param_name(self, target: str) -> str:
+        """The original parameter name of a ``get_attr`` target."""
+        return target[len(_WRAPPER_PREFIX):] if target.startswith(_WRAPPER_PREFIX) else target
+
+    def module_name(self, node: fx.Node) -> str:
+        """The original module a node was traced in ('' for the top level)."""
+        stack = node.meta.get("nn_module_stack") or {}
+        if not stack:
+            return ""
+        path = list(stack.values())[-1][0]
+        path = path if isinstance(path, str) else ""
+        if path == "model":
+            return ""
+        return path[len(_WRAPPER_PREFIX):] if path.startswith(_WRAPPER_PREFIX) else path
+
+
+def normalise_inputs(example_inputs) -> tuple[torch.Tensor, ...]:
+    """Check and tuple-ify the example inputs; raise ``InputError`` naming the bad one."""
+    if isinstance(example_inputs, torch.Tensor):
+        example_inputs = (example_inputs,)
+    if not isinstance(example_inputs, (tuple, list)) or not example_inputs:
+        raise InputError(
+            f"example_inputs must be a tensor or a non-empty tuple of tensors, got {type(example_inputs).__name__}; "
+            "pass example_inputs=(input_ids,)")
+    for i, x in enumerate(example_inputs):
+        if not isinstance(x, torch.Tensor):
+            raise InputError(f"example_inputs[{i}] is a {type(x).__name__}, not a torch.Tensor; "
+                             "pass the tensors the model's forward takes, e.g. example_inputs=(input_ids,)")
+    return tuple(example_inputs)
+
+
+def _fixed_kwargs(model: nn.Module) -> dict:
+    """Keyword arguments that make a Hugging Face model traceable: no KV cache."""
+    params = inspect.signature(model.forward).parameters
+    return {"use_cache": False} if "use_cache" in params else {}
+
+
+def _user_frame(exc: BaseException) -> str:
+    """The innermost traceback frame outside torch, i.e. where in the user's code capture broke."""
+    torch_dir = os.path.dirname(torch.__file__)
+    here = os.path.dirname(__file__)
+    frames = [f for f in traceback.extract_tb(exc.__traceback__)
+              if not f.filename.startswith((torch_dir, here))]
+    if not frames:
+        return "inside torch"
+    f = frames[-1]
+    return f"{f.filename}:{f.lineno} in {f.name}"
+
+
+def _export(wrapper: nn.Module, inputs: tuple, dynamic: bool) -> fx.GraphModule:
+    """One torch.export attempt; with ``dynamic`` every input dimension is Dim.AUTO."""
+    shapes = tuple({d: torch.export.Dim.AUTO for d in range(x.dim())} for x in inputs) if dynamic else None
+    program = torch.export.export(wrapper, inputs, strict=False, dynamic_shapes=shapes)
+    return program.module()
+
+
+def _dim_names(gm: fx.GraphModule) -> dict[str, str]:
+    """Name the symbolic input sizes B (first dim of the first input), T (its second), then s0, s1 ..."""
+    names: dict[str, str] = {}
+    readable = iter(["B", "T"])
+    for node in gm.graph.find_nodes(op="placeholder"):
+        val = node.meta.get("val")
+        for d in getattr(val, "shape", ()):
+            if isinstance(d, torch.SymInt) and str(d) not in names:
+                names[str(d)] = next(readable, str(d))
+    return names
+
+
+def _aliases(model: nn.Module) -> dict[str, str]:
+    """Map every state-dict name to the first name of the same tensor (tied weights share one)."""
+    first: dict[int, str] = {}
+    aliases: dict[str, str] = {}
+    named = list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False))
+    for name, tensor in named:
+        aliases[name] = first.setdefault(id(tensor), name)
+    return aliases
+
+
+def capture(model: nn.Module, example_inputs) -> Captured:
+    """Capture ``model`` on ``example_inputs`` with torch.export (dynamic sizes, then static).
+
+    The model is not changed: a wrapper passes ``use_cache=False`` to models that take it.
+    """
+    if not isinstance(model, nn.Module):
+        raise InputError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    inputs = normalise_inputs(example_inputs)
+    wrapper = _CaptureWrapper(model, _fixed_kwargs(model))
+    errors = []
+    for dynamic in (True, False):
+        try:
+            gm = _export(wrapper, inputs, dynamic)
+            break
+        except Exception as e:  # torch.export raises many unrelated types; all mean "could not capture"
+            errors.append((dynamic, e))
+    else:
+        _, err = errors[-1]
+        first_line = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise CaptureError(
+            f"could not capture {type(model).__name__}: torch.export.export(strict=False) failed with dynamic and "
+            f"with static shapes. First error: {type(err).__name__}: {first_line} (at {_user_frame(err)}). "
+            "Make the forward traceable (no data-dependent Python control flow on tensor values, no .item()), "
+            "or pass example_inputs the forward accepts positionally.") from err
+    return Captured(module=gm, model_name=type(model).__name__, state_keys=tuple(model.state_dict().keys()),
+                    aliases=_aliases(model), dim_names=_dim_names(gm))

@@ -1,0 +1,231 @@
+"""The sharding plan: a frozen, JSON-serialisable value keyed by original parameter names.
+
+The plan is the contract between the planner and the rewriter. It holds no torch objects, so it can
+be printed, saved, edited by hand, loaded back and applied (see ``Plan.to_json``/``Plan.from_json``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from enum import Enum
+
+from autotp.errors import InputError
+
+SCHEMA_VERSION = 1
+
+
+class PlacementKind(str, Enum):
+    """How one parameter is laid out across the tensor-parallel ranks."""
+
+    COLWISE = "colwise"
+    """Split along the layer's output features (Megatron's column-parallel linear)."""
+    ROWWISE = "rowwise"
+    """Split along the layer's input features (Megatron's row-parallel linear)."""
+    VOCAB = "vocab"
+    """Split along the vocabulary (embedding rows, or the LM head's output rows)."""
+    REPLICATED = "replicated"
+    """A full copy on every rank."""
+
+
+@dataclass(frozen=True)
+class Placement:
+    """One parameter's placement: ``kind``, the split storage ``dim``, and fused ``segments``.
+
+    ``segments`` is empty for a plain split. A fused projection (say one weight holding Q, K and V)
+    lists the global sizes of its parts along ``dim``: each part is split across the ranks on its
+    own, so every rank holds its share of Q, of K and of V.
+    """
+
+    kind: PlacementKind
+    dim: int | None = None
+    segments: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        object.__setattr__(self, "kind", PlacementKind(self.kind))
+        object.__setattr__(self, "segments", tuple(int(s) for s in self.segments))
+        if (self.kind is PlacementKind.REPLICATED) != (self.dim is None):
+            raise ValueError(f"placement {self.kind.value!r} needs dim set iff it is split, got dim={self.dim}")
+
+    def __repr__(self) -> str:
+        if self.kind is PlacementKind.REPLICATED:
+            return "replicated"
+        seg = f", segments={list(self.segments)}" if self.segments else ""
+        return f"{self.kind.value}(dim={self.dim}{seg})"
+
+    @property
+    def is_split(self) -> bool:
+        """Whether each rank holds only a slice of this parameter."""
+        return self.kind is not PlacementKind.REPLICATED
+
+    def to_dict(self) -> dict:
+        """A JSON-ready dict."""
+        return {"kind": self.kind.value, "dim": self.dim, "segments": list(self.segments)}
+
+
+REPLICATED = Placement(PlacementKind.REPLICATED)
+
+
+class FrozenMap(Mapping):
+    """An immutable, hashable mapping (the plan's ``placements``)."""
+
+    def __init__(self, items=()):
+        self._data = dict(items)
+
+    def __getitem__(self, key):
+        return self._data[key]
+
+    def __iter__(self) -> Iterator:
+        return iter(self._data)
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    def __hash__(self) -> int:
+        return hash(tuple(self._data.items()))
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Mapping) and dict(self) == dict(other)
+
+    def __repr__(self) -> str:
+        return f"FrozenMap({self._data!r})"
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One communication the rewrite inserts, described for people and cost models."""
+
+    op: str
+    """``all_reduce`` or ``all_gather``."""
+    direction: str
+    """``forward`` or ``backward``: the pass in which it runs."""
+    operator: str
+    """Megatron's name for the boundary: ``f`` (copy to TP region), ``g`` (reduce from it),
+    ``gather``, ``scatter`` or ``vocab_embedding``."""
+    module: str
+    """The original module at which it is inserted."""
+    shape: tuple[str, ...]
+    """Shape of the communicated tensor, with ``B``/``T``-style symbols for dynamic sizes."""
+    itemsize: int = 4
+    """Bytes per element."""
+
+    def to_dict(self) -> dict:
+        """A JSON-ready dict."""
+        return dataclasses.asdict(self) | {"shape": list(self.shape)}
+
+
+@dataclass(frozen=True)
+class Region:
+    """A detected block of layers sharded together (an MLP or an attention)."""
+
+    kind: str
+    """``mlp``, ``gated_mlp``, ``attention``, ``embedding`` or ``lm_head``."""
+    columns: tuple[str, ...]
+    """Modules whose weights are split along the output features (or vocabulary)."""
+    rows: tuple[str, ...]
+    """Modules whose weights are split along the input features."""
+    replicated: tuple[str, ...] = ()
+    """Modules of the region kept whole (e.g. K/V when tp does not divide the KV heads)."""
+
+    def to_dict(self) -> dict:
+        """A JSON-ready dict."""
+        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(self).items()}
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How a model is split across ``tp`` ranks: placements keyed by original parameter names."""
+
+    tp: int
+    placements: FrozenMap = field(default_factory=FrozenMap)
+    collectives: tuple[Collective, ...] = ()
+    regions: tuple[Region, ...] = ()
+    notes: tuple[str, ...] = ()
+    """Decisions a user should know about (what was replicated and why)."""
+    model: str = ""
+    """The class name of the planned model, for people reading the plan."""
+
+    def __post_init__(self):
+        if not isinstance(self.tp, int) or self.tp < 1:
+            raise ValueError(f"tp must be a positive integer, got {self.tp!r}")
+        object.__setattr__(self, "placements", FrozenMap(self.placements))
+        object.__setattr__(self, "collectives", tuple(self.collectives))
+        object.__setattr__(self, "regions", tuple(self.regions))
+        object.__setattr__(self, "notes", tuple(self.notes))
+
+    def __repr__(self) -> str:
+        split = sum(p.is_split for p in self.placements.values())
+        return (f"Plan(model={self.model!r}, tp={self.tp}, {split}/{len(self.placements)} parameters split, "
+                f"{len(self.regions)} regions, {len(self.collectives)} collectives)")
+
+    def replace(self, **changes) -> Plan:
+        """A new plan with ``changes`` applied (the plan itself never changes)."""
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        """A JSON-ready dict with the schema version."""
+        return {
+            "schema_version": SCHEMA_VERSION,
+            "model": self.model,
+            "tp": self.tp,
+            "placements": {name: p.to_dict() for name, p in self.placements.items()},
+            "collectives": [c.to_dict() for c in self.collectives],
+            "regions": [r.to_dict() for r in self.regions],
+            "notes": list(self.notes),
+        }
+
+    def to_json(self, indent: int | None = 2) -> str:
+        """The plan as JSON text."""
+        return json.dumps(self.to_dict(), indent=indent)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Plan:
+        """Rebuild a plan from ``to_dict``'s output."""
+        version = data.get("schema_version")
+        if version != SCHEMA_VERSION:
+            raise InputError(f"plan schema_version is {version!r}; this autotp reads version {SCHEMA_VERSION}")
+        try:
+            return cls(
+                tp=data["tp"],
+                model=data.get("model", ""),
+                placements={n: Placement(**p) for n, p in data["placements"].items()},
+                collectives=tuple(Collective(**c | {"shape": tuple(c["shape"])}) for c in data.get("collectives", [])),
+                regions=tuple(Region(**{k: tuple(v) if isinstance(v, list) else v for k, v in r.items()})
+                              for r in data.get("regions", [])),
+                notes=tuple(data.get("notes", [])),
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise InputError(f"not a valid autotp plan: {e}") from e
+
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        """Rebuild a plan from ``to_json``'s output."""
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise InputError(f"plan is not valid JSON: {e}") from e
+        return cls.from_dict(data)
+
+    def fingerprint(self) -> str:
+        """A short hash of the plan; every rank must compute the same one."""
+        return hashlib.sha256(self.to_json(indent=None).encode()).hexdigest()[:16]
+
+    def split_parameters(self) -> dict[str, Placement]:
+        """The parameters that are split, with their placements."""
+        return {n: p for n, p in self.placements.items() if p.is_split}
+
+    def summary(self) -> str:
+        """A short human-readable account of the plan."""
+        lines = [repr(self)]
+        for region in self.regions:
+            kept = f" (replicated: {', '.join(region.replicated)})" if region.replicated else ""
+            lines.append(f"  {region.kind:<10} column: {', '.join(region.columns)}  row: {', '.join(region.rows)}{kept}")
+        counts: dict[tuple[str, str], int] = {}
+        for c in self.collectives:
+            counts[(c.op, c.direction)] = counts.get((c.op, c.direction), 0) + 1
+        lines.append("  collectives: " + (", ".join(f"{n} {op} ({d})" for (op, d), n in sorted(counts.items())) or "none"))
+        lines.extend(f"  note: {n}" for n in self.notes)
+        return "\n".join(lines)

@@ -1,0 +1,1 @@
+"""Hand-written example models used by autotp's tests and demos."""

@@ -1,0 +1,90 @@
+"""Small read-only helpers over a captured torch.fx graph (shapes, parameters, argument paths)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch import fx
+
+ArgPath = tuple  # (index,) or (index, list_index) into node.args, or ("kw", name)
+
+
+def meta_val(node) -> object:
+    """The example value recorded for ``node`` by torch.export (a FakeTensor, a tuple, a SymInt)."""
+    return node.meta.get("val") if isinstance(node, fx.Node) else None
+
+
+def is_tensor(node) -> bool:
+    """Whether ``node`` produces a single tensor."""
+    return isinstance(meta_val(node), torch.Tensor)
+
+
+def sizes(node) -> tuple:
+    """The sizes of the tensor ``node`` produces, as ints or sympy expressions for dynamic sizes."""
+    return tuple(int(d) if isinstance(d, int) else d.node.expr for d in meta_val(node).shape)
+
+
+def rank(node) -> int:
+    """Number of dimensions of ``node``'s tensor."""
+    return meta_val(node).dim()
+
+
+def tensor_args(node: fx.Node) -> Iterator[tuple[ArgPath, fx.Node]]:
+    """Every (path, input node) of ``node`` that carries a tensor, including tensors inside lists."""
+    for i, arg in enumerate(node.args):
+        if isinstance(arg, fx.Node):
+            yield (i,), arg
+        elif isinstance(arg, (list, tuple)):
+            for j, a in enumerate(arg):
+                if isinstance(a, fx.Node):
+                    yield (i, j), a
+    for k, arg in node.kwargs.items():
+        if isinstance(arg, fx.Node):
+            yield ("kw", k), arg
+
+
+def get_arg(node: fx.Node, path: ArgPath):
+    """The argument of ``node`` at ``path``."""
+    if path[0] == "kw":
+        return node.kwargs[path[1]]
+    arg = node.args[path[0]]
+    return arg[path[1]] if len(path) > 1 else arg
+
+
+def with_arg(node: fx.Node, path: ArgPath, value) -> None:
+    """Set the argument at ``path`` (used by the rewriter only)."""
+    if path[0] == "kw":
+        node.kwargs = {**node.kwargs, path[1]: value}
+        return
+    args = list(node.args)
+    if len(path) > 1:
+        inner = list(args[path[0]])
+        inner[path[1]] = value
+        args[path[0]] = type(node.args[path[0]])(inner)
+    else:
+        args[path[0]] = value
+    node.args = tuple(args)
+
+
+def arg_or_default(node: fx.Node, index: int, name: str, default):
+    """Positional-or-keyword argument of an ATen call."""
+    if len(node.args) > index:
+        return node.args[index]
+    return node.kwargs.get(name, default)
+
+
+def trainable_attrs(gm: fx.GraphModule) -> set[str]:
+    """``get_attr`` targets of parameters that require grad."""
+    return {name for name, p in gm.named_parameters() if p.requires_grad}
+
+
+def grad_nodes(graph: fx.Graph, trainable: set[str]) -> set[str]:
+    """Names of nodes whose value depends on a trainable parameter (so gradients flow through them)."""
+    out: set[str] = set()
+    for node in graph.nodes:
+        if node.op == "get_attr" and node.target in trainable:
+            out.add(node.name)
+        elif any(a.name in out for a in node.all_input_nodes):
+            out.add(node.name)
+    return out

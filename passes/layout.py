@@ -1,0 +1,120 @@
+"""How a tensor is laid out across tensor-parallel ranks, and how reshapes move that layout.
+
+A value is either replicated (``None``: every rank holds all of it) or a ``Shard``: along one dim,
+each of its ``segments`` is cut into ``tp`` contiguous chunks and rank r holds chunk r of every
+segment. A plain column split has one segment; a fused QKV projection has three.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import sympy
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Sharded along ``dim``; ``segments`` are the global sizes of the independently split parts."""
+
+    dim: int
+    segments: tuple[int, ...]
+
+    @property
+    def size(self) -> int:
+        """Global size along ``dim``."""
+        return sum(self.segments)
+
+    def local_segments(self, tp: int) -> tuple[int, ...]:
+        """Each rank's share of every segment."""
+        return tuple(s // tp for s in self.segments)
+
+    def moved(self, dim: int) -> Shard:
+        """The same split on another dimension index."""
+        return Shard(dim, self.segments)
+
+
+Layout = Shard | None | tuple  # tuple: one layout per output of a multi-output op
+
+
+def static(size) -> int | None:
+    """``size`` as an int when it is a constant, else None (a symbolic batch/sequence size)."""
+    if isinstance(size, int):
+        return size
+    expr = sympy.sympify(size)
+    return int(expr) if expr.is_Integer else None
+
+
+def _prefixes(sizes) -> list:
+    """Prefix products of ``sizes`` as sympy expressions (sizes may be symbolic)."""
+    out = [sympy.Integer(1)]
+    for s in sizes:
+        out.append(sympy.expand(out[-1] * sympy.sympify(s)))
+    return out
+
+
+def _group(in_sizes, out_sizes, dim: int) -> tuple[int, int, int, int] | None:
+    """The reshape group holding input ``dim``: (in_start, in_stop, out_start, out_stop).
+
+    A reshape only regroups neighbouring dimensions; group boundaries are where the prefix products
+    of both shapes agree.
+    """
+    pin, pout = _prefixes(in_sizes), _prefixes(out_sizes)
+    starts = [(i, max(j for j, q in enumerate(pout) if q == p)) for i, p in enumerate(pin) if i <= dim and p in pout]
+    stops = [(i, min(j for j, q in enumerate(pout) if q == p)) for i, p in enumerate(pin) if i > dim and p in pout]
+    if not starts or not stops:
+        return None
+    # Innermost start and outermost stop: size-1 dims at the edges do not belong to the group.
+    (i0, j0), (i1, j1) = starts[-1], stops[0]
+    return i0, i1, j0, j1
+
+
+def _rows(units: list[int], rows: int, width: int) -> tuple[int, ...] | None:
+    """Split ``units`` into ``rows`` identical runs summing to ``width`` each; the run, or None."""
+    runs, current, total = [], [], 0
+    for u in units:
+        current.append(u)
+        total += u
+        if total == width:
+            runs.append(tuple(current))
+            current, total = [], 0
+        elif total > width:
+            return None
+    if current or len(runs) != rows or len(set(runs)) != 1:
+        return None
+    return runs[0]
+
+
+def map_reshape(in_sizes, out_sizes, shard: Shard, tp: int) -> Shard | None:
+    """Where ``shard`` lands after reshaping ``in_sizes`` to ``out_sizes``; None if it cannot be kept.
+
+    The shard keeps its meaning (rank r holds chunk r of each segment) only if, in the output, the
+    segments become whole runs along one output dim. Among the dims that allow it, the outermost
+    one whose segments all divide by ``tp`` wins (``(3*H*D,) -> (3, H, D)`` shards H, not the 3).
+    """
+    group = _group(in_sizes, out_sizes, shard.dim)
+    if group is None:
+        return None
+    i0, i1, j0, j1 = group
+    outer_in = static(math.prod(in_sizes[i0:shard.dim])) if shard.dim > i0 else 1
+    inner_in = static(math.prod(in_sizes[shard.dim + 1:i1])) if shard.dim + 1 < i1 else 1
+    if outer_in is None or inner_in is None or outer_in > 65536:
+        return None
+    flat = [s * inner_in for _ in range(outer_in) for s in shard.segments]
+    candidates = []
+    for k in range(j0, j1):
+        inner_out = static(math.prod(out_sizes[k + 1:j1])) if k + 1 < j1 else 1
+        outer_out = static(math.prod(out_sizes[j0:k])) if k > j0 else 1
+        width = static(out_sizes[k])
+        if None in (inner_out, outer_out, width) or any(f % inner_out for f in flat):
+            continue
+        run = _rows([f // inner_out for f in flat], outer_out, width)
+        if run is not None:
+            candidates.append(Shard(k, run))
+    fitting = [c for c in candidates if all(s % tp == 0 for s in c.segments)]
+    return (fitting or candidates or [None])[0]
+
+
+def broadcast_dim(out_rank: int, in_rank: int, out_dim: int) -> int:
+    """The input dim aligned (from the right, as broadcasting does) with output dim ``out_dim``."""
+    return out_dim - (out_rank - in_rank)

@@ -1,0 +1,104 @@
+"""Find projections (matmuls against a 2-D weight parameter) and embedding lookups in a graph.
+
+Found from the ops and their operands, not from module or parameter names: ``nn.Linear`` shows up
+as ``aten.linear``, Hugging Face's transposed ``Conv1D`` as ``aten.addmm`` with the weight last.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import fx
+
+from autotp.passes.graph import meta_val
+
+aten = torch.ops.aten
+
+
+@dataclass(frozen=True)
+class Projection:
+    """``y = x @ W (+ b)`` with ``W`` a parameter: the unit that is column- or row-split."""
+
+    node: str
+    """Name of the matmul node."""
+    input: str
+    """Name of the node feeding ``x``."""
+    weight: str
+    """``get_attr`` target of the weight."""
+    bias: str | None
+    """``get_attr`` target of a fused bias, if any."""
+    out_dim: int
+    """Storage dim of the weight indexing output features (0 for nn.Linear, 1 for Conv1D)."""
+    in_features: int
+    out_features: int
+
+    @property
+    def in_dim(self) -> int:
+        """Storage dim of the weight indexing input features."""
+        return 1 - self.out_dim
+
+
+@dataclass(frozen=True)
+class Embedding:
+    """``aten.embedding(W, ids)`` with ``W`` a parameter."""
+
+    node: str
+    weight: str
+    ids: str
+    num_embeddings: int
+
+
+def _attr(node) -> str | None:
+    """The ``get_attr`` target if ``node`` reads a module attribute directly."""
+    return node.target if isinstance(node, fx.Node) and node.op == "get_attr" else None
+
+
+# op -> (index of x, index of weight, index of bias or None, weight storage dim of output features)
+_PROJECTION_OPS = {
+    aten.linear.default: (0, 1, 2, 0),
+    aten.addmm.default: (1, 2, 0, 1),
+    aten.mm.default: (0, 1, None, 1),
+    aten.matmul.default: (0, 1, None, 1),
+}
+
+
+def _projection(node: fx.Node) -> Projection | None:
+    """A Projection if ``node`` multiplies an activation by a 2-D parameter, else None."""
+    spec = _PROJECTION_OPS.get(node.target)
+    if spec is None or node.kwargs.get("beta", 1) != 1 or node.kwargs.get("alpha", 1) != 1:
+        return None
+    xi, wi, bi, out_dim = spec
+    if len(node.args) <= wi:
+        return None
+    weight_node = node.args[wi]
+    weight = _attr(weight_node)
+    x = node.args[xi]
+    if weight is None or not isinstance(x, fx.Node) or _attr(x) is not None:
+        return None
+    shape = meta_val(weight_node).shape
+    if len(shape) != 2:
+        return None
+    bias_node = node.args[bi] if bi is not None and len(node.args) > bi else None
+    bias = _attr(bias_node)
+    if bias_node is not None and bias is None:
+        return None  # a computed bias: leave the op alone
+    return Projection(node=node.name, input=x.name, weight=weight, bias=bias, out_dim=out_dim,
+                      in_features=int(shape[1 - out_dim]), out_features=int(shape[out_dim]))
+
+
+def find_projections(graph: fx.Graph) -> dict[str, Projection]:
+    """Every projection in ``graph``, keyed by node name, in graph order."""
+    found = (_projection(n) for n in graph.nodes if n.op == "call_function")
+    return {p.node: p for p in found if p is not None}
+
+
+def find_embeddings(graph: fx.Graph) -> dict[str, Embedding]:
+    """Every embedding lookup of a parameter table, keyed by node name."""
+    out = {}
+    for node in graph.find_nodes(op="call_function", target=aten.embedding.default):
+        weight = _attr(node.args[0])
+        if weight is not None and isinstance(node.args[1], fx.Node):
+            out[node.name] = Embedding(node=node.name, weight=weight, ids=node.args[1].name,
+                                       num_embeddings=int(meta_val(node.args[0]).shape[0]))
+    return out

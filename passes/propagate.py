@@ -1,0 +1,198 @@
+"""Sharding propagation: from per-parameter placements to the layout of every value in the graph.
+
+This is a read-only analysis. It walks the graph once in order, applies each op's rule
+(``rules.py``), and records what a rewrite must do for the result to equal the unsharded model:
+the conversions on edges (Megatron's ``f``, gathers, slices), the reductions after row-split
+projections and vocabulary-split embeddings (Megatron's ``g``), the shape constants to change, and
+every size that must divide by tp. Projections and embeddings take their role from the placement of
+their weight, so the same code checks a candidate plan and drives the final rewrite.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from torch import fx
+
+from autotp.passes.graph import ArgPath, grad_nodes, is_tensor, rank, tensor_args
+from autotp.passes.layout import Layout, Shard
+from autotp.passes.projections import Embedding, Projection
+from autotp.passes.rules import COPY, Context, Decision, rule_for
+
+Step = tuple  # ("copy",) | ("gather", Shard) | ("scatter", Shard)
+
+
+@dataclass
+class Conversion:
+    """Steps applied to ``source`` before ``consumers`` read it; shared by all its consumers."""
+
+    source: str
+    steps: tuple[Step, ...]
+    consumers: list[tuple[str, ArgPath]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Violation:
+    """A size that must divide by tp but does not."""
+
+    node: str
+    size: int
+    what: str
+    origins: frozenset[str]
+    """The column-split projections whose split produced this shard."""
+
+
+@dataclass
+class Propagation:
+    """The result of propagating a set of placements through a graph."""
+
+    tp: int
+    layouts: dict[str, Layout] = field(default_factory=dict)
+    conversions: dict[tuple, Conversion] = field(default_factory=dict)
+    reduced: list[str] = field(default_factory=list)
+    """Nodes whose output is all-reduced (row-split projections, vocab-split embeddings)."""
+    rows: list[str] = field(default_factory=list)
+    """Projections found to close a region (only with ``auto_rows``)."""
+    fixes: list[tuple[str, ArgPath, object]] = field(default_factory=list)
+    violations: list[Violation] = field(default_factory=list)
+    hints: dict[frozenset, tuple[int, ...]] = field(default_factory=dict)
+    """Column projections (by origin set) that a split wants fused into these segments."""
+    origins: dict[str, frozenset] = field(default_factory=dict)
+    checked: list[int] = field(default_factory=list)
+    """Every size the split had to divide (for telling the user which tp values work)."""
+
+    def steps_of(self, kind: str) -> list[Conversion]:
+        """Conversions that include a step of ``kind``."""
+        return [c for c in self.conversions.values() if any(s[0] == kind for s in c.steps)]
+
+
+@dataclass(frozen=True)
+class Role:
+    """What a projection or embedding does under the plan: ``column``, ``row`` or ``embedding``."""
+
+    kind: str
+    segments: tuple[int, ...] = ()
+
+
+def _steps(have: Layout, want) -> tuple[Step, ...]:
+    """The conversion steps from layout ``have`` to ``want``."""
+    if want == have:
+        return ()
+    steps: list[Step] = []
+    if isinstance(have, Shard):
+        steps.append(("gather", have))
+    if want is COPY:
+        steps.append(("copy",))
+    elif isinstance(want, Shard):
+        steps.append(("scatter", want))
+    return tuple(steps)
+
+
+class _Walker:
+    """One propagation run (state for the walk; the result is ``self.result``)."""
+
+    def __init__(self, graph, projections, embeddings, param_layouts, tp, grad, auto_rows):
+        self.graph = graph
+        self.projections = projections
+        self.embeddings = embeddings
+        self.param_layouts = param_layouts
+        self.auto_rows = auto_rows
+        self.ctx = Context(tp=tp, grad=grad)
+        self.result = Propagation(tp=tp)
+        self.nodes = {n.name: n for n in graph.nodes}
+
+    def run(self) -> Propagation:
+        for node in self.graph.nodes:
+            self.visit(node)
+        return self.result
+
+    def layout(self, node: fx.Node) -> Layout:
+        return self.result.layouts.get(node.name)
+
+    def visit(self, node: fx.Node) -> None:
+        res = self.result
+        if node.op == "get_attr":
+            res.layouts[node.name] = self.param_layouts.get(node.target)
+            return
+        if node.op == "placeholder":
+            res.layouts[node.name] = None
+            return
+        ins = {p: (n, self.layout(n)) for p, n in tensor_args(node)
+               if is_tensor(n) or isinstance(self.layout(n), tuple)}
+        if node.op == "output":
+            decision = Decision(None, wants={p: None for p in ins})
+        else:
+            decision = self.decide(node, ins)
+        for path, want in decision.wants.items():
+            self.convert(node, path, ins[path][0], ins[path][1], want)
+        res.layouts[node.name] = decision.out
+        res.fixes.extend((node.name, p, v) for p, v in decision.fixes.items())
+        origins = frozenset().union(*(res.origins.get(n.name, frozenset()) for n, lay in ins.values()
+                                      if isinstance(lay, (Shard, tuple))))
+        if node.name in self.projections and isinstance(decision.out, Shard):
+            origins = frozenset({node.name})
+        if origins and decision.out is not None:
+            res.origins[node.name] = origins
+        for size, what in decision.checks:
+            res.checked.append(size)
+            if size % self.ctx.tp:
+                res.violations.append(Violation(node.name, size, what, origins))
+        if decision.hint is not None and origins:
+            res.hints[origins] = decision.hint
+
+    def decide(self, node: fx.Node, ins: dict) -> Decision:
+        proj = self.projections.get(node.name)
+        if proj is not None:
+            role = self.role_of(proj, ins)
+            if role is not None:
+                return self.projection(node, proj, role)
+        emb = self.embeddings.get(node.name)
+        if emb is not None and isinstance(self.param_layouts.get(emb.weight), Shard):
+            self.result.reduced.append(node.name)
+            return Decision(None, wants={(1,): None},
+                            checks=[(emb.num_embeddings, "vocabulary size")])
+        return rule_for(node.target)(node, ins, self.ctx)
+
+    def role_of(self, proj: Projection, ins: dict) -> Role | None:
+        weight = self.param_layouts.get(proj.weight)
+        if isinstance(weight, Shard):
+            return Role("column", weight.segments) if weight.dim == proj.out_dim else Role("row")
+        x_layout = self.layout(self.graph_node(proj.input))
+        if self.auto_rows and x_layout == Shard(rank(self.graph_node(proj.input)) - 1, (proj.in_features,)):
+            self.result.rows.append(proj.node)
+            return Role("row")
+        return None
+
+    def graph_node(self, name: str) -> fx.Node:
+        return self.nodes[name]
+
+    def projection(self, node: fx.Node, proj: Projection, role: Role) -> Decision:
+        x_path = next(p for p, n in tensor_args(node) if n.name == proj.input)
+        x = self.graph_node(proj.input)
+        if role.kind == "column":
+            out = Shard(rank(node) - 1, role.segments)
+            return Decision(out, wants={x_path: COPY},
+                            checks=[(s, "output features") for s in role.segments])
+        self.result.reduced.append(node.name)
+        return Decision(None, wants={x_path: Shard(rank(x) - 1, (proj.in_features,))},
+                        checks=[(proj.in_features, "input features")])
+
+    def convert(self, node: fx.Node, path: ArgPath, source: fx.Node, have: Layout, want) -> None:
+        steps = _steps(have, want)
+        if not steps:
+            return
+        key = (source.name, steps)
+        conv = self.result.conversions.setdefault(key, Conversion(source.name, steps))
+        conv.consumers.append((node.name, path))
+
+
+def propagate(graph: fx.Graph, projections: Mapping[str, Projection], embeddings: Mapping[str, Embedding],
+              param_layouts: Mapping[str, Shard], tp: int, trainable: set[str], auto_rows: bool = False) -> Propagation:
+    """Propagate the parameter layouts (keyed by ``get_attr`` target) through ``graph``.
+
+    With ``auto_rows``, a projection that receives its input split along the features becomes
+    row-split, which is how the planner discovers where a column-split region closes.
+    """
+    walker = _Walker(graph, projections, embeddings, param_layouts, tp, grad_nodes(graph, trainable), auto_rows)
+    return walker.run()

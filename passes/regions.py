@@ -1,0 +1,143 @@
+"""Find the regions Megatron splits: column-split projections closed by row-split ones.
+
+Projections that read the same tensor (Q/K/V, gate/up, or one fused QKV) are tried as column-split
+together; sharding propagation then shows where the split values go. A region is found when every
+path ends in a projection that takes the split features as its input (the row-split one) with no
+gather or slice on the way. Attention and MLP are told apart by what lies between (attention ops,
+a product of two split branches), never by names.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import fx
+
+from autotp.passes.layout import Shard
+from autotp.passes.projections import Projection
+from autotp.passes.propagate import Propagation, Violation, propagate
+
+aten = torch.ops.aten
+_ATTENTION_OPS = {aten.scaled_dot_product_attention.default, aten.softmax.int, aten._softmax.default}
+
+
+@dataclass(frozen=True)
+class RegionMatch:
+    """A closed column→row region found in the graph."""
+
+    kind: str
+    """``attention``, ``gated_mlp`` or ``mlp``."""
+    columns: tuple[str, ...]
+    """Column-split projection nodes."""
+    rows: tuple[str, ...]
+    """Row-split projection nodes."""
+    segments: tuple[tuple[int, ...], ...]
+    """Fused segments of each column projection (empty tuple: plain)."""
+    replicated: tuple[str, ...] = ()
+    """Projections of the region kept whole (K/V when tp does not divide the KV heads)."""
+    violations: tuple[Violation, ...] = ()
+    """Sizes that do not divide by tp (the region cannot be split at this tp)."""
+    sizes: tuple[int, ...] = ()
+    """Every size the split must divide; their common divisors are the valid tp values."""
+
+    def valid_tp(self) -> list[int]:
+        """The tp values that divide every size this region splits."""
+        g = math.gcd(*self.sizes) if self.sizes else 1
+        return [t for t in range(1, g + 1) if g % t == 0]
+
+
+def _sibling_groups(projections: dict[str, Projection], skip: set[str]) -> list[list[Projection]]:
+    """Projections grouped by the tensor they read, in graph order."""
+    groups: dict[str, list[Projection]] = {}
+    for p in projections.values():
+        if p.node not in skip:
+            groups.setdefault(p.input, []).append(p)
+    return list(groups.values())
+
+
+def _layouts(columns: list[Projection], segments: dict[str, tuple[int, ...]]) -> dict[str, Shard]:
+    return {p.weight: Shard(p.out_dim, segments.get(p.node) or (p.out_features,)) for p in columns}
+
+
+def _classify(graph_nodes: dict[str, fx.Node], prop: Propagation) -> str:
+    sharded = [graph_nodes[n] for n, lay in prop.layouts.items() if isinstance(lay, Shard) and n in graph_nodes]
+    if any(n.target in _ATTENTION_OPS for n in sharded):
+        return "attention"
+    def two_branches(n: fx.Node) -> bool:
+        # A product of two split values that come from different projections: a gate.
+        branches = {prop.origins.get(a.name) for a in n.all_input_nodes if isinstance(prop.layouts.get(a.name), Shard)}
+        return len(branches) == 2
+
+    gated = any(n.target is aten.mul.Tensor and two_branches(n) for n in sharded)
+    return "gated_mlp" if gated else "mlp"
+
+
+class _RegionFinder:
+    def __init__(self, graph, projections, embeddings, trainable, tp):
+        self.graph, self.projections, self.embeddings = graph, projections, embeddings
+        self.trainable, self.tp = trainable, tp
+        self.nodes = {n.name: n for n in graph.nodes}
+
+    def attempt(self, columns: list[Projection], tp: int) -> tuple[Propagation, dict]:
+        """Propagate with ``columns`` column-split, re-trying once with fused segments if a split asks."""
+        segments: dict[str, tuple[int, ...]] = {}
+        prop = propagate(self.graph, self.projections, self.embeddings, _layouts(columns, segments), tp,
+                         self.trainable, auto_rows=True)
+        for origins, parts in prop.hints.items():
+            if len(origins) == 1:
+                segments[next(iter(origins))] = parts
+        if segments:
+            prop = propagate(self.graph, self.projections, self.embeddings, _layouts(columns, segments), tp,
+                             self.trainable, auto_rows=True)
+        return prop, segments
+
+    @staticmethod
+    def closed(prop: Propagation, allow_slices: bool) -> bool:
+        """A region: at least one row closes it, nothing had to be gathered (or sliced, unless allowed)."""
+        return bool(prop.rows) and not prop.steps_of("gather") and (allow_slices or not prop.steps_of("scatter"))
+
+    def match(self, columns: list[Projection], prop: Propagation, segments: dict, replicated=()) -> RegionMatch:
+        sizes = tuple(s for p in columns for s in (segments.get(p.node) or (p.out_features,)))
+        return RegionMatch(kind=_classify(self.nodes, prop), columns=tuple(p.node for p in columns),
+                           rows=tuple(prop.rows), segments=tuple(segments.get(p.node, ()) for p in columns),
+                           replicated=tuple(replicated), violations=tuple(prop.violations),
+                           sizes=sizes + tuple(prop.checked))
+
+    def find(self, group: list[Projection]) -> RegionMatch | None:
+        """The region ``group`` starts, with a fallback that keeps failing projections whole."""
+        prop, segments = self.attempt(group, self.tp)
+        if not self.closed(prop, allow_slices=False):
+            return None
+        full = self.match(group, prop, segments)
+        if not prop.violations:
+            return full
+        failing = set().union(*(v.origins for v in prop.violations))
+        kept = [p for p in group if p.node not in failing]
+        if kept and len(kept) < len(group):
+            sub, sub_segments = self.attempt(kept, self.tp)
+            if self.closed(sub, allow_slices=True) and not sub.violations and set(sub.rows) == set(prop.rows):
+                return self.match(kept, sub, sub_segments, replicated=[p.node for p in group if p not in kept])
+        return full
+
+
+def find_regions(graph: fx.Graph, projections: dict[str, Projection], embeddings: dict, trainable: set[str],
+                 tp: int, skip: set[str] = frozenset()) -> list[RegionMatch]:
+    """Every column→row region of ``graph`` for ``tp`` ranks, in graph order.
+
+    A region whose sizes do not divide by tp is still returned, with ``violations`` set, so the
+    planner can say which layer and size are at fault.
+    """
+    finder = _RegionFinder(graph, projections, embeddings, trainable, tp)
+    claimed = set(skip)
+    regions = []
+    for group in _sibling_groups(projections, claimed):
+        group = [p for p in group if p.node not in claimed]
+        if not group:
+            continue
+        region = finder.find(group)
+        if region is not None:
+            regions.append(region)
+            claimed.update(region.rows)
+    return regions

@@ -1,0 +1,317 @@
+"""Per-op sharding rules: given the layouts of an op's inputs, the layout of its output.
+
+A rule returns a ``Decision``: the output layout, the layout it needs each input in (the
+propagation engine inserts the conversion when an input arrives otherwise), the shape constants
+that must change on the shard, and the sizes that must divide by tp. Unknown ops get the safe rule:
+every input replicated. Nothing here looks at module or parameter names.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+
+import torch
+from torch import fx
+
+from autotp.passes.graph import ArgPath, arg_or_default, is_tensor, meta_val, rank, sizes
+from autotp.passes.layout import Layout, Shard, broadcast_dim, map_reshape
+
+aten = torch.ops.aten
+
+COPY = "copy"
+"""A wanted input layout: replicated, passed through Megatron's ``f`` (all-reduce in backward) because
+the consumer sees only this rank's share of the gradient."""
+
+
+@dataclass
+class Decision:
+    """What one op does with sharded inputs."""
+
+    out: Layout
+    wants: dict[ArgPath, Layout | str] = field(default_factory=dict)
+    fixes: dict[ArgPath, object] = field(default_factory=dict)
+    checks: list[tuple[int, str]] = field(default_factory=list)
+    """(size, what it counts): sizes that must divide by tp."""
+    hint: tuple[int, ...] | None = None
+    """Segment sizes the input would need to be split like (a fused projection seen by a split)."""
+
+
+Inputs = dict  # ArgPath -> (input node, its layout)
+
+
+@dataclass
+class Context:
+    """What rules may consult besides the op: tp and which values carry gradients."""
+
+    tp: int
+    grad: set[str]
+
+
+def _norm(dim: int, ndim: int) -> int:
+    return dim + ndim if dim < 0 else dim
+
+
+def _sharded(ins: Inputs) -> list[tuple[ArgPath, fx.Node, Shard]]:
+    return [(p, n, lay) for p, (n, lay) in ins.items() if isinstance(lay, Shard)]
+
+
+def _multi(node: fx.Node) -> bool:
+    return isinstance(meta_val(node), (tuple, list))
+
+
+def replicate_all(node: fx.Node, ins: Inputs, ctx: Context) -> Decision:
+    """The safe rule: the op sees full tensors and produces full tensors."""
+    out = tuple(None for _ in meta_val(node)) if _multi(node) else None
+    return Decision(out, wants={p: None for p in ins})
+
+
+def _join(node: fx.Node, ins: Inputs, ctx: Context, out_dim: int, segments: tuple[int, ...],
+          skip: set = frozenset()) -> dict:
+    """Wanted layouts for replicated inputs meeting a value sharded at output dim ``out_dim``.
+
+    A broadcast input (size 1 or absent there) stays whole, through ``f`` if gradients flow to it
+    (each rank sees only its share of that gradient); a full-size one is sliced to this rank's part.
+    """
+    wants = {}
+    out_rank = rank(node)
+    for p, (n, lay) in ins.items():
+        if p in skip or isinstance(lay, Shard) or not is_tensor(n):
+            continue
+        d = broadcast_dim(out_rank, rank(n), out_dim)
+        if d < 0 or sizes(n)[d] == 1:
+            wants[p] = COPY if n.name in ctx.grad else None
+        else:
+            wants[p] = Shard(d, segments)
+    return wants
+
+
+def pointwise(node: fx.Node, ins: Inputs, ctx: Context) -> Decision:
+    """Elementwise ops with broadcasting: all sharded inputs must agree on the output dim."""
+    sharded = _sharded(ins)
+    if not sharded:
+        return Decision(None)
+    out_rank = rank(node)
+    targets = {(lay.dim + out_rank - rank(n), lay.segments) for _, n, lay in sharded}
+    if len(targets) != 1:
+        return replicate_all(node, ins, ctx)
+    out_dim, segments = targets.pop()
+    return Decision(Shard(out_dim, segments), wants=_join(node, ins, ctx, out_dim, segments))
+
+
+def like_first(node: fx.Node, ins: Inputs, ctx: Context) -> Decision:
+    """Ops whose output is laid out like their first input (casts, copies, dropout)."""
+    first = ins.get((0,))
+    return Decision(first[1] if first else None)
+
+
+def no_output(node: fx.Node, ins: Inputs, ctx: Context) -> Decision:
+    """Checks with no output (``_assert_tensor_metadata``): any layout will do."""
+    return Decision(None)
+
+
+def along_dim(node: fx.Node, ins: Inputs, ctx: Context) -> Decision:
+    """Ops that work along one dim and keep the shape (softmax, cumsum): fine unless it is the shard dim."""
+    x, lay = ins[(0,)]
+    if not isinstance(lay, Shard):
+        return Decision(None)
+    if _norm(arg_or_default(node, 1, "dim", 0), rank(x)) == lay.dim:
+        return replicate_all(node, ins, ctx)
+    return Decision(lay)
+
+
+def _checks(shard: Shard, what: str) -> list[tuple[int, str]]:
+    return [(s, what) for s in shard.segments]
+
+
+def reshape(node: fx.Node, ins: Inputs, ctx: Context) -> Decision:
+    """view/reshape/(un)squeeze/flatten: move the shard by shape algebra and fix the size constant."""
+    x, lay = ins[(0,)]
+    if not isinstance(lay, Shard):
+        return Decision(None)
+    new = map_reshape(sizes(x), sizes(node), lay, ctx.tp)
+    if new is None:
+        return replicate_all(node, ins, ctx)
+    fixes = {}
+    shape = node.args[1] if node.target in _SHAPE_ARG_OPS else None
+    if shape is not None and isinstance(shape[new.dim], int) and shape[new.dim] != -1:
+        fixes[(1, new.dim)] = shape[new.dim] // ctx.tp
+    return Decision(new, fixes=fixes, checks=_checks(new, f"size of dim {new.dim} after {node.target.__name__}"))
+
+
+def expand(node: fx.Node, ins: Inputs, ctx: Context) -> Decision:
+    """expand: the sharded dim keeps its size; its entry in the size list becomes the local size."""
+    x, lay = ins[(0,)]
+    if not isinstance(lay, Shard):
+        return Decision(None)
+    out_dim = lay.dim + rank(node) - rank(x)
+    size = node.args[1][out_dim]
+    fixes = {(1, out_dim): size // ctx.tp} if isinstance(size, int) and size != -1 else {}
+    return Decision(lay.moved(out_dim), fixes=fixes)
+
+
+def permute(node: fx.Node, ins: Inputs, ctx: Context) -> Decision:
+    """permute/transpose/t: follow the dim."""
+    x, lay = ins[(0,)]
+    if not isinstance(lay, Shard):
+        return Decision(None)
+    n = rank(x)
+    if node.target is aten.permute.default:
+        order = [_norm(d, n) for d in node.args[1]]
+    else:
+        d0, d1 = (0, 1) if node.target is aten.t.default else (_norm(node.args[1], n), _norm(node.args[2], n))
+        order = list(range(n))
+        order[d0], order[d1] = order[d1], order[d0]
+    return Decision(lay.moved(order.index(lay.dim)))
+
+
+def split(node: fx.Node, ins: Inputs, ctx: Context) -> Decision:
+    """split/chunk/unbind: a split along the shard dim must cut exactly at segment boundaries."""
+    x, lay = ins[(0,)]
+    count = len(meta_val(node))
+    if not isinstance(lay, Shard):
+        return Decision(tuple(None for _ in range(count)))
+    dim = _norm(arg_or_default(node, 2 if node.target is not aten.unbind.int else 1, "dim", 0), rank(x))
+    if dim != lay.dim:
+        moved = lay.moved(lay.dim - 1) if node.target is aten.unbind.int and dim < lay.dim else lay
+        return Decision(tuple(moved for _ in range(count)))
+    if node.target is aten.unbind.int:
+        return replicate_all(node, ins, ctx)
+    parts = tuple(int(v.shape[dim]) for v in meta_val(node))
+    if parts != lay.segments:
+        decision = replicate_all(node, ins, ctx)
+        decision.hint = parts if sum(parts) == lay.size else None
+        return decision
+    fixes = {}
+    if node.target is aten.split.Tensor:
+        fixes[(1,)] = node.args[1] // ctx.tp
+    elif node.target is aten.split_with_sizes.default:
+        fixes[(1,)] = [s // ctx.tp for s in node.args[1]]
+    return Decision(tuple(Shard(dim, (s,)) for s in parts))
+
+
+def getitem(node: fx.Node, ins: Inputs, ctx: Context) -> Decision:
+    """``out[i]`` of a multi-output op."""
+    source, lay = ins[(0,)]
+    return Decision(lay[node.args[1]] if isinstance(lay, tuple) else lay)
+
+
+def slice_(node: fx.Node, ins: Inputs, ctx: Context) -> Decision:
+    """slice: fine off the shard dim, or when it keeps the whole shard dim."""
+    x, lay = ins[(0,)]
+    if not isinstance(lay, Shard):
+        return Decision(None)
+    dim = _norm(arg_or_default(node, 1, "dim", 0), rank(x))
+    start, end = arg_or_default(node, 2, "start", None), arg_or_default(node, 3, "end", None)
+    step = arg_or_default(node, 4, "step", 1)
+    whole = start in (None, 0) and (end is None or (isinstance(end, int) and end >= lay.size)) and step == 1
+    return Decision(lay) if dim != lay.dim or whole else replicate_all(node, ins, ctx)
+
+
+def select(node: fx.Node, ins: Inputs, ctx: Context) -> Decision:
+    """select: drops a dim, which must not be the shard dim."""
+    x, lay = ins[(0,)]
+    if not isinstance(lay, Shard):
+        return Decision(None)
+    dim = _norm(node.args[1], rank(x))
+    if dim == lay.dim:
+        return replicate_all(node, ins, ctx)
+    return Decision(lay.moved(lay.dim - (dim < lay.dim)))
+
+
+def cat(node: fx.Node, ins: Inputs, ctx: Context) -> Decision:
+    """cat along a dim other than the shard dim (RoPE's rotate_half)."""
+    sharded = _sharded(ins)
+    if not sharded:
+        return Decision(None)
+    lays = {lay for _, _, lay in sharded}
+    dim = _norm(arg_or_default(node, 1, "dim", 0), rank(node))
+    if len(lays) != 1 or dim == next(iter(lays)).dim:
+        return replicate_all(node, ins, ctx)
+    lay = lays.pop()
+    return Decision(lay, wants=_join(node, ins, ctx, lay.dim, lay.segments))
+
+
+def reduction(node: fx.Node, ins: Inputs, ctx: Context) -> Decision:
+    """sum/mean/amax/var over dims other than the shard dim."""
+    x, lay = ins[(0,)]
+    if not isinstance(lay, Shard):
+        return Decision(None)
+    dims = arg_or_default(node, 1, "dim", None)
+    if dims is None or dims == []:
+        return replicate_all(node, ins, ctx)
+    dims = [_norm(d, rank(x)) for d in ([dims] if isinstance(dims, int) else dims)]
+    if lay.dim in dims:
+        return replicate_all(node, ins, ctx)
+    keepdim = node.kwargs.get("keepdim", node.args[2] if len(node.args) > 2 and isinstance(node.args[2], bool) else False)
+    return Decision(lay if keepdim else lay.moved(lay.dim - sum(d < lay.dim for d in dims)))
+
+
+def batched_matmul(node: fx.Node, ins: Inputs, ctx: Context) -> Decision:
+    """matmul/bmm of activations (QKᵀ, attention·V): sharded along a batch dim (the heads)."""
+    sharded = _sharded(ins)
+    if not sharded:
+        return Decision(None)
+    out_rank = rank(node)
+    targets = set()
+    for _, n, lay in sharded:
+        if lay.dim >= rank(n) - 2:
+            return replicate_all(node, ins, ctx)  # a contraction or row dim: not a per-head split
+        targets.add((lay.dim + out_rank - rank(n), lay.segments))
+    if len(targets) != 1:
+        return replicate_all(node, ins, ctx)
+    out_dim, segments = targets.pop()
+    return Decision(Shard(out_dim, segments), wants=_join(node, ins, ctx, out_dim, segments))
+
+
+def attention(node: fx.Node, ins: Inputs, ctx: Context) -> Decision:
+    """scaled_dot_product_attention split by heads; K/V/mask follow Q (sliced when replicated)."""
+    q, lay = ins[(0,)]
+    heads = rank(q) - 3
+    if not isinstance(lay, Shard) or lay.dim != heads or arg_or_default(node, 7, "enable_gqa", False):
+        return replicate_all(node, ins, ctx) if _sharded(ins) else Decision(None)
+    wants = {}
+    for p in ((1,), (2,)):
+        n, have = ins[p]
+        if have is None:
+            wants[p] = Shard(heads, lay.segments)
+    mask = {p: v for p, v in ins.items() if p not in ((0,), (1,), (2,))}
+    if any(isinstance(v[1], Shard) and v[1] != lay for v in mask.values()):
+        return replicate_all(node, ins, ctx)
+    wants |= _join(node, mask, ctx, heads, lay.segments)
+    return Decision(lay, wants=wants)
+
+
+_SHAPE_ARG_OPS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
+
+RULES = {
+    aten.view.default: reshape, aten.reshape.default: reshape, aten._unsafe_view.default: reshape,
+    aten.unsqueeze.default: reshape, aten.squeeze.dim: reshape, aten.squeeze.dims: reshape,
+    aten.squeeze.default: reshape, aten.flatten.using_ints: reshape, aten.unflatten.int: reshape,
+    aten.expand.default: expand,
+    aten.permute.default: permute, aten.transpose.int: permute, aten.t.default: permute,
+    aten.split.Tensor: split, aten.split_with_sizes.default: split, aten.chunk.default: split,
+    aten.unbind.int: split,
+    operator.getitem: getitem,
+    aten.slice.Tensor: slice_, aten.select.int: select, aten.cat.default: cat,
+    aten.softmax.int: along_dim, aten._softmax.default: along_dim, aten.log_softmax.int: along_dim,
+    aten._log_softmax.default: along_dim, aten.cumsum.default: along_dim,
+    aten.sum.dim_IntList: reduction, aten.mean.dim: reduction, aten.amax.default: reduction,
+    aten.amin.default: reduction, aten.var.correction: reduction, aten.std.correction: reduction,
+    aten.matmul.default: batched_matmul, aten.bmm.default: batched_matmul,
+    aten.scaled_dot_product_attention.default: attention,
+    aten._assert_tensor_metadata.default: no_output,
+}
+for _op in (aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten._to_copy.default, aten.contiguous.default,
+            aten.detach.default, aten.alias.default, aten.dropout.default, aten.type_as.default,
+            aten.lift_fresh_copy.default):
+    RULES[_op] = like_first
+
+
+def rule_for(target) -> callable:
+    """The sharding rule of an op: its own, the pointwise rule for ops tagged pointwise, else replicate."""
+    if target in RULES:
+        return RULES[target]
+    if isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags:
+        return pointwise
+    return replicate_all

@@ -1,0 +1,63 @@
+"""Find the token embedding and the LM head: the layers split along the vocabulary.
+
+The token embedding is the largest embedding table indexed by a model input; an LM head is a
+projection onto that many outputs whose result reaches the model's output with no other projection
+in between (tied to the embedding or not).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import fx
+
+from autotp.passes.projections import Embedding, Projection
+
+
+@dataclass(frozen=True)
+class VocabMatch:
+    """The vocabulary-indexed layers."""
+
+    vocab_size: int
+    embeddings: tuple[str, ...]
+    """Token-embedding lookup nodes."""
+    heads: tuple[str, ...]
+    """LM-head projection nodes."""
+
+
+def _from_inputs(graph: fx.Graph) -> set[str]:
+    """Nodes computed from the model's inputs (not only from parameters and constants)."""
+    out: set[str] = set()
+    for node in graph.nodes:
+        if node.op == "placeholder" or any(a.name in out for a in node.all_input_nodes):
+            out.add(node.name)
+    return out
+
+
+def _reaches_output(node: fx.Node, projections: dict[str, Projection]) -> bool:
+    """Whether ``node``'s value flows to the graph output without entering another projection."""
+    seen, todo = set(), list(node.users)
+    while todo:
+        user = todo.pop()
+        if user.op == "output":
+            return True
+        if user.name in seen or user.name in projections:
+            continue
+        seen.add(user.name)
+        todo.extend(user.users)
+    return False
+
+
+def find_vocab(graph: fx.Graph, projections: dict[str, Projection],
+               embeddings: dict[str, Embedding]) -> VocabMatch | None:
+    """The token embedding(s) and LM head(s), or None if the model has no token embedding."""
+    from_inputs = _from_inputs(graph)
+    token = [e for e in embeddings.values() if e.ids in from_inputs]
+    if not token:
+        return None
+    vocab = max(e.num_embeddings for e in token)
+    nodes = {n.name: n for n in graph.nodes}
+    heads = tuple(p.node for p in projections.values()
+                  if p.out_features == vocab and _reaches_output(nodes[p.node], projections))
+    return VocabMatch(vocab_size=vocab, embeddings=tuple(e.node for e in token if e.num_embeddings == vocab),
+                      heads=heads)
