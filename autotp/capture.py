@@ -43,7 +43,9 @@ class Captured:
     state_keys: tuple[str, ...]
     """Keys of the original ``model.state_dict()``, in order."""
     aliases: dict[str, str] = field(default_factory=dict)
-    """Every state-dict key -> the canonical name of the tensor it shares (tied weights)."""
+    """Every parameter/buffer name of the model -> its first name, which the graph reads it by."""
+    param_names: tuple[str, ...] = ()
+    """Every parameter name of the model, tied ones under each of their names."""
     dim_names: dict[str, str] = field(default_factory=dict)
     """Symbol of each dynamic input size (``s72``) -> a readable name (``B``, ``T``)."""
 
@@ -54,7 +56,11 @@ class Captured:
 
     def param_name(self, target: str) -> str:
         """The original parameter name of a ``get_attr`` target."""
-        return target[len(_WRAPPER_PREFIX):] if target.startswith(_WRAPPER_PREFIX) else target
+        return _strip(target)
+
+    def attr_target(self, param_name: str) -> str:
+        """The ``get_attr`` target of an original parameter name (inverse of ``param_name``)."""
+        return _WRAPPER_PREFIX + param_name
 
     def module_name(self, node: fx.Node) -> str:
         """The original module a node was traced in ('' for the top level)."""
@@ -103,7 +109,8 @@ def _user_frame(exc: BaseException) -> str:
 
 def _export(wrapper: nn.Module, inputs: tuple, dynamic: bool) -> fx.GraphModule:
     """One torch.export attempt; with ``dynamic`` every input dimension is Dim.AUTO."""
-    shapes = tuple({d: torch.export.Dim.AUTO for d in range(x.dim())} for x in inputs) if dynamic else None
+    # The wrapper takes *args, so the per-input specs are nested in one tuple for ``args``.
+    shapes = (tuple({d: torch.export.Dim.AUTO for d in range(x.dim())} for x in inputs),) if dynamic else None
     program = torch.export.export(wrapper, inputs, strict=False, dynamic_shapes=shapes)
     return program.module()
 
@@ -120,14 +127,42 @@ def _dim_names(gm: fx.GraphModule) -> dict[str, str]:
     return names
 
 
+def _attr_value(gm: fx.GraphModule, target: str):
+    owner, _, name = target.rpartition(".")
+    return getattr(gm.get_submodule(owner) if owner else gm, name, None)
+
+
 def _aliases(model: nn.Module) -> dict[str, str]:
-    """Map every state-dict name to the first name of the same tensor (tied weights share one)."""
+    """Map every parameter and buffer name of ``model`` to its first name (tied weights share one)."""
     first: dict[int, str] = {}
-    aliases: dict[str, str] = {}
-    named = list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False))
-    for name, tensor in named:
-        aliases[name] = first.setdefault(id(tensor), name)
-    return aliases
+    named = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
+    return {name: first.setdefault(id(t), name) for name, t in named}
+
+
+def _merge_tied_reads(gm: fx.GraphModule, aliases: dict[str, str]) -> None:
+    """Make the graph read each tied tensor through one ``get_attr``, named by its first name.
+
+    torch.export may read a tied weight under both names (the embedding through ``lm_head.weight``);
+    one read per tensor keeps placements, which are keyed by name, consistent.
+    """
+    kept: dict[int, fx.Node] = {}
+    for node in list(gm.graph.find_nodes(op="get_attr")):
+        value = _attr_value(gm, node.target)
+        if not isinstance(value, torch.Tensor):
+            continue
+        canonical = _WRAPPER_PREFIX + aliases.get(_strip(node.target), _strip(node.target))
+        if _attr_value(gm, canonical) is value:
+            node.target = canonical
+        if id(value) in kept:
+            node.replace_all_uses_with(kept[id(value)])
+            gm.graph.erase_node(node)
+        else:
+            kept[id(value)] = node
+    gm.recompile()
+
+
+def _strip(target: str) -> str:
+    return target[len(_WRAPPER_PREFIX):] if target.startswith(_WRAPPER_PREFIX) else target
 
 
 def capture(model: nn.Module, example_inputs) -> Captured:
@@ -154,5 +189,8 @@ def capture(model: nn.Module, example_inputs) -> Captured:
             f"with static shapes. First error: {type(err).__name__}: {first_line} (at {_user_frame(err)}). "
             "Make the forward traceable (no data-dependent Python control flow on tensor values, no .item()), "
             "or pass example_inputs the forward accepts positionally.") from err
+    aliases = _aliases(model)
+    _merge_tied_reads(gm, aliases)
     return Captured(module=gm, model_name=type(model).__name__, state_keys=tuple(model.state_dict().keys()),
-                    aliases=_aliases(model), dim_names=_dim_names(gm))
+                    aliases=aliases, dim_names=_dim_names(gm),
+                    param_names=tuple(n for n, _ in model.named_parameters(remove_duplicate=False)))

@@ -187,7 +187,7 @@ def split(node: fx.Node, ins: Inputs, ctx: Context) -> Decision:
         fixes[(1,)] = node.args[1] // ctx.tp
     elif node.target is aten.split_with_sizes.default:
         fixes[(1,)] = [s // ctx.tp for s in node.args[1]]
-    return Decision(tuple(Shard(dim, (s,)) for s in parts))
+    return Decision(tuple(Shard(dim, (s,)) for s in parts), fixes=fixes)
 
 
 def getitem(node: fx.Node, ins: Inputs, ctx: Context) -> Decision:

@@ -1,0 +1,151 @@
+"""The planner: from a captured graph to a ``Plan`` (Megatron's column/row scheme, found automatically).
+
+It runs the read-only passes, turns the regions they find into per-parameter placements, refuses
+sizes that tp does not divide (naming the layer, the size and the tp values that work), keeps
+anything unmatched replicated, and lists the collectives the rewrite will insert.
+"""
+
+from __future__ import annotations
+
+import math
+
+from autotp.capture import Captured
+from autotp.errors import PlanError
+from autotp.passes import find_embeddings, find_projections, propagate
+from autotp.passes.graph import sizes, trainable_attrs
+from autotp.passes.layout import Shard
+from autotp.passes.regions import RegionMatch, find_regions
+from autotp.passes.vocab import VocabMatch, find_vocab
+from autotp.plan import REPLICATED, Collective, Placement, PlacementKind, Plan, Region
+
+
+class Analysis:
+    """The passes' results for one captured model (read-only)."""
+
+    def __init__(self, captured: Captured):
+        self.captured = captured
+        self.graph = captured.graph
+        self.nodes = {n.name: n for n in self.graph.nodes}
+        self.projections = find_projections(self.graph)
+        self.embeddings = find_embeddings(self.graph)
+        self.trainable = trainable_attrs(captured.module)
+        self.vocab: VocabMatch | None = find_vocab(self.graph, self.projections, self.embeddings)
+
+    def module(self, node_name: str) -> str:
+        """The original module name of a node."""
+        return self.captured.module_name(self.nodes[node_name])
+
+    def regions(self, tp: int) -> list[RegionMatch]:
+        """Column→row regions for ``tp`` (LM heads are planned separately)."""
+        skip = set(self.vocab.heads) if self.vocab else set()
+        return find_regions(self.graph, self.projections, self.embeddings, self.trainable, tp, skip=skip)
+
+    def propagate(self, placements: dict[str, Placement], tp: int):
+        """Propagate placements (keyed by get_attr target) through the graph."""
+        layouts = {t: Shard(p.dim, p.segments or (self._size(t, p.dim),)) for t, p in placements.items() if p.is_split}
+        return propagate(self.graph, self.projections, self.embeddings, layouts, tp, self.trainable)
+
+    def _size(self, target: str, dim: int) -> int:
+        node = next(n for n in self.graph.find_nodes(op="get_attr") if n.target == target)
+        return int(sizes(node)[dim])
+
+
+def _divisibility_error(analysis: Analysis, region: RegionMatch, tp: int, valid: list[int]) -> PlanError:
+    v = region.violations[0]
+    layers = ", ".join(sorted({analysis.module(c) for c in (v.origins or region.columns)}))
+    where = analysis.module(v.node) or v.node
+    return PlanError(
+        f"cannot split the {region.kind} at '{layers}' across tp={tp}: its {v.what} ({v.size}, at {where}) "
+        f"is not divisible by {tp}, and Megatron's split gives every rank an equal whole share. "
+        f"Valid tp values for this model: {', '.join(map(str, valid))}. Set tp to one of them.")
+
+
+def _valid_tp(regions: list[RegionMatch]) -> list[int]:
+    g = math.gcd(*(s for r in regions for s in r.sizes)) if regions else 1
+    return [t for t in range(1, g + 1) if g % t == 0]
+
+
+def _region_placements(analysis: Analysis, region: RegionMatch) -> dict[str, Placement]:
+    out: dict[str, Placement] = {}
+    for col, segments in zip(region.columns, region.segments):
+        p = analysis.projections[col]
+        out[p.weight] = Placement(PlacementKind.COLWISE, p.out_dim, segments)
+        if p.bias:
+            out[p.bias] = Placement(PlacementKind.COLWISE, 0, segments)
+    for row in region.rows:
+        out[analysis.projections[row].weight] = Placement(PlacementKind.ROWWISE, analysis.projections[row].in_dim)
+    return out
+
+
+def _vocab_placements(analysis: Analysis, tp: int, notes: list[str]) -> tuple[dict[str, Placement], list[Region]]:
+    vocab = analysis.vocab
+    if vocab is None or tp == 1:
+        return {}, []
+    if vocab.vocab_size % tp:
+        notes.append(f"vocabulary of {vocab.vocab_size} is not divisible by tp={tp}: embedding and LM head replicated")
+        return {}, []
+    out = {analysis.embeddings[e].weight: Placement(PlacementKind.VOCAB, 0) for e in vocab.embeddings}
+    for head in vocab.heads:
+        p = analysis.projections[head]
+        out[p.weight] = Placement(PlacementKind.VOCAB, p.out_dim)
+        if p.bias:
+            out[p.bias] = Placement(PlacementKind.VOCAB, 0)
+    regions = [Region("embedding", tuple(analysis.module(e) for e in vocab.embeddings), ())]
+    regions += [Region("lm_head", (analysis.module(h),), ()) for h in vocab.heads]
+    return out, regions
+
+
+def _shape(analysis: Analysis, node_name: str) -> tuple[str, ...]:
+    names = analysis.captured.dim_names
+    return tuple(names.get(str(d), str(d)) for d in sizes(analysis.nodes[node_name]))
+
+
+def _collectives(analysis: Analysis, prop) -> list[Collective]:
+    """The collectives the rewrite will insert, in graph order, for people and cost models."""
+    order = {name: i for i, name in enumerate(analysis.nodes)}
+    found = []
+    for conv in prop.conversions.values():
+        consumer = conv.consumers[0][0]
+        for step in conv.steps:
+            if step[0] == "copy":
+                found.append((order[conv.source], Collective("all_reduce", "backward", "f", analysis.module(consumer),
+                                                             _shape(analysis, conv.source))))
+            elif step[0] == "gather":
+                found.append((order[conv.source], Collective("all_gather", "forward", "gather",
+                                                             analysis.module(conv.source), _shape(analysis, conv.source))))
+            else:
+                found.append((order[conv.source], Collective("all_gather", "backward", "scatter",
+                                                             analysis.module(consumer), _shape(analysis, conv.source))))
+    for node in prop.reduced:
+        operator = "vocab_embedding" if node in analysis.embeddings else "g"
+        found.append((order[node], Collective("all_reduce", "forward", operator, analysis.module(node),
+                                              _shape(analysis, node))))
+    return [c for _, c in sorted(found, key=lambda item: item[0])]
+
+
+def make_plan(captured: Captured, tp: int) -> Plan:
+    """Plan Megatron-style tensor parallelism over ``tp`` ranks for a captured model."""
+    analysis = Analysis(captured)
+    regions = analysis.regions(tp)
+    valid = _valid_tp(regions)
+    notes: list[str] = []
+    by_target: dict[str, Placement] = {}
+    plan_regions: list[Region] = []
+    for region in regions:
+        if region.violations:
+            raise _divisibility_error(analysis, region, tp, valid)
+        by_target |= _region_placements(analysis, region)
+        kept = tuple(analysis.module(n) for n in region.replicated)
+        if kept:
+            notes.append(f"{', '.join(kept)} kept replicated: tp={tp} does not divide their heads; "
+                         "each rank selects the heads it needs")
+        plan_regions.append(Region(region.kind, tuple(analysis.module(c) for c in region.columns),
+                                   tuple(analysis.module(r) for r in region.rows), kept))
+    vocab_placements, vocab_regions = _vocab_placements(analysis, tp, notes)
+    by_target |= vocab_placements
+    plan_regions = vocab_regions[:1] + plan_regions + vocab_regions[1:]
+    prop = analysis.propagate(by_target, tp)
+    placements = {name: by_target.get(captured.attr_target(captured.aliases[name]), REPLICATED)
+                  for name in captured.param_names}
+    return Plan(tp=tp, placements=placements, collectives=tuple(_collectives(analysis, prop)),
+                regions=tuple(plan_regions), notes=tuple(notes), model=captured.model_name)
