@@ -1,0 +1,1 @@
+"""autotp's tests. Multi-process checks spawn real gloo process groups (see distributed.py)."""

@@ -1,0 +1,77 @@
+"""The small models the tests shard: the hand-written examples and Hugging Face models from configs."""
+
+from __future__ import annotations
+
+import torch
+
+from examples.gpt import build_gpt
+from examples.llama import build_llama
+
+VOCAB = 128
+
+
+def _hf(config_name: str, model_name: str, **config):
+    import transformers
+
+    cfg = getattr(transformers, config_name)(**config)
+    return getattr(transformers, model_name)(cfg)
+
+
+def _decoder(config_name: str, model_name: str, **extra):
+    return lambda layers=2: _hf(config_name, model_name, vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                                num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, **extra)
+
+
+BUILDERS = {
+    "gpt": lambda layers=2: build_gpt(n_layer=layers),
+    "llama": lambda layers=2: build_llama(n_layers=layers),
+    "hf_llama": _decoder("LlamaConfig", "LlamaForCausalLM"),
+    "hf_mistral": _decoder("MistralConfig", "MistralForCausalLM"),
+    "hf_qwen2": _decoder("Qwen2Config", "Qwen2ForCausalLM"),
+    "hf_gpt2": lambda layers=2: _hf("GPT2Config", "GPT2LMHeadModel", vocab_size=VOCAB, n_embd=64, n_layer=layers,
+                                    n_head=4, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
+    "hf_bert": lambda layers=2: _hf("BertConfig", "BertModel", vocab_size=VOCAB, hidden_size=64,
+                                    num_hidden_layers=layers, num_attention_heads=4, intermediate_size=128,
+                                    hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0),
+}
+"""Every model, built from a fixed seed by the caller; all have 4 heads, so tp in {1, 2, 4} fits."""
+
+HAS_LM_HEAD = {name: name != "hf_bert" for name in BUILDERS}
+
+
+def build(name: str, layers: int = 2, seed: int = 0) -> torch.nn.Module:
+    """Model ``name`` with ``layers`` blocks and weights drawn from ``seed``."""
+    torch.manual_seed(seed)
+    return BUILDERS[name](layers)
+
+
+def tokens(batch: int, seq: int, seed: int) -> torch.Tensor:
+    """Random token ids."""
+    return torch.randint(0, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(seed))
+
+
+def first_tensor(output) -> torch.Tensor:
+    """The main tensor of a model output: logits, last hidden state, or the tensor itself."""
+    if isinstance(output, torch.Tensor):
+        return output
+    for key in ("logits", "last_hidden_state"):
+        if getattr(output, key, None) is not None:
+            return getattr(output, key)
+    raise TypeError(type(output))
+
+
+def loss_fn(output, target: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy on logits for LMs; for encoders, a regression of the hidden states and pooled output."""
+    main = first_tensor(output)
+    if target.dtype == torch.long:
+        return torch.nn.functional.cross_entropy(main.reshape(-1, main.shape[-1]), target.reshape(-1))
+    pooled = getattr(output, "pooler_output", None)
+    extra = pooled.pow(2).mean() if pooled is not None else 0.0
+    return torch.nn.functional.mse_loss(main, target) + extra
+
+
+def target_for(name: str, batch: int, seq: int, seed: int) -> torch.Tensor:
+    """A training target matching model ``name``'s output."""
+    if HAS_LM_HEAD[name]:
+        return tokens(batch, seq, seed)
+    return torch.randn(batch, seq, 64, generator=torch.Generator().manual_seed(seed))

@@ -1,0 +1,97 @@
+"""End-to-end: every model, sharded over real gloo ranks, computes and trains exactly like the original."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests import models, workers
+from tests.distributed import run_on_ranks
+
+ALL = list(models.BUILDERS)
+
+
+@pytest.fixture(scope="module")
+def tp2():
+    return run_on_ranks(workers.check_models, 2, ALL)
+
+
+@pytest.fixture(scope="module")
+def tp4():
+    return run_on_ranks(workers.check_models, 4, ALL)
+
+
+def _expected_counts(result: dict) -> tuple[dict, dict]:
+    """Megatron's minimum: per block one all-reduce after attention and one after the MLP (forward,
+    Megatron's g) and one before each (backward, f); plus the vocabulary-split embedding's all-reduce
+    and the LM head's f and output all-gather."""
+    blocks = result["blocks"]
+    forward = {"allreduce": 2 * blocks + result["vocab_split"]}
+    backward = {"allreduce": 2 * blocks + result["head_split"]}
+    if result["head_split"]:
+        forward["allgather"] = 1
+    return forward, backward
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_tp1_single_process(name):
+    """tp=1 needs no process group and changes nothing."""
+    results = workers.check_model(name, 1)
+    assert results["local_params"] == results["total_params"]
+
+
+def test_tp2_all_models_exact(tp2):
+    for name in ALL:
+        r = tp2[0][name]
+        # Split parameters hold exactly 1/tp each; the rest (norms, positions) is replicated.
+        assert r["local_params"] == r["total_params"] - r["split_params"] // 2, name
+        assert r["split_params"] > 0.8 * r["total_params"], f"{name} came out mostly replicated: {r}"
+        print(f"{name}: tp=2 local params {r['local_params']} of {r['total_params']} "
+              f"({r['local_params'] / (r['total_params'] / 2):.2f} x total/tp)")
+
+
+def test_tp4_all_models_exact(tp4):
+    for name in ALL:
+        r = tp4[0][name]
+        assert r["local_params"] == r["total_params"] - 3 * r["split_params"] // 4 or r["notes"], name
+        assert r["local_params"] < 0.5 * r["total_params"], f"{name} came out mostly replicated: {r}"
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_collectives_per_block_equal_megatron(tp, tp2, tp4):
+    results = {2: tp2, 4: tp4}[tp]
+    for name in ALL:
+        r = results[0][name]
+        forward, backward = _expected_counts(r)
+        assert r["forward"] == forward, f"{name} tp={tp} forward collectives {r['forward']} != {forward}"
+        # With tp not dividing the KV heads, K and V stay whole and each rank slices its heads; their
+        # gradients are all-gathered back (2 extra all-gathers per block, no extra all-reduce).
+        extra = {"allgather": 2 * r["blocks"]} if r["notes"] and "heads" in r["notes"][0] else {}
+        assert r["backward"] == backward | extra, f"{name} tp={tp} backward {r['backward']} != {backward | extra}"
+
+
+def test_plan_lists_what_runs(tp2):
+    """The plan's collectives are the ones counted at run time."""
+    for name in ALL:
+        r = tp2[0][name]
+        for direction in ("forward", "backward"):
+            planned: dict[str, int] = {}
+            for op, d in r["planned"]:
+                if d == direction:
+                    key = op.replace("_", "")
+                    planned[key] = planned.get(key, 0) + 1
+            assert planned == r[direction], f"{name} {direction}: plan {planned} vs run {r[direction]}"
+
+
+def test_gqa_fallback_keeps_kv_whole_at_tp4(tp4):
+    for name in ("llama", "hf_llama", "hf_mistral", "hf_qwen2"):
+        assert any("kept replicated" in n for n in tp4[0][name]["notes"]), name
+
+
+def test_world_size_must_equal_tp():
+    messages = run_on_ranks(workers.wrong_world, 2)
+    assert all("2 ranks but tp=4" in m and "torchrun --nproc-per-node 4" in m for m in messages), messages
+
+
+def test_ranks_with_different_plans_fail():
+    messages = run_on_ranks(workers.mismatched_plans, 2)
+    assert all("ranks computed different plans" in m for m in messages), messages
