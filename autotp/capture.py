@@ -7,7 +7,10 @@ with ``Dim.AUTO`` on every input dimension, keeps batch and sequence length dyna
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import io
+import logging
 import os
 import traceback
 from dataclasses import dataclass, field
@@ -107,6 +110,18 @@ def _user_frame(exc: BaseException) -> str:
     return f"{f.filename}:{f.lineno} in {f.name}"
 
 
+@contextlib.contextmanager
+def _quiet_torch_logs():
+    """Silence torch's logs and stderr dumps while we try captures: a failure is reported by us, once."""
+    previous = logging.root.manager.disable
+    logging.disable(logging.CRITICAL)
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            yield
+    finally:
+        logging.disable(previous)
+
+
 def _export(wrapper: nn.Module, inputs: tuple, dynamic: bool) -> fx.GraphModule:
     """One torch.export attempt; with ``dynamic`` every input dimension is Dim.AUTO."""
     # The wrapper takes *args, so the per-input specs are nested in one tuple for ``args``.
@@ -177,7 +192,8 @@ def capture(model: nn.Module, example_inputs) -> Captured:
     errors = []
     for dynamic in (True, False):
         try:
-            gm = _export(wrapper, inputs, dynamic)
+            with _quiet_torch_logs():
+                gm = _export(wrapper, inputs, dynamic)
             break
         except Exception as e:  # torch.export raises many unrelated types; all mean "could not capture"
             errors.append((dynamic, e))
@@ -186,7 +202,7 @@ def capture(model: nn.Module, example_inputs) -> Captured:
         first_line = (str(err).strip().splitlines() or [type(err).__name__])[0]
         raise CaptureError(
             f"could not capture {type(model).__name__}: torch.export.export(strict=False) failed with dynamic and "
-            f"with static shapes. First error: {type(err).__name__}: {first_line} (at {_user_frame(err)}). "
+            f"with static shapes; the static attempt said: {type(err).__name__}: {first_line} (at {_user_frame(err)}). "
             "Make the forward traceable (no data-dependent Python control flow on tensor values, no .item()), "
             "or pass example_inputs the forward accepts positionally.") from err
     aliases = _aliases(model)

@@ -14,7 +14,7 @@ from autotp.errors import PlanError
 from autotp.passes import find_embeddings, find_projections, propagate
 from autotp.passes.graph import sizes, trainable_attrs
 from autotp.passes.layout import Shard
-from autotp.passes.regions import RegionMatch, find_regions
+from autotp.passes.regions import RegionMatch, RegionSearch, find_regions
 from autotp.passes.vocab import VocabMatch, find_vocab
 from autotp.plan import REPLICATED, Collective, Placement, PlacementKind, Plan, Region
 
@@ -35,7 +35,7 @@ class Analysis:
         """The original module name of a node."""
         return self.captured.module_name(self.nodes[node_name])
 
-    def regions(self, tp: int) -> list[RegionMatch]:
+    def regions(self, tp: int) -> RegionSearch:
         """Column→row regions for ``tp`` (LM heads are planned separately)."""
         skip = set(self.vocab.heads) if self.vocab else set()
         return find_regions(self.graph, self.projections, self.embeddings, self.trainable, tp, skip=skip)
@@ -52,11 +52,16 @@ class Analysis:
 
 def _divisibility_error(analysis: Analysis, region: RegionMatch, tp: int, valid: list[int]) -> PlanError:
     v = region.violations[0]
-    layers = ", ".join(sorted({analysis.module(c) for c in (v.origins or region.columns)}))
+    layers = ", ".join(dict.fromkeys(analysis.module(c) for c in region.columns))
     where = analysis.module(v.node) or v.node
+    if v.what.startswith("dim"):
+        heads = " (the attention heads)" if region.kind == "attention" else ""
+        what = f"{v.what} at {where} has size {v.size}{heads}, which is"
+    else:
+        what = f"{v.what} ({v.size}, at {where}) are"
     return PlanError(
-        f"cannot split the {region.kind} at '{layers}' across tp={tp}: its {v.what} ({v.size}, at {where}) "
-        f"is not divisible by {tp}, and Megatron's split gives every rank an equal whole share. "
+        f"cannot split the {region.kind} at '{layers}' across tp={tp}: its {what} not divisible by {tp}; "
+        f"Megatron's split gives every rank an equal whole share. "
         f"Valid tp values for this model: {', '.join(map(str, valid))}. Set tp to one of them.")
 
 
@@ -126,9 +131,11 @@ def _collectives(analysis: Analysis, prop) -> list[Collective]:
 def make_plan(captured: Captured, tp: int) -> Plan:
     """Plan Megatron-style tensor parallelism over ``tp`` ranks for a captured model."""
     analysis = Analysis(captured)
-    regions = analysis.regions(tp)
+    search = analysis.regions(tp)
+    regions = search.regions
     valid = _valid_tp(regions)
-    notes: list[str] = []
+    notes: list[str] = [f"{', '.join(analysis.module(n) for n in nodes)} kept replicated: {why}"
+                        for nodes, why in search.unmatched]
     by_target: dict[str, Placement] = {}
     plan_regions: list[Region] = []
     for region in regions:

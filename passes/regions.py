@@ -105,11 +105,20 @@ class _RegionFinder:
                            replicated=tuple(replicated), violations=tuple(prop.violations),
                            sizes=sizes + tuple(prop.checked))
 
-    def find(self, group: list[Projection]) -> RegionMatch | None:
-        """The region ``group`` starts, with a fallback that keeps failing projections whole."""
+    def why_open(self, prop: Propagation) -> str:
+        """Why a propagation did not close into a region, for the plan's notes."""
+        blocked = prop.steps_of("gather") or prop.steps_of("scatter")
+        if not blocked:
+            return "no projection downstream takes its split output as input"
+        conv = blocked[0]
+        consumer = self.nodes[conv.consumers[0][0]]
+        return f"its split output would have to be made whole again at {getattr(consumer.target, '__name__', consumer.target)}"
+
+    def find(self, group: list[Projection]) -> RegionMatch | str:
+        """The region ``group`` starts (with a fallback that keeps failing projections whole), or why none."""
         prop, segments = self.attempt(group, self.tp)
         if not self.closed(prop, allow_slices=False):
-            return None
+            return self.why_open(prop)
         full = self.match(group, prop, segments)
         if not prop.violations:
             return full
@@ -122,8 +131,16 @@ class _RegionFinder:
         return full
 
 
+@dataclass
+class RegionSearch:
+    """Regions found, and the projection groups that formed none (with the reason)."""
+
+    regions: list[RegionMatch]
+    unmatched: list[tuple[tuple[str, ...], str]]
+
+
 def find_regions(graph: fx.Graph, projections: dict[str, Projection], embeddings: dict, trainable: set[str],
-                 tp: int, skip: set[str] = frozenset()) -> list[RegionMatch]:
+                 tp: int, skip: set[str] = frozenset()) -> RegionSearch:
     """Every column→row region of ``graph`` for ``tp`` ranks, in graph order.
 
     A region whose sizes do not divide by tp is still returned, with ``violations`` set, so the
@@ -131,13 +148,15 @@ def find_regions(graph: fx.Graph, projections: dict[str, Projection], embeddings
     """
     finder = _RegionFinder(graph, projections, embeddings, trainable, tp)
     claimed = set(skip)
-    regions = []
+    search = RegionSearch([], [])
     for group in _sibling_groups(projections, claimed):
         group = [p for p in group if p.node not in claimed]
         if not group:
             continue
         region = finder.find(group)
-        if region is not None:
-            regions.append(region)
+        if isinstance(region, str):
+            search.unmatched.append((tuple(p.node for p in group), region))
+        else:
+            search.regions.append(region)
             claimed.update(region.rows)
-    return regions
+    return search

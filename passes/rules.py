@@ -136,7 +136,8 @@ def reshape(node: fx.Node, ins: Inputs, ctx: Context) -> Decision:
     shape = node.args[1] if node.target in _SHAPE_ARG_OPS else None
     if shape is not None and isinstance(shape[new.dim], int) and shape[new.dim] != -1:
         fixes[(1, new.dim)] = shape[new.dim] // ctx.tp
-    return Decision(new, fixes=fixes, checks=_checks(new, f"size of dim {new.dim} after {node.target.__name__}"))
+    shape = ", ".join(str(d) if isinstance(d, int) else "?" for d in sizes(node))
+    return Decision(new, fixes=fixes, checks=_checks(new, f"dim {new.dim} of the reshape to ({shape})"))
 
 
 def expand(node: fx.Node, ins: Inputs, ctx: Context) -> Decision:

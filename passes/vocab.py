@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from torch import fx
 
+from autotp.passes.graph import is_tensor
 from autotp.passes.projections import Embedding, Projection
 
 
@@ -26,9 +27,15 @@ class VocabMatch:
 
 
 def _from_inputs(graph: fx.Graph) -> set[str]:
-    """Nodes computed from the model's inputs (not only from parameters and constants)."""
+    """Tensors computed from the values of the model's inputs.
+
+    Only tensor data counts: position ids built from the input's *length* (``arange(T)``) are not
+    token ids.
+    """
     out: set[str] = set()
     for node in graph.nodes:
+        if not is_tensor(node):
+            continue
         if node.op == "placeholder" or any(a.name in out for a in node.all_input_nodes):
             out.add(node.name)
     return out

@@ -1,0 +1,92 @@
+"""Every bad input gets an autotp error that says what is wrong and what to do."""
+
+import pytest
+import torch
+from torch import nn
+
+import autotp
+from examples.gpt import build_gpt
+from examples.llama import build_llama
+from tests import models
+
+EXAMPLE = (models.tokens(2, 16, 0),)
+
+
+def test_tp_not_dividing_heads_names_layer_size_and_valid_tp():
+    model = build_gpt(n_embd=96, n_head=4)  # 96 features split by 3 fine, but 4 heads are not
+    with pytest.raises(autotp.PlanError) as err:
+        autotp.plan(model, tp=3, example_inputs=EXAMPLE)
+    text = str(err.value)
+    assert "'transformer.h.0.attn.c_attn'" in text and "tp=3" in text
+    assert "size 4 (the attention heads)" in text
+    assert "Valid tp values for this model: 1, 2, 4" in text
+
+
+def test_tp_not_dividing_mlp_width():
+    with pytest.raises(autotp.PlanError) as err:
+        autotp.plan(build_llama(hidden_dim=90), tp=4, example_inputs=EXAMPLE)
+    text = str(err.value)
+    assert "gated_mlp at 'layers.0.feed_forward.w1, layers.0.feed_forward.w3'" in text
+    assert "output features (90" in text and "Valid tp values for this model: 1, 2" in text
+
+
+class _DataDependent(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, x):
+        if x.sum() > 0:  # branches on a tensor value: not capturable
+            return self.proj(x)
+        return x
+
+
+def test_uncapturable_model_says_what_was_tried_where_and_what_to_do():
+    with pytest.raises(autotp.CaptureError) as err:
+        autotp.plan(_DataDependent(), tp=2, example_inputs=(torch.randn(2, 4),))
+    text = str(err.value)
+    assert "torch.export.export(strict=False)" in text
+    assert "GuardOnDataDependentSymNode" in text
+    assert "test_errors.py" in text and "in forward" in text
+    assert "Make the forward traceable" in text
+
+
+@pytest.mark.parametrize("inputs, match", [
+    ([1, 2], r"example_inputs\[0\] is a int"),
+    ("ids", "must be a tensor or a non-empty tuple"),
+    ((), "must be a tensor or a non-empty tuple"),
+])
+def test_inputs_of_the_wrong_type(inputs, match):
+    with pytest.raises(autotp.InputError, match=match):
+        autotp.plan(build_gpt(), tp=2, example_inputs=inputs)
+
+
+def test_model_must_be_a_module():
+    with pytest.raises(autotp.InputError, match="must be a torch.nn.Module"):
+        autotp.plan(lambda x: x, tp=2, example_inputs=EXAMPLE)
+
+
+@pytest.mark.parametrize("tp", [0, -1, 2.0, "2", True])
+def test_tp_must_be_a_positive_int(tp):
+    with pytest.raises(autotp.InputError, match="tp must be a positive integer"):
+        autotp.plan(build_gpt(), tp=tp, example_inputs=EXAMPLE)
+
+
+def test_parallelize_without_processes_says_how_to_launch():
+    with pytest.raises(autotp.RuntimeSetupError, match="torchrun --nproc-per-node 2"):
+        autotp.parallelize(build_gpt(), tp=2, example_inputs=EXAMPLE)
+
+
+def test_plan_naming_unknown_parameters_is_refused():
+    model = build_gpt()
+    plan = autotp.plan(model, tp=1, example_inputs=EXAMPLE)
+    bad = plan.replace(placements={**plan.placements, "no.such.weight": autotp.Placement("replicated")})
+    with pytest.raises(autotp.PlanError, match="no.such.weight"):
+        autotp.parallelize(model, tp=1, example_inputs=EXAMPLE, plan=bad)
+
+
+def test_plan_for_another_tp_is_refused():
+    model = build_gpt()
+    plan = autotp.plan(model, tp=2, example_inputs=EXAMPLE)
+    with pytest.raises(autotp.PlanError, match="made for tp=2"):
+        autotp.parallelize(model, tp=1, example_inputs=EXAMPLE, plan=plan)
