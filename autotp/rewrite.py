@@ -8,6 +8,7 @@ that sharding propagation asked for, as modules calling Megatron's autograd oper
 from __future__ import annotations
 
 import copy
+import warnings
 
 import torch
 from torch import fx, nn
@@ -26,7 +27,10 @@ aten = torch.ops.aten
 
 def _copy_graph_module(source: fx.GraphModule) -> fx.GraphModule:
     """A new GraphModule over a copy of ``source``'s graph; its attributes still point at the source."""
-    graph = copy.deepcopy(source.graph)  # Graph.__deepcopy__ copies nodes (shallow meta) and the pytree codegen
+    with warnings.catch_warnings():
+        # torch's pytree deprecates LeafSpec isinstance checks that its own deepcopy still triggers.
+        warnings.filterwarnings("ignore", category=FutureWarning)
+        graph = copy.deepcopy(source.graph)  # copies nodes (shallow meta) and the pytree codegen
     return fx.GraphModule(source, graph, class_name="AutotpRankModule")
 
 

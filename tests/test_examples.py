@@ -1,0 +1,19 @@
+"""The examples run as a user would run them."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_tp_demo_under_torchrun():
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "examples/tp_demo.py", "--steps", "2"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = result.stdout
+    assert "attention  column: transformer.h.0.attn.c_attn  row: transformer.h.0.attn.c_proj" in out
+    diff = float(re.search(r"max \|output difference\| vs unsharded model: (\S+)", out).group(1))
+    assert diff < 1e-5, out
