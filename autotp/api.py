@@ -10,7 +10,7 @@ from autotp.errors import InputError, PlanError
 from autotp.plan import Plan
 from autotp.planner import make_plan
 from autotp.rewrite import rewrite
-from autotp.runtime import ParallelModule, check_same_plan, check_world, ensure_process_group
+from autotp.runtime import ParallelModule, check_same_plan, check_world, device_for, ensure_process_group
 
 
 def _check_tp(tp) -> int:
@@ -52,6 +52,9 @@ def parallelize(model: nn.Module, tp: int, example_inputs, plan: Plan | None = N
     check_same_plan(chosen, group)
     rank = dist.get_rank(group) if group is not None else 0
     gm = rewrite(captured, chosen, rank, group)
+    device = device_for(group)
+    if device is not None:
+        gm.to(device)  # NCCL communicates GPU tensors; inputs must then be on this device too
     graph_state = {captured.param_name(k) for k in gm.state_dict()}
     extra = {k: v.detach().clone() for k, v in model.state_dict().items()
              if captured.aliases.get(k, k) not in graph_state}

@@ -35,6 +35,18 @@ class Analysis:
         """The original module name of a node."""
         return self.captured.module_name(self.nodes[node_name])
 
+    def layer(self, node_name: str) -> str:
+        """A readable name for a projection or embedding: its module (``attn.c_attn``), or its parameter
+        when the module holds bare parameters (``blocks.0.w_qkv``)."""
+        found = self.projections.get(node_name) or self.embeddings.get(node_name)
+        module = self.module(node_name)
+        if found is None:
+            return module or node_name
+        param = self.captured.param_name(found.weight)
+        parent, _, short = param.rpartition(".")
+        bare = short != "weight" and parent == module
+        return param if bare or not module else module
+
     def regions(self, tp: int) -> RegionSearch:
         """Column→row regions for ``tp`` (LM heads are planned separately)."""
         skip = set(self.vocab.heads) if self.vocab else set()
@@ -42,17 +54,19 @@ class Analysis:
 
     def propagate(self, placements: dict[str, Placement], tp: int):
         """Propagate placements (keyed by get_attr target) through the graph."""
-        layouts = {t: Shard(p.dim, p.segments or (self._size(t, p.dim),)) for t, p in placements.items() if p.is_split}
+        layouts = {t: Shard(p.dim, p.segments or (self.param_size(t, p.dim),))
+                   for t, p in placements.items() if p.is_split}
         return propagate(self.graph, self.projections, self.embeddings, layouts, tp, self.trainable)
 
-    def _size(self, target: str, dim: int) -> int:
+    def param_size(self, target: str, dim: int) -> int:
+        """Size of dim ``dim`` of the parameter read by ``get_attr`` target ``target``."""
         node = next(n for n in self.graph.find_nodes(op="get_attr") if n.target == target)
         return int(sizes(node)[dim])
 
 
 def _divisibility_error(analysis: Analysis, region: RegionMatch, tp: int, valid: list[int]) -> PlanError:
     v = region.violations[0]
-    layers = ", ".join(dict.fromkeys(analysis.module(c) for c in region.columns))
+    layers = ", ".join(dict.fromkeys(analysis.layer(c) for c in region.columns))
     where = analysis.module(v.node) or v.node
     if v.what.startswith("dim"):
         heads = " (the attention heads)" if region.kind == "attention" else ""
@@ -79,6 +93,9 @@ def _region_placements(analysis: Analysis, region: RegionMatch) -> dict[str, Pla
             out[p.bias] = Placement(PlacementKind.COLWISE, 0, segments)
     for row in region.rows:
         out[analysis.projections[row].weight] = Placement(PlacementKind.ROWWISE, analysis.projections[row].in_dim)
+    for target, shard in region.params:
+        whole = shard.segments == (analysis.param_size(target, shard.dim),)
+        out[target] = Placement(PlacementKind.COLWISE, shard.dim, () if whole else shard.segments)
     return out
 
 
@@ -95,8 +112,8 @@ def _vocab_placements(analysis: Analysis, tp: int, notes: list[str]) -> tuple[di
         out[p.weight] = Placement(PlacementKind.VOCAB, p.out_dim)
         if p.bias:
             out[p.bias] = Placement(PlacementKind.VOCAB, 0)
-    regions = [Region("embedding", tuple(analysis.module(e) for e in vocab.embeddings), ())]
-    regions += [Region("lm_head", (analysis.module(h),), ()) for h in vocab.heads]
+    regions = [Region("embedding", tuple(analysis.layer(e) for e in vocab.embeddings), ())]
+    regions += [Region("lm_head", (analysis.layer(h),), ()) for h in vocab.heads]
     return out, regions
 
 
@@ -134,7 +151,7 @@ def make_plan(captured: Captured, tp: int) -> Plan:
     search = analysis.regions(tp)
     regions = search.regions
     valid = _valid_tp(regions)
-    notes: list[str] = [f"{', '.join(analysis.module(n) for n in nodes)} kept replicated: {why}"
+    notes: list[str] = [f"{', '.join(analysis.layer(n) for n in nodes)} kept replicated: {why}"
                         for nodes, why in search.unmatched]
     by_target: dict[str, Placement] = {}
     plan_regions: list[Region] = []
@@ -142,12 +159,12 @@ def make_plan(captured: Captured, tp: int) -> Plan:
         if region.violations:
             raise _divisibility_error(analysis, region, tp, valid)
         by_target |= _region_placements(analysis, region)
-        kept = tuple(analysis.module(n) for n in region.replicated)
+        kept = tuple(analysis.layer(n) for n in region.replicated)
         if kept:
             notes.append(f"{', '.join(kept)} kept replicated: tp={tp} does not divide their heads; "
                          "each rank selects the heads it needs")
-        plan_regions.append(Region(region.kind, tuple(analysis.module(c) for c in region.columns),
-                                   tuple(analysis.module(r) for r in region.rows), kept))
+        plan_regions.append(Region(region.kind, tuple(analysis.layer(c) for c in region.columns),
+                                   tuple(analysis.layer(r) for r in region.rows), kept))
     vocab_placements, vocab_regions = _vocab_placements(analysis, tp, notes)
     by_target |= vocab_placements
     plan_regions = vocab_regions[:1] + plan_regions + vocab_regions[1:]

@@ -37,6 +37,15 @@ def ensure_process_group(world_needed: int):
         "torch.distributed.init_process_group(...) before autotp.parallelize.")
 
 
+def device_for(group) -> torch.device | None:
+    """The GPU this rank's shards must live on under NCCL (LOCAL_RANK, as torchrun sets); None for gloo."""
+    if group is None or dist.get_backend(group) != "nccl":
+        return None
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", torch.cuda.current_device())))
+    torch.cuda.set_device(device)
+    return device
+
+
 def check_world(group, tp: int) -> None:
     """The group must have exactly tp ranks."""
     world = dist.get_world_size(group) if group is not None else 1

@@ -63,6 +63,16 @@ _PROJECTION_OPS = {
 }
 
 
+def _transposed_attr(node) -> str | None:
+    """The ``get_attr`` target if ``node`` is a 2-D parameter transposed (``W.t()``, as in ``x @ W.t()``)."""
+    if not isinstance(node, fx.Node) or node.op != "call_function":
+        return None
+    swaps = (node.target is aten.t.default
+             or (node.target is aten.transpose.int and {node.args[1] % 2, node.args[2] % 2} == {0, 1})
+             or (node.target is aten.permute.default and list(node.args[1]) in ([1, 0], [-1, -2])))
+    return _attr(node.args[0]) if swaps else None
+
+
 def _projection(node: fx.Node) -> Projection | None:
     """A Projection if ``node`` multiplies an activation by a 2-D parameter, else None."""
     spec = _PROJECTION_OPS.get(node.target)
@@ -73,6 +83,9 @@ def _projection(node: fx.Node) -> Projection | None:
         return None
     weight_node = node.args[wi]
     weight = _attr(weight_node)
+    if weight is None and _transposed_attr(weight_node) is not None:
+        # x @ W.t(): the parameter's output features sit on the other storage dim.
+        weight, out_dim, weight_node = _transposed_attr(weight_node), 1 - out_dim, weight_node.args[0]
     x = node.args[xi]
     if weight is None or not isinstance(x, fx.Node) or _attr(x) is not None:
         return None

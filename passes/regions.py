@@ -37,6 +37,8 @@ class RegionMatch:
     """Fused segments of each column projection (empty tuple: plain)."""
     replicated: tuple[str, ...] = ()
     """Projections of the region kept whole (K/V when tp does not divide the KV heads)."""
+    params: tuple[tuple[str, Shard], ...] = ()
+    """Other parameters split with the region (a bias added by hand after ``x @ W``): target, layout."""
     violations: tuple[Violation, ...] = ()
     """Sizes that do not divide by tp (the region cannot be split at this tp)."""
     sizes: tuple[int, ...] = ()
@@ -80,29 +82,41 @@ class _RegionFinder:
         self.trainable, self.tp = trainable, tp
         self.nodes = {n.name: n for n in graph.nodes}
 
-    def attempt(self, columns: list[Projection], tp: int) -> tuple[Propagation, dict]:
-        """Propagate with ``columns`` column-split, re-trying once with fused segments if a split asks."""
+    def attempt(self, columns: list[Projection], tp: int) -> tuple[Propagation, dict, dict]:
+        """Propagate with ``columns`` column-split; refine until nothing more is learnt.
+
+        A split that cuts the output into parts makes the projection fused (segments); a parameter
+        that would be sliced where it meets a split value (a bias added after ``x @ W``) is split too.
+        """
         segments: dict[str, tuple[int, ...]] = {}
-        prop = propagate(self.graph, self.projections, self.embeddings, _layouts(columns, segments), tp,
-                         self.trainable, auto_rows=True)
-        for origins, parts in prop.hints.items():
-            if len(origins) == 1:
-                segments[next(iter(origins))] = parts
-        if segments:
-            prop = propagate(self.graph, self.projections, self.embeddings, _layouts(columns, segments), tp,
-                             self.trainable, auto_rows=True)
-        return prop, segments
+        params: dict[str, Shard] = {}
+        for _ in range(4):
+            prop = propagate(self.graph, self.projections, self.embeddings, _layouts(columns, segments) | params,
+                             tp, self.trainable, auto_rows=True)
+            learnt = segments | {next(iter(o)): parts for o, parts in prop.hints.items() if len(o) == 1}
+            if learnt != segments:
+                segments, params = learnt, {}  # parameters are re-learnt against the new segments
+                continue
+            learnt_params = params | {self.nodes[c.source].target: c.steps[0][1] for c in prop.steps_of("scatter")
+                                      if len(c.steps) == 1 and self.nodes[c.source].op == "get_attr"
+                                      and self.nodes[c.source].target in self.trainable}
+            if learnt_params == params:
+                break
+            params = learnt_params
+        return prop, segments, params
 
     @staticmethod
     def closed(prop: Propagation, allow_slices: bool) -> bool:
         """A region: at least one row closes it, nothing had to be gathered (or sliced, unless allowed)."""
         return bool(prop.rows) and not prop.steps_of("gather") and (allow_slices or not prop.steps_of("scatter"))
 
-    def match(self, columns: list[Projection], prop: Propagation, segments: dict, replicated=()) -> RegionMatch:
+    def match(self, columns: list[Projection], prop: Propagation, segments: dict, params: dict,
+              replicated=()) -> RegionMatch:
         sizes = tuple(s for p in columns for s in (segments.get(p.node) or (p.out_features,)))
         return RegionMatch(kind=_classify(self.nodes, prop), columns=tuple(p.node for p in columns),
                            rows=tuple(prop.rows), segments=tuple(segments.get(p.node, ()) for p in columns),
-                           replicated=tuple(replicated), violations=tuple(prop.violations),
+                           replicated=tuple(replicated), params=tuple(params.items()),
+                           violations=tuple(prop.violations),
                            sizes=sizes + tuple(prop.checked))
 
     def why_open(self, prop: Propagation) -> str:
@@ -116,18 +130,19 @@ class _RegionFinder:
 
     def find(self, group: list[Projection]) -> RegionMatch | str:
         """The region ``group`` starts (with a fallback that keeps failing projections whole), or why none."""
-        prop, segments = self.attempt(group, self.tp)
+        prop, segments, params = self.attempt(group, self.tp)
         if not self.closed(prop, allow_slices=False):
             return self.why_open(prop)
-        full = self.match(group, prop, segments)
+        full = self.match(group, prop, segments, params)
         if not prop.violations:
             return full
         failing = set().union(*(v.origins for v in prop.violations))
         kept = [p for p in group if p.node not in failing]
         if kept and len(kept) < len(group):
-            sub, sub_segments = self.attempt(kept, self.tp)
+            sub, sub_segments, sub_params = self.attempt(kept, self.tp)
             if self.closed(sub, allow_slices=True) and not sub.violations and set(sub.rows) == set(prop.rows):
-                return self.match(kept, sub, sub_segments, replicated=[p.node for p in group if p not in kept])
+                return self.match(kept, sub, sub_segments, sub_params,
+                                  replicated=[p.node for p in group if p not in kept])
         return full
 
 

@@ -22,9 +22,50 @@ def _decoder(config_name: str, model_name: str, **extra):
                                 num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, **extra)
 
 
+class RawGPT(torch.nn.Module):
+    """A GPT written with bare parameters: fused QKV as ``x @ W + b``, hand-made causal softmax attention,
+    biases added by hand. Nothing here is an nn.Linear, so detection must work on the ops alone."""
+
+    def __init__(self, layers: int = 2, dim: int = 64, heads: int = 4):
+        super().__init__()
+        self.heads = heads
+        self.embed = torch.nn.Parameter(torch.randn(VOCAB, dim) * 0.02)
+        self.blocks = torch.nn.ModuleList(RawBlock(dim) for _ in range(layers))
+        self.register_buffer("causal", torch.tril(torch.ones(64, 64, dtype=torch.bool)), persistent=False)
+
+    def forward(self, ids):
+        x = torch.nn.functional.embedding(ids, self.embed)
+        for block in self.blocks:
+            x = block(x, self.heads, self.causal)
+        return x @ self.embed.t()
+
+
+class RawBlock(torch.nn.Module):
+    """One pre-norm block of RawGPT."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        p = lambda *shape: torch.nn.Parameter(torch.randn(*shape) * 0.02)  # noqa: E731
+        self.norm = torch.nn.LayerNorm(dim)
+        self.w_qkv, self.b_qkv, self.w_out, self.b_out = p(dim, 3 * dim), p(3 * dim), p(dim, dim), p(dim)
+        self.w_up, self.b_up, self.w_down = p(dim, 4 * dim), p(4 * dim), p(4 * dim, dim)
+
+    def forward(self, x, heads, causal):
+        b, t, d = x.shape
+        q, k, v = (x @ self.w_qkv + self.b_qkv).split(d, dim=-1)
+        q, k, v = (z.view(b, t, heads, d // heads).transpose(1, 2) for z in (q, k, v))
+        scores = (q @ k.transpose(-2, -1)) * (d // heads) ** -0.5
+        scores = scores.masked_fill(~causal[:t, :t], float("-inf"))
+        y = (scores.softmax(dim=-1) @ v).transpose(1, 2).reshape(b, t, d)
+        x = x + y @ self.w_out + self.b_out
+        h = self.norm(x)
+        return x + torch.relu(h @ self.w_up + self.b_up) @ self.w_down
+
+
 BUILDERS = {
     "gpt": lambda layers=2: build_gpt(n_layer=layers),
     "llama": lambda layers=2: build_llama(n_layers=layers),
+    "raw_gpt": lambda layers=2: RawGPT(layers),
     "hf_llama": _decoder("LlamaConfig", "LlamaForCausalLM"),
     "hf_mistral": _decoder("MistralConfig", "MistralForCausalLM"),
     "hf_qwen2": _decoder("Qwen2Config", "Qwen2ForCausalLM"),
