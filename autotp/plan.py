@@ -136,6 +136,27 @@ class Region:
 
 
 @dataclass(frozen=True)
+class Stage:
+    """One pipeline stage: a contiguous run of the model, with its costs at the plan's batch and sequence."""
+
+    index: int
+    modules: tuple[str, ...]
+    """The original modules it holds, in order (blocks as ``transformer.h.3``, plus embeddings/head)."""
+    flops: float
+    """Forward FLOPs of one step (whole batch) for this stage, per tensor-parallel rank."""
+    param_count: int
+    """Parameters this stage holds in total (across its tensor-parallel ranks)."""
+    activation_bytes: float
+    """Bytes of activations the stage's forward produces for one step (whole batch)."""
+    boundary_bytes: float = 0.0
+    """Bytes sent to the next stage per step (zero for the last stage)."""
+
+    def to_dict(self) -> dict:
+        """A JSON-ready dict."""
+        return dataclasses.asdict(self) | {"modules": list(self.modules)}
+
+
+@dataclass(frozen=True)
 class Plan:
     """How a model is split across ``tp`` ranks: placements keyed by original parameter names."""
 
@@ -147,6 +168,16 @@ class Plan:
     """Decisions a user should know about (what was replicated and why)."""
     model: str = ""
     """The class name of the planned model, for people reading the plan."""
+    pp: int = 1
+    """Number of pipeline stages."""
+    stages: tuple[Stage, ...] = ()
+    """The pipeline stages (empty when pp == 1)."""
+    balance: str = "both"
+    """What the stage split balanced: ``compute``, ``memory`` or ``both``."""
+    batch: int = 0
+    """Batch size the costs were evaluated at (0: not evaluated)."""
+    seq: int = 0
+    """Sequence length the costs were evaluated at."""
 
     def __post_init__(self):
         if not isinstance(self.tp, int) or self.tp < 1:
@@ -155,10 +186,13 @@ class Plan:
         object.__setattr__(self, "collectives", tuple(self.collectives))
         object.__setattr__(self, "regions", tuple(self.regions))
         object.__setattr__(self, "notes", tuple(self.notes))
+        object.__setattr__(self, "stages", tuple(self.stages))
+        if not isinstance(self.pp, int) or self.pp < 1:
+            raise ValueError(f"pp must be a positive integer, got {self.pp!r}")
 
     def __repr__(self) -> str:
         split = sum(p.is_split for p in self.placements.values())
-        return (f"Plan(model={self.model!r}, tp={self.tp}, {split}/{len(self.placements)} parameters split, "
+        return (f"Plan(model={self.model!r}, tp={self.tp}, pp={self.pp}, {split}/{len(self.placements)} parameters split, "
                 f"{len(self.regions)} regions, {len(self.collectives)} collectives)")
 
     def replace(self, **changes) -> Plan:
@@ -175,6 +209,11 @@ class Plan:
             "collectives": [c.to_dict() for c in self.collectives],
             "regions": [r.to_dict() for r in self.regions],
             "notes": list(self.notes),
+            "pp": self.pp,
+            "balance": self.balance,
+            "batch": self.batch,
+            "seq": self.seq,
+            "stages": [s.to_dict() for s in self.stages],
         }
 
     def to_json(self, indent: int | None = 2) -> str:
@@ -196,6 +235,11 @@ class Plan:
                 regions=tuple(Region(**{k: tuple(v) if isinstance(v, list) else v for k, v in r.items()})
                               for r in data.get("regions", [])),
                 notes=tuple(data.get("notes", [])),
+                pp=data.get("pp", 1),
+                balance=data.get("balance", "both"),
+                batch=data.get("batch", 0),
+                seq=data.get("seq", 0),
+                stages=tuple(Stage(**st | {"modules": tuple(st["modules"])}) for st in data.get("stages", [])),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise InputError(f"not a valid autotp plan: {e}") from e
@@ -217,6 +261,15 @@ class Plan:
         """The parameters that are split, with their placements."""
         return {n: p for n, p in self.placements.items() if p.is_split}
 
+    def imbalance(self) -> dict[str, float]:
+        """max/mean of per-stage compute and parameters (1.0 is perfectly balanced)."""
+        def ratio(values):
+            mean = sum(values) / len(values)
+            return max(values) / mean if mean else 1.0
+        if not self.stages:
+            return {"compute": 1.0, "params": 1.0}
+        return {"compute": ratio([s.flops for s in self.stages]), "params": ratio([s.param_count for s in self.stages])}
+
     def summary(self) -> str:
         """A short human-readable account of the plan."""
         lines = [repr(self)]
@@ -227,5 +280,11 @@ class Plan:
         for c in self.collectives:
             counts[(c.op, c.direction)] = counts.get((c.op, c.direction), 0) + 1
         lines.append("  collectives: " + (", ".join(f"{n} {op} ({d})" for (op, d), n in sorted(counts.items())) or "none"))
+        for st in self.stages:
+            lines.append(f"  stage {st.index}: {st.modules[0]} .. {st.modules[-1]} ({len(st.modules)} modules), "
+                         f"{st.flops / 1e9:.3g} GFLOP, {st.param_count} params")
+        if self.stages:
+            imb = self.imbalance()
+            lines.append(f"  imbalance (max/mean): compute {imb['compute']:.3f}, params {imb['params']:.3f}")
         lines.extend(f"  note: {n}" for n in self.notes)
         return "\n".join(lines)
