@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -10,21 +11,45 @@ from autotp.errors import InputError, PlanError
 from autotp.plan import Plan
 from autotp.planner import make_plan
 from autotp.rewrite import rewrite
-from autotp.runtime import ParallelModule, check_same_plan, check_world, device_for, ensure_process_group
+from autotp.balance import Balance
+from autotp.pipeline import Mesh, PipelineModule, Schedule, tied_groups
+from autotp.planner import Analysis
+from autotp.rewrite import build_graph, materialise
+from autotp.runtime import ParallelModule, StateNames, check_same_plan, check_world, device_for, ensure_process_group
+from autotp.stages import split_stages
 
 
-def _check_tp(tp) -> int:
-    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
-        raise InputError(f"tp must be a positive integer (the number of tensor-parallel ranks), got {tp!r}")
-    return tp
+_MEANING = {"tp": "the number of tensor-parallel ranks", "pp": "the number of pipeline stages' ranks",
+            "virtual_stages": "pipeline stages per rank", "microbatches": "microbatches per step"}
 
 
-def _check_plan(plan: Plan, captured: Captured, tp: int) -> Plan:
-    """A user-supplied plan must be for this tp and name only parameters this model has."""
+def _check_positive(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise InputError(f"{name} must be a positive integer ({_MEANING[name]}), got {value!r}")
+    return value
+
+
+def _schedule(value) -> Schedule:
+    try:
+        return Schedule(value)
+    except ValueError as e:
+        raise InputError(f"schedule must be one of {[s.value for s in Schedule]}, got {value!r}") from e
+
+
+def _balance(value) -> Balance:
+    try:
+        return Balance(value)
+    except ValueError as e:
+        raise InputError(f"balance must be one of {[b.value for b in Balance]}, got {value!r}") from e
+
+
+def _check_plan(plan: Plan, captured: Captured, tp: int, pp: int, stages: int) -> Plan:
+    """A user-supplied plan must be for this tp/pp and name only parameters this model has."""
     if not isinstance(plan, Plan):
         raise InputError(f"plan must be an autotp.Plan (e.g. Plan.from_json(text)), got {type(plan).__name__}")
-    if plan.tp != tp:
-        raise PlanError(f"the plan was made for tp={plan.tp} but tp={tp} was asked for; re-plan or pass tp={plan.tp}")
+    if (plan.tp, plan.pp, len(plan.stages)) != (tp, pp, stages):
+        raise PlanError(f"the plan was made for tp={plan.tp}, pp={plan.pp} ({len(plan.stages)} stages) but "
+                        f"tp={tp}, pp={pp} ({stages} stages) was asked for; re-plan or pass the plan's settings")
     known = set(captured.param_names)
     unknown = sorted(set(plan.placements) - known)
     if unknown:
@@ -33,29 +58,75 @@ def _check_plan(plan: Plan, captured: Captured, tp: int) -> Plan:
     return plan
 
 
-def plan(model: nn.Module, tp: int, example_inputs) -> Plan:
-    """The tensor-parallel plan for ``model`` at ``tp`` ranks, computed without any process group."""
-    return make_plan(capture(model, example_inputs), _check_tp(tp))
+def state_names(model: nn.Module, captured: Captured, modules) -> StateNames:
+    """The state-dict bookkeeping for rank modules built from ``captured``."""
+    kept = {captured.param_name(k) for m in modules for k in m.state_dict()}
+    # Every rank keeps a copy of state the graph never reads, so full_state_dict has every key.
+    extra = {k: v.detach().clone() for k, v in model.state_dict().items() if captured.aliases.get(k, k) not in kept}
+    return StateNames(captured.state_keys, captured.aliases, captured.param_name, extra)
 
 
-def parallelize(model: nn.Module, tp: int, example_inputs, plan: Plan | None = None, group=None) -> ParallelModule:
-    """This rank's tensor-parallel piece of ``model``; the model itself is left untouched.
+def plan(model: nn.Module, tp: int, example_inputs, pp: int = 1, balance: str = "both", batch: int | None = None,
+         seq: int | None = None, cuts=(), virtual_stages: int = 1) -> Plan:
+    """The plan for ``model`` at ``tp`` tensor- and ``pp`` pipeline-parallel ranks, with no process group.
 
-    Uses ``group`` if given, else the default process group (initialised from torchrun's environment
-    when needed). With ``plan`` given, applies it instead of planning.
+    Stage costs are evaluated at ``batch``/``seq`` (default: the example's); ``cuts`` names modules that
+    must start a stage; ``virtual_stages`` > 1 plans pp × virtual_stages stages (interleaved schedules).
     """
-    tp = _check_tp(tp)
-    group = group if group is not None else ensure_process_group(tp)
-    check_world(group, tp)
+    tp, pp = _check_positive("tp", tp), _check_positive("pp", pp)
+    stages = pp * _check_positive("virtual_stages", virtual_stages)
+    return make_plan(capture(model, example_inputs), tp, pp=pp, balance=_balance(balance), batch=batch, seq=seq,
+                     cuts=tuple(cuts), stages=stages)
+
+
+def parallelize(model: nn.Module, tp: int, example_inputs, pp: int = 1, plan: Plan | None = None, group=None,
+                microbatches: int | None = None, schedule: str = "1f1b", balance: str = "both", cuts=(),
+                virtual_stages: int | None = None):
+    """This rank's piece of ``model``, tensor-parallel over ``tp`` ranks and pipelined over ``pp``.
+
+    The model itself is left untouched. Uses ``group`` if given (pp == 1 only), else the default
+    process group, initialised from torchrun's environment when needed. With ``plan`` given, applies
+    it instead of planning. With pp > 1, ``step`` runs ``microbatches`` (default pp) through the
+    ``schedule`` (``gpipe``, ``1f1b`` or ``interleaved1f1b`` with ``virtual_stages`` stages per rank).
+    """
+    tp, pp = _check_positive("tp", tp), _check_positive("pp", pp)
+    sched = _schedule(schedule)
+    virtual = _check_positive("virtual_stages", virtual_stages or (2 if sched is Schedule.INTERLEAVED_1F1B else 1))
+    if pp > 1 and group is not None:
+        raise InputError("pp > 1 lays ranks out on a (pp x tp) mesh over the default process group; do not pass group")
+    group = group if group is not None else ensure_process_group(tp * pp)
+    check_world(group, tp, pp)
     captured = capture(model, example_inputs)
-    chosen = _check_plan(plan, captured, tp) if plan is not None else make_plan(captured, tp)
+    stages = pp * virtual
+    chosen = (_check_plan(plan, captured, tp, pp, stages) if plan is not None else
+              make_plan(captured, tp, pp=pp, balance=_balance(balance), cuts=tuple(cuts), stages=stages))
     check_same_plan(chosen, group)
+    if pp == 1:
+        return _tensor_parallel(model, captured, chosen, group)
+    micro = _check_positive("microbatches", microbatches or pp)
+    return _pipeline_parallel(model, captured, chosen, sched, micro)
+
+
+def _tensor_parallel(model, captured, chosen: Plan, group) -> ParallelModule:
     rank = dist.get_rank(group) if group is not None else 0
     gm = rewrite(captured, chosen, rank, group)
     device = device_for(group)
     if device is not None:
         gm.to(device)  # NCCL communicates GPU tensors; inputs must then be on this device too
-    graph_state = {captured.param_name(k) for k in gm.state_dict()}
-    extra = {k: v.detach().clone() for k, v in model.state_dict().items()
-             if captured.aliases.get(k, k) not in graph_state}
-    return ParallelModule(gm, chosen, group, rank, captured.state_keys, captured.aliases, captured.param_name, extra)
+    return ParallelModule(gm, chosen, group, rank, state_names(model, captured, [gm]))
+
+
+def _pipeline_parallel(model, captured, chosen: Plan, sched: Schedule, microbatches: int) -> PipelineModule:
+    device = device_for(dist.group.WORLD) or torch.device("cpu")
+    mesh = Mesh(chosen.pp, chosen.tp, device)
+    analysis = Analysis(captured)
+    gm = build_graph(captured, chosen, mesh.tp_rank, mesh.tp_group, analysis)
+    graphs = split_stages(gm, analysis, chosen, list(range(len(chosen.stages))))
+    names = state_names(model, captured, graphs)
+    tied = tied_groups(graphs, mesh)
+    made: dict = {}
+    mine = {i: g for i, g in enumerate(graphs) if i % chosen.pp == mesh.pp_rank}
+    for g in mine.values():
+        materialise(g, captured, chosen, mesh.tp_rank, made)
+        g.to(device)
+    return PipelineModule(mine, chosen, mesh, names, captured.module._out_spec, tied, sched, microbatches)

@@ -51,6 +51,8 @@ class Captured:
     """Every parameter name of the model, tied ones under each of their names."""
     dim_names: dict[str, str] = field(default_factory=dict)
     """Symbol of each dynamic input size (``s72``) -> a readable name (``B``, ``T``)."""
+    example_sizes: dict[str, int] = field(default_factory=dict)
+    """Symbol of each dynamic input size -> its value in the example inputs."""
 
     @property
     def graph(self) -> fx.Graph:
@@ -147,6 +149,16 @@ def _attr_value(gm: fx.GraphModule, target: str):
     return getattr(gm.get_submodule(owner) if owner else gm, name, None)
 
 
+def _example_sizes(gm: fx.GraphModule, inputs: tuple[torch.Tensor, ...]) -> dict[str, int]:
+    """The example's value of every dynamic input size symbol."""
+    out: dict[str, int] = {}
+    for node, x in zip(gm.graph.find_nodes(op="placeholder"), inputs):
+        for d, size in zip(getattr(node.meta.get("val"), "shape", ()), x.shape):
+            if isinstance(d, torch.SymInt):
+                out.setdefault(str(d), int(size))
+    return out
+
+
 def _aliases(model: nn.Module) -> dict[str, str]:
     """Map every parameter and buffer name of ``model`` to its first name (tied weights share one)."""
     first: dict[int, str] = {}
@@ -208,5 +220,5 @@ def capture(model: nn.Module, example_inputs) -> Captured:
     aliases = _aliases(model)
     _merge_tied_reads(gm, aliases)
     return Captured(module=gm, model_name=type(model).__name__, state_keys=tuple(model.state_dict().keys()),
-                    aliases=aliases, dim_names=_dim_names(gm),
+                    aliases=aliases, dim_names=_dim_names(gm), example_sizes=_example_sizes(gm, inputs),
                     param_names=tuple(n for n, _ in model.named_parameters(remove_duplicate=False)))

@@ -171,7 +171,7 @@ class Plan:
     pp: int = 1
     """Number of pipeline stages."""
     stages: tuple[Stage, ...] = ()
-    """The pipeline stages (empty when pp == 1)."""
+    """The pipeline stages with their costs (one stage when pp == 1; pp × virtual stages when interleaved)."""
     balance: str = "both"
     """What the stage split balanced: ``compute``, ``memory`` or ``both``."""
     batch: int = 0

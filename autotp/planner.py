@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 
+from autotp.balance import Balance
 from autotp.capture import Captured
 from autotp.errors import PlanError
 from autotp.passes import find_embeddings, find_projections, propagate
@@ -16,6 +17,7 @@ from autotp.passes.graph import sizes, trainable_attrs
 from autotp.passes.layout import Shard
 from autotp.passes.regions import RegionMatch, RegionSearch, find_regions
 from autotp.passes.vocab import VocabMatch, find_vocab
+from autotp.pipeline_plan import plan_stages
 from autotp.plan import REPLICATED, Collective, Placement, PlacementKind, Plan, Region
 
 
@@ -145,8 +147,24 @@ def _collectives(analysis: Analysis, prop) -> list[Collective]:
     return [c for _, c in sorted(found, key=lambda item: item[0])]
 
 
-def make_plan(captured: Captured, tp: int) -> Plan:
-    """Plan Megatron-style tensor parallelism over ``tp`` ranks for a captured model."""
+def cost_sizes(captured: Captured, batch: int | None, seq: int | None) -> dict[str, int]:
+    """Values for the size symbols: the example's, with batch (``B``) and sequence (``T``) overridden."""
+    sizes = dict(captured.example_sizes)
+    wanted = {"B": batch, "T": seq}
+    for symbol, readable in captured.dim_names.items():
+        if wanted.get(readable) is not None:
+            sizes[symbol] = wanted[readable]
+    return sizes
+
+
+def make_plan(captured: Captured, tp: int, pp: int = 1, balance: Balance | str = Balance.BOTH,
+              batch: int | None = None, seq: int | None = None, cuts=(), stages: int | None = None) -> Plan:
+    """Plan Megatron-style tensor parallelism over ``tp`` ranks and ``pp`` pipeline ranks.
+
+    ``stages`` (default ``pp``) is the number of pipeline stages: more than pp for interleaved schedules.
+    Stage costs are evaluated at ``batch`` and ``seq`` (default: the example's sizes). ``cuts`` names
+    modules at which a stage must start.
+    """
     analysis = Analysis(captured)
     search = analysis.regions(tp)
     regions = search.regions
@@ -168,8 +186,15 @@ def make_plan(captured: Captured, tp: int) -> Plan:
     vocab_placements, vocab_regions = _vocab_placements(analysis, tp, notes)
     by_target |= vocab_placements
     plan_regions = vocab_regions[:1] + plan_regions + vocab_regions[1:]
+    if tp == 1:
+        by_target = {}  # one rank holds everything: the regions are found, but nothing is split
     prop = analysis.propagate(by_target, tp)
     placements = {name: by_target.get(captured.attr_target(captured.aliases[name]), REPLICATED)
                   for name in captured.param_names}
+    sizes = cost_sizes(captured, batch, seq)
+    balance = Balance(balance)
+    planned_stages = plan_stages(analysis, prop, tp, stages or pp, balance, sizes, cuts)
+    by_name = {captured.dim_names.get(k, k): v for k, v in sizes.items()}
     return Plan(tp=tp, placements=placements, collectives=tuple(_collectives(analysis, prop)),
-                regions=tuple(plan_regions), notes=tuple(notes), model=captured.model_name)
+                regions=tuple(plan_regions), notes=tuple(notes), model=captured.model_name, pp=pp,
+                stages=planned_stages, balance=balance.value, batch=by_name.get("B", 0), seq=by_name.get("T", 0))

@@ -43,12 +43,14 @@ def _set_attr(gm: nn.Module, target: str, value: torch.Tensor) -> None:
         module.register_buffer(name, value)
 
 
-def _materialise(gm: fx.GraphModule, captured: Captured, plan: Plan, rank: int) -> None:
+def materialise(gm: fx.GraphModule, captured: Captured, plan: Plan, rank: int,
+                made: dict[int, torch.Tensor] | None = None) -> None:
     """Give ``gm`` its own tensors: this rank's shard of split parameters, copies of the rest.
 
-    Tied weights (one tensor under several names) get one new tensor, so they stay tied.
+    Tied weights (one tensor under several names) get one new tensor, so they stay tied; pass the same
+    ``made`` to several modules (pipeline stages on one rank) to share tensors between them too.
     """
-    made: dict[int, torch.Tensor] = {}
+    made = {} if made is None else made
     for target, param in list(gm.named_parameters(remove_duplicate=False)):
         if id(param) not in made:
             placement = plan.placements.get(captured.aliases.get(captured.param_name(target), ""))
@@ -136,12 +138,18 @@ class _Surgeon:
         self.gm.recompile()
 
 
-def rewrite(captured: Captured, plan: Plan, rank: int, group) -> fx.GraphModule:
-    """This rank's GraphModule for ``plan``: sharded parameters, fixed shapes, inserted collectives."""
+def build_graph(captured: Captured, plan: Plan, rank: int, group, analysis: Analysis | None = None) -> fx.GraphModule:
+    """This tensor-parallel rank's graph (fixed shapes, collectives); attributes still point at the model."""
     gm = _copy_graph_module(captured.module)
-    _materialise(gm, captured, plan, rank)
     if plan.tp > 1:
-        analysis = Analysis(captured)
+        analysis = analysis or Analysis(captured)
         by_target = {captured.attr_target(captured.aliases.get(name, name)): p for name, p in plan.placements.items()}
         _Surgeon(gm, analysis, group, rank, plan.tp).apply(analysis.propagate(by_target, plan.tp))
+    return gm
+
+
+def rewrite(captured: Captured, plan: Plan, rank: int, group) -> fx.GraphModule:
+    """This rank's GraphModule for ``plan``: sharded parameters, fixed shapes, inserted collectives."""
+    gm = build_graph(captured, plan, rank, group)
+    materialise(gm, captured, plan, rank)
     return gm

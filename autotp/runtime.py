@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -32,7 +33,7 @@ def ensure_process_group(world_needed: int):
     if world_needed == 1:
         return None
     raise RuntimeSetupError(
-        f"tp={world_needed} needs {world_needed} processes, but no torch.distributed process group exists. "
+        f"{world_needed} ranks (tp x pp) need {world_needed} processes, but no torch.distributed process group exists. "
         f"Launch with `torchrun --nproc-per-node {world_needed} your_script.py`, or call "
         "torch.distributed.init_process_group(...) before autotp.parallelize.")
 
@@ -46,13 +47,14 @@ def device_for(group) -> torch.device | None:
     return device
 
 
-def check_world(group, tp: int) -> None:
-    """The group must have exactly tp ranks."""
+def check_world(group, tp: int, pp: int = 1) -> None:
+    """The group must have exactly tp × pp ranks."""
     world = dist.get_world_size(group) if group is not None else 1
-    if world != tp:
+    if world != tp * pp:
+        setting = f"tp={tp}" if pp == 1 else f"tp={tp} x pp={pp}"
         raise RuntimeSetupError(
-            f"the process group has {world} ranks but tp={tp}; autotp needs world size == tp. "
-            f"Launch {tp} processes (torchrun --nproc-per-node {tp}) or set tp={world}.")
+            f"the process group has {world} ranks but {setting} needs {tp * pp}; autotp needs world size == tp x pp. "
+            f"Launch {tp * pp} processes (torchrun --nproc-per-node {tp * pp}) or change the setting.")
 
 
 def check_same_plan(plan: Plan, group) -> None:
@@ -77,21 +79,50 @@ def default_loss(output, target: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
 
 
+@dataclass
+class StateNames:
+    """How a rank's module names map back to the original model's state dict."""
+
+    state_keys: tuple[str, ...]
+    """Keys of the original ``model.state_dict()``, in order."""
+    aliases: dict[str, str]
+    """Every name -> the name its (possibly tied) tensor is kept under."""
+    param_name: Callable[[str], str]
+    """Attribute target in a rank module -> original name."""
+    extra_state: dict[str, torch.Tensor]
+    """State the graph never reads (unused buffers), kept as copies so full_state_dict is complete."""
+
+    def local(self, module: nn.Module) -> dict[str, torch.Tensor]:
+        """A rank module's tensors (shards for split parameters) under the original names."""
+        return {self.param_name(k): v for k, v in module.state_dict().items() if not k.startswith("autotp_")}
+
+    def complete(self, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Every original key, from full tensors keyed by kept names."""
+        full = full | {k: v.clone() for k, v in self.extra_state.items()}
+        return {k: full[self.aliases.get(k, k)] for k in self.state_keys}
+
+
+def gather_tp(plan: Plan, name: str, local: torch.Tensor, group) -> torch.Tensor:
+    """The full tensor of parameter ``name`` from every tensor-parallel rank's shard (collective)."""
+    placement = plan.placements.get(name)
+    if placement is None or not placement.is_split or plan.tp == 1:
+        return local.detach().clone()
+    parts = [torch.empty_like(local) for _ in range(plan.tp)]
+    dist.all_gather(parts, local.detach().contiguous(), group=group)
+    size = local.shape[placement.dim] * plan.tp
+    return assemble(parts, placement.dim, segments_or_whole(placement.segments, size))
+
+
 class ParallelModule(nn.Module):
     """This rank's piece of a tensor-parallel model; computes what the original model computes."""
 
-    def __init__(self, module: fx.GraphModule, plan: Plan, group, rank: int, state_keys: tuple[str, ...],
-                 aliases: dict[str, str], param_name: Callable[[str], str], extra_state: dict[str, torch.Tensor]):
+    def __init__(self, module: fx.GraphModule, plan: Plan, group, rank: int, names: StateNames):
         super().__init__()
         self.module = module
         self.plan = plan
         self.group = group
         self.rank = rank
-        self._state_keys = state_keys
-        self._aliases = aliases
-        self._param_name = param_name
-        # State the graph never reads (unused buffers): kept as copies so full_state_dict is complete.
-        self._extra_state = extra_state
+        self._names = names
 
     def forward(self, *inputs):
         """The original model's output, identical on every rank."""
@@ -105,21 +136,9 @@ class ParallelModule(nn.Module):
 
     def local_state_dict(self) -> dict[str, torch.Tensor]:
         """This rank's tensors (shards for split parameters) under the original names."""
-        return {self._param_name(k): v for k, v in self.module.state_dict().items()
-                if not k.startswith("autotp_")}
-
-    def _full(self, name: str, local: torch.Tensor) -> torch.Tensor:
-        placement = self.plan.placements.get(name)
-        if placement is None or not placement.is_split or self.plan.tp == 1:
-            return local.detach().clone()
-        parts = [torch.empty_like(local) for _ in range(self.plan.tp)]
-        dist.all_gather(parts, local.detach().contiguous(), group=self.group)
-        size = local.shape[placement.dim] * self.plan.tp
-        return assemble(parts, placement.dim, segments_or_whole(placement.segments, size))
+        return self._names.local(self.module)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Full tensors under the original model's state-dict keys, on every rank (a collective call)."""
-        local = self.local_state_dict()
-        full = {name: self._full(name, t) for name, t in local.items()}
-        full |= {k: v.clone() for k, v in self._extra_state.items()}
-        return {k: full[self._aliases.get(k, k)] for k in self._state_keys}
+        full = {name: gather_tp(self.plan, name, t, self.group) for name, t in self.local_state_dict().items()}
+        return self._names.complete(full)

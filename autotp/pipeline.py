@@ -1,0 +1,188 @@
+"""The pipeline runtime: stages on a (pp × tp) DeviceMesh, driven by torch.distributed.pipelining.
+
+Each rank holds the stages ``i`` with ``i % pp == its pipeline rank`` (one, or several when the schedule
+is interleaved), each already tensor-parallel over its ``tp`` group. A weight tied across stages (the
+embedding and the LM head) is held by both; their gradients are summed after each backward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from enum import Enum
+
+import torch
+import torch.distributed as dist
+from torch import fx, nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from torch.utils._pytree import tree_unflatten
+
+from autotp.errors import InputError
+from autotp.plan import Plan
+from autotp.runtime import StateNames, default_loss, gather_tp
+
+
+class Schedule(str, Enum):
+    """Pipeline schedules."""
+
+    GPIPE = "gpipe"
+    ONE_F_ONE_B = "1f1b"
+    INTERLEAVED_1F1B = "interleaved1f1b"
+
+
+class Mesh:
+    """This rank's place in the (pp × tp) grid and the groups along each axis."""
+
+    def __init__(self, pp: int, tp: int, device: torch.device):
+        from torch.distributed.device_mesh import init_device_mesh
+
+        self.pp, self.tp = pp, tp
+        self.device = device
+        self.mesh = init_device_mesh(device.type, (pp, tp), mesh_dim_names=("pp", "tp"))
+        self.tp_group, self.pp_group = self.mesh.get_group("tp"), self.mesh.get_group("pp")
+        self.pp_rank, self.tp_rank = self.mesh.get_local_rank("pp"), self.mesh.get_local_rank("tp")
+
+    def rank_of(self, stage: int) -> int:
+        """Global rank holding pipeline ``stage`` in this rank's tensor-parallel column."""
+        return (stage % self.pp) * self.tp + self.tp_rank
+
+
+def tied_groups(stage_graphs: list[fx.GraphModule], mesh: Mesh) -> dict[str, object]:
+    """A process group per parameter read by several stages, joining the ranks that hold it.
+
+    Every rank must create every group, in the same order, even those it is not in.
+    """
+    readers: dict[str, set[int]] = {}
+    for index, gm in enumerate(stage_graphs):
+        params = dict(gm.named_parameters())
+        for node in gm.graph.find_nodes(op="get_attr"):
+            if node.target in params:
+                readers.setdefault(node.target, set()).add(index)
+    groups: dict[str, object] = {}
+    for target in sorted(t for t, stages in readers.items() if len(stages) > 1):
+        holders = {s % mesh.pp for s in readers[target]}
+        if len(holders) < 2:
+            continue  # one rank holds every copy: they are one shared tensor already
+        for tp_rank in range(mesh.tp):
+            ranks = sorted(p * mesh.tp + tp_rank for p in holders)
+            group = dist.new_group(ranks)
+            if dist.get_rank() in ranks:
+                groups[target] = group
+    return groups
+
+
+class PipelineModule(nn.Module):
+    """This rank's stages of a tensor- and pipeline-parallel model."""
+
+    def __init__(self, stages: dict[int, fx.GraphModule], plan: Plan, mesh: Mesh, names: StateNames,
+                 out_spec, tied: dict[str, object], schedule: Schedule, microbatches: int):
+        super().__init__()
+        self.stages = nn.ModuleDict({str(i): m for i, m in stages.items()})
+        self.plan, self.mesh, self._names, self._out_spec, self._tied = plan, mesh, names, out_spec, tied
+        self.schedule, self.microbatches = Schedule(schedule), microbatches
+        self.num_stages = len(plan.stages)
+        self._pipeline_stages = [PipelineStage(m, i, self.num_stages, mesh.device, group=mesh.pp_group)
+                                 for i, m in stages.items()]
+
+    @property
+    def holds_first(self) -> bool:
+        return "0" in self.stages
+
+    @property
+    def holds_last(self) -> bool:
+        return str(self.num_stages - 1) in self.stages
+
+    def _make_schedule(self, loss_fn: Callable):
+        def flat_loss(output, target):
+            # The last stage returns the model's outputs flattened; the user's loss sees them as the model's.
+            leaves = [output] if isinstance(output, torch.Tensor) else list(output)  # 1-tuples arrive unwrapped
+            return loss_fn(tree_unflatten(leaves, self._out_spec), target)
+
+        if self.schedule is Schedule.INTERLEAVED_1F1B:
+            return ScheduleInterleaved1F1B(self._pipeline_stages, self.microbatches, loss_fn=flat_loss)
+        cls = ScheduleGPipe if self.schedule is Schedule.GPIPE else Schedule1F1B
+        return cls(self._pipeline_stages[0], self.microbatches, loss_fn=flat_loss)
+
+    def _check_batch(self, inputs) -> None:
+        batch = inputs[0].shape[0]
+        if batch % self.microbatches:
+            raise InputError(f"batch size {batch} is not divisible by microbatches={self.microbatches}; "
+                             "use a batch that is a multiple of it, or change microbatches")
+
+    def step(self, *inputs, target: torch.Tensor, loss_fn: Callable | None = None) -> torch.Tensor:
+        """Forward and backward over the microbatches; returns the full-batch loss on every rank.
+
+        The loss is the mean of the microbatch losses (equal sizes): exact for mean-reduced losses,
+        matching the gradients, which the schedule averages over microbatches.
+        """
+        self._check_batch(inputs)
+        schedule = self._make_schedule(loss_fn or default_loss)
+        losses: list[torch.Tensor] = []
+        args = inputs if self.holds_first else ()
+        kwargs = {"target": target, "losses": losses} if self.holds_last else {}
+        schedule.step(*args, **kwargs)
+        self._sum_tied_grads()
+        loss = torch.stack(losses).mean().detach() if self.holds_last else torch.zeros((), device=self.mesh.device)
+        dist.broadcast(loss, src=self.mesh.rank_of(self.num_stages - 1), group=self.mesh.pp_group)
+        return loss
+
+    def _sum_tied_grads(self) -> None:
+        held = {k: p for m in self.stages.values() for k, p in m.named_parameters()}
+        for target, group in self._tied.items():
+            grad = held[target].grad
+            if grad is None:
+                grad = held[target].grad = torch.zeros_like(held[target])
+            dist.all_reduce(grad, group=group)
+
+    @torch.no_grad()
+    def forward(self, *inputs):
+        """The model's output (without autograd history), on every rank; runs the stages in turn."""
+        hidden = None
+        outputs = None
+        for index in range(self.num_stages):
+            if str(index) in self.stages:
+                module = self.stages[str(index)]
+                result = module(*inputs) if index == 0 else module(hidden, *inputs)
+                if index == self.num_stages - 1:
+                    outputs = list(result)
+                else:
+                    hidden = result[0]
+                    self._send(hidden, index + 1)
+            elif str(index + 1) in self.stages and index + 1 < self.num_stages:
+                hidden = self._recv(index, index + 1)
+        box = [outputs]
+        dist.broadcast_object_list(box, src=self.mesh.rank_of(self.num_stages - 1), group=self.mesh.pp_group)
+        return tree_unflatten(box[0], self._out_spec)
+
+    def _send(self, hidden: torch.Tensor, to_stage: int) -> None:
+        dst = self.mesh.rank_of(to_stage)
+        if dst == dist.get_rank():
+            return
+        dist.send(torch.tensor(hidden.shape, dtype=torch.long, device=hidden.device), dst=dst)
+        dist.send(hidden.contiguous(), dst=dst)
+
+    def _recv(self, from_stage: int, to_stage: int) -> torch.Tensor:
+        module = self.stages[str(to_stage)]
+        meta = next(iter(module.graph.find_nodes(op="placeholder"))).meta["val"]
+        shape = torch.empty(meta.dim(), dtype=torch.long, device=self.mesh.device)
+        dist.recv(shape, src=self.mesh.rank_of(from_stage))
+        hidden = torch.empty(tuple(shape.tolist()), dtype=meta.dtype, device=self.mesh.device)
+        dist.recv(hidden, src=self.mesh.rank_of(from_stage))
+        return hidden
+
+    def local_state_dict(self) -> dict[str, torch.Tensor]:
+        """This rank's tensors (its stages' shards) under the original names."""
+        out: dict[str, torch.Tensor] = {}
+        for module in self.stages.values():
+            out |= self._names.local(module)
+        return out
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full tensors under the original keys, gathered across tp and pp, on every rank (collective)."""
+        mine = {n: gather_tp(self.plan, n, t, self.mesh.tp_group).cpu() for n, t in self.local_state_dict().items()}
+        everyone: list = [None] * self.mesh.pp
+        dist.all_gather_object(everyone, mine, group=self.mesh.pp_group)
+        full: dict[str, torch.Tensor] = {}
+        for part in everyone:
+            for name, tensor in part.items():
+                full.setdefault(name, tensor)
+        return self._names.complete(full)

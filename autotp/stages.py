@@ -1,0 +1,144 @@
+"""Split one rank's (tensor-parallel) graph into pipeline-stage GraphModules.
+
+Stage boundaries come from the plan: stage i starts at its first module, i.e. at the last cut
+candidate before that module's first parameter reader (the same rule as forced cuts). A stage takes
+the hidden state from the previous stage plus the model's inputs, from which it recomputes the
+values that depend only on inputs and buffers (masks, positions, RoPE tables); it returns its hidden
+state and passes the inputs on, so every stage sees them. The last stage returns the model's outputs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import fx
+
+from autotp.errors import PlanError
+from autotp.passes.cuts import Cut, find_cuts
+from autotp.passes.graph import grad_nodes
+from autotp.pipeline_plan import _module_starts, _unit_index
+from autotp.plan import Plan
+
+HIDDEN = "autotp_hidden"
+
+
+@dataclass(frozen=True)
+class Boundaries:
+    """The hidden-state value and graph position at the end of each stage but the last."""
+
+    cuts: tuple[Cut, ...]
+
+
+def stage_boundaries(analysis, plan: Plan) -> Boundaries:
+    """The cut ending each stage, re-derived from each next stage's first module."""
+    cuts = find_cuts(analysis.graph, analysis.trainable)
+    starts = _module_starts(analysis)
+    chosen = []
+    for stage in plan.stages[1:]:
+        first = stage.modules[0] if stage.modules else None
+        if first not in starts:
+            raise PlanError(f"pipeline stage {stage.index} starts at {first!r}, which this model does not have "
+                            "with parameters; re-plan for this model")
+        unit = _unit_index(cuts, starts[first])
+        if unit == 0 or (chosen and cuts[unit - 1] == chosen[-1]):
+            raise PlanError(f"pipeline stage {stage.index} starting at {first!r} would be empty; re-plan")
+        chosen.append(cuts[unit - 1])
+    return Boundaries(tuple(chosen))
+
+
+def _stage_of_nodes(gm: fx.GraphModule, original_position: dict[str, int], bounds: Boundaries) -> dict[str, int]:
+    """Stage of every node; nodes the rewrite inserted go with their first reader."""
+    stage: dict[str, int] = {}
+    for node in reversed(list(gm.graph.nodes)):
+        if node.name in original_position:
+            stage[node.name] = sum(c.position < original_position[node.name] for c in bounds.cuts)
+        else:
+            stage[node.name] = min((stage[u.name] for u in node.users), default=len(bounds.cuts))
+    return stage
+
+
+class _StageBuilder:
+    """Builds the graph of one stage by copying its nodes (and what they need) from the rank graph."""
+
+    def __init__(self, gm: fx.GraphModule, stage_of: dict[str, int], grad: set[str], index: int, bounds: Boundaries):
+        self.gm, self.stage_of, self.grad, self.index = gm, stage_of, grad, index
+        self.incoming = bounds.cuts[index - 1].value if index > 0 else None
+        self.outgoing = bounds.cuts[index].value if index < len(bounds.cuts) else None
+        self.graph = fx.Graph()
+        self.env: dict[str, fx.Node] = {}
+        self.nodes = {n.name: n for n in gm.graph.nodes}
+
+    def build(self) -> fx.Graph:
+        nodes = list(self.gm.graph.nodes)
+        inputs = [n for n in nodes if n.op == "placeholder"]
+        if self.incoming is not None:
+            hidden = self.graph.placeholder(HIDDEN)
+            hidden.meta = dict(self.nodes[self.incoming].meta)
+            self.env[self.incoming] = hidden
+        for node in inputs:
+            self.env[node.name] = self.graph.placeholder(node.name)
+            self.env[node.name].meta = node.meta
+        for node in nodes:
+            if node.op in ("placeholder", "output") or self._skip(node):
+                continue
+            if self.stage_of[node.name] == self.index and node.name not in self.env:
+                self._copy(node)
+        self._output(nodes[-1], inputs)
+        return self.graph
+
+    def _skip(self, node: fx.Node) -> bool:
+        # The export's input-shape guard module belongs to the whole model, not to a stage.
+        return node.op == "call_module" and node.target == "_guards_fn"
+
+    def _copy(self, node: fx.Node) -> fx.Node:
+        for dep in node.all_input_nodes:
+            if dep.name not in self.env:
+                self._bring(dep)
+        self.env[node.name] = self.graph.node_copy(node, lambda n: self.env[n.name])
+        return self.env[node.name]
+
+    def _bring(self, node: fx.Node) -> None:
+        """A value from another stage: parameters and input-only values are recomputed here."""
+        if node.op == "get_attr" or node.name not in self.grad:
+            self._copy(node)
+            return
+        raise PlanError(f"stage {self.index} needs {node.name!r} from another stage, but only the hidden state "
+                        f"{self.incoming!r} crosses the boundary; re-plan this model")
+
+    def _output(self, output: fx.Node, inputs: list[fx.Node]) -> None:
+        if self.outgoing is None:
+            flat = output.args[0]
+            results = [self._lookup(v) for v in (flat if isinstance(flat, (list, tuple)) else [flat])]
+            self.graph.output(tuple(results))
+        else:
+            self.graph.output((self._lookup_node(self.outgoing), *(self.env[n.name] for n in inputs)))
+
+    def _lookup(self, value):
+        return self._lookup_node(value.name) if isinstance(value, fx.Node) else value
+
+    def _lookup_node(self, name: str) -> fx.Node:
+        if name not in self.env:
+            self._bring(self.nodes[name])
+        return self.env[name]
+
+
+def split_stages(gm: fx.GraphModule, analysis, plan: Plan, indices: list[int]) -> list[fx.GraphModule]:
+    """GraphModules for pipeline stages ``indices`` of this rank's graph ``gm``.
+
+    Stage ``i > 0`` takes ``(hidden, *model_inputs)``; stages before the last return
+    ``(hidden, *model_inputs)``; the last returns the model's flattened outputs.
+    """
+    bounds = stage_boundaries(analysis, plan)
+    position = {n.name: i for i, n in enumerate(analysis.graph.nodes)}
+    stage_of = _stage_of_nodes(gm, position, bounds)
+    grad = grad_nodes(gm.graph, analysis.trainable)
+    out = []
+    for index in indices:
+        graph = _StageBuilder(gm, stage_of, grad, index, bounds).build()
+        # Drop values assigned to this stage but read only by later ones; the purity check needs an
+        # owning module, and rebuilding afterwards copies only the attributes still read.
+        graph.owning_module = gm
+        graph.eliminate_dead_code()
+        graph.lint()
+        out.append(fx.GraphModule(gm, graph, class_name=f"AutotpStage{index}"))
+    return out

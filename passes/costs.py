@@ -1,0 +1,110 @@
+"""Cost model: FLOPs, parameter bytes and activation bytes of every node, as sympy expressions.
+
+Sizes that vary (batch, sequence) stay symbolic, named as the capture named them (``B``, ``T``), so
+one analysis serves every batch and sequence length; ``evaluate`` plugs numbers in. Counts are of the
+forward pass; backward is taken as twice the forward (the usual estimate for matmul-dominated models).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import sympy
+import torch
+from torch import fx
+
+from autotp.passes.graph import is_tensor, meta_val
+
+aten = torch.ops.aten
+
+_MATMULS = {aten.linear.default, aten.addmm.default, aten.mm.default, aten.matmul.default, aten.bmm.default}
+_ATTENTION = {aten.scaled_dot_product_attention.default}
+_NORMS = {aten.layer_norm.default, aten.rms_norm.default, aten.native_layer_norm.default}
+_FREE = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default,
+         aten.permute.default, aten.transpose.int, aten.t.default, aten.unsqueeze.default, aten.squeeze.dim,
+         aten.slice.Tensor, aten.select.int, aten.split.Tensor, aten.split_with_sizes.default,
+         aten.alias.default, aten.detach.default, aten.sym_size.int}
+"""Ops that only re-index memory: no FLOPs and (as views) no new activation memory."""
+
+
+@dataclass(frozen=True)
+class NodeCost:
+    """Forward costs of one node; expressions in the capture's size symbols."""
+
+    flops: sympy.Expr
+    activation_bytes: sympy.Expr
+    param_bytes: int = 0
+    param_count: int = 0
+
+
+def _numel(shape) -> sympy.Expr:
+    return sympy.Mul(*[sympy.sympify(d) for d in shape]) if shape else sympy.Integer(1)
+
+
+def _shape(node) -> tuple:
+    return tuple(int(d) if isinstance(d, int) else d.node.expr for d in meta_val(node).shape)
+
+
+def _matmul_flops(node: fx.Node) -> sympy.Expr:
+    """2·(output elements)·(contraction size); the contraction is the last dim of the activation input."""
+    x = node.args[1] if node.target is aten.addmm.default else node.args[0]
+    return 2 * _numel(_shape(node)) * sympy.sympify(_shape(x)[-1])
+
+
+def _attention_flops(node: fx.Node) -> sympy.Expr:
+    """QKᵀ and (softmax)·V: 2·2·B·H·T·S·D, the quadratic term in sequence length."""
+    q, k = _shape(node.args[0]), _shape(node.args[1])
+    return 4 * _numel(q) * sympy.sympify(k[-2])
+
+
+def node_cost(node: fx.Node) -> NodeCost:
+    """The forward cost of one node."""
+    if node.op == "get_attr":
+        val = meta_val(node)
+        if isinstance(val, torch.Tensor):
+            n = math.prod(val.shape)
+            return NodeCost(sympy.Integer(0), sympy.Integer(0), n * val.element_size(), n)
+        return NodeCost(sympy.Integer(0), sympy.Integer(0))
+    if node.op != "call_function" or not is_tensor(node):
+        return NodeCost(sympy.Integer(0), sympy.Integer(0))
+    out = _numel(_shape(node))
+    itemsize = meta_val(node).element_size()
+    if node.target in _FREE:
+        return NodeCost(sympy.Integer(0), sympy.Integer(0))
+    if node.target in _MATMULS:
+        flops = _matmul_flops(node)
+    elif node.target in _ATTENTION:
+        flops = _attention_flops(node)
+    elif node.target in _NORMS:
+        flops = 5 * out  # mean, variance, normalise, scale, shift
+    elif node.target is aten.embedding.default:
+        flops = sympy.Integer(0)  # a lookup
+    else:
+        flops = out  # elementwise and the rest: one operation per output element
+    return NodeCost(flops, out * itemsize)
+
+
+def costs(graph: fx.Graph, trainable: set[str] | None = None) -> dict[str, NodeCost]:
+    """The forward cost of every node, keyed by node name.
+
+    Parameters are counted once, at their ``get_attr``; buffers (``trainable`` given) count no parameters.
+    """
+    out = {}
+    for node in graph.nodes:
+        cost = node_cost(node)
+        if node.op == "get_attr" and trainable is not None and node.target not in trainable:
+            cost = NodeCost(cost.flops, cost.activation_bytes)
+        out[node.name] = cost
+    return out
+
+
+def evaluate(expr, sizes: dict[str, int]) -> float:
+    """The value of a cost expression with the size symbols (by name) set to ``sizes``."""
+    expr = sympy.sympify(expr)
+    return float(expr.subs({s: sizes[s.name] for s in expr.free_symbols if s.name in sizes}))
+
+
+def tensor_bytes(node: fx.Node, sizes: dict[str, int]) -> float:
+    """Bytes of the tensor ``node`` produces, at the given sizes."""
+    return evaluate(_numel(_shape(node)), sizes) * meta_val(node).element_size()

@@ -1,0 +1,79 @@
+"""Where a model can be cut into pipeline stages: points where the graph narrows to one hidden state.
+
+Walking the graph in order, a cut after position i is possible when exactly one value computed from
+parameters is still needed later: the hidden state, which is all the next stage must receive. Values
+computed only from the inputs and buffers (attention masks, position ids, RoPE tables) do not count:
+every stage recomputes them from the model inputs, which each stage receives. Module names play no
+part; they only label the result.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import networkx as nx
+from torch import fx
+
+from autotp.passes.graph import grad_nodes, is_tensor, rank
+
+
+@dataclass(frozen=True)
+class Cut:
+    """A possible stage boundary: everything up to ``position`` goes before, ``value`` crosses over."""
+
+    value: str
+    """The node whose tensor is sent to the next stage."""
+    position: int
+    """Index (in graph order) of the last node before the boundary."""
+
+
+def dataflow(graph: fx.Graph) -> nx.DiGraph:
+    """The graph as a networkx DiGraph of node names (edges from producer to consumer)."""
+    g = nx.DiGraph()
+    for node in graph.nodes:
+        g.add_node(node.name, position=len(g))
+        g.add_edges_from((a.name, node.name) for a in node.all_input_nodes)
+    return g
+
+
+def param_users(graph: fx.Graph, trainable: set[str]) -> list[str]:
+    """Nodes that read a trainable parameter directly, in graph order (where the work of a stage is)."""
+    return [n.name for n in graph.nodes if n.op == "call_function"
+            and any(a.op == "get_attr" and a.target in trainable for a in n.all_input_nodes)]
+
+
+def _first_of_runs(cuts: list[Cut], weighted: list[int]) -> list[Cut]:
+    """One cut per run of cuts with no parameter-reading node between them (the earliest of the run).
+
+    Cuts with nothing but reshapes and casts between them would make empty stages.
+    """
+    kept: list[Cut] = []
+    for cut in cuts:
+        if not kept or any(kept[-1].position < w <= cut.position for w in weighted):
+            kept.append(cut)
+    return kept
+
+
+def find_cuts(graph: fx.Graph, trainable: set[str]) -> list[Cut]:
+    """Every place the parameter-dependent dataflow narrows to a single hidden-state tensor."""
+    flow = dataflow(graph)
+    order = list(nx.lexicographical_topological_sort(flow, key=lambda n: flow.nodes[n]["position"]))
+    position = {name: i for i, name in enumerate(order)}
+    nodes = {n.name: n for n in graph.nodes}
+    computed = {n for n in grad_nodes(graph, trainable) if nodes[n].op == "call_function"}
+    last_use = {n: max((position[u] for u in flow.successors(n)), default=position[n]) for n in computed}
+    remaining = len(computed)
+    live: set[str] = set()
+    cuts: list[Cut] = []
+    for i, name in enumerate(order):
+        if name in computed:
+            live.add(name)
+            remaining -= 1
+        live = {v for v in live if last_use[v] > i}
+        if remaining and len(live) == 1:
+            (value,) = live
+            node = nodes[value]
+            if is_tensor(node) and rank(node) >= 2 and (not cuts or cuts[-1].value != value):
+                cuts.append(Cut(value, i))
+    weighted = [position[n] for n in param_users(graph, trainable)]
+    return _first_of_runs(cuts, weighted)
