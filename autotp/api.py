@@ -87,7 +87,8 @@ def parallelize(model: nn.Module, tp: int, example_inputs, pp: int = 1, plan: Pl
     The model itself is left untouched. Uses ``group`` if given (pp == 1 only), else the default
     process group, initialised from torchrun's environment when needed. With ``plan`` given, applies
     it instead of planning. With pp > 1, ``step`` runs ``microbatches`` (default pp) through the
-    ``schedule`` (``gpipe``, ``1f1b`` or ``interleaved1f1b`` with ``virtual_stages`` stages per rank).
+    ``schedule`` (``gpipe``, ``1f1b`` or ``interleaved1f1b`` with ``virtual_stages`` stages per rank);
+    1F1B schedules need at least as many microbatches as stages (the default).
     """
     tp, pp = _check_positive("tp", tp), _check_positive("pp", pp)
     sched = _schedule(schedule)
@@ -103,7 +104,10 @@ def parallelize(model: nn.Module, tp: int, example_inputs, pp: int = 1, plan: Pl
     check_same_plan(chosen, group)
     if pp == 1:
         return _tensor_parallel(model, captured, chosen, group)
-    micro = _check_positive("microbatches", microbatches or pp)
+    micro = _check_positive("microbatches", microbatches or stages)
+    if sched is not Schedule.GPIPE and micro < stages:
+        raise InputError(f"schedule {sched.value} needs at least {stages} microbatches (one per stage) to fill the "
+                         f"pipeline, got microbatches={micro}; raise microbatches or use schedule='gpipe'")
     return _pipeline_parallel(model, captured, chosen, sched, micro)
 
 

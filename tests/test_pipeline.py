@@ -1,0 +1,102 @@
+"""Pipeline and 2-D (tp x pp) parallelism train exactly like the original; the balancer is optimal."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import autotp
+from autotp.balance import Balance, balanced_split, brute_force, objective
+from examples.gpt import build_gpt
+from tests import models, pipeline_workers
+from tests.distributed import run_on_ranks
+
+MODELS = ["gpt", "llama", "hf_llama", "hf_gpt2"]
+SCHEDULES = ["gpipe", "1f1b"]
+CONFIGS = [[m, s] for m in MODELS for s in SCHEDULES]
+
+
+@pytest.mark.parametrize("tp, pp", [(1, 2), (2, 2), (1, 4)])
+def test_pipeline_trains_like_the_original(tp, pp):
+    results = run_on_ranks(pipeline_workers.check_pipelines, tp * pp, tp, CONFIGS)
+    for key, r in results[0].items():
+        assert len(r["stages"]) == pp, key
+        # Stages hold disjoint layers: a rank holds well under the whole model.
+        assert r["local_params"] < 0.75 * r["total_params"] / (tp * pp) * tp * pp, key
+
+
+def test_interleaved_schedule_with_virtual_stages():
+    results = run_on_ranks(pipeline_workers.check_pipelines, 2, 1, [["gpt", "interleaved1f1b"]])
+    assert len(results[0]["gpt/interleaved1f1b"]["stages"]) == 4
+
+
+def test_pipeline_input_errors():
+    messages = run_on_ranks(pipeline_workers.bad_pipeline_inputs, 2)[0]
+    assert "tp=2 x pp=2 needs 4" in messages["world"]
+    assert "batch size 4 is not divisible by microbatches=3" in messages["microbatches"]
+    assert "1f1b needs at least 2 microbatches" in messages["too_few"]
+
+
+@pytest.mark.parametrize("balance", list(Balance))
+def test_dp_split_equals_brute_force(balance):
+    rng = random.Random(0)
+    for _ in range(200):
+        n = rng.randint(1, 9)
+        stages = rng.randint(1, n)
+        compute = [rng.uniform(0, 10) for _ in range(n)]
+        params = [rng.uniform(0, 10) for _ in range(n)]
+        forced = sorted(rng.sample(range(1, n), min(stages - 1, rng.randint(0, 2)))) if n > 1 else []
+        starts = balanced_split(compute, params, stages, balance, forced)
+        best, _ = brute_force(compute, params, stages, balance, forced)
+        assert objective(compute, params, starts, balance) == pytest.approx(best, rel=1e-12, abs=1e-12)
+        assert set(forced) <= set(starts)
+
+
+class _Tapered(torch.nn.Module):
+    """Blocks whose width shrinks with depth: equal layer counts per stage would be badly balanced."""
+
+    def __init__(self, widths=(256, 128, 64, 32, 16, 16)):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(32, w), torch.nn.GELU(), torch.nn.Linear(w, 32)) for w in widths)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = x + block(x)
+        return x
+
+
+def test_uneven_blocks_are_not_split_by_layer_count():
+    plan = autotp.plan(_Tapered(), tp=1, pp=2, example_inputs=(torch.randn(4, 8, 32),))
+    first = [m for m in plan.stages[0].modules]
+    assert first == ["blocks.0"], plan.summary()  # the widest block alone weighs about as much as the rest
+    even_split = 3
+    assert len(first) != even_split
+    assert plan.imbalance()["compute"] < 1.2
+
+
+def test_heavy_head_moves_the_cut():
+    """A large vocabulary makes the LM head expensive: the last stage must take fewer blocks."""
+    example = (models.tokens(2, 16, 0),)
+    torch.manual_seed(0)
+    light = autotp.plan(build_gpt(n_layer=4), tp=1, pp=2, balance="compute", example_inputs=example)
+    heavy = autotp.plan(build_gpt(n_layer=4, vocab_size=4096), tp=1, pp=2, balance="compute", example_inputs=example)
+    assert len(heavy.stages[1].modules) < len(light.stages[1].modules), (light.summary(), heavy.summary())
+
+
+def test_forced_cut_by_module_name():
+    plan = autotp.plan(models.build("gpt", layers=4), tp=1, pp=2, cuts=["transformer.h.1"],
+                       example_inputs=(models.tokens(2, 16, 0),))
+    assert plan.stages[1].modules[0] == "transformer.h.1"
+
+
+def test_forced_cut_naming_unknown_module():
+    with pytest.raises(autotp.PlanError, match="no module of that name"):
+        autotp.plan(models.build("gpt"), tp=1, pp=2, cuts=["transformer.h.9"], example_inputs=(models.tokens(2, 16, 0),))
+
+
+def test_pp_larger_than_cut_candidates():
+    with pytest.raises(autotp.PlanError, match=r"pp=40 but GPT can be cut in only \d+ places"):
+        autotp.plan(models.build("gpt"), tp=1, pp=40, example_inputs=(models.tokens(2, 16, 0),))
