@@ -17,3 +17,15 @@ def test_tp_demo_under_torchrun():
     assert "attention  column: transformer.h.0.attn.c_attn  row: transformer.h.0.attn.c_proj" in out
     diff = float(re.search(r"max \|output difference\| vs unsharded model: (\S+)", out).group(1))
     assert diff < 1e-5, out
+
+
+def test_train_gpt_tp2_pp2_on_four_processes():
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "examples/train_gpt.py",
+         "--tp", "2", "--pp", "2", "--steps", "12", "--batch", "8", "--seq", "32"],
+        cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = result.stdout
+    assert "stage 1:" in out and "tokens/s" in out and "peak memory" in out
+    first, last = map(float, re.search(r"loss (\S+) -> (\S+) over 12 steps", out).groups())
+    assert last < first, out
