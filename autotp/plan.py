@@ -13,6 +13,8 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 
+import sympy
+
 from autotp.errors import InputError
 
 SCHEMA_VERSION = 1
@@ -111,6 +113,14 @@ class Collective:
     """Shape of the communicated tensor, with ``B``/``T``-style symbols for dynamic sizes."""
     itemsize: int = 4
     """Bytes per element."""
+
+    def nbytes(self, batch: int, seq: int) -> int:
+        """Bytes this collective moves per call at the given batch size and sequence length."""
+        values = {"B": batch, "T": seq}
+        count = 1
+        for dim in self.shape:
+            count *= int(sympy.sympify(dim).subs({sympy.Symbol(k): v for k, v in values.items()}))
+        return count * self.itemsize
 
     def to_dict(self) -> dict:
         """A JSON-ready dict."""

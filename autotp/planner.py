@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import math
 
+import sympy
+
 from autotp.balance import Balance
 from autotp.capture import Captured
 from autotp.errors import PlanError
@@ -120,8 +122,14 @@ def _vocab_placements(analysis: Analysis, tp: int, notes: list[str]) -> tuple[di
 
 
 def _shape(analysis: Analysis, node_name: str) -> tuple[str, ...]:
+    """A node's shape with the capture's size symbols renamed (``s70*s72`` -> ``B*T``)."""
     names = analysis.captured.dim_names
-    return tuple(names.get(str(d), str(d)) for d in sizes(analysis.nodes[node_name]))
+
+    def readable(size) -> str:
+        expr = sympy.sympify(size)  # shape-env symbols carry assumptions: match them by name
+        return str(expr.subs({s: sympy.Symbol(names[s.name]) for s in expr.free_symbols if s.name in names}))
+
+    return tuple(readable(d) for d in sizes(analysis.nodes[node_name]))
 
 
 def _collectives(analysis: Analysis, prop) -> list[Collective]:

@@ -1,0 +1,48 @@
+"""The cost model counts what the textbook formulas say, symbolically in batch and sequence length."""
+
+import sympy
+import torch
+
+import autotp
+from autotp.capture import capture
+from autotp.passes.costs import costs, evaluate
+from autotp.passes.graph import trainable_attrs
+from tests import models
+
+
+def _by_target(captured, target):
+    return [n for n in captured.graph.nodes if n.op == "call_function" and n.target is target]
+
+
+def test_linear_and_attention_flops_are_symbolic_in_batch_and_sequence():
+    captured = capture(models.build("gpt", layers=1), (models.tokens(2, 16, 0),))
+    table = costs(captured.graph, trainable_attrs(captured.module))
+    sym = {v: k for k, v in captured.dim_names.items()}
+    sizes = {sym["B"]: 3, sym["T"]: 10}
+    qkv = _by_target(captured, torch.ops.aten.linear.default)[0]
+    assert evaluate(table[qkv.name].flops, sizes) == 2 * 3 * 10 * 64 * 192
+    sdpa = _by_target(captured, torch.ops.aten.scaled_dot_product_attention.default)[0]
+    assert evaluate(table[sdpa.name].flops, sizes) == 4 * 3 * 4 * 10 * 10 * 16  # quadratic in T
+    free = {s.name for s in sympy.sympify(table[sdpa.name].flops).free_symbols}
+    assert free == {sym["B"], sym["T"]}
+
+
+def test_parameters_counted_once_per_tensor():
+    model = models.build("gpt", layers=2)
+    captured = capture(model, (models.tokens(2, 16, 0),))
+    table = costs(captured.graph, trainable_attrs(captured.module))
+    assert sum(c.param_count for c in table.values()) == sum(p.numel() for p in model.parameters())
+
+
+def test_collective_bytes_at_given_sizes():
+    plan = autotp.plan(models.build("hf_gpt2"), tp=2, example_inputs=(models.tokens(2, 16, 0),))
+    reduce = next(c for c in plan.collectives if c.operator == "g")
+    assert reduce.shape in (("B", "T", "64"), ("B*T", "64"))
+    assert reduce.nbytes(batch=8, seq=64) == 8 * 64 * 64 * 4
+
+
+def test_stage_boundary_bytes_are_the_hidden_state():
+    plan = autotp.plan(models.build("gpt", layers=4), tp=1, pp=2, batch=8, seq=32,
+                       example_inputs=(models.tokens(2, 16, 0),))
+    assert (plan.batch, plan.seq) == (8, 32)
+    assert plan.stages[0].boundary_bytes == 8 * 32 * 64 * 4 and plan.stages[1].boundary_bytes == 0
