@@ -10,6 +10,7 @@ their weight, so the same code checks a candidate plan and drives the final rewr
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -100,12 +101,40 @@ class _Walker:
         self.auto_rows = auto_rows
         self.ctx = Context(tp=tp, grad=grad)
         self.result = Propagation(tp=tp)
-        self.nodes = {n.name: n for n in graph.nodes}
 
-    def run(self) -> Propagation:
-        for node in self.graph.nodes:
+    @functools.cached_property
+    def nodes(self) -> dict[str, fx.Node]:
+        return {n.name: n for n in self.graph.nodes}
+
+    def run(self, windowed: bool) -> Propagation:
+        """Walk the graph; ``windowed`` walks only from the first split parameter's reader until no
+        split value is left (enough when looking for one region, and linear in the region's size)."""
+        nodes = list(self.graph.nodes)
+        readers = [i for i, n in enumerate(nodes) if n.op == "call_function"
+                   and any(a.op == "get_attr" and a.target in self.param_layouts for a in n.all_input_nodes)]
+        start, last_seed = (readers[0], readers[-1]) if windowed and readers else (0, len(nodes))
+        open_users: dict[str, int] = {}
+        for i, node in enumerate(nodes):
+            if i < start and node.op != "get_attr":
+                continue  # before any split parameter is read, everything is replicated
             self.visit(node)
+            if windowed:
+                self._track(node, open_users)
+                if i >= last_seed and not open_users:
+                    break
         return self.result
+
+    def _track(self, node: fx.Node, open_users: dict[str, int]) -> None:
+        """Count the unvisited readers of split values; none left means no split value is live."""
+        for a in node.all_input_nodes:
+            if a.name in open_users:
+                open_users[a.name] -= 1
+                if not open_users[a.name]:
+                    del open_users[a.name]
+        lay = self.result.layouts.get(node.name)
+        split = isinstance(lay, Shard) or (isinstance(lay, tuple) and any(isinstance(x, Shard) for x in lay))
+        if split and node.users and node.op != "get_attr":
+            open_users[node.name] = len(node.users)
 
     def layout(self, node: fx.Node) -> Layout:
         return self.result.layouts.get(node.name)
@@ -188,11 +217,14 @@ class _Walker:
 
 
 def propagate(graph: fx.Graph, projections: Mapping[str, Projection], embeddings: Mapping[str, Embedding],
-              param_layouts: Mapping[str, Shard], tp: int, trainable: set[str], auto_rows: bool = False) -> Propagation:
+              param_layouts: Mapping[str, Shard], tp: int, trainable: set[str], auto_rows: bool = False,
+              grad: set[str] | None = None) -> Propagation:
     """Propagate the parameter layouts (keyed by ``get_attr`` target) through ``graph``.
 
     With ``auto_rows``, a projection that receives its input split along the features becomes
-    row-split, which is how the planner discovers where a column-split region closes.
+    row-split, which is how the planner discovers where a column-split region closes; the walk then
+    covers only the region. ``grad`` (the nodes gradients flow through) may be passed in when known.
     """
-    walker = _Walker(graph, projections, embeddings, param_layouts, tp, grad_nodes(graph, trainable), auto_rows)
-    return walker.run()
+    grad = grad if grad is not None else grad_nodes(graph, trainable)
+    walker = _Walker(graph, projections, embeddings, param_layouts, tp, grad, auto_rows)
+    return walker.run(windowed=auto_rows)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
+from autotp.passes.graph import grad_nodes
 from autotp.passes.layout import Shard
 from autotp.passes.projections import Projection
 from autotp.passes.propagate import Propagation, Violation, propagate
@@ -81,6 +82,7 @@ class _RegionFinder:
         self.graph, self.projections, self.embeddings = graph, projections, embeddings
         self.trainable, self.tp = trainable, tp
         self.nodes = {n.name: n for n in graph.nodes}
+        self.grad = grad_nodes(graph, trainable)
 
     def attempt(self, columns: list[Projection], tp: int) -> tuple[Propagation, dict, dict]:
         """Propagate with ``columns`` column-split; refine until nothing more is learnt.
@@ -92,7 +94,7 @@ class _RegionFinder:
         params: dict[str, Shard] = {}
         for _ in range(4):
             prop = propagate(self.graph, self.projections, self.embeddings, _layouts(columns, segments) | params,
-                             tp, self.trainable, auto_rows=True)
+                             tp, self.trainable, auto_rows=True, grad=self.grad)
             learnt = segments | {next(iter(o)): parts for o, parts in prop.hints.items() if len(o) == 1}
             if learnt != segments:
                 segments, params = learnt, {}  # parameters are re-learnt against the new segments
