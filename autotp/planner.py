@@ -132,22 +132,22 @@ def _shape(analysis: Analysis, node_name: str) -> tuple[str, ...]:
     return tuple(readable(d) for d in sizes(analysis.nodes[node_name]))
 
 
+# Each conversion step -> (collective, pass it runs in, Megatron's name); where it sits: the value's
+# reader for f and scatter (they belong to the region), the value itself for a gather.
+_STEP_COLLECTIVE = {"copy": ("all_reduce", "backward", "f"), "gather": ("all_gather", "forward", "gather"),
+                    "scatter": ("all_gather", "backward", "scatter")}
+
+
 def _collectives(analysis: Analysis, prop) -> list[Collective]:
     """The collectives the rewrite will insert, in graph order, for people and cost models."""
     order = {name: i for i, name in enumerate(analysis.nodes)}
     found = []
     for conv in prop.conversions.values():
-        consumer = conv.consumers[0][0]
         for step in conv.steps:
-            if step[0] == "copy":
-                found.append((order[conv.source], Collective("all_reduce", "backward", "f", analysis.module(consumer),
-                                                             _shape(analysis, conv.source))))
-            elif step[0] == "gather":
-                found.append((order[conv.source], Collective("all_gather", "forward", "gather",
-                                                             analysis.module(conv.source), _shape(analysis, conv.source))))
-            else:
-                found.append((order[conv.source], Collective("all_gather", "backward", "scatter",
-                                                             analysis.module(consumer), _shape(analysis, conv.source))))
+            op, direction, operator = _STEP_COLLECTIVE[step[0]]
+            at = conv.source if step[0] == "gather" else conv.consumers[0][0]
+            found.append((order[conv.source], Collective(op, direction, operator, analysis.module(at),
+                                                         _shape(analysis, conv.source))))
     for node in prop.reduced:
         operator = "vocab_embedding" if node in analysis.embeddings else "g"
         found.append((order[node], Collective("all_reduce", "forward", operator, analysis.module(node),
