@@ -119,13 +119,17 @@ def parse_spec(text: str, overrides: tuple[tuple[str, object], ...] = ()) -> Mod
 def _import_file(path: Path):
     if not path.is_file():
         raise InputError(f"MODEL file {str(path)!r} does not exist (looked in {Path.cwd()}); give a path to a .py file")
-    # Like `python file.py`, the file's folder is importable, so its sibling imports work.
-    sys.path.insert(0, str(path.resolve().parent))
-    spec = importlib.util.spec_from_file_location(f"_autotp_model_{path.stem}", path)
+    folder = str(path.resolve().parent)
+    if folder not in sys.path:  # like `python file.py`: the file's folder is importable, so sibling imports work
+        sys.path.insert(0, folder)
+    name = f"_autotp_model_{path.stem}"
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses and pickling look the defining module up by name
     try:
         spec.loader.exec_module(module)
     except Exception as e:  # user code: any failure means "could not load the model file"
+        del sys.modules[name]
         raise InputError(f"importing {path} failed: {type(e).__name__}: {_first_line(e)}") from e
     return module
 
@@ -169,9 +173,10 @@ def _call_factory(obj, spec: ModelSpec) -> nn.Module:
         raise InputError(f"{spec} is a {type(obj).__name__}, not a model, a model class or a factory function")
     try:
         model = obj(**dict(spec.overrides))
-    except Exception as e:  # user code: report it in one line with the fix
-        raise InputError(f"building the model with {spec}(...) failed: {type(e).__name__}: {_first_line(e)}; "
-                         "pass the factory's arguments with --set name=value") from e
+    except Exception as e:  # user code: report it in one line, with the fix when it is ours to give
+        hint = "; pass the factory's arguments with --set name=value" if isinstance(e, TypeError) else ""
+        raise InputError(f"building the model with {spec}(...) failed: {type(e).__name__}: {_first_line(e)}"
+                         f"{hint}") from e
     if not isinstance(model, nn.Module):
         raise InputError(f"{spec}(...) returned a {type(model).__name__}, not a torch.nn.Module")
     return model
@@ -212,6 +217,10 @@ def hf_config(spec: ModelSpec):
         _check_keys(default, overrides, spec.target)
         fields = default.to_dict()
         small = {k: v for k, v in SMALL_HF.items() if k in fields}
+        vocab = overrides.get("vocab_size", small.get("vocab_size"))
+        # Special token ids of the full vocabulary (a padding index, say) would not fit the small one.
+        small |= {k: None for k in ("pad_token_id", "bos_token_id", "eos_token_id")
+                  if isinstance(fields.get(k), int) and vocab is not None and fields[k] >= vocab}
         # Passed at construction so derived fields (head_dim, per-layer lists) follow the small sizes.
         return transformers.AutoConfig.for_model(spec.target, **(small | overrides))
     path = Path(spec.target)

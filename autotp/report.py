@@ -77,14 +77,10 @@ def human_count(n: float) -> str:
 
 def collective_bytes(c: Collective, batch: int, seq: int) -> int | None:
     """Bytes of the communicated tensor at ``batch``/``seq`` (None when its shape has other symbols)."""
-    numel = 1
-    for dim in c.shape:
-        value = sympy.sympify(dim, locals={"B": sympy.Symbol("B"), "T": sympy.Symbol("T")})
-        value = value.subs({sympy.Symbol("B"): batch, sympy.Symbol("T"): seq})
-        if not value.is_number:
-            return None
-        numel *= int(value)
-    return numel * c.itemsize
+    try:
+        return c.nbytes(batch, seq)
+    except (TypeError, ValueError, sympy.SympifyError):  # a symbol other than B and T: no size to give
+        return None
 
 
 def ring_bytes(c: Collective, tp: int, batch: int, seq: int) -> float | None:
@@ -259,8 +255,10 @@ def _stage_section(plan: Plan, params: dict[str, ParamInfo]) -> list[str]:
         body.append([str(stage.index), f"{span} ({len(stage.modules)})", f"{human_count(stage.flops)}FLOP",
                      human_count(stage.param_count), human_bytes(stage.activation_bytes),
                      human_bytes(stage.boundary_bytes), human_bytes(param_bytes(plan, params, names)[0])])
-    imb = plan.imbalance()
     header = ["stage", "modules", "fwd FLOPs/rank", "params", "activations", "sends", "param mem/rank"]
+    if len(plan.stages) == 1:
+        return [f"Pipeline stages (pp={plan.pp}):", *_table(header, body)]
+    imb = plan.imbalance()
     return [f"Pipeline stages (pp={plan.pp}, balanced for {plan.balance}):", *_table(header, body),
             f"imbalance (max/mean): compute {imb['compute']:.3f}, params {imb['params']:.3f}"]
 
@@ -277,10 +275,10 @@ def plan_table(plan: Plan, params: dict[str, ParamInfo], batch: int, seq: int, e
     lines += _collective_section(plan, batch, seq, expand) + [""]
     if plan.stages:
         lines += _stage_section(plan, params) + [""]
-    per_rank, whole = param_bytes(plan, params)
+    whole = param_bytes(plan, params)[1]
     fullest = per_rank_param_bytes(plan, params)
     payload, wire = step_bytes(plan, batch, seq)
-    where = " (fullest stage)" if plan.stages else ""
+    where = " (fullest stage)" if len(plan.stages) > 1 else ""
     lines += ["Totals:",
               f"  parameter memory per rank: {human_bytes(fullest)}{where} vs {human_bytes(whole)} unsharded "
               f"({whole / fullest if fullest else 1:.2f}x less)",

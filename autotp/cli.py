@@ -1,0 +1,291 @@
+"""The ``autotp`` command: read a plan (``plan``), look at it (``viz``), and run the benchmarks (``bench``).
+
+    autotp plan examples/gpt.py:build_gpt --tp 2                  # the table
+    autotp plan hf:llama --tp 2 --format json -o plan.json        # the plan file
+    autotp viz examples/gpt.py:build_gpt --tp 2 -o plan.svg       # the picture
+    autotp viz hf:llama --tp 2 --pp 2 --schedule 1f1b -o tl.png   # the pipeline timeline
+
+Anything the user can fix (a bad MODEL, an unknown format, tp that does not fit) is one line on
+stderr and exit code 2; a traceback means a bug in autotp.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import inspect
+import json
+import os
+import sys
+import warnings
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+
+from torch import nn
+
+import autotp
+from autotp.capture import capture
+from autotp.errors import AutotpError, InputError, PlanError
+from autotp.exports import Target, export_styles, to_hf_tp_plan, torch_plan_source
+from autotp.model_spec import build_model, example_inputs, parse_overrides, parse_spec
+from autotp.plan import Plan
+from autotp.report import ParamInfo, param_infos, per_rank_param_bytes, plan_table
+from autotp.viz import (
+    PictureFormat,
+    Schedule,
+    draw_graph,
+    draw_timeline,
+    format_for,
+    save,
+    simulate,
+    stage_costs,
+    to_dot,
+    viz_graph,
+)
+
+EXIT_USAGE = 2
+
+
+class UsageError(Exception):
+    """A bad command line (argparse's complaint), reported in one line."""
+
+
+class TextFormat(str, Enum):
+    """What ``autotp plan`` prints."""
+
+    TABLE = "table"
+    """Split modules, collectives per block, stages and totals, for people."""
+    JSON = "json"
+    """The plan file (``Plan.to_json``), loadable with ``autotp.Plan.from_json``."""
+    HF = "hf"
+    """A Hugging Face ``tp_plan`` dict as JSON (modules HF cannot express are left out, with a note)."""
+    TORCH = "torch"
+    """Python source of a torch ``parallelize_module`` plan."""
+
+
+class Balance(str, Enum):
+    """What the pipeline stage split balances."""
+
+    COMPUTE = "compute"
+    MEMORY = "memory"
+    BOTH = "both"
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # argparse prints usage and exits; we want one line and our exit code
+        raise UsageError(f"{message} (see `{self.prog} --help`)")
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", metavar="MODEL",
+                   help="path/to/file.py:factory, package.module:factory, hf:<model_type> or hf:path/to/config.json")
+    p.add_argument("--tp", type=_positive, help="tensor-parallel ranks (default: the --plan file's, else required)")
+    p.add_argument("--pp", type=_positive, default=1, help="pipeline stages (default 1)")
+    p.add_argument("--batch", type=_positive, default=8, help="batch size to cost the plan at (default 8)")
+    p.add_argument("--seq", type=_positive, default=32, help="sequence length to cost the plan at (default 32)")
+    p.add_argument("--balance", choices=[b.value for b in Balance], default=Balance.BOTH.value,
+                   help="what the stage split balances (default both)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="NAME=VALUE",
+                   help="factory keyword argument or HF config field; repeatable")
+    p.add_argument("--vocab", type=_positive, help="vocabulary of the example token ids (default: the model's)")
+    p.add_argument("--plan", dest="plan_file", metavar="FILE", help="read this plan (JSON) instead of planning")
+    p.add_argument("--expand", action="store_true", help="list every repeated block instead of collapsing them")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of ``autotp`` (errors raise ``UsageError`` instead of exiting)."""
+    parser = _Parser(prog="autotp", description="Read, draw and benchmark autotp's tensor/pipeline-parallel plans.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    plan = sub.add_parser("plan", help="print the plan as a table, JSON, or an HF/torch plan")
+    _common(plan)
+    plan.add_argument("--format", choices=[f.value for f in TextFormat], default=TextFormat.TABLE.value,
+                      help="what to print (default table)")
+    plan.add_argument("-o", "--output", metavar="FILE", help="write to FILE instead of stdout")
+    viz = sub.add_parser("viz", help="draw the plan (svg, png, html, dot) or its pipeline timeline")
+    _common(viz)
+    viz.add_argument("-o", "--output", metavar="FILE", required=True, help="plan.svg, plan.png, plan.html or plan.dot")
+    viz.add_argument("--format", metavar="{svg,png,html,dot}", help="picture format (default: from -o's suffix)")
+    viz.add_argument("--schedule", choices=["gpipe", "1f1b"], help="draw this pipeline schedule's timeline instead")
+    viz.add_argument("--microbatches", type=_positive,
+                     help="microbatches in the timeline (default: 2 x stages, at least 4)")
+    sub.add_parser("bench", help="run the benchmarks (bench/ in the repository; arguments pass through)",
+                   add_help=False)
+    return parser
+
+
+@dataclass(frozen=True)
+class Planned:
+    """A model, the example it was captured with, its plan and its parameter shapes."""
+
+    model: nn.Module
+    inputs: tuple
+    plan: Plan
+    params: dict[str, ParamInfo]
+
+
+def plan_kwargs(args, accepted) -> dict:
+    """Keyword arguments for ``autotp.plan``: pipeline settings the installed API accepts.
+
+    An autotp without pipeline planning takes none; asking it for pp > 1 is then a clear error.
+    """
+    wanted = {"pp": args.pp, "balance": args.balance, "batch": args.batch, "seq": args.seq}
+    missing = [k for k in ("pp", "balance") if k not in accepted and wanted[k] != {"pp": 1, "balance": "both"}[k]]
+    if missing:
+        raise InputError(f"this autotp.plan cannot plan pipeline stages (it has no {missing[0]!r} argument); "
+                         "use --pp 1, or update autotp")
+    return {k: v for k, v in wanted.items() if k in accepted}
+
+
+def _load_plan_file(path: str, params: dict[str, ParamInfo], tp: int | None) -> Plan:
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as e:
+        raise InputError(f"cannot read the plan file {path}: {e.strerror}") from e
+    plan = Plan.from_json(text)
+    if tp is not None and tp != plan.tp:
+        raise PlanError(f"the plan in {path} is for tp={plan.tp} but --tp {tp} was given; drop --tp or re-plan")
+    unknown = sorted(set(plan.placements) - set(params))
+    if unknown:
+        raise PlanError(f"the plan in {path} names parameters this model does not have ({unknown[0]}, ...); "
+                        "make the plan from this MODEL")
+    return plan
+
+
+def load_and_plan(args) -> Planned:
+    """Build MODEL, make its example inputs, and plan it (or read ``--plan``)."""
+    spec = parse_spec(args.model, parse_overrides(args.overrides))
+    if args.tp is None and not args.plan_file:
+        raise InputError("--tp is required (the number of tensor-parallel ranks), e.g. --tp 2")
+    model = build_model(spec)
+    inputs = example_inputs(model, args.vocab)
+    params = param_infos(model)
+    if args.plan_file:
+        return Planned(model, inputs, _load_plan_file(args.plan_file, params, args.tp), params)
+    kwargs = plan_kwargs(args, inspect.signature(autotp.plan).parameters)
+    return Planned(model, inputs, autotp.plan(model, args.tp, inputs, **kwargs), params)
+
+
+def _table(planned: Planned, args) -> str:
+    return plan_table(planned.plan, planned.params, args.batch, args.seq, expand=args.expand)
+
+
+def _emit(text: str, output: str | None) -> None:
+    if output:
+        Path(output).write_text(text if text.endswith("\n") else text + "\n", encoding="utf-8")
+    else:
+        print(text)
+
+
+def run_plan(args) -> int:
+    """``autotp plan``: print or write the table, the plan JSON, or an HF/torch plan."""
+    planned = load_and_plan(args)
+    plan, fmt = planned.plan, TextFormat(args.format)
+    if fmt is TextFormat.JSON:
+        text = plan.to_json()
+    elif fmt is TextFormat.HF:
+        text = json.dumps(to_hf_tp_plan(plan, strict=False), indent=2)
+        skipped = export_styles(plan, Target.HF).skipped
+        if skipped:
+            print(f"autotp: note: {len(skipped)} module(s) left replicated in the HF plan, e.g. "
+                  f"{next(iter(skipped))}: {next(iter(skipped.values()))}", file=sys.stderr)
+    elif fmt is TextFormat.TORCH:
+        text = torch_plan_source(plan)
+    else:
+        text = _table(planned, args)
+    _emit(text, args.output)
+    return 0
+
+
+def _stage_scale(plan: Plan, batch: int, seq: int) -> float:
+    """Stage FLOPs were costed at the plan's batch/seq; move them (about linearly) to the asked ones."""
+    return (batch * seq) / (plan.batch * plan.seq) if plan.batch and plan.seq else 1.0
+
+
+def _draw_timeline(planned: Planned, args, fmt) -> None:
+    if fmt is PictureFormat.DOT:
+        raise InputError("a timeline is a chart, not a graph: write it as .svg, .png or .html")
+    plan = planned.plan
+    itemsize = next(iter(planned.params.values())).itemsize if planned.params else 4
+    costs = stage_costs(plan.stages, per_rank_param_bytes(plan, planned.params) / itemsize, args.batch, args.seq,
+                        _stage_scale(plan, args.batch, args.seq))
+    micro = args.microbatches or max(4, 2 * len(costs))
+    timeline = simulate([gflop / micro for _, gflop in costs], micro, Schedule(args.schedule))
+    title = f"{plan.model or 'model'} · tp={plan.tp} · pp={plan.pp} · batch {args.batch}, seq {args.seq}"
+    save(draw_timeline(timeline, [label for label, _ in costs], title), args.output, fmt, title,
+         text=_table(planned, args))
+
+
+def _draw_graph(planned: Planned, args, fmt) -> None:
+    vg = viz_graph(capture(planned.model, planned.inputs), planned.plan, planned.params, args.batch, args.seq,
+                   collapse=not args.expand)
+    if fmt is PictureFormat.DOT:
+        Path(args.output).write_text(to_dot(vg), encoding="utf-8")
+        return
+    fig, tooltips = draw_graph(vg)
+    save(fig, args.output, fmt, vg.title, tooltips, text=_table(planned, args))
+
+
+def run_viz(args) -> int:
+    """``autotp viz``: draw the plan's graph, or with ``--schedule`` its pipeline timeline."""
+    fmt = format_for(args.output, args.format)  # before any work: a bad name fails fast
+    planned = load_and_plan(args)
+    (_draw_timeline if args.schedule else _draw_graph)(planned, args, fmt)
+    print(f"wrote {args.output}")
+    return 0
+
+
+def run_bench(argv: list[str]) -> int:
+    """``autotp bench ARGS``: the repository's ``bench`` package, run from the repository root."""
+    if str(Path.cwd()) not in sys.path and "" not in sys.path:
+        sys.path.insert(0, str(Path.cwd()))
+    try:
+        bench = importlib.import_module("bench")
+    except ImportError as e:
+        return _fail(f"autotp bench runs the repository's bench/ package, which cannot be imported here ({e}); "
+                     "run it from the autotp repository root")
+    if not callable(getattr(bench, "main", None)):
+        return _fail("the bench package has no main(argv) function; update the repository")
+    result = bench.main(argv)
+    return result if isinstance(result, int) else 0
+
+
+def _fail(message: str) -> int:
+    print(f"autotp: error: {' '.join(str(message).split())}", file=sys.stderr)
+    return EXIT_USAGE
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the command line ``argv`` (default ``sys.argv[1:]``); returns the exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"]:  # everything after `bench` belongs to the benchmark's own parser
+        return run_bench(argv[1:])
+    try:
+        args = build_parser().parse_args(argv)
+    except UsageError as e:
+        return _fail(str(e))
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # library warnings would bury the one line that matters
+            return run_plan(args) if args.command == "plan" else run_viz(args)
+    except AutotpError as e:
+        return _fail(str(e))
+    except BrokenPipeError:  # `autotp plan ... | head`: the reader left; stop quietly, as other tools do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+    except OSError as e:  # writing the output: a missing folder, no permission
+        return _fail(f"cannot write {getattr(e, 'filename', '') or 'the output'}: {e.strerror or e}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
