@@ -79,20 +79,29 @@ def plan(model: nn.Module, tp: int, example_inputs, pp: int = 1, balance: str = 
                      cuts=tuple(cuts), stages=stages)
 
 
-def parallelize(model: nn.Module, tp: int, example_inputs, pp: int = 1, plan: Plan | None = None, group=None,
+def parallelize(model: nn.Module, tp: int | None = None, example_inputs=None, pp: int | None = None,
+                plan: Plan | None = None, group=None,
                 microbatches: int | None = None, schedule: str = "1f1b", balance: str = "both", cuts=(),
                 virtual_stages: int | None = None):
     """This rank's piece of ``model``, tensor-parallel over ``tp`` ranks and pipelined over ``pp``.
 
     The model itself is left untouched. Uses ``group`` if given (pp == 1 only), else the default
     process group, initialised from torchrun's environment when needed. With ``plan`` given, applies
-    it instead of planning. With pp > 1, ``step`` runs ``microbatches`` (default pp) through the
+    it instead of planning (``tp`` and ``pp`` then default to the plan's). With pp > 1, ``step`` runs ``microbatches`` (default pp) through the
     ``schedule`` (``gpipe``, ``1f1b`` or ``interleaved1f1b`` with ``virtual_stages`` stages per rank);
     1F1B schedules need at least as many microbatches as stages (the default).
     """
-    tp, pp = _check_positive("tp", tp), _check_positive("pp", pp)
+    if plan is not None and isinstance(plan, Plan):
+        tp, pp = tp or plan.tp, pp or plan.pp
+    if example_inputs is None:
+        raise InputError("example_inputs is required: the model is captured by running it on them, "
+                         "e.g. example_inputs=(input_ids,)")
+    tp, pp = _check_positive("tp", tp), _check_positive("pp", pp or 1)
     sched = _schedule(schedule)
-    virtual = _check_positive("virtual_stages", virtual_stages or (2 if sched is Schedule.INTERLEAVED_1F1B else 1))
+    default_virtual = 2 if sched is Schedule.INTERLEAVED_1F1B else 1
+    if isinstance(plan, Plan) and plan.stages:
+        default_virtual = max(1, len(plan.stages) // pp)
+    virtual = _check_positive("virtual_stages", virtual_stages or default_virtual)
     if pp > 1 and group is not None:
         raise InputError("pp > 1 lays ranks out on a (pp x tp) mesh over the default process group; do not pass group")
     group = group if group is not None else ensure_process_group(tp * pp)

@@ -146,11 +146,11 @@ def _collectives(analysis: Analysis, prop) -> list[Collective]:
         for step in conv.steps:
             op, direction, operator = _STEP_COLLECTIVE[step[0]]
             at = conv.source if step[0] == "gather" else conv.consumers[0][0]
-            found.append((order[conv.source], Collective(op, direction, operator, analysis.module(at),
+            found.append((order[conv.source], Collective(op, direction, operator, analysis.layer(at),
                                                          _shape(analysis, conv.source))))
     for node in prop.reduced:
         operator = "vocab_embedding" if node in analysis.embeddings else "g"
-        found.append((order[node], Collective("all_reduce", "forward", operator, analysis.module(node),
+        found.append((order[node], Collective("all_reduce", "forward", operator, analysis.layer(node),
                                               _shape(analysis, node))))
     return [c for _, c in sorted(found, key=lambda item: item[0])]
 
