@@ -17,7 +17,8 @@ from bench.config import SECTIONS, BenchConfig, make_config
 
 def parse_args(argv=None) -> argparse.Namespace:
     """The command line."""
-    p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m bench", description="autotp's benchmarks; writes <out>/<label>.md "
+                                "and .json (label: [quick-]<device>-<dtype>). See docs/BENCHMARKS.md.")
     p.add_argument("--quick", action="store_true", help="tiny shapes, few repeats (for CI: under a minute)")
     p.add_argument("--out", default=os.path.join("bench", "results"), help="folder for <label>.md and .json")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cpu: gloo processes; cuda: NCCL, a GPU each")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -87,8 +87,6 @@ class BenchConfig:
     """Seed of the model weights and the batch."""
     pp: int = 1
     """Pipeline stages (the memory target is total / (tp * pp)); only 1 until autotp has pp."""
-    notes: tuple[str, ...] = field(default_factory=tuple)
-    """Anything the report should say about this configuration."""
 
     def __post_init__(self):
         if self.device not in ("cpu", "cuda"):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import math
 import random
 import statistics
@@ -25,18 +24,6 @@ def timed(fn: Callable[[], object], device: str = "cpu") -> float:
     fn()
     sync(device)
     return time.perf_counter() - start
-
-
-@contextlib.contextmanager
-def threads(n: int):
-    """torch's intra-op thread count set to ``n`` inside the block (0 leaves it as it is)."""
-    before = torch.get_num_threads()
-    if n:
-        torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def summary(samples: list[float]) -> dict:

@@ -14,9 +14,9 @@ import pytest
 
 from bench.comm import megatron_minimum, totals
 from bench.config import GPT2_SMALL, ModelShape, make_config
-from bench.pipeline import even_split, ideal_bubble
+from bench.pipeline import even_split, even_split_imbalance, ideal_bubble
 from bench.runtime import rotations
-from bench.stats import growth_exponent, summary
+from bench.stats import growth_exponent, paired_ratio, summary
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SECTIONS = ["## 1. Runtime overhead", "## 2. Communication", "## 3. Memory per rank", "## 4. Preparation time",
@@ -59,9 +59,12 @@ def test_megatron_minimum_counts_and_bytes():
 def test_helpers():
     assert ideal_bubble(2, 1) == 0.5 and ideal_bubble(4, 8) == 3 / 11
     assert even_split(10, 4) == [3, 3, 2, 2]
+    assert even_split_imbalance(1.0, 0.0, 2.0, n_layers=4, stages=2) == pytest.approx(4 / 3)  # [2, 2 + 2]
     assert rotations(["a", "b", "c"], 4) == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"], ["a", "b", "c"]]
     assert growth_exponent([6, 12, 24], [1.0, 2.0, 4.0]) == pytest.approx(1.0)
     assert growth_exponent([6, 12, 24], [1.0, 4.0, 16.0]) == pytest.approx(2.0)
+    paired = paired_ratio([2.0, 4.0, 6.0], [1.0, 2.0, 3.0])  # drift shared by a round cancels
+    assert paired["median"] == paired["low"] == paired["high"] == 2.0
     s = summary([3.0, 1.0, 2.0, 4.0])
     assert (s["median"], s["min"], s["max"], s["n"]) == (2.5, 1.0, 4.0, 4)
 
