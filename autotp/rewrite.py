@@ -57,8 +57,10 @@ def materialise(gm: fx.GraphModule, captured: Captured, plan: Plan, rank: int,
             data = param.detach()
             if placement is not None and placement.is_split:
                 segments = segments_or_whole(placement.segments, data.shape[placement.dim])
-                data = local_shard(data, placement.dim, segments, rank, plan.tp)
-            made[id(param)] = nn.Parameter(data.clone(), requires_grad=param.requires_grad)
+                data = local_shard(data, placement.dim, segments, rank, plan.tp)  # already a new tensor
+            else:
+                data = data.clone()
+            made[id(param)] = nn.Parameter(data, requires_grad=param.requires_grad)
         _set_attr(gm, target, made[id(param)])
     for target, buf in list(gm.named_buffers(remove_duplicate=False)):
         made.setdefault(id(buf), buf.detach().clone())

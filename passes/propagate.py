@@ -10,7 +10,6 @@ their weight, so the same code checks a candidate plan and drives the final rewr
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -93,7 +92,7 @@ def _steps(have: Layout, want) -> tuple[Step, ...]:
 class _Walker:
     """One propagation run (state for the walk; the result is ``self.result``)."""
 
-    def __init__(self, graph, projections, embeddings, param_layouts, tp, grad, auto_rows):
+    def __init__(self, graph, projections, embeddings, param_layouts, tp, grad, auto_rows, index):
         self.graph = graph
         self.projections = projections
         self.embeddings = embeddings
@@ -101,27 +100,32 @@ class _Walker:
         self.auto_rows = auto_rows
         self.ctx = Context(tp=tp, grad=grad)
         self.result = Propagation(tp=tp)
+        self.index = index
 
-    @functools.cached_property
+    @property
     def nodes(self) -> dict[str, fx.Node]:
-        return {n.name: n for n in self.graph.nodes}
+        return self.index.nodes
 
     def run(self, windowed: bool) -> Propagation:
         """Walk the graph; ``windowed`` walks only from the first split parameter's reader until no
         split value is left (enough when looking for one region, and linear in the region's size)."""
-        nodes = list(self.graph.nodes)
-        readers = [i for i, n in enumerate(nodes) if n.op == "call_function"
-                   and any(a.op == "get_attr" and a.target in self.param_layouts for a in n.all_input_nodes)]
-        start, last_seed = (readers[0], readers[-1]) if windowed and readers else (0, len(nodes))
+        order = self.index.order
+        if not windowed:
+            for node in order:
+                self.visit(node)
+            return self.result
+        readers = sorted(p for t in self.param_layouts for p in self.index.readers.get(t, ()))
+        if not readers:
+            return self.result
         open_users: dict[str, int] = {}
-        for i, node in enumerate(nodes):
-            if i < start and node.op != "get_attr":
-                continue  # before any split parameter is read, everything is replicated
+        for i in range(readers[0], len(order)):
+            node = order[i]
+            if node.op == "get_attr":
+                continue  # read lazily by layout()
             self.visit(node)
-            if windowed:
-                self._track(node, open_users)
-                if i >= last_seed and not open_users:
-                    break
+            self._track(node, open_users)
+            if i >= readers[-1] and not open_users:
+                break
         return self.result
 
     def _track(self, node: fx.Node, open_users: dict[str, int]) -> None:
@@ -137,6 +141,8 @@ class _Walker:
             open_users[node.name] = len(node.users)
 
     def layout(self, node: fx.Node) -> Layout:
+        if node.op == "get_attr":
+            return self.param_layouts.get(node.target)
         return self.result.layouts.get(node.name)
 
     def visit(self, node: fx.Node) -> None:
@@ -216,9 +222,30 @@ class _Walker:
         conv.consumers.append((node.name, path))
 
 
+@dataclass
+class GraphIndex:
+    """Lookups over a graph that many propagations share (build once per graph)."""
+
+    order: list[fx.Node]
+    nodes: dict[str, fx.Node]
+    readers: dict[str, list[int]]
+    """``get_attr`` target -> positions of the nodes reading it."""
+
+    @classmethod
+    def of(cls, graph: fx.Graph) -> GraphIndex:
+        """Index ``graph``."""
+        order = list(graph.nodes)
+        readers: dict[str, list[int]] = {}
+        for i, node in enumerate(order):
+            for a in node.all_input_nodes:
+                if a.op == "get_attr":
+                    readers.setdefault(a.target, []).append(i)
+        return cls(order, {n.name: n for n in order}, readers)
+
+
 def propagate(graph: fx.Graph, projections: Mapping[str, Projection], embeddings: Mapping[str, Embedding],
               param_layouts: Mapping[str, Shard], tp: int, trainable: set[str], auto_rows: bool = False,
-              grad: set[str] | None = None) -> Propagation:
+              grad: set[str] | None = None, index: GraphIndex | None = None) -> Propagation:
     """Propagate the parameter layouts (keyed by ``get_attr`` target) through ``graph``.
 
     With ``auto_rows``, a projection that receives its input split along the features becomes
@@ -226,5 +253,5 @@ def propagate(graph: fx.Graph, projections: Mapping[str, Projection], embeddings
     covers only the region. ``grad`` (the nodes gradients flow through) may be passed in when known.
     """
     grad = grad if grad is not None else grad_nodes(graph, trainable)
-    walker = _Walker(graph, projections, embeddings, param_layouts, tp, grad, auto_rows)
+    walker = _Walker(graph, projections, embeddings, param_layouts, tp, grad, auto_rows, index or GraphIndex.of(graph))
     return walker.run(windowed=auto_rows)

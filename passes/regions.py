@@ -18,7 +18,7 @@ from torch import fx
 from autotp.passes.graph import grad_nodes
 from autotp.passes.layout import Shard
 from autotp.passes.projections import Projection
-from autotp.passes.propagate import Propagation, Violation, propagate
+from autotp.passes.propagate import GraphIndex, Propagation, Violation, propagate
 
 aten = torch.ops.aten
 _ATTENTION_OPS = {aten.scaled_dot_product_attention.default, aten.softmax.int, aten._softmax.default}
@@ -83,6 +83,7 @@ class _RegionFinder:
         self.trainable, self.tp = trainable, tp
         self.nodes = {n.name: n for n in graph.nodes}
         self.grad = grad_nodes(graph, trainable)
+        self.index = GraphIndex.of(graph)
 
     def attempt(self, columns: list[Projection], tp: int) -> tuple[Propagation, dict, dict]:
         """Propagate with ``columns`` column-split; refine until nothing more is learnt.
@@ -94,7 +95,8 @@ class _RegionFinder:
         params: dict[str, Shard] = {}
         for _ in range(4):
             prop = propagate(self.graph, self.projections, self.embeddings, _layouts(columns, segments) | params,
-                             tp, self.trainable, auto_rows=True, grad=self.grad)
+                             tp, self.trainable, auto_rows=True, grad=self.grad,
+                             index=self.index)
             learnt = segments | {next(iter(o)): parts for o, parts in prop.hints.items() if len(o) == 1}
             if learnt != segments:
                 segments, params = learnt, {}  # parameters are re-learnt against the new segments
