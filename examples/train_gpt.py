@@ -31,12 +31,12 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description="Train the example GPT with autotp (tp x pp ranks).")
     p.add_argument("--tp", type=int, default=2, help="tensor-parallel ranks")
     p.add_argument("--pp", type=int, default=2, help="pipeline stages (ranks)")
-    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--steps", type=int, default=60)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--microbatches", type=int, default=None, help="default: one per stage")
     p.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved1f1b"])
-    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--lr", type=float, default=1e-3)
     return p.parse_args()
 
 
