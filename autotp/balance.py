@@ -9,17 +9,10 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from enum import Enum
-
 from autotp.errors import PlanError
+from autotp.options import Balance
 
-
-class Balance(str, Enum):
-    """What stages are balanced on (the notes: speed = min Var(compute), memory = min Var(params))."""
-
-    COMPUTE = "compute"
-    MEMORY = "memory"
-    BOTH = "both"
+__all__ = ["Balance", "balanced_split", "brute_force", "objective"]
 
 
 def _weights(compute: Sequence[float], params: Sequence[float], balance: Balance) -> list[tuple[float, float]]:

@@ -29,6 +29,7 @@ from autotp.capture import capture
 from autotp.errors import AutotpError, InputError, PlanError
 from autotp.exports import Target, export_styles, to_hf_tp_plan, torch_plan_source
 from autotp.model_spec import build_model, example_inputs, parse_overrides, parse_spec
+from autotp.options import Balance
 from autotp.plan import Plan
 from autotp.report import ParamInfo, param_infos, per_rank_param_bytes, plan_table
 from autotp.viz import (
@@ -62,14 +63,6 @@ class TextFormat(str, Enum):
     """A Hugging Face ``tp_plan`` dict as JSON (modules HF cannot express are left out, with a note)."""
     TORCH = "torch"
     """Python source of a torch ``parallelize_module`` plan."""
-
-
-class Balance(str, Enum):
-    """What the pipeline stage split balances."""
-
-    COMPUTE = "compute"
-    MEMORY = "memory"
-    BOTH = "both"
 
 
 class _Parser(argparse.ArgumentParser):
@@ -116,7 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     _common(viz)
     viz.add_argument("-o", "--output", metavar="FILE", required=True, help="plan.svg, plan.png, plan.html or plan.dot")
     viz.add_argument("--format", metavar="{svg,png,html,dot}", help="picture format (default: from -o's suffix)")
-    viz.add_argument("--schedule", choices=["gpipe", "1f1b"], help="draw this pipeline schedule's timeline instead")
+    viz.add_argument("--schedule", choices=[Schedule.GPIPE.value, Schedule.ONE_F_ONE_B.value], help="draw this pipeline schedule's timeline instead")
     viz.add_argument("--microbatches", type=_positive,
                      help="microbatches in the timeline (default: 2 x stages, at least 4)")
     sub.add_parser("bench", help="run the benchmarks (bench/ in the repository; arguments pass through)",

@@ -8,7 +8,6 @@ embedding and the LM head) is held by both; their gradients are summed after eac
 from __future__ import annotations
 
 from collections.abc import Callable
-from enum import Enum
 
 import torch
 import torch.distributed as dist
@@ -17,16 +16,9 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from torch.utils._pytree import tree_unflatten
 
 from autotp.errors import InputError
+from autotp.options import Schedule
 from autotp.plan import Plan
 from autotp.runtime import StateNames, default_loss, gather_tp
-
-
-class Schedule(str, Enum):
-    """Pipeline schedules."""
-
-    GPIPE = "gpipe"
-    ONE_F_ONE_B = "1f1b"
-    INTERLEAVED_1F1B = "interleaved1f1b"
 
 
 class Mesh:

@@ -7,18 +7,9 @@ divided by the microbatch count, and the backward twice that. Communication is n
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import Enum
 
 from autotp.errors import InputError
-
-
-class Schedule(str, Enum):
-    """Pipeline schedules the timeline can draw."""
-
-    GPIPE = "gpipe"
-    """All forwards, then all backwards."""
-    ONE_F_ONE_B = "1f1b"
-    """After a warm-up of forwards, each stage alternates one forward and one backward."""
+from autotp.options import Schedule
 
 
 BACKWARD_FACTOR = 2.0

@@ -1,0 +1,24 @@
+"""Typed choices shared by the library, the CLI and the pictures (one definition each)."""
+
+from __future__ import annotations
+
+from enum import Enum
+
+
+class Balance(str, Enum):
+    """What pipeline stages are balanced on (the notes: speed = min Var(compute), memory = min Var(params))."""
+
+    COMPUTE = "compute"
+    MEMORY = "memory"
+    BOTH = "both"
+
+
+class Schedule(str, Enum):
+    """Pipeline schedules."""
+
+    GPIPE = "gpipe"
+    """All forwards, then all backwards."""
+    ONE_F_ONE_B = "1f1b"
+    """After a warm-up of forwards, each stage alternates one forward and one backward."""
+    INTERLEAVED_1F1B = "interleaved1f1b"
+    """1F1B over several (virtual) stages per rank."""
