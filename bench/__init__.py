@@ -1,5 +1,6 @@
 """autotp's benchmarks: step time against hand-written Megatron and torch's parallelize_module, collectives
-against Megatron's minimum, memory per rank, and preparation time. ``python -m bench [--quick]``.
+against Megatron's minimum, memory per rank, preparation time, and pipelines (tp x pp against a hand-written
+split, GPipe/1F1B against the ideal bubble, stage imbalance). ``python -m bench [--quick]``.
 """
 
 from __future__ import annotations
@@ -55,8 +56,9 @@ def _ranked(cfg: BenchConfig) -> dict:
 
     per_rank = run_on_ranks(rank_main, cfg.device, list(roles(cfg).threads), cfg)
     out = {}
-    if "runtime" in per_rank[0]:
-        out["runtime"] = per_rank[0]["runtime"]
+    for section in ("runtime", "pipeline"):
+        if section in per_rank[0]:
+            out[section] = per_rank[0][section]
     memory = [r["memory"] for r in per_rank if "memory" in r]
     if memory:
         out["memory"] = memory
@@ -65,7 +67,7 @@ def _ranked(cfg: BenchConfig) -> dict:
 
 def run(cfg: BenchConfig) -> dict:
     """Every section ``cfg`` asks for; the results as one JSON-ready dict."""
-    from bench.pipeline import pipeline_section
+    from bench.imbalance import imbalance_section
     from bench.prep import prep_section
     from bench.workers import needs_ranks
 
@@ -75,7 +77,7 @@ def run(cfg: BenchConfig) -> dict:
     if "prep" in cfg.sections:
         results["prep"] = prep_section(cfg)
     if "pipeline" in cfg.sections:
-        results["pipeline"] = pipeline_section(cfg)
+        results["pipeline"] = results.get("pipeline", {}) | {"imbalance": imbalance_section(cfg)}
     return results
 
 

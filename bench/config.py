@@ -86,7 +86,21 @@ class BenchConfig:
     seed: int = 0
     """Seed of the model weights and the batch."""
     pp: int = 1
-    """Pipeline stages (the memory target is total / (tp * pp)); only 1 until autotp has pp."""
+    """Pipeline stages of the memory section (its target is total / (tp * pp)); it measures tp only."""
+    pp_runtime: ModelShape = TINY
+    """The model timed at tp x pp=2 against the hand-written pipeline split (item 1)."""
+    pp_microbatches: int = 2
+    """Microbatches of that comparison (1F1B: at least the 2 stages)."""
+    schedule_shape: ModelShape = TINY.with_(n_layer=4, batch=8)
+    """The model timed with GPipe and 1F1B at tp=1, pp=2 (item 5)."""
+    schedule_microbatches: tuple[int, ...] = (2, 4)
+    """Microbatch counts of the schedule timings; each must divide ``schedule_shape.batch``."""
+    imbalance: ModelShape = TINY.with_(n_layer=4)
+    """The model whose planned stage imbalance is compared with an even split (GPT-2 small in the full run)."""
+    imbalance_pp: tuple[int, ...] = (2, 4)
+    """Stage counts of the imbalance comparison; each at most ``imbalance.n_layer``."""
+    pp_repeats: int = 2
+    """Timed rounds of the pipeline sections (after ``warmup``)."""
 
     def __post_init__(self):
         if self.device not in ("cpu", "cuda"):
@@ -98,8 +112,20 @@ class BenchConfig:
             raise ValueError(f"unknown sections {sorted(unknown)}; choose from {', '.join(SECTIONS)}")
         if self.tp < 2:
             raise ValueError(f"the benchmark compares tensor-parallel variants, so tp must be >= 2, got {self.tp}")
-        if self.repeats < 1 or self.prep_repeats < 1 or self.warmup < 0:
-            raise ValueError("repeats and prep_repeats must be >= 1 and warmup >= 0")
+        if self.repeats < 1 or self.prep_repeats < 1 or self.pp_repeats < 1 or self.warmup < 0:
+            raise ValueError("repeats, prep_repeats and pp_repeats must be >= 1 and warmup >= 0")
+        self._check_pipeline()
+
+    def _check_pipeline(self) -> None:
+        if self.pp_microbatches < 2 or self.pp_runtime.batch % self.pp_microbatches:
+            raise ValueError(f"pp_microbatches ({self.pp_microbatches}) must be >= 2 (1F1B over 2 stages) and divide "
+                             f"the pp_runtime batch ({self.pp_runtime.batch})")
+        bad = [m for m in self.schedule_microbatches if m < 1 or self.schedule_shape.batch % m]
+        if bad:
+            raise ValueError(f"schedule_microbatches {bad} must be >= 1 and divide the schedule batch "
+                             f"({self.schedule_shape.batch})")
+        if any(p < 2 or p > self.imbalance.n_layer for p in self.imbalance_pp):
+            raise ValueError(f"imbalance_pp {self.imbalance_pp} must lie in 2..{self.imbalance.n_layer} (the blocks)")
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -119,11 +145,18 @@ class BenchConfig:
 def _full_shapes(device: str) -> dict:
     if device == "cuda":
         # On a GPU the real GPT-2 small step is the interesting one.
-        return dict(runtime=GPT2_SMALL.with_(batch=8, seq=1024), memory=GPT2_SMALL.with_(batch=8, seq=1024),
-                    repeats=30, warmup=5, single_threads=(0,))
+        step = GPT2_SMALL.with_(batch=8, seq=1024)
+        return dict(runtime=step, memory=step, repeats=30, warmup=5, single_threads=(0,), pp_runtime=step,
+                    pp_microbatches=4, schedule_shape=step, schedule_microbatches=(1, 2, 4, 8),
+                    imbalance=GPT2_SMALL, pp_repeats=30)
     # A 2-core CPU: narrow enough that one tp=2 step takes ~0.1-0.3 s, with GPT-2's vocabulary split.
-    return dict(runtime=ModelShape(n_layer=4, n_head=8, n_embd=256, vocab_size=8192, batch=4, seq=128),
-                memory=GPT2_SMALL, repeats=40, warmup=3)
+    runtime = ModelShape(n_layer=4, n_head=8, n_embd=256, vocab_size=8192, batch=4, seq=128)
+    # Pipelines: batch 8, so 4 (tp x pp) or up to 8 (schedules) microbatches stay whole sequences; the
+    # schedule model is deeper and has a smaller head, so 2 stages can be balanced (~0.3 s a step).
+    return dict(runtime=runtime, memory=GPT2_SMALL, repeats=40, warmup=3,
+                pp_runtime=runtime.with_(batch=8), pp_microbatches=4,
+                schedule_shape=ModelShape(n_layer=8, n_head=8, n_embd=256, vocab_size=2048, batch=8, seq=64),
+                schedule_microbatches=(1, 2, 4, 8), imbalance=GPT2_SMALL, pp_repeats=30)
 
 
 def make_config(quick: bool, device: str = "cpu", dtype: str = "fp32", sections=SECTIONS,
@@ -138,5 +171,5 @@ def make_config(quick: bool, device: str = "cpu", dtype: str = "fp32", sections=
     if device == "cuda":
         preset["single_threads"] = (0,)
     if repeats is not None:
-        preset["repeats"] = repeats
+        preset["repeats"] = preset["pp_repeats"] = repeats
     return BenchConfig(device=device, dtype=dtype, quick=quick, sections=tuple(sections), **preset)

@@ -4,7 +4,8 @@ VocabParallelEmbedding, ColumnParallelLinear (the fused QKV split per part, so e
 share of Q, K and V), RowParallelLinear (bias added once, after the all-reduce) and the conjugate
 operators f and g (Shoeybi et al. 2019, "Megatron-LM", section 3). Weights are sliced from a built
 ``examples.gpt.GPT``, so both start from the same seeded parameters. Like Megatron, the all-reduces
-work in place on the tensor they are handed (a fresh matmul output or gradient).
+work in place on the tensor they are handed (a fresh matmul output or gradient). ``MegatronStage`` cuts
+the same model into pipeline stages by hand.
 """
 
 from __future__ import annotations
@@ -194,10 +195,42 @@ class MegatronGPT(nn.Module):
 
     def forward(self, idx):
         """Full logits (B, T, vocab) on every rank."""
-        pos = torch.arange(idx.shape[1], device=idx.device)
-        x = self.wte(idx) + self.wpe(pos)
+        x = _embed(self.wte, self.wpe, idx)
         for block in self.h:
             x = block(x)
-        x = self.ln_f(x)
-        logits = F.linear(_CopyToTP.apply(x, self.group), self.wte.weight)
-        return _GatherLastDim.apply(logits, self.group)
+        return _head(self.ln_f, self.wte, self.group, x)
+
+
+def _embed(wte: VocabParallelEmbedding, wpe: nn.Embedding, idx: torch.Tensor) -> torch.Tensor:
+    pos = torch.arange(idx.shape[1], device=idx.device)
+    return wte(idx) + wpe(pos)
+
+
+def _head(ln_f: _LayerNorm, wte: VocabParallelEmbedding, group, x: torch.Tensor) -> torch.Tensor:
+    logits = F.linear(_CopyToTP.apply(ln_f(x), group), wte.weight)
+    return _GatherLastDim.apply(logits, group)
+
+
+class MegatronStage(nn.Module):
+    """A contiguous run of a MegatronGPT's blocks as one pipeline stage, split by hand.
+
+    The first stage also embeds; the last applies ``ln_f`` and the head. Both hold this rank's
+    vocabulary shard of the tied table (the same tensor values), so, as Megatron-LM does for its
+    "embedding group", the caller must sum that weight's gradient across the two after backward.
+    """
+
+    def __init__(self, gpt: MegatronGPT, blocks: range, first: bool, last: bool):
+        super().__init__()
+        self.group, self.first, self.last = gpt.group, first, last
+        self.h = nn.ModuleList(gpt.h[i] for i in blocks)
+        self.wte = gpt.wte if first or last else None
+        self.wpe = gpt.wpe if first else None
+        self.ln_f = gpt.ln_f if last else None
+
+    def forward(self, x):
+        """Token ids -> hidden (first), hidden -> hidden, or hidden -> full logits (last)."""
+        if self.first:
+            x = _embed(self.wte, self.wpe, x)
+        for block in self.h:
+            x = block(x)
+        return _head(self.ln_f, self.wte, self.group, x) if self.last else x

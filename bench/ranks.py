@@ -44,7 +44,30 @@ def _entry(rank: int, world: int, port: int, device: str, threads: list[int], fn
         with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
             json.dump(result, f)
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():  # a rank left out by ``reform_world`` has no group any more
+            dist.destroy_process_group()
+
+
+def reform_world(size: int, device: str) -> bool:
+    """Make the first ``size`` ranks the default process group (collective over the current one).
+
+    autotp's pipelines lay ranks out on the whole default group (world size == tp x pp), so a section
+    needing fewer ranks than were spawned re-forms it rather than paying for another spawn. Every
+    other group is destroyed with the old default one. Returns whether this rank is in the new group.
+    """
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if size > world:
+        raise ValueError(f"cannot form a group of {size} ranks from {world}")
+    if size == world:
+        return True
+    port = [_free_port() if rank == 0 else None]
+    dist.broadcast_object_list(port, src=0)
+    dist.destroy_process_group()
+    if rank >= size:
+        return False
+    os.environ["MASTER_PORT"] = str(port[0])
+    dist.init_process_group(backend_for(device), rank=rank, world_size=size)
+    return True
 
 
 @contextlib.contextmanager

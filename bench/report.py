@@ -29,30 +29,47 @@ def _verdict(value: float, target: float) -> str:
     return "met" if value <= target else "not met"
 
 
+def load_lines(load: dict | None) -> list[str]:
+    """The machine's load over the timed rounds (other work shows there)."""
+    if not load:
+        return []
+    return [f"1-minute load average over the timed rounds: {load['min']:.2f} to {load['max']:.2f} "
+            "(the benchmark's own busy processes account for about 2 on CPU; more means other work).", ""]
+
+
+def times_lines(times: dict) -> list[str]:
+    """Median, spread and extremes of every variant's step time."""
+    rows = [[n, _ms(t["median"]), _ms(t["iqr"]), _ms(t["min"]), _ms(t["max"]), t["n"]] for n, t in times.items()]
+    return _table(["variant", "median ms", "IQR ms", "min ms", "max ms", "samples"], rows)
+
+
+def _interval(paired: dict, scale: float = 1.0) -> str:
+    return f"{paired['median'] * scale:.3f} ({paired['low'] * scale:.3f}–{paired['high'] * scale:.3f})"
+
+
+def ratio_lines(times: dict, samples: dict, pairs: list[tuple[str, str]], targets: dict) -> list[str]:
+    """Ratios a / b of medians, paired by round and of minima, for each (a, b), with targets where set."""
+    rows = []
+    for a, b in pairs:
+        r = ratio(times[a], times[b])
+        target = targets.get((a, b))
+        rows.append([f"{a} / {b}", f"{r:.3f}", _interval(paired_ratio(samples[a], samples[b])),
+                     f"{times[a]['min'] / times[b]['min']:.3f}",
+                     f"≤ {target}" if target else "", _verdict(r, target) if target else ""])
+    lines = ["Ratios: of the medians; paired, the median of the per-round ratios (each round times every "
+             "variant once) with its 95% bootstrap interval, which cancels drift common to a round; of the "
+             "fastest steps, the least disturbed by other work.", ""]
+    return lines + _table(["ratio", "of medians", "paired (95% interval)", "of minima", "target (medians)", ""], rows)
+
+
 def runtime_lines(rt: dict) -> list[str]:
     """Step times of every variant, ratios of medians, and the correctness checks behind them."""
     times = rt["times"]
     lines = [f"Model: {rt['shape']}. Each sample is one forward + backward (cross-entropy on full logits); "
              "the slowest rank's time. Threads per process: "
              + ", ".join(f"{n} {t}" for n, t in rt["threads"].items()) + ".", ""]
-    load = rt.get("load_average")
-    if load:
-        lines += [f"1-minute load average over the timed rounds: {load['min']:.2f} to {load['max']:.2f} "
-                  "(the benchmark's own busy processes account for about 2 on CPU; more means other work).", ""]
-    rows = [[n, _ms(t["median"]), _ms(t["iqr"]), _ms(t["min"]), _ms(t["max"]), t["n"]] for n, t in times.items()]
-    lines += _table(["variant", "median ms", "IQR ms", "min ms", "max ms", "samples"], rows)
-    rows = []
-    for other in [n for n in times if n != "autotp"]:
-        r = ratio(times["autotp"], times[other])
-        target = TARGETS.get(("autotp", other))
-        paired = paired_ratio(rt["samples"]["autotp"], rt["samples"][other])
-        rows.append([f"autotp / {other}", f"{r:.3f}", f"{paired['median']:.3f} ({paired['low']:.3f}–{paired['high']:.3f})",
-                     f"{times['autotp']['min'] / times[other]['min']:.3f}",
-                     f"≤ {target}" if target else "", _verdict(r, target) if target else ""])
-    lines += ["Ratios: of the medians; paired, the median of the per-round ratios (each round times every "
-              "variant once) with its 95% bootstrap interval, which cancels drift common to a round; of the "
-              "fastest steps, the least disturbed by other work.", ""]
-    lines += _table(["ratio", "of medians", "paired (95% interval)", "of minima", "target (medians)", ""], rows)
+    lines += load_lines(rt.get("load_average")) + times_lines(times)
+    lines += ratio_lines(times, rt["samples"], [("autotp", n) for n in times if n != "autotp"], TARGETS)
     rows = [[n, f"{c['max_rel_diff']:.1e}", "yes" if c["ok"] else "NO"] for n, c in rt.get("checks", {}).items()]
     lines += ["Checked before timing: each variant's logits against the single model's."]
     lines += _table(["variant", "max |Δ logits| (relative)", "equal"], rows)
@@ -127,13 +144,95 @@ def prep_lines(prep: dict) -> list[str]:
     return lines + _table(["phase", "exponent", "ms per added layer"], rows)
 
 
-def pipeline_lines(pp: dict) -> list[str]:
-    """The pipeline sections: skipped, with the reason, until autotp has pp."""
+PP_TARGETS = {("autotp", "megatron_pp"): 1.05}
+
+
+def _checks_lines(checks: dict) -> list[str]:
+    rows = [[n, f"{c['loss']:.6f}", f"{c['reference']:.6f}", f"{c['rel_diff']:.1e}", "yes" if c["ok"] else "NO"]
+            for n, c in checks.items()]
+    return (["Checked before timing (that step is also a warm-up): each pipeline's full-batch loss against the "
+             "single model's.", ""] + _table(["variant", "loss", "single model", "relative difference", "equal"], rows))
+
+
+def _stage_text(stages: list[dict]) -> str:
+    return " | ".join(f"{s['modules'][0]} .. {s['modules'][-1]}" for s in stages)
+
+
+def tp_pp_lines(rt: dict) -> list[str]:
+    """Item 1 at tp x pp: step times, ratios to the hand-written split, the stages and the loss checks."""
+    if "skipped" in rt:
+        return [f"Skipped: {rt['skipped']}.", ""]
+    times = rt["times"]
+    lines = [f"Model: {rt['shape']}; tp={rt['tp']} × pp={rt['pp']} = {rt['tp'] * rt['pp']} ranks of "
+             f"{rt['threads']} thread each (with fewer cores than ranks they share cores, every variant alike), "
+             f"schedule {rt['schedule']}, {rt['microbatches']} microbatches. A sample is one whole training step "
+             "(every microbatch, forward and backward, tied-weight gradients summed); the slowest rank's time.", ""]
+    lines += [f"Stages of `{n}`: {_stage_text(st)}." for n, st in rt["stages"].items()]
+    if "autotp_balanced" not in rt["stages"]:
+        lines += ["autotp's own split (`balance=\"both\"`) is the same, so it is not timed twice."]
+    lines += [""]
+    lines += load_lines(rt.get("load_average")) + times_lines(times)
+    pairs = [(a, b) for a, b in (("autotp", "megatron_pp"), ("autotp", "megatron_pp_rebuilt"),
+                                 ("megatron_pp_rebuilt", "megatron_pp"), ("autotp_balanced", "megatron_pp"))
+             if a in times and b in times]
+    return lines + ratio_lines(times, rt["samples"], pairs, PP_TARGETS) + _checks_lines(rt["checks"])
+
+
+def _efficiency_row(name: str, e: dict) -> list[str]:
+    return [name, e["microbatches"], f"{e['ideal']:.3f}", f"{e['vs_single']['of_medians']:.3f}",
+            _interval(e["vs_single"]), f"{1 - e['vs_single']['of_medians']:.3f}", f"{1 - e['ideal']:.3f}",
+            f"{e['vs_microbatched']['of_medians']:.3f}", _interval(e["vs_microbatched"])]
+
+
+def schedule_lines(sc: dict, microbatches: list[int]) -> list[str]:
+    """Item 5: step time of each schedule and microbatch count, and the efficiency against the ideal."""
+    if "skipped" in sc:
+        return [f"Skipped: {sc['skipped']}.", ""]
+    lines = [f"Model: {sc['shape']}; tp=1 × pp={sc['pp']}, ranks of {sc['threads']} thread; autotp's "
+             f"`balance=\"compute\"` stages: {_stage_text(sc['stages'])}. `single`: one rank steps the whole batch; "
+             "`single_mb<m>`: the same in m accumulated microbatches.", ""]
+    lines += load_lines(sc.get("load_average")) + times_lines(sc["times"])
+    rows = []
+    for schedule in ("gpipe", "1f1b"):
+        for m in microbatches:
+            name = f"{schedule}_m{m}"
+            e = sc["efficiency"].get(name)
+            rows.append(_efficiency_row(name, e) if e else [name, m, "n/a (1F1B needs m ≥ p)"] + [""] * 6)
+    header = ["variant", "m", "ideal m/(m+p−1)", "efficiency (medians)", "paired (95% interval)",
+              "measured bubble", "ideal bubble", "vs single_mb<m> (medians)", "paired (95% interval)"]
+    lines += ["Efficiency = T(single) / (p · T(pipeline)); measured bubble = 1 − efficiency. Against `single_mb<m>` "
+              "the cost of smaller matmuls is taken out, leaving bubble, communication, imbalance and overhead.", ""]
+    return lines + _table(header, rows) + _checks_lines(sc["checks"])
+
+
+def imbalance_lines(im: dict) -> list[str]:
+    """The planner's stage imbalance for each balance criterion against the even split by layer count."""
+    lines = [f"Model: {im['shape']} (costs at that batch), tp=1. Imbalance = max/mean over stages (1 = even); "
+             "`even`: the planner's own cost model with cuts forced every n_layer/pp blocks. Params as held: the "
+             f"tied embedding/head table ({im['tied_params'] / 1e6:.1f} M) counted on the head's stage too when it "
+             "is not the embedding's (autotp keeps a copy there; the planner counts it once).", ""]
+    for pp, plans in im["by_pp"].items():
+        rows = [[name, " / ".join(f"{b:g}" for b in p["blocks"]), f"{p['imbalance']['compute']:.3f}",
+                 f"{p['imbalance']['params']:.3f}", f"{p['held_params_imbalance']:.3f}",
+                 " / ".join(f"{f / 1e9:.1f}" for f in p["flops"]),
+                 " / ".join(f"{h / 1e6:.1f}" for h in p["held_params"])] for name, p in plans.items()]
+        lines += [f"pp={pp}:", ""] + _table(["split", "blocks per stage", "compute imbalance", "params imbalance",
+                                              "params as held", "GFLOP per stage (forward)",
+                                              "M params held per stage"], rows)
+    return lines
+
+
+def pipeline_lines(pp: dict, cfg: dict) -> list[str]:
+    """The three pipeline measurements, each where it ran."""
     lines = []
-    for key, title in (("tp_pp_runtime", "tp=2 × pp=2 step time"), ("schedules", "GPipe / 1F1B schedules")):
-        section = pp[key]
-        lines.append(f"- {title}: " + (f"skipped: {section['skipped']}" if "skipped" in section else "see JSON"))
-    return lines + [""]
+    if "tp_pp_runtime" in pp:
+        lines += ["### tp=2 × pp=2 against a hand-written pipeline split", ""] + tp_pp_lines(pp["tp_pp_runtime"])
+    if "schedules" in pp:
+        lines += ["### GPipe and 1F1B against the ideal bubble", ""]
+        lines += schedule_lines(pp["schedules"], cfg["schedule_microbatches"])
+    if "imbalance" in pp:
+        lines += ["### Stage imbalance: the planner against an even split", ""] + imbalance_lines(pp["imbalance"])
+    return lines
 
 
 def render(results: dict) -> str:
@@ -160,7 +259,7 @@ def render(results: dict) -> str:
     if "prep" in results:
         lines += ["## 4. Preparation time", ""] + prep_lines(results["prep"])
     if "pipeline" in results:
-        lines += ["## 5. Pipeline parallelism", ""] + pipeline_lines(results["pipeline"])
+        lines += ["## 5. Pipeline parallelism", ""] + pipeline_lines(results["pipeline"], cfg)
     return "\n".join(lines)
 
 

@@ -16,7 +16,7 @@ from bench.config import BenchConfig
 from bench.stats import summary, timed
 from bench.torch_tp import fused_colwise_error
 from bench.variants import (TOLERANCE, TP_VARIANTS, Roles, TPGroup, Variant, batch, build_model, build_variant,
-                            device_of, loss_fn, max_diff, single_variants, step)
+                            device_of, loss_fn, max_diff, run_step, single_variants)
 
 
 def _slowest(seconds: float, cfg: BenchConfig) -> float:
@@ -27,7 +27,7 @@ def _slowest(seconds: float, cfg: BenchConfig) -> float:
 
 def _sample(v: Variant, rank: int, x, y, cfg: BenchConfig) -> float:
     dist.barrier()
-    seconds = timed(lambda: step(v.module, x, y), cfg.device) if rank in v.ranks else 0.0
+    seconds = timed(lambda: run_step(v, x, y), cfg.device) if rank in v.ranks else 0.0
     return _slowest(seconds, cfg)
 
 

@@ -41,6 +41,8 @@ class Variant:
     """None on ranks that do not run it."""
     ranks: frozenset[int]
     """The ranks that run it; the others wait."""
+    step_fn: Callable | None = None
+    """How one timed step runs, ``step_fn(module, x, y)``; None: ``step`` (forward, loss, backward)."""
 
 
 @dataclass(frozen=True)
@@ -155,3 +157,8 @@ def step(module: nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
     """One forward and backward (the timed unit)."""
     zero_grad(module)
     loss_fn(module(x), y).backward()
+
+
+def run_step(v: Variant, x: torch.Tensor, y: torch.Tensor):
+    """One timed step of ``v`` on this rank (its ``step_fn``, or ``step``); returns what that returns."""
+    return (v.step_fn or step)(v.module, x, y)

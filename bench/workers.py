@@ -6,17 +6,18 @@ import gc
 
 from bench.config import BenchConfig
 from bench.memory import memory_section
+from bench.pipeline import pipeline_ranks
 from bench.runtime import runtime_section
 from bench.variants import roles, tp_group
 
 
 def needs_ranks(cfg: BenchConfig) -> bool:
     """Whether any chosen section runs on several processes."""
-    return bool({"runtime", "comm", "memory"} & set(cfg.sections))
+    return bool({"runtime", "comm", "memory", "pipeline"} & set(cfg.sections))
 
 
 def rank_main(rank: int, world: int, cfg: BenchConfig) -> dict:
-    """Runtime (with its collective counts) and memory, as chosen in ``cfg.sections``.
+    """Runtime (with its collective counts), memory and the timed pipelines, as chosen in ``cfg.sections``.
 
     Memory is measured on the tensor-parallel ranks only; the baseline ranks just take part in the
     collective group creation and the runtime's barriers.
@@ -31,4 +32,7 @@ def rank_main(rank: int, world: int, cfg: BenchConfig) -> dict:
         gc.collect()
     if {"memory", "comm"} & set(cfg.sections) and rank in tpg.ranks:
         out["memory"] = memory_section(rank, tpg, cfg)
+        gc.collect()
+    if "pipeline" in cfg.sections:  # last: it re-forms the process group
+        out["pipeline"] = pipeline_ranks(rank, world, cfg)
     return out

@@ -5,6 +5,7 @@ No timing is asserted anywhere: timings depend on the machine and on what else r
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -14,13 +15,16 @@ import pytest
 
 from bench.comm import megatron_minimum, totals
 from bench.config import GPT2_SMALL, ModelShape, make_config
-from bench.pipeline import even_split, even_split_imbalance, ideal_bubble
+from bench.imbalance import blocks_per_stage
+from bench.pipeline import efficiency, ideal_bubble, schedule_allows
+from bench.pp_variants import even_cuts, even_split
 from bench.runtime import rotations
 from bench.stats import growth_exponent, paired_ratio, summary
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SECTIONS = ["## 1. Runtime overhead", "## 2. Communication", "## 3. Memory per rank", "## 4. Preparation time",
-            "## 5. Pipeline parallelism"]
+            "## 5. Pipeline parallelism", "### tp=2 × pp=2 against a hand-written pipeline split",
+            "### GPipe and 1F1B against the ideal bubble", "### Stage imbalance: the planner against an even split"]
 
 
 @pytest.fixture(scope="module")
@@ -37,6 +41,7 @@ def test_quick_writes_every_section(quick_run):
     for heading in SECTIONS:
         assert heading in text, f"{heading!r} missing from the report"
     assert "| autotp / megatron |" in text
+    assert "| autotp / megatron_pp |" in text and "| gpipe_m2 | 2 |" in text
 
 
 def test_quick_json_has_the_measurements(quick_run):
@@ -46,6 +51,19 @@ def test_quick_json_has_the_measurements(quick_run):
     # Counts are not timings: autotp issues exactly Megatron's collectives.
     assert totals(results["runtime"]["comm"]["autotp"]) == totals(results["runtime"]["comm_minimum"])
     assert [d["layers"] for d in results["prep"]["depths"]] == [6, 12]
+
+
+def test_quick_json_has_the_pipeline_measurements(quick_run):
+    pipeline = json.loads((quick_run / "quick-cpu-fp32.json").read_text())["pipeline"]
+    tp_pp, schedules = pipeline["tp_pp_runtime"], pipeline["schedules"]
+    assert set(tp_pp["times"]) >= {"autotp", "megatron_pp", "megatron_pp_rebuilt"}
+    # Losses are numbers, not timings: every pipeline computes the single model's loss.
+    assert all(c["ok"] for c in (tp_pp["checks"] | schedules["checks"]).values())
+    assert set(schedules["efficiency"]) == {"gpipe_m2", "gpipe_m4", "1f1b_m2", "1f1b_m4"}
+    assert set(schedules["times"]) >= {"single", "single_mb2", "single_mb4"}
+    for plans in pipeline["imbalance"]["by_pp"].values():
+        assert set(plans) == {"even", "compute", "memory", "both"}
+        assert plans["even"]["blocks"] == [4 / len(plans["even"]["blocks"])] * len(plans["even"]["blocks"])
 
 
 def test_megatron_minimum_counts_and_bytes():
@@ -59,7 +77,13 @@ def test_megatron_minimum_counts_and_bytes():
 def test_helpers():
     assert ideal_bubble(2, 1) == 0.5 and ideal_bubble(4, 8) == 3 / 11
     assert even_split(10, 4) == [3, 3, 2, 2]
-    assert even_split_imbalance(1.0, 0.0, 2.0, n_layers=4, stages=2) == pytest.approx(4 / 3)  # [2, 2 + 2]
+    assert even_cuts(12, 2) == ["transformer.h.6"] and even_cuts(10, 4) == ["transformer.h.3", "transformer.h.6",
+                                                                            "transformer.h.8"]
+    assert schedule_allows("gpipe", 2, 1) and not schedule_allows("1f1b", 2, 1) and schedule_allows("1f1b", 2, 2)
+    # Two ranks each taking 0.6 of the single rank's time: efficiency 1 / 1.2.
+    assert efficiency([1.0, 2.0], [0.6, 1.2], stages=2)["median"] == pytest.approx(1 / 1.2)
+    assert blocks_per_stage([["transformer.wte", "transformer.h.0", "transformer.h.1.attn"],
+                             ["transformer.h.1.mlp", "transformer.h.2", "lm_head"]]) == [1.5, 1.5]
     assert rotations(["a", "b", "c"], 4) == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"], ["a", "b", "c"]]
     assert growth_exponent([6, 12, 24], [1.0, 2.0, 4.0]) == pytest.approx(1.0)
     assert growth_exponent([6, 12, 24], [1.0, 4.0, 16.0]) == pytest.approx(2.0)
@@ -75,3 +99,9 @@ def test_config_validates():
         make_config(quick=True, sections=("speed",))
     with pytest.raises(ValueError, match="n_head"):
         ModelShape(n_layer=1, n_head=3, n_embd=8, vocab_size=8, batch=1, seq=1)
+    full = make_config(quick=False)
+    assert full.schedule_microbatches == (1, 2, 4, 8) and full.schedule_shape.batch % 8 == 0
+    with pytest.raises(ValueError, match="schedule_microbatches"):
+        dataclasses.replace(full, schedule_microbatches=(3,))
+    with pytest.raises(ValueError, match="pp_microbatches"):
+        dataclasses.replace(full, pp_microbatches=1)
