@@ -199,7 +199,7 @@ def schedule_lines(sc: dict, microbatches: list[int]) -> list[str]:
             e = sc["efficiency"].get(name)
             rows.append(_efficiency_row(name, e) if e else [name, m, "n/a (1F1B needs m ≥ p)"] + [""] * 6)
     header = ["variant", "m", "ideal m/(m+p−1)", "efficiency (medians)", "paired (95% interval)",
-              "measured bubble", "ideal bubble", "vs single_mb<m> (medians)", "paired (95% interval)"]
+              "measured bubble", "ideal bubble", "vs `single_mb<m>` (medians)", "paired (95% interval)"]
     lines += ["Efficiency = T(single) / (p · T(pipeline)); measured bubble = 1 − efficiency. Against `single_mb<m>` "
               "the cost of smaller matmuls is taken out, leaving bubble, communication, imbalance and overhead.", ""]
     return lines + _table(header, rows) + _checks_lines(sc["checks"])
