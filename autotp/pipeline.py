@@ -74,6 +74,8 @@ class PipelineModule(nn.Module):
         self.num_stages = len(plan.stages)
         self._pipeline_stages = [PipelineStage(m, i, self.num_stages, mesh.device, group=mesh.pp_group)
                                  for i, m in stages.items()]
+        self._schedule = None
+        self._loss_fn: Callable = default_loss
 
     @property
     def holds_first(self) -> bool:
@@ -83,11 +85,12 @@ class PipelineModule(nn.Module):
     def holds_last(self) -> bool:
         return str(self.num_stages - 1) in self.stages
 
-    def _make_schedule(self, loss_fn: Callable):
+    def _make_schedule(self):
+        """The schedule, built once: building one runs a forward and backward to infer shapes."""
         def flat_loss(output, target):
             # The last stage returns the model's outputs flattened; the user's loss sees them as the model's.
             leaves = [output] if isinstance(output, torch.Tensor) else list(output)  # 1-tuples arrive unwrapped
-            return loss_fn(tree_unflatten(leaves, self._out_spec), target)
+            return self._loss_fn(tree_unflatten(leaves, self._out_spec), target)
 
         if self.schedule is Schedule.INTERLEAVED_1F1B:
             return ScheduleInterleaved1F1B(self._pipeline_stages, self.microbatches, loss_fn=flat_loss)
@@ -107,7 +110,10 @@ class PipelineModule(nn.Module):
         matching the gradients, which the schedule averages over microbatches.
         """
         self._check_batch(inputs)
-        schedule = self._make_schedule(loss_fn or default_loss)
+        self._loss_fn = loss_fn or default_loss
+        if self._schedule is None:
+            self._schedule = self._make_schedule()
+        schedule = self._schedule
         losses: list[torch.Tensor] = []
         args = inputs if self.holds_first else ()
         kwargs = {"target": target, "losses": losses} if self.holds_last else {}

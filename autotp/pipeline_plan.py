@@ -6,7 +6,7 @@ starts each stage (``balance.balanced_split``), honouring cuts a user forces by 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from autotp.balance import Balance, balanced_split
 from autotp.errors import PlanError
@@ -26,11 +26,22 @@ class Units:
     compute: list[float]
     """Forward FLOPs per tensor-parallel rank."""
     rank_params: list[float]
-    """Parameter elements per tensor-parallel rank (what a rank's memory holds)."""
+    """Parameter elements per tensor-parallel rank (what a rank's memory holds). A tensor read by several
+    units counts in each, which is exact when its readers end in different stages (a tied embedding and
+    head) and an overestimate when they share one."""
     params: list[int]
     """Parameter elements in total."""
     activations: list[float]
     """Activation bytes per tensor-parallel rank."""
+    param_sets: list[set[str]]
+    """The parameters (``get_attr`` nodes) each unit reads."""
+    param_sizes: dict[str, int] = field(default_factory=dict)
+    """Elements of each parameter."""
+
+    def stage_params(self, start: int, stop: int) -> int:
+        """Parameters a stage holding units[start:stop] keeps (each tensor once)."""
+        held = set().union(*self.param_sets[start:stop])
+        return sum(self.param_sizes[n] for n in held)
 
 
 def _unit_index(cuts: list[Cut], position: int) -> int:
@@ -42,10 +53,9 @@ def build_units(analysis, prop, tp: int, sizes: dict[str, int]) -> Units:
     graph = analysis.graph
     cuts = find_cuts(graph, analysis.trainable)
     n = len(cuts) + 1
-    units = Units(cuts, {}, [0.0] * n, [0.0] * n, [0] * n, [0.0] * n)
+    units = Units(cuts, {}, [0.0] * n, [0.0] * n, [0] * n, [0.0] * n, [set() for _ in range(n)])
     node_costs = costs(graph, analysis.trainable)
     split = {t for t, lay in prop.layouts.items() if isinstance(lay, Shard)} | set(prop.reduced)
-    placed: set[str] = set()
     for position, node in enumerate(graph.nodes):
         k = _unit_index(cuts, position)
         units.unit_of[node.name] = k
@@ -54,12 +64,13 @@ def build_units(analysis, prop, tp: int, sizes: dict[str, int]) -> Units:
         units.compute[k] += evaluate(cost.flops, sizes) * share
         units.activations[k] += evaluate(cost.activation_bytes, sizes) * share
         for attr in node.all_input_nodes:
-            # A parameter belongs to the unit of its first reader (a tied weight: the embedding).
-            if attr.op == "get_attr" and attr.name not in placed and node_costs[attr.name].param_count:
-                placed.add(attr.name)
-                count = node_costs[attr.name].param_count
+            # A parameter is held by every stage that reads it (a tied embedding/head: the first and the last).
+            count = node_costs[attr.name].param_count if attr.op == "get_attr" else 0
+            if count and attr.name not in units.param_sets[k]:
+                units.param_sets[k].add(attr.name)
                 units.params[k] += count
                 units.rank_params[k] += count / tp if isinstance(prop.layouts.get(attr.name), Shard) else count
+    units.param_sizes = {n: c.param_count for n, c in node_costs.items() if c.param_count}
     return units
 
 
@@ -129,6 +140,6 @@ def plan_stages(analysis, prop, tp: int, pp: int, balance: Balance, sizes: dict[
     for s, (a, b) in enumerate(zip(bounds, bounds[1:])):
         boundary = tensor_bytes(nodes[units.cuts[b - 1].value], sizes) if b < len(units.compute) else 0.0
         stages.append(Stage(index=s, modules=_stage_modules(analysis, units, stage_of_unit, s),
-                            flops=sum(units.compute[a:b]), param_count=sum(units.params[a:b]),
+                            flops=sum(units.compute[a:b]), param_count=units.stage_params(a, b),
                             activation_bytes=sum(units.activations[a:b]), boundary_bytes=boundary))
     return tuple(stages)
