@@ -38,32 +38,19 @@ def blocks_per_stage(modules_per_stage: list[list[str]]) -> list[float]:
     return counts
 
 
-def held_params(modules_per_stage: list[list[str]], params: list[int], tied: int) -> list[int]:
-    """Parameters each stage's ranks hold: the planner counts the tied embedding/head table once, on the
-    embedding's stage, but autotp's runtime keeps a copy on the head's stage too when they differ."""
-    has = [{m.split(".")[-1] for m in modules} for modules in modules_per_stage]
-    return [p + (tied if "lm_head" in names and "wte" not in names else 0) for p, names in zip(params, has)]
-
-
-def _max_over_mean(values: list[float]) -> float:
-    return max(values) / (sum(values) / len(values))
-
-
-def _describe(plan, tied: int) -> dict:
+def _describe(plan) -> dict:
     modules = [list(s.modules) for s in plan.stages]
-    params = [s.param_count for s in plan.stages]
-    held = held_params(modules, params, tied)
-    return {"imbalance": plan.imbalance(), "held_params_imbalance": _max_over_mean(held),
-            "blocks": blocks_per_stage(modules), "flops": [s.flops for s in plan.stages], "params": params,
-            "held_params": held, "modules": modules}
+    return {"imbalance": plan.imbalance(), "blocks": blocks_per_stage(modules),
+            "flops": [s.flops for s in plan.stages], "params": [s.param_count for s in plan.stages],
+            "modules": modules}
 
 
-def plans_for(captured, n_layer: int, pp: int, tied: int) -> dict[str, dict]:
+def plans_for(captured, n_layer: int, pp: int) -> dict[str, dict]:
     """The even split and the planner's split for every balance criterion, at tp=1 and ``pp`` stages."""
     even = make_plan(captured, 1, pp=pp, cuts=tuple(even_cuts(n_layer, pp)), stages=pp)
-    out = {"even": _describe(even, tied)}
+    out = {"even": _describe(even)}
     for balance in Balance:
-        out[balance.value] = _describe(make_plan(captured, 1, pp=pp, balance=balance, stages=pp), tied)
+        out[balance.value] = _describe(make_plan(captured, 1, pp=pp, balance=balance, stages=pp))
     return out
 
 
@@ -76,4 +63,4 @@ def imbalance_section(cfg: BenchConfig) -> dict:
     captured = capture(model, (example,))
     tied = model.transformer.wte.weight.numel() if model.lm_head.weight is model.transformer.wte.weight else 0
     return {"shape": shape.describe(), "tied_params": tied,
-            "by_pp": {str(pp): plans_for(captured, shape.n_layer, pp, tied) for pp in cfg.imbalance_pp}}
+            "by_pp": {str(pp): plans_for(captured, shape.n_layer, pp) for pp in cfg.imbalance_pp}}

@@ -208,17 +208,15 @@ def schedule_lines(sc: dict, microbatches: list[int]) -> list[str]:
 def imbalance_lines(im: dict) -> list[str]:
     """The planner's stage imbalance for each balance criterion against the even split by layer count."""
     lines = [f"Model: {im['shape']} (costs at that batch), tp=1. Imbalance = max/mean over stages (1 = even); "
-             "`even`: the planner's own cost model with cuts forced every n_layer/pp blocks. Params as held: the "
-             f"tied embedding/head table ({im['tied_params'] / 1e6:.1f} M) counted on the head's stage too when it "
-             "is not the embedding's (autotp keeps a copy there; the planner counts it once).", ""]
+             "`even`: the planner's own cost model with cuts forced every n_layer/pp blocks. Parameters are counted "
+             f"as held: the tied embedding/head table ({im['tied_params'] / 1e6:.1f} M) on every stage that reads it.",
+             ""]
     for pp, plans in im["by_pp"].items():
         rows = [[name, " / ".join(f"{b:g}" for b in p["blocks"]), f"{p['imbalance']['compute']:.3f}",
-                 f"{p['imbalance']['params']:.3f}", f"{p['held_params_imbalance']:.3f}",
-                 " / ".join(f"{f / 1e9:.1f}" for f in p["flops"]),
-                 " / ".join(f"{h / 1e6:.1f}" for h in p["held_params"])] for name, p in plans.items()]
+                 f"{p['imbalance']['params']:.3f}", " / ".join(f"{f / 1e9:.1f}" for f in p["flops"]),
+                 " / ".join(f"{h / 1e6:.1f}" for h in p["params"])] for name, p in plans.items()]
         lines += [f"pp={pp}:", ""] + _table(["split", "blocks per stage", "compute imbalance", "params imbalance",
-                                              "params as held", "GFLOP per stage (forward)",
-                                              "M params held per stage"], rows)
+                                              "GFLOP per stage (forward)", "M params per stage"], rows)
     return lines
 
 
