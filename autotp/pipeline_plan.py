@@ -44,7 +44,8 @@ class Units:
         return sum(self.param_sizes[n] for n in held)
 
 
-def _unit_index(cuts: list[Cut], position: int) -> int:
+def unit_index(cuts: list[Cut], position: int) -> int:
+    """The unit (run between cuts) holding graph position ``position``."""
     return sum(c.position < position for c in cuts)
 
 
@@ -57,7 +58,7 @@ def build_units(analysis, prop, tp: int, sizes: dict[str, int]) -> Units:
     node_costs = costs(graph, analysis.trainable)
     split = {t for t, lay in prop.layouts.items() if isinstance(lay, Shard)} | set(prop.reduced)
     for position, node in enumerate(graph.nodes):
-        k = _unit_index(cuts, position)
+        k = unit_index(cuts, position)
         units.unit_of[node.name] = k
         cost = node_costs[node.name]
         share = 1.0 / tp if node.name in split else 1.0
@@ -74,7 +75,7 @@ def build_units(analysis, prop, tp: int, sizes: dict[str, int]) -> Units:
     return units
 
 
-def _module_starts(analysis) -> dict[str, int]:
+def module_starts(analysis) -> dict[str, int]:
     """Each module (and every dotted prefix of it) -> graph position of its first parameter reader."""
     positions = {n.name: i for i, n in enumerate(analysis.graph.nodes)}
     starts: dict[str, int] = {}
@@ -88,14 +89,14 @@ def _module_starts(analysis) -> dict[str, int]:
 
 def forced_units(analysis, cuts: list[Cut], modules) -> list[int]:
     """The unit index at which each forced module starts a stage."""
-    starts = _module_starts(analysis)
+    starts = module_starts(analysis)
     out = []
     for module in modules:
         if module not in starts:
             near = [m for m in starts if m.split(".")[-1] == module.split(".")[-1]][:3] or list(starts)[:3]
             raise PlanError(f"cannot cut at module {module!r}: the model has no module of that name with parameters "
                             f"(modules look like {', '.join(near)}); name a module to start a stage with")
-        unit = _unit_index(cuts, starts[module])
+        unit = unit_index(cuts, starts[module])
         if unit == 0:
             raise PlanError(f"cannot cut at module {module!r}: nothing comes before it that could form a stage; "
                             "name a later module")

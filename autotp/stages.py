@@ -16,7 +16,7 @@ from torch import fx
 from autotp.errors import PlanError
 from autotp.passes.cuts import Cut, find_cuts
 from autotp.passes.graph import grad_nodes
-from autotp.pipeline_plan import _module_starts, _unit_index
+from autotp.pipeline_plan import module_starts, unit_index
 from autotp.plan import Plan
 
 HIDDEN = "autotp_hidden"
@@ -32,14 +32,14 @@ class Boundaries:
 def stage_boundaries(analysis, plan: Plan) -> Boundaries:
     """The cut ending each stage, re-derived from each next stage's first module."""
     cuts = find_cuts(analysis.graph, analysis.trainable)
-    starts = _module_starts(analysis)
+    starts = module_starts(analysis)
     chosen = []
     for stage in plan.stages[1:]:
         first = stage.modules[0] if stage.modules else None
         if first not in starts:
             raise PlanError(f"pipeline stage {stage.index} starts at {first!r}, which this model does not have "
                             "with parameters; re-plan for this model")
-        unit = _unit_index(cuts, starts[first])
+        unit = unit_index(cuts, starts[first])
         if unit == 0 or (chosen and cuts[unit - 1] == chosen[-1]):
             raise PlanError(f"pipeline stage {stage.index} starting at {first!r} would be empty; re-plan")
         chosen.append(cuts[unit - 1])

@@ -23,8 +23,10 @@ def test_pipeline_trains_like_the_original(tp, pp):
     results = run_on_ranks(pipeline_workers.check_pipelines, tp * pp, tp, CONFIGS)
     for key, r in results[0].items():
         assert len(r["stages"]) == pp, key
-        # Stages hold disjoint layers: a rank holds well under the whole model.
-        assert r["local_params"] < 0.75 * r["total_params"] / (tp * pp) * tp * pp, key
+        # Each rank holds about total/(tp·pp): its stage's shards (plus small replicated norms and, on the
+        # head's stage, its copy of a tied embedding). All-replicated would be tp·pp times that.
+        share = r["local_params"] / (r["total_params"] / (tp * pp))
+        assert share <= 1.6, f"{key}: a rank holds {share:.2f} x total/(tp*pp)"
 
 
 def test_interleaved_schedule_with_virtual_stages():
