@@ -2,6 +2,6 @@
 
 import sys
 
-from autotp.cli import main
+from autotp.tools.cli import main
 
 sys.exit(main())

@@ -1,4 +1,7 @@
-"""The two entry points: ``plan`` (no process group needed) and ``parallelize``."""
+"""The two entry points: ``plan`` (no process group needed) and ``parallelize``.
+
+They connect the stages: capture → passes and planning → rewrite → runtime.
+"""
 
 from __future__ import annotations
 
@@ -7,17 +10,22 @@ import torch.distributed as dist
 from torch import nn
 
 from autotp.capture import Captured, capture
-from autotp.errors import InputError, PlanError
-from autotp.plan import Plan
-from autotp.planner import make_plan
-from autotp.rewrite import rewrite
-from autotp.balance import Balance
-from autotp.pipeline import Mesh, PipelineModule, Schedule, tied_groups
-from autotp.planner import Analysis
-from autotp.rewrite import build_graph, materialise
-from autotp.runtime import ParallelModule, StateNames, check_same_plan, check_world, device_for, ensure_process_group
-from autotp.stages import split_stages
-
+from autotp.errors import InputError
+from autotp.options import Balance, Schedule
+from autotp.passes.analysis import Analysis
+from autotp.planning import Plan, check_plan_fits, make_plan
+from autotp.rewrite import build_graph, materialise, rewrite, split_stages
+from autotp.runtime import (
+    Mesh,
+    ParallelModule,
+    PipelineModule,
+    check_same_plan,
+    check_world,
+    device_for,
+    ensure_process_group,
+    state_names,
+    tied_groups,
+)
 
 _MEANING = {"tp": "the number of tensor-parallel ranks", "pp": "the number of pipeline stages' ranks",
             "virtual_stages": "pipeline stages per rank", "microbatches": "microbatches per step"}
@@ -29,41 +37,12 @@ def _check_positive(name: str, value) -> int:
     return value
 
 
-def _schedule(value) -> Schedule:
+def _choice(kind, name: str, value):
+    """``value`` as a member of the enum ``kind``, or an ``InputError`` listing the choices."""
     try:
-        return Schedule(value)
+        return kind(value)
     except ValueError as e:
-        raise InputError(f"schedule must be one of {[s.value for s in Schedule]}, got {value!r}") from e
-
-
-def _balance(value) -> Balance:
-    try:
-        return Balance(value)
-    except ValueError as e:
-        raise InputError(f"balance must be one of {[b.value for b in Balance]}, got {value!r}") from e
-
-
-def _check_plan(plan: Plan, captured: Captured, tp: int, pp: int, stages: int) -> Plan:
-    """A user-supplied plan must be for this tp/pp and name only parameters this model has."""
-    if not isinstance(plan, Plan):
-        raise InputError(f"plan must be an autotp.Plan (e.g. Plan.from_json(text)), got {type(plan).__name__}")
-    if (plan.tp, plan.pp, len(plan.stages)) != (tp, pp, stages):
-        raise PlanError(f"the plan was made for tp={plan.tp}, pp={plan.pp} ({len(plan.stages)} stages) but "
-                        f"tp={tp}, pp={pp} ({stages} stages) was asked for; re-plan or pass the plan's settings")
-    known = set(captured.param_names)
-    unknown = sorted(set(plan.placements) - known)
-    if unknown:
-        raise PlanError(f"the plan names parameters this model does not have: {', '.join(unknown[:5])}; "
-                        "make the plan from this model (autotp.plan) or fix the names")
-    return plan
-
-
-def state_names(model: nn.Module, captured: Captured, modules) -> StateNames:
-    """The state-dict bookkeeping for rank modules built from ``captured``."""
-    kept = {captured.param_name(k) for m in modules for k in m.state_dict()}
-    # Every rank keeps a copy of state the graph never reads, so full_state_dict has every key.
-    extra = {k: v.detach().clone() for k, v in model.state_dict().items() if captured.aliases.get(k, k) not in kept}
-    return StateNames(captured.state_keys, captured.aliases, captured.param_name, extra)
+        raise InputError(f"{name} must be one of {[c.value for c in kind]}, got {value!r}") from e
 
 
 def plan(model: nn.Module, tp: int, example_inputs, pp: int = 1, balance: str = "both", batch: int | None = None,
@@ -75,7 +54,7 @@ def plan(model: nn.Module, tp: int, example_inputs, pp: int = 1, balance: str = 
     """
     tp, pp = _check_positive("tp", tp), _check_positive("pp", pp)
     stages = pp * _check_positive("virtual_stages", virtual_stages)
-    return make_plan(capture(model, example_inputs), tp, pp=pp, balance=_balance(balance), batch=batch, seq=seq,
+    return make_plan(capture(model, example_inputs), tp, pp=pp, balance=_choice(Balance, "balance", balance), batch=batch, seq=seq,
                      cuts=tuple(cuts), stages=stages)
 
 
@@ -87,9 +66,10 @@ def parallelize(model: nn.Module, tp: int | None = None, example_inputs=None, pp
 
     The model itself is left untouched. Uses ``group`` if given (pp == 1 only), else the default
     process group, initialised from torchrun's environment when needed. With ``plan`` given, applies
-    it instead of planning (``tp`` and ``pp`` then default to the plan's). With pp > 1, ``step`` runs ``microbatches`` (default pp) through the
-    ``schedule`` (``gpipe``, ``1f1b`` or ``interleaved1f1b`` with ``virtual_stages`` stages per rank);
-    1F1B schedules need at least as many microbatches as stages (the default).
+    it instead of planning (``tp`` and ``pp`` then default to the plan's). With pp > 1, ``step`` runs
+    ``microbatches`` (default pp) through the ``schedule`` (``gpipe``, ``1f1b`` or ``interleaved1f1b``
+    with ``virtual_stages`` stages per rank); 1F1B schedules need at least as many microbatches as
+    stages (the default).
     """
     if plan is not None and isinstance(plan, Plan):
         tp, pp = tp or plan.tp, pp or plan.pp
@@ -97,7 +77,7 @@ def parallelize(model: nn.Module, tp: int | None = None, example_inputs=None, pp
         raise InputError("example_inputs is required: the model is captured by running it on them, "
                          "e.g. example_inputs=(input_ids,)")
     tp, pp = _check_positive("tp", tp), _check_positive("pp", pp or 1)
-    sched = _schedule(schedule)
+    sched = _choice(Schedule, "schedule", schedule)
     default_virtual = 2 if sched is Schedule.INTERLEAVED_1F1B else 1
     if isinstance(plan, Plan) and plan.stages:
         default_virtual = max(1, len(plan.stages) // pp)
@@ -108,8 +88,8 @@ def parallelize(model: nn.Module, tp: int | None = None, example_inputs=None, pp
     check_world(group, tp, pp)
     captured = capture(model, example_inputs)
     stages = pp * virtual
-    chosen = (_check_plan(plan, captured, tp, pp, stages) if plan is not None else
-              make_plan(captured, tp, pp=pp, balance=_balance(balance), cuts=tuple(cuts), stages=stages))
+    chosen = (check_plan_fits(plan, captured.param_names, tp, pp, stages) if plan is not None else
+              make_plan(captured, tp, pp=pp, balance=_choice(Balance, "balance", balance), cuts=tuple(cuts), stages=stages))
     check_same_plan(chosen, group)
     if pp == 1:
         return _tensor_parallel(model, captured, chosen, group)
@@ -120,7 +100,7 @@ def parallelize(model: nn.Module, tp: int | None = None, example_inputs=None, pp
     return _pipeline_parallel(model, captured, chosen, sched, micro)
 
 
-def _tensor_parallel(model, captured, chosen: Plan, group) -> ParallelModule:
+def _tensor_parallel(model: nn.Module, captured: Captured, chosen: Plan, group) -> ParallelModule:
     rank = dist.get_rank(group) if group is not None else 0
     gm = rewrite(captured, chosen, rank, group)
     device = device_for(group)
@@ -129,7 +109,8 @@ def _tensor_parallel(model, captured, chosen: Plan, group) -> ParallelModule:
     return ParallelModule(gm, chosen, group, rank, state_names(model, captured, [gm]))
 
 
-def _pipeline_parallel(model, captured, chosen: Plan, sched: Schedule, microbatches: int) -> PipelineModule:
+def _pipeline_parallel(model: nn.Module, captured: Captured, chosen: Plan, sched: Schedule,
+                       microbatches: int) -> PipelineModule:
     device = device_for(dist.group.WORLD) or torch.device("cpu")
     mesh = Mesh(chosen.pp, chosen.tp, device)
     analysis = Analysis(captured)
@@ -142,4 +123,4 @@ def _pipeline_parallel(model, captured, chosen: Plan, sched: Schedule, microbatc
     for g in mine.values():
         materialise(g, captured, chosen, mesh.tp_rank, made)
         g.to(device)
-    return PipelineModule(mine, chosen, mesh, names, captured.module._out_spec, tied, sched, microbatches)
+    return PipelineModule(mine, chosen, mesh, names, captured.out_spec, tied, sched, microbatches)

@@ -17,9 +17,13 @@ class PlanError(AutotpError):
     """No exact plan exists for the requested setting (say, tp does not divide the heads)."""
 
 
-class PassError(AutotpError):
-    """A graph pass failed; the message names the pass and the passes that ran before it."""
-
-
 class RuntimeSetupError(AutotpError):
     """The distributed environment does not fit the plan (world size, mismatched plans, ...)."""
+
+
+class InternalError(AutotpError, RuntimeError):
+    """An invariant of autotp itself failed: a bug in autotp, not a mistake in what it was given."""
+
+    def __init__(self, message: str):
+        super().__init__(f"internal error in autotp (a bug in autotp, not in your model or settings; "
+                         f"please report it with the model and command): {message}")

@@ -9,28 +9,24 @@ embedding lands on the first stage, ``ln_f`` and the head on the last. One captu
 
 from __future__ import annotations
 
-import re
-
 import torch
 
-from autotp.balance import Balance
 from autotp.capture import capture
-from autotp.planner import make_plan
+from autotp.names import block_of
+from autotp.options import Balance
+from autotp.planning import make_plan
 from bench.config import BenchConfig
 from bench.pp_variants import even_cuts
 from examples.gpt import build_gpt
-
-_BLOCK = re.compile(r"^transformer\.h\.\d+(?=\.|$)")
-
 
 def blocks_per_stage(modules_per_stage: list[list[str]]) -> list[float]:
     """Transformer blocks each stage holds; a block split across two stages counts half in each."""
     owners: dict[str, list[int]] = {}
     for stage, modules in enumerate(modules_per_stage):
         for module in modules:
-            block = _BLOCK.match(module)  # a whole block, or a part of one cut inside it
-            if block and stage not in owners.setdefault(block.group(0), []):
-                owners[block.group(0)].append(stage)
+            block = block_of(module)  # a whole block, or a part of one cut inside it
+            if block and stage not in owners.setdefault(block, []):
+                owners[block].append(stage)
     counts = [0.0] * len(modules_per_stage)
     for stages in owners.values():
         for stage in stages:

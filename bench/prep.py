@@ -14,7 +14,8 @@ import gc
 import torch
 
 from autotp.capture import capture
-from autotp.planner import Analysis, make_plan
+from autotp.passes.analysis import Analysis
+from autotp.planning import make_plan
 from autotp.rewrite import rewrite
 from bench.config import BenchConfig, ModelShape
 from bench.stats import growth_exponent, summary, timed

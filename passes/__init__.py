@@ -1,10 +1,16 @@
-"""Read-only graph passes: find projections, embeddings and regions, and propagate sharding.
+"""Read-only graph passes: find projections, embeddings, regions and cuts, propagate sharding, cost nodes.
 
-Installed as ``autotp.passes``. Nothing here mutates a graph; the rewriter does that.
+Installed as ``autotp.passes``. Nothing here mutates a graph (the rewriter does that), and nothing
+here imports the rest of autotp: passes import only passes and third-party libraries.
 """
 
-from autotp.passes.layout import Shard
+from autotp.passes.analysis import Analysis
+from autotp.passes.layout import PlacementKind, Shard
 from autotp.passes.projections import Embedding, Projection, find_embeddings, find_projections
 from autotp.passes.propagate import Propagation, propagate
+from autotp.passes.regions import RegionKind
+from autotp.passes.steps import COMMUNICATION, CollectiveOp, Direction, Operator, Step
 
-__all__ = ["Embedding", "Projection", "Propagation", "Shard", "find_embeddings", "find_projections", "propagate"]
+__all__ = ["COMMUNICATION", "Analysis", "CollectiveOp", "Direction", "Embedding", "Operator", "PlacementKind",
+           "Projection", "Propagation", "RegionKind", "Shard", "Step", "find_embeddings", "find_projections",
+           "propagate"]

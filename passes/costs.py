@@ -14,7 +14,7 @@ import sympy
 import torch
 from torch import fx
 
-from autotp.passes.graph import is_tensor, meta_val
+from autotp.passes.graph import is_tensor, meta_val, sizes
 
 aten = torch.ops.aten
 
@@ -34,7 +34,6 @@ class NodeCost:
 
     flops: sympy.Expr
     activation_bytes: sympy.Expr
-    param_bytes: int = 0
     param_count: int = 0
 
 
@@ -42,19 +41,15 @@ def _numel(shape) -> sympy.Expr:
     return sympy.Mul(*[sympy.sympify(d) for d in shape]) if shape else sympy.Integer(1)
 
 
-def _shape(node) -> tuple:
-    return tuple(int(d) if isinstance(d, int) else d.node.expr for d in meta_val(node).shape)
-
-
 def _matmul_flops(node: fx.Node) -> sympy.Expr:
     """2·(output elements)·(contraction size); the contraction is the last dim of the activation input."""
     x = node.args[1] if node.target is aten.addmm.default else node.args[0]
-    return 2 * _numel(_shape(node)) * sympy.sympify(_shape(x)[-1])
+    return 2 * _numel(sizes(node)) * sympy.sympify(sizes(x)[-1])
 
 
 def _attention_flops(node: fx.Node) -> sympy.Expr:
     """QKᵀ and (softmax)·V: 2·2·B·H·T·S·D, the quadratic term in sequence length."""
-    q, k = _shape(node.args[0]), _shape(node.args[1])
+    q, k = sizes(node.args[0]), sizes(node.args[1])
     return 4 * _numel(q) * sympy.sympify(k[-2])
 
 
@@ -63,12 +58,11 @@ def node_cost(node: fx.Node) -> NodeCost:
     if node.op == "get_attr":
         val = meta_val(node)
         if isinstance(val, torch.Tensor):
-            n = math.prod(val.shape)
-            return NodeCost(sympy.Integer(0), sympy.Integer(0), n * val.element_size(), n)
+            return NodeCost(sympy.Integer(0), sympy.Integer(0), math.prod(val.shape))
         return NodeCost(sympy.Integer(0), sympy.Integer(0))
     if node.op != "call_function" or not is_tensor(node):
         return NodeCost(sympy.Integer(0), sympy.Integer(0))
-    out = _numel(_shape(node))
+    out = _numel(sizes(node))
     itemsize = meta_val(node).element_size()
     if node.target in _FREE:
         return NodeCost(sympy.Integer(0), sympy.Integer(0))
@@ -99,12 +93,12 @@ def costs(graph: fx.Graph, trainable: set[str] | None = None) -> dict[str, NodeC
     return out
 
 
-def evaluate(expr, sizes: dict[str, int]) -> float:
-    """The value of a cost expression with the size symbols (by name) set to ``sizes``."""
+def evaluate(expr, values: dict[str, int]) -> float:
+    """The value of a cost expression with the size symbols (by name) set to ``values``."""
     expr = sympy.sympify(expr)
-    return float(expr.subs({s: sizes[s.name] for s in expr.free_symbols if s.name in sizes}))
+    return float(expr.subs({s: values[s.name] for s in expr.free_symbols if s.name in values}))
 
 
-def tensor_bytes(node: fx.Node, sizes: dict[str, int]) -> float:
-    """Bytes of the tensor ``node`` produces, at the given sizes."""
-    return evaluate(_numel(_shape(node)), sizes) * meta_val(node).element_size()
+def tensor_bytes(node: fx.Node, values: dict[str, int]) -> float:
+    """Bytes of the tensor ``node`` produces, with the size symbols set to ``values``."""
+    return evaluate(_numel(sizes(node)), values) * meta_val(node).element_size()

@@ -77,3 +77,24 @@ def find_cuts(graph: fx.Graph, trainable: set[str]) -> list[Cut]:
                 cuts.append(Cut(value, i))
     weighted = [position[n] for n in param_users(graph, trainable)]
     return _first_of_runs(cuts, weighted)
+
+
+def unit_index(cuts: list[Cut], position: int) -> int:
+    """The unit (run of nodes between consecutive cuts) holding graph position ``position``."""
+    return sum(c.position < position for c in cuts)
+
+
+def module_starts(analysis) -> dict[str, int]:
+    """Each module (and every dotted prefix of it) -> graph position of its first parameter reader.
+
+    A stage that starts at a module starts at the last cut before this position (``analysis`` is a
+    ``passes.analysis.Analysis``).
+    """
+    positions = {n.name: i for i, n in enumerate(analysis.graph.nodes)}
+    starts: dict[str, int] = {}
+    for name in param_users(analysis.graph, analysis.trainable):
+        path = analysis.module(name).split(".")
+        for depth in range(1, len(path) + 1):
+            starts.setdefault(".".join(path[:depth]), positions[name])
+    starts.pop("", None)
+    return starts

@@ -1,4 +1,7 @@
-"""Small read-only helpers over a captured torch.fx graph (shapes, parameters, argument paths)."""
+"""Small read-only helpers over a captured torch.fx graph (shapes, parameters, argument paths).
+
+Nothing here changes a graph: editing helpers live with the rewriter (``autotp.rewrite.graph_edit``).
+"""
 
 from __future__ import annotations
 
@@ -20,9 +23,21 @@ def is_tensor(node) -> bool:
     return isinstance(meta_val(node), torch.Tensor)
 
 
+SHAPE_META = "autotp_shape"
+"""``node.meta`` key under which capture records a tensor's sizes as ints and sympy expressions (reading
+a symbolic size's expression takes a private torch API, which only capture touches)."""
+
+
 def sizes(node) -> tuple:
     """The sizes of the tensor ``node`` produces, as ints or sympy expressions for dynamic sizes."""
-    return tuple(int(d) if isinstance(d, int) else d.node.expr for d in meta_val(node).shape)
+    recorded = node.meta.get(SHAPE_META)
+    if recorded is not None:
+        return recorded
+    shape = meta_val(node).shape
+    if not all(isinstance(d, int) for d in shape):
+        raise LookupError(f"node {node.name} has symbolic sizes but no {SHAPE_META!r} record: "
+                          "graphs must come from autotp's capture")
+    return tuple(shape)
 
 
 def rank(node) -> int:
@@ -50,21 +65,6 @@ def get_arg(node: fx.Node, path: ArgPath):
         return node.kwargs[path[1]]
     arg = node.args[path[0]]
     return arg[path[1]] if len(path) > 1 else arg
-
-
-def with_arg(node: fx.Node, path: ArgPath, value) -> None:
-    """Set the argument at ``path`` (used by the rewriter only)."""
-    if path[0] == "kw":
-        node.kwargs = {**node.kwargs, path[1]: value}
-        return
-    args = list(node.args)
-    if len(path) > 1:
-        inner = list(args[path[0]])
-        inner[path[1]] = value
-        args[path[0]] = type(node.args[path[0]])(inner)
-    else:
-        args[path[0]] = value
-    node.args = tuple(args)
 
 
 def arg_or_default(node: fx.Node, index: int, name: str, default):

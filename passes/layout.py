@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from enum import Enum
 
 import sympy
 
@@ -25,14 +26,31 @@ class Shard:
         """Global size along ``dim``."""
         return sum(self.segments)
 
-    def local_segments(self, tp: int) -> tuple[int, ...]:
-        """Each rank's share of every segment."""
-        return tuple(s // tp for s in self.segments)
-
     def moved(self, dim: int) -> Shard:
         """The same split on another dimension index."""
         return Shard(dim, self.segments)
 
+
+class PlacementKind(str, Enum):
+    """How one parameter is laid out across the tensor-parallel ranks (the one vocabulary of split kinds)."""
+
+    COLWISE = "colwise"
+    """Split along the layer's output features (Megatron's column-parallel linear)."""
+    ROWWISE = "rowwise"
+    """Split along the layer's input features (Megatron's row-parallel linear)."""
+    VOCAB = "vocab"
+    """Split along the vocabulary (embedding rows, or the LM head's output rows)."""
+    REPLICATED = "replicated"
+    """A full copy on every rank."""
+
+    @property
+    def word(self) -> str:
+        """The word tables and pictures use: column, row, vocab, replicated."""
+        return _WORDS[self]
+
+
+_WORDS = {PlacementKind.COLWISE: "column", PlacementKind.ROWWISE: "row", PlacementKind.VOCAB: "vocab",
+          PlacementKind.REPLICATED: "replicated"}
 
 Layout = Shard | None | tuple  # tuple: one layout per output of a multi-output op
 

@@ -16,11 +16,10 @@ from dataclasses import dataclass, field
 from torch import fx
 
 from autotp.passes.graph import ArgPath, grad_nodes, is_tensor, rank, tensor_args
-from autotp.passes.layout import Layout, Shard
+from autotp.passes.layout import Layout, PlacementKind, Shard
 from autotp.passes.projections import Embedding, Projection
-from autotp.passes.rules import COPY, Context, Decision, rule_for
-
-Step = tuple  # ("copy",) | ("gather", Shard) | ("scatter", Shard)
+from autotp.passes.rules import Context, Decision, rule_for
+from autotp.passes.steps import COPY, Operator, Step, gather, scatter
 
 
 @dataclass
@@ -50,8 +49,9 @@ class Propagation:
     tp: int
     layouts: dict[str, Layout] = field(default_factory=dict)
     conversions: dict[tuple, Conversion] = field(default_factory=dict)
-    reduced: list[str] = field(default_factory=list)
-    """Nodes whose output is all-reduced (row-split projections, vocab-split embeddings)."""
+    reduced: dict[str, Operator] = field(default_factory=dict)
+    """Nodes whose output is all-reduced: row-split projections (``G``), vocab-split embeddings
+    (``VOCAB_EMBEDDING``)."""
     rows: list[str] = field(default_factory=list)
     """Projections found to close a region (only with ``auto_rows``)."""
     fixes: list[tuple[str, ArgPath, object]] = field(default_factory=list)
@@ -62,30 +62,30 @@ class Propagation:
     checked: list[int] = field(default_factory=list)
     """Every size the split had to divide (for telling the user which tp values work)."""
 
-    def steps_of(self, kind: str) -> list[Conversion]:
-        """Conversions that include a step of ``kind``."""
-        return [c for c in self.conversions.values() if any(s[0] == kind for s in c.steps)]
+    def steps_of(self, operator: Operator) -> list[Conversion]:
+        """Conversions that include a step of ``operator``."""
+        return [c for c in self.conversions.values() if any(s.operator is operator for s in c.steps)]
 
 
 @dataclass(frozen=True)
 class Role:
-    """What a projection or embedding does under the plan: ``column``, ``row`` or ``embedding``."""
+    """What a projection does under the plan: column-split (with fused ``segments``) or row-split."""
 
-    kind: str
+    kind: PlacementKind
     segments: tuple[int, ...] = ()
 
 
-def _steps(have: Layout, want) -> tuple[Step, ...]:
+def _steps(have: Layout, want: Layout | Step) -> tuple[Step, ...]:
     """The conversion steps from layout ``have`` to ``want``."""
     if want == have:
         return ()
     steps: list[Step] = []
     if isinstance(have, Shard):
-        steps.append(("gather", have))
+        steps.append(gather(have))
     if want is COPY:
-        steps.append(("copy",))
+        steps.append(COPY)
     elif isinstance(want, Shard):
-        steps.append(("scatter", want))
+        steps.append(scatter(want))
     return tuple(steps)
 
 
@@ -184,7 +184,7 @@ class _Walker:
                 return self.projection(node, proj, role)
         emb = self.embeddings.get(node.name)
         if emb is not None and isinstance(self.param_layouts.get(emb.weight), Shard):
-            self.result.reduced.append(node.name)
+            self.result.reduced[node.name] = Operator.VOCAB_EMBEDDING
             return Decision(None, wants={(1,): None},
                             checks=[(emb.num_embeddings, "vocabulary size")])
         return rule_for(node.target)(node, ins, self.ctx)
@@ -192,11 +192,13 @@ class _Walker:
     def role_of(self, proj: Projection, ins: dict) -> Role | None:
         weight = self.param_layouts.get(proj.weight)
         if isinstance(weight, Shard):
-            return Role("column", weight.segments) if weight.dim == proj.out_dim else Role("row")
+            if weight.dim == proj.out_dim:
+                return Role(PlacementKind.COLWISE, weight.segments)
+            return Role(PlacementKind.ROWWISE)
         x_layout = self.layout(self.graph_node(proj.input))
         if self.auto_rows and x_layout == Shard(rank(self.graph_node(proj.input)) - 1, (proj.in_features,)):
             self.result.rows.append(proj.node)
-            return Role("row")
+            return Role(PlacementKind.ROWWISE)
         return None
 
     def graph_node(self, name: str) -> fx.Node:
@@ -205,11 +207,11 @@ class _Walker:
     def projection(self, node: fx.Node, proj: Projection, role: Role) -> Decision:
         x_path = next(p for p, n in tensor_args(node) if n.name == proj.input)
         x = self.graph_node(proj.input)
-        if role.kind == "column":
+        if role.kind is PlacementKind.COLWISE:
             out = Shard(rank(node) - 1, role.segments)
             return Decision(out, wants={x_path: COPY},
                             checks=[(s, "output features") for s in role.segments])
-        self.result.reduced.append(node.name)
+        self.result.reduced[node.name] = Operator.G
         return Decision(None, wants={x_path: Shard(rank(x) - 1, (proj.in_features,))},
                         checks=[(proj.in_features, "input features")])
 

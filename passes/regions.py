@@ -9,8 +9,8 @@ a product of two split branches), never by names.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
+from enum import Enum
 
 import torch
 from torch import fx
@@ -19,17 +19,32 @@ from autotp.passes.graph import grad_nodes
 from autotp.passes.layout import Shard
 from autotp.passes.projections import Projection
 from autotp.passes.propagate import GraphIndex, Propagation, Violation, propagate
+from autotp.passes.steps import Operator
 
 aten = torch.ops.aten
 _ATTENTION_OPS = {aten.scaled_dot_product_attention.default, aten.softmax.int, aten._softmax.default}
+
+
+class RegionKind(str, Enum):
+    """What a block of layers sharded together is, told from the graph's structure."""
+
+    ATTENTION = "attention"
+    """Split outputs meet attention ops (SDPA, a softmax of QKᵀ)."""
+    GATED_MLP = "gated_mlp"
+    """Two split branches from different projections are multiplied (SwiGLU)."""
+    MLP = "mlp"
+    """Any other column→row region."""
+    EMBEDDING = "embedding"
+    """The vocabulary-split token embedding."""
+    LM_HEAD = "lm_head"
+    """The vocabulary-split output projection."""
 
 
 @dataclass(frozen=True)
 class RegionMatch:
     """A closed column→row region found in the graph."""
 
-    kind: str
-    """``attention``, ``gated_mlp`` or ``mlp``."""
+    kind: RegionKind
     columns: tuple[str, ...]
     """Column-split projection nodes."""
     rows: tuple[str, ...]
@@ -45,11 +60,6 @@ class RegionMatch:
     sizes: tuple[int, ...] = ()
     """Every size the split must divide; their common divisors are the valid tp values."""
 
-    def valid_tp(self) -> list[int]:
-        """The tp values that divide every size this region splits."""
-        g = math.gcd(*self.sizes) if self.sizes else 1
-        return [t for t in range(1, g + 1) if g % t == 0]
-
 
 def _sibling_groups(projections: dict[str, Projection], skip: set[str]) -> list[list[Projection]]:
     """Projections grouped by the tensor they read, in graph order."""
@@ -64,17 +74,17 @@ def _layouts(columns: list[Projection], segments: dict[str, tuple[int, ...]]) ->
     return {p.weight: Shard(p.out_dim, segments.get(p.node) or (p.out_features,)) for p in columns}
 
 
-def _classify(graph_nodes: dict[str, fx.Node], prop: Propagation) -> str:
+def _classify(graph_nodes: dict[str, fx.Node], prop: Propagation) -> RegionKind:
     sharded = [graph_nodes[n] for n, lay in prop.layouts.items() if isinstance(lay, Shard) and n in graph_nodes]
     if any(n.target in _ATTENTION_OPS for n in sharded):
-        return "attention"
+        return RegionKind.ATTENTION
     def two_branches(n: fx.Node) -> bool:
         # A product of two split values that come from different projections: a gate.
         branches = {prop.origins.get(a.name) for a in n.all_input_nodes if isinstance(prop.layouts.get(a.name), Shard)}
         return len(branches) == 2
 
     gated = any(n.target is aten.mul.Tensor and two_branches(n) for n in sharded)
-    return "gated_mlp" if gated else "mlp"
+    return RegionKind.GATED_MLP if gated else RegionKind.MLP
 
 
 class _RegionFinder:
@@ -101,7 +111,7 @@ class _RegionFinder:
             if learnt != segments:
                 segments, params = learnt, {}  # parameters are re-learnt against the new segments
                 continue
-            learnt_params = params | {self.nodes[c.source].target: c.steps[0][1] for c in prop.steps_of("scatter")
+            learnt_params = params | {self.nodes[c.source].target: c.steps[0].shard for c in prop.steps_of(Operator.SCATTER)
                                       if len(c.steps) == 1 and self.nodes[c.source].op == "get_attr"
                                       and self.nodes[c.source].target in self.trainable}
             if learnt_params == params:
@@ -112,7 +122,7 @@ class _RegionFinder:
     @staticmethod
     def closed(prop: Propagation, allow_slices: bool) -> bool:
         """A region: at least one row closes it, nothing had to be gathered (or sliced, unless allowed)."""
-        return bool(prop.rows) and not prop.steps_of("gather") and (allow_slices or not prop.steps_of("scatter"))
+        return bool(prop.rows) and not prop.steps_of(Operator.GATHER) and (allow_slices or not prop.steps_of(Operator.SCATTER))
 
     def match(self, columns: list[Projection], prop: Propagation, segments: dict, params: dict,
               replicated=()) -> RegionMatch:
@@ -125,7 +135,7 @@ class _RegionFinder:
 
     def why_open(self, prop: Propagation) -> str:
         """Why a propagation did not close into a region, for the plan's notes."""
-        blocked = prop.steps_of("gather") or prop.steps_of("scatter")
+        blocked = prop.steps_of(Operator.GATHER) or prop.steps_of(Operator.SCATTER)
         if not blocked:
             return "no projection downstream takes its split output as input"
         conv = blocked[0]

@@ -8,6 +8,7 @@ every input replicated. Nothing here looks at module or parameter names.
 
 from __future__ import annotations
 
+import functools
 import operator
 from dataclasses import dataclass, field
 
@@ -16,12 +17,9 @@ from torch import fx
 
 from autotp.passes.graph import ArgPath, arg_or_default, is_tensor, meta_val, rank, sizes
 from autotp.passes.layout import Layout, Shard, broadcast_dim, map_reshape
+from autotp.passes.steps import COPY, Step
 
 aten = torch.ops.aten
-
-COPY = "copy"
-"""A wanted input layout: replicated, passed through Megatron's ``f`` (all-reduce in backward) because
-the consumer sees only this rank's share of the gradient."""
 
 
 @dataclass
@@ -29,7 +27,9 @@ class Decision:
     """What one op does with sharded inputs."""
 
     out: Layout
-    wants: dict[ArgPath, Layout | str] = field(default_factory=dict)
+    wants: dict[ArgPath, Layout | Step] = field(default_factory=dict)
+    """The layout each input must arrive in; ``COPY``: whole, through Megatron's ``f`` (the consumer
+    sees only this rank's share of the gradient)."""
     fixes: dict[ArgPath, object] = field(default_factory=dict)
     checks: list[tuple[int, str]] = field(default_factory=list)
     """(size, what it counts): sizes that must divide by tp."""
@@ -58,6 +58,20 @@ def _sharded(ins: Inputs) -> list[tuple[ArgPath, fx.Node, Shard]]:
 
 def _multi(node: fx.Node) -> bool:
     return isinstance(meta_val(node), (tuple, list))
+
+
+def on_split_input(rule):
+    """For a rule about its first input split along one dim: a whole first input gives a whole output.
+
+    The wrapped rule is called as ``rule(node, ins, ctx, x, layout)`` with the first input and its Shard.
+    """
+    @functools.wraps(rule)
+    def checked(node: fx.Node, ins: Inputs, ctx: Context) -> Decision:
+        x, lay = ins[(0,)]
+        if not isinstance(lay, Shard):
+            return Decision(None)
+        return rule(node, ins, ctx, x, lay)
+    return checked
 
 
 def replicate_all(node: fx.Node, ins: Inputs, ctx: Context) -> Decision:
@@ -91,6 +105,12 @@ def pointwise(node: fx.Node, ins: Inputs, ctx: Context) -> Decision:
     sharded = _sharded(ins)
     if not sharded:
         return Decision(None)
+    return _aligned(node, ins, ctx, sharded)
+
+
+def _aligned(node: fx.Node, ins: Inputs, ctx: Context, sharded) -> Decision:
+    """The output split where every sharded input's split lands (aligned from the right, as broadcasting
+    aligns dims), the other inputs joined to it; replicated when the inputs disagree."""
     out_rank = rank(node)
     targets = {(lay.dim + out_rank - rank(n), lay.segments) for _, n, lay in sharded}
     if len(targets) != 1:
@@ -110,11 +130,9 @@ def no_output(node: fx.Node, ins: Inputs, ctx: Context) -> Decision:
     return Decision(None)
 
 
-def along_dim(node: fx.Node, ins: Inputs, ctx: Context) -> Decision:
+@on_split_input
+def along_dim(node: fx.Node, ins: Inputs, ctx: Context, x: fx.Node, lay: Shard) -> Decision:
     """Ops that work along one dim and keep the shape (softmax, cumsum): fine unless it is the shard dim."""
-    x, lay = ins[(0,)]
-    if not isinstance(lay, Shard):
-        return Decision(None)
     if _norm(arg_or_default(node, 1, "dim", 0), rank(x)) == lay.dim:
         return replicate_all(node, ins, ctx)
     return Decision(lay)
@@ -124,11 +142,9 @@ def _checks(shard: Shard, what: str) -> list[tuple[int, str]]:
     return [(s, what) for s in shard.segments]
 
 
-def reshape(node: fx.Node, ins: Inputs, ctx: Context) -> Decision:
+@on_split_input
+def reshape(node: fx.Node, ins: Inputs, ctx: Context, x: fx.Node, lay: Shard) -> Decision:
     """view/reshape/(un)squeeze/flatten: move the shard by shape algebra and fix the size constant."""
-    x, lay = ins[(0,)]
-    if not isinstance(lay, Shard):
-        return Decision(None)
     new = map_reshape(sizes(x), sizes(node), lay, ctx.tp)
     if new is None:
         return replicate_all(node, ins, ctx)
@@ -140,22 +156,18 @@ def reshape(node: fx.Node, ins: Inputs, ctx: Context) -> Decision:
     return Decision(new, fixes=fixes, checks=_checks(new, f"dim {new.dim} of the reshape to ({shape})"))
 
 
-def expand(node: fx.Node, ins: Inputs, ctx: Context) -> Decision:
+@on_split_input
+def expand(node: fx.Node, ins: Inputs, ctx: Context, x: fx.Node, lay: Shard) -> Decision:
     """expand: the sharded dim keeps its size; its entry in the size list becomes the local size."""
-    x, lay = ins[(0,)]
-    if not isinstance(lay, Shard):
-        return Decision(None)
     out_dim = lay.dim + rank(node) - rank(x)
     size = node.args[1][out_dim]
     fixes = {(1, out_dim): size // ctx.tp} if isinstance(size, int) and size != -1 else {}
     return Decision(lay.moved(out_dim), fixes=fixes)
 
 
-def permute(node: fx.Node, ins: Inputs, ctx: Context) -> Decision:
+@on_split_input
+def permute(node: fx.Node, ins: Inputs, ctx: Context, x: fx.Node, lay: Shard) -> Decision:
     """permute/transpose/t: follow the dim."""
-    x, lay = ins[(0,)]
-    if not isinstance(lay, Shard):
-        return Decision(None)
     n = rank(x)
     if node.target is aten.permute.default:
         order = [_norm(d, n) for d in node.args[1]]
@@ -197,11 +209,9 @@ def getitem(node: fx.Node, ins: Inputs, ctx: Context) -> Decision:
     return Decision(lay[node.args[1]] if isinstance(lay, tuple) else lay)
 
 
-def slice_(node: fx.Node, ins: Inputs, ctx: Context) -> Decision:
+@on_split_input
+def slice_(node: fx.Node, ins: Inputs, ctx: Context, x: fx.Node, lay: Shard) -> Decision:
     """slice: fine off the shard dim, or when it keeps the whole shard dim."""
-    x, lay = ins[(0,)]
-    if not isinstance(lay, Shard):
-        return Decision(None)
     dim = _norm(arg_or_default(node, 1, "dim", 0), rank(x))
     start, end = arg_or_default(node, 2, "start", None), arg_or_default(node, 3, "end", None)
     step = arg_or_default(node, 4, "step", 1)
@@ -209,11 +219,9 @@ def slice_(node: fx.Node, ins: Inputs, ctx: Context) -> Decision:
     return Decision(lay) if dim != lay.dim or whole else replicate_all(node, ins, ctx)
 
 
-def select(node: fx.Node, ins: Inputs, ctx: Context) -> Decision:
+@on_split_input
+def select(node: fx.Node, ins: Inputs, ctx: Context, x: fx.Node, lay: Shard) -> Decision:
     """select: drops a dim, which must not be the shard dim."""
-    x, lay = ins[(0,)]
-    if not isinstance(lay, Shard):
-        return Decision(None)
     dim = _norm(node.args[1], rank(x))
     if dim == lay.dim:
         return replicate_all(node, ins, ctx)
@@ -233,11 +241,9 @@ def cat(node: fx.Node, ins: Inputs, ctx: Context) -> Decision:
     return Decision(lay, wants=_join(node, ins, ctx, lay.dim, lay.segments))
 
 
-def reduction(node: fx.Node, ins: Inputs, ctx: Context) -> Decision:
+@on_split_input
+def reduction(node: fx.Node, ins: Inputs, ctx: Context, x: fx.Node, lay: Shard) -> Decision:
     """sum/mean/amax/var over dims other than the shard dim."""
-    x, lay = ins[(0,)]
-    if not isinstance(lay, Shard):
-        return Decision(None)
     dims = arg_or_default(node, 1, "dim", None)
     if dims is None or dims == []:
         return replicate_all(node, ins, ctx)
@@ -253,16 +259,9 @@ def batched_matmul(node: fx.Node, ins: Inputs, ctx: Context) -> Decision:
     sharded = _sharded(ins)
     if not sharded:
         return Decision(None)
-    out_rank = rank(node)
-    targets = set()
-    for _, n, lay in sharded:
-        if lay.dim >= rank(n) - 2:
-            return replicate_all(node, ins, ctx)  # a contraction or row dim: not a per-head split
-        targets.add((lay.dim + out_rank - rank(n), lay.segments))
-    if len(targets) != 1:
-        return replicate_all(node, ins, ctx)
-    out_dim, segments = targets.pop()
-    return Decision(Shard(out_dim, segments), wants=_join(node, ins, ctx, out_dim, segments))
+    if any(lay.dim >= rank(n) - 2 for _, n, lay in sharded):
+        return replicate_all(node, ins, ctx)  # a contraction or row dim: not a per-head split
+    return _aligned(node, ins, ctx, sharded)
 
 
 def attention(node: fx.Node, ins: Inputs, ctx: Context) -> Decision:

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 import autotp
-from autotp import cli
-from autotp.exports import to_hf_tp_plan
-from autotp.model_spec import SMALL_HF, SpecKind, build_model, parse_overrides, parse_spec, vocab_size
+from autotp.tools import cli
+from autotp.tools.exports import to_hf_tp_plan
+from autotp.tools.model_spec import SMALL_HF, SpecKind, build_model, parse_overrides, parse_spec, vocab_size
 from tests.distributed import run_on_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -109,7 +109,7 @@ def test_hf_model_json_and_tp_plan_export(runs, capsys):
 def test_svg_parses_and_names_every_split_module(runs):
     import xml.etree.ElementTree as ET
 
-    from autotp.report import module_rows, param_infos
+    from autotp.tools.report import module_rows, param_infos
 
     results, out = runs
     assert _ok(results["svg"]).stdout.strip() == f"wrote {out / 'gpt.svg'}"
@@ -189,13 +189,17 @@ def test_each_user_error_is_one_line_with_exit_2(argv, message, capsys, monkeypa
     assert message in captured.err
 
 
-def test_pipeline_request_on_an_autotp_without_pipelines_is_explained():
-    args = _args(["plan", GPT, "--tp", "2", "--pp", "2"])
-    with pytest.raises(autotp.InputError, match="cannot plan pipeline stages .* use --pp 1"):
-        cli.plan_kwargs(args, {"model", "tp", "example_inputs"})
-    assert cli.plan_kwargs(_args(["plan", GPT, "--tp", "2"]), {"model", "tp", "example_inputs"}) == {}
-    wanted = {"pp": 2, "balance": "both", "batch": 8, "seq": 32}
-    assert cli.plan_kwargs(args, {"pp", "balance", "batch", "seq"}) == wanted
+def test_internal_errors_are_reported_as_autotp_bugs(capsys, monkeypatch):
+    """An autotp invariant failing is not the user's mistake: exit 1, say it is a bug, keep the traceback."""
+    def broken(*args, **kwargs):
+        raise autotp.InternalError("node x no longer reads y")
+
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setattr(cli, "run_plan", broken)
+    assert cli.main(["plan", GPT, "--tp", "2"]) == 1
+    err = capsys.readouterr().err
+    assert "internal error in autotp (a bug in autotp" in err and "node x no longer reads y" in err
+    assert "Traceback" in err
 
 
 def test_plan_file_is_read_and_checked(capsys, monkeypatch, tmp_path):
@@ -204,7 +208,7 @@ def test_plan_file_is_read_and_checked(capsys, monkeypatch, tmp_path):
     assert cli.main(["plan", GPT, "--plan", str(tmp_path / "p.json"), "--format", "hf"]) == 0
     assert json.loads(capsys.readouterr().out)["lm_head"] == "colwise_gather_output"
     assert cli.main(["plan", GPT, "--plan", str(tmp_path / "p.json"), "--tp", "4"]) == 2
-    assert "is for tp=2 but --tp 4 was given" in capsys.readouterr().err
+    assert "was made for tp=2 but tp=4 was asked for" in capsys.readouterr().err
     assert cli.main(["viz", GPT, "--plan", str(tmp_path / "p.json"), "--schedule", "gpipe", "-o",
                      str(tmp_path / "t.html")]) == 0
     assert "bubble" in (tmp_path / "t.html").read_text()
@@ -236,7 +240,7 @@ def test_hf_config_file(tmp_path, monkeypatch):
 
 def test_console_script_is_declared():
     (script,) = entry_points(group="console_scripts", name="autotp")
-    assert script.value == "autotp.cli:main"
+    assert script.value == "autotp.tools.cli:main"
 
 
 def test_readme_shows_the_current_table_and_picture(capsys, monkeypatch):
@@ -246,3 +250,16 @@ def test_readme_shows_the_current_table_and_picture(capsys, monkeypatch):
     assert capsys.readouterr().out.strip() in readme, "regenerate: autotp plan examples/gpt.py:build_gpt --tp 2"
     assert "autotp viz examples/gpt.py:build_gpt --tp 2 -o docs/images/gpt_tp2.png" in readme
     assert (ROOT / "docs/images/gpt_tp2.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_building_a_model_leaves_the_process_as_it_found_it(monkeypatch):
+    """Seeding, sys.path and the model file's module are scoped to the build."""
+    monkeypatch.chdir(ROOT)
+    path, modules = list(sys.path), set(sys.modules)
+    torch.manual_seed(123)
+    state = torch.get_rng_state()
+    first = build_model(parse_spec(GPT))
+    assert torch.equal(torch.get_rng_state(), state) and sys.path == path
+    assert not [m for m in set(sys.modules) - modules if m.startswith("_autotp_model_")]
+    again = build_model(parse_spec(GPT))  # still seeded: the same weights each time
+    assert all(torch.equal(a, b) for a, b in zip(first.state_dict().values(), again.state_dict().values()))

@@ -6,7 +6,7 @@ from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 import autotp
-from autotp.exports import Target, export_styles, to_hf_tp_plan, to_torch_plan, torch_plan_source, wildcard_styles
+from autotp.tools.exports import Target, export_styles, to_hf_tp_plan, to_torch_plan, torch_plan_source, wildcard_styles
 from tests import models
 
 EXAMPLE = (models.tokens(2, 16, 0),)

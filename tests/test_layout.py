@@ -4,7 +4,7 @@ import sympy
 import torch
 
 from autotp.passes.layout import Shard, map_reshape
-from autotp.shards import assemble, local_shard
+from autotp.rewrite.shards import assemble, local_shard
 
 B, T = sympy.symbols("B T")
 

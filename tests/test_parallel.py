@@ -53,7 +53,8 @@ def test_tp2_all_models_exact(tp2):
 def test_tp4_all_models_exact(tp4):
     for name in ALL:
         r = tp4[0][name]
-        assert r["local_params"] == r["total_params"] - 3 * r["split_params"] // 4 or r["notes"], name
+        # Exact accounting, notes or not: K/V kept whole by the GQA fallback are simply not split parameters.
+        assert r["local_params"] == r["total_params"] - 3 * r["split_params"] // 4, name
         assert r["local_params"] < 0.6 * r["total_params"], f"{name} came out mostly replicated: {r}"
 
 

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import autotp
-from autotp.balance import Balance, balanced_split, brute_force, objective
+from autotp.options import Balance
+from autotp.planning.balance import balanced_split, brute_force, objective
 from examples.gpt import build_gpt
 from tests import models, pipeline_workers
 from tests.distributed import run_on_ranks
@@ -71,12 +72,11 @@ class _Tapered(torch.nn.Module):
 
 
 def test_uneven_blocks_are_not_split_by_layer_count():
-    plan = autotp.plan(_Tapered(), tp=1, pp=2, example_inputs=(torch.randn(4, 8, 32),))
-    first = [m for m in plan.stages[0].modules]
-    assert first == ["blocks.0"], plan.summary()  # the widest block alone weighs about as much as the rest
-    even_split = 3
-    assert len(first) != even_split
-    assert plan.imbalance()["compute"] < 1.2
+    example = (torch.randn(4, 8, 32),)
+    plan = autotp.plan(_Tapered(), tp=1, pp=2, example_inputs=example)
+    assert list(plan.stages[0].modules) == ["blocks.0"], plan.summary()  # the widest block weighs about as much as the rest
+    even = autotp.plan(_Tapered(), tp=1, pp=2, cuts=["blocks.3"], example_inputs=example)  # 3 blocks per stage
+    assert plan.imbalance()["compute"] < 1.2 < even.imbalance()["compute"], (plan.summary(), even.summary())
 
 
 def test_heavy_head_moves_the_cut():

@@ -23,6 +23,35 @@ def test_json_round_trip(gpt_plan):
     assert again.fingerprint() == gpt_plan.fingerprint()
 
 
+def test_placement_order_does_not_change_the_plan(gpt_plan):
+    """Two ranks that list the same placements in another order hold the same plan (equal, same hash and
+    fingerprint); the JSON text itself differs, so the check is not vacuous."""
+    shuffled = gpt_plan.replace(placements=dict(reversed(list(gpt_plan.placements.items()))))
+    assert list(shuffled.placements) != list(gpt_plan.placements)
+    assert shuffled.to_json() != gpt_plan.to_json()
+    assert shuffled == gpt_plan and hash(shuffled) == hash(gpt_plan)
+    assert shuffled.fingerprint() == gpt_plan.fingerprint()
+    assert Plan.from_json(shuffled.to_json()).fingerprint() == gpt_plan.fingerprint()
+
+
+def test_fingerprint_sees_a_changed_placement(gpt_plan):
+    edited = dict(gpt_plan.placements) | {"transformer.ln_f.weight": Placement(PlacementKind.COLWISE, 0)}
+    assert gpt_plan.replace(placements=edited).fingerprint() != gpt_plan.fingerprint()
+
+
+def test_plan_fields_are_typed_after_a_json_round_trip(gpt_plan):
+    again = Plan.from_json(gpt_plan.to_json())
+    assert isinstance(again.balance, autotp.options.Balance)
+    assert all(isinstance(r.kind, autotp.passes.RegionKind) for r in again.regions)
+    assert all(isinstance(c.operator, autotp.passes.Operator) and isinstance(c.op, autotp.passes.CollectiveOp)
+               for c in again.collectives)
+
+
+def test_plan_json_must_be_an_object():
+    with pytest.raises(autotp.InputError, match="expected a JSON object, got list"):
+        Plan.from_json("[1, 2]")
+
+
 def test_plan_is_frozen_and_replace_returns_new(gpt_plan):
     with pytest.raises(dataclasses.FrozenInstanceError):
         gpt_plan.tp = 4

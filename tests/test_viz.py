@@ -8,10 +8,11 @@ import pytest
 
 import autotp
 from autotp.capture import capture
-from autotp.plan import Collective, Stage
-from autotp.report import collapse_names, collective_bytes, human_bytes, module_rows, param_infos, plan_table
-from autotp.viz import (
-    Decision,
+from autotp.planning import Collective, Stage
+from autotp.tools.report import collapse_names, collective_bytes, human_bytes, module_rows, param_infos, plan_table
+from autotp.planning import PlacementKind
+from autotp.tools.viz import (
+    Box,
     PictureFormat,
     Schedule,
     draw_graph,
@@ -22,8 +23,8 @@ from autotp.viz import (
     to_dot,
     viz_graph,
 )
-from autotp.viz.groups import module_groups
-from autotp.viz.layout import layered_layout
+from autotp.tools.viz.groups import module_groups
+from autotp.tools.viz.layout import layered_layout
 from tests import models
 
 EXAMPLE = (models.tokens(2, 16, 0),)
@@ -56,12 +57,12 @@ def test_groups_are_modules_and_acyclic(gpt):
 def test_expanded_graph_has_every_decision_and_collective(gpt):
     vg = viz_graph(gpt["captured"], gpt["plan"], gpt["params"], 8, 32, collapse=False)
     by_title = {n.title: n for n in vg.nodes}
-    assert by_title["transformer.h.1.attn.c_attn"].decision is Decision.COLUMN
-    assert by_title["transformer.h.1.mlp.c_proj"].decision is Decision.ROW
-    assert by_title["lm_head"].decision is Decision.VOCAB
-    assert by_title["transformer.ln_f"].decision is Decision.REPLICATED
+    assert by_title["transformer.h.1.attn.c_attn"].decision is PlacementKind.COLWISE
+    assert by_title["transformer.h.1.mlp.c_proj"].decision is PlacementKind.ROWWISE
+    assert by_title["lm_head"].decision is PlacementKind.VOCAB
+    assert by_title["transformer.ln_f"].decision is PlacementKind.REPLICATED
     assert "192×64 → 96×64" in by_title["transformer.h.0.attn.c_attn"].detail
-    collectives = [n for n in vg.nodes if n.decision is Decision.COLLECTIVE]
+    collectives = [n for n in vg.nodes if n.decision is Box.COLLECTIVE]
     assert len(collectives) == len(gpt["plan"].collectives)
     assert "64 KiB" in collectives[0].detail  # B*T*64 floats at batch 8, seq 32
     # g sits between the row-split projection and the residual add it feeds
@@ -73,7 +74,7 @@ def test_expanded_graph_has_every_decision_and_collective(gpt):
 
 def test_collapsed_blocks_keep_names_in_tooltips(gpt):
     vg = viz_graph(gpt["captured"], gpt["plan"], gpt["params"], 8, 32)
-    collapsed = [n for n in vg.nodes if n.decision is Decision.COLLAPSED]
+    collapsed = [n for n in vg.nodes if n.decision is Box.COLLAPSED]
     assert len(collapsed) == 1 and collapsed[0].title == "transformer.h.1"
     text = " ".join(f"{n.title} {n.tooltip}" for n in vg.nodes)
     assert all(m in text for m in _split_modules(gpt["plan"], gpt["params"]))
@@ -85,7 +86,7 @@ def test_stages_become_clusters(gpt):
     stage = {n.title: n.stage for n in vg.nodes}
     assert stage["transformer.wte"] == stage["transformer.h.0.attn.c_attn"] == 0
     assert stage["transformer.h.1.attn.c_attn"] == stage["lm_head"] == stage["output"] == 1
-    assert not any(n.decision is Decision.COLLAPSED for n in vg.nodes)  # one block per stage: nothing repeats
+    assert not any(n.decision is Box.COLLAPSED for n in vg.nodes)  # one block per stage: nothing repeats
     assert [label.split(" ·")[0] for _, label in vg.stages] == ["stage 0", "stage 1"]
     dot = to_dot(vg)
     assert "subgraph cluster_stage1" in dot and 'shape="hexagon"' in dot and dot.count("{") == dot.count("}")
@@ -163,7 +164,7 @@ def test_bare_parameter_projections_are_their_own_boxes():
     vg = viz_graph(capture(model, EXAMPLE), plan, param_infos(model), 8, 32, collapse=False)
     by_id = {n.id: n for n in vg.nodes}
     titles = {n.title: n for n in vg.nodes}
-    assert titles["blocks.1.w_qkv"].decision is Decision.COLUMN and titles["blocks.1.w_down"].decision is Decision.ROW
-    after = {by_id[u].title: by_id[v].title for u, v in vg.edges if by_id[v].decision is Decision.COLLECTIVE}
+    assert titles["blocks.1.w_qkv"].decision is PlacementKind.COLWISE and titles["blocks.1.w_down"].decision is PlacementKind.ROWWISE
+    after = {by_id[u].title: by_id[v].title for u, v in vg.edges if by_id[v].decision is Box.COLLECTIVE}
     assert after["blocks.0.w_out"] == "all-reduce (g, forward)"  # the module's second projection, not its first
     assert after["blocks.1.w_down"] == "all-reduce (g, forward)"

@@ -15,7 +15,7 @@ from torch.testing import assert_close
 from torch.utils._pytree import tree_leaves
 
 import autotp
-from autotp.shards import assemble, segments_or_whole
+from autotp.rewrite.shards import assemble, segments_or_whole
 from tests import models
 
 # Adam divides by sqrt(v) + eps: on gradients that are zero up to rounding (the key bias has an exactly

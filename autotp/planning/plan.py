@@ -11,26 +11,16 @@ import hashlib
 import json
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from enum import Enum
 
 import sympy
 
-from autotp.errors import InputError
+from autotp.errors import InputError, PlanError
+from autotp.options import Balance
+from autotp.passes.layout import PlacementKind
+from autotp.passes.regions import RegionKind
+from autotp.passes.steps import CollectiveOp, Direction, Operator
 
 SCHEMA_VERSION = 1
-
-
-class PlacementKind(str, Enum):
-    """How one parameter is laid out across the tensor-parallel ranks."""
-
-    COLWISE = "colwise"
-    """Split along the layer's output features (Megatron's column-parallel linear)."""
-    ROWWISE = "rowwise"
-    """Split along the layer's input features (Megatron's row-parallel linear)."""
-    VOCAB = "vocab"
-    """Split along the vocabulary (embedding rows, or the LM head's output rows)."""
-    REPLICATED = "replicated"
-    """A full copy on every rank."""
 
 
 @dataclass(frozen=True)
@@ -87,7 +77,7 @@ class FrozenMap(Mapping):
         return len(self._data)
 
     def __hash__(self) -> int:
-        return hash(tuple(self._data.items()))
+        return hash(frozenset(self._data.items()))  # order-free, like __eq__
 
     def __eq__(self, other) -> bool:
         return isinstance(other, Mapping) and dict(self) == dict(other)
@@ -100,19 +90,23 @@ class FrozenMap(Mapping):
 class Collective:
     """One communication the rewrite inserts, described for people and cost models."""
 
-    op: str
-    """``all_reduce`` or ``all_gather``."""
-    direction: str
-    """``forward`` or ``backward``: the pass in which it runs."""
-    operator: str
-    """Megatron's name for the boundary: ``f`` (copy to TP region), ``g`` (reduce from it),
-    ``gather``, ``scatter`` or ``vocab_embedding``."""
+    op: CollectiveOp
+    direction: Direction
+    """The pass in which it runs."""
+    operator: Operator
+    """Megatron's name for the boundary: ``f`` (copy to TP region), ``g`` (reduce from it), ..."""
     module: str
     """The original module at which it is inserted."""
     shape: tuple[str, ...]
     """Shape of the communicated tensor, with ``B``/``T``-style symbols for dynamic sizes."""
     itemsize: int = 4
     """Bytes per element."""
+
+    def __post_init__(self):
+        object.__setattr__(self, "op", CollectiveOp(self.op))
+        object.__setattr__(self, "direction", Direction(self.direction))
+        object.__setattr__(self, "operator", Operator(self.operator))
+        object.__setattr__(self, "shape", tuple(self.shape))
 
     def nbytes(self, batch: int, seq: int) -> int:
         """Bytes this collective moves per call at the given batch size and sequence length."""
@@ -124,15 +118,15 @@ class Collective:
 
     def to_dict(self) -> dict:
         """A JSON-ready dict."""
-        return dataclasses.asdict(self) | {"shape": list(self.shape)}
+        return {"op": self.op.value, "direction": self.direction.value, "operator": self.operator.value,
+                "module": self.module, "shape": list(self.shape), "itemsize": self.itemsize}
 
 
 @dataclass(frozen=True)
 class Region:
     """A detected block of layers sharded together (an MLP or an attention)."""
 
-    kind: str
-    """``mlp``, ``gated_mlp``, ``attention``, ``embedding`` or ``lm_head``."""
+    kind: RegionKind
     columns: tuple[str, ...]
     """Modules whose weights are split along the output features (or vocabulary)."""
     rows: tuple[str, ...]
@@ -140,9 +134,15 @@ class Region:
     replicated: tuple[str, ...] = ()
     """Modules of the region kept whole (e.g. K/V when tp does not divide the KV heads)."""
 
+    def __post_init__(self):
+        object.__setattr__(self, "kind", RegionKind(self.kind))
+        for name in ("columns", "rows", "replicated"):
+            object.__setattr__(self, name, tuple(getattr(self, name)))
+
     def to_dict(self) -> dict:
         """A JSON-ready dict."""
-        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(self).items()}
+        return {"kind": self.kind.value, "columns": list(self.columns), "rows": list(self.rows),
+                "replicated": list(self.replicated)}
 
 
 @dataclass(frozen=True)
@@ -182,8 +182,8 @@ class Plan:
     """Number of pipeline stages."""
     stages: tuple[Stage, ...] = ()
     """The pipeline stages with their costs (one stage when pp == 1; pp × virtual stages when interleaved)."""
-    balance: str = "both"
-    """What the stage split balanced: ``compute``, ``memory`` or ``both``."""
+    balance: Balance = Balance.BOTH
+    """What the stage split balanced."""
     batch: int = 0
     """Batch size the costs were evaluated at (0: not evaluated)."""
     seq: int = 0
@@ -197,6 +197,7 @@ class Plan:
         object.__setattr__(self, "regions", tuple(self.regions))
         object.__setattr__(self, "notes", tuple(self.notes))
         object.__setattr__(self, "stages", tuple(self.stages))
+        object.__setattr__(self, "balance", Balance(self.balance))
         if not isinstance(self.pp, int) or self.pp < 1:
             raise ValueError(f"pp must be a positive integer, got {self.pp!r}")
 
@@ -220,7 +221,7 @@ class Plan:
             "regions": [r.to_dict() for r in self.regions],
             "notes": list(self.notes),
             "pp": self.pp,
-            "balance": self.balance,
+            "balance": self.balance.value,
             "batch": self.batch,
             "seq": self.seq,
             "stages": [s.to_dict() for s in self.stages],
@@ -233,6 +234,8 @@ class Plan:
     @classmethod
     def from_dict(cls, data: dict) -> Plan:
         """Rebuild a plan from ``to_dict``'s output."""
+        if not isinstance(data, dict):
+            raise InputError(f"not a valid autotp plan: expected a JSON object, got {type(data).__name__}")
         version = data.get("schema_version")
         if version != SCHEMA_VERSION:
             raise InputError(f"plan schema_version is {version!r}; this autotp reads version {SCHEMA_VERSION}")
@@ -241,9 +244,8 @@ class Plan:
                 tp=data["tp"],
                 model=data.get("model", ""),
                 placements={n: Placement(**p) for n, p in data["placements"].items()},
-                collectives=tuple(Collective(**c | {"shape": tuple(c["shape"])}) for c in data.get("collectives", [])),
-                regions=tuple(Region(**{k: tuple(v) if isinstance(v, list) else v for k, v in r.items()})
-                              for r in data.get("regions", [])),
+                collectives=tuple(Collective(**c) for c in data.get("collectives", [])),
+                regions=tuple(Region(**r) for r in data.get("regions", [])),
                 notes=tuple(data.get("notes", [])),
                 pp=data.get("pp", 1),
                 balance=data.get("balance", "both"),
@@ -251,7 +253,7 @@ class Plan:
                 seq=data.get("seq", 0),
                 stages=tuple(Stage(**st | {"modules": tuple(st["modules"])}) for st in data.get("stages", [])),
             )
-        except (KeyError, TypeError, ValueError) as e:
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise InputError(f"not a valid autotp plan: {e}") from e
 
     @classmethod
@@ -264,12 +266,9 @@ class Plan:
         return cls.from_dict(data)
 
     def fingerprint(self) -> str:
-        """A short hash of the plan; every rank must compute the same one."""
-        return hashlib.sha256(self.to_json(indent=None).encode()).hexdigest()[:16]
-
-    def split_parameters(self) -> dict[str, Placement]:
-        """The parameters that are split, with their placements."""
-        return {n: p for n, p in self.placements.items() if p.is_split}
+        """A short hash of the plan; every rank must compute the same one (key order does not count)."""
+        text = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     def imbalance(self) -> dict[str, float]:
         """max/mean of per-stage compute and parameters (1.0 is perfectly balanced)."""
@@ -285,10 +284,11 @@ class Plan:
         lines = [repr(self)]
         for region in self.regions:
             kept = f" (replicated: {', '.join(region.replicated)})" if region.replicated else ""
-            lines.append(f"  {region.kind:<10} column: {', '.join(region.columns)}  row: {', '.join(region.rows)}{kept}")
+            lines.append(f"  {region.kind.value:<10} column: {', '.join(region.columns)}  row: {', '.join(region.rows)}{kept}")
         counts: dict[tuple[str, str], int] = {}
         for c in self.collectives:
-            counts[(c.op, c.direction)] = counts.get((c.op, c.direction), 0) + 1
+            key = (c.op.value, c.direction.value)
+            counts[key] = counts.get(key, 0) + 1
         lines.append("  collectives: " + (", ".join(f"{n} {op} ({d})" for (op, d), n in sorted(counts.items())) or "none"))
         for st in self.stages:
             lines.append(f"  stage {st.index}: {st.modules[0]} .. {st.modules[-1]} ({len(st.modules)} modules), "
@@ -298,3 +298,23 @@ class Plan:
             lines.append(f"  imbalance (max/mean): compute {imb['compute']:.3f}, params {imb['params']:.3f}")
         lines.extend(f"  note: {n}" for n in self.notes)
         return "\n".join(lines)
+
+
+def check_plan_fits(plan: Plan, param_names, tp: int | None = None, pp: int | None = None,
+                    stages: int | None = None, source: str = "the plan") -> Plan:
+    """A plan given by the user must be a ``Plan`` for this tp/pp and name only parameters the model has."""
+    if not isinstance(plan, Plan):
+        raise InputError(f"plan must be an autotp.Plan (e.g. Plan.from_json(text)), got {type(plan).__name__}")
+    asked = {"tp": tp, "pp": pp, "stages": stages}
+    has = {"tp": plan.tp, "pp": plan.pp, "stages": len(plan.stages)}
+    wrong = [k for k, v in asked.items() if v is not None and v != has[k]]
+    if wrong:
+        mine = ", ".join(f"{k}={has[k]}" for k in wrong)
+        theirs = ", ".join(f"{k}={asked[k]}" for k in wrong)
+        raise PlanError(f"{source} was made for {mine} but {theirs} was asked for; "
+                        "re-plan, or leave these settings to the plan's")
+    unknown = sorted(set(plan.placements) - set(param_names))
+    if unknown:
+        raise PlanError(f"{source} names parameters this model does not have: {', '.join(unknown[:5])}; "
+                        "make the plan from this model (autotp.plan) or fix the names")
+    return plan

@@ -6,17 +6,17 @@
     autotp viz hf:llama --tp 2 --pp 2 --schedule 1f1b -o tl.png   # the pipeline timeline
 
 Anything the user can fix (a bad MODEL, an unknown format, tp that does not fit) is one line on
-stderr and exit code 2; a traceback means a bug in autotp.
+stderr and exit code 2; an internal error (a bug in autotp) prints its traceback and exits 1.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
-import inspect
 import json
 import os
 import sys
+import traceback
 import warnings
 from dataclasses import dataclass
 from enum import Enum
@@ -26,13 +26,13 @@ from torch import nn
 
 import autotp
 from autotp.capture import capture
-from autotp.errors import AutotpError, InputError, PlanError
-from autotp.exports import Target, export_styles, to_hf_tp_plan, torch_plan_source
-from autotp.model_spec import build_model, example_inputs, parse_overrides, parse_spec
+from autotp.errors import AutotpError, InputError, InternalError
+from autotp.tools.exports import Target, export_styles, to_hf_tp_plan, torch_plan_source
+from autotp.tools.model_spec import build_model, example_inputs, parse_overrides, parse_spec
 from autotp.options import Balance
-from autotp.plan import Plan
-from autotp.report import ParamInfo, param_infos, per_rank_param_bytes, plan_table
-from autotp.viz import (
+from autotp.planning import Plan, check_plan_fits
+from autotp.tools.report import ParamInfo, param_infos, per_rank_param_bytes, plan_table
+from autotp.tools.viz import (
     PictureFormat,
     Schedule,
     draw_graph,
@@ -46,6 +46,7 @@ from autotp.viz import (
 )
 
 EXIT_USAGE = 2
+EXIT_BUG = 1
 
 
 class UsageError(Exception):
@@ -127,32 +128,12 @@ class Planned:
     params: dict[str, ParamInfo]
 
 
-def plan_kwargs(args, accepted) -> dict:
-    """Keyword arguments for ``autotp.plan``: pipeline settings the installed API accepts.
-
-    An autotp without pipeline planning takes none; asking it for pp > 1 is then a clear error.
-    """
-    wanted = {"pp": args.pp, "balance": args.balance, "batch": args.batch, "seq": args.seq}
-    missing = [k for k in ("pp", "balance") if k not in accepted and wanted[k] != {"pp": 1, "balance": "both"}[k]]
-    if missing:
-        raise InputError(f"this autotp.plan cannot plan pipeline stages (it has no {missing[0]!r} argument); "
-                         "use --pp 1, or update autotp")
-    return {k: v for k, v in wanted.items() if k in accepted}
-
-
 def _load_plan_file(path: str, params: dict[str, ParamInfo], tp: int | None) -> Plan:
     try:
         text = Path(path).read_text(encoding="utf-8")
     except OSError as e:
         raise InputError(f"cannot read the plan file {path}: {e.strerror}") from e
-    plan = Plan.from_json(text)
-    if tp is not None and tp != plan.tp:
-        raise PlanError(f"the plan in {path} is for tp={plan.tp} but --tp {tp} was given; drop --tp or re-plan")
-    unknown = sorted(set(plan.placements) - set(params))
-    if unknown:
-        raise PlanError(f"the plan in {path} names parameters this model does not have ({unknown[0]}, ...); "
-                        "make the plan from this MODEL")
-    return plan
+    return check_plan_fits(Plan.from_json(text), params, tp=tp, source=f"the plan in {path}")
 
 
 def load_and_plan(args) -> Planned:
@@ -165,8 +146,8 @@ def load_and_plan(args) -> Planned:
     params = param_infos(model)
     if args.plan_file:
         return Planned(model, inputs, _load_plan_file(args.plan_file, params, args.tp), params)
-    kwargs = plan_kwargs(args, inspect.signature(autotp.plan).parameters)
-    return Planned(model, inputs, autotp.plan(model, args.tp, inputs, **kwargs), params)
+    plan = autotp.plan(model, args.tp, inputs, pp=args.pp, balance=args.balance, batch=args.batch, seq=args.seq)
+    return Planned(model, inputs, plan, params)
 
 
 def _table(planned: Planned, args) -> str:
@@ -271,6 +252,10 @@ def main(argv: list[str] | None = None) -> int:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # library warnings would bury the one line that matters
             return run_plan(args) if args.command == "plan" else run_viz(args)
+    except InternalError as e:  # not the user's mistake: say so, and keep the traceback for the report
+        traceback.print_exc(file=sys.stderr)
+        print(f"autotp: {e}", file=sys.stderr)
+        return EXIT_BUG
     except AutotpError as e:
         return _fail(str(e))
     except BrokenPipeError:  # `autotp plan ... | head`: the reader left; stop quietly, as other tools do

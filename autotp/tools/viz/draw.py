@@ -3,20 +3,21 @@ pipeline stages as labelled clusters, a legend on top. One data unit is one inch
 
 from __future__ import annotations
 
-from autotp.viz.layout import Layout, layered_layout
-from autotp.viz.model import Decision, VizGraph, VizNode
-from autotp.viz.output import matplotlib
+from autotp.tools.viz.layout import Layout, layered_layout
+from autotp.planning import PlacementKind
+from autotp.tools.viz.model import Box, Decision, VizGraph, VizNode
+from autotp.tools.viz.output import matplotlib
 
 COLOURS = {
-    Decision.COLUMN: "#9ecae9", Decision.ROW: "#ffbf79", Decision.VOCAB: "#8cd17d",
-    Decision.REPLICATED: "#d7d7d7", Decision.OPS: "#ffffff", Decision.IO: "#f2f2f2",
-    Decision.COLLECTIVE: "#e15759", Decision.COLLAPSED: "#f4f4f4",
+    PlacementKind.COLWISE: "#9ecae9", PlacementKind.ROWWISE: "#ffbf79", PlacementKind.VOCAB: "#8cd17d",
+    PlacementKind.REPLICATED: "#d7d7d7", Box.OPS: "#ffffff", Box.IO: "#f2f2f2",
+    Box.COLLECTIVE: "#e15759", Box.COLLAPSED: "#f4f4f4",
 }
 """Fill colour of each decision (pale fills keep black text readable; collectives stand out in red)."""
 
-LEGEND = [(Decision.COLUMN, "column-split"), (Decision.ROW, "row-split"), (Decision.VOCAB, "vocab-split"),
-          (Decision.REPLICATED, "replicated"), (Decision.OPS, "ops (no parameters)"),
-          (Decision.COLLECTIVE, "collective (bytes per step)"), (Decision.COLLAPSED, "repeated blocks")]
+LEGEND = [(PlacementKind.COLWISE, "column-split"), (PlacementKind.ROWWISE, "row-split"), (PlacementKind.VOCAB, "vocab-split"),
+          (PlacementKind.REPLICATED, "replicated"), (Box.OPS, "ops (no parameters)"),
+          (Box.COLLECTIVE, "collective (bytes per step)"), (Box.COLLAPSED, "repeated blocks")]
 
 TITLE_CHAR, DETAIL_CHAR = 0.064, 0.056  # inches per character at the fonts used below
 HEX_TIP = 0.1  # how far a collective's hexagon points stick out
@@ -26,7 +27,7 @@ STAGE_FILLS = ("#eef4fa", "#fbf3e8")
 def node_size(node: VizNode) -> tuple[float, float]:
     """(width, height) in inches for a node's text."""
     width = max(len(node.title) * TITLE_CHAR, len(node.detail) * DETAIL_CHAR) + 0.24
-    width += 2 * HEX_TIP if node.decision is Decision.COLLECTIVE else 0.0
+    width += 2 * HEX_TIP if node.decision is Box.COLLECTIVE else 0.0
     return width, (0.38 if node.detail else 0.24)
 
 
@@ -34,26 +35,26 @@ def _box(ax, node: VizNode, x: float, y: float, w: float, h: float):
     from matplotlib.patches import FancyBboxPatch, Polygon
 
     fill = COLOURS[node.decision]
-    if node.decision is Decision.COLLECTIVE:
+    if node.decision is Box.COLLECTIVE:
         t = HEX_TIP
         pts = [(x - w / 2, y), (x - w / 2 + t, y - h / 2), (x + w / 2 - t, y - h / 2),
                (x + w / 2, y), (x + w / 2 - t, y + h / 2), (x - w / 2 + t, y + h / 2)]
         patch = Polygon(pts, closed=True, facecolor=fill, edgecolor="#8c1d1f", lw=0.9, zorder=3)
     else:
-        if node.decision is Decision.COLLAPSED:  # a small stack of cards: more of the same behind it
+        if node.decision is Box.COLLAPSED:  # a small stack of cards: more of the same behind it
             for k in (2, 1):
                 ax.add_patch(FancyBboxPatch((x - w / 2 + 0.05 * k, y - h / 2 - 0.05 * k), w, h,
                                             boxstyle="round,pad=0,rounding_size=0.06", facecolor=fill,
                                             edgecolor="#888888", lw=0.6, zorder=2))
-        style = "--" if node.decision is Decision.OPS else "-"
+        style = "--" if node.decision is Box.OPS else "-"
         patch = FancyBboxPatch((x - w / 2, y - h / 2), w, h, boxstyle="round,pad=0,rounding_size=0.06",
                                facecolor=fill, edgecolor="#555555", lw=0.8, linestyle=style, zorder=3)
     patch.set_gid(f"node-{node.id}")
     ax.add_patch(patch)
-    colour = "white" if node.decision is Decision.COLLECTIVE else "black"
+    colour = "white" if node.decision is Box.COLLECTIVE else "black"
     if node.detail:
         ax.text(x, y - 0.065, node.title, ha="center", va="center", fontsize=7.5, color=colour, zorder=4,
-                fontweight="bold" if node.decision is Decision.COLLECTIVE else "normal")
+                fontweight="bold" if node.decision is Box.COLLECTIVE else "normal")
         ax.text(x, y + 0.095, node.detail, ha="center", va="center", fontsize=6.5, color=colour, zorder=4)
     else:
         ax.text(x, y, node.title, ha="center", va="center", fontsize=7.5, color=colour, zorder=4)
@@ -106,7 +107,7 @@ def _legend(ax, rows, top: float) -> None:
         y = top + 0.24 * r
         for decision, label, x in row:
             ax.add_patch(Rectangle((x, y - 0.07), 0.2, 0.14, facecolor=COLOURS[decision], edgecolor="#555555",
-                                   lw=0.6, linestyle="--" if decision is Decision.OPS else "-"))
+                                   lw=0.6, linestyle="--" if decision is Box.OPS else "-"))
             ax.text(x + 0.26, y, label, ha="left", va="center", fontsize=7)
 
 

@@ -13,11 +13,12 @@ from dataclasses import dataclass
 
 from torch import fx
 
+from autotp.capture.torch_private import is_guard_call
 from autotp.errors import PlanError
-from autotp.passes.cuts import Cut, find_cuts
+from autotp.passes.analysis import Analysis
+from autotp.passes.cuts import Cut, find_cuts, module_starts, unit_index
 from autotp.passes.graph import grad_nodes
-from autotp.pipeline_plan import module_starts, unit_index
-from autotp.plan import Plan
+from autotp.planning.plan import Plan
 
 HIDDEN = "autotp_hidden"
 
@@ -29,7 +30,7 @@ class Boundaries:
     cuts: tuple[Cut, ...]
 
 
-def stage_boundaries(analysis, plan: Plan) -> Boundaries:
+def stage_boundaries(analysis: Analysis, plan: Plan) -> Boundaries:
     """The cut ending each stage, re-derived from each next stage's first module."""
     cuts = find_cuts(analysis.graph, analysis.trainable)
     starts = module_starts(analysis)
@@ -88,7 +89,7 @@ class _StageBuilder:
 
     def _skip(self, node: fx.Node) -> bool:
         # The export's input-shape guard module belongs to the whole model, not to a stage.
-        return node.op == "call_module" and node.target == "_guards_fn"
+        return is_guard_call(node)
 
     def _copy(self, node: fx.Node) -> fx.Node:
         for dep in node.all_input_nodes:
@@ -122,7 +123,7 @@ class _StageBuilder:
         return self.env[name]
 
 
-def split_stages(gm: fx.GraphModule, analysis, plan: Plan, indices: list[int]) -> list[fx.GraphModule]:
+def split_stages(gm: fx.GraphModule, analysis: Analysis, plan: Plan, indices: list[int]) -> list[fx.GraphModule]:
     """GraphModules for pipeline stages ``indices`` of this rank's graph ``gm``.
 
     Stage ``i > 0`` takes ``(hidden, *model_inputs)``; stages before the last return

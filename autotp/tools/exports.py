@@ -22,13 +22,14 @@ function, only less split; ``strict=True`` (the default) raises ``PlanError`` na
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from enum import Enum
 
 from autotp.errors import PlanError
-from autotp.plan import PlacementKind, Plan, Region
-from autotp.report import module_params
+from autotp.names import block_pattern, within
+from autotp.passes.regions import RegionKind
+from autotp.planning import PlacementKind, Plan, Region
+from autotp.tools.report import module_params
 
 
 class Target(str, Enum):
@@ -48,37 +49,48 @@ class Export:
     skipped: dict[str, str] = field(default_factory=dict)
 
 
+_PACKED = "packed"
+"""The role of a column-split weight of two equal fused parts (HF's ``packed_colwise``)."""
+
 _ROLE_STYLES = {
-    Target.HF: {"column": "colwise", "row": "rowwise", "embedding": "embedding_rowwise",
-                "head": "colwise_gather_output", "packed": "packed_colwise"},
-    Target.TORCH: {"column": "colwise", "row": "rowwise", "embedding": "embedding", "head": "head"},
+    Target.HF: {PlacementKind.COLWISE: "colwise", PlacementKind.ROWWISE: "rowwise",
+                RegionKind.EMBEDDING: "embedding_rowwise", RegionKind.LM_HEAD: "colwise_gather_output",
+                _PACKED: "packed_colwise"},
+    Target.TORCH: {PlacementKind.COLWISE: "colwise", PlacementKind.ROWWISE: "rowwise",
+                   RegionKind.EMBEDDING: "embedding", RegionKind.LM_HEAD: "head"},
 }
-_INDEX = re.compile(r"\.\d+(?=\.|$)")
+"""What each target calls a member of a region: keyed by its placement kind, or for the vocabulary-split
+layers by their region kind (an embedding and a head are split along the vocabulary differently)."""
+
+Role = PlacementKind | RegionKind
 
 
-def _roles(region: Region) -> list[tuple[str, str]]:
-    if region.kind == "embedding":
-        return [(m, "embedding") for m in region.columns]
-    if region.kind == "lm_head":
-        return [(m, "head") for m in region.columns]
-    return [(m, "column") for m in region.columns] + [(m, "row") for m in region.rows]
+def _roles(region: Region) -> list[tuple[str, Role]]:
+    if region.kind in (RegionKind.EMBEDDING, RegionKind.LM_HEAD):
+        return [(m, region.kind) for m in region.columns]
+    return [(m, PlacementKind.COLWISE) for m in region.columns] + [(m, PlacementKind.ROWWISE) for m in region.rows]
 
 
-def _member_style(plan: Plan, module: str, role: str, target: Target) -> tuple[str | None, str]:
+def _expected(role: Role) -> tuple[PlacementKind, int]:
+    """The placement and split dim of nn.Linear's / nn.Embedding's weight in this role."""
+    if role is PlacementKind.ROWWISE:
+        return PlacementKind.ROWWISE, 1
+    return (PlacementKind.COLWISE, 0) if role is PlacementKind.COLWISE else (PlacementKind.VOCAB, 0)
+
+
+def _member_style(plan: Plan, module: str, role: Role, target: Target) -> tuple[str | None, str]:
     """(style, '') when ``target`` can express this module's placement, else (None, why not)."""
     weight = f"{module}.weight"
     if weight not in plan.placements:
         return None, "is a bare parameter, not a module's weight (these styles shard nn.Linear/nn.Embedding modules)"
     placement = plan.placements[weight]
-    expected = {"row": (PlacementKind.ROWWISE, 1), "column": (PlacementKind.COLWISE, 0)}.get(
-        role, (PlacementKind.VOCAB, 0))
-    if (placement.kind, placement.dim) != expected:
+    if (placement.kind, placement.dim) != _expected(role):
         return None, (f"has its weight split along dim {placement.dim}; these styles expect nn.Linear's [out, in] "
                       "layout (a transposed weight, such as HF's Conv1D, cannot be expressed)")
     if placement.segments:
         parts = placement.segments
         if target is Target.HF and len(parts) == 2 and parts[0] == parts[1]:
-            return _ROLE_STYLES[target]["packed"], ""
+            return _ROLE_STYLES[target][_PACKED], ""
         return None, (f"is a fused weight of {len(parts)} parts {list(parts)}: each rank needs a share of every part, "
                       "but these styles cut one contiguous block per rank")
     return _ROLE_STYLES[target][role], ""
@@ -102,7 +114,7 @@ def _owner(param: str) -> str:
 
 
 def _under(modules, parent: str) -> bool:
-    return any(not parent or m == parent or m.startswith(parent + ".") for m in modules)
+    return any(within(m, parent) for m in modules)
 
 
 def export_styles(plan: Plan, target: Target) -> Export:
@@ -137,10 +149,10 @@ def wildcard_styles(styles: dict[str, str], modules: set[str]) -> dict[str, str]
     matches in ``modules`` has the same style (so the pattern shards nothing the plan keeps whole)."""
     by_pattern: dict[str, set[str]] = {}
     for module in modules:
-        by_pattern.setdefault(_INDEX.sub(".*", module), set()).add(module)
+        by_pattern.setdefault(block_pattern(module), set()).add(module)
     out: dict[str, str] = {}
     for module, style in styles.items():
-        pattern = _INDEX.sub(".*", module)
+        pattern = block_pattern(module)
         same = {styles.get(m) for m in by_pattern.get(pattern, {module})} == {style}
         out[pattern if same else module] = style
     return out

@@ -6,19 +6,15 @@ is keyed by names and holds no shapes) and the batch and sequence length to cost
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 import sympy
 from torch import nn
 
-from autotp.plan import Collective, Placement, PlacementKind, Plan
-
-KIND_NAMES = {PlacementKind.COLWISE: "column", PlacementKind.ROWWISE: "row",
-              PlacementKind.VOCAB: "vocab", PlacementKind.REPLICATED: "replicated"}
-"""The words the table and the picture use for each placement."""
-
-_INDEX = re.compile(r"\.(\d+)(?=\.|$)")
+from autotp.capture import tensor_aliases
+from autotp.names import block_numbers, block_of, block_pattern, within_any
+from autotp.passes.steps import CollectiveOp
+from autotp.planning import Collective, Placement, Plan
 
 
 @dataclass(frozen=True)
@@ -41,8 +37,8 @@ class ParamInfo:
 
 def param_infos(model: nn.Module) -> dict[str, ParamInfo]:
     """Shape, element size and first name of every parameter, tied ones under each of their names."""
-    first: dict[int, str] = {}
-    return {name: ParamInfo(tuple(p.shape), p.element_size(), first.setdefault(id(p), name))
+    first = tensor_aliases(model)
+    return {name: ParamInfo(tuple(p.shape), p.element_size(), first[name])
             for name, p in model.named_parameters(remove_duplicate=False)}
 
 
@@ -88,7 +84,7 @@ def ring_bytes(c: Collective, tp: int, batch: int, seq: int) -> float | None:
     size = collective_bytes(c, batch, seq)
     if size is None:
         return None
-    factor = 2 * (tp - 1) / tp if c.op == "all_reduce" else (tp - 1) / tp
+    factor = 2 * (tp - 1) / tp if c.op is CollectiveOp.ALL_REDUCE else (tp - 1) / tp
     return size * factor
 
 
@@ -103,17 +99,11 @@ def _fmt(shape: tuple[int, ...]) -> str:
     return "[" + ", ".join(map(str, shape)) + "]"
 
 
-def block_of(name: str) -> str:
-    """The repeated block a module lives in (``transformer.h.3.attn.c_attn`` -> ``transformer.h.3``), else ''."""
-    m = _INDEX.search(name)
-    return name[:m.end()] if m else ""
-
-
 def module_params(plan: Plan, module: str) -> list[str]:
     """The plan's parameters that belong directly to ``module`` (or ``module`` itself, a bare parameter)."""
     if module in plan.placements:
         return [module]
-    return [n for n in plan.placements if n.startswith(module + ".") and "." not in n[len(module) + 1:]]
+    return [n for n in plan.placements if n.rpartition(".")[0] == module]
 
 
 def region_modules(plan: Plan) -> list[str]:
@@ -128,7 +118,7 @@ def module_kind(plan: Plan, module: str) -> str:
     weight = next((p for p in params if p.endswith(".weight") or p == module), None)
     split = [p for p in params if plan.placements[p].is_split]
     chosen = weight if weight and plan.placements[weight].is_split else (split[0] if split else weight)
-    return KIND_NAMES[plan.placements[chosen].kind] if chosen else "replicated"
+    return plan.placements[chosen].kind.word if chosen else "replicated"
 
 
 def module_rows(plan: Plan, params: dict[str, ParamInfo]) -> list[ModuleRow]:
@@ -142,11 +132,6 @@ def module_rows(plan: Plan, params: dict[str, ParamInfo]) -> list[ModuleRow]:
         shard = " + ".join(_fmt(shard_shape(params[n].shape, plan.placements[n], plan.tp)) for n in names)
         rows.append(ModuleRow(module, module_kind(plan, module), full, shard))
     return rows
-
-
-def _pattern(name: str) -> tuple[str, tuple[int, ...]]:
-    indices = tuple(int(i) for i in _INDEX.findall(name))
-    return _INDEX.sub(".{}", name), indices
 
 
 def _ranges(values: list[int]) -> str:
@@ -163,7 +148,7 @@ def collapse_names(keys: list[tuple[str, tuple]]) -> list[tuple[str, tuple, int]
     """
     groups: dict[tuple, list[tuple[int, ...]]] = {}
     for name, payload in keys:
-        pattern, indices = _pattern(name)
+        pattern, indices = block_pattern(name, "{}"), block_numbers(name)
         groups.setdefault((pattern, len(indices), payload), []).append(indices)
     out = []
     for (pattern, n_idx, payload), index_lists in groups.items():
@@ -196,8 +181,7 @@ def stage_params(plan: Plan, params: dict[str, ParamInfo]) -> list[list[str]]:
     """The parameters each pipeline stage holds (by module prefix)."""
     out = []
     for stage in plan.stages:
-        prefixes = tuple(m + "." for m in stage.modules)
-        out.append([n for n in params if n in stage.modules or n.startswith(prefixes)])
+        out.append([n for n in params if within_any(n, [m for m in stage.modules if m])])
     return out
 
 
@@ -236,7 +220,7 @@ def _collective_section(plan: Plan, batch: int, seq: int, expand: bool) -> list[
         by_block.setdefault(block_of(c.module) or c.module, []).append(c)
     keyed = []
     for block, items in by_block.items():
-        rel = tuple((c.op, c.direction, c.operator, c.module.removeprefix(block).lstrip(".") or "-",
+        rel = tuple((c.op.value, c.direction.value, c.operator.value, c.module.removeprefix(block).lstrip(".") or "-",
                      "x".join(c.shape), human_bytes(collective_bytes(c, batch, seq))) for c in items)
         keyed.append((block, rel))
     entries = [(n, p, 1) for n, p in keyed] if expand else collapse_names(keyed)

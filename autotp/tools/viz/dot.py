@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from autotp.viz.draw import COLOURS, LEGEND, STAGE_FILLS
-from autotp.viz.model import Decision, VizGraph, VizNode
+from autotp.tools.viz.draw import COLOURS, LEGEND, STAGE_FILLS
+from autotp.planning import PlacementKind
+from autotp.tools.viz.model import Box, Decision, VizGraph, VizNode
 
 
 def _quote(text: str) -> str:
@@ -13,11 +14,11 @@ def _quote(text: str) -> str:
 def _node(node: VizNode) -> str:
     label = node.title + (f"\n{node.detail}" if node.detail else "")
     attrs = {"label": label, "fillcolor": COLOURS[node.decision]}
-    if node.decision is Decision.COLLECTIVE:
+    if node.decision is Box.COLLECTIVE:
         attrs |= {"shape": "hexagon", "fontcolor": "white", "color": "#8c1d1f"}
-    elif node.decision is Decision.OPS:
+    elif node.decision is Box.OPS:
         attrs |= {"style": "rounded,filled,dashed"}
-    elif node.decision is Decision.COLLAPSED:
+    elif node.decision is Box.COLLAPSED:
         attrs |= {"shape": "box3d", "style": "filled"}
     if node.tooltip:
         attrs["tooltip"] = node.tooltip
@@ -28,7 +29,7 @@ def _node(node: VizNode) -> str:
 def _legend() -> list[str]:
     lines = ["  subgraph cluster_legend {", '    label="legend"; fontsize=10; style=dashed;']
     for decision, label in LEGEND:
-        shape = "hexagon" if decision is Decision.COLLECTIVE else "box"
+        shape = "hexagon" if decision is Box.COLLECTIVE else "box"
         lines.append(f'    "legend_{decision.value}" [label={_quote(label)}, shape={shape}, '
                      f'fillcolor="{COLOURS[decision]}"];')
     chain = " -> ".join(f'"legend_{d.value}"' for d, _ in LEGEND)

@@ -8,64 +8,21 @@ anything unmatched replicated, and lists the collectives the rewrite will insert
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 import sympy
 
-from autotp.balance import Balance
 from autotp.capture import Captured
 from autotp.errors import PlanError
-from autotp.passes import find_embeddings, find_projections, propagate
-from autotp.passes.graph import sizes, trainable_attrs
-from autotp.passes.layout import Shard
-from autotp.passes.regions import RegionMatch, RegionSearch, find_regions
-from autotp.passes.vocab import VocabMatch, find_vocab
-from autotp.pipeline_plan import plan_stages
-from autotp.plan import REPLICATED, Collective, Placement, PlacementKind, Plan, Region
-
-
-class Analysis:
-    """The passes' results for one captured model (read-only)."""
-
-    def __init__(self, captured: Captured):
-        self.captured = captured
-        self.graph = captured.graph
-        self.nodes = {n.name: n for n in self.graph.nodes}
-        self.projections = find_projections(self.graph)
-        self.embeddings = find_embeddings(self.graph)
-        self.trainable = trainable_attrs(captured.module)
-        self.vocab: VocabMatch | None = find_vocab(self.graph, self.projections, self.embeddings)
-
-    def module(self, node_name: str) -> str:
-        """The original module name of a node."""
-        return self.captured.module_name(self.nodes[node_name])
-
-    def layer(self, node_name: str) -> str:
-        """A readable name for a projection or embedding: its module (``attn.c_attn``), or its parameter
-        when the module holds bare parameters (``blocks.0.w_qkv``)."""
-        found = self.projections.get(node_name) or self.embeddings.get(node_name)
-        module = self.module(node_name)
-        if found is None:
-            return module or node_name
-        param = self.captured.param_name(found.weight)
-        parent, _, short = param.rpartition(".")
-        bare = short != "weight" and parent == module
-        return param if bare or not module else module
-
-    def regions(self, tp: int) -> RegionSearch:
-        """Column→row regions for ``tp`` (LM heads are planned separately)."""
-        skip = set(self.vocab.heads) if self.vocab else set()
-        return find_regions(self.graph, self.projections, self.embeddings, self.trainable, tp, skip=skip)
-
-    def propagate(self, placements: dict[str, Placement], tp: int):
-        """Propagate placements (keyed by get_attr target) through the graph."""
-        layouts = {t: Shard(p.dim, p.segments or (self.param_size(t, p.dim),))
-                   for t, p in placements.items() if p.is_split}
-        return propagate(self.graph, self.projections, self.embeddings, layouts, tp, self.trainable)
-
-    def param_size(self, target: str, dim: int) -> int:
-        """Size of dim ``dim`` of the parameter read by ``get_attr`` target ``target``."""
-        node = next(n for n in self.graph.find_nodes(op="get_attr") if n.target == target)
-        return int(sizes(node)[dim])
+from autotp.options import Balance
+from autotp.passes.analysis import Analysis
+from autotp.passes.graph import sizes
+from autotp.passes.layout import PlacementKind, Shard
+from autotp.passes.propagate import Propagation
+from autotp.passes.regions import RegionKind, RegionMatch
+from autotp.passes.steps import COMMUNICATION
+from autotp.planning.plan import REPLICATED, Collective, Placement, Plan, Region
+from autotp.planning.stages import plan_stages
 
 
 def _divisibility_error(analysis: Analysis, region: RegionMatch, tp: int, valid: list[int]) -> PlanError:
@@ -73,12 +30,12 @@ def _divisibility_error(analysis: Analysis, region: RegionMatch, tp: int, valid:
     layers = ", ".join(dict.fromkeys(analysis.layer(c) for c in region.columns))
     where = analysis.module(v.node) or v.node
     if v.what.startswith("dim"):
-        heads = " (the attention heads)" if region.kind == "attention" else ""
+        heads = " (the attention heads)" if region.kind is RegionKind.ATTENTION else ""
         what = f"{v.what} at {where} has size {v.size}{heads}, which is"
     else:
         what = f"{v.what} ({v.size}, at {where}) are"
     return PlanError(
-        f"cannot split the {region.kind} at '{layers}' across tp={tp}: its {what} not divisible by {tp}; "
+        f"cannot split the {region.kind.value} at '{layers}' across tp={tp}: its {what} not divisible by {tp}; "
         f"Megatron's split gives every rank an equal whole share. "
         f"Valid tp values for this model: {', '.join(map(str, valid))}. Set tp to one of them.")
 
@@ -116,8 +73,8 @@ def _vocab_placements(analysis: Analysis, tp: int, notes: list[str]) -> tuple[di
         out[p.weight] = Placement(PlacementKind.VOCAB, p.out_dim)
         if p.bias:
             out[p.bias] = Placement(PlacementKind.VOCAB, 0)
-    regions = [Region("embedding", tuple(analysis.layer(e) for e in vocab.embeddings), ())]
-    regions += [Region("lm_head", (analysis.layer(h),), ()) for h in vocab.heads]
+    regions = [Region(RegionKind.EMBEDDING, tuple(analysis.layer(e) for e in vocab.embeddings), ())]
+    regions += [Region(RegionKind.LM_HEAD, (analysis.layer(h),), ()) for h in vocab.heads]
     return out, regions
 
 
@@ -132,27 +89,31 @@ def _shape(analysis: Analysis, node_name: str) -> tuple[str, ...]:
     return tuple(readable(d) for d in sizes(analysis.nodes[node_name]))
 
 
-# Each conversion step -> (collective, pass it runs in, Megatron's name); where it sits: the value's
-# reader for f and scatter (they belong to the region), the value itself for a gather.
-_STEP_COLLECTIVE = {"copy": ("all_reduce", "backward", "f"), "gather": ("all_gather", "forward", "gather"),
-                    "scatter": ("all_gather", "backward", "scatter")}
+def _collective(analysis: Analysis, operator, value: str, reader: str) -> Collective:
+    """The collective ``operator`` runs on ``value``, listed at the value or at its ``reader``."""
+    comm = COMMUNICATION[operator]
+    at = value if comm.at_source else reader
+    return Collective(comm.op, comm.direction, operator, analysis.layer(at), _shape(analysis, value))
 
 
-def _collectives(analysis: Analysis, prop) -> list[Collective]:
+def _collectives(analysis: Analysis, prop: Propagation) -> list[Collective]:
     """The collectives the rewrite will insert, in graph order, for people and cost models."""
     order = {name: i for i, name in enumerate(analysis.nodes)}
-    found = []
-    for conv in prop.conversions.values():
-        for step in conv.steps:
-            op, direction, operator = _STEP_COLLECTIVE[step[0]]
-            at = conv.source if step[0] == "gather" else conv.consumers[0][0]
-            found.append((order[conv.source], Collective(op, direction, operator, analysis.layer(at),
-                                                         _shape(analysis, conv.source))))
-    for node in prop.reduced:
-        operator = "vocab_embedding" if node in analysis.embeddings else "g"
-        found.append((order[node], Collective("all_reduce", "forward", operator, analysis.layer(node),
-                                              _shape(analysis, node))))
+    found = [(order[conv.source], _collective(analysis, step.operator, conv.source, conv.consumers[0][0]))
+             for conv in prop.conversions.values() for step in conv.steps]
+    found += [(order[node], _collective(analysis, operator, node, node)) for node, operator in prop.reduced.items()]
     return [c for _, c in sorted(found, key=lambda item: item[0])]
+
+
+def param_layouts(analysis: Analysis, placements: Mapping[str, Placement]) -> dict[str, Shard]:
+    """The split placements (keyed by ``get_attr`` target) as the layouts propagation takes."""
+    return {t: Shard(p.dim, p.segments or (analysis.param_size(t, p.dim),))
+            for t, p in placements.items() if p.is_split}
+
+
+def target_placements(captured: Captured, plan: Plan) -> dict[str, Placement]:
+    """The plan's placements keyed by the ``get_attr`` target each parameter is read through."""
+    return {captured.attr_target(captured.aliases.get(name, name)): p for name, p in plan.placements.items()}
 
 
 def cost_sizes(captured: Captured, batch: int | None, seq: int | None) -> dict[str, int]:
@@ -196,7 +157,7 @@ def make_plan(captured: Captured, tp: int, pp: int = 1, balance: Balance | str =
     plan_regions = vocab_regions[:1] + plan_regions + vocab_regions[1:]
     if tp == 1:
         by_target = {}  # one rank holds everything: the regions are found, but nothing is split
-    prop = analysis.propagate(by_target, tp)
+    prop = analysis.propagate(param_layouts(analysis, by_target), tp)
     placements = {name: by_target.get(captured.attr_target(captured.aliases[name]), REPLICATED)
                   for name in captured.param_names}
     sizes = cost_sizes(captured, batch, seq)
@@ -205,4 +166,4 @@ def make_plan(captured: Captured, tp: int, pp: int = 1, balance: Balance | str =
     by_name = {captured.dim_names.get(k, k): v for k, v in sizes.items()}
     return Plan(tp=tp, placements=placements, collectives=tuple(_collectives(analysis, prop)),
                 regions=tuple(plan_regions), notes=tuple(notes), model=captured.model_name, pp=pp,
-                stages=planned_stages, balance=balance.value, batch=by_name.get("B", 0), seq=by_name.get("T", 0))
+                stages=planned_stages, balance=balance, batch=by_name.get("B", 0), seq=by_name.get("T", 0))

@@ -4,15 +4,22 @@
 ``g`` (ReduceFromTP): all-reduce forward, identity backward; after a row-split projection.
 ``GatherFromTP``: all-gather forward, keep-own-slice backward; when a split value must be whole.
 ``ScatterToTP``: keep-own-slice forward, all-gather backward; when a whole value meets a split one.
+
+``IMPLEMENTATIONS`` maps each ``Operator`` (whose wire behaviour ``autotp.passes.steps.COMMUNICATION``
+describes) to the module that runs it: adding a collective means one entry there and one here.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from autotp.shards import assemble, local_shard
+from autotp.passes.layout import Shard
+from autotp.passes.steps import Operator
+from autotp.rewrite.shards import assemble, local_shard
 
 
 def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
@@ -114,6 +121,21 @@ class ScatterToTP(nn.Module):
 
     def forward(self, x):
         return _Scatter.apply(x, self.dim, self.segments, self.group)
+
+
+IMPLEMENTATIONS: dict[Operator, Callable[[object, Shard | None], nn.Module]] = {
+    Operator.F: lambda group, shard: CopyToTP(group),
+    Operator.G: lambda group, shard: ReduceFromTP(group),
+    Operator.VOCAB_EMBEDDING: lambda group, shard: ReduceFromTP(group),
+    Operator.GATHER: lambda group, shard: GatherFromTP(group, shard.dim, shard.segments),
+    Operator.SCATTER: lambda group, shard: ScatterToTP(group, shard.dim, shard.segments),
+}
+"""Operator -> a factory of the module that runs it, given the group and (for gathers and slices) the split."""
+
+
+def collective_module(operator: Operator, group, shard: Shard | None = None) -> nn.Module:
+    """The module that runs ``operator`` over ``group``."""
+    return IMPLEMENTATIONS[operator](group, shard)
 
 
 def masked_embedding(weight: torch.Tensor, ids: torch.Tensor, start: int, end: int) -> torch.Tensor:

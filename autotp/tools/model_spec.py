@@ -15,6 +15,7 @@ config costs no memory.
 from __future__ import annotations
 
 import ast
+import contextlib
 import difflib
 import importlib
 import importlib.util
@@ -116,13 +117,30 @@ def parse_spec(text: str, overrides: tuple[tuple[str, object], ...] = ()) -> Mod
     raise InputError(f"MODEL {text!r}: {target!r} is neither a .py file nor a dotted module name; use {SPEC_FORMS}")
 
 
+_FILE_MODULE_PREFIX = "_autotp_model_"
+"""Module names model files are imported under (removed from ``sys.modules`` once the model is built)."""
+
+
+@contextlib.contextmanager
+def _importable(*folders: str):
+    """Make ``folders`` importable while a model is built, then put ``sys.path`` and the model files'
+    ``sys.modules`` entries back as they were (building a model leaves no trace on the process)."""
+    path, before = list(sys.path), set(sys.modules)
+    sys.path[:0] = [f for f in folders if f not in sys.path]
+    try:
+        yield
+    finally:
+        sys.path[:] = path
+        for name in set(sys.modules) - before:
+            if name.startswith(_FILE_MODULE_PREFIX):
+                del sys.modules[name]
+
+
 def _import_file(path: Path):
+    """Import a model file (inside ``_importable``, with its folder importable like ``python file.py``)."""
     if not path.is_file():
         raise InputError(f"MODEL file {str(path)!r} does not exist (looked in {Path.cwd()}); give a path to a .py file")
-    folder = str(path.resolve().parent)
-    if folder not in sys.path:  # like `python file.py`: the file's folder is importable, so sibling imports work
-        sys.path.insert(0, folder)
-    name = f"_autotp_model_{path.stem}"
+    name = f"{_FILE_MODULE_PREFIX}{path.stem}"
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # dataclasses and pickling look the defining module up by name
@@ -187,8 +205,19 @@ def _hf():
         import transformers
     except ImportError as e:
         raise InputError("hf: models need transformers; install it with pip install 'autotp[hf]'") from e
-    transformers.logging.set_verbosity_error()  # config and init warnings would bury our one-line errors
     return transformers
+
+
+@contextlib.contextmanager
+def _quiet_transformers(transformers):
+    """Config and init warnings would bury our one-line errors: quiet transformers while building, then
+    restore its verbosity."""
+    previous = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        transformers.logging.set_verbosity(previous)
 
 
 def _known_keys(config) -> set[str]:
@@ -206,6 +235,11 @@ def _check_keys(config, overrides: dict, where: str) -> None:
 def hf_config(spec: ModelSpec):
     """The transformers config a ``hf:`` spec names, small defaults and ``--set`` values applied."""
     transformers = _hf()
+    with _quiet_transformers(transformers):
+        return _hf_config(transformers, spec)
+
+
+def _hf_config(transformers, spec: ModelSpec):
     overrides = dict(spec.overrides)
     if spec.kind is SpecKind.HF_TYPE:
         known = sorted(transformers.CONFIG_MAPPING.keys())
@@ -245,7 +279,7 @@ def _hf_model(spec: ModelSpec) -> nn.Module:
     causal = config.model_type in transformers.models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
     auto = transformers.AutoModelForCausalLM if causal else transformers.AutoModel
     try:
-        with torch.device("meta"):
+        with torch.device("meta"), _quiet_transformers(transformers):
             return auto.from_config(config)
     except Exception as e:  # transformers raises many types for configs it cannot build
         raise InputError(f"transformers cannot build {spec} from its config: {type(e).__name__}: {_first_line(e)}; "
@@ -253,18 +287,23 @@ def _hf_model(spec: ModelSpec) -> nn.Module:
 
 
 def build_model(spec: ModelSpec) -> nn.Module:
-    """The model a spec names (weights seeded, so building twice gives the same model)."""
-    torch.manual_seed(0)
-    if spec.kind in (SpecKind.HF_TYPE, SpecKind.HF_CONFIG):
-        return _hf_model(spec)
-    # The current directory is importable, as under `python -m` (console scripts start elsewhere).
-    if "" not in sys.path and str(Path.cwd()) not in sys.path:
-        sys.path.insert(0, str(Path.cwd()))
-    if spec.kind is SpecKind.FILE:
-        module, where = _import_file(Path(spec.target)), spec.target
-    else:
-        module, where = _import_module(spec.target), spec.target
-    return _call_factory(_resolve(module, spec.attr, where), spec)
+    """The model a spec names (weights seeded, so building twice gives the same model).
+
+    Leaves the process as it found it: torch's global RNG state, ``sys.path`` and ``sys.modules``.
+    """
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        if spec.kind in (SpecKind.HF_TYPE, SpecKind.HF_CONFIG):
+            return _hf_model(spec)
+        # The current directory is importable, as under `python -m` (console scripts start elsewhere);
+        # a file's own folder too, as under `python file.py`, so its sibling imports work.
+        folders = [str(Path.cwd())] + ([str(Path(spec.target).resolve().parent)] if spec.kind is SpecKind.FILE else [])
+        with _importable(*folders):
+            if spec.kind is SpecKind.FILE:
+                module = _import_file(Path(spec.target))
+            else:
+                module = _import_module(spec.target)
+            return _call_factory(_resolve(module, spec.attr, spec.target), spec)
 
 
 def vocab_size(model: nn.Module) -> int:

@@ -1,4 +1,4 @@
-"""The rewriter: the only code that changes graphs. Builds one rank's GraphModule from a plan.
+"""The tensor-parallel rewrite: one rank's GraphModule from a plan.
 
 It copies the captured graph (never the user's model), slices every split parameter to this rank's
 shard, changes the shape constants that count split features or heads, and inserts the collectives
@@ -7,64 +7,56 @@ that sharding propagation asked for, as modules calling Megatron's autograd oper
 
 from __future__ import annotations
 
-import copy
-import warnings
+from collections.abc import Callable
 
 import torch
 from torch import fx, nn
 
 from autotp.capture import Captured
-from autotp.collectives import CopyToTP, GatherFromTP, ReduceFromTP, ScatterToTP, masked_embedding
-from autotp.errors import InputError
-from autotp.passes.graph import get_arg, with_arg
+from autotp.errors import InternalError
+from autotp.passes.analysis import Analysis
+from autotp.passes.graph import get_arg
 from autotp.passes.projections import Projection
-from autotp.plan import Plan
-from autotp.planner import Analysis
-from autotp.shards import local_shard, segments_or_whole
+from autotp.passes.propagate import Conversion, Propagation
+from autotp.passes.steps import Operator
+from autotp.planning.plan import Plan
+from autotp.planning.planner import param_layouts, target_placements
+from autotp.rewrite.collectives import collective_module, masked_embedding
+from autotp.rewrite.graph_edit import copy_graph_module, set_tensor, with_arg
+from autotp.rewrite.random import RankStream, replace_random_ops
+from autotp.rewrite.shards import local_shard, segments_or_whole
 
 aten = torch.ops.aten
 
 
-def _copy_graph_module(source: fx.GraphModule) -> fx.GraphModule:
-    """A new GraphModule over a copy of ``source``'s graph; its attributes still point at the source."""
-    with warnings.catch_warnings():
-        # torch's pytree deprecates LeafSpec isinstance checks that its own deepcopy still triggers.
-        warnings.filterwarnings("ignore", category=FutureWarning)
-        graph = copy.deepcopy(source.graph)  # copies nodes (shallow meta) and the pytree codegen
-    return fx.GraphModule(source, graph, class_name="AutotpRankModule")
-
-
-def _set_attr(gm: nn.Module, target: str, value: torch.Tensor) -> None:
-    owner, _, name = target.rpartition(".")
-    module = gm.get_submodule(owner) if owner else gm
-    if isinstance(value, nn.Parameter):
-        module.register_parameter(name, value)
-    else:
-        module.register_buffer(name, value)
-
-
 def materialise(gm: fx.GraphModule, captured: Captured, plan: Plan, rank: int,
-                made: dict[int, torch.Tensor] | None = None) -> None:
+                made: dict[int, torch.Tensor] | None = None,
+                source: Callable[[str, torch.Tensor], torch.Tensor] | None = None) -> None:
     """Give ``gm`` its own tensors: this rank's shard of split parameters, copies of the rest.
 
     Tied weights (one tensor under several names) get one new tensor, so they stay tied; pass the same
     ``made`` to several modules (pipeline stages on one rank) to share tensors between them too.
+    ``source(name, tensor)`` gives the full tensor to slice (default: the model's own; the runtime
+    passes one that takes every rank's copy from one rank).
     """
     made = {} if made is None else made
+    source = source or (lambda name, tensor: tensor.detach())
     for target, param in list(gm.named_parameters(remove_duplicate=False)):
         if id(param) not in made:
-            placement = plan.placements.get(captured.aliases.get(captured.param_name(target), ""))
-            data = param.detach()
+            name = captured.aliases.get(captured.param_name(target), "")
+            placement = plan.placements.get(name)
+            data = source(name, param)
             if placement is not None and placement.is_split:
                 segments = segments_or_whole(placement.segments, data.shape[placement.dim])
                 data = local_shard(data, placement.dim, segments, rank, plan.tp)  # already a new tensor
             else:
                 data = data.clone()
             made[id(param)] = nn.Parameter(data, requires_grad=param.requires_grad)
-        _set_attr(gm, target, made[id(param)])
+        set_tensor(gm, target, made[id(param)])
     for target, buf in list(gm.named_buffers(remove_duplicate=False)):
-        made.setdefault(id(buf), buf.detach().clone())
-        _set_attr(gm, target, made[id(buf)])
+        if id(buf) not in made:
+            made[id(buf)] = source(captured.param_name(target), buf).clone()
+        set_tensor(gm, target, made[id(buf)])
 
 
 class _Surgeon:
@@ -83,25 +75,19 @@ class _Surgeon:
         with self.graph.inserting_after(after):
             return self.graph.call_module(name, args)
 
-    def step_module(self, step) -> nn.Module:
-        if step[0] == "copy":
-            return CopyToTP(self.group)
-        cls = GatherFromTP if step[0] == "gather" else ScatterToTP
-        return cls(self.group, step[1].dim, step[1].segments)
-
-    def convert(self, conv) -> None:
+    def convert(self, conv: Conversion) -> None:
         value = self.nodes[conv.source]
         for step in conv.steps:
-            value = self.call_module(self.step_module(step), value, (value,))
+            value = self.call_module(collective_module(step.operator, self.group, step.shard), value, (value,))
         for consumer, path in conv.consumers:
             if get_arg(self.nodes[consumer], path) is not self.nodes[conv.source]:
-                raise InputError(f"internal: {consumer} no longer reads {conv.source}")
+                raise InternalError(f"node {consumer} no longer reads {conv.source} at argument {path}")
             with_arg(self.nodes[consumer], path, value)
 
-    def reduce_after(self, node: fx.Node, bias: fx.Node | None) -> None:
-        """Megatron's ``g`` after ``node``; a row-split layer's bias is added once, after the sum."""
+    def reduce_after(self, node: fx.Node, operator: Operator, bias: fx.Node | None) -> None:
+        """The reduction after ``node`` (Megatron's ``g``); a row-split layer's bias is added once, after it."""
         users = list(node.users)
-        out = self.call_module(ReduceFromTP(self.group), node, (node,))
+        out = self.call_module(collective_module(operator, self.group), node, (node,))
         if bias is not None:
             with self.graph.inserting_after(out):
                 out = self.graph.call_function(aten.add.Tensor, (out, bias))
@@ -116,23 +102,23 @@ class _Surgeon:
         elif proj.bias is not None:
             bias = node.args[2]
             node.args = node.args[:2]
-        self.reduce_after(node, bias)
+        self.reduce_after(node, Operator.G, bias)
 
     def embedding(self, node: fx.Node, vocab_rows: int) -> None:
         local = vocab_rows // self.tp
         start = self.rank * local
         node.target = masked_embedding
         node.args = (node.args[0], node.args[1], start, start + local)
-        self.reduce_after(node, None)
+        self.reduce_after(node, Operator.VOCAB_EMBEDDING, None)
 
-    def apply(self, prop) -> None:
+    def apply(self, prop: Propagation) -> None:
         for name, path, value in prop.fixes:
             with_arg(self.nodes[name], path, value)
         for conv in prop.conversions.values():
             self.convert(conv)
-        for name in prop.reduced:
+        for name, operator in prop.reduced.items():
             node = self.nodes[name]
-            if name in self.analysis.embeddings:
+            if operator is Operator.VOCAB_EMBEDDING:
                 self.embedding(node, self.analysis.embeddings[name].num_embeddings)
             else:
                 self.row(node, self.analysis.projections[name])
@@ -140,18 +126,25 @@ class _Surgeon:
         self.gm.recompile()
 
 
-def build_graph(captured: Captured, plan: Plan, rank: int, group, analysis: Analysis | None = None) -> fx.GraphModule:
-    """This tensor-parallel rank's graph (fixed shapes, collectives); attributes still point at the model."""
-    gm = _copy_graph_module(captured.module)
+def build_graph(captured: Captured, plan: Plan, rank: int, group, analysis: Analysis | None = None,
+                stream: RankStream | None = None) -> fx.GraphModule:
+    """This tensor-parallel rank's graph (fixed shapes, collectives, random ops drawing from ``stream``);
+    its attributes still point at the model's tensors."""
+    gm = copy_graph_module(captured.module)
+    layouts = {}
     if plan.tp > 1:
         analysis = analysis or Analysis(captured)
-        by_target = {captured.attr_target(captured.aliases.get(name, name)): p for name, p in plan.placements.items()}
-        _Surgeon(gm, analysis, group, rank, plan.tp).apply(analysis.propagate(by_target, plan.tp))
+        prop = analysis.propagate(param_layouts(analysis, target_placements(captured, plan)), plan.tp)
+        _Surgeon(gm, analysis, group, rank, plan.tp).apply(prop)
+        layouts = prop.layouts
+    if stream is not None:
+        replace_random_ops(gm, layouts, stream, rank, plan.tp)
     return gm
 
 
-def rewrite(captured: Captured, plan: Plan, rank: int, group) -> fx.GraphModule:
+def rewrite(captured: Captured, plan: Plan, rank: int, group, stream: RankStream | None = None,
+            made: dict | None = None, source=None) -> fx.GraphModule:
     """This rank's GraphModule for ``plan``: sharded parameters, fixed shapes, inserted collectives."""
-    gm = build_graph(captured, plan, rank, group)
-    materialise(gm, captured, plan, rank)
+    gm = build_graph(captured, plan, rank, group, stream=stream)
+    materialise(gm, captured, plan, rank, made, source)
     return gm

@@ -17,8 +17,8 @@ from torch.utils._pytree import tree_unflatten
 
 from autotp.errors import InputError
 from autotp.options import Schedule
-from autotp.plan import Plan
-from autotp.runtime import StateNames, default_loss, gather_tp
+from autotp.planning.plan import Plan
+from autotp.runtime.tensor_parallel import StateNames, default_loss, gather_tp
 
 
 class Mesh:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import io
 import logging
 import os
 import traceback
@@ -18,7 +17,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx, nn
 
+from autotp.capture.torch_private import output_spec, plain_sizes
 from autotp.errors import CaptureError, InputError
+from autotp.passes.graph import SHAPE_META
 
 _WRAPPER_PREFIX = "model."
 
@@ -53,11 +54,18 @@ class Captured:
     """Symbol of each dynamic input size (``s72``) -> a readable name (``B``, ``T``)."""
     example_sizes: dict[str, int] = field(default_factory=dict)
     """Symbol of each dynamic input size -> its value in the example inputs."""
+    training: bool = True
+    """Whether the graph is the model's train-mode graph (dropout applied) or its eval-mode one."""
 
     @property
     def graph(self) -> fx.Graph:
         """The captured graph."""
         return self.module.graph
+
+    @property
+    def out_spec(self):
+        """The pytree spec that rebuilds the model's output from the graph's flat outputs."""
+        return output_spec(self.module)
 
     def param_name(self, target: str) -> str:
         """The original parameter name of a ``get_attr`` target."""
@@ -114,14 +122,21 @@ def _user_frame(exc: BaseException) -> str:
 
 @contextlib.contextmanager
 def _quiet_torch_logs():
-    """Silence torch's logs and stderr dumps while we try captures: a failure is reported by us, once."""
-    previous = logging.root.manager.disable
-    logging.disable(logging.CRITICAL)
+    """Silence torch's own loggers while captures are tried: a failure is reported by us, once.
+
+    Only loggers named ``torch...`` are touched, and restored afterwards; the user's loggers, the root
+    logger and stderr are left alone.
+    """
+    names = [n for n in list(logging.root.manager.loggerDict) if n == "torch" or n.startswith("torch.")]
+    loggers = [logging.getLogger(n) for n in names]
+    previous = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.CRITICAL + 1)
     try:
-        with contextlib.redirect_stderr(io.StringIO()):
-            yield
+        yield
     finally:
-        logging.disable(previous)
+        for lg, level in zip(loggers, previous):
+            lg.setLevel(level)
 
 
 def _export(wrapper: nn.Module, inputs: tuple, dynamic: bool) -> fx.GraphModule:
@@ -159,8 +174,11 @@ def _example_sizes(gm: fx.GraphModule, inputs: tuple[torch.Tensor, ...]) -> dict
     return out
 
 
-def _aliases(model: nn.Module) -> dict[str, str]:
-    """Map every parameter and buffer name of ``model`` to its first name (tied weights share one)."""
+def tensor_aliases(model: nn.Module) -> dict[str, str]:
+    """Map every parameter and buffer name of ``model`` to its first name (tied weights share one).
+
+    Parameters come first, so a parameter's first name is also its first name among parameters.
+    """
     first: dict[int, str] = {}
     named = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
     return {name: first.setdefault(id(t), name) for name, t in named}
@@ -188,14 +206,39 @@ def _merge_tied_reads(gm: fx.GraphModule, aliases: dict[str, str]) -> None:
     gm.recompile()
 
 
+def _record_sizes(gm: fx.GraphModule) -> None:
+    """Store every tensor's sizes, symbolic ones as sympy expressions, where the passes read them."""
+    for node in gm.graph.nodes:
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            node.meta[SHAPE_META] = plain_sizes(val)
+
+
 def _strip(target: str) -> str:
     return target[len(_WRAPPER_PREFIX):] if target.startswith(_WRAPPER_PREFIX) else target
 
 
-def capture(model: nn.Module, example_inputs) -> Captured:
+@contextlib.contextmanager
+def _in_mode(model: nn.Module, training: bool | None):
+    """The model in train (or eval) mode for the body, every module's own flag restored afterwards."""
+    if training is None:
+        yield
+        return
+    flags = {m: m.training for m in model.modules()}
+    model.train(training)
+    try:
+        yield
+    finally:
+        for module, flag in flags.items():
+            module.training = flag
+
+
+def capture(model: nn.Module, example_inputs, training: bool | None = None) -> Captured:
     """Capture ``model`` on ``example_inputs`` with torch.export (dynamic sizes, then static).
 
-    The model is not changed: a wrapper passes ``use_cache=False`` to models that take it.
+    ``training`` captures the graph the model runs in train (True) or eval (False) mode; None, the mode it
+    is in. The model is left as it was: a wrapper passes ``use_cache=False`` to models that take it, and
+    the modules' modes are restored.
     """
     if not isinstance(model, nn.Module):
         raise InputError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -204,7 +247,7 @@ def capture(model: nn.Module, example_inputs) -> Captured:
     errors = []
     for dynamic in (True, False):
         try:
-            with _quiet_torch_logs():
+            with _quiet_torch_logs(), _in_mode(model, training):
                 gm = _export(wrapper, inputs, dynamic)
             break
         except Exception as e:  # torch.export raises many unrelated types; all mean "could not capture"
@@ -217,8 +260,10 @@ def capture(model: nn.Module, example_inputs) -> Captured:
             f"with static shapes; the static attempt said: {type(err).__name__}: {first_line} (at {_user_frame(err)}). "
             "Make the forward traceable (no data-dependent Python control flow on tensor values, no .item()), "
             "or pass example_inputs the forward accepts positionally.") from err
-    aliases = _aliases(model)
+    aliases = tensor_aliases(model)
     _merge_tied_reads(gm, aliases)
+    _record_sizes(gm)
     return Captured(module=gm, model_name=type(model).__name__, state_keys=tuple(model.state_dict().keys()),
                     aliases=aliases, dim_names=_dim_names(gm), example_sizes=_example_sizes(gm, inputs),
-                    param_names=tuple(n for n, _ in model.named_parameters(remove_duplicate=False)))
+                    param_names=tuple(n for n, _ in model.named_parameters(remove_duplicate=False)),
+                    training=model.training if training is None else training)

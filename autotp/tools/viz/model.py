@@ -13,19 +13,16 @@ from enum import Enum
 import networkx as nx
 
 from autotp.capture import Captured
-from autotp.plan import Collective, Plan
-from autotp.report import KIND_NAMES, ParamInfo, block_of, collective_bytes, human_bytes, human_count, shard_shape
-from autotp.viz.groups import module_groups, op_summary
+from autotp.names import block_of, within
+from autotp.passes.steps import Direction, Operator
+from autotp.planning import Collective, PlacementKind, Plan
+from autotp.tools.report import ParamInfo, collective_bytes, human_bytes, human_count, shard_shape
+from autotp.tools.viz.groups import module_groups, op_summary
 
 
-class Decision(str, Enum):
-    """What a node of the picture is, which sets its colour."""
+class Box(str, Enum):
+    """What a node of the picture is when it is not a module with parameters (those show their placement)."""
 
-    COLUMN = "column"
-    ROW = "row"
-    VOCAB = "vocab"
-    REPLICATED = "replicated"
-    """A module with parameters kept whole on every rank."""
     OPS = "ops"
     """A group of ops without parameters (the attention core, a residual add)."""
     IO = "io"
@@ -36,7 +33,10 @@ class Decision(str, Enum):
     """A run of blocks identical to one drawn in full."""
 
 
-SPLIT = {Decision.COLUMN, Decision.ROW, Decision.VOCAB}
+Decision = PlacementKind | Box
+"""What a node shows, which sets its colour: a module's placement kind, or one of the other boxes."""
+
+SPLIT = {PlacementKind.COLWISE, PlacementKind.ROWWISE, PlacementKind.VOCAB}
 
 
 @dataclass(frozen=True)
@@ -72,39 +72,41 @@ def _shape(shape) -> str:
 
 def _decision(plan: Plan, params: list[str], io: bool) -> Decision:
     if io:
-        return Decision.IO
+        return Box.IO
     if not params:
-        return Decision.OPS
+        return Box.OPS
     split = [p for p in params if p in plan.placements and plan.placements[p].is_split]
     if not split:
-        return Decision.REPLICATED
+        return PlacementKind.REPLICATED
     weight = next((p for p in split if p.endswith("weight")), split[0])
-    return Decision(KIND_NAMES[plan.placements[weight].kind])
+    return plan.placements[weight].kind
 
 
 def _node_text(data: dict, decision: Decision, plan: Plan, infos: dict[str, ParamInfo]) -> tuple[str, str]:
-    if decision is Decision.IO:
+    if decision is Box.IO:
         return ("input" if data["ops"] == ["input"] else "output"), ""
-    if decision is Decision.OPS:
+    if decision is Box.OPS:
         return (data["module"] or "(top level)"), f"{data['cls']} · {op_summary(data['ops'])}".lstrip(" ·")
     weight = next((p for p in data["params"] if p.endswith("weight")), data["params"][0])
     title = data["module"] or weight
-    if decision is Decision.REPLICATED or weight not in infos:
+    if decision is PlacementKind.REPLICATED or weight not in infos:
         return title, f"{data['cls']} · replicated".lstrip(" ·")
     full = infos[weight].shape
     shard = shard_shape(full, plan.placements[weight], plan.tp)
-    return title, f"{data['cls']} · {decision.value} {_shape(full)} → {_shape(shard)}".lstrip(" ·")
+    return title, f"{data['cls']} · {decision.word} {_shape(full)} → {_shape(shard)}".lstrip(" ·")
 
 
 def _collective_text(c: Collective, batch: int, seq: int) -> tuple[str, str]:
-    op = c.op.replace("_", "-")
-    when = "backward" if c.direction == "backward" else "forward"
-    return f"{op} ({c.operator}, {when})", f"{human_bytes(collective_bytes(c, batch, seq))} · [{', '.join(c.shape)}]"
+    op = c.op.value.replace("_", "-")
+    title = f"{op} ({c.operator.value}, {c.direction.value})"
+    return title, f"{human_bytes(collective_bytes(c, batch, seq))} · [{', '.join(c.shape)}]"
 
 
-_SITS_AT = {"f": (Decision.VOCAB, Decision.COLUMN), "scatter": (Decision.VOCAB, Decision.COLUMN),
-            "g": (Decision.ROW,), "vocab_embedding": (Decision.VOCAB,), "gather": (Decision.VOCAB,)}
-"""The decisions of the boxes each Megatron operator sits at, the likelier first."""
+_SITS_AT = {Operator.F: (PlacementKind.VOCAB, PlacementKind.COLWISE),
+            Operator.SCATTER: (PlacementKind.VOCAB, PlacementKind.COLWISE),
+            Operator.G: (PlacementKind.ROWWISE,), Operator.VOCAB_EMBEDDING: (PlacementKind.VOCAB,),
+            Operator.GATHER: (PlacementKind.VOCAB,)}
+"""The placements of the boxes each Megatron operator sits at, the likelier first."""
 
 
 def _anchor(g: nx.DiGraph, c: Collective, nth: int) -> str | None:
@@ -112,23 +114,22 @@ def _anchor(g: nx.DiGraph, c: Collective, nth: int) -> str | None:
     operator (a module of bare parameters holds several projections), else any box of the module."""
     def inside(n):
         module = g.nodes[n].get("module", "")
-        return g.nodes[n].get("decision") is not Decision.COLLECTIVE and (
-            not c.module or module == c.module or module.startswith(c.module + "."))
+        return g.nodes[n].get("decision") is not Box.COLLECTIVE and within(module, c.module)
 
-    lookup = c.operator == "vocab_embedding"  # the embedding's lookup, not the LM head that may share its weight
+    lookup = c.operator is Operator.VOCAB_EMBEDDING  # the embedding's lookup, not the LM head that may share its weight
     order = sorted((n for n in g if inside(n)), key=lambda n: g.nodes[n]["index"])
     for decision in _SITS_AT.get(c.operator, ()):
         fits = [n for n in order if g.nodes[n]["decision"] is decision and
-                (decision is not Decision.VOCAB or ("embedding" in g.nodes[n]["ops"]) == lookup)]
+                (decision is not PlacementKind.VOCAB or ("embedding" in g.nodes[n]["ops"]) == lookup)]
         if fits:
             return fits[min(nth, len(fits) - 1)]
-    return (order[-1] if c.direction == "forward" else order[0]) if order else None
+    return (order[-1] if c.direction is Direction.FORWARD else order[0]) if order else None
 
 
 def _insert_collective(g: nx.DiGraph, cid: str, c: Collective, data: dict, nth: int) -> None:
     """Put collective ``cid`` on the edges it sits on: after its box in the forward pass, before it
     (on the inputs of every split consumer of the same tensor) when it runs in the backward pass."""
-    after = c.direction == "forward"
+    after = c.direction is Direction.FORWARD
     anchor = _anchor(g, c, nth)
     g.add_node(cid, **data, index=(g.nodes[anchor]["index"] if anchor else 0) + (0.5 if after else -0.5))
     if anchor is None:
@@ -153,7 +154,7 @@ def _insert_collective(g: nx.DiGraph, cid: str, c: Collective, data: dict, nth: 
 
 def _stage_of_module(plan: Plan, module: str) -> int | None:
     for stage in plan.stages:
-        if any(module == m or module.startswith(m + ".") for m in stage.modules):
+        if any(within(module, m) for m in stage.modules if m):
             return stage.index
     return None
 
@@ -185,7 +186,7 @@ def _block_runs(g: nx.DiGraph) -> tuple[list[list[str]], dict[str, list[str]]]:
     blocks: dict[str, list[str]] = {}
     for n in _order(g):
         block = block_of(g.nodes[n].get("module", ""))
-        if block and g.nodes[n]["decision"] is not Decision.IO:
+        if block and g.nodes[n]["decision"] is not Box.IO:
             blocks.setdefault(block, []).append(n)
 
     def signature(block: str):
@@ -211,11 +212,11 @@ def _collapse(g: nx.DiGraph) -> nx.DiGraph:
         cid = f"blocks{i}"
         members = [n for b in run for n in blocks[b]]
         split = [g.nodes[n]["module"] for n in members if g.nodes[n]["decision"] in SPLIT]
-        collectives = sum(g.nodes[n]["decision"] is Decision.COLLECTIVE for n in members)
+        collectives = sum(g.nodes[n]["decision"] is Box.COLLECTIVE for n in members)
         first = g.nodes[members[0]]
         title = run[0] if len(run) == 1 else f"{run[0]} … {run[-1]}"
         detail = f"{len(run)} block{'s' * (len(run) > 1)} like {head} · {collectives} collectives"
-        attrs[cid] = dict(title=title, detail=detail, decision=Decision.COLLAPSED, module=run[0],
+        attrs[cid] = dict(title=title, detail=detail, decision=Box.COLLAPSED, module=run[0],
                           stage=first.get("stage"), index=first["index"], tooltip="split modules: " + ", ".join(split))
         rep.update({n: cid for n in members})
     out = nx.DiGraph()
@@ -227,7 +228,7 @@ def _collapse(g: nx.DiGraph) -> nx.DiGraph:
 def _split_sources(g: nx.DiGraph) -> None:
     """Draw a shared source (rotary tables, a position embedding) once beside each reader: one long edge
     per reader across the whole picture would hide the structure."""
-    shared = [n for n in g if not g.in_degree(n) and g.out_degree(n) > 1 and g.nodes[n]["decision"] is not Decision.IO]
+    shared = [n for n in g if not g.in_degree(n) and g.out_degree(n) > 1 and g.nodes[n]["decision"] is not Box.IO]
     for n in shared:
         for k, succ in enumerate(list(g.successors(n))):
             near = {"index": g.nodes[succ]["index"] - 0.25, "stage": g.nodes[succ].get("stage")}
@@ -249,7 +250,7 @@ def viz_graph(captured: Captured, plan: Plan, infos: dict[str, ParamInfo], batch
     for i, c in enumerate(plan.collectives):
         title, detail = _collective_text(c, batch, seq)
         nth = seen[(c.module, c.operator)] = seen.get((c.module, c.operator), -1) + 1
-        _insert_collective(g, f"c{i}", c, dict(title=title, detail=detail, decision=Decision.COLLECTIVE,
+        _insert_collective(g, f"c{i}", c, dict(title=title, detail=detail, decision=Box.COLLECTIVE,
                                                 module=c.module, io=False), nth)
     _assign_stages(g, plan)
     if collapse:

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from autotp.balance import Balance, balanced_split
 from autotp.errors import PlanError
+from autotp.names import within_any
+from autotp.options import Balance
 from autotp.passes.costs import costs, evaluate, tensor_bytes
-from autotp.passes.cuts import Cut, find_cuts, param_users
+from autotp.passes.cuts import Cut, find_cuts, module_starts, param_users, unit_index
 from autotp.passes.layout import Shard
-from autotp.plan import Stage
+from autotp.planning.balance import balanced_split
+from autotp.planning.plan import Stage
 
 
 @dataclass
@@ -29,8 +31,6 @@ class Units:
     """Parameter elements per tensor-parallel rank (what a rank's memory holds). A tensor read by several
     units counts in each, which is exact when its readers end in different stages (a tied embedding and
     head) and an overestimate when they share one."""
-    params: list[int]
-    """Parameter elements in total."""
     activations: list[float]
     """Activation bytes per tensor-parallel rank."""
     param_sets: list[set[str]]
@@ -44,17 +44,12 @@ class Units:
         return sum(self.param_sizes[n] for n in held)
 
 
-def unit_index(cuts: list[Cut], position: int) -> int:
-    """The unit (run between cuts) holding graph position ``position``."""
-    return sum(c.position < position for c in cuts)
-
-
 def build_units(analysis, prop, tp: int, sizes: dict[str, int]) -> Units:
     """Cut the graph at every candidate and cost each unit; work on split values counts 1/tp."""
     graph = analysis.graph
     cuts = find_cuts(graph, analysis.trainable)
     n = len(cuts) + 1
-    units = Units(cuts, {}, [0.0] * n, [0.0] * n, [0] * n, [0.0] * n, [set() for _ in range(n)])
+    units = Units(cuts, {}, [0.0] * n, [0.0] * n, [0.0] * n, [set() for _ in range(n)])
     node_costs = costs(graph, analysis.trainable)
     split = {t for t, lay in prop.layouts.items() if isinstance(lay, Shard)} | set(prop.reduced)
     for position, node in enumerate(graph.nodes):
@@ -69,22 +64,9 @@ def build_units(analysis, prop, tp: int, sizes: dict[str, int]) -> Units:
             count = node_costs[attr.name].param_count if attr.op == "get_attr" else 0
             if count and attr.name not in units.param_sets[k]:
                 units.param_sets[k].add(attr.name)
-                units.params[k] += count
                 units.rank_params[k] += count / tp if isinstance(prop.layouts.get(attr.name), Shard) else count
     units.param_sizes = {n: c.param_count for n, c in node_costs.items() if c.param_count}
     return units
-
-
-def module_starts(analysis) -> dict[str, int]:
-    """Each module (and every dotted prefix of it) -> graph position of its first parameter reader."""
-    positions = {n.name: i for i, n in enumerate(analysis.graph.nodes)}
-    starts: dict[str, int] = {}
-    for name in param_users(analysis.graph, analysis.trainable):
-        path = analysis.module(name).split(".")
-        for depth in range(1, len(path) + 1):
-            starts.setdefault(".".join(path[:depth]), positions[name])
-    starts.pop("", None)
-    return starts
 
 
 def forced_units(analysis, cuts: list[Cut], modules) -> list[int]:
@@ -119,7 +101,7 @@ def _stage_modules(analysis, units: Units, stage_of_unit: list[int], stage: int)
         path = analysis.module(name).split(".")
         prefixes = [".".join(path[:d]) for d in range(1, len(path) + 1)]
         whole = next((p for p in prefixes if stage_of_module.get(p) == {stage}), prefixes[-1])
-        if whole and not any(whole == m or whole.startswith(m + ".") for m in listed):
+        if whole and not within_any(whole, listed):
             listed.append(whole)
     return tuple(listed)
 

@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+
 from autotp.errors import PlanError
 from autotp.options import Balance
-
-__all__ = ["Balance", "balanced_split", "brute_force", "objective"]
 
 
 def _weights(compute: Sequence[float], params: Sequence[float], balance: Balance) -> list[tuple[float, float]]:
@@ -23,11 +22,25 @@ def _weights(compute: Sequence[float], params: Sequence[float], balance: Balance
     return [(c * wc, p * wp) for c, p in zip(compute, params)]
 
 
-def stage_cost(units: list[tuple[float, float]], start: int, stop: int) -> float:
-    """The squared (scaled) compute plus squared params of one stage holding units[start:stop]."""
-    c = sum(u[0] for u in units[start:stop])
-    p = sum(u[1] for u in units[start:stop])
-    return c * c + p * p
+class _StageCosts:
+    """The criterion of any stage units[start:stop], from prefix sums of the scaled unit costs."""
+
+    def __init__(self, units: list[tuple[float, float]]):
+        self.compute, self.params = [0.0], [0.0]
+        for c, p in units:
+            self.compute.append(self.compute[-1] + c)
+            self.params.append(self.params[-1] + p)
+
+    def __call__(self, start: int, stop: int) -> float:
+        """The squared (scaled) compute plus squared params of one stage holding units[start:stop]."""
+        c = self.compute[stop] - self.compute[start]
+        p = self.params[stop] - self.params[start]
+        return c * c + p * p
+
+    def of_split(self, starts: Sequence[int]) -> float:
+        """The criterion of a whole split given by its stage starts."""
+        bounds = [*starts, len(self.compute) - 1]
+        return sum(self(a, b) for a, b in zip(bounds, bounds[1:]))
 
 
 def _allowed(start: int, stop: int, forced: frozenset[int]) -> bool:
@@ -47,16 +60,7 @@ def balanced_split(compute: Sequence[float], params: Sequence[float], stages: in
     forced_set = frozenset(forced)
     if len(forced_set | {0}) > stages:
         raise PlanError(f"{len(forced_set)} forced cuts need at least {len(forced_set) + 1} stages, got {stages}")
-    units = _weights(compute, params, Balance(balance))
-    prefix_c, prefix_p = [0.0], [0.0]
-    for c, p in units:
-        prefix_c.append(prefix_c[-1] + c)
-        prefix_p.append(prefix_p[-1] + p)
-
-    def cost(i: int, j: int) -> float:
-        c, p = prefix_c[j] - prefix_c[i], prefix_p[j] - prefix_p[i]
-        return c * c + p * p
-
+    cost = _StageCosts(_weights(compute, params, Balance(balance)))
     inf = float("inf")
     best = [[inf] * (n + 1) for _ in range(stages + 1)]
     choice = [[-1] * (n + 1) for _ in range(stages + 1)]
@@ -80,14 +84,13 @@ def balanced_split(compute: Sequence[float], params: Sequence[float], stages: in
 def brute_force(compute: Sequence[float], params: Sequence[float], stages: int,
                 balance: Balance = Balance.BOTH, forced: Sequence[int] = ()) -> tuple[float, list[int]]:
     """The optimum by trying every split (for tests): (objective, stage starts)."""
-    units = _weights(compute, params, Balance(balance))
-    n, forced_set = len(units), set(forced)
+    cost = _StageCosts(_weights(compute, params, Balance(balance)))
+    n, forced_set = len(compute), set(forced)
     best: tuple[float, list[int]] = (float("inf"), [])
     for cuts in itertools.combinations(range(1, n), stages - 1):
         if not forced_set <= set(cuts) | {0}:
             continue
-        bounds = [0, *cuts, n]
-        value = sum(stage_cost(units, a, b) for a, b in zip(bounds, bounds[1:]))
+        value = cost.of_split([0, *cuts])
         if value < best[0] - 1e-15:
             best = (value, [0, *cuts])
     return best
@@ -96,6 +99,4 @@ def brute_force(compute: Sequence[float], params: Sequence[float], stages: int,
 def objective(compute: Sequence[float], params: Sequence[float], starts: Sequence[int],
               balance: Balance = Balance.BOTH) -> float:
     """The criterion value of a given split (to compare the DP's answer with brute force)."""
-    units = _weights(compute, params, Balance(balance))
-    bounds = [*starts, len(units)]
-    return sum(stage_cost(units, a, b) for a, b in zip(bounds, bounds[1:]))
+    return _StageCosts(_weights(compute, params, Balance(balance))).of_split(starts)

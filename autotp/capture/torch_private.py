@@ -1,0 +1,51 @@
+"""Every private torch API autotp relies on, in one place, each checked where it is read.
+
+torch.export gives what autotp needs, but three facts are reachable only through private attributes:
+the sympy expression behind a symbolic size, the output tree spec of an exported module, and the name
+of the input-guard submodule it adds. If a torch release changes one, the accessor raises
+``InternalError`` naming the torch version (and ``tests/test_capture.py`` fails loudly), instead of
+autotp silently computing something else.
+"""
+
+from __future__ import annotations
+
+import sympy
+import torch
+from torch import fx
+
+from autotp.errors import InternalError
+
+GUARDS_MODULE = "_guards_fn"
+"""The submodule torch.export adds to check input shapes; it belongs to the whole model, not to a stage."""
+
+
+def _changed(what: str, detail: str) -> InternalError:
+    return InternalError(f"torch {torch.__version__} changed {what} ({detail}); autotp needs updating for it")
+
+
+def size_expr(size) -> int | sympy.Expr:
+    """A tensor size as an int, or as the sympy expression of a symbolic size (``s70*s72``)."""
+    if isinstance(size, int):
+        return int(size)
+    expr = getattr(getattr(size, "node", None), "expr", None)  # private: SymInt.node.expr
+    if not isinstance(expr, sympy.Expr):
+        raise _changed("how symbolic sizes expose their expression", f"{type(size).__name__}.node.expr")
+    return int(expr) if expr.is_Integer else expr
+
+
+def plain_sizes(value: torch.Tensor) -> tuple:
+    """The sizes of an example tensor as ints and sympy expressions."""
+    return tuple(size_expr(d) for d in value.shape)
+
+
+def output_spec(module: fx.GraphModule):
+    """The pytree spec of an exported module's outputs (to rebuild them from a flat list)."""
+    spec = getattr(module, "_out_spec", None)  # private: set by ExportedProgram.module()
+    if spec is None:
+        raise _changed("where an exported module keeps its output spec", "GraphModule._out_spec")
+    return spec
+
+
+def is_guard_call(node: fx.Node) -> bool:
+    """Whether ``node`` calls the export's input-shape guard module."""
+    return node.op == "call_module" and node.target == GUARDS_MODULE

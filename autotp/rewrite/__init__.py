@@ -1,0 +1,10 @@
+"""The rewrite: the only code that changes graphs. Per-rank GraphModules from a captured model and a plan.
+
+``tensor_parallel`` shards parameters, fixes shape constants and inserts collectives (``collectives``);
+``stages`` cuts a rank's graph into pipeline stages; ``shards`` slices and reassembles tensors.
+"""
+
+from autotp.rewrite.stages import split_stages
+from autotp.rewrite.tensor_parallel import build_graph, materialise, rewrite
+
+__all__ = ["build_graph", "materialise", "rewrite", "split_stages"]

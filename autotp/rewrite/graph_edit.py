@@ -1,0 +1,45 @@
+"""Small graph-editing helpers (the rewriter is the only code that changes graphs)."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import torch
+from torch import fx, nn
+
+from autotp.passes.graph import ArgPath
+
+
+def with_arg(node: fx.Node, path: ArgPath, value) -> None:
+    """Set the argument of ``node`` at ``path`` (``(index,)``, ``(index, list_index)`` or ``("kw", name)``)."""
+    if path[0] == "kw":
+        node.kwargs = {**node.kwargs, path[1]: value}
+        return
+    args = list(node.args)
+    if len(path) > 1:
+        inner = list(args[path[0]])
+        inner[path[1]] = value
+        args[path[0]] = type(node.args[path[0]])(inner)
+    else:
+        args[path[0]] = value
+    node.args = tuple(args)
+
+
+def copy_graph_module(source: fx.GraphModule, class_name: str = "AutotpRankModule") -> fx.GraphModule:
+    """A new GraphModule over a copy of ``source``'s graph; its attributes still point at the source's."""
+    with warnings.catch_warnings():
+        # torch's pytree deprecates LeafSpec isinstance checks that its own deepcopy still triggers.
+        warnings.filterwarnings("ignore", category=FutureWarning)
+        graph = copy.deepcopy(source.graph)  # copies nodes (shallow meta) and the pytree codegen
+    return fx.GraphModule(source, graph, class_name=class_name)
+
+
+def set_tensor(gm: nn.Module, target: str, value: torch.Tensor) -> None:
+    """Register ``value`` at dotted ``target`` as a parameter (if it is one) or a buffer."""
+    owner, _, name = target.rpartition(".")
+    module = gm.get_submodule(owner) if owner else gm
+    if isinstance(value, nn.Parameter):
+        module.register_parameter(name, value)
+    else:
+        module.register_buffer(name, value)

@@ -1,0 +1,95 @@
+"""The communication vocabulary: conversion steps on graph edges and the collectives they become.
+
+A ``Step`` is what sharding propagation asks for on an edge (make a split value whole, pass a whole
+value through Megatron's ``f``, keep this rank's slice of a whole value). Every communication the
+rewrite inserts has an ``Operator`` (Megatron's name for it), and ``COMMUNICATION`` is the one table
+from an operator to the collective it runs and the pass it runs in. The planner lists collectives
+from it, the report and the pictures describe them with it; the rewriter keys its autograd modules
+by the same ``Operator`` (``autotp.rewrite.collectives.IMPLEMENTATIONS``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+from autotp.passes.layout import Shard
+
+
+class Operator(str, Enum):
+    """Megatron's name for a communication boundary."""
+
+    F = "f"
+    """Copy into a tensor-parallel region: identity forward, all-reduce of the gradient backward."""
+    G = "g"
+    """Reduce out of a region (after a row-split projection): all-reduce forward, identity backward."""
+    GATHER = "gather"
+    """Make a split value whole: all-gather forward, keep this rank's slice of the gradient backward."""
+    SCATTER = "scatter"
+    """Keep this rank's slice of a whole value: slice forward, all-gather of the gradient backward."""
+    VOCAB_EMBEDDING = "vocab_embedding"
+    """Sum the partial lookups of a vocabulary-split embedding: all-reduce forward."""
+
+
+class CollectiveOp(str, Enum):
+    """The torch.distributed collective an operator runs."""
+
+    ALL_REDUCE = "all_reduce"
+    ALL_GATHER = "all_gather"
+
+
+class Direction(str, Enum):
+    """The pass in which a collective runs."""
+
+    FORWARD = "forward"
+    BACKWARD = "backward"
+
+
+@dataclass(frozen=True)
+class Communication:
+    """What an operator does on the wire, and where a listing should place it."""
+
+    op: CollectiveOp
+    direction: Direction
+    at_source: bool
+    """Listed at the value it converts (a gather), rather than at the value's reader (``f``, a slice)."""
+
+
+COMMUNICATION: dict[Operator, Communication] = {
+    Operator.F: Communication(CollectiveOp.ALL_REDUCE, Direction.BACKWARD, at_source=False),
+    Operator.G: Communication(CollectiveOp.ALL_REDUCE, Direction.FORWARD, at_source=True),
+    Operator.GATHER: Communication(CollectiveOp.ALL_GATHER, Direction.FORWARD, at_source=True),
+    Operator.SCATTER: Communication(CollectiveOp.ALL_GATHER, Direction.BACKWARD, at_source=False),
+    Operator.VOCAB_EMBEDDING: Communication(CollectiveOp.ALL_REDUCE, Direction.FORWARD, at_source=True),
+}
+
+
+@dataclass(frozen=True)
+class Step:
+    """One conversion on an edge: ``F`` (no shard), or ``GATHER``/``SCATTER`` of ``shard``."""
+
+    operator: Operator
+    shard: Shard | None = None
+
+    def __post_init__(self):
+        if self.operator not in CONVERSIONS:
+            raise ValueError(f"{self.operator} is not a conversion step (one of {sorted(CONVERSIONS)})")
+        if (self.shard is None) != (self.operator is Operator.F):
+            raise ValueError(f"step {self.operator.value} needs a shard iff it gathers or slices, got {self.shard}")
+
+
+CONVERSIONS = frozenset({Operator.F, Operator.GATHER, Operator.SCATTER})
+"""The operators that convert a value on an edge (the others reduce a node's own output)."""
+
+COPY = Step(Operator.F)
+"""Pass a whole value through ``f``: its reader sees only this rank's share of the gradient."""
+
+
+def gather(shard: Shard) -> Step:
+    """Make a value split as ``shard`` whole."""
+    return Step(Operator.GATHER, shard)
+
+
+def scatter(shard: Shard) -> Step:
+    """Keep this rank's part (as ``shard``) of a whole value."""
+    return Step(Operator.SCATTER, shard)

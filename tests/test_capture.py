@@ -1,0 +1,70 @@
+"""Capture: names kept, sizes recorded, the user's model and process untouched, and the private torch
+APIs autotp relies on still where it reads them (these fail loudly, naming the torch version, if not)."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import sympy
+import torch
+
+from autotp.capture import capture, torch_private
+from autotp.errors import InternalError
+from autotp.passes.graph import SHAPE_META, sizes
+from tests import models
+
+IDS = models.tokens(2, 16, 0)
+
+
+def test_symbolic_sizes_are_recorded_as_sympy_expressions():
+    cap = capture(models.build("gpt"), (IDS,))
+    (ids,) = cap.graph.find_nodes(op="placeholder")
+    batch, seq = sizes(ids)
+    assert isinstance(batch, sympy.Symbol) and isinstance(seq, sympy.Symbol)
+    assert {cap.dim_names[batch.name], cap.dim_names[seq.name]} == {"B", "T"}
+    assert all(SHAPE_META in n.meta for n in cap.graph.nodes if isinstance(n.meta.get("val"), torch.Tensor))
+
+
+def test_private_torch_apis_are_where_autotp_reads_them():
+    cap = capture(models.build("gpt"), (IDS,))
+    assert cap.out_spec is not None
+    assert any(torch_private.is_guard_call(n) for n in cap.graph.nodes), (
+        f"torch {torch.__version__}: torch.export no longer adds {torch_private.GUARDS_MODULE!r}")
+    symbolic = next(n for n in cap.graph.nodes if n.op == "placeholder").meta["val"].shape[0]
+    assert isinstance(torch_private.size_expr(symbolic), sympy.Expr)
+
+
+def test_a_changed_private_api_says_which_torch_changed_it():
+    class Unknown:
+        node = None
+
+    try:
+        torch_private.size_expr(Unknown())
+    except InternalError as e:
+        assert f"torch {torch.__version__} changed" in str(e) and "a bug in autotp" in str(e)
+    else:
+        raise AssertionError("size_expr accepted a size it cannot read")
+    try:
+        torch_private.output_spec(torch.fx.GraphModule(torch.nn.Module(), torch.fx.Graph()))
+    except InternalError as e:
+        assert "_out_spec" in str(e)
+    else:
+        raise AssertionError("output_spec accepted a module without one")
+
+
+def test_capture_leaves_the_process_as_it_found_it(capsys):
+    """No process-wide logging switch, no stderr redirect, torch's loggers restored."""
+    torch_logger = logging.getLogger("torch._dynamo")
+    level = torch_logger.level
+    stderr = sys.stderr
+    capture(models.build("gpt"), (IDS,))
+    assert logging.root.manager.disable == logging.NOTSET
+    assert sys.stderr is stderr and torch_logger.level == level
+
+
+def test_tied_weights_are_read_once_under_their_first_name():
+    cap = capture(models.build("gpt"), (IDS,))
+    targets = [n.target for n in cap.graph.find_nodes(op="get_attr")]
+    assert "model.transformer.wte.weight" in targets and "model.lm_head.weight" not in targets
+    assert cap.aliases["lm_head.weight"] == "transformer.wte.weight"

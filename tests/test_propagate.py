@@ -1,0 +1,54 @@
+"""Sharding propagation on tiny graphs: regions close at the row projection, conversions and fixes are recorded."""
+
+from __future__ import annotations
+
+import torch
+
+from autotp.passes.analysis import Analysis
+from autotp.passes.layout import Shard
+from autotp.passes.propagate import propagate
+from autotp.passes.steps import COPY, Operator, gather
+from tests.graphs import MLP, Heads, captured
+
+
+def _propagate(cap, column_weights: dict[str, Shard], tp=2, auto_rows=False):
+    analysis = Analysis(cap)
+    layouts = {cap.attr_target(n): lay for n, lay in column_weights.items()}
+    return analysis, propagate(cap.graph, analysis.projections, analysis.embeddings, layouts, tp, analysis.trainable,
+                               auto_rows=auto_rows)
+
+
+def test_mlp_column_split_closes_at_the_row_projection():
+    cap = captured(MLP(), torch.randn(2, 3, 8))
+    analysis, prop = _propagate(cap, {"up.weight": Shard(0, (16,))}, auto_rows=True)
+    (row,) = prop.rows
+    assert analysis.module(row) == "down"
+    assert prop.reduced == {row: Operator.G}
+    (conv,) = prop.conversions.values()
+    assert conv.steps == (COPY,)  # f before the column-split projection
+    assert not prop.violations
+
+
+def test_split_value_reaching_the_output_is_gathered():
+    cap = captured(MLP(), torch.randn(2, 3, 8))
+    analysis, prop = _propagate(cap, {"up.weight": Shard(0, (16,))}, auto_rows=False)
+    steps = [s for c in prop.conversions.values() for s in c.steps]
+    assert gather(Shard(2, (16,))) in steps and prop.steps_of(Operator.GATHER)
+    assert prop.reduced == {}
+
+
+def test_fused_qkv_and_head_views_record_fixes_and_divisibility():
+    cap = captured(Heads(dim=16, heads=4), torch.randn(2, 3, 16))
+    analysis, prop = _propagate(cap, {"qkv.weight": Shard(0, (16, 16, 16))}, auto_rows=True)
+    assert [analysis.module(r) for r in prop.rows] == ["out"]
+    fixes = {(analysis.nodes[name].target.__name__, path, value) for name, path, value in prop.fixes}
+    assert ("split.Tensor", (1,), 8) in fixes  # split(16) becomes split(8): each rank's share of Q, K and V
+    assert ("view.default", (1, 2), 2) in fixes  # view(B, T, 4, 4) becomes view(B, T, 2, 4)
+    assert ("reshape.default", (1, 2), 8) in fixes  # the merge back: 16 features become 8
+    assert not prop.steps_of(Operator.GATHER)
+
+
+def test_sizes_that_tp_does_not_divide_are_violations():
+    cap = captured(Heads(dim=12, heads=3), torch.randn(2, 3, 12))
+    _, prop = _propagate(cap, {"qkv.weight": Shard(0, (12, 12, 12))}, auto_rows=True)
+    assert any(v.size == 3 for v in prop.violations)

@@ -1,0 +1,57 @@
+"""The stage splitter on a small GPT at tp=1: stages chained in one process compute the whole model."""
+
+from __future__ import annotations
+
+import torch
+from torch.testing import assert_close
+
+from autotp.capture.torch_private import is_guard_call
+from autotp.passes.analysis import Analysis
+from autotp.planning import make_plan
+from autotp.rewrite import build_graph, materialise, split_stages
+from autotp.rewrite.stages import HIDDEN
+from tests import models
+from tests.graphs import captured
+
+
+def _stages(pp: int):
+    torch.manual_seed(0)
+    model, ids = models.build("gpt", layers=4), models.tokens(2, 16, 0)
+    cap = captured(model, ids)
+    plan = make_plan(cap, 1, pp=pp, stages=pp)
+    analysis = Analysis(cap)
+    graphs = split_stages(build_graph(cap, plan, 0, None, analysis), analysis, plan, list(range(pp)))
+    for g in graphs:
+        materialise(g, cap, plan, 0)
+    return model, ids, plan, graphs
+
+
+def _chain(graphs, ids):
+    out = graphs[0](ids)
+    for g in graphs[1:]:
+        out = g(out[0], *out[1:])
+    return out
+
+
+def test_chained_stages_equal_the_model():
+    model, ids, plan, graphs = _stages(pp=3)
+    assert len(graphs) == 3
+    (logits,) = _chain(graphs, ids)
+    assert_close(logits, model(ids), rtol=1e-5, atol=1e-6)
+
+
+def test_inner_stages_take_the_hidden_state_and_pass_the_inputs_on():
+    _, ids, _, graphs = _stages(pp=2)
+    first, second = graphs
+    hidden, *inputs = first(ids)
+    assert hidden.shape == (2, 16, 64) and len(inputs) == 1 and torch.equal(inputs[0], ids)
+    placeholders = [n.target for n in second.graph.nodes if n.op == "placeholder"]
+    assert placeholders[0] == HIDDEN and len(placeholders) == 2
+
+
+def test_stages_hold_only_their_own_blocks():
+    _, _, plan, graphs = _stages(pp=2)
+    first = {k for k, _ in graphs[0].named_parameters()}
+    second = {k for k, _ in graphs[1].named_parameters()}
+    assert not any(".h.3." in k for k in first) and not any(".h.0." in k for k in second)
+    assert not any(is_guard_call(n) for g in graphs for n in g.graph.nodes)
