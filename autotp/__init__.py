@@ -2,6 +2,7 @@
 
     pm = autotp.parallelize(model, tp=2, example_inputs=(input_ids,))
     plan = autotp.plan(model, tp=2, example_inputs=(input_ids,))
+    print(autotp.check(model, tp=2, example_inputs=(input_ids,)))   # every rank simulated in this process
 
 The package is laid out as the stages data flows through: ``capture`` → ``passes`` (installed from
 the top-level ``passes/`` folder) → ``planning`` → ``rewrite`` → ``runtime``, with ``api`` joining
@@ -9,11 +10,13 @@ them and ``tools`` (CLI, model building, report, exports, pictures) reading plan
 """
 
 from autotp.api import parallelize, plan
-from autotp.errors import AutotpError, CaptureError, InputError, InternalError, PlanError, RuntimeSetupError
+from autotp.checker import CheckReport, check
+from autotp.errors import AutotpError, CaptureError, InputError, InternalError, PlanError, RankFailure, RuntimeSetupError
 from autotp.planning import Collective, Placement, PlacementKind, Plan, Region
 from autotp.runtime import ParallelModule
 
 __all__ = [
-    "AutotpError", "CaptureError", "Collective", "InputError", "InternalError", "ParallelModule", "Placement",
-    "PlacementKind", "Plan", "PlanError", "Region", "RuntimeSetupError", "parallelize", "plan",
+    "AutotpError", "CaptureError", "CheckReport", "Collective", "InputError", "InternalError", "ParallelModule",
+    "Placement", "PlacementKind", "Plan", "PlanError", "RankFailure", "Region", "RuntimeSetupError", "check",
+    "parallelize", "plan",
 ]

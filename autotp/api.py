@@ -5,8 +5,9 @@ They connect the stages: capture → passes and planning → rewrite → runtime
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from autotp.capture import Captured, capture
@@ -14,7 +15,10 @@ from autotp.errors import InputError
 from autotp.options import Balance, Schedule
 from autotp.passes.analysis import Analysis
 from autotp.planning import Plan, check_plan_fits, make_plan
+from autotp.planning.planner import verify_plan
 from autotp.rewrite import build_graph, materialise, rewrite, split_stages
+from autotp.rewrite.comm import TorchComm
+from autotp.rewrite.random import RankStream
 from autotp.runtime import (
     Mesh,
     ParallelModule,
@@ -26,6 +30,8 @@ from autotp.runtime import (
     state_names,
     tied_groups,
 )
+from autotp.runtime.inputs import InputSpec
+from autotp.runtime.process import from_first_rank, shared_seed
 
 _MEANING = {"tp": "the number of tensor-parallel ranks", "pp": "the number of pipeline stages' ranks",
             "virtual_stages": "pipeline stages per rank", "microbatches": "microbatches per step"}
@@ -61,15 +67,16 @@ def plan(model: nn.Module, tp: int, example_inputs, pp: int = 1, balance: str = 
 def parallelize(model: nn.Module, tp: int | None = None, example_inputs=None, pp: int | None = None,
                 plan: Plan | None = None, group=None,
                 microbatches: int | None = None, schedule: str = "1f1b", balance: str = "both", cuts=(),
-                virtual_stages: int | None = None):
+                virtual_stages: int | None = None, timeout: float | timedelta | None = None):
     """This rank's piece of ``model``, tensor-parallel over ``tp`` ranks and pipelined over ``pp``.
 
-    The model itself is left untouched. Uses ``group`` if given (pp == 1 only), else the default
-    process group, initialised from torchrun's environment when needed. With ``plan`` given, applies
-    it instead of planning (``tp`` and ``pp`` then default to the plan's). With pp > 1, ``step`` runs
-    ``microbatches`` (default pp) through the ``schedule`` (``gpipe``, ``1f1b`` or ``interleaved1f1b``
-    with ``virtual_stages`` stages per rank); 1F1B schedules need at least as many microbatches as
-    stages (the default).
+    The model itself is left untouched; every rank's shards come from the first rank's copy. Uses
+    ``group`` if given (pp == 1 only), else the default process group, initialised from torchrun's
+    environment when needed (``timeout``, seconds, bounds how long a collective waits for the other ranks;
+    default 10 minutes). With ``plan`` given, applies it instead of planning (``tp`` and ``pp`` then
+    default to the plan's). With pp > 1, ``step`` runs ``microbatches`` (default pp) through the
+    ``schedule`` (``gpipe``, ``1f1b`` or ``interleaved1f1b`` with ``virtual_stages`` stages per rank);
+    1F1B schedules need at least as many microbatches as stages (the default).
     """
     if plan is not None and isinstance(plan, Plan):
         tp, pp = tp or plan.tp, pp or plan.pp
@@ -84,43 +91,73 @@ def parallelize(model: nn.Module, tp: int | None = None, example_inputs=None, pp
     virtual = _check_positive("virtual_stages", virtual_stages or default_virtual)
     if pp > 1 and group is not None:
         raise InputError("pp > 1 lays ranks out on a (pp x tp) mesh over the default process group; do not pass group")
-    group = group if group is not None else ensure_process_group(tp * pp)
-    check_world(group, tp, pp)
-    captured = capture(model, example_inputs)
+    _check_materialised(model)
+    distributed = ensure_process_group(tp * pp, timeout)
+    check_world(group, distributed, tp, pp)
+    graphs = {mode: capture(model, example_inputs, training=mode) for mode in (True, False)}
+    captured = graphs[True]
     stages = pp * virtual
-    chosen = (check_plan_fits(plan, captured.param_names, tp, pp, stages) if plan is not None else
-              make_plan(captured, tp, pp=pp, balance=_choice(Balance, "balance", balance), cuts=tuple(cuts), stages=stages))
-    check_same_plan(chosen, group)
+    if plan is not None:
+        chosen = verify_plan(captured, check_plan_fits(plan, param_shapes(model), tp, pp, stages))
+    else:
+        chosen = make_plan(captured, tp, pp=pp, balance=_choice(Balance, "balance", balance), cuts=tuple(cuts),
+                           stages=stages)
+    check_same_plan(chosen, group, distributed)
     if pp == 1:
-        return _tensor_parallel(model, captured, chosen, group)
+        return _tensor_parallel(model, graphs, chosen, group, distributed)
     micro = _check_positive("microbatches", microbatches or stages)
     if sched is not Schedule.GPIPE and micro < stages:
         raise InputError(f"schedule {sched.value} needs at least {stages} microbatches (one per stage) to fill the "
                          f"pipeline, got microbatches={micro}; raise microbatches or use schedule='gpipe'")
-    return _pipeline_parallel(model, captured, chosen, sched, micro)
+    return _pipeline_parallel(model, graphs, chosen, sched, micro)
 
 
-def _tensor_parallel(model: nn.Module, captured: Captured, chosen: Plan, group) -> ParallelModule:
-    rank = dist.get_rank(group) if group is not None else 0
-    gm = rewrite(captured, chosen, rank, group)
-    device = device_for(group)
-    if device is not None:
-        gm.to(device)  # NCCL communicates GPU tensors; inputs must then be on this device too
-    return ParallelModule(gm, chosen, group, rank, state_names(model, captured, [gm]))
+def param_shapes(model: nn.Module) -> dict[str, tuple]:
+    """Every parameter's shape, tied ones under each of their names (what a plan may name)."""
+    return {name: tuple(p.shape) for name, p in model.named_parameters(remove_duplicate=False)}
 
 
-def _pipeline_parallel(model: nn.Module, captured: Captured, chosen: Plan, sched: Schedule,
-                       microbatches: int) -> PipelineModule:
-    device = device_for(dist.group.WORLD) or torch.device("cpu")
-    mesh = Mesh(chosen.pp, chosen.tp, device)
-    analysis = Analysis(captured)
-    gm = build_graph(captured, chosen, mesh.tp_rank, mesh.tp_group, analysis)
-    graphs = split_stages(gm, analysis, chosen, list(range(len(chosen.stages))))
-    names = state_names(model, captured, graphs)
-    tied = tied_groups(graphs, mesh)
+def _check_materialised(model: nn.Module) -> None:
+    """Parameters on the meta device have no values to shard: say so before anything runs."""
+    meta = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if meta:
+        raise InputError(f"{len(meta)} parameter(s)/buffer(s) are on the meta device (no values), e.g. {meta[0]}; "
+                         "autotp.plan plans such a model, but parallelize needs real weights: build the model on "
+                         "the CPU (or load its weights) before parallelizing")
+
+
+def _tensor_parallel(model: nn.Module, graphs: dict[bool, Captured], chosen: Plan, group,
+                     distributed: bool) -> ParallelModule:
+    comm = TorchComm(group) if distributed else None
+    rank = comm.rank if comm is not None else 0
+    stream = RankStream(shared_seed(group, distributed))
     made: dict = {}
-    mine = {i: g for i, g in enumerate(graphs) if i % chosen.pp == mesh.pp_rank}
-    for g in mine.values():
-        materialise(g, captured, chosen, mesh.tp_rank, made)
-        g.to(device)
-    return PipelineModule(mine, chosen, mesh, names, captured.out_spec, tied, sched, microbatches)
+    source = from_first_rank(model, group, distributed)
+    modules = {mode: rewrite(captured, chosen, rank, comm, stream, made, source) for mode, captured in graphs.items()}
+    device = device_for(group, distributed)
+    if device is not None:
+        for gm in modules.values():
+            gm.to(device)  # NCCL communicates GPU tensors; inputs must then be on this device too
+    return ParallelModule(modules, chosen, comm, state_names(model, graphs[True], modules.values()), stream,
+                          InputSpec.of(graphs[True].graph), model.training)
+
+
+def _pipeline_parallel(model: nn.Module, graphs: dict[bool, Captured], chosen: Plan, sched: Schedule,
+                       microbatches: int) -> PipelineModule:
+    device = device_for(None, True) or torch.device("cpu")
+    mesh = Mesh(chosen.pp, chosen.tp, device)
+    comm, stream = TorchComm(mesh.tp_group), RankStream(shared_seed(None, True))
+    source, made = from_first_rank(model, None, True), {}
+    stages: dict[bool, dict[int, torch.fx.GraphModule]] = {}
+    for mode, captured in graphs.items():
+        analysis = Analysis(captured)
+        gm = build_graph(captured, chosen, mesh.tp_rank, comm, analysis, stream)
+        every = split_stages(gm, analysis, chosen, list(range(len(chosen.stages))))
+        if mode:
+            names, tied = state_names(model, captured, every), tied_groups(every, mesh)
+        stages[mode] = {i: g for i, g in enumerate(every) if i % chosen.pp == mesh.pp_rank}
+        for g in stages[mode].values():
+            materialise(g, captured, chosen, mesh.tp_rank, made, source)
+            g.to(device)
+    return PipelineModule(stages, chosen, mesh, names, graphs[True].out_spec, tied, sched, microbatches, comm, stream,
+                          InputSpec.of(graphs[True].graph), model.training)

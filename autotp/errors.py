@@ -21,6 +21,10 @@ class RuntimeSetupError(AutotpError):
     """The distributed environment does not fit the plan (world size, mismatched plans, ...)."""
 
 
+class RankFailure(AutotpError, RuntimeError):
+    """A collective could not complete because another rank failed, stopped or did not answer in time."""
+
+
 class InternalError(AutotpError, RuntimeError):
     """An invariant of autotp itself failed: a bug in autotp, not a mistake in what it was given."""
 

@@ -16,6 +16,7 @@ import torch
 from autotp.capture import capture
 from autotp.passes.analysis import Analysis
 from autotp.planning import make_plan
+from autotp.planning.planner import param_layouts, target_placements
 from autotp.rewrite import rewrite
 from bench.config import BenchConfig, ModelShape
 from bench.stats import growth_exponent, summary, timed
@@ -44,8 +45,8 @@ def prepare_once(model, x, tp: int) -> dict[str, float]:
     t["regions"] = timed(lambda: held["analysis"].regions(tp))
     t["make_plan"] = timed(lambda: held.update(plan=make_plan(captured, tp)))
     plan = held["plan"]
-    by_target = {captured.attr_target(captured.aliases.get(n, n)): p for n, p in plan.placements.items()}
-    t["propagate"] = timed(lambda: held["analysis"].propagate(by_target, tp))
+    layouts = param_layouts(held["analysis"], target_placements(captured, plan))
+    t["propagate"] = timed(lambda: held["analysis"].propagate(layouts, tp))
     t["rewrite"] = timed(lambda: rewrite(captured, plan, 0, None))
     return t | derived(t)
 

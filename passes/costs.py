@@ -94,9 +94,20 @@ def costs(graph: fx.Graph, trainable: set[str] | None = None) -> dict[str, NodeC
 
 
 def evaluate(expr, values: dict[str, int]) -> float:
-    """The value of a cost expression with the size symbols (by name) set to ``values``."""
+    """The value of a cost expression with the size symbols (by name) set to ``values``.
+
+    A size no input determines (data-dependent, as the tokens a mixture-of-experts router sends to one
+    expert: torch.export's ``u0``) is costed at ``data_dependent_hint(values)``, the product of the input
+    sizes: as if every token went there, an upper bound.
+    """
     expr = sympy.sympify(expr)
-    return float(expr.subs({s: values[s.name] for s in expr.free_symbols if s.name in values}))
+    hint = data_dependent_hint(values)
+    return float(expr.subs({s: values.get(s.name, hint) for s in expr.free_symbols}))
+
+
+def data_dependent_hint(values: dict[str, int]) -> int:
+    """The value a data-dependent size is costed at: the product of the known input sizes (B·T for token ids)."""
+    return math.prod(values.values()) if values else 1
 
 
 def tensor_bytes(node: fx.Node, values: dict[str, int]) -> float:

@@ -28,6 +28,15 @@ SHAPE_META = "autotp_shape"
 a symbolic size's expression takes a private torch API, which only capture touches)."""
 
 
+MUTATES_META = "autotp_mutates"
+"""``node.meta`` key under which capture records the argument paths an op writes in place."""
+
+
+def mutated_args(node: fx.Node) -> tuple:
+    """The argument paths ``node`` writes in place (recorded by capture; none for nodes it did not see)."""
+    return node.meta.get(MUTATES_META, ())
+
+
 def sizes(node) -> tuple:
     """The sizes of the tensor ``node`` produces, as ints or sympy expressions for dynamic sizes."""
     recorded = node.meta.get(SHAPE_META)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from torch import fx
 
-from autotp.passes.graph import ArgPath, grad_nodes, is_tensor, rank, tensor_args
+from autotp.passes.graph import ArgPath, grad_nodes, is_tensor, mutated_args, rank, tensor_args
 from autotp.passes.layout import Layout, PlacementKind, Shard
 from autotp.passes.projections import Embedding, Projection
 from autotp.passes.rules import Context, Decision, rule_for
@@ -61,6 +61,9 @@ class Propagation:
     origins: dict[str, frozenset] = field(default_factory=dict)
     checked: list[int] = field(default_factory=list)
     """Every size the split had to divide (for telling the user which tp values work)."""
+    refusals: list[tuple[str, str]] = field(default_factory=list)
+    """(node, why) for what no rewrite can make exact: an op that writes in place to a split value (it
+    would write to a gathered copy)."""
 
     def steps_of(self, operator: Operator) -> list[Conversion]:
         """Conversions that include a step of ``operator``."""
@@ -159,7 +162,10 @@ class _Walker:
             decision = Decision(None, wants={p: None for p in ins})
         else:
             decision = self.decide(node, ins)
+        written = set(mutated_args(node))
         for path, want in decision.wants.items():
+            if path in written and _steps(ins[path][1], want):
+                res.refusals.append((node.name, f"{node.target} writes in place to a value split across ranks"))
             self.convert(node, path, ins[path][0], ins[path][1], want)
         res.layouts[node.name] = decision.out
         res.fixes.extend((node.name, p, v) for p, v in decision.fixes.items())

@@ -122,7 +122,8 @@ class _RegionFinder:
     @staticmethod
     def closed(prop: Propagation, allow_slices: bool) -> bool:
         """A region: at least one row closes it, nothing had to be gathered (or sliced, unless allowed)."""
-        return bool(prop.rows) and not prop.steps_of(Operator.GATHER) and (allow_slices or not prop.steps_of(Operator.SCATTER))
+        return (bool(prop.rows) and not prop.refusals and not prop.steps_of(Operator.GATHER)
+                and (allow_slices or not prop.steps_of(Operator.SCATTER)))
 
     def match(self, columns: list[Projection], prop: Propagation, segments: dict, params: dict,
               replicated=()) -> RegionMatch:
@@ -135,6 +136,8 @@ class _RegionFinder:
 
     def why_open(self, prop: Propagation) -> str:
         """Why a propagation did not close into a region, for the plan's notes."""
+        if prop.refusals:
+            return prop.refusals[0][1]
         blocked = prop.steps_of(Operator.GATHER) or prop.steps_of(Operator.SCATTER)
         if not blocked:
             return "no projection downstream takes its split output as input"

@@ -273,7 +273,7 @@ def attention(node: fx.Node, ins: Inputs, ctx: Context) -> Decision:
     wants = {}
     for p in ((1,), (2,)):
         n, have = ins[p]
-        if have is None:
+        if have != lay:  # K/V whole are sliced by heads; split any other way (inside a head), made so
             wants[p] = Shard(heads, lay.segments)
     mask = {p: v for p, v in ins.items() if p not in ((0,), (1,), (2,))}
     if any(isinstance(v[1], Shard) and v[1] != lay for v in mask.values()):

@@ -116,3 +116,26 @@ def target_for(name: str, batch: int, seq: int, seed: int) -> torch.Tensor:
     if HAS_LM_HEAD[name]:
         return tokens(batch, seq, seed)
     return torch.randn(batch, seq, 64, generator=torch.Generator().manual_seed(seed))
+
+
+class PaddedLM(torch.nn.Module):
+    """An embedding with a padding row (``pad``), an MLP block, and a tied or untied head."""
+
+    def __init__(self, tied: bool = True, vocab: int = 64, dim: int = 32, pad: int = 3):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, dim, padding_idx=pad)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(dim, 4 * dim), torch.nn.GELU(), torch.nn.Linear(4 * dim, dim))
+        self.head = torch.nn.Linear(dim, vocab, bias=False)
+        if tied:
+            self.head.weight = self.embed.weight
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        return self.head(x + self.mlp(x))
+
+
+def padded_ids(pad: int = 3, vocab: int = 64, seed: int = 4) -> torch.Tensor:
+    """Token ids whose last three positions are the pad id (a padded batch)."""
+    ids = torch.randint(0, vocab, (2, 12), generator=torch.Generator().manual_seed(seed))
+    ids[:, -3:] = pad
+    return ids

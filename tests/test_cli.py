@@ -263,3 +263,30 @@ def test_building_a_model_leaves_the_process_as_it_found_it(monkeypatch):
     assert not [m for m in set(sys.modules) - modules if m.startswith("_autotp_model_")]
     again = build_model(parse_spec(GPT))  # still seeded: the same weights each time
     assert all(torch.equal(a, b) for a, b in zip(first.state_dict().values(), again.state_dict().values()))
+
+
+def test_check_command_exit_codes(capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    assert cli.main(["check", GPT, "--tp", "2"]) == 0
+    assert capsys.readouterr().out.startswith("exact: tp=2")
+    assert cli.main(["check", GPT, "--tp", "3"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("autotp: error: ") and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["plan", "hf:llama", "--tp", "2", "--set", "num_hidden_layers=abc"], "expected int, got str"),
+    (["plan", "hf:llama", "--tp", "2", "--set", "num_attention_heads=3"], "not a multiple of the number of attention"),
+    (["plan", GPT, "--tp", "2", "--set", "n_head=3"], "assert config.n_embd % config.n_head == 0 failed"),
+])
+def test_bad_settings_are_one_line(argv, message, capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("autotp: error: ") and err.count("\n") == 1 and message in err, err
+
+
+def test_output_suffix_picks_the_format(tmp_path, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    assert cli.main(["plan", GPT, "--tp", "2", "-o", str(tmp_path / "plan.json")]) == 0
+    assert autotp.Plan.from_json((tmp_path / "plan.json").read_text()).tp == 2

@@ -46,3 +46,14 @@ def test_stage_boundary_bytes_are_the_hidden_state():
                        example_inputs=(models.tokens(2, 16, 0),))
     assert (plan.batch, plan.seq) == (8, 32)
     assert plan.stages[0].boundary_bytes == 8 * 32 * 64 * 4 and plan.stages[1].boundary_bytes == 0
+
+
+def test_data_dependent_sizes_are_costed_at_the_documented_hint():
+    import sympy
+
+    from autotp.passes.costs import data_dependent_hint
+
+    u0, batch, seq = sympy.Symbol("u0"), sympy.Symbol("s1"), sympy.Symbol("s2")
+    values = {"s1": 4, "s2": 8}
+    assert data_dependent_hint(values) == 32
+    assert evaluate(2 * u0 * batch, values) == 2 * 32 * 4

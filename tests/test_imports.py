@@ -19,7 +19,7 @@ LAYERS = [
     ("planning", ("autotp.planning",)),
     ("rewrite", ("autotp.rewrite",)),
     ("runtime", ("autotp.runtime",)),
-    ("api", ("autotp.api", "autotp")),
+    ("api", ("autotp.api", "autotp.checker", "autotp")),
     ("tools", ("autotp.tools", "autotp.__main__")),
 ]
 """Layers from the bottom up; a module's layer is the one whose longest prefix names it."""

@@ -22,7 +22,7 @@ aten = torch.ops.aten
 def _ranks(model, x, tp=2):
     cap = captured(model, x)
     plan = make_plan(cap, tp)
-    return cap, plan, [rewrite(cap, plan, rank, group=None) for rank in range(tp)]
+    return cap, plan, [rewrite(cap, plan, rank, comm=None) for rank in range(tp)]
 
 
 def _partial(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:

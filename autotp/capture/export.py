@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx, nn
 
-from autotp.capture.torch_private import output_spec, plain_sizes
+from autotp.capture.torch_private import mutated_args, output_spec, plain_sizes
 from autotp.errors import CaptureError, InputError
-from autotp.passes.graph import SHAPE_META
+from autotp.passes.graph import MUTATES_META, SHAPE_META
 
 _WRAPPER_PREFIX = "model."
 
@@ -206,12 +206,15 @@ def _merge_tied_reads(gm: fx.GraphModule, aliases: dict[str, str]) -> None:
     gm.recompile()
 
 
-def _record_sizes(gm: fx.GraphModule) -> None:
-    """Store every tensor's sizes, symbolic ones as sympy expressions, where the passes read them."""
+def _record_facts(gm: fx.GraphModule) -> None:
+    """Store what the passes need but only private torch APIs tell: every tensor's sizes (symbolic ones as
+    sympy expressions) and the arguments each op writes in place."""
     for node in gm.graph.nodes:
         val = node.meta.get("val")
         if isinstance(val, torch.Tensor):
             node.meta[SHAPE_META] = plain_sizes(val)
+        if node.op == "call_function":
+            node.meta[MUTATES_META] = mutated_args(node)
 
 
 def _strip(target: str) -> str:
@@ -262,7 +265,7 @@ def capture(model: nn.Module, example_inputs, training: bool | None = None) -> C
             "or pass example_inputs the forward accepts positionally.") from err
     aliases = tensor_aliases(model)
     _merge_tied_reads(gm, aliases)
-    _record_sizes(gm)
+    _record_facts(gm)
     return Captured(module=gm, model_name=type(model).__name__, state_keys=tuple(model.state_dict().keys()),
                     aliases=aliases, dim_names=_dim_names(gm), example_sizes=_example_sizes(gm, inputs),
                     param_names=tuple(n for n, _ in model.named_parameters(remove_duplicate=False)),

@@ -1,8 +1,8 @@
 """Every private torch API autotp relies on, in one place, each checked where it is read.
 
-torch.export gives what autotp needs, but three facts are reachable only through private attributes:
-the sympy expression behind a symbolic size, the output tree spec of an exported module, and the name
-of the input-guard submodule it adds. If a torch release changes one, the accessor raises
+torch.export gives what autotp needs, but four facts are reachable only through private attributes:
+the sympy expression behind a symbolic size, which arguments an op writes in place (its schema), the
+output tree spec of an exported module, and the name of the input-guard submodule it adds. If a torch release changes one, the accessor raises
 ``InternalError`` naming the torch version (and ``tests/test_capture.py`` fails loudly), instead of
 autotp silently computing something else.
 """
@@ -36,6 +36,18 @@ def size_expr(size) -> int | sympy.Expr:
 def plain_sizes(value: torch.Tensor) -> tuple:
     """The sizes of an example tensor as ints and sympy expressions."""
     return tuple(size_expr(d) for d in value.shape)
+
+
+def mutated_args(node: fx.Node) -> tuple:
+    """The argument paths (``(i,)`` or ``("kw", name)``) that ``node``'s op writes to in place."""
+    schema = getattr(node.target, "_schema", None)  # private: OpOverload._schema
+    if schema is None:
+        return ()
+    paths = []
+    for i, arg in enumerate(schema.arguments):
+        if arg.alias_info is not None and arg.alias_info.is_write:
+            paths.append((i,) if i < len(node.args) else ("kw", arg.name))
+    return tuple(paths)
 
 
 def output_spec(module: fx.GraphModule):

@@ -300,9 +300,10 @@ class Plan:
         return "\n".join(lines)
 
 
-def check_plan_fits(plan: Plan, param_names, tp: int | None = None, pp: int | None = None,
+def check_plan_fits(plan: Plan, shapes: Mapping[str, tuple], tp: int | None = None, pp: int | None = None,
                     stages: int | None = None, source: str = "the plan") -> Plan:
-    """A plan given by the user must be a ``Plan`` for this tp/pp and name only parameters the model has."""
+    """A plan given by the user must be a ``Plan`` for this tp/pp, name only parameters the model has
+    (``shapes``: name -> shape), and split each along a dim it has into equal whole shares."""
     if not isinstance(plan, Plan):
         raise InputError(f"plan must be an autotp.Plan (e.g. Plan.from_json(text)), got {type(plan).__name__}")
     asked = {"tp": tp, "pp": pp, "stages": stages}
@@ -313,8 +314,28 @@ def check_plan_fits(plan: Plan, param_names, tp: int | None = None, pp: int | No
         theirs = ", ".join(f"{k}={asked[k]}" for k in wrong)
         raise PlanError(f"{source} was made for {mine} but {theirs} was asked for; "
                         "re-plan, or leave these settings to the plan's")
-    unknown = sorted(set(plan.placements) - set(param_names))
+    unknown = sorted(set(plan.placements) - set(shapes))
     if unknown:
         raise PlanError(f"{source} names parameters this model does not have: {', '.join(unknown[:5])}; "
                         "make the plan from this model (autotp.plan) or fix the names")
+    for name, placement in plan.placements.items():
+        why = _split_problem(placement, tuple(shapes[name]), plan.tp)
+        if why:
+            raise PlanError(f"{source} splits {name} (shape {list(shapes[name])}) as {placement!r}, but {why}; "
+                            "fix that placement or re-plan with autotp.plan")
     return plan
+
+
+def _split_problem(placement: Placement, shape: tuple, tp: int) -> str | None:
+    """Why ``placement`` cannot give each of ``tp`` ranks an equal whole share of a tensor of ``shape``."""
+    if not placement.is_split:
+        return None
+    if not 0 <= placement.dim < len(shape):
+        return f"it has no dim {placement.dim} (it has {len(shape)})"
+    size = shape[placement.dim]
+    parts = placement.segments or (size,)
+    if sum(parts) != size:
+        return f"its segments {list(parts)} do not add up to dim {placement.dim}'s size {size}"
+    if any(p % tp for p in parts):
+        return f"tp={tp} does not divide {'every segment' if placement.segments else 'its size'} {list(parts)}"
+    return None

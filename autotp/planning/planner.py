@@ -16,9 +16,10 @@ from autotp.capture import Captured
 from autotp.errors import PlanError
 from autotp.options import Balance
 from autotp.passes.analysis import Analysis
-from autotp.passes.graph import sizes
+from autotp.passes.graph import arg_or_default, sizes
 from autotp.passes.layout import PlacementKind, Shard
 from autotp.passes.propagate import Propagation
+from autotp.passes.random import random_refusal
 from autotp.passes.regions import RegionKind, RegionMatch
 from autotp.passes.steps import COMMUNICATION
 from autotp.planning.plan import REPLICATED, Collective, Placement, Plan, Region
@@ -73,9 +74,59 @@ def _vocab_placements(analysis: Analysis, tp: int, notes: list[str]) -> tuple[di
         out[p.weight] = Placement(PlacementKind.VOCAB, p.out_dim)
         if p.bias:
             out[p.bias] = Placement(PlacementKind.VOCAB, 0)
+    blocker = _vocab_blocker(analysis, out, tp)
+    if blocker:
+        notes.append(f"embedding and LM head replicated: {blocker}")
+        return {}, []
     regions = [Region(RegionKind.EMBEDDING, tuple(analysis.layer(e) for e in vocab.embeddings), ())]
     regions += [Region(RegionKind.LM_HEAD, (analysis.layer(h),), ()) for h in vocab.heads]
     return out, regions
+
+
+_UNSPLITTABLE_EMBEDDING = {3: "scale_grad_by_freq", 4: "sparse"}
+"""``aten.embedding`` options a vocabulary split cannot honour: per-row counts and sparse gradients would be
+of this rank's rows only (``padding_idx`` it honours)."""
+
+
+def _vocab_blocker(analysis: Analysis, placements: dict[str, Placement], tp: int) -> str | None:
+    """Why the vocabulary cannot be split exactly (an option the split lookup cannot honour, an op writing
+    to the table), or None."""
+    for e in analysis.vocab.embeddings:
+        node = analysis.nodes[e]
+        for index, name in _UNSPLITTABLE_EMBEDDING.items():
+            if arg_or_default(node, index, name, False):
+                return f"{analysis.layer(e)} uses {name}=True, which a vocabulary split cannot honour"
+    prop = analysis.propagate(param_layouts(analysis, placements), tp)
+    if prop.refusals:
+        node, why = prop.refusals[0]
+        return f"{why} (at {analysis.module(node) or node}; e.g. an embedding's max_norm renormalises its rows)"
+    return None
+
+
+def verify_plan(captured: Captured, plan: Plan) -> Plan:
+    """Re-check a plan made elsewhere (a file, a hand edit) the way the planner checks its own: every size it
+    splits divides by tp, and nothing it splits needs what the rewrite cannot do. ``PlanError`` otherwise."""
+    if plan.tp == 1:
+        return plan
+    analysis = Analysis(captured)
+    prop = analysis.propagate(param_layouts(analysis, target_placements(captured, plan)), plan.tp)
+    if prop.violations:
+        v = prop.violations[0]
+        raise PlanError(f"the plan cannot run at tp={plan.tp}: at {analysis.module(v.node) or v.node} ({v.what}) a "
+                        f"size of {v.size} would be split, which tp={plan.tp} does not divide; fix the placements "
+                        "of the layers before it or re-plan with autotp.plan")
+    _refuse_inexact(analysis, prop)
+    return plan
+
+
+def _refuse_inexact(analysis: Analysis, prop: Propagation) -> None:
+    """Plan-time refusal of what the rewrite could not make exact (random draws, in-place writes)."""
+    problems = list(prop.refusals)
+    problems += [(n.name, why) for n in analysis.graph.nodes if (why := random_refusal(n, prop.layouts))]
+    if problems:
+        node, why = problems[0]
+        raise PlanError(f"cannot split {analysis.module(node) or 'the model'} exactly: {why} (node {node}). "
+                        "Use a tp that keeps this part whole, or change the model so the op reads whole values.")
 
 
 def _shape(analysis: Analysis, node_name: str) -> tuple[str, ...]:
@@ -158,6 +209,7 @@ def make_plan(captured: Captured, tp: int, pp: int = 1, balance: Balance | str =
     if tp == 1:
         by_target = {}  # one rank holds everything: the regions are found, but nothing is split
     prop = analysis.propagate(param_layouts(analysis, by_target), tp)
+    _refuse_inexact(analysis, prop)
     placements = {name: by_target.get(captured.attr_target(captured.aliases[name]), REPLICATED)
                   for name in captured.param_names}
     sizes = cost_sizes(captured, batch, seq)

@@ -14,41 +14,33 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from autotp.passes.layout import Shard
 from autotp.passes.steps import Operator
+from autotp.rewrite.comm import Communicator
 from autotp.rewrite.shards import assemble, local_shard
 
 
-def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
-    out = x.contiguous().clone()
-    dist.all_reduce(out, group=group)
-    return out
-
-
-def _all_gather(x: torch.Tensor, dim: int, segments: tuple[int, ...], group) -> torch.Tensor:
-    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, x.contiguous(), group=group)
-    return assemble(parts, dim, segments)
+def _gathered(comm: Communicator, x: torch.Tensor, dim: int, segments: tuple[int, ...]) -> torch.Tensor:
+    return assemble(comm.all_gather(x), dim, segments)
 
 
 class _Copy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
+    def forward(ctx, x, comm):
+        ctx.comm = comm
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_reduce(grad, ctx.group), None
+        return ctx.comm.all_reduce(grad), None
 
 
 class _Reduce(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):
-        return _all_reduce(x, group)
+    def forward(ctx, x, comm):
+        return comm.all_reduce(x)
 
     @staticmethod
     def backward(ctx, grad):
@@ -57,92 +49,97 @@ class _Reduce(torch.autograd.Function):
 
 class _Gather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim, segments, group):
-        ctx.args = (dim, segments, dist.get_rank(group), dist.get_world_size(group))
-        return _all_gather(x, dim, segments, group)
+    def forward(ctx, x, dim, segments, comm):
+        ctx.args = (dim, segments, comm)
+        return _gathered(comm, x, dim, segments)
 
     @staticmethod
     def backward(ctx, grad):
-        dim, segments, rank, tp = ctx.args
-        return local_shard(grad, dim, segments, rank, tp), None, None, None
+        dim, segments, comm = ctx.args
+        return local_shard(grad, dim, segments, comm.rank, comm.size), None, None, None
 
 
 class _Scatter(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim, segments, group):
-        ctx.args = (dim, segments, group)
-        return local_shard(x, dim, segments, dist.get_rank(group), dist.get_world_size(group))
+    def forward(ctx, x, dim, segments, comm):
+        ctx.args = (dim, segments, comm)
+        return local_shard(x, dim, segments, comm.rank, comm.size)
 
     @staticmethod
     def backward(ctx, grad):
-        dim, segments, group = ctx.args
-        return _all_gather(grad, dim, segments, group), None, None, None
+        dim, segments, comm = ctx.args
+        return _gathered(comm, grad, dim, segments), None, None, None
 
 
-class CopyToTP(nn.Module):
+class _Collective(nn.Module):
+    """A communication the rewrite inserted; ``comm`` says over which ranks."""
+
+    def __init__(self, comm: Communicator):
+        super().__init__()
+        self.comm = comm
+
+
+class CopyToTP(_Collective):
     """Megatron's ``f``: identity forward, all-reduce of the gradient backward."""
 
-    def __init__(self, group):
-        super().__init__()
-        self.group = group
-
     def forward(self, x):
-        return _Copy.apply(x, self.group)
+        return _Copy.apply(x, self.comm)
 
 
-class ReduceFromTP(nn.Module):
+class ReduceFromTP(_Collective):
     """Megatron's ``g``: all-reduce forward, identity backward."""
 
-    def __init__(self, group):
-        super().__init__()
-        self.group = group
-
     def forward(self, x):
-        return _Reduce.apply(x, self.group)
+        return _Reduce.apply(x, self.comm)
 
 
-class GatherFromTP(nn.Module):
+class GatherFromTP(_Collective):
     """All-gather a value split along ``dim`` (in ``segments``); backward keeps this rank's slice."""
 
-    def __init__(self, group, dim: int, segments: tuple[int, ...]):
-        super().__init__()
-        self.group, self.dim, self.segments = group, dim, tuple(segments)
+    def __init__(self, comm: Communicator, dim: int, segments: tuple[int, ...]):
+        super().__init__(comm)
+        self.dim, self.segments = dim, tuple(segments)
 
     def forward(self, x):
-        return _Gather.apply(x, self.dim, self.segments, self.group)
+        return _Gather.apply(x, self.dim, self.segments, self.comm)
 
 
-class ScatterToTP(nn.Module):
+class ScatterToTP(_Collective):
     """Keep this rank's slice of a whole value; backward all-gathers the gradient."""
 
-    def __init__(self, group, dim: int, segments: tuple[int, ...]):
-        super().__init__()
-        self.group, self.dim, self.segments = group, dim, tuple(segments)
+    def __init__(self, comm: Communicator, dim: int, segments: tuple[int, ...]):
+        super().__init__(comm)
+        self.dim, self.segments = dim, tuple(segments)
 
     def forward(self, x):
-        return _Scatter.apply(x, self.dim, self.segments, self.group)
+        return _Scatter.apply(x, self.dim, self.segments, self.comm)
 
 
-IMPLEMENTATIONS: dict[Operator, Callable[[object, Shard | None], nn.Module]] = {
-    Operator.F: lambda group, shard: CopyToTP(group),
-    Operator.G: lambda group, shard: ReduceFromTP(group),
-    Operator.VOCAB_EMBEDDING: lambda group, shard: ReduceFromTP(group),
-    Operator.GATHER: lambda group, shard: GatherFromTP(group, shard.dim, shard.segments),
-    Operator.SCATTER: lambda group, shard: ScatterToTP(group, shard.dim, shard.segments),
+IMPLEMENTATIONS: dict[Operator, Callable[[Communicator, Shard | None], nn.Module]] = {
+    Operator.F: lambda comm, shard: CopyToTP(comm),
+    Operator.G: lambda comm, shard: ReduceFromTP(comm),
+    Operator.VOCAB_EMBEDDING: lambda comm, shard: ReduceFromTP(comm),
+    Operator.GATHER: lambda comm, shard: GatherFromTP(comm, shard.dim, shard.segments),
+    Operator.SCATTER: lambda comm, shard: ScatterToTP(comm, shard.dim, shard.segments),
 }
-"""Operator -> a factory of the module that runs it, given the group and (for gathers and slices) the split."""
+"""Operator -> a factory of the module that runs it, given the communicator and (for gathers and slices)
+the split."""
 
 
-def collective_module(operator: Operator, group, shard: Shard | None = None) -> nn.Module:
-    """The module that runs ``operator`` over ``group``."""
-    return IMPLEMENTATIONS[operator](group, shard)
+def collective_module(operator: Operator, comm: Communicator, shard: Shard | None = None) -> nn.Module:
+    """The module that runs ``operator`` over ``comm``'s ranks."""
+    return IMPLEMENTATIONS[operator](comm, shard)
 
 
-def masked_embedding(weight: torch.Tensor, ids: torch.Tensor, start: int, end: int) -> torch.Tensor:
+def masked_embedding(weight: torch.Tensor, ids: torch.Tensor, start: int, end: int,
+                     padding_idx: int = -1) -> torch.Tensor:
     """Look up ``ids`` in this rank's rows [start, end) of a vocabulary-split table; zeros elsewhere.
 
-    Summed over ranks (by ``g``), this equals the lookup in the full table.
+    Summed over ranks (by ``g``), this equals the lookup in the full table. ``padding_idx`` is the full
+    table's padding row (-1: none, as ``aten.embedding`` takes it): the rank holding it passes it on, so
+    that row gets no gradient, as in the unsharded model.
     """
     outside = (ids < start) | (ids >= end)
-    local = torch.nn.functional.embedding((ids - start).masked_fill(outside, 0), weight)
+    local_padding = padding_idx - start if start <= padding_idx < end else -1
+    local = torch.ops.aten.embedding.default(weight, (ids - start).masked_fill(outside, 0), local_padding)
     return local.masked_fill(outside.unsqueeze(-1), 0.0)

@@ -10,6 +10,10 @@ from torch import fx, nn
 
 from autotp.passes.graph import ArgPath
 
+STANDS_FOR = "autotp_stands_for"
+"""``node.meta`` key on a rank-graph node whose value is that of an original node (the reduced output of a
+row-split projection, a random op's module), so the checker can compare it with the unsharded value."""
+
 
 def with_arg(node: fx.Node, path: ArgPath, value) -> None:
     """Set the argument of ``node`` at ``path`` (``(index,)``, ``(index, list_index)`` or ``("kw", name)``)."""

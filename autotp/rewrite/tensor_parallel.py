@@ -15,14 +15,15 @@ from torch import fx, nn
 from autotp.capture import Captured
 from autotp.errors import InternalError
 from autotp.passes.analysis import Analysis
-from autotp.passes.graph import get_arg
+from autotp.passes.graph import arg_or_default, get_arg
 from autotp.passes.projections import Projection
 from autotp.passes.propagate import Conversion, Propagation
 from autotp.passes.steps import Operator
 from autotp.planning.plan import Plan
 from autotp.planning.planner import param_layouts, target_placements
 from autotp.rewrite.collectives import collective_module, masked_embedding
-from autotp.rewrite.graph_edit import copy_graph_module, set_tensor, with_arg
+from autotp.rewrite.comm import Communicator
+from autotp.rewrite.graph_edit import STANDS_FOR, copy_graph_module, set_tensor, with_arg
 from autotp.rewrite.random import RankStream, replace_random_ops
 from autotp.rewrite.shards import local_shard, segments_or_whole
 
@@ -62,9 +63,9 @@ def materialise(gm: fx.GraphModule, captured: Captured, plan: Plan, rank: int,
 class _Surgeon:
     """Applies one propagation result to one rank's graph."""
 
-    def __init__(self, gm: fx.GraphModule, analysis: Analysis, group, rank: int, tp: int):
+    def __init__(self, gm: fx.GraphModule, analysis: Analysis, comm: Communicator, rank: int, tp: int):
         self.gm, self.graph = gm, gm.graph
-        self.analysis, self.group, self.rank, self.tp = analysis, group, rank, tp
+        self.analysis, self.comm, self.rank, self.tp = analysis, comm, rank, tp
         self.nodes = {n.name: n for n in self.graph.nodes}
         self.count = 0
 
@@ -78,7 +79,7 @@ class _Surgeon:
     def convert(self, conv: Conversion) -> None:
         value = self.nodes[conv.source]
         for step in conv.steps:
-            value = self.call_module(collective_module(step.operator, self.group, step.shard), value, (value,))
+            value = self.call_module(collective_module(step.operator, self.comm, step.shard), value, (value,))
         for consumer, path in conv.consumers:
             if get_arg(self.nodes[consumer], path) is not self.nodes[conv.source]:
                 raise InternalError(f"node {consumer} no longer reads {conv.source} at argument {path}")
@@ -87,10 +88,11 @@ class _Surgeon:
     def reduce_after(self, node: fx.Node, operator: Operator, bias: fx.Node | None) -> None:
         """The reduction after ``node`` (Megatron's ``g``); a row-split layer's bias is added once, after it."""
         users = list(node.users)
-        out = self.call_module(collective_module(operator, self.group), node, (node,))
+        out = self.call_module(collective_module(operator, self.comm), node, (node,))
         if bias is not None:
             with self.graph.inserting_after(out):
                 out = self.graph.call_function(aten.add.Tensor, (out, bias))
+        out.meta[STANDS_FOR] = node.name
         for user in users:
             user.replace_input_with(node, out)
 
@@ -107,8 +109,9 @@ class _Surgeon:
     def embedding(self, node: fx.Node, vocab_rows: int) -> None:
         local = vocab_rows // self.tp
         start = self.rank * local
+        padding_idx = arg_or_default(node, 2, "padding_idx", -1)  # the planner refused the other options
         node.target = masked_embedding
-        node.args = (node.args[0], node.args[1], start, start + local)
+        node.args, node.kwargs = (node.args[0], node.args[1], start, start + local, padding_idx), {}
         self.reduce_after(node, Operator.VOCAB_EMBEDDING, None)
 
     def apply(self, prop: Propagation) -> None:
@@ -126,25 +129,25 @@ class _Surgeon:
         self.gm.recompile()
 
 
-def build_graph(captured: Captured, plan: Plan, rank: int, group, analysis: Analysis | None = None,
-                stream: RankStream | None = None) -> fx.GraphModule:
-    """This tensor-parallel rank's graph (fixed shapes, collectives, random ops drawing from ``stream``);
-    its attributes still point at the model's tensors."""
+def build_graph(captured: Captured, plan: Plan, rank: int, comm: Communicator | None,
+                analysis: Analysis | None = None, stream: RankStream | None = None) -> fx.GraphModule:
+    """This tensor-parallel rank's graph (fixed shapes, collectives over ``comm``, random ops drawing from
+    ``stream``); its attributes still point at the model's tensors."""
     gm = copy_graph_module(captured.module)
     layouts = {}
     if plan.tp > 1:
         analysis = analysis or Analysis(captured)
         prop = analysis.propagate(param_layouts(analysis, target_placements(captured, plan)), plan.tp)
-        _Surgeon(gm, analysis, group, rank, plan.tp).apply(prop)
+        _Surgeon(gm, analysis, comm, rank, plan.tp).apply(prop)
         layouts = prop.layouts
     if stream is not None:
         replace_random_ops(gm, layouts, stream, rank, plan.tp)
     return gm
 
 
-def rewrite(captured: Captured, plan: Plan, rank: int, group, stream: RankStream | None = None,
+def rewrite(captured: Captured, plan: Plan, rank: int, comm: Communicator | None, stream: RankStream | None = None,
             made: dict | None = None, source=None) -> fx.GraphModule:
     """This rank's GraphModule for ``plan``: sharded parameters, fixed shapes, inserted collectives."""
-    gm = build_graph(captured, plan, rank, group, stream=stream)
+    gm = build_graph(captured, plan, rank, comm, stream=stream)
     materialise(gm, captured, plan, rank, made, source)
     return gm

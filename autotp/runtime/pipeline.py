@@ -18,7 +18,11 @@ from torch.utils._pytree import tree_unflatten
 from autotp.errors import InputError
 from autotp.options import Schedule
 from autotp.planning.plan import Plan
-from autotp.runtime.tensor_parallel import StateNames, default_loss, gather_tp
+from autotp.rewrite.comm import Communicator
+from autotp.rewrite.random import RankStream
+from autotp.runtime.inputs import InputSpec
+from autotp.runtime.process import close_at_exit
+from autotp.runtime.tensor_parallel import StateNames, checked_loss, default_loss, gather_tp
 
 
 class Mesh:
@@ -32,6 +36,10 @@ class Mesh:
         self.mesh = init_device_mesh(device.type, (pp, tp), mesh_dim_names=("pp", "tp"))
         self.tp_group, self.pp_group = self.mesh.get_group("tp"), self.mesh.get_group("pp")
         self.pp_rank, self.tp_rank = self.mesh.get_local_rank("pp"), self.mesh.get_local_rank("tp")
+
+    def close(self) -> None:
+        """Drop the references to the mesh's process groups."""
+        self.mesh = self.tp_group = self.pp_group = None
 
     def rank_of(self, stage: int) -> int:
         """Global rank holding pipeline ``stage`` in this rank's tensor-parallel column."""
@@ -63,19 +71,30 @@ def tied_groups(stage_graphs: list[fx.GraphModule], mesh: Mesh) -> dict[str, obj
 
 
 class PipelineModule(nn.Module):
-    """This rank's stages of a tensor- and pipeline-parallel model."""
+    """This rank's stages of a tensor- and pipeline-parallel model.
 
-    def __init__(self, stages: dict[int, fx.GraphModule], plan: Plan, mesh: Mesh, names: StateNames,
-                 out_spec, tied: dict[str, object], schedule: Schedule, microbatches: int):
+    ``step`` trains through the schedule on the train-mode stages; ``forward`` runs the train- or eval-mode
+    stages as the module's mode says. Random ops draw from one stream per rank: values kept whole stay
+    identical across the tensor-parallel ranks of a stage, but a rank's stream does not see the draws of
+    the other stages' ranks, so the masks differ from a single process's.
+    """
+
+    def __init__(self, stages: dict[bool, dict[int, fx.GraphModule]], plan: Plan, mesh: Mesh, names: StateNames,
+                 out_spec, tied: dict[str, object], schedule: Schedule, microbatches: int, comm: Communicator,
+                 stream: RankStream, inputs: InputSpec, training: bool):
         super().__init__()
-        self.stages = nn.ModuleDict({str(i): m for i, m in stages.items()})
+        self.stages = nn.ModuleDict({str(i): m for i, m in stages[True].items()})
+        self.eval_stages = nn.ModuleDict({str(i): m for i, m in stages[False].items()})
         self.plan, self.mesh, self._names, self._out_spec, self._tied = plan, mesh, names, out_spec, tied
+        self.comm, self._stream, self._inputs = comm, stream, inputs
         self.schedule, self.microbatches = Schedule(schedule), microbatches
         self.num_stages = len(plan.stages)
         self._pipeline_stages = [PipelineStage(m, i, self.num_stages, mesh.device, group=mesh.pp_group)
-                                 for i, m in stages.items()]
+                                 for i, m in stages[True].items()]
         self._schedule = None
         self._loss_fn: Callable = default_loss
+        self.train(training)
+        close_at_exit(self)
 
     @property
     def holds_first(self) -> bool:
@@ -90,7 +109,7 @@ class PipelineModule(nn.Module):
         def flat_loss(output, target):
             # The last stage returns the model's outputs flattened; the user's loss sees them as the model's.
             leaves = [output] if isinstance(output, torch.Tensor) else list(output)  # 1-tuples arrive unwrapped
-            return self._loss_fn(tree_unflatten(leaves, self._out_spec), target)
+            return checked_loss(self._loss_fn(tree_unflatten(leaves, self._out_spec), target))
 
         if self.schedule is Schedule.INTERLEAVED_1F1B:
             return ScheduleInterleaved1F1B(self._pipeline_stages, self.microbatches, loss_fn=flat_loss)
@@ -109,6 +128,7 @@ class PipelineModule(nn.Module):
         The loss is the mean of the microbatch losses (equal sizes): exact for mean-reduced losses,
         matching the gradients, which the schedule averages over microbatches.
         """
+        self._inputs.check(inputs, {})
         self._check_batch(inputs)
         self._loss_fn = loss_fn or default_loss
         if self._schedule is None:
@@ -131,21 +151,27 @@ class PipelineModule(nn.Module):
                 grad = held[target].grad = torch.zeros_like(held[target])
             dist.all_reduce(grad, group=group)
 
+    def manual_seed(self, seed: int) -> None:
+        """Restart this rank's random stream at ``seed`` (call it with the same seed on every rank)."""
+        self._stream.manual_seed(seed)
+
     @torch.no_grad()
-    def forward(self, *inputs):
+    def forward(self, *inputs, **kwargs):
         """The model's output (without autograd history), on every rank; runs the stages in turn."""
+        self._inputs.check(inputs, kwargs)
+        stages = self.stages if self.training else self.eval_stages
         hidden = None
         outputs = None
         for index in range(self.num_stages):
-            if str(index) in self.stages:
-                module = self.stages[str(index)]
+            if str(index) in stages:
+                module = stages[str(index)]
                 result = module(*inputs) if index == 0 else module(hidden, *inputs)
                 if index == self.num_stages - 1:
                     outputs = list(result)
                 else:
                     hidden = result[0]
                     self._send(hidden, index + 1)
-            elif str(index + 1) in self.stages and index + 1 < self.num_stages:
+            elif str(index + 1) in stages and index + 1 < self.num_stages:
                 hidden = self._recv(index, index + 1)
         box = [outputs]
         dist.broadcast_object_list(box, src=self.mesh.rank_of(self.num_stages - 1), group=self.mesh.pp_group)
@@ -159,7 +185,7 @@ class PipelineModule(nn.Module):
         dist.send(hidden.contiguous(), dst=dst)
 
     def _recv(self, from_stage: int, to_stage: int) -> torch.Tensor:
-        module = self.stages[str(to_stage)]
+        module = self.stages[str(to_stage)]  # the train and eval stages take the same hidden state
         meta = next(iter(module.graph.find_nodes(op="placeholder"))).meta["val"]
         shape = torch.empty(meta.dim(), dtype=torch.long, device=self.mesh.device)
         dist.recv(shape, src=self.mesh.rank_of(from_stage))
@@ -176,7 +202,7 @@ class PipelineModule(nn.Module):
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Full tensors under the original keys, gathered across tp and pp, on every rank (collective)."""
-        mine = {n: gather_tp(self.plan, n, t, self.mesh.tp_group).cpu() for n, t in self.local_state_dict().items()}
+        mine = {n: gather_tp(self.plan, n, t, self.comm).cpu() for n, t in self.local_state_dict().items()}
         everyone: list = [None] * self.mesh.pp
         dist.all_gather_object(everyone, mine, group=self.mesh.pp_group)
         full: dict[str, torch.Tensor] = {}
@@ -184,3 +210,9 @@ class PipelineModule(nn.Module):
             for name, tensor in part.items():
                 full.setdefault(name, tensor)
         return self._names.complete(full)
+
+    def close(self) -> None:
+        """Release the process groups this module holds (done at exit); it cannot communicate afterwards."""
+        self.comm.close()
+        self._pipeline_stages, self._schedule, self._tied = [], None, {}
+        self.mesh.close()

@@ -10,12 +10,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import fx, nn
 
 from autotp.capture import Captured
+from autotp.errors import InputError
 from autotp.planning.plan import Plan
+from autotp.rewrite.comm import Communicator
+from autotp.rewrite.random import RankStream
 from autotp.rewrite.shards import assemble, segments_or_whole
+from autotp.runtime.inputs import InputSpec
+from autotp.runtime.process import close_at_exit
 
 
 def default_loss(output, target: torch.Tensor) -> torch.Tensor:
@@ -24,6 +28,18 @@ def default_loss(output, target: torch.Tensor) -> torch.Tensor:
     if isinstance(logits, (tuple, list)):
         logits = logits[0]
     return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
+
+
+def checked_loss(loss) -> torch.Tensor:
+    """A loss function's result, which must be a scalar tensor with a gradient to follow."""
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+        got = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise InputError(f"loss_fn must return a scalar tensor (e.g. a mean), got {got}; reduce it with .mean() or "
+                         ".sum() inside loss_fn")
+    if not loss.requires_grad:
+        raise InputError("loss_fn returned a tensor with no gradient history (made with .item(), .detach() or "
+                         "torch.no_grad?); compute it from the model's output with torch operations")
+    return loss
 
 
 @dataclass
@@ -36,64 +52,92 @@ class StateNames:
     """Every name -> the name its (possibly tied) tensor is kept under."""
     param_name: Callable[[str], str]
     """Attribute target in a rank module -> original name."""
-    extra_state: dict[str, torch.Tensor]
-    """State the graph never reads (unused buffers), kept as copies so full_state_dict is complete."""
+    extra_state: dict[str, object]
+    """State the graph never reads (unused buffers, ``None`` or other extra state), kept so full_state_dict
+    has every key."""
 
     def local(self, module: nn.Module) -> dict[str, torch.Tensor]:
         """A rank module's tensors (shards for split parameters) under the original names."""
         return {self.param_name(k): v for k, v in module.state_dict().items() if not k.startswith("autotp_")}
 
-    def complete(self, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def complete(self, full: dict[str, torch.Tensor]) -> dict[str, object]:
         """Every original key, from full tensors keyed by kept names."""
-        full = full | {k: v.clone() for k, v in self.extra_state.items()}
+        full = full | {k: _copy(v) for k, v in self.extra_state.items()}
         return {k: full[self.aliases.get(k, k)] for k in self.state_keys}
+
+
+def _copy(value):
+    return value.detach().clone() if isinstance(value, torch.Tensor) else value
 
 
 def state_names(model: nn.Module, captured: Captured, modules) -> StateNames:
     """The state-dict bookkeeping for rank modules built from ``captured``."""
     kept = {captured.param_name(k) for m in modules for k in m.state_dict()}
     # Every rank keeps a copy of state the graph never reads, so full_state_dict has every key.
-    extra = {k: v.detach().clone() for k, v in model.state_dict().items() if captured.aliases.get(k, k) not in kept}
+    extra = {k: _copy(v) for k, v in model.state_dict().items() if captured.aliases.get(k, k) not in kept}
     return StateNames(captured.state_keys, captured.aliases, captured.param_name, extra)
 
 
-def gather_tp(plan: Plan, name: str, local: torch.Tensor, group) -> torch.Tensor:
+def gather_tp(plan: Plan, name: str, local: torch.Tensor, comm: Communicator | None) -> torch.Tensor:
     """The full tensor of parameter ``name`` from every tensor-parallel rank's shard (collective)."""
     placement = plan.placements.get(name)
     if placement is None or not placement.is_split or plan.tp == 1:
         return local.detach().clone()
-    parts = [torch.empty_like(local) for _ in range(plan.tp)]
-    dist.all_gather(parts, local.detach().contiguous(), group=group)
+    parts = comm.all_gather(local.detach())
     size = local.shape[placement.dim] * plan.tp
     return assemble(parts, placement.dim, segments_or_whole(placement.segments, size))
 
 
 class ParallelModule(nn.Module):
-    """This rank's piece of a tensor-parallel model; computes what the original model computes."""
+    """This rank's piece of a tensor-parallel model; computes what the original model computes.
 
-    def __init__(self, module: fx.GraphModule, plan: Plan, group, rank: int, names: StateNames):
+    It holds the model's train-mode and eval-mode graphs (sharing one set of shards): ``train()`` and
+    ``eval()`` switch dropout and any other mode-dependent op exactly as on the original model.
+    """
+
+    def __init__(self, graphs: dict[bool, fx.GraphModule], plan: Plan, comm: Communicator | None,
+                 names: StateNames, stream: RankStream, inputs: InputSpec, training: bool):
         super().__init__()
-        self.module = module
-        self.plan = plan
-        self.group = group
-        self.rank = rank
-        self._names = names
+        self.module, self.eval_module = graphs[True], graphs[False]
+        self.plan, self.comm = plan, comm
+        self.rank = comm.rank if comm is not None else 0
+        self._names, self._stream, self._inputs = names, stream, inputs
+        self.train(training)
+        close_at_exit(self)
 
-    def forward(self, *inputs):
+    def _graph(self) -> fx.GraphModule:
+        return self.module if self.training else self.eval_module
+
+    def forward(self, *inputs, **kwargs):
         """The original model's output, identical on every rank."""
-        return self.module(*inputs)
+        return self._inputs.run(self._graph(), inputs, kwargs)
 
     def step(self, *inputs, target: torch.Tensor, loss_fn: Callable | None = None) -> torch.Tensor:
         """Forward and backward on ``inputs``; returns the (detached) loss. Gradients land in ``parameters()``."""
-        loss = (loss_fn or default_loss)(self.module(*inputs), target)
+        loss = checked_loss((loss_fn or default_loss)(self(*inputs), target))
         loss.backward()
         return loss.detach()
+
+    def manual_seed(self, seed: int) -> None:
+        """Restart the random stream of dropout and every other random op at ``seed`` on this rank (call it with
+        the same seed on every rank): the masks are then those a single process draws after
+        ``torch.manual_seed(seed)``."""
+        self._stream.manual_seed(seed)
 
     def local_state_dict(self) -> dict[str, torch.Tensor]:
         """This rank's tensors (shards for split parameters) under the original names."""
         return self._names.local(self.module)
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Full tensors under the original model's state-dict keys, on every rank (a collective call)."""
-        full = {name: gather_tp(self.plan, name, t, self.group) for name, t in self.local_state_dict().items()}
+    def full_state_dict(self) -> dict[str, object]:
+        """Full tensors under the original model's state-dict keys, on every rank.
+
+        A collective call: every rank of the group must make it (a rank calling it alone fails once the
+        group's timeout passes, with ``RankFailure``).
+        """
+        full = {name: gather_tp(self.plan, name, t, self.comm) for name, t in self.local_state_dict().items()}
         return self._names.complete(full)
+
+    def close(self) -> None:
+        """Release the process group this module holds (done at exit); it cannot communicate afterwards."""
+        if self.comm is not None and hasattr(self.comm, "close"):
+            self.comm.close()

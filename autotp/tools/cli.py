@@ -1,9 +1,11 @@
-"""The ``autotp`` command: read a plan (``plan``), look at it (``viz``), and run the benchmarks (``bench``).
+"""The ``autotp`` command: read a plan (``plan``), look at it (``viz``), check it is exact in one process
+(``check``), and run the benchmarks (``bench``).
 
     autotp plan examples/gpt.py:build_gpt --tp 2                  # the table
     autotp plan hf:llama --tp 2 --format json -o plan.json        # the plan file
     autotp viz examples/gpt.py:build_gpt --tp 2 -o plan.svg       # the picture
     autotp viz hf:llama --tp 2 --pp 2 --schedule 1f1b -o tl.png   # the pipeline timeline
+    autotp check hf:gpt2 --tp 2                                   # every rank simulated, compared
 
 Anything the user can fix (a bad MODEL, an unknown format, tp that does not fit) is one line on
 stderr and exit code 2; an internal error (a bug in autotp) prints its traceback and exits 1.
@@ -47,6 +49,7 @@ from autotp.tools.viz import (
 
 EXIT_USAGE = 2
 EXIT_BUG = 1
+EXIT_MISMATCH = 1
 
 
 class UsageError(Exception):
@@ -103,8 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     plan = sub.add_parser("plan", help="print the plan as a table, JSON, or an HF/torch plan")
     _common(plan)
-    plan.add_argument("--format", choices=[f.value for f in TextFormat], default=TextFormat.TABLE.value,
-                      help="what to print (default table)")
+    plan.add_argument("--format", choices=[f.value for f in TextFormat],
+                      help="what to print (default: json for -o *.json, torch for -o *.py, else table)")
     plan.add_argument("-o", "--output", metavar="FILE", help="write to FILE instead of stdout")
     viz = sub.add_parser("viz", help="draw the plan (svg, png, html, dot) or its pipeline timeline")
     _common(viz)
@@ -113,6 +116,11 @@ def build_parser() -> argparse.ArgumentParser:
     viz.add_argument("--schedule", choices=[Schedule.GPIPE.value, Schedule.ONE_F_ONE_B.value], help="draw this pipeline schedule's timeline instead")
     viz.add_argument("--microbatches", type=_positive,
                      help="microbatches in the timeline (default: 2 x stages, at least 4)")
+    check = sub.add_parser("check", help="simulate every rank in this process and compare one training step with "
+                                         "the unsharded model (exit 0 exact, 1 mismatch)")
+    _common(check)
+    sub.add_parser("zoo", help="check every transformers model type (and more); writes docs/COVERAGE.md",
+                   add_help=False)
     sub.add_parser("bench", help="run the benchmarks (bench/ in the repository; arguments pass through)",
                    add_help=False)
     return parser
@@ -133,7 +141,21 @@ def _load_plan_file(path: str, params: dict[str, ParamInfo], tp: int | None) -> 
         text = Path(path).read_text(encoding="utf-8")
     except OSError as e:
         raise InputError(f"cannot read the plan file {path}: {e.strerror}") from e
-    return check_plan_fits(Plan.from_json(text), params, tp=tp, source=f"the plan in {path}")
+    shapes = {name: info.shape for name, info in params.items()}
+    return check_plan_fits(Plan.from_json(text), shapes, tp=tp, source=f"the plan in {path}")
+
+
+def run_check(args) -> int:
+    """``autotp check``: the one-process checker; prints one line (or the mismatch and where it starts)."""
+    spec = parse_spec(args.model, parse_overrides(args.overrides))
+    if args.tp is None and not args.plan_file:
+        raise InputError("--tp is required (the number of tensor-parallel ranks), e.g. --tp 2")
+    model = build_model(spec, weights=True)
+    inputs = example_inputs(model, args.vocab)
+    plan = _load_plan_file(args.plan_file, param_infos(model), args.tp) if args.plan_file else None
+    report = autotp.check(model, args.tp or plan.tp, inputs, pp=args.pp, plan=plan)
+    print(report)
+    return 0 if report.exact else EXIT_MISMATCH
 
 
 def load_and_plan(args) -> Planned:
@@ -161,10 +183,18 @@ def _emit(text: str, output: str | None) -> None:
         print(text)
 
 
+def _text_format(chosen: str | None, output: str | None) -> TextFormat:
+    """The format asked for, else the one the output file's suffix names (a plan.json gets the plan file)."""
+    if chosen:
+        return TextFormat(chosen)
+    suffix = Path(output).suffix.lower() if output else ""
+    return {".json": TextFormat.JSON, ".py": TextFormat.TORCH}.get(suffix, TextFormat.TABLE)
+
+
 def run_plan(args) -> int:
     """``autotp plan``: print or write the table, the plan JSON, or an HF/torch plan."""
     planned = load_and_plan(args)
-    plan, fmt = planned.plan, TextFormat(args.format)
+    plan, fmt = planned.plan, _text_format(args.format, args.output)
     if fmt is TextFormat.JSON:
         text = plan.to_json()
     elif fmt is TextFormat.HF:
@@ -244,6 +274,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["bench"]:  # everything after `bench` belongs to the benchmark's own parser
         return run_bench(argv[1:])
+    if argv[:1] == ["zoo"]:  # the sweep has its own parser
+        from autotp.tools.zoo import main as zoo_main
+
+        return zoo_main(argv[1:])
     try:
         args = build_parser().parse_args(argv)
     except UsageError as e:
@@ -251,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # library warnings would bury the one line that matters
-            return run_plan(args) if args.command == "plan" else run_viz(args)
+            return {"plan": run_plan, "viz": run_viz, "check": run_check}[args.command](args)
     except InternalError as e:  # not the user's mistake: say so, and keep the traceback for the report
         traceback.print_exc(file=sys.stderr)
         print(f"autotp: {e}", file=sys.stderr)

@@ -22,6 +22,7 @@ import importlib.util
 import json
 import re
 import sys
+import traceback
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
@@ -166,6 +167,24 @@ def _first_line(e: BaseException) -> str:
     return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
 
+def _message(e: BaseException) -> str:
+    """An exception in one line, with its cause's (validation errors put the reason there)."""
+    text = " ".join(str(e).split()) or type(e).__name__
+    cause = e.__cause__
+    return f"{text} ({type(cause).__name__}: {' '.join(str(cause).split())})" if cause and str(cause) not in text else text
+
+
+def _failed_line(e: BaseException) -> str:
+    """For an exception with no message (a bare ``assert``), the source line that raised it."""
+    if str(e).strip():
+        return _first_line(e)
+    frames = traceback.extract_tb(e.__traceback__)
+    if not frames:
+        return type(e).__name__
+    last = frames[-1]
+    return f"{(last.line or '').strip()} failed (at {Path(last.filename).name}:{last.lineno})"
+
+
 def _defined_names(module) -> str:
     names = [n for n, v in vars(module).items()
              if not n.startswith("_") and callable(v) and getattr(v, "__module__", None) == module.__name__]
@@ -193,7 +212,7 @@ def _call_factory(obj, spec: ModelSpec) -> nn.Module:
         model = obj(**dict(spec.overrides))
     except Exception as e:  # user code: report it in one line, with the fix when it is ours to give
         hint = "; pass the factory's arguments with --set name=value" if isinstance(e, TypeError) else ""
-        raise InputError(f"building the model with {spec}(...) failed: {type(e).__name__}: {_first_line(e)}"
+        raise InputError(f"building the model with {spec}(...) failed: {type(e).__name__}: {_failed_line(e)}"
                          f"{hint}") from e
     if not isinstance(model, nn.Module):
         raise InputError(f"{spec}(...) returned a {type(model).__name__}, not a torch.nn.Module")
@@ -256,7 +275,7 @@ def _hf_config(transformers, spec: ModelSpec):
         small |= {k: None for k in ("pad_token_id", "bos_token_id", "eos_token_id")
                   if isinstance(fields.get(k), int) and vocab is not None and fields[k] >= vocab}
         # Passed at construction so derived fields (head_dim, per-layer lists) follow the small sizes.
-        return transformers.AutoConfig.for_model(spec.target, **(small | overrides))
+        return _config_for(transformers, spec, spec.target, **(small | overrides))
     path = Path(spec.target)
     if not path.exists():
         raise InputError(f"hf config {spec.target!r} does not exist; give a config.json or a folder holding one")
@@ -270,31 +289,41 @@ def _hf_config(transformers, spec: ModelSpec):
     fields = config.to_dict() | overrides
     if "num_hidden_layers" in overrides:
         fields.pop("layer_types", None)  # a per-layer list sized for the old depth; rebuilt from the new one
-    return transformers.AutoConfig.for_model(**fields)
+    return _config_for(transformers, spec, **fields)
 
 
-def _hf_model(spec: ModelSpec) -> nn.Module:
+def _config_for(transformers, spec: ModelSpec, *args, **fields):
+    """``AutoConfig.for_model``, its validation errors (a field of the wrong type, heads that do not divide
+    the width) reported in one line."""
+    try:
+        return transformers.AutoConfig.for_model(*args, **fields)
+    except Exception as e:  # transformers and huggingface_hub raise many types for values a config rejects
+        raise InputError(f"the {spec} config rejects these values: {_message(e)}; fix the --set values") from e
+
+
+def _hf_model(spec: ModelSpec, weights: bool) -> nn.Module:
     transformers = _hf()
     config = hf_config(spec)
     causal = config.model_type in transformers.models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
     auto = transformers.AutoModelForCausalLM if causal else transformers.AutoModel
     try:
-        with torch.device("meta"), _quiet_transformers(transformers):
+        with torch.device("cpu" if weights else "meta"), _quiet_transformers(transformers):
             return auto.from_config(config)
     except Exception as e:  # transformers raises many types for configs it cannot build
         raise InputError(f"transformers cannot build {spec} from its config: {type(e).__name__}: {_first_line(e)}; "
                          "fix the config or the --set values") from e
 
 
-def build_model(spec: ModelSpec) -> nn.Module:
+def build_model(spec: ModelSpec, weights: bool = False) -> nn.Module:
     """The model a spec names (weights seeded, so building twice gives the same model).
 
-    Leaves the process as it found it: torch's global RNG state, ``sys.path`` and ``sys.modules``.
+    ``hf:`` models are built on the meta device (planning needs shapes only) unless ``weights``. Leaves the
+    process as it found it: torch's global RNG state, ``sys.path`` and ``sys.modules``.
     """
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         if spec.kind in (SpecKind.HF_TYPE, SpecKind.HF_CONFIG):
-            return _hf_model(spec)
+            return _hf_model(spec, weights)
         # The current directory is importable, as under `python -m` (console scripts start elsewhere);
         # a file's own folder too, as under `python file.py`, so its sibling imports work.
         folders = [str(Path.cwd())] + ([str(Path(spec.target).resolve().parent)] if spec.kind is SpecKind.FILE else [])

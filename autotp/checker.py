@@ -1,0 +1,292 @@
+"""The one-process checker: simulate every rank of a plan and compare with the unsharded model.
+
+``check`` builds each tensor-parallel rank's module exactly as ``parallelize`` does, but its collectives
+talk to the other ranks through threads of this process (``ThreadComm``): no process group, no
+torchrun. It runs one training step (dropout on, from one seed) on every rank and on a copy of the
+model, and compares the output, the loss, every gradient and every parameter after an SGD step. When
+something differs it replays the forward node by node and names the first operation whose value
+differs: its module, op, sizes and error.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+from dataclasses import dataclass, field
+
+import torch
+from torch import fx, nn
+from torch.utils._pytree import tree_leaves
+
+from autotp.capture import Captured, capture
+from autotp.errors import AutotpError, InputError, InternalError
+from autotp.passes.analysis import Analysis
+from autotp.passes.layout import Shard
+from autotp.planning import Plan, check_plan_fits, make_plan
+from autotp.planning.planner import param_layouts, target_placements, verify_plan
+from autotp.rewrite import rewrite
+from autotp.rewrite.comm import ThreadComm
+from autotp.rewrite.graph_edit import STANDS_FOR
+from autotp.rewrite.random import RankStream
+from autotp.rewrite.shards import assemble, local_shard, segments_or_whole
+
+SEED = 1234
+LR = 0.1
+RTOL, SCALE_TOL, ATOL = 1e-4, 1e-5, 1e-6
+"""fp32 tolerances: an element may differ by RTOL of itself plus SCALE_TOL of the tensor's largest
+element. Sums over ranks reorder additions, so a small element of a large sum (a bias gradient summed
+over every position) carries rounding of the sum's size; a real error is of the values' own size."""
+
+
+@dataclass
+class Mismatch:
+    """The first thing that differs from the unsharded model."""
+
+    what: str
+    """``output``, ``loss``, ``gradient``, ``parameter after a step`` or ``activation``."""
+    where: str
+    """The module (and parameter or op) at fault."""
+    detail: str
+    error: float
+
+    def __str__(self) -> str:
+        return f"{self.what} differs at {self.where}: {self.detail} (max abs error {self.error:.3g})"
+
+
+@dataclass
+class CheckReport:
+    """What ``check`` found: exact (with the largest error seen), or the first mismatch."""
+
+    tp: int
+    plan: Plan | None = None
+    """The plan that was checked."""
+    max_error: float = 0.0
+    compared: int = 0
+    """Tensors compared (outputs, gradients, parameters)."""
+    mismatch: Mismatch | None = None
+    located: Mismatch | None = None
+    """The first forward operation whose value differs, when the forward is at fault."""
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def exact(self) -> bool:
+        """Whether every compared tensor agreed."""
+        return self.mismatch is None
+
+    def __str__(self) -> str:
+        if self.exact:
+            return (f"exact: tp={self.tp}, {self.compared} tensors (output, loss, every gradient and parameter "
+                    f"after an SGD step) agree with the unsharded model; largest error {self.max_error:.3g}")
+        lines = [f"MISMATCH at tp={self.tp}: {self.mismatch}"]
+        if self.located is not None:
+            lines.append(f"  first differing operation: {self.located}")
+        return "\n".join(lines)
+
+
+def _loss(output, weights: list[torch.Tensor] | None = None):
+    """A scalar that depends on every output element, with fixed random weights (so every gradient is used);
+    a sum of squares, so it cannot cancel to a value smaller than its own rounding."""
+    leaves = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    if weights is None:
+        generator = torch.Generator().manual_seed(7)
+        weights = [torch.randn(t.shape, generator=generator, dtype=t.dtype) for t in leaves]
+    return sum((t * w).square().mean() for t, w in zip(leaves, weights)), weights
+
+
+class _Rank(threading.Thread):
+    """One simulated rank: forward, backward and an SGD step on its module."""
+
+    def __init__(self, module: fx.GraphModule, comm: ThreadComm, inputs: tuple, weights):
+        super().__init__(daemon=True)
+        self.module, self.comm, self.inputs, self.weights = module, comm, inputs, weights
+        self.output = self.loss = self.error = None
+
+    def run(self):
+        try:
+            self.output = self.module(*self.inputs)
+            self.loss, _ = _loss(self.output, self.weights)
+            self.loss.backward()
+        except BaseException as e:  # reported by the caller, once every thread has stopped
+            self.error = e
+            self.comm.abort()
+
+
+def _simulate(modules: list[fx.GraphModule], comms: list[ThreadComm], inputs: tuple, weights) -> list[_Rank]:
+    ranks = [_Rank(m, c, inputs, weights) for m, c in zip(modules, comms)]
+    for r in ranks:
+        r.start()
+    for r in ranks:
+        r.join()
+    failed = [r for r in ranks if r.error is not None and not isinstance(r.error, AutotpError)]
+    if failed:  # the unsharded model ran on these inputs, so a rank module that cannot is autotp's doing
+        e = failed[0].error
+        first = (str(e).strip().splitlines() or [""])[0]
+        raise InternalError(f"simulated rank {failed[0].comm.rank} failed in its step: {type(e).__name__}: "
+                            f"{first}") from e
+    errors = [r.error for r in ranks if r.error is not None]
+    if errors:
+        raise errors[0]
+    return ranks
+
+
+class _Compare:
+    """Accumulates comparisons; keeps the first mismatch."""
+
+    def __init__(self, report: CheckReport):
+        self.report = report
+
+    def __call__(self, what: str, where: str, got: torch.Tensor, want: torch.Tensor) -> bool:
+        got, want = got.detach().float(), want.detach().float()
+        self.report.compared += 1
+        if got.shape != want.shape:
+            self._fail(what, where, f"shape {tuple(got.shape)} vs {tuple(want.shape)}", float("inf"))
+            return False
+        error = float((got - want).abs().max()) if got.numel() else 0.0
+        self.report.max_error = max(self.report.max_error, error)
+        if not close(got, want):
+            self._fail(what, where, f"sizes {list(want.shape)}", error)
+            return False
+        return True
+
+    def _fail(self, what, where, detail, error):
+        if self.report.mismatch is None:
+            self.report.mismatch = Mismatch(what, where, detail, error)
+
+
+def close(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """Whether ``got`` equals ``want`` up to fp32 rounding of sums (see ``RTOL``/``SCALE_TOL``)."""
+    if got.shape != want.shape:
+        return False
+    if not got.numel():
+        return True
+    got, want = got.float(), want.float()
+    scale = float(want.abs().max()) if torch.isfinite(want).all() else 0.0
+    return torch.allclose(got, want, rtol=RTOL, atol=ATOL + SCALE_TOL * scale, equal_nan=True)
+
+
+def _full_param(plan: Plan, name: str, shards: list[torch.Tensor]) -> torch.Tensor:
+    placement = plan.placements.get(name)
+    if placement is None or not placement.is_split:
+        return shards[0]
+    size = shards[0].shape[placement.dim] * plan.tp
+    return assemble(shards, placement.dim, segments_or_whole(placement.segments, size))
+
+
+def build_ranks(captured: Captured, plan: Plan, seed: int = SEED) -> tuple[list[fx.GraphModule], list[ThreadComm]]:
+    """Every tensor-parallel rank's module for ``plan``, its collectives joined through threads."""
+    comms = ThreadComm.group(plan.tp)
+    modules = [rewrite(captured, plan, rank, comms[rank], RankStream(seed)) for rank in range(plan.tp)]
+    return modules, comms
+
+
+def check(model: nn.Module, tp: int, example_inputs, pp: int = 1, plan: Plan | None = None,
+          modules_hook=None) -> CheckReport:
+    """Simulate every rank of ``plan`` (default: autotp's plan at ``tp``) in this process and compare one
+    training step with the unsharded model. ``modules_hook(modules, comms)`` may alter the rank modules
+    before they run (the tests inject faults this way). The model is not changed."""
+    if pp != 1:
+        raise InputError("the one-process checker simulates tensor parallelism (pp=1); pipeline stages are "
+                         "checked by the multi-process tests, which run the same stage splitter")
+    captured = capture(model, example_inputs, training=True)
+    shapes = {name: tuple(p.shape) for name, p in model.named_parameters(remove_duplicate=False)}
+    if plan is not None:
+        chosen = verify_plan(captured, check_plan_fits(plan, shapes, tp))
+    else:
+        chosen = make_plan(captured, tp)
+    modules, comms = build_ranks(captured, chosen)
+    if modules_hook is not None:
+        modules_hook(modules, comms)
+    reference = copy.deepcopy(model).train()
+    inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(SEED)
+        ref_out = reference(*inputs)
+    ref_loss, weights = _loss(ref_out)
+    ref_loss.backward()
+    ranks = _simulate(modules, comms, inputs, weights)
+    report = CheckReport(tp=chosen.tp, plan=chosen, notes=chosen.notes)
+    compare = _Compare(report)
+    _compare_step(compare, chosen, captured, reference, ranks, ref_out, ref_loss)
+    if not report.exact and report.mismatch.what in ("output", "loss"):
+        report.located = locate(captured, chosen, modules, comms, inputs)
+    return report
+
+
+def _compare_step(compare: _Compare, plan: Plan, captured: Captured, reference: nn.Module, ranks: list[_Rank],
+                  ref_out, ref_loss) -> None:
+    for r in ranks:
+        for i, (got, want) in enumerate(zip(tree_leaves(r.output), tree_leaves(ref_out))):
+            if isinstance(want, torch.Tensor):
+                compare("output", f"output {i} on rank {r.comm.rank}", got, want)
+        compare("loss", f"loss on rank {r.comm.rank}", r.loss, ref_loss)
+    per_rank = [{captured.aliases.get(captured.param_name(k), k): p for k, p in r.module.named_parameters()}
+                for r in ranks]
+    ref_params = dict(reference.named_parameters())
+    for name, ref_param in ref_params.items():
+        if name not in per_rank[0]:
+            continue
+        grads = [rank[name].grad if rank[name].grad is not None else torch.zeros_like(rank[name]) for rank in per_rank]
+        want = ref_param.grad if ref_param.grad is not None else torch.zeros_like(ref_param)
+        if not compare("gradient", f"{name}", _full_param(plan, name, grads), want):
+            continue
+        after = [rank[name].detach() - LR * g for rank, g in zip(per_rank, grads)]
+        compare("parameter after a step", name, _full_param(plan, name, after), ref_param.detach() - LR * want)
+
+
+def _values(module: fx.GraphModule, inputs: tuple) -> dict[str, torch.Tensor]:
+    """Every node's value in a forward of ``module``, keyed by the original node it stands for."""
+    out: dict[str, torch.Tensor] = {}
+
+    class Recorder(fx.Interpreter):
+        def run_node(self, n):
+            value = super().run_node(n)
+            if isinstance(value, torch.Tensor):
+                out[n.meta.get(STANDS_FOR, n.name)] = value.detach()
+            return value
+
+    with torch.no_grad():
+        Recorder(module).run(*inputs)
+    return out
+
+
+def locate(captured: Captured, plan: Plan, modules: list[fx.GraphModule], comms: list[ThreadComm],
+           inputs: tuple) -> Mismatch | None:
+    """The first forward operation (in graph order) whose value on some rank differs from the unsharded one,
+    replaying the forward of ``modules`` (as they are, faults included) over ``comms``."""
+    analysis = Analysis(captured)
+    layouts = analysis.propagate(param_layouts(analysis, target_placements(captured, plan)), plan.tp).layouts
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(SEED)
+        want = _values(captured.module, inputs)
+    results: list[dict] = [{} for _ in modules]
+
+    def run(rank: int):
+        comms[rank].calls = 0
+        for m in modules[rank].modules():
+            if hasattr(m, "stream"):
+                m.stream.manual_seed(SEED)
+        results[rank] = _values(modules[rank], inputs)
+
+    threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in range(plan.tp)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for node in captured.graph.nodes:
+        if node.name not in want or node.op in ("placeholder", "get_attr"):
+            continue
+        for rank, got in enumerate(results):
+            if node.name not in got:
+                continue
+            lay = layouts.get(node.name)
+            expected = want[node.name]
+            if isinstance(lay, Shard):
+                expected = local_shard(expected, lay.dim, lay.segments, rank, plan.tp)
+            value = got[node.name]
+            if not close(value, expected):
+                error = float((value.float() - expected.float()).abs().max()) if value.shape == expected.shape \
+                    else float("inf")
+                op = getattr(node.target, "__name__", str(node.target))
+                where = f"{captured.module_name(node) or '(top level)'} ({op}, node {node.name}) on rank {rank}"
+                return Mismatch("activation", where, f"sizes {list(expected.shape)}", error)
+    return None

@@ -1,0 +1,118 @@
+"""Who the rank modules talk to: a torch process group, or (for the one-process checker) threads.
+
+The collectives the rewrite inserts call a ``Communicator``; the runtime gives them a ``TorchComm`` over
+a process group, the checker a ``ThreadComm`` that runs every simulated rank in one process. A
+``TorchComm`` over the default group holds no reference to it (torch's ``None``), so
+``destroy_process_group`` really frees it; ``close()`` drops any other group reference.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+
+from autotp.errors import RankFailure
+
+
+class Communicator(Protocol):
+    """The collectives rank modules need, over ``size`` ranks of which this is ``rank``."""
+
+    rank: int
+    size: int
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum of ``x`` over the ranks (a new tensor)."""
+
+    def all_gather(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's ``x``, in rank order."""
+
+
+class TorchComm:
+    """Collectives over a torch.distributed group (``None``: the default group, held by name only)."""
+
+    def __init__(self, group=None):
+        self.group = group
+        self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
+        self.closed = False
+
+    def _run(self, what: str, call):
+        if self.closed:
+            raise RankFailure(f"rank {self.rank}: this parallel module was closed (its process groups released); "
+                              "build a new one with autotp.parallelize")
+        try:
+            return call()
+        except (RuntimeError, dist.DistError) as e:  # a peer died or timed out: say so, from this rank's side
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise RankFailure(f"rank {self.rank}: {what} over {self.size} ranks failed: another rank stopped or did "
+                              f"not answer within the group's timeout (look for its own error above): {first}") from e
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        out = x.contiguous().clone()
+        self._run("all_reduce", lambda: dist.all_reduce(out, group=self.group))
+        return out
+
+    def all_gather(self, x: torch.Tensor) -> list[torch.Tensor]:
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        self._run("all_gather", lambda: dist.all_gather(parts, x.contiguous(), group=self.group))
+        return parts
+
+    def close(self) -> None:
+        """Drop the group reference (a later collective raises ``RankFailure``)."""
+        self.group, self.closed = None, True
+
+
+class _Rendezvous:
+    """What the threads of one simulated group share: a barrier and a slot per rank."""
+
+    def __init__(self, size: int, timeout: float):
+        self.timeout = timeout
+        self.barrier = threading.Barrier(size, timeout=timeout)
+        self.slots: list[torch.Tensor | None] = [None] * size
+
+
+class ThreadComm:
+    """Collectives between threads of one process, one thread per simulated rank (the checker's)."""
+
+    def __init__(self, rendezvous: _Rendezvous, rank: int):
+        self.shared, self.rank, self.size = rendezvous, rank, len(rendezvous.slots)
+        self.dropped: set[int] = set()
+        """Indices of this rank's all-reduces to skip (the checker's fault injection)."""
+        self.calls = 0
+
+    @classmethod
+    def group(cls, size: int, timeout: float = 120.0) -> list[ThreadComm]:
+        """One communicator per rank of a new simulated group."""
+        shared = _Rendezvous(size, timeout)
+        return [cls(shared, r) for r in range(size)]
+
+    def _exchange(self, x: torch.Tensor) -> list[torch.Tensor]:
+        try:
+            self.shared.barrier.wait()  # the slots of the previous collective have been read
+            self.shared.slots[self.rank] = x.detach().clone()
+            self.shared.barrier.wait()
+            parts = list(self.shared.slots)
+            self.shared.barrier.wait()
+        except threading.BrokenBarrierError as e:
+            raise RankFailure(f"simulated rank {self.rank}: another simulated rank failed or took longer than "
+                              f"{self.shared.timeout} s") from e
+        return parts
+
+    def abort(self) -> None:
+        """Release the other ranks' threads (this rank failed)."""
+        self.shared.barrier.abort()
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        parts = self._exchange(x)
+        self.calls += 1
+        if self.calls - 1 in self.dropped:
+            return x.contiguous().clone()
+        out = parts[0].clone()
+        for p in parts[1:]:
+            out += p
+        return out
+
+    def all_gather(self, x: torch.Tensor) -> list[torch.Tensor]:
+        return self._exchange(x)

@@ -1,0 +1,94 @@
+"""The one-process checker: exact plans pass, injected faults are caught and located by module."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+import autotp
+from autotp.rewrite.collectives import masked_embedding
+from examples.gpt import build_gpt
+from tests import models
+
+IDS = models.tokens(2, 16, 0)
+
+
+@pytest.mark.parametrize("name, tp", [("gpt", 2), ("gpt", 4), ("llama", 4), ("raw_gpt", 2), ("hf_gpt2", 2),
+                                      ("hf_llama", 4), ("hf_bert", 2)])
+def test_models_check_exact(name, tp):
+    torch.manual_seed(0)
+    report = autotp.check(models.build(name), tp=tp, example_inputs=(IDS,))
+    assert report.exact, str(report)
+    assert report.compared > 20 and report.max_error < 1e-4
+
+
+def test_dropout_is_exact_in_one_process():
+    """Dropout on (0.2), replicated and split values alike: the ranks' masks are the unsharded model's."""
+    torch.manual_seed(0)
+    report = autotp.check(build_gpt(n_layer=2, dropout=0.2), tp=4, example_inputs=(IDS,))
+    assert report.exact, str(report)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_padding_row_is_honoured(tied):
+    torch.manual_seed(0)
+    model = models.PaddedLM(tied)
+    report = autotp.check(model, tp=2, example_inputs=(models.padded_ids(),))
+    assert report.exact, str(report)
+    assert autotp.plan(model, tp=2, example_inputs=(models.padded_ids(),)).placements["embed.weight"].is_split
+
+
+def test_a_four_layer_model_checks_at_tp4_quickly():
+    torch.manual_seed(0)
+    model = build_gpt(n_layer=4)
+    start = time.perf_counter()
+    report = autotp.check(model, tp=4, example_inputs=(IDS,))
+    assert report.exact and time.perf_counter() - start < 20, str(report)
+
+
+def test_a_dropped_all_reduce_is_found_and_located():
+    def drop_second_all_reduce(modules, comms):
+        comms[1].dropped = {1}  # the 0th is the embedding's; the 1st closes the first attention
+
+    torch.manual_seed(0)
+    report = autotp.check(build_gpt(n_layer=2), tp=2, example_inputs=(IDS,), modules_hook=drop_second_all_reduce)
+    assert not report.exact and report.mismatch.what in ("output", "loss")
+    assert report.located is not None and "transformer.h.0.attn" in report.located.where, str(report)
+    assert "rank 1" in report.located.where
+
+
+def test_a_mis_sliced_shard_is_found_and_located():
+    def roll_rank1_fc(modules, comms):
+        weight = dict(modules[1].named_parameters())["model.transformer.h.1.mlp.c_fc.weight"]
+        with torch.no_grad():
+            weight.copy_(weight.roll(1, dims=0))
+
+    torch.manual_seed(0)
+    report = autotp.check(build_gpt(n_layer=2), tp=2, example_inputs=(IDS,), modules_hook=roll_rank1_fc)
+    assert not report.exact
+    assert "transformer.h.1.mlp.c_fc" in report.located.where, str(report)
+
+
+def test_an_unmasked_padding_row_is_found_by_its_gradient():
+    def forget_padding(modules, comms):
+        for gm in modules:
+            for node in gm.graph.nodes:
+                if node.target is masked_embedding:
+                    node.args = (*node.args[:4], -1)
+            gm.recompile()
+
+    torch.manual_seed(0)
+    report = autotp.check(models.PaddedLM(tied=False), tp=2, example_inputs=(models.padded_ids(),), modules_hook=forget_padding)
+    assert not report.exact and report.mismatch.what == "gradient"
+    assert report.mismatch.where == "embed.weight", str(report)
+
+
+def test_a_hand_edited_plan_is_checked():
+    torch.manual_seed(0)
+    model = build_gpt(n_layer=2)
+    plan = autotp.plan(model, tp=2, example_inputs=(IDS,))
+    assert autotp.check(model, tp=2, example_inputs=(IDS,), plan=plan).exact
+    with pytest.raises(autotp.PlanError, match="made for tp=2"):
+        autotp.check(model, tp=4, example_inputs=(IDS,), plan=plan)
