@@ -18,7 +18,7 @@ import torch
 from torch import fx, nn
 from torch.utils._pytree import tree_leaves
 
-from autotp.capture import Captured, capture
+from autotp.capture import Captured, capture, model_kwargs
 from autotp.errors import AutotpError, InputError, InternalError
 from autotp.passes.analysis import Analysis
 from autotp.passes.layout import Shard
@@ -60,6 +60,8 @@ class CheckReport:
     tp: int
     plan: Plan | None = None
     """The plan that was checked."""
+    read: frozenset[str] = frozenset()
+    """The parameters the forward reads (a tower the inputs never reach is not among them)."""
     max_error: float = 0.0
     compared: int = 0
     """Tensors compared (outputs, gradients, parameters)."""
@@ -200,11 +202,13 @@ def check(model: nn.Module, tp: int, example_inputs, pp: int = 1, plan: Plan | N
     inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(SEED)
-        ref_out = reference(*inputs)
+        ref_out = reference(*inputs, **model_kwargs(model))
     ref_loss, weights = _loss(ref_out)
     ref_loss.backward()
     ranks = _simulate(modules, comms, inputs, weights)
-    report = CheckReport(tp=chosen.tp, plan=chosen, notes=chosen.notes)
+    read = frozenset(captured.aliases.get(captured.param_name(n.target), "")
+                     for n in captured.graph.find_nodes(op="get_attr"))
+    report = CheckReport(tp=chosen.tp, plan=chosen, read=read, notes=chosen.notes)
     compare = _Compare(report)
     _compare_step(compare, chosen, captured, reference, ranks, ref_out, ref_loss)
     if not report.exact and report.mismatch.what in ("output", "loss"):

@@ -3,6 +3,6 @@
 The first stage of autotp; ``torch_private`` holds every private torch API autotp relies on.
 """
 
-from autotp.capture.export import Captured, capture, normalise_inputs, tensor_aliases
+from autotp.capture.export import Captured, capture, model_kwargs, normalise_inputs, tensor_aliases
 
-__all__ = ["Captured", "capture", "normalise_inputs", "tensor_aliases"]
+__all__ = ["Captured", "capture", "model_kwargs", "normalise_inputs", "tensor_aliases"]

@@ -102,8 +102,9 @@ def normalise_inputs(example_inputs) -> tuple[torch.Tensor, ...]:
     return tuple(example_inputs)
 
 
-def _fixed_kwargs(model: nn.Module) -> dict:
-    """Keyword arguments that make a Hugging Face model traceable: no KV cache."""
+def model_kwargs(model: nn.Module) -> dict:
+    """Keyword arguments autotp passes to the model's forward (capture and comparisons alike): no KV cache,
+    which makes a Hugging Face model traceable."""
     params = inspect.signature(model.forward).parameters
     return {"use_cache": False} if "use_cache" in params else {}
 
@@ -246,7 +247,7 @@ def capture(model: nn.Module, example_inputs, training: bool | None = None) -> C
     if not isinstance(model, nn.Module):
         raise InputError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     inputs = normalise_inputs(example_inputs)
-    wrapper = _CaptureWrapper(model, _fixed_kwargs(model))
+    wrapper = _CaptureWrapper(model, model_kwargs(model))
     errors = []
     for dynamic in (True, False):
         try:

@@ -37,7 +37,11 @@ SPEC_FORMS = "path/to/file.py:factory, package.module:factory, hf:<model_type> o
 SMALL_HF = {
     "vocab_size": 128, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
     "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
-    "n_embd": 64, "n_layer": 2, "n_head": 4,
+    "n_embd": 64, "n_layer": 2, "n_head": 4, "rotary_dim": 16,
+    # the same sizes under the other names configs use (encoder-decoders, T5, XLNet-style)
+    "d_model": 64, "encoder_layers": 2, "decoder_layers": 2, "encoder_attention_heads": 4,
+    "decoder_attention_heads": 4, "encoder_ffn_dim": 128, "decoder_ffn_dim": 128, "ffn_dim": 128,
+    "num_layers": 2, "num_decoder_layers": 2, "num_heads": 4, "d_ff": 128, "d_kv": 16, "n_heads": 4,
 }
 """The small config ``hf:<model_type>`` starts from (fields the architecture has), before ``--set``.
 Four heads and two KV heads keep tp in {1, 2, 4} valid; head_dim is hidden_size / heads."""
