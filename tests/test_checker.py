@@ -92,3 +92,25 @@ def test_a_hand_edited_plan_is_checked():
     assert autotp.check(model, tp=2, example_inputs=(IDS,), plan=plan).exact
     with pytest.raises(autotp.PlanError, match="made for tp=2"):
         autotp.check(model, tp=4, example_inputs=(IDS,), plan=plan)
+
+
+class _DropoutOfViews(torch.nn.Module):
+    """Dropout on a transposed and on an expanded value: torch draws their masks in their memory order."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(16, 64), torch.nn.Linear(64, 16)
+        self.table = torch.nn.Parameter(torch.randn(8, 1, 16))
+
+    def forward(self, x):
+        b, t, d = x.shape
+        x = x + torch.nn.functional.dropout(self.table[:t].expand(t, b, d), 0.3).transpose(0, 1)
+        y = torch.nn.functional.dropout(self.up(x).transpose(1, 2), 0.3).transpose(1, 2)
+        return self.down(torch.relu(y))
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_dropout_of_transposed_and_expanded_values_is_exact(tp):
+    torch.manual_seed(0)
+    report = autotp.check(_DropoutOfViews(), tp=tp, example_inputs=(torch.randn(2, 8, 16),))
+    assert report.exact, str(report)

@@ -78,7 +78,11 @@ def _full_like(x: torch.Tensor, layout: Layout, tp: int) -> torch.Tensor:
     input gets a transposed mask): the same draw lands on the same elements only if the full-size
     stand-in has the same order.
     """
-    order = sorted(range(x.dim()), key=lambda d: (-x.stride(d), d))
+    if not isinstance(layout, Shard):
+        return torch.ones_like(x)  # exactly the layout torch's own empty_like(input) gives
+    # The order empty_like gives x (it makes an expanded or overlapping value dense in its own way), at full size.
+    like = torch.empty_like(x)
+    order = sorted(range(x.dim()), key=lambda d: (-like.stride(d), d))
     size = _full_size(x, layout, tp)
     stored = torch.ones([size[d] for d in order], dtype=x.dtype, device=x.device)
     return stored.permute([order.index(d) for d in range(x.dim())])
