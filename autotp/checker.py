@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import copy
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import fx, nn
@@ -68,7 +68,6 @@ class CheckReport:
     mismatch: Mismatch | None = None
     located: Mismatch | None = None
     """The first forward operation whose value differs, when the forward is at fault."""
-    notes: tuple[str, ...] = field(default_factory=tuple)
 
     @property
     def exact(self) -> bool:
@@ -208,7 +207,7 @@ def check(model: nn.Module, tp: int, example_inputs, pp: int = 1, plan: Plan | N
     ranks = _simulate(modules, comms, inputs, weights)
     read = frozenset(captured.aliases.get(captured.param_name(n.target), "")
                      for n in captured.graph.find_nodes(op="get_attr"))
-    report = CheckReport(tp=chosen.tp, plan=chosen, read=read, notes=chosen.notes)
+    report = CheckReport(tp=chosen.tp, plan=chosen, read=read)
     compare = _Compare(report)
     _compare_step(compare, chosen, captured, reference, ranks, ref_out, ref_loss)
     if not report.exact and report.mismatch.what in ("output", "loss"):

@@ -148,7 +148,7 @@ def run_entry(entry: Entry, tp: int, limit_s: int = 300) -> Result:
     except Exception as e:  # any failure to build or run is the entry's, not autotp's
         return Result(Status.NOT_BUILDABLE, notes=[_line(e)], seconds=time.perf_counter() - start)
     try:
-        with _time_limit(limit_s):
+        with _TimeLimit(limit_s):
             report = check(model, tp, inputs)
             used = {name: p.numel() for name, p in model.named_parameters() if name in report.read}
     except AutotpError as e:
@@ -190,12 +190,8 @@ def _line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[:300]}"
 
 
-class _TimeLimit(Exception):
-    pass
-
-
-class _time_limit:
-    """Raise in the main thread after ``seconds`` (a model that hangs must not stop the sweep)."""
+class _TimeLimit:
+    """Raise ``TimeoutError`` in the main thread after ``seconds`` (a model that hangs must not stop the sweep)."""
 
     def __init__(self, seconds: int):
         self.seconds = seconds
