@@ -18,6 +18,7 @@ import torch
 from torch import fx, nn
 from torch.utils._pytree import tree_leaves
 
+from autotp.api import param_shapes
 from autotp.capture import Captured, capture, model_kwargs
 from autotp.errors import AutotpError, InputError, InternalError
 from autotp.passes.analysis import Analysis
@@ -189,9 +190,8 @@ def check(model: nn.Module, tp: int, example_inputs, pp: int = 1, plan: Plan | N
         raise InputError("the one-process checker simulates tensor parallelism (pp=1); pipeline stages are "
                          "checked by the multi-process tests, which run the same stage splitter")
     captured = capture(model, example_inputs, training=True)
-    shapes = {name: tuple(p.shape) for name, p in model.named_parameters(remove_duplicate=False)}
     if plan is not None:
-        chosen = verify_plan(captured, check_plan_fits(plan, shapes, tp))
+        chosen = verify_plan(captured, check_plan_fits(plan, param_shapes(model), tp))
     else:
         chosen = make_plan(captured, tp)
     modules, comms = build_ranks(captured, chosen)
