@@ -206,7 +206,7 @@ def check(model: nn.Module, tp: int, example_inputs, pp: int = 1, plan: Plan | N
     ref_loss.backward()
     ranks = _simulate(modules, comms, inputs, weights)
     read = frozenset(captured.aliases.get(captured.param_name(n.target), "")
-                     for n in captured.graph.find_nodes(op="get_attr"))
+                     for n in captured.graph.find_nodes(op="get_attr") if n.users)
     report = CheckReport(tp=chosen.tp, plan=chosen, read=read)
     compare = _Compare(report)
     _compare_step(compare, chosen, captured, reference, ranks, ref_out, ref_loss)

@@ -1,7 +1,9 @@
-"""Find projections (matmuls against a 2-D weight parameter) and embedding lookups in a graph.
+"""Find projections (matmuls against a weight parameter) and embedding lookups in a graph.
 
 Found from the ops and their operands, not from module or parameter names: ``nn.Linear`` shows up
-as ``aten.linear``, Hugging Face's transposed ``Conv1D`` as ``aten.addmm`` with the weight last.
+as ``aten.linear``, Hugging Face's transposed ``Conv1D`` as ``aten.addmm`` with the weight last, a
+mixture-of-experts bank as a grouped matmul against a 3-D ``[experts, in, out]`` weight (each token's
+rows multiplied by its expert's matrix), which splits like a plain projection inside every expert.
 """
 
 from __future__ import annotations
@@ -32,11 +34,8 @@ class Projection:
     """Storage dim of the weight indexing output features (0 for nn.Linear, 1 for Conv1D)."""
     in_features: int
     out_features: int
-
-    @property
-    def in_dim(self) -> int:
-        """Storage dim of the weight indexing input features."""
-        return 1 - self.out_dim
+    in_dim: int
+    """Storage dim of the weight indexing input features (the other of the last two dims)."""
 
 
 @dataclass(frozen=True)
@@ -63,19 +62,33 @@ _PROJECTION_OPS = {
 }
 
 
+def _grouped_ops() -> dict:
+    """Grouped matmuls ``(x [tokens, in], W [experts, in, out], offsets)``: torch's and transformers' fallback
+    (registered only once transformers is imported, hence looked up when a graph is searched)."""
+    ops = {}
+    for namespace, name in (("aten", "_grouped_mm"), ("transformers", "grouped_mm_fallback")):
+        packet = getattr(getattr(torch.ops, namespace), name, None) if hasattr(torch.ops, namespace) else None
+        if packet is not None:
+            ops[packet.default] = (0, 1, None, 1)
+    return ops
+
+
 def _transposed_attr(node) -> str | None:
-    """The ``get_attr`` target if ``node`` is a 2-D parameter transposed (``W.t()``, as in ``x @ W.t()``)."""
+    """The ``get_attr`` target if ``node`` is a parameter with its last two dims swapped (``W.t()``, as in
+    ``x @ W.t()``, or ``W.transpose(-2, -1)`` of a 3-D expert bank)."""
     if not isinstance(node, fx.Node) or node.op != "call_function":
         return None
+    n = len(meta_val(node).shape)
+    last_two = {n - 2, n - 1}
     swaps = (node.target is aten.t.default
-             or (node.target is aten.transpose.int and {node.args[1] % 2, node.args[2] % 2} == {0, 1})
-             or (node.target is aten.permute.default and list(node.args[1]) in ([1, 0], [-1, -2])))
+             or (node.target is aten.transpose.int and {node.args[1] % n, node.args[2] % n} == last_two)
+             or (node.target is aten.permute.default and n == 2 and list(node.args[1]) in ([1, 0], [-1, -2])))
     return _attr(node.args[0]) if swaps else None
 
 
-def _projection(node: fx.Node) -> Projection | None:
-    """A Projection if ``node`` multiplies an activation by a 2-D parameter, else None."""
-    spec = _PROJECTION_OPS.get(node.target)
+def _projection(node: fx.Node, specs: dict) -> Projection | None:
+    """A Projection if ``node`` multiplies an activation by a parameter (2-D, or 3-D for a grouped matmul)."""
+    spec = specs.get(node.target)
     if spec is None or node.kwargs.get("beta", 1) != 1 or node.kwargs.get("alpha", 1) != 1:
         return None
     xi, wi, bi, out_dim = spec
@@ -83,26 +96,30 @@ def _projection(node: fx.Node) -> Projection | None:
         return None
     weight_node = node.args[wi]
     weight = _attr(weight_node)
+    ndim = 2 if node.target in _PROJECTION_OPS else 3
+    out_dim += ndim - 2
     if weight is None and _transposed_attr(weight_node) is not None:
         # x @ W.t(): the parameter's output features sit on the other storage dim.
-        weight, out_dim, weight_node = _transposed_attr(weight_node), 1 - out_dim, weight_node.args[0]
+        weight, out_dim, weight_node = _transposed_attr(weight_node), 2 * ndim - 3 - out_dim, weight_node.args[0]
     x = node.args[xi]
     if weight is None or not isinstance(x, fx.Node) or _attr(x) is not None:
         return None
     shape = meta_val(weight_node).shape
-    if len(shape) != 2:
+    if len(shape) != ndim:
         return None
+    in_dim = 2 * ndim - 3 - out_dim
     bias_node = node.args[bi] if bi is not None and len(node.args) > bi else None
     bias = _attr(bias_node)
     if bias_node is not None and bias is None:
         return None  # a computed bias: leave the op alone
     return Projection(node=node.name, input=x.name, weight=weight, bias=bias, out_dim=out_dim,
-                      in_features=int(shape[1 - out_dim]), out_features=int(shape[out_dim]))
+                      in_features=int(shape[in_dim]), out_features=int(shape[out_dim]), in_dim=in_dim)
 
 
 def find_projections(graph: fx.Graph) -> dict[str, Projection]:
     """Every projection in ``graph``, keyed by node name, in graph order."""
-    found = (_projection(n) for n in graph.nodes if n.op == "call_function")
+    specs = _PROJECTION_OPS | _grouped_ops()
+    found = (_projection(n, specs) for n in graph.nodes if n.op == "call_function")
     return {p.node: p for p in found if p is not None}
 
 

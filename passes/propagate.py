@@ -51,7 +51,7 @@ class Propagation:
     conversions: dict[tuple, Conversion] = field(default_factory=dict)
     reduced: dict[str, Operator] = field(default_factory=dict)
     """Nodes whose output is all-reduced: row-split projections (``G``), vocab-split embeddings
-    (``VOCAB_EMBEDDING``)."""
+    (``VOCAB_EMBEDDING``), sums and means over a split dim (``G``, ``MEAN``)."""
     rows: list[str] = field(default_factory=list)
     """Projections found to close a region (only with ``auto_rows``)."""
     fixes: list[tuple[str, ArgPath, object]] = field(default_factory=list)
@@ -168,6 +168,8 @@ class _Walker:
                 res.refusals.append((node.name, f"{node.target} writes in place to a value split across ranks"))
             self.convert(node, path, ins[path][0], ins[path][1], want)
         res.layouts[node.name] = decision.out
+        if decision.reduce is not None:
+            res.reduced[node.name] = decision.reduce
         res.fixes.extend((node.name, p, v) for p, v in decision.fixes.items())
         origins = frozenset().union(*(res.origins.get(n.name, frozenset()) for n, lay in ins.values()
                                       if isinstance(lay, (Shard, tuple))))

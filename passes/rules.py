@@ -17,7 +17,7 @@ from torch import fx
 
 from autotp.passes.graph import ArgPath, arg_or_default, is_tensor, meta_val, rank, sizes
 from autotp.passes.layout import Layout, Shard, broadcast_dim, map_reshape
-from autotp.passes.steps import COPY, Step
+from autotp.passes.steps import COPY, Operator, Step
 
 aten = torch.ops.aten
 
@@ -35,6 +35,8 @@ class Decision:
     """(size, what it counts): sizes that must divide by tp."""
     hint: tuple[int, ...] | None = None
     """Segment sizes the input would need to be split like (a fused projection seen by a split)."""
+    reduce: Operator | None = None
+    """The collective that completes the op's per-rank result (a sum over the split dim: ``G``)."""
 
 
 Inputs = dict  # ArgPath -> (input node, its layout)
@@ -205,18 +207,26 @@ def split(node: fx.Node, ins: Inputs, ctx: Context) -> Decision:
 
 def getitem(node: fx.Node, ins: Inputs, ctx: Context) -> Decision:
     """``out[i]`` of a multi-output op."""
-    source, lay = ins[(0,)]
+    lay = ins[(0,)][1] if (0,) in ins else None  # absent: a whole multi-output value
     return Decision(lay[node.args[1]] if isinstance(lay, tuple) else lay)
 
 
 @on_split_input
 def slice_(node: fx.Node, ins: Inputs, ctx: Context, x: fx.Node, lay: Shard) -> Decision:
-    """slice: fine off the shard dim, or when it keeps the whole shard dim."""
+    """slice: fine off the shard dim, or when it keeps the whole shard dim, or every ``step``-th element of
+    it (interleaved halves, ``x[..., ::2]``): each rank's part then holds its share of the result."""
     dim = _norm(arg_or_default(node, 1, "dim", 0), rank(x))
     start, end = arg_or_default(node, 2, "start", None), arg_or_default(node, 3, "end", None)
     step = arg_or_default(node, 4, "step", 1)
-    whole = start in (None, 0) and (end is None or (isinstance(end, int) and end >= lay.size)) and step == 1
-    return Decision(lay) if dim != lay.dim or whole else replicate_all(node, ins, ctx)
+    if dim != lay.dim:
+        return Decision(lay)
+    whole_range = end is None or (isinstance(end, int) and end >= lay.size)
+    if whole_range and (start or 0) == 0 and step == 1:
+        return Decision(lay)
+    if whole_range and isinstance(step, int) and 0 <= (start or 0) < step and all(s % step == 0 for s in lay.segments):
+        strided = Shard(dim, tuple(s // step for s in lay.segments))
+        return Decision(strided, checks=_checks(strided, f"every {step}th element along dim {dim}"))
+    return replicate_all(node, ins, ctx)
 
 
 @on_split_input
@@ -241,17 +251,39 @@ def cat(node: fx.Node, ins: Inputs, ctx: Context) -> Decision:
     return Decision(lay, wants=_join(node, ins, ctx, lay.dim, lay.segments))
 
 
+def stack(node: fx.Node, ins: Inputs, ctx: Context) -> Decision:
+    """stack into a new dim: the shard moves past it (interleaved rotary: ``stack((-x2, x1), -1).flatten(-2)``)."""
+    sharded = _sharded(ins)
+    if not sharded:
+        return Decision(None)
+    lays = {lay for _, _, lay in sharded}
+    if len(lays) != 1:
+        return replicate_all(node, ins, ctx)
+    lay = lays.pop()
+    dim = _norm(arg_or_default(node, 1, "dim", 0), rank(node))
+    wants = {p: lay for p, (n, have) in ins.items() if not isinstance(have, Shard)}  # same shapes: sliced alike
+    return Decision(lay.moved(lay.dim + (dim <= lay.dim)), wants=wants)
+
+
+_ACROSS_SHARDS = {aten.sum.dim_IntList: Operator.G, aten.mean.dim: Operator.MEAN}
+"""Reductions over the split dim that an all-reduce of the per-rank results completes (a norm's statistic:
+RMSNorm's mean of squares over all heads is the average of the ranks' means, every shard being equal)."""
+
+
 @on_split_input
 def reduction(node: fx.Node, ins: Inputs, ctx: Context, x: fx.Node, lay: Shard) -> Decision:
-    """sum/mean/amax/var over dims other than the shard dim."""
+    """sum/mean/amax/var/max over dims other than the shard dim; a sum or mean over it is all-reduced."""
     dims = arg_or_default(node, 1, "dim", None)
     if dims is None or dims == []:
         return replicate_all(node, ins, ctx)
     dims = [_norm(d, rank(x)) for d in ([dims] if isinstance(dims, int) else dims)]
     if lay.dim in dims:
+        if node.target in _ACROSS_SHARDS and ctx.tp > 1:
+            return Decision(None, reduce=_ACROSS_SHARDS[node.target])
         return replicate_all(node, ins, ctx)
     keepdim = node.kwargs.get("keepdim", node.args[2] if len(node.args) > 2 and isinstance(node.args[2], bool) else False)
-    return Decision(lay if keepdim else lay.moved(lay.dim - sum(d < lay.dim for d in dims)))
+    out = lay if keepdim else lay.moved(lay.dim - sum(d < lay.dim for d in dims))
+    return Decision((out, out) if _multi(node) else out)
 
 
 def batched_matmul(node: fx.Node, ins: Inputs, ctx: Context) -> Decision:
@@ -293,11 +325,12 @@ RULES = {
     aten.split.Tensor: split, aten.split_with_sizes.default: split, aten.chunk.default: split,
     aten.unbind.int: split,
     operator.getitem: getitem,
-    aten.slice.Tensor: slice_, aten.select.int: select, aten.cat.default: cat,
+    aten.slice.Tensor: slice_, aten.select.int: select, aten.cat.default: cat, aten.stack.default: stack,
     aten.softmax.int: along_dim, aten._softmax.default: along_dim, aten.log_softmax.int: along_dim,
     aten._log_softmax.default: along_dim, aten.cumsum.default: along_dim,
     aten.sum.dim_IntList: reduction, aten.mean.dim: reduction, aten.amax.default: reduction,
     aten.amin.default: reduction, aten.var.correction: reduction, aten.std.correction: reduction,
+    aten.max.dim: reduction, aten.min.dim: reduction,
     aten.matmul.default: batched_matmul, aten.bmm.default: batched_matmul,
     aten.scaled_dot_product_attention.default: attention,
     aten._assert_tensor_metadata.default: no_output,

@@ -29,6 +29,8 @@ class Operator(str, Enum):
     """Keep this rank's slice of a whole value: slice forward, all-gather of the gradient backward."""
     VOCAB_EMBEDDING = "vocab_embedding"
     """Sum the partial lookups of a vocabulary-split embedding: all-reduce forward."""
+    MEAN = "mean"
+    """Average the ranks' means over their shares of a split dim (a norm's statistic): all-reduce forward."""
 
 
 class CollectiveOp(str, Enum):
@@ -61,6 +63,7 @@ COMMUNICATION: dict[Operator, Communication] = {
     Operator.GATHER: Communication(CollectiveOp.ALL_GATHER, Direction.FORWARD, at_source=True),
     Operator.SCATTER: Communication(CollectiveOp.ALL_GATHER, Direction.BACKWARD, at_source=False),
     Operator.VOCAB_EMBEDDING: Communication(CollectiveOp.ALL_REDUCE, Direction.FORWARD, at_source=True),
+    Operator.MEAN: Communication(CollectiveOp.ALL_REDUCE, Direction.FORWARD, at_source=True),
 }
 
 

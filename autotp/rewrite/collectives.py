@@ -93,6 +93,13 @@ class ReduceFromTP(_Collective):
         return _Reduce.apply(x, self.comm)
 
 
+class MeanFromTP(_Collective):
+    """The mean over a split dim from the ranks' means over their equal shares: ``g``, then divide by tp."""
+
+    def forward(self, x):
+        return _Reduce.apply(x, self.comm) / self.comm.size
+
+
 class GatherFromTP(_Collective):
     """All-gather a value split along ``dim`` (in ``segments``); backward keeps this rank's slice."""
 
@@ -119,6 +126,7 @@ IMPLEMENTATIONS: dict[Operator, Callable[[Communicator, Shard | None], nn.Module
     Operator.F: lambda comm, shard: CopyToTP(comm),
     Operator.G: lambda comm, shard: ReduceFromTP(comm),
     Operator.VOCAB_EMBEDDING: lambda comm, shard: ReduceFromTP(comm),
+    Operator.MEAN: lambda comm, shard: MeanFromTP(comm),
     Operator.GATHER: lambda comm, shard: GatherFromTP(comm, shard.dim, shard.segments),
     Operator.SCATTER: lambda comm, shard: ScatterToTP(comm, shard.dim, shard.segments),
 }

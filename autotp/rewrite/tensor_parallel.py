@@ -123,8 +123,10 @@ class _Surgeon:
             node = self.nodes[name]
             if operator is Operator.VOCAB_EMBEDDING:
                 self.embedding(node, self.analysis.embeddings[name].num_embeddings)
-            else:
+            elif name in self.analysis.projections:
                 self.row(node, self.analysis.projections[name])
+            else:
+                self.reduce_after(node, operator, None)  # a sum or mean over a split dim
         self.graph.lint()
         self.gm.recompile()
 

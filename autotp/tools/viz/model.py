@@ -105,7 +105,7 @@ def _collective_text(c: Collective, batch: int, seq: int) -> tuple[str, str]:
 _SITS_AT = {Operator.F: (PlacementKind.VOCAB, PlacementKind.COLWISE),
             Operator.SCATTER: (PlacementKind.VOCAB, PlacementKind.COLWISE),
             Operator.G: (PlacementKind.ROWWISE,), Operator.VOCAB_EMBEDDING: (PlacementKind.VOCAB,),
-            Operator.GATHER: (PlacementKind.VOCAB,)}
+            Operator.GATHER: (PlacementKind.VOCAB,), Operator.MEAN: (PlacementKind.COLWISE,)}
 """The placements of the boxes each Megatron operator sits at, the likelier first."""
 
 
