@@ -10,7 +10,7 @@ from datetime import timedelta
 import torch
 from torch import nn
 
-from autotp.capture import Captured, capture
+from autotp.capture import Captured, ExampleInputs, capture, example_inputs_of
 from autotp.errors import InputError
 from autotp.options import Balance, Schedule
 from autotp.passes.analysis import Analysis
@@ -51,17 +51,27 @@ def _choice(kind, name: str, value):
         raise InputError(f"{name} must be one of {[c.value for c in kind]}, got {value!r}") from e
 
 
-def plan(model: nn.Module, tp: int, example_inputs, pp: int = 1, balance: str = "both", batch: int | None = None,
-         seq: int | None = None, cuts=(), virtual_stages: int = 1) -> Plan:
+def with_input_note(chosen: Plan, example: ExampleInputs) -> Plan:
+    """``chosen``, noting that its example inputs were synthesised (the plan was made from guessed inputs)."""
+    return chosen.replace(notes=(*chosen.notes, example.synthesised)) if example.synthesised else chosen
+
+
+def plan(model: nn.Module, tp: int, example_inputs=None, pp: int = 1, balance: str = "both",
+         batch: int | None = None, seq: int | None = None, cuts=(), virtual_stages: int = 1) -> Plan:
     """The plan for ``model`` at ``tp`` tensor- and ``pp`` pipeline-parallel ranks, with no process group.
 
+    ``example_inputs`` is what the model is captured on: a tensor, a tuple of positional tensors, or a dict of
+    keyword tensors (``{"input_ids": ids, "attention_mask": mask}``); left out, token ids are synthesised from
+    the model's vocabulary (``config.vocab_size``, else its largest embedding) and the plan's notes say so.
     Stage costs are evaluated at ``batch``/``seq`` (default: the example's); ``cuts`` names modules that
     must start a stage; ``virtual_stages`` > 1 plans pp × virtual_stages stages (interleaved schedules).
     """
     tp, pp = _check_positive("tp", tp), _check_positive("pp", pp)
     stages = pp * _check_positive("virtual_stages", virtual_stages)
-    return make_plan(capture(model, example_inputs), tp, pp=pp, balance=_choice(Balance, "balance", balance), batch=batch, seq=seq,
-                     cuts=tuple(cuts), stages=stages)
+    example = example_inputs_of(model, example_inputs)
+    chosen = make_plan(capture(model, example), tp, pp=pp, balance=_choice(Balance, "balance", balance), batch=batch,
+                       seq=seq, cuts=tuple(cuts), stages=stages)
+    return with_input_note(chosen, example)
 
 
 def parallelize(model: nn.Module, tp: int | None = None, example_inputs=None, pp: int | None = None,
@@ -70,6 +80,10 @@ def parallelize(model: nn.Module, tp: int | None = None, example_inputs=None, pp
                 virtual_stages: int | None = None, timeout: float | timedelta | None = None):
     """This rank's piece of ``model``, tensor-parallel over ``tp`` ranks and pipelined over ``pp``.
 
+    ``example_inputs`` are as for ``plan`` (a tensor, a tuple, a dict of keyword tensors, or left out for
+    synthesised token ids); the module then takes the same inputs, positionally or by name
+    (``pm(input_ids=ids, attention_mask=mask)``), and ``pm.step(..., labels=labels)`` trains on the model's
+    own loss when labels were among the example inputs (tensor parallelism only).
     The model itself is left untouched; every rank's shards come from the first rank's copy. Uses
     ``group`` if given (pp == 1 only), else the default process group, initialised from torchrun's
     environment when needed (``timeout``, seconds, bounds how long a collective waits for the other ranks;
@@ -80,9 +94,6 @@ def parallelize(model: nn.Module, tp: int | None = None, example_inputs=None, pp
     """
     if plan is not None and isinstance(plan, Plan):
         tp, pp = tp or plan.tp, pp or plan.pp
-    if example_inputs is None:
-        raise InputError("example_inputs is required: the model is captured by running it on them, "
-                         "e.g. example_inputs=(input_ids,)")
     tp, pp = _check_positive("tp", tp), _check_positive("pp", pp or 1)
     sched = _choice(Schedule, "schedule", schedule)
     default_virtual = 2 if sched is Schedule.INTERLEAVED_1F1B else 1
@@ -91,17 +102,18 @@ def parallelize(model: nn.Module, tp: int | None = None, example_inputs=None, pp
     virtual = _check_positive("virtual_stages", virtual_stages or default_virtual)
     if pp > 1 and group is not None:
         raise InputError("pp > 1 lays ranks out on a (pp x tp) mesh over the default process group; do not pass group")
+    example = example_inputs_of(model, example_inputs)
     _check_materialised(model)
     distributed = ensure_process_group(tp * pp, timeout)
     check_world(group, distributed, tp, pp)
-    graphs = {mode: capture(model, example_inputs, training=mode) for mode in (True, False)}
+    graphs = {mode: capture(model, example, training=mode) for mode in (True, False)}
     captured = graphs[True]
     stages = pp * virtual
     if plan is not None:
         chosen = verify_plan(captured, check_plan_fits(plan, param_shapes(model), tp, pp, stages))
     else:
-        chosen = make_plan(captured, tp, pp=pp, balance=_choice(Balance, "balance", balance), cuts=tuple(cuts),
-                           stages=stages)
+        chosen = with_input_note(make_plan(captured, tp, pp=pp, balance=_choice(Balance, "balance", balance),
+                                           cuts=tuple(cuts), stages=stages), example)
     check_same_plan(chosen, group, distributed)
     if pp == 1:
         return _tensor_parallel(model, graphs, chosen, group, distributed)
@@ -139,7 +151,7 @@ def _tensor_parallel(model: nn.Module, graphs: dict[bool, Captured], chosen: Pla
         for gm in modules.values():
             gm.to(device)  # NCCL communicates GPU tensors; inputs must then be on this device too
     return ParallelModule(modules, chosen, comm, state_names(model, graphs[True], modules.values()), stream,
-                          InputSpec.of(graphs[True].graph), model.training)
+                          InputSpec.of(graphs[True]), model.training)
 
 
 def _pipeline_parallel(model: nn.Module, graphs: dict[bool, Captured], chosen: Plan, sched: Schedule,
@@ -160,4 +172,4 @@ def _pipeline_parallel(model: nn.Module, graphs: dict[bool, Captured], chosen: P
             materialise(g, captured, chosen, mesh.tp_rank, made, source)
             g.to(device)
     return PipelineModule(stages, chosen, mesh, names, graphs[True].out_spec, tied, sched, microbatches, comm, stream,
-                          InputSpec.of(graphs[True].graph), model.training)
+                          InputSpec.of(graphs[True]), model.training)

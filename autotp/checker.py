@@ -18,8 +18,8 @@ import torch
 from torch import fx, nn
 from torch.utils._pytree import tree_leaves
 
-from autotp.api import param_shapes
-from autotp.capture import Captured, capture, model_kwargs
+from autotp.api import param_shapes, with_input_note
+from autotp.capture import Captured, capture, example_inputs_of, model_kwargs
 from autotp.errors import AutotpError, InputError, InternalError
 from autotp.passes.analysis import Analysis
 from autotp.passes.layout import Shard
@@ -181,27 +181,30 @@ def build_ranks(captured: Captured, plan: Plan, seed: int = SEED) -> tuple[list[
     return modules, comms
 
 
-def check(model: nn.Module, tp: int, example_inputs, pp: int = 1, plan: Plan | None = None,
+def check(model: nn.Module, tp: int, example_inputs=None, pp: int = 1, plan: Plan | None = None,
           modules_hook=None) -> CheckReport:
     """Simulate every rank of ``plan`` (default: autotp's plan at ``tp``) in this process and compare one
-    training step with the unsharded model. ``modules_hook(modules, comms)`` may alter the rank modules
-    before they run (the tests inject faults this way). The model is not changed."""
+    training step with the unsharded model. ``example_inputs`` are as for ``autotp.plan`` (a tensor, a tuple,
+    a dict of keyword tensors such as ``input_ids``, ``attention_mask`` and ``labels``, or left out for
+    synthesised token ids). ``modules_hook(modules, comms)`` may alter the rank modules before they run (the
+    tests inject faults this way). The model is not changed."""
     if pp != 1:
         raise InputError("the one-process checker simulates tensor parallelism (pp=1); pipeline stages are "
                          "checked by the multi-process tests, which run the same stage splitter")
-    captured = capture(model, example_inputs, training=True)
+    example = example_inputs_of(model, example_inputs)
+    captured = capture(model, example, training=True)
     if plan is not None:
         chosen = verify_plan(captured, check_plan_fits(plan, param_shapes(model), tp))
     else:
-        chosen = make_plan(captured, tp)
+        chosen = with_input_note(make_plan(captured, tp), example)
     modules, comms = build_ranks(captured, chosen)
     if modules_hook is not None:
         modules_hook(modules, comms)
     reference = copy.deepcopy(model).train()
-    inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    inputs = example.flat
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(SEED)
-        ref_out = reference(*inputs, **model_kwargs(model))
+        ref_out = example.call(reference, model_kwargs(model))
     ref_loss, weights = _loss(ref_out)
     ref_loss.backward()
     ranks = _simulate(modules, comms, inputs, weights)

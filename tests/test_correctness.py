@@ -46,8 +46,9 @@ def test_inputs_longer_than_the_capture_allows(single):
 def test_float_token_ids_and_keyword_inputs(single):
     with pytest.raises(autotp.InputError, match="captured with a 2-d torch.int64"):
         single(X.float())
-    with pytest.raises(autotp.InputError, match="pass the inputs positionally.*input_ids"):
+    with pytest.raises(autotp.InputError, match="input_ids=, which the model's forward does not take; it takes idx"):
         single(input_ids=X)
+    assert torch.equal(single(idx=X), single(X))  # an input passed by its name is the same input
 
 
 @pytest.mark.parametrize("loss_fn, message", [

@@ -1,8 +1,11 @@
 """Capture: an unmodified nn.Module as a torch.fx graph, with its module and parameter names kept.
 
-The first stage of autotp; ``torch_private`` holds every private torch API autotp relies on.
+The first stage of autotp; ``inputs`` names, orders and synthesises the inputs a model is captured with;
+``torch_private`` holds every private torch API autotp relies on.
 """
 
-from autotp.capture.export import Captured, capture, model_kwargs, normalise_inputs, tensor_aliases
+from autotp.capture.export import Captured, capture, model_kwargs, tensor_aliases
+from autotp.capture.inputs import ExampleInputs, Signature, example_inputs_of, name_inputs, synthesise, vocab_size
 
-__all__ = ["Captured", "capture", "model_kwargs", "normalise_inputs", "tensor_aliases"]
+__all__ = ["Captured", "ExampleInputs", "Signature", "capture", "example_inputs_of", "model_kwargs", "name_inputs",
+           "synthesise", "tensor_aliases", "vocab_size"]

@@ -17,23 +17,29 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx, nn
 
+from autotp.capture.inputs import ExampleInputs, Signature, example_inputs_of, require_module
 from autotp.capture.torch_private import mutated_args, output_spec, plain_sizes
-from autotp.errors import CaptureError, InputError
+from autotp.errors import CaptureError
 from autotp.passes.graph import MUTATES_META, SHAPE_META
 
 _WRAPPER_PREFIX = "model."
 
 
 class _CaptureWrapper(nn.Module):
-    """Calls the user's model with fixed keyword arguments (``use_cache=False``) without touching it."""
+    """Calls the user's model as the example does (positional, then keyword inputs) plus fixed keyword
+    arguments (``use_cache=False``), without touching it. It takes every input flat and positional, so the
+    graph's placeholders are the inputs in one fixed order, whatever mix of positional and keyword they were."""
 
-    def __init__(self, model: nn.Module, fixed_kwargs: dict):
+    def __init__(self, model: nn.Module, example: ExampleInputs, fixed_kwargs: dict):
         super().__init__()
         self.model = model
+        self.positional = len(example.args)
+        self.keywords = tuple(name for name, _ in example.kwargs)
         self.fixed_kwargs = fixed_kwargs
 
-    def forward(self, *args):
-        return self.model(*args, **self.fixed_kwargs)
+    def forward(self, *flat):
+        kwargs = dict(zip(self.keywords, flat[self.positional:]))
+        return self.model(*flat[:self.positional], **kwargs, **self.fixed_kwargs)
 
 
 @dataclass
@@ -56,6 +62,10 @@ class Captured:
     """Symbol of each dynamic input size -> its value in the example inputs."""
     training: bool = True
     """Whether the graph is the model's train-mode graph (dropout applied) or its eval-mode one."""
+    input_names: tuple[str, ...] = ()
+    """The name of each graph input (the forward parameter it binds to), in placeholder order."""
+    signature: Signature | None = None
+    """What the model's forward accepts, to name the inputs of a later call."""
 
     @property
     def graph(self) -> fx.Graph:
@@ -85,21 +95,6 @@ class Captured:
         if path == "model":
             return ""
         return path[len(_WRAPPER_PREFIX):] if path.startswith(_WRAPPER_PREFIX) else path
-
-
-def normalise_inputs(example_inputs) -> tuple[torch.Tensor, ...]:
-    """Check and tuple-ify the example inputs; raise ``InputError`` naming the bad one."""
-    if isinstance(example_inputs, torch.Tensor):
-        example_inputs = (example_inputs,)
-    if not isinstance(example_inputs, (tuple, list)) or not example_inputs:
-        raise InputError(
-            f"example_inputs must be a tensor or a non-empty tuple of tensors, got {type(example_inputs).__name__}; "
-            "pass example_inputs=(input_ids,)")
-    for i, x in enumerate(example_inputs):
-        if not isinstance(x, torch.Tensor):
-            raise InputError(f"example_inputs[{i}] is a {type(x).__name__}, not a torch.Tensor; "
-                             "pass the tensors the model's forward takes, e.g. example_inputs=(input_ids,)")
-    return tuple(example_inputs)
 
 
 def model_kwargs(model: nn.Module) -> dict:
@@ -240,14 +235,15 @@ def _in_mode(model: nn.Module, training: bool | None):
 def capture(model: nn.Module, example_inputs, training: bool | None = None) -> Captured:
     """Capture ``model`` on ``example_inputs`` with torch.export (dynamic sizes, then static).
 
-    ``training`` captures the graph the model runs in train (True) or eval (False) mode; None, the mode it
-    is in. The model is left as it was: a wrapper passes ``use_cache=False`` to models that take it, and
-    the modules' modes are restored.
+    ``example_inputs`` is a tensor, a tuple of positional tensors, a dict of keyword tensors, an
+    ``ExampleInputs``, or None (token ids are synthesised; see ``capture.inputs``). ``training`` captures the
+    graph the model runs in train (True) or eval (False) mode; None, the mode it is in. The model is left as
+    it was: a wrapper passes ``use_cache=False`` to models that take it, and the modules' modes are restored.
     """
-    if not isinstance(model, nn.Module):
-        raise InputError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    inputs = normalise_inputs(example_inputs)
-    wrapper = _CaptureWrapper(model, model_kwargs(model))
+    require_module(model)
+    example = example_inputs_of(model, example_inputs)
+    inputs = example.flat
+    wrapper = _CaptureWrapper(model, example, model_kwargs(model))
     errors = []
     for dynamic in (True, False):
         try:
@@ -259,15 +255,19 @@ def capture(model: nn.Module, example_inputs, training: bool | None = None) -> C
     else:
         _, err = errors[-1]
         first_line = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        made = (" No example_inputs were given, so the model ran on synthesised token ids, which it may not take; "
+                "pass its inputs as example_inputs." if example.synthesised else "")
         raise CaptureError(
             f"could not capture {type(model).__name__}: torch.export.export(strict=False) failed with dynamic and "
             f"with static shapes; the static attempt said: {type(err).__name__}: {first_line} (at {_user_frame(err)}). "
             "Make the forward traceable (no data-dependent Python control flow on tensor values, no .item()), "
-            "or pass example_inputs the forward accepts positionally.") from err
+            f"or pass example_inputs the forward accepts (a tuple of positional tensors or a dict of keyword ones).{made}"
+        ) from err
     aliases = tensor_aliases(model)
     _merge_tied_reads(gm, aliases)
     _record_facts(gm)
     return Captured(module=gm, model_name=type(model).__name__, state_keys=tuple(model.state_dict().keys()),
                     aliases=aliases, dim_names=_dim_names(gm), example_sizes=_example_sizes(gm, inputs),
                     param_names=tuple(n for n, _ in model.named_parameters(remove_duplicate=False)),
-                    training=model.training if training is None else training)
+                    training=model.training if training is None else training, input_names=example.names,
+                    signature=Signature.of(model))

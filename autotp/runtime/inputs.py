@@ -1,7 +1,9 @@
-"""What a parallel module accepts: the inputs the model was captured with, checked before they run.
+"""What a parallel module accepts: the inputs the model was captured with, by name, checked before they run.
 
-A wrong input inside the rank graph would surface as a raw torch error (or a failed export guard) in
-the middle of a forward; here it becomes an ``InputError`` saying what was expected.
+A call may pass each input positionally or by keyword, as the original model's forward allows; they are put
+in the captured graph's order here. A wrong input inside the rank graph would surface as a raw torch error
+(or a failed export guard) in the middle of a forward; here it becomes an ``InputError`` saying what was
+expected.
 """
 
 from __future__ import annotations
@@ -11,46 +13,49 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
+from autotp.capture import Captured, Signature, name_inputs
 from autotp.errors import InputError
 
 
 @dataclass(frozen=True)
 class InputSpec:
-    """The model inputs a rank graph takes: their names (as captured), dtypes and numbers of dims."""
+    """The model inputs a rank graph takes: their names, dtypes and numbers of dims, in the graph's order."""
 
     names: tuple[str, ...]
     dtypes: tuple[torch.dtype, ...]
     dims: tuple[int, ...]
+    signature: Signature
+    """The original forward's parameters, which name the inputs of a call."""
 
     @classmethod
-    def of(cls, graph: fx.Graph) -> InputSpec:
-        """The spec of a captured graph's inputs."""
-        values = [n.meta.get("val") for n in graph.find_nodes(op="placeholder")]
-        return cls(tuple(n.name for n in graph.find_nodes(op="placeholder")),
-                   tuple(v.dtype for v in values), tuple(v.dim() for v in values))
+    def of(cls, captured: Captured) -> InputSpec:
+        """The spec of a captured model's inputs."""
+        values = [n.meta.get("val") for n in captured.graph.find_nodes(op="placeholder")]
+        return cls(captured.input_names, tuple(v.dtype for v in values), tuple(v.dim() for v in values),
+                   captured.signature)
 
-    def check(self, inputs: tuple, kwargs: dict) -> None:
-        """Raise ``InputError`` naming the first input that does not fit."""
-        if kwargs:
-            raise InputError(f"pass the inputs positionally, in the order of example_inputs ({len(self.names)} "
-                             f"tensor(s)); got keyword argument(s) {', '.join(sorted(kwargs))}")
-        if len(inputs) != len(self.names):
-            raise InputError(f"the model was captured with {len(self.names)} input tensor(s) but got {len(inputs)}; "
-                             "pass the same inputs as example_inputs, in the same order")
-        for i, (x, dtype, dims) in enumerate(zip(inputs, self.dtypes, self.dims)):
-            if not isinstance(x, torch.Tensor):
-                raise InputError(f"input {i} is a {type(x).__name__}, not a tensor")
-            if x.is_floating_point() != dtype.is_floating_point or x.dim() != dims:
-                raise InputError(f"input {i} is a {x.dim()}-d {x.dtype} tensor but the model was captured with a "
-                                 f"{dims}-d {dtype} one (token ids are integers); pass inputs like example_inputs")
-            if x.is_meta:
-                raise InputError(f"input {i} is on the meta device (it has no values); pass real tensors")
+    def arrange(self, args: tuple, kwargs: dict) -> tuple[torch.Tensor, ...]:
+        """The call's inputs in the graph's order; ``InputError`` names the first that is missing, extra or
+        does not fit."""
+        named = name_inputs(self.signature, args, kwargs)
+        extra = [name for name in named if name not in self.names]
+        if extra:
+            raise InputError(f"{extra[0]} is not an input the model was captured with (it was captured with "
+                             f"{', '.join(self.names)}); {_capture_hint(extra[0])}")
+        missing = [name for name in self.names if name not in named]
+        if missing:
+            raise InputError(f"input {missing[0]} is missing: the model was captured with {', '.join(self.names)}; "
+                             "pass the same inputs as example_inputs (positionally or by name)")
+        flat = tuple(named[name] for name in self.names)
+        for name, x, dtype, dims in zip(self.names, flat, self.dtypes, self.dims):
+            _check_one(name, x, dtype, dims)
+        return flat
 
-    def run(self, module: fx.GraphModule, inputs: tuple, kwargs: dict):
-        """``module(*inputs)`` after checking them; a failed capture guard becomes an ``InputError``."""
-        self.check(inputs, kwargs)
+    def run(self, module: fx.GraphModule, args: tuple, kwargs: dict):
+        """``module`` on the call's inputs, after checking them; a failed capture guard becomes an ``InputError``."""
+        flat = self.arrange(args, kwargs)
         try:
-            return module(*inputs)
+            return module(*flat)
         except AssertionError as e:
             if "Guard failed" not in str(e):
                 raise
@@ -59,3 +64,21 @@ class InputSpec:
                              "capture keeps sizes dynamic only within the bounds the model's code allows (a "
                              "position table, a cached mask): use shorter inputs, or capture with example_inputs "
                              "of the longest size you will use") from e
+
+
+def _capture_hint(name: str) -> str:
+    """How to make ``name`` an input: the graph is fixed at capture, so it must be in the example."""
+    if name == "labels":
+        return ("to train on the model's own loss, capture with labels too, e.g. "
+                "example_inputs={'input_ids': ids, 'labels': ids}; or pass target= to step instead")
+    return f"capture with it among the example inputs (example_inputs={{..., '{name}': ...}}), or leave it out"
+
+
+def _check_one(name: str, x, dtype: torch.dtype, dims: int) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise InputError(f"input {name} is a {type(x).__name__}, not a tensor")
+    if x.is_floating_point() != dtype.is_floating_point or x.dim() != dims:
+        raise InputError(f"input {name} is a {x.dim()}-d {x.dtype} tensor but the model was captured with a "
+                         f"{dims}-d {dtype} one (token ids are integers); pass inputs like example_inputs")
+    if x.is_meta:
+        raise InputError(f"input {name} is on the meta device (it has no values); pass real tensors")

@@ -70,6 +70,19 @@ def tied_groups(stage_graphs: list[fx.GraphModule], mesh: Mesh) -> dict[str, obj
     return groups
 
 
+def _refuse_own_loss(target, kwargs: dict) -> None:
+    """Pipelines train on ``loss_fn(output, target)`` only. A model's own loss (``labels=``) is a mean over
+    the tokens each microbatch leaves unmasked; the mean of those means is not the batch's mean when the
+    microbatches hold different numbers of unmasked tokens, so it would not be exact."""
+    if "labels" in kwargs:
+        raise InputError("labels= (the model's own loss) is not supported with pipeline parallelism (pp > 1): the "
+                         "loss is computed per microbatch, and a mean over each microbatch's unmasked tokens does "
+                         "not average to the batch's; pass target= (and loss_fn) instead, or use pp=1")
+    if target is None:
+        raise InputError("step needs target= with pipeline parallelism (the last stage computes "
+                         "loss_fn(output, target) per microbatch; default loss_fn: cross-entropy of the logits)")
+
+
 class PipelineModule(nn.Module):
     """This rank's stages of a tensor- and pipeline-parallel model.
 
@@ -122,13 +135,16 @@ class PipelineModule(nn.Module):
             raise InputError(f"batch size {batch} is not divisible by microbatches={self.microbatches}; "
                              "use a batch that is a multiple of it, or change microbatches")
 
-    def step(self, *inputs, target: torch.Tensor, loss_fn: Callable | None = None) -> torch.Tensor:
+    def step(self, *inputs, target: torch.Tensor | None = None, loss_fn: Callable | None = None,
+             **kwargs) -> torch.Tensor:
         """Forward and backward over the microbatches; returns the full-batch loss on every rank.
 
-        The loss is the mean of the microbatch losses (equal sizes): exact for mean-reduced losses,
-        matching the gradients, which the schedule averages over microbatches.
+        The inputs may be positional or keyword, as the model takes them. The loss is the mean of the
+        microbatch losses (equal sizes): exact for mean-reduced losses, matching the gradients, which the
+        schedule averages over microbatches. ``target`` is required: see ``_refuse_own_loss``.
         """
-        self._inputs.check(inputs, {})
+        _refuse_own_loss(target, kwargs)
+        inputs = self._inputs.arrange(inputs, kwargs)
         self._check_batch(inputs)
         self._loss_fn = loss_fn or default_loss
         if self._schedule is None:
@@ -158,7 +174,7 @@ class PipelineModule(nn.Module):
     @torch.no_grad()
     def forward(self, *inputs, **kwargs):
         """The model's output (without autograd history), on every rank; runs the stages in turn."""
-        self._inputs.check(inputs, kwargs)
+        inputs = self._inputs.arrange(inputs, kwargs)
         stages = self.stages if self.training else self.eval_stages
         hidden = None
         outputs = None

@@ -30,6 +30,28 @@ def default_loss(output, target: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
 
 
+def model_loss(output) -> torch.Tensor | None:
+    """The loss the model computed itself (a Hugging Face model given ``labels``: ``output.loss``), or None."""
+    if isinstance(output, dict):
+        return output.get("loss")
+    return getattr(output, "loss", None)
+
+
+def step_loss(output, target: torch.Tensor | None, loss_fn: Callable | None) -> torch.Tensor:
+    """The loss ``step`` trains on: ``loss_fn`` (default: cross-entropy) against ``target`` when given, else the
+    model's own loss (computed from ``labels`` inside the model)."""
+    if target is not None:
+        return checked_loss((loss_fn or default_loss)(output, target))
+    if loss_fn is not None:
+        raise InputError("loss_fn is called as loss_fn(output, target), but no target= was given; pass target=")
+    loss = model_loss(output)
+    if loss is None:
+        raise InputError("step needs a loss: pass target= (with the default cross-entropy or your loss_fn), or "
+                         "labels= to a model that computes its own loss (a Hugging Face model's output.loss); "
+                         "this model's output has no loss")
+    return checked_loss(loss)
+
+
 def checked_loss(loss) -> torch.Tensor:
     """A loss function's result, which must be a scalar tensor with a gradient to follow."""
     if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
@@ -112,9 +134,16 @@ class ParallelModule(nn.Module):
         """The original model's output, identical on every rank."""
         return self._inputs.run(self._graph(), inputs, kwargs)
 
-    def step(self, *inputs, target: torch.Tensor, loss_fn: Callable | None = None) -> torch.Tensor:
-        """Forward and backward on ``inputs``; returns the (detached) loss. Gradients land in ``parameters()``."""
-        loss = checked_loss((loss_fn or default_loss)(self(*inputs), target))
+    def step(self, *inputs, target: torch.Tensor | None = None, loss_fn: Callable | None = None,
+             **kwargs) -> torch.Tensor:
+        """Forward and backward on the inputs (positional or keyword, as the model takes them); returns the
+        (detached) loss. Gradients land in ``parameters()``.
+
+        The loss is ``loss_fn(output, target)`` (default: cross-entropy of the logits) when ``target`` is
+        given; else the model's own (``output.loss``, which a Hugging Face model computes when the inputs
+        include ``labels=``; the model must have been captured with labels among its example inputs).
+        """
+        loss = step_loss(self(*inputs, **kwargs), target, loss_fn)
         loss.backward()
         return loss.detach()
 

@@ -30,6 +30,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
+# The example sizes and the vocabulary guess live with capture (autotp.plan synthesises the same ids);
+# they are imported here too because the zoo reads them from this module.
+from autotp.capture.inputs import EXAMPLE_BATCH, EXAMPLE_SEQ, synthesise, vocab_size  # noqa: F401
 from autotp.errors import InputError
 
 SPEC_FORMS = "path/to/file.py:factory, package.module:factory, hf:<model_type> or hf:path/to/config.json"
@@ -46,8 +49,6 @@ SMALL_HF = {
 """The small config ``hf:<model_type>`` starts from (fields the architecture has), before ``--set``.
 Four heads and two KV heads keep tp in {1, 2, 4} valid; head_dim is hidden_size / heads."""
 
-EXAMPLE_BATCH = 2
-EXAMPLE_SEQ = 32
 """Shape of the token ids the model is captured with; capture keeps batch and sequence dynamic, so
 the plan holds at any size and costs are evaluated at ``--batch``/``--seq`` instead."""
 
@@ -339,21 +340,7 @@ def build_model(spec: ModelSpec, weights: bool = False) -> nn.Module:
             return _call_factory(_resolve(module, spec.attr, spec.target), spec)
 
 
-def vocab_size(model: nn.Module) -> int:
-    """The model's vocabulary: ``config.vocab_size``, else the largest ``nn.Embedding``."""
-    size = getattr(getattr(model, "config", None), "vocab_size", None)
-    if isinstance(size, int) and size > 0:
-        return size
-    embeddings = [m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)]
-    if embeddings:
-        return max(embeddings)
-    raise InputError(f"cannot tell the vocabulary size of {type(model).__name__} (no config.vocab_size and no "
-                     "nn.Embedding); pass it with --vocab N")
-
-
 def example_inputs(model: nn.Module, vocab: int | None = None) -> tuple[torch.Tensor]:
-    """Token ids to capture ``model`` with, on the device its parameters live on (meta for ``hf:``)."""
-    vocab = vocab or vocab_size(model)
-    device = next((p.device for p in model.parameters()), torch.device("cpu"))
-    ids = torch.randint(0, vocab, (EXAMPLE_BATCH, EXAMPLE_SEQ), generator=torch.Generator().manual_seed(0))
-    return (ids.to(device),)
+    """Token ids to capture ``model`` with, on the device its parameters live on (meta for ``hf:``): the ids
+    ``autotp.plan`` synthesises when given no inputs (``--vocab`` overrides the model's vocabulary)."""
+    return synthesise(model, vocab).flat
