@@ -92,6 +92,14 @@ def _steps(have: Layout, want: Layout | Step) -> tuple[Step, ...]:
     return tuple(steps)
 
 
+def _finer(a: tuple[int, ...] | None, b: tuple[int, ...]) -> tuple[int, ...]:
+    """Segments cut at the boundaries of both ``a`` and ``b`` (two slices of one fused output: Q, then K)."""
+    if a is None or sum(a) != sum(b):
+        return b
+    cuts = sorted({sum(a[:i]) for i in range(len(a) + 1)} | {sum(b[:i]) for i in range(len(b) + 1)})
+    return tuple(y - x for x, y in zip(cuts, cuts[1:]))
+
+
 class _Walker:
     """One propagation run (state for the walk; the result is ``self.result``)."""
 
@@ -182,7 +190,7 @@ class _Walker:
             if size % self.ctx.tp:
                 res.violations.append(Violation(node.name, size, what, origins))
         if decision.hint is not None and origins:
-            res.hints[origins] = decision.hint
+            res.hints[origins] = _finer(res.hints.get(origins), decision.hint)
 
     def decide(self, node: fx.Node, ins: dict) -> Decision:
         proj = self.projections.get(node.name)
@@ -191,7 +199,10 @@ class _Walker:
             if role is not None:
                 return self.projection(node, proj, role)
         emb = self.embeddings.get(node.name)
-        if emb is not None and isinstance(self.param_layouts.get(emb.weight), Shard):
+        table = self.param_layouts.get(emb.weight) if emb is not None else None
+        if isinstance(table, Shard) and table.dim == 1:  # a per-head table (relative position bias)
+            return Decision(Shard(rank(node) - 1, table.segments), wants={(1,): None})
+        if isinstance(table, Shard):
             self.result.reduced[node.name] = Operator.VOCAB_EMBEDDING
             return Decision(None, wants={(1,): None},
                             checks=[(emb.num_embeddings, "vocabulary size")])

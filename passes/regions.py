@@ -18,7 +18,9 @@ from torch import fx
 from autotp.passes.graph import grad_nodes
 from autotp.passes.layout import Shard
 from autotp.passes.projections import Projection
+from autotp.passes import rules
 from autotp.passes.propagate import GraphIndex, Propagation, Violation, propagate
+from autotp.passes.rules import rule_for
 from autotp.passes.steps import Operator
 
 aten = torch.ops.aten
@@ -94,16 +96,22 @@ class _RegionFinder:
         self.nodes = {n.name: n for n in graph.nodes}
         self.grad = grad_nodes(graph, trainable)
         self.index = GraphIndex.of(graph)
+        self.claimed: set[str] = set()
 
-    def attempt(self, columns: list[Projection], tp: int) -> tuple[Propagation, dict, dict]:
-        """Propagate with ``columns`` column-split; refine until nothing more is learnt.
+    def attempt(self, group: list[Projection], tp: int,
+                grow: bool = True) -> tuple[Propagation, list[Projection], dict, dict]:
+        """Propagate with ``group`` column-split; refine until nothing more is learnt.
 
         A split that cuts the output into parts makes the projection fused (segments); a parameter
-        that would be sliced where it meets a split value (a bias added after ``x @ W``) is split too.
+        that would be sliced where it meets a split value (a bias added after ``x @ W``) is split too;
+        with ``grow``, so is a projection whose whole output would be sliced there (cross-attention's K/V
+        meeting split queries, a gate or time-step projection meeting split channels). Returns the
+        propagation, the column projections, their segments and the other split parameters.
         """
+        columns = list(group)
         segments: dict[str, tuple[int, ...]] = {}
         params: dict[str, Shard] = {}
-        for _ in range(4):
+        for _ in range(8):
             prop = propagate(self.graph, self.projections, self.embeddings, _layouts(columns, segments) | params,
                              tp, self.trainable, auto_rows=True, grad=self.grad,
                              index=self.index)
@@ -111,19 +119,43 @@ class _RegionFinder:
             if learnt != segments:
                 segments, params = learnt, {}  # parameters are re-learnt against the new segments
                 continue
+            grown, tables = self._feeding(prop, columns) if grow else ([], {})
+            if grown or tables.keys() - params.keys():
+                columns, params = columns + grown, ({} if grown else params | tables)
+                continue
             learnt_params = params | {self.nodes[c.source].target: c.steps[0].shard for c in prop.steps_of(Operator.SCATTER)
                                       if len(c.steps) == 1 and self.nodes[c.source].op == "get_attr"
                                       and self.nodes[c.source].target in self.trainable}
             if learnt_params == params:
                 break
             params = learnt_params
-        return prop, segments, params
+        return prop, columns, segments, params
 
-    @staticmethod
-    def closed(prop: Propagation, allow_slices: bool) -> bool:
-        """A region: at least one row closes it, nothing had to be gathered (or sliced, unless allowed)."""
+    def _feeding(self, prop: Propagation, columns: list[Projection]) -> tuple[list[Projection], dict[str, Shard]]:
+        """What made a whole value that gradients flow through and a split value meets: unclaimed
+        projections (cross-attention's K/V, a gate) and per-head tables looked up by an embedding (relative
+        position bias), reached by ops that keep its layout (reshapes, transposes, casts, one-input pointwise
+        ops). Splitting them instead of slicing their output keeps the region closed."""
+        taken = {p.node for p in columns} | self.claimed
+        found: dict[str, Projection] = {}
+        tables: dict[str, Shard] = {}
+        for conv in prop.steps_of(Operator.SCATTER):
+            node = self.nodes[conv.source]
+            while node.name in self.grad and node.name not in self.projections and _passes_layout(node, self.grad):
+                node = next(a for a in node.all_input_nodes if a.name in self.grad)
+            if node.name in self.projections and node.name not in taken:
+                found[node.name] = self.projections[node.name]
+            emb = self.embeddings.get(node.name)
+            if emb is not None and emb.weight in self.trainable and not isinstance(prop.layouts.get(node.name), Shard):
+                tables[emb.weight] = Shard(1, conv.steps[-1].shard.segments)
+        return list(found.values()), tables
+
+    def closed(self, prop: Propagation, allow_slices: bool) -> bool:
+        """A region: at least one row closes it, nothing had to be gathered (or sliced, unless allowed: a
+        value no gradient reaches, a per-head table or mask, is sliced for free)."""
+        sliced = [c for c in prop.steps_of(Operator.SCATTER) if c.source in self.grad]
         return (bool(prop.rows) and not prop.refusals and not prop.steps_of(Operator.GATHER)
-                and (allow_slices or not prop.steps_of(Operator.SCATTER)))
+                and (allow_slices or not sliced))
 
     def match(self, columns: list[Projection], prop: Propagation, segments: dict, params: dict,
               replicated=()) -> RegionMatch:
@@ -138,7 +170,7 @@ class _RegionFinder:
         """Why a propagation did not close into a region, for the plan's notes."""
         if prop.refusals:
             return prop.refusals[0][1]
-        blocked = prop.steps_of(Operator.GATHER) or prop.steps_of(Operator.SCATTER)
+        blocked = prop.steps_of(Operator.GATHER) or [c for c in prop.steps_of(Operator.SCATTER) if c.source in self.grad]
         if not blocked:
             return "no projection downstream takes its split output as input"
         conv = blocked[0]
@@ -147,20 +179,30 @@ class _RegionFinder:
 
     def find(self, group: list[Projection]) -> RegionMatch | str:
         """The region ``group`` starts (with a fallback that keeps failing projections whole), or why none."""
-        prop, segments, params = self.attempt(group, self.tp)
+        prop, columns, segments, params = self.attempt(group, self.tp)
+        if not self.closed(prop, allow_slices=False) and len(columns) > len(group):
+            prop, columns, segments, params = self.attempt(group, self.tp, grow=False)
         if not self.closed(prop, allow_slices=False):
             return self.why_open(prop)
-        full = self.match(group, prop, segments, params)
+        full = self.match(columns, prop, segments, params)
         if not prop.violations:
             return full
         failing = set().union(*(v.origins for v in prop.violations))
-        kept = [p for p in group if p.node not in failing]
-        if kept and len(kept) < len(group):
-            sub, sub_segments, sub_params = self.attempt(kept, self.tp)
+        kept = [p for p in columns if p.node not in failing]
+        if kept and len(kept) < len(columns):
+            sub, _, sub_segments, sub_params = self.attempt(kept, self.tp, grow=False)
             if self.closed(sub, allow_slices=True) and not sub.violations and set(sub.rows) == set(prop.rows):
                 return self.match(kept, sub, sub_segments, sub_params,
-                                  replicated=[p.node for p in group if p not in kept])
+                                  replicated=[p.node for p in columns if p not in kept])
         return full
+
+
+def _passes_layout(node: fx.Node, grad: set[str]) -> bool:
+    """An op through which a split would pass unchanged in meaning: one input carrying gradients, and a
+    reshape, transpose, cast or pointwise rule."""
+    if node.op != "call_function" or sum(a.name in grad for a in node.all_input_nodes) != 1:
+        return False
+    return rule_for(node.target) in (rules.reshape, rules.permute, rules.like_first, rules.pointwise)
 
 
 @dataclass
@@ -179,7 +221,7 @@ def find_regions(graph: fx.Graph, projections: dict[str, Projection], embeddings
     planner can say which layer and size are at fault.
     """
     finder = _RegionFinder(graph, projections, embeddings, trainable, tp)
-    claimed = set(skip)
+    claimed = finder.claimed = set(skip)
     search = RegionSearch([], [])
     for group in _sibling_groups(projections, claimed):
         group = [p for p in group if p.node not in claimed]
@@ -190,5 +232,7 @@ def find_regions(graph: fx.Graph, projections: dict[str, Projection], embeddings
             search.unmatched.append((tuple(p.node for p in group), region))
         else:
             search.regions.append(region)
-            claimed.update(region.rows)
+            claimed.update(region.rows, region.columns)
+    # A group tried alone may have been split later with the region that reaches it (K/V of cross-attention).
+    search.unmatched = [(nodes, why) for nodes, why in search.unmatched if not claimed.issuperset(nodes)]
     return search

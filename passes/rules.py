@@ -226,7 +226,25 @@ def slice_(node: fx.Node, ins: Inputs, ctx: Context, x: fx.Node, lay: Shard) -> 
     if whole_range and isinstance(step, int) and 0 <= (start or 0) < step and all(s % step == 0 for s in lay.segments):
         strided = Shard(dim, tuple(s // step for s in lay.segments))
         return Decision(strided, checks=_checks(strided, f"every {step}th element along dim {dim}"))
+    if step == 1 and isinstance(start or 0, int) and (end is None or isinstance(end, int)):
+        return _segment_slice(node, ins, ctx, lay, start or 0, lay.size if whole_range else end)
     return replicate_all(node, ins, ctx)
+
+
+def _segment_slice(node: fx.Node, ins: Inputs, ctx: Context, lay: Shard, start: int, end: int) -> Decision:
+    """A slice of whole segments (Q, K or V of a fused projection) is those segments, at local offsets;
+    a slice elsewhere asks for the projection to be split in segments cut where it cuts (the hint)."""
+    bounds = [sum(lay.segments[:i]) for i in range(len(lay.segments) + 1)]
+    if start in bounds and end in bounds and start < end:
+        i, j = bounds.index(start), bounds.index(end)
+        fixes = {(2,): start // ctx.tp} if start else {}
+        if len(node.args) > 3 and node.args[3] is not None and end < lay.size:
+            fixes[(3,)] = end // ctx.tp
+        return Decision(Shard(lay.dim, lay.segments[i:j]), fixes=fixes)
+    decision = replicate_all(node, ins, ctx)
+    cuts = sorted(set(bounds) | {start, min(end, lay.size)})
+    decision.hint = tuple(b - a for a, b in zip(cuts, cuts[1:]) if b > a)
+    return decision
 
 
 @on_split_input
@@ -291,27 +309,91 @@ def batched_matmul(node: fx.Node, ins: Inputs, ctx: Context) -> Decision:
     sharded = _sharded(ins)
     if not sharded:
         return Decision(None)
-    if any(lay.dim >= rank(n) - 2 for _, n, lay in sharded):
-        return replicate_all(node, ins, ctx)  # a contraction or row dim: not a per-head split
-    return _aligned(node, ins, ctx, sharded)
+    if all(lay.dim < rank(n) - 2 for _, n, lay in sharded):
+        return _aligned(node, ins, ctx, sharded)  # a batch dim (the heads)
+    return _matrix_split(node, ins, ctx)
+
+
+@on_split_input
+def repeat(node: fx.Node, ins: Inputs, ctx: Context, x: fx.Node, lay: Shard) -> Decision:
+    """repeat: the split dim must be repeated once (new leading dims only shift it)."""
+    repeats = node.args[1]
+    out_dim = lay.dim + len(repeats) - rank(x)
+    return Decision(lay.moved(out_dim)) if repeats[out_dim] == 1 else replicate_all(node, ins, ctx)
+
+
+def _matrix_split(node: fx.Node, ins: Inputs, ctx: Context) -> Decision:
+    """``a @ b`` split along a matrix dim: rows of ``a`` or columns of ``b`` give rows or columns of the
+    product (the other operand whole); the contracted dim split on both gives partial sums, all-reduced."""
+    (a, la), (b, lb) = ins[(0,)], ins[(1,)]
+    ra, rb = rank(a), rank(b)
+    if ra < 2 or rb < 2 or any(isinstance(lay, Shard) and lay.dim < r - 2 for lay, r in ((la, ra), (lb, rb))):
+        return replicate_all(node, ins, ctx)
+    whole = {p: (COPY if n.name in ctx.grad else None) for p, (n, lay) in ins.items() if lay is None}
+    contracted_a = isinstance(la, Shard) and la.dim == ra - 1
+    contracted_b = isinstance(lb, Shard) and lb.dim == rb - 2
+    if contracted_a or contracted_b:
+        shard = la if contracted_a else lb
+        if (contracted_a and lb not in (None, Shard(rb - 2, shard.segments))) or (contracted_b and la not in (None, Shard(ra - 1, shard.segments))):
+            return replicate_all(node, ins, ctx)
+        wants = {(1,): Shard(rb - 2, shard.segments)} if lb is None else {(0,): Shard(ra - 1, shard.segments)} if la is None else {}
+        return Decision(None, wants=wants, reduce=Operator.G)
+    if isinstance(la, Shard) and lb is None:  # rows of a
+        return Decision(Shard(rank(node) - 2, la.segments), wants=whole)
+    if isinstance(lb, Shard) and la is None:  # columns of b
+        return Decision(Shard(rank(node) - 1, lb.segments), wants=whole)
+    return replicate_all(node, ins, ctx)
+
+
+@on_split_input
+def sym_size(node: fx.Node, ins: Inputs, ctx: Context, x: fx.Node, lay: Shard) -> Decision:
+    """The size of a dim other than the split one is the same on every rank."""
+    return Decision(None) if _norm(node.args[1], rank(x)) != lay.dim else replicate_all(node, ins, ctx)
 
 
 def attention(node: fx.Node, ins: Inputs, ctx: Context) -> Decision:
-    """scaled_dot_product_attention split by heads; K/V/mask follow Q (sliced when replicated)."""
-    q, lay = ins[(0,)]
+    """scaled_dot_product_attention split by heads: the first of Q, K, V and the mask split by heads leads,
+    the others follow it (sliced when whole; split any other way, inside a head, made so)."""
+    q, _ = ins[(0,)]
     heads = rank(q) - 3
-    if not isinstance(lay, Shard) or lay.dim != heads or arg_or_default(node, 7, "enable_gqa", False):
+    leading = [ins[p][1] for p in ((0,), (1,), (2,), (3,)) if p in ins and isinstance(ins[p][1], Shard)
+               and ins[p][1].dim == heads and rank(ins[p][0]) == rank(q)]  # a per-head bias shared by later layers may lead too
+    if not leading or arg_or_default(node, 7, "enable_gqa", False):
         return replicate_all(node, ins, ctx) if _sharded(ins) else Decision(None)
-    wants = {}
-    for p in ((1,), (2,)):
-        n, have = ins[p]
-        if have != lay:  # K/V whole are sliced by heads; split any other way (inside a head), made so
-            wants[p] = Shard(heads, lay.segments)
+    lay = leading[0]
+    wants = {p: Shard(heads, lay.segments) for p in ((0,), (1,), (2,)) if ins[p][1] != lay}
     mask = {p: v for p, v in ins.items() if p not in ((0,), (1,), (2,))}
     if any(isinstance(v[1], Shard) and v[1] != lay for v in mask.values()):
         return replicate_all(node, ins, ctx)
     wants |= _join(node, mask, ctx, heads, lay.segments)
     return Decision(lay, wants=wants)
+
+
+@on_split_input
+def conv1d(node: fx.Node, ins: Inputs, ctx: Context, x: fx.Node, lay: Shard) -> Decision:
+    """A depthwise conv1d (one group per channel, as in Mamba's and short-conv mixers) with its channels
+    split: each rank convolves its own channels with its rows of the weight; ``groups`` becomes local."""
+    weight, _ = ins[(1,)]
+    channels = sizes(x)[1] if rank(x) == 3 else None
+    groups = arg_or_default(node, 6, "groups", 1)
+    if lay.dim != 1 or groups != channels or sizes(weight)[0] != channels or sizes(weight)[1] != 1:
+        return replicate_all(node, ins, ctx)
+    others = [p for p in ins if p != (0,)]
+    if any(isinstance(ins[p][1], Shard) and ins[p][1] != Shard(0, lay.segments) for p in others):
+        return replicate_all(node, ins, ctx)
+    wants = {p: Shard(0, lay.segments) for p in others if not isinstance(ins[p][1], Shard)}
+    return Decision(lay, wants=wants, fixes={(6,): groups // ctx.tp}, checks=_checks(lay, "conv channels"))
+
+
+def view_as(node: fx.Node, ins: Inputs, ctx: Context) -> Decision:
+    """``x.view_as(y)``: a reshape to ``y``'s shape, which on each rank must be ``y``'s local shape."""
+    x, lay = ins[(0,)]
+    if not isinstance(lay, Shard):
+        return replicate_all(node, ins, ctx) if _sharded(ins) else Decision(None)
+    new = map_reshape(sizes(x), sizes(node), lay, ctx.tp)
+    if new is None:
+        return replicate_all(node, ins, ctx)
+    return Decision(new, wants={(1,): new}, checks=_checks(new, "dims of view_as"))
 
 
 _SHAPE_ARG_OPS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
@@ -332,7 +414,12 @@ RULES = {
     aten.amin.default: reduction, aten.var.correction: reduction, aten.std.correction: reduction,
     aten.max.dim: reduction, aten.min.dim: reduction,
     aten.matmul.default: batched_matmul, aten.bmm.default: batched_matmul,
-    aten.scaled_dot_product_attention.default: attention,
+    aten.scaled_dot_product_attention.default: attention, aten.conv1d.default: conv1d,
+    aten.view_as.default: view_as, aten.sym_size.int: sym_size, aten.repeat.default: repeat,
+    aten.logsumexp.default: reduction,
+    # pointwise, though not tagged so: a scalar on one side, or a 0-d tensor fill value
+    aten.where.ScalarOther: pointwise, aten.where.ScalarSelf: pointwise, aten.where.Scalar: pointwise,
+    aten.masked_fill.Tensor: pointwise,
     aten._assert_tensor_metadata.default: no_output,
 }
 for _op in (aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten._to_copy.default, aten.contiguous.default,
