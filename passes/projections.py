@@ -63,9 +63,10 @@ _PROJECTION_OPS = {
 
 
 def _grouped_ops() -> dict:
-    """Grouped matmuls ``(x [tokens, in], W [experts, in, out], offsets)``: torch's and transformers' fallback
-    (registered only once transformers is imported, hence looked up when a graph is searched)."""
-    ops = {}
+    """Matmuls against a 3-D ``W [experts, in, out]``: batched (tokens already grouped per expert) and grouped
+    (``x [tokens, in]`` with per-expert offsets: torch's, and transformers' fallback, registered only once
+    transformers is imported, hence looked up when a graph is searched)."""
+    ops = {aten.bmm.default: (0, 1, None, 1)}  # ``x.view(experts, -1, in) @ W``: one matrix per expert
     for namespace, name in (("aten", "_grouped_mm"), ("transformers", "grouped_mm_fallback")):
         packet = getattr(getattr(torch.ops, namespace), name, None) if hasattr(torch.ops, namespace) else None
         if packet is not None:

@@ -97,6 +97,8 @@ class _RegionFinder:
         self.grad = grad_nodes(graph, trainable)
         self.index = GraphIndex.of(graph)
         self.claimed: set[str] = set()
+        self.set_aside: list[tuple[tuple[str, ...], str]] = []
+        """Projections left out of a group's region because they blocked it, and why."""
 
     def attempt(self, group: list[Projection], tp: int,
                 grow: bool = True) -> tuple[Propagation, list[Projection], dict, dict]:
@@ -166,6 +168,14 @@ class _RegionFinder:
                            violations=tuple(prop.violations),
                            sizes=sizes + tuple(prop.checked))
 
+    def _unblamed(self, prop: Propagation, group: list[Projection]) -> list[Projection]:
+        """The members of ``group`` whose split values reach no blocking conversion, when some do (a
+        router read together with a shared expert's gate and up projections)."""
+        blocking = prop.steps_of(Operator.GATHER) + [c for c in prop.steps_of(Operator.SCATTER) if c.source in self.grad]
+        blamed = set().union(*(prop.origins.get(c.source, frozenset()) for c in blocking))
+        rest = [p for p in group if p.node not in blamed]
+        return rest if 0 < len(rest) < len(group) else []
+
     def why_open(self, prop: Propagation) -> str:
         """Why a propagation did not close into a region, for the plan's notes."""
         if prop.refusals:
@@ -183,7 +193,12 @@ class _RegionFinder:
         if not self.closed(prop, allow_slices=False) and len(columns) > len(group):
             prop, columns, segments, params = self.attempt(group, self.tp, grow=False)
         if not self.closed(prop, allow_slices=False):
-            return self.why_open(prop)
+            why = self.why_open(prop)
+            rest = self._unblamed(prop, group)
+            region = self.find(rest) if rest else why
+            if not isinstance(region, str):  # the others split without the projections that blocked them
+                self.set_aside.append((tuple(p.node for p in group if p not in rest), why))
+            return region
         full = self.match(columns, prop, segments, params)
         if not prop.violations:
             return full
@@ -228,6 +243,8 @@ def find_regions(graph: fx.Graph, projections: dict[str, Projection], embeddings
         if not group:
             continue
         region = finder.find(group)
+        search.unmatched += finder.set_aside
+        finder.set_aside = []
         if isinstance(region, str):
             search.unmatched.append((tuple(p.node for p in group), region))
         else:

@@ -322,6 +322,14 @@ def repeat(node: fx.Node, ins: Inputs, ctx: Context, x: fx.Node, lay: Shard) -> 
     return Decision(lay.moved(out_dim)) if repeats[out_dim] == 1 else replicate_all(node, ins, ctx)
 
 
+@on_split_input
+def view_as_complex(node: fx.Node, ins: Inputs, ctx: Context, x: fx.Node, lay: Shard) -> Decision:
+    """view_as_complex drops the trailing pair dim (complex rotary); view_as_real adds one."""
+    if node.target is aten.view_as_complex.default and lay.dim == rank(x) - 1:
+        return replicate_all(node, ins, ctx)
+    return Decision(lay)
+
+
 def _matrix_split(node: fx.Node, ins: Inputs, ctx: Context) -> Decision:
     """``a @ b`` split along a matrix dim: rows of ``a`` or columns of ``b`` give rows or columns of the
     product (the other operand whole); the contracted dim split on both gives partial sums, all-reduced."""
@@ -416,7 +424,8 @@ RULES = {
     aten.matmul.default: batched_matmul, aten.bmm.default: batched_matmul,
     aten.scaled_dot_product_attention.default: attention, aten.conv1d.default: conv1d,
     aten.view_as.default: view_as, aten.sym_size.int: sym_size, aten.repeat.default: repeat,
-    aten.logsumexp.default: reduction,
+    aten.logsumexp.default: reduction, aten.view_as_complex.default: view_as_complex,
+    aten.view_as_real.default: view_as_complex,
     # pointwise, though not tagged so: a scalar on one side, or a 0-d tensor fill value
     aten.where.ScalarOther: pointwise, aten.where.ScalarSelf: pointwise, aten.where.Scalar: pointwise,
     aten.masked_fill.Tensor: pointwise,
