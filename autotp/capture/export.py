@@ -8,6 +8,7 @@ with ``Dim.AUTO`` on every input dimension, keeps batch and sequence length dyna
 from __future__ import annotations
 
 import contextlib
+import difflib
 import inspect
 import logging
 import os
@@ -18,8 +19,8 @@ import torch
 from torch import fx, nn
 
 from autotp.capture.inputs import ExampleInputs, Signature, example_inputs_of, require_module
-from autotp.capture.torch_private import mutated_args, output_spec, plain_sizes
-from autotp.errors import CaptureError
+from autotp.capture.torch_private import is_guard_call, mutated_args, output_spec, plain_sizes
+from autotp.errors import CaptureError, InputError
 from autotp.passes.graph import MUTATES_META, SHAPE_META
 
 _WRAPPER_PREFIX = "model."
@@ -213,6 +214,18 @@ def _record_facts(gm: fx.GraphModule) -> None:
             node.meta[MUTATES_META] = mutated_args(node)
 
 
+def _check_inputs_read(gm: fx.GraphModule, example: ExampleInputs, signature: Signature) -> None:
+    """Refuse a keyword input that only a ``**kwargs`` took and nothing read: a misspelt name (Hugging Face
+    forwards take ``**kwargs``), which would otherwise be ignored without a word."""
+    for node, name in zip(gm.graph.find_nodes(op="placeholder"), example.names):
+        if all(is_guard_call(user) for user in node.users) and name not in signature.keywords and not name.startswith("args["):
+            close = difflib.get_close_matches(name, sorted(signature.keywords), n=1)
+            hint = f"did you mean {close[0]}=? " if close else ""
+            raise InputError(f"example input {name}= is not a parameter of the model's forward, and nothing in it "
+                             f"reads the value (its **kwargs took it); {hint}"
+                             f"the forward's inputs are {', '.join(sorted(signature.keywords))}")
+
+
 def _strip(target: str) -> str:
     return target[len(_WRAPPER_PREFIX):] if target.startswith(_WRAPPER_PREFIX) else target
 
@@ -263,6 +276,7 @@ def capture(model: nn.Module, example_inputs, training: bool | None = None) -> C
             "Make the forward traceable (no data-dependent Python control flow on tensor values, no .item()), "
             f"or pass example_inputs the forward accepts (a tuple of positional tensors or a dict of keyword ones).{made}"
         ) from err
+    _check_inputs_read(gm, example, Signature.of(model))
     aliases = tensor_aliases(model)
     _merge_tied_reads(gm, aliases)
     _record_facts(gm)
