@@ -1,6 +1,8 @@
 """autotp: automatic Megatron-style tensor parallelism for unmodified PyTorch transformers.
 
     pm = autotp.parallelize(model, tp=2, example_inputs=(input_ids,))
+    pm = autotp.parallelize(model, tp=2, example_inputs={"input_ids": ids, "attention_mask": mask, "labels": ids})
+    pm = autotp.parallelize(model, tp=2, pp=2)          # token ids synthesised from the vocabulary
     plan = autotp.plan(model, tp=2, example_inputs=(input_ids,))
     print(autotp.check(model, tp=2, example_inputs=(input_ids,)))   # every rank simulated in this process
 
