@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import difflib
-import inspect
 import logging
 import os
 import traceback
@@ -38,9 +37,9 @@ class _CaptureWrapper(nn.Module):
         self.keywords = tuple(name for name, _ in example.kwargs)
         self.fixed_kwargs = fixed_kwargs
 
-    def forward(self, *flat):
-        kwargs = dict(zip(self.keywords, flat[self.positional:]))
-        return self.model(*flat[:self.positional], **kwargs, **self.fixed_kwargs)
+    def forward(self, *inputs):  # the graph's placeholders are named after this: inputs_0, inputs_1, ...
+        kwargs = dict(zip(self.keywords, inputs[self.positional:]))
+        return self.model(*inputs[:self.positional], **kwargs, **self.fixed_kwargs)
 
 
 @dataclass
@@ -101,8 +100,7 @@ class Captured:
 def model_kwargs(model: nn.Module) -> dict:
     """Keyword arguments autotp passes to the model's forward (capture and comparisons alike): no KV cache,
     which makes a Hugging Face model traceable."""
-    params = inspect.signature(model.forward).parameters
-    return {"use_cache": False} if "use_cache" in params else {}
+    return {"use_cache": False} if "use_cache" in Signature.of(model).keywords else {}
 
 
 def _user_frame(exc: BaseException) -> str:
@@ -218,7 +216,8 @@ def _check_inputs_read(gm: fx.GraphModule, example: ExampleInputs, signature: Si
     """Refuse a keyword input that only a ``**kwargs`` took and nothing read: a misspelt name (Hugging Face
     forwards take ``**kwargs``), which would otherwise be ignored without a word."""
     for node, name in zip(gm.graph.find_nodes(op="placeholder"), example.names):
-        if all(is_guard_call(user) for user in node.users) and name not in signature.keywords and not name.startswith("args["):
+        named = name in signature.keywords or name in signature.positional or name.startswith("args[")
+        if not named and all(is_guard_call(user) for user in node.users):
             close = difflib.get_close_matches(name, sorted(signature.keywords), n=1)
             hint = f"did you mean {close[0]}=? " if close else ""
             raise InputError(f"example input {name}= is not a parameter of the model's forward, and nothing in it "
@@ -276,7 +275,8 @@ def capture(model: nn.Module, example_inputs, training: bool | None = None) -> C
             "Make the forward traceable (no data-dependent Python control flow on tensor values, no .item()), "
             f"or pass example_inputs the forward accepts (a tuple of positional tensors or a dict of keyword ones).{made}"
         ) from err
-    _check_inputs_read(gm, example, Signature.of(model))
+    signature = Signature.of(model)
+    _check_inputs_read(gm, example, signature)
     aliases = tensor_aliases(model)
     _merge_tied_reads(gm, aliases)
     _record_facts(gm)
@@ -284,4 +284,4 @@ def capture(model: nn.Module, example_inputs, training: bool | None = None) -> C
                     aliases=aliases, dim_names=_dim_names(gm), example_sizes=_example_sizes(gm, inputs),
                     param_names=tuple(n for n, _ in model.named_parameters(remove_duplicate=False)),
                     training=model.training if training is None else training, input_names=example.names,
-                    signature=Signature.of(model))
+                    signature=signature)

@@ -45,7 +45,10 @@ class Signature:
     @classmethod
     def of(cls, model: nn.Module) -> Signature:
         """The signature of ``model.forward``."""
-        params = inspect.signature(model.forward).parameters.values()
+        try:
+            params = inspect.signature(model.forward).parameters.values()
+        except (TypeError, ValueError):  # a forward Python cannot inspect (compiled): name inputs by position
+            return cls((), frozenset(), var_positional=True, var_keyword=True)
         kinds = inspect.Parameter
         positional = tuple(p.name for p in params if p.kind in (kinds.POSITIONAL_ONLY, kinds.POSITIONAL_OR_KEYWORD))
         keywords = frozenset(p.name for p in params if p.kind in (kinds.POSITIONAL_OR_KEYWORD, kinds.KEYWORD_ONLY))
@@ -110,24 +113,30 @@ def example_inputs_of(model: nn.Module, example_inputs) -> ExampleInputs:
     require_module(model)
     if example_inputs is None:
         return synthesise(model)
-    if isinstance(example_inputs, torch.Tensor):
-        example_inputs = (example_inputs,)
-    if isinstance(example_inputs, Mapping):
-        args, kwargs = (), dict(example_inputs)
-    elif isinstance(example_inputs, (tuple, list)):
-        args, kwargs = tuple(example_inputs), {}
-    else:
-        args, kwargs = None, None
-    if not (args or kwargs):
-        got = type(example_inputs).__name__ if args is None else f"an empty {type(example_inputs).__name__}"
-        raise InputError(f"example_inputs must be a tensor or a non-empty tuple of tensors, or a dict of keyword "
-                         f"tensors, got {got}; pass {FORMS}, or leave example_inputs out to have token ids made "
-                         "from the model's vocabulary")
+    args, kwargs = _split(example_inputs)
     signature = Signature.of(model)
     _check_tensors(args, kwargs, signature)
     named = name_inputs(signature, args, kwargs, "example_inputs")
+    if not named:
+        raise InputError(f"example_inputs holds no tensors; pass {FORMS}, or leave example_inputs out to have "
+                         "token ids made from the model's vocabulary")
     keyword = tuple((k, v) for k, v in named.items() if k in kwargs)
     return ExampleInputs(args, keyword, tuple(named))
+
+
+def _split(example_inputs) -> tuple[tuple, dict]:
+    """The positional and keyword parts of example inputs given as a tensor, a tuple or list, or a dict."""
+    if isinstance(example_inputs, torch.Tensor):
+        return (example_inputs,), {}
+    if isinstance(example_inputs, Mapping) and example_inputs:
+        return (), dict(example_inputs)
+    if isinstance(example_inputs, (tuple, list)) and example_inputs:
+        return tuple(example_inputs), {}
+    empty = isinstance(example_inputs, (Mapping, tuple, list))
+    got = f"an empty {type(example_inputs).__name__}" if empty else type(example_inputs).__name__
+    raise InputError(f"example_inputs must be a tensor or a non-empty tuple of tensors, or a dict of keyword "
+                     f"tensors, got {got}; pass {FORMS}, or leave example_inputs out to have token ids made "
+                     "from the model's vocabulary")
 
 
 def _check_tensors(args: tuple, kwargs: dict, signature: Signature) -> None:
