@@ -18,9 +18,8 @@ from torch import fx
 from autotp.passes.graph import grad_nodes
 from autotp.passes.layout import Shard
 from autotp.passes.projections import Projection
-from autotp.passes import rules
 from autotp.passes.propagate import GraphIndex, Propagation, Violation, propagate
-from autotp.passes.rules import rule_for
+from autotp.passes.sources import SourceGraph, trace
 from autotp.passes.steps import Operator
 
 aten = torch.ops.aten
@@ -97,6 +96,7 @@ class _RegionFinder:
         self.grad = grad_nodes(graph, trainable)
         self.index = GraphIndex.of(graph)
         self.claimed: set[str] = set()
+        self.sources = SourceGraph(projections, embeddings, self.grad, trainable, tp)
         self.set_aside: list[tuple[tuple[str, ...], str]] = []
         """Projections left out of a group's region because they blocked it, and why."""
 
@@ -111,6 +111,7 @@ class _RegionFinder:
         propagation, the column projections, their segments and the other split parameters.
         """
         columns = list(group)
+        upstream = self._upstream(group) if grow else set()
         segments: dict[str, tuple[int, ...]] = {}
         params: dict[str, Shard] = {}
         for _ in range(8):
@@ -121,9 +122,9 @@ class _RegionFinder:
             if learnt != segments:
                 segments, params = learnt, {}  # parameters are re-learnt against the new segments
                 continue
-            grown, tables = self._feeding(prop, columns) if grow else ([], {})
-            if grown or tables.keys() - params.keys():
-                columns, params = columns + grown, ({} if grown else params | tables)
+            grown, traced = self._feeding(prop, columns, upstream) if grow else ([], {})
+            if grown or traced.keys() - params.keys():
+                columns, params = columns + grown, ({} if grown else params | traced)
                 continue
             learnt_params = params | {self.nodes[c.source].target: c.steps[0].shard for c in prop.steps_of(Operator.SCATTER)
                                       if len(c.steps) == 1 and self.nodes[c.source].op == "get_attr"
@@ -133,24 +134,34 @@ class _RegionFinder:
             params = learnt_params
         return prop, columns, segments, params
 
-    def _feeding(self, prop: Propagation, columns: list[Projection]) -> tuple[list[Projection], dict[str, Shard]]:
-        """What made a whole value that gradients flow through and a split value meets: unclaimed
-        projections (cross-attention's K/V, a gate) and per-head tables looked up by an embedding (relative
-        position bias), reached by ops that keep its layout (reshapes, transposes, casts, one-input pointwise
-        ops). Splitting them instead of slicing their output keeps the region closed."""
+    def _feeding(self, prop: Propagation, columns: list[Projection],
+                 upstream: set[str]) -> tuple[list[Projection], dict[str, Shard]]:
+        """What made the whole values gradients flow through that split values meet (``sources.trace``):
+        splitting those projections and parameters instead of slicing their outputs keeps the region closed."""
         taken = {p.node for p in columns} | self.claimed
         found: dict[str, Projection] = {}
-        tables: dict[str, Shard] = {}
+        params: dict[str, Shard] = {}
         for conv in prop.steps_of(Operator.SCATTER):
-            node = self.nodes[conv.source]
-            while node.name in self.grad and node.name not in self.projections and _passes_layout(node, self.grad):
-                node = next(a for a in node.all_input_nodes if a.name in self.grad)
-            if node.name in self.projections and node.name not in taken:
-                found[node.name] = self.projections[node.name]
-            emb = self.embeddings.get(node.name)
-            if emb is not None and emb.weight in self.trainable and not isinstance(prop.layouts.get(node.name), Shard):
-                tables[emb.weight] = Shard(1, conv.steps[-1].shard.segments)
-        return list(found.values()), tables
+            if conv.source not in self.grad or self.nodes[conv.source].op == "get_attr":
+                continue
+            traced = trace(self.sources, self.nodes[conv.source], conv.steps[-1].shard, upstream)
+            if traced is None or taken & traced.projections.keys():
+                continue
+            found |= traced.projections
+            params |= traced.params
+        return list(found.values()), params
+
+    def _upstream(self, columns: list[Projection]) -> set[str]:
+        """Every value the inputs of ``columns`` are computed from (the group's own input and the residual
+        stream before it: what the region reads, which growing it must not split)."""
+        seen: set[str] = set()
+        stack = [self.nodes[p.input] for p in columns]
+        while stack:
+            node = stack.pop()
+            if node.name not in seen:
+                seen.add(node.name)
+                stack.extend(node.all_input_nodes)
+        return seen
 
     def closed(self, prop: Propagation, allow_slices: bool) -> bool:
         """A region: at least one row closes it, nothing had to be gathered (or sliced, unless allowed: a
@@ -210,14 +221,6 @@ class _RegionFinder:
                 return self.match(kept, sub, sub_segments, sub_params,
                                   replicated=[p.node for p in columns if p not in kept])
         return full
-
-
-def _passes_layout(node: fx.Node, grad: set[str]) -> bool:
-    """An op through which a split would pass unchanged in meaning: one input carrying gradients, and a
-    reshape, transpose, cast or pointwise rule."""
-    if node.op != "call_function" or sum(a.name in grad for a in node.all_input_nodes) != 1:
-        return False
-    return rule_for(node.target) in (rules.reshape, rules.permute, rules.like_first, rules.pointwise)
 
 
 @dataclass

@@ -1,0 +1,109 @@
+"""Where a wanted split can come from: a whole value that meets a split one, traced back to what made it.
+
+When a split value meets a whole one that gradients flow through, propagation slices the whole one,
+which needs an all-gather of its gradient and keeps a region open. Often the whole value is made by
+a projection, an embedding table or parameters that could be split instead (cross-attention's K/V, a
+time-step projection and a per-channel decay in a state-space mixer, a per-head bias table): this
+module walks back from the value through the ops that would carry such a split unchanged in meaning
+(reshapes, transposes, casts, pointwise ops) and names those sources, with the split each needs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import fx
+
+from autotp.passes import rules
+from autotp.passes.graph import arg_or_default, rank, sizes
+from autotp.passes.layout import Shard, broadcast_dim, map_reshape
+from autotp.passes.projections import Embedding, Projection
+from autotp.passes.rules import rule_for
+
+aten = torch.ops.aten
+_MAX_DEPTH = 16
+
+
+@dataclass
+class Sources:
+    """What to split so that a value arrives split: column projections and parameters (target -> split)."""
+
+    projections: dict[str, Projection] = field(default_factory=dict)
+    params: dict[str, Shard] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class SourceGraph:
+    """The facts tracing needs about one graph."""
+
+    projections: dict[str, Projection]
+    embeddings: dict[str, Embedding]
+    grad: set[str]
+    trainable: set[str]
+    tp: int
+
+
+def _input_shard(node: fx.Node, source: fx.Node, shard: Shard, tp: int) -> Shard | None | bool:
+    """The split ``source`` needs for ``node`` to come out split as ``shard``; True: it is broadcast along that
+    dim (it need not be split); None: no split of it gives that."""
+    rule = rule_for(node.target)
+    if rule is rules.like_first:
+        return shard
+    if rule is rules.pointwise:
+        d = broadcast_dim(rank(node), rank(source), shard.dim)
+        return True if d < 0 or sizes(source)[d] == 1 else shard.moved(d)
+    if rule is rules.permute:
+        return _permuted_back(node, shard)
+    if rule is rules.reshape:
+        return map_reshape(sizes(node), sizes(source), shard, tp)
+    if rule is rules.slice_:  # a slice along another dim keeps the split where it is
+        return shard if arg_or_default(node, 1, "dim", 0) % rank(source) != shard.dim else None
+    if rule is rules.select:  # the selected dim is gone from the output
+        return shard.moved(shard.dim + (node.args[1] % rank(source) <= shard.dim))
+    return None
+
+
+def _permuted_back(node: fx.Node, shard: Shard) -> Shard:
+    n = rank(node)
+    if node.target is aten.permute.default:
+        order = [d % n for d in node.args[1]]
+    else:
+        order = list(range(n))
+        d0, d1 = (0, 1) if len(node.args) < 3 else (node.args[1] % n, node.args[2] % n)
+        order[d0], order[d1] = order[d1], order[d0]
+    return shard.moved(order[shard.dim])
+
+
+def trace(g: SourceGraph, node: fx.Node, shard: Shard, upstream: set[str], depth: int = 0) -> Sources | None:
+    """What to split for ``node`` to come out split as ``shard``, or None when something on the way cannot.
+
+    ``upstream`` are the values the region itself reads (the residual stream before it): splitting one of
+    them would change the region's own input, so a trace reaching one fails."""
+    if node.name not in g.grad:
+        return Sources()  # no gradient reaches it: slicing it is free
+    if node.name in upstream:
+        return None
+    if node.op == "get_attr":
+        return Sources(params={node.target: shard}) if node.target in g.trainable else None
+    proj = g.projections.get(node.name)
+    if proj is not None:
+        return Sources(projections={node.name: proj}) if shard.dim == rank(node) - 1 else None
+    emb = g.embeddings.get(node.name)
+    if emb is not None:
+        return Sources(params={emb.weight: Shard(1, shard.segments)}) if shard.dim == rank(node) - 1 else None
+    if depth >= _MAX_DEPTH or node.op != "call_function":
+        return None
+    found = Sources()
+    for source in node.all_input_nodes:
+        if source.name not in g.grad:
+            continue
+        wanted = _input_shard(node, source, shard, g.tp)
+        if wanted is True:
+            continue
+        inner = trace(g, source, wanted, upstream, depth + 1) if wanted is not None else None
+        if inner is None:
+            return None
+        found.projections |= inner.projections
+        found.params |= inner.params
+    return found
