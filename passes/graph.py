@@ -6,11 +6,19 @@ Nothing here changes a graph: editing helpers live with the rewriter (``autotp.r
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 from torch import fx
 
 ArgPath = tuple  # (index,) or (index, list_index) into node.args, or ("kw", name)
+
+
+@dataclass(frozen=True)
+class DividedBy:
+    """A fix whose value is the argument's own (a size computed in the graph, ``B * H``) divided by ``by``."""
+
+    by: int
 
 
 def meta_val(node) -> object:

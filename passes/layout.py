@@ -16,19 +16,25 @@ import sympy
 
 @dataclass(frozen=True)
 class Shard:
-    """Sharded along ``dim``; ``segments`` are the global sizes of the independently split parts."""
+    """Sharded along ``dim``; ``segments`` are the global sizes of the independently split parts.
+
+    ``blocks`` (1, or a symbolic size such as the batch) says the dim holds that many consecutive
+    copies of the segments, each split alike: heads folded into the batch (``[B*H, T, d]``, as
+    ``nn.MultiheadAttention`` lays them out) are ``Shard(0, (H,), blocks=B)``.
+    """
 
     dim: int
     segments: tuple[int, ...]
+    blocks: object = 1
 
     @property
     def size(self) -> int:
-        """Global size along ``dim``."""
+        """Global size along ``dim`` of one block."""
         return sum(self.segments)
 
     def moved(self, dim: int) -> Shard:
         """The same split on another dimension index."""
-        return Shard(dim, self.segments)
+        return Shard(dim, self.segments, self.blocks)
 
 
 class PlacementKind(str, Enum):
@@ -116,7 +122,11 @@ def map_reshape(in_sizes, out_sizes, shard: Shard, tp: int) -> Shard | None:
     i0, i1, j0, j1 = group
     outer_in = static(math.prod(in_sizes[i0:shard.dim])) if shard.dim > i0 else 1
     inner_in = static(math.prod(in_sizes[shard.dim + 1:i1])) if shard.dim + 1 < i1 else 1
-    if outer_in is None or inner_in is None or outer_in > 65536:
+    if inner_in is None:
+        return None
+    if shard.blocks != 1 or outer_in is None:
+        return _blocked(in_sizes, out_sizes, shard, group, inner_in, tp)
+    if outer_in > 65536:
         return None
     flat = [s * inner_in for _ in range(outer_in) for s in shard.segments]
     candidates = []
@@ -131,6 +141,29 @@ def map_reshape(in_sizes, out_sizes, shard: Shard, tp: int) -> Shard | None:
             candidates.append(Shard(k, run))
     fitting = [c for c in candidates if all(s % tp == 0 for s in c.segments)]
     return (fitting or candidates or [None])[0]
+
+
+def _blocked(in_sizes, out_sizes, shard: Shard, group, inner_in: int, tp: int) -> Shard | None:
+    """``map_reshape`` where the split is repeated over a symbolic number of blocks: the blocks either fold
+    into one output dim with the split part (``[T, B, H*d] -> [T, B*H, d]``), or unfold out of it
+    (``[B*H, T, d] -> [B, H, T, d]``), or the dim is left as it is."""
+    i0, i1, j0, j1 = group
+    if i1 - i0 == 1 and j1 - j0 == 1:
+        return shard.moved(j0)  # the dim is kept
+    outer = sympy.expand(sympy.sympify(shard.blocks) * math.prod(in_sizes[i0:shard.dim]))
+    per_block = [s * inner_in for s in shard.segments]
+    for k in range(j0, j1):
+        inner_out = static(math.prod(out_sizes[k + 1:j1])) if k + 1 < j1 else 1
+        if inner_out is None or any(f % (inner_out * tp) for f in per_block):
+            continue
+        run = tuple(f // inner_out for f in per_block)
+        before = sympy.expand(math.prod(sympy.sympify(d) for d in out_sizes[j0:k]))
+        width = sympy.expand(sympy.sympify(out_sizes[k]))
+        if before == outer and width == sum(run):
+            return Shard(k, run)  # the blocks unfold into the dims before
+        if before == 1 and width == sympy.expand(outer * sum(run)):
+            return Shard(k, run, blocks=outer)  # the blocks fold into this dim
+    return None
 
 
 def broadcast_dim(out_rank: int, in_rank: int, out_dim: int) -> int:

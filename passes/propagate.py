@@ -18,7 +18,7 @@ from torch import fx
 from autotp.passes.graph import ArgPath, grad_nodes, is_tensor, mutated_args, rank, tensor_args
 from autotp.passes.layout import Layout, PlacementKind, Shard
 from autotp.passes.projections import Embedding, Projection
-from autotp.passes.rules import Context, Decision, rule_for
+from autotp.passes.rules import BLOCK_AWARE, Context, Decision, replicate_all, rule_for
 from autotp.passes.steps import COPY, Operator, Step, gather, scatter
 
 
@@ -206,7 +206,10 @@ class _Walker:
             self.result.reduced[node.name] = Operator.VOCAB_EMBEDDING
             return Decision(None, wants={(1,): None},
                             checks=[(emb.num_embeddings, "vocabulary size")])
-        return rule_for(node.target)(node, ins, self.ctx)
+        rule = rule_for(node.target)
+        if rule not in BLOCK_AWARE and any(isinstance(lay, Shard) and lay.blocks != 1 for _, lay in ins.values()):
+            rule = replicate_all  # only reshapes and transposes know a split repeated over blocks
+        return rule(node, ins, self.ctx)
 
     def role_of(self, proj: Projection, ins: dict) -> Role | None:
         weight = self.param_layouts.get(proj.weight)

@@ -118,7 +118,8 @@ class _RegionFinder:
             prop = propagate(self.graph, self.projections, self.embeddings, _layouts(columns, segments) | params,
                              tp, self.trainable, auto_rows=True, grad=self.grad,
                              index=self.index)
-            learnt = segments | {next(iter(o)): parts for o, parts in prop.hints.items() if len(o) == 1}
+            learnt = segments | {origin: parts for o, hint in prop.hints.items() if len(o) == 1
+                                 for origin in o if (parts := _scaled(hint, self.projections[origin]))}
             if learnt != segments:
                 segments, params = learnt, {}  # parameters are re-learnt against the new segments
                 continue
@@ -221,6 +222,13 @@ class _RegionFinder:
                 return self.match(kept, sub, sub_segments, sub_params,
                                   replicated=[p.node for p in columns if p not in kept])
         return full
+
+
+def _scaled(hint: tuple[int, ...], proj: Projection) -> tuple[int, ...] | None:
+    """A hint's segments in the projection's output features (a hint may be in other units, such as one per
+    fused part), or None when they do not scale to them."""
+    factor, rest = divmod(proj.out_features, sum(hint))
+    return tuple(h * factor for h in hint) if factor and not rest else None
 
 
 @dataclass

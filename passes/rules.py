@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx
 
-from autotp.passes.graph import ArgPath, arg_or_default, is_tensor, meta_val, rank, sizes
-from autotp.passes.layout import Layout, Shard, broadcast_dim, map_reshape
+from autotp.passes.graph import ArgPath, DividedBy, arg_or_default, is_tensor, meta_val, rank, sizes
+from autotp.passes.layout import Layout, Shard, broadcast_dim, map_reshape, static
 from autotp.passes.steps import COPY, Operator, Step
 
 aten = torch.ops.aten
@@ -154,6 +154,12 @@ def reshape(node: fx.Node, ins: Inputs, ctx: Context, x: fx.Node, lay: Shard) ->
     shape = node.args[1] if node.target in _SHAPE_ARG_OPS else None
     if shape is not None and isinstance(shape[new.dim], int) and shape[new.dim] != -1:
         fixes[(1, new.dim)] = shape[new.dim] // ctx.tp
+    elif shape is not None and isinstance(shape[new.dim], fx.Node):
+        fixes[(1, new.dim)] = DividedBy(ctx.tp)  # heads folded into the batch: ``B * H`` computed in the graph
+    if node.target is aten.unflatten.int:  # (x, dim, sizes): the sizes replace dim
+        index = new.dim - _norm(node.args[1], rank(x))
+        if 0 <= index < len(node.args[2]) and isinstance(node.args[2][index], int) and node.args[2][index] != -1:
+            fixes[(2, index)] = node.args[2][index] // ctx.tp
     shape = ", ".join(str(d) if isinstance(d, int) else "?" for d in sizes(node))
     return Decision(new, fixes=fixes, checks=_checks(new, f"dim {new.dim} of the reshape to ({shape})"))
 
@@ -191,7 +197,7 @@ def split(node: fx.Node, ins: Inputs, ctx: Context) -> Decision:
         moved = lay.moved(lay.dim - 1) if node.target is aten.unbind.int and dim < lay.dim else lay
         return Decision(tuple(moved for _ in range(count)))
     if node.target is aten.unbind.int:
-        return replicate_all(node, ins, ctx)
+        return _fused_hint(replicate_all(node, ins, ctx), lay)
     parts = tuple(int(v.shape[dim]) for v in meta_val(node))
     if parts != lay.segments:
         decision = replicate_all(node, ins, ctx)
@@ -252,8 +258,16 @@ def select(node: fx.Node, ins: Inputs, ctx: Context, x: fx.Node, lay: Shard) -> 
     """select: drops a dim, which must not be the shard dim."""
     dim = _norm(node.args[1], rank(x))
     if dim == lay.dim:
-        return replicate_all(node, ins, ctx)
+        return _fused_hint(replicate_all(node, ins, ctx), lay)
     return Decision(lay.moved(lay.dim - (dim < lay.dim)))
+
+
+def _fused_hint(decision: Decision, lay: Shard) -> Decision:
+    """Picking one entry of a split dim (Q of ``qkv.unflatten(-1, (3, E))[..., 0, :]``): its projection is that
+    many parts fused, each to be split on its own (the hint, in proportions the planner scales)."""
+    if len(lay.segments) == 1 and static(lay.size) is not None and lay.size <= 16:
+        decision.hint = (1,) * lay.size
+    return decision
 
 
 def cat(node: fx.Node, ins: Inputs, ctx: Context) -> Decision:
@@ -435,6 +449,10 @@ for _op in (aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten._to_copy.d
             aten.detach.default, aten.alias.default, aten.dropout.default, aten.type_as.default,
             aten.lift_fresh_copy.default):
     RULES[_op] = like_first
+
+
+BLOCK_AWARE = frozenset({reshape, permute, like_first, getitem})
+"""The rules that keep a split repeated over blocks (``Shard.blocks``) meaningful; others see such inputs whole."""
 
 
 def rule_for(target) -> callable:

@@ -4,7 +4,7 @@ import sympy
 import torch
 
 from autotp.passes.layout import Shard, map_reshape
-from autotp.rewrite.shards import assemble, local_shard
+from autotp.rewrite.shards import assemble, assemble_blocks, local_blocks, local_shard
 
 B, T = sympy.symbols("B T")
 
@@ -35,8 +35,19 @@ def test_repeat_kv_expansion_keeps_contiguous_heads():
     assert map_reshape((B, 2, 2, T, 16), (B, 4, T, 16), Shard(1, (2,)), tp=2) == Shard(1, (4,))
 
 
-def test_merging_heads_into_the_batch_is_refused():
-    assert map_reshape((B, 4, T, 16), (B * 4, T, 16), Shard(1, (4,)), tp=2) is None
+def test_heads_folded_into_the_batch_are_a_split_repeated_over_blocks():
+    folded = map_reshape((B, 4, T, 16), (B * 4, T, 16), Shard(1, (4,)), tp=2)
+    assert folded == Shard(0, (4,), blocks=B)
+    assert map_reshape((T, B, 64), (T, B * 4, 16), Shard(2, (64,)), tp=2) == Shard(1, (4,), blocks=B)
+    assert map_reshape((B * 4, T, 16), (B, 4, T, 16), folded, tp=2) == Shard(1, (4,))
+    assert map_reshape((B * 4, T, 16), (B * 4, T * 16), folded, tp=2) == folded  # that dim untouched
+
+
+def test_blocked_shards_round_trip():
+    full = torch.arange(24.0).reshape(12, 2)  # 3 blocks of 4 heads
+    shards = [local_blocks(full, 0, (4,), rank=r, tp=2) for r in range(2)]
+    assert shards[1][:, 0].tolist() == [4, 6, 12, 14, 20, 22]
+    assert torch.equal(assemble_blocks(shards, 0, (4,)), full)
 
 
 def test_local_shard_takes_each_segment_in_turn():

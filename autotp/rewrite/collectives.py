@@ -19,11 +19,16 @@ from torch import nn
 from autotp.passes.layout import Shard
 from autotp.passes.steps import Operator
 from autotp.rewrite.comm import Communicator
-from autotp.rewrite.shards import assemble, local_shard
+from autotp.rewrite.shards import assemble, assemble_blocks, local_blocks, local_shard
 
 
-def _gathered(comm: Communicator, x: torch.Tensor, dim: int, segments: tuple[int, ...]) -> torch.Tensor:
-    return assemble(comm.all_gather(x), dim, segments)
+def _gathered(comm: Communicator, x: torch.Tensor, dim: int, segments: tuple[int, ...],
+              blocked: bool = False) -> torch.Tensor:
+    return (assemble_blocks if blocked else assemble)(comm.all_gather(x), dim, segments)
+
+
+def _sliced(x: torch.Tensor, dim: int, segments: tuple[int, ...], comm: Communicator, blocked: bool) -> torch.Tensor:
+    return (local_blocks if blocked else local_shard)(x, dim, segments, comm.rank, comm.size)
 
 
 class _Copy(torch.autograd.Function):
@@ -49,26 +54,26 @@ class _Reduce(torch.autograd.Function):
 
 class _Gather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim, segments, comm):
-        ctx.args = (dim, segments, comm)
-        return _gathered(comm, x, dim, segments)
+    def forward(ctx, x, dim, segments, comm, blocked):
+        ctx.args = (dim, segments, comm, blocked)
+        return _gathered(comm, x, dim, segments, blocked)
 
     @staticmethod
     def backward(ctx, grad):
-        dim, segments, comm = ctx.args
-        return local_shard(grad, dim, segments, comm.rank, comm.size), None, None, None
+        dim, segments, comm, blocked = ctx.args
+        return _sliced(grad, dim, segments, comm, blocked), None, None, None, None
 
 
 class _Scatter(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim, segments, comm):
-        ctx.args = (dim, segments, comm)
-        return local_shard(x, dim, segments, comm.rank, comm.size)
+    def forward(ctx, x, dim, segments, comm, blocked):
+        ctx.args = (dim, segments, comm, blocked)
+        return _sliced(x, dim, segments, comm, blocked)
 
     @staticmethod
     def backward(ctx, grad):
-        dim, segments, comm = ctx.args
-        return _gathered(comm, grad, dim, segments), None, None, None
+        dim, segments, comm, blocked = ctx.args
+        return _gathered(comm, grad, dim, segments, blocked), None, None, None, None
 
 
 class _Collective(nn.Module):
@@ -103,23 +108,23 @@ class MeanFromTP(_Collective):
 class GatherFromTP(_Collective):
     """All-gather a value split along ``dim`` (in ``segments``); backward keeps this rank's slice."""
 
-    def __init__(self, comm: Communicator, dim: int, segments: tuple[int, ...]):
+    def __init__(self, comm: Communicator, dim: int, segments: tuple[int, ...], blocked: bool = False):
         super().__init__(comm)
-        self.dim, self.segments = dim, tuple(segments)
+        self.dim, self.segments, self.blocked = dim, tuple(segments), blocked
 
     def forward(self, x):
-        return _Gather.apply(x, self.dim, self.segments, self.comm)
+        return _Gather.apply(x, self.dim, self.segments, self.comm, self.blocked)
 
 
 class ScatterToTP(_Collective):
     """Keep this rank's slice of a whole value; backward all-gathers the gradient."""
 
-    def __init__(self, comm: Communicator, dim: int, segments: tuple[int, ...]):
+    def __init__(self, comm: Communicator, dim: int, segments: tuple[int, ...], blocked: bool = False):
         super().__init__(comm)
-        self.dim, self.segments = dim, tuple(segments)
+        self.dim, self.segments, self.blocked = dim, tuple(segments), blocked
 
     def forward(self, x):
-        return _Scatter.apply(x, self.dim, self.segments, self.comm)
+        return _Scatter.apply(x, self.dim, self.segments, self.comm, self.blocked)
 
 
 IMPLEMENTATIONS: dict[Operator, Callable[[Communicator, Shard | None], nn.Module]] = {
@@ -127,8 +132,8 @@ IMPLEMENTATIONS: dict[Operator, Callable[[Communicator, Shard | None], nn.Module
     Operator.G: lambda comm, shard: ReduceFromTP(comm),
     Operator.VOCAB_EMBEDDING: lambda comm, shard: ReduceFromTP(comm),
     Operator.MEAN: lambda comm, shard: MeanFromTP(comm),
-    Operator.GATHER: lambda comm, shard: GatherFromTP(comm, shard.dim, shard.segments),
-    Operator.SCATTER: lambda comm, shard: ScatterToTP(comm, shard.dim, shard.segments),
+    Operator.GATHER: lambda comm, shard: GatherFromTP(comm, shard.dim, shard.segments, shard.blocks != 1),
+    Operator.SCATTER: lambda comm, shard: ScatterToTP(comm, shard.dim, shard.segments, shard.blocks != 1),
 }
 """Operator -> a factory of the module that runs it, given the communicator and (for gathers and slices)
 the split."""

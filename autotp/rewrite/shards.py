@@ -23,6 +23,19 @@ def assemble(shards: list[torch.Tensor], dim: int, segments: tuple[int, ...]) ->
     return torch.cat([pieces[r][i] for i in range(len(segments)) for r in range(tp)], dim=dim)
 
 
+def local_blocks(full: torch.Tensor, dim: int, segments: tuple[int, ...], rank: int, tp: int) -> torch.Tensor:
+    """``local_shard`` of every block of ``dim`` (consecutive runs of ``segments``: heads folded into the batch)."""
+    blocks = full.unflatten(dim, (-1, sum(segments)))
+    return local_shard(blocks, dim + 1, segments, rank, tp).flatten(dim, dim + 1)
+
+
+def assemble_blocks(shards: list[torch.Tensor], dim: int, segments: tuple[int, ...]) -> torch.Tensor:
+    """The full tensor from every rank's ``local_blocks``; inverse of it."""
+    local = sum(segments) // len(shards)
+    parts = [s.unflatten(dim, (-1, local)) for s in shards]
+    return assemble(parts, dim + 1, segments).flatten(dim, dim + 1)
+
+
 def segments_or_whole(segments: tuple[int, ...], size: int) -> tuple[int, ...]:
     """``segments``, or the whole dim as one segment when the split is plain."""
     return tuple(segments) if segments else (size,)

@@ -7,6 +7,7 @@ that sharding propagation asked for, as modules calling Megatron's autograd oper
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 
 import torch
@@ -15,7 +16,7 @@ from torch import fx, nn
 from autotp.capture import Captured
 from autotp.errors import InternalError
 from autotp.passes.analysis import Analysis
-from autotp.passes.graph import arg_or_default, get_arg
+from autotp.passes.graph import DividedBy, arg_or_default, get_arg
 from autotp.passes.projections import Projection
 from autotp.passes.propagate import Conversion, Propagation
 from autotp.passes.steps import Operator
@@ -116,17 +117,21 @@ class _Surgeon:
 
     def apply(self, prop: Propagation) -> None:
         for name, path, value in prop.fixes:
-            with_arg(self.nodes[name], path, value)
+            node = self.nodes[name]
+            if isinstance(value, DividedBy):  # a size the graph computes (``B * H``): divide it where it is read
+                with self.graph.inserting_before(node):
+                    value = self.graph.call_function(operator.floordiv, (get_arg(node, path), value.by))
+            with_arg(node, path, value)
         for conv in prop.conversions.values():
             self.convert(conv)
-        for name, operator in prop.reduced.items():
+        for name, reduction in prop.reduced.items():
             node = self.nodes[name]
-            if operator is Operator.VOCAB_EMBEDDING:
+            if reduction is Operator.VOCAB_EMBEDDING:
                 self.embedding(node, self.analysis.embeddings[name].num_embeddings)
             elif name in self.analysis.projections:
                 self.row(node, self.analysis.projections[name])
             else:
-                self.reduce_after(node, operator, None)  # a sum or mean over a split dim
+                self.reduce_after(node, reduction, None)  # a sum or mean over a split dim
         self.graph.lint()
         self.gm.recompile()
 
