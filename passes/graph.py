@@ -102,6 +102,12 @@ def grad_nodes(graph: fx.Graph, trainable: set[str]) -> set[str]:
     for node in graph.nodes:
         if node.op == "get_attr" and node.target in trainable:
             out.add(node.name)
-        elif any(a.name in out for a in node.all_input_nodes):
+        elif any(a.name in out for a in node.all_input_nodes) and not _integral(node):
             out.add(node.name)
     return out
+
+
+def _integral(node: fx.Node) -> bool:
+    """An integer or boolean tensor (indices, masks): no gradient flows through it."""
+    value = meta_val(node)
+    return isinstance(value, torch.Tensor) and not (value.dtype.is_floating_point or value.dtype.is_complex)

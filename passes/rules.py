@@ -368,6 +368,16 @@ def _matrix_split(node: fx.Node, ins: Inputs, ctx: Context) -> Decision:
 
 
 @on_split_input
+def index(node: fx.Node, ins: Inputs, ctx: Context, x: fx.Node, lay: Shard) -> Decision:
+    """``x[idx]`` with one index tensor on dim 0 (rows picked per token: an expert's bias, a permutation): a
+    split along a later dim stays, after the index's own dims."""
+    indices = node.args[1]
+    if len(indices) != 1 or not isinstance(indices[0], fx.Node) or lay.dim == 0:
+        return replicate_all(node, ins, ctx)
+    return Decision(lay.moved(lay.dim - 1 + rank(indices[0])), wants={p: None for p in ins if p != (0,)})
+
+
+@on_split_input
 def sym_size(node: fx.Node, ins: Inputs, ctx: Context, x: fx.Node, lay: Shard) -> Decision:
     """The size of a dim other than the split one is the same on every rank."""
     return Decision(None) if _norm(node.args[1], rank(x)) != lay.dim else replicate_all(node, ins, ctx)
@@ -437,7 +447,7 @@ RULES = {
     aten.max.dim: reduction, aten.min.dim: reduction,
     aten.matmul.default: batched_matmul, aten.bmm.default: batched_matmul,
     aten.scaled_dot_product_attention.default: attention, aten.conv1d.default: conv1d,
-    aten.view_as.default: view_as, aten.sym_size.int: sym_size, aten.repeat.default: repeat,
+    aten.view_as.default: view_as, aten.sym_size.int: sym_size, aten.index.Tensor: index, aten.repeat.default: repeat,
     aten.logsumexp.default: reduction, aten.view_as_complex.default: view_as_complex,
     aten.view_as_real.default: view_as_complex,
     # pointwise, though not tagged so: a scalar on one side, or a 0-d tensor fill value

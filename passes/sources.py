@@ -57,6 +57,13 @@ def _input_shard(node: fx.Node, source: fx.Node, shard: Shard, tp: int) -> Shard
         return _permuted_back(node, shard)
     if rule is rules.reshape:
         return map_reshape(sizes(node), sizes(source), shard, tp)
+    if rule is rules.expand:  # a per-head table expanded over batch and sequence
+        d = shard.dim - (rank(node) - rank(source))
+        return shard.moved(d) if d >= 0 and sizes(source)[d] != 1 else None
+    if rule is rules.index:  # ``table[ids]``: the split dim comes after the index's dims
+        ids = node.args[1][0] if len(node.args[1]) == 1 else None
+        return shard.moved(shard.dim + 1 - rank(ids)) if source is node.args[0] and isinstance(ids, fx.Node) \
+            and shard.dim >= rank(ids) else None
     if rule is rules.slice_:  # a slice along another dim keeps the split where it is
         return shard if arg_or_default(node, 1, "dim", 0) % rank(source) != shard.dim else None
     if rule is rules.select:  # the selected dim is gone from the output
