@@ -36,6 +36,14 @@ class Projection:
     out_features: int
     in_dim: int
     """Storage dim of the weight indexing input features (the other of the last two dims)."""
+    left: bool = False
+    """``W @ x``: the weight multiplies from the left, so features run along the second-last dim of ``x`` and of
+    the output (Mamba's time-step projection, ``dt_proj.weight @ dt.transpose(1, 2)``)."""
+
+    @property
+    def feature_axis(self) -> int:
+        """The dim of the input and output (counted from the end) that holds the features."""
+        return -2 if self.left else -1
 
 
 @dataclass(frozen=True)
@@ -117,10 +125,26 @@ def _projection(node: fx.Node, specs: dict) -> Projection | None:
                       in_features=int(shape[in_dim]), out_features=int(shape[out_dim]), in_dim=in_dim)
 
 
+def _left_projection(node: fx.Node) -> Projection | None:
+    """A Projection if ``node`` is ``W @ x`` with ``W`` a 2-D parameter (or its transpose) and ``x`` at least 2-D."""
+    if node.target is not aten.matmul.default or len(node.args) < 2 or not isinstance(node.args[1], fx.Node):
+        return None
+    weight_node, x = node.args
+    weight, out_dim = _attr(weight_node), 0
+    if weight is None and _transposed_attr(weight_node) is not None:
+        weight, out_dim, weight_node = _transposed_attr(weight_node), 1, weight_node.args[0]
+    if weight is None or _attr(x) is not None or len(meta_val(weight_node).shape) != 2 or len(meta_val(x).shape) < 2:
+        return None
+    shape = meta_val(weight_node).shape
+    return Projection(node=node.name, input=x.name, weight=weight, bias=None, out_dim=out_dim,
+                      in_features=int(shape[1 - out_dim]), out_features=int(shape[out_dim]), in_dim=1 - out_dim,
+                      left=True)
+
+
 def find_projections(graph: fx.Graph) -> dict[str, Projection]:
     """Every projection in ``graph``, keyed by node name, in graph order."""
     specs = _PROJECTION_OPS | _grouped_ops()
-    found = (_projection(n, specs) for n in graph.nodes if n.op == "call_function")
+    found = (_projection(n, specs) or _left_projection(n) for n in graph.nodes if n.op == "call_function")
     return {p.node: p for p in found if p is not None}
 
 

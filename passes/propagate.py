@@ -218,7 +218,8 @@ class _Walker:
                 return Role(PlacementKind.COLWISE, weight.segments)
             return Role(PlacementKind.ROWWISE)
         x_layout = self.layout(self.graph_node(proj.input))
-        if self.auto_rows and x_layout == Shard(rank(self.graph_node(proj.input)) - 1, (proj.in_features,)):
+        features = rank(self.graph_node(proj.input)) + proj.feature_axis
+        if self.auto_rows and x_layout == Shard(features, (proj.in_features,)):
             self.result.rows.append(proj.node)
             return Role(PlacementKind.ROWWISE)
         return None
@@ -230,11 +231,11 @@ class _Walker:
         x_path = next(p for p, n in tensor_args(node) if n.name == proj.input)
         x = self.graph_node(proj.input)
         if role.kind is PlacementKind.COLWISE:
-            out = Shard(rank(node) - 1, role.segments)
+            out = Shard(rank(node) + proj.feature_axis, role.segments)
             return Decision(out, wants={x_path: COPY},
                             checks=[(s, "output features") for s in role.segments])
         self.result.reduced[node.name] = Operator.G
-        return Decision(None, wants={x_path: Shard(rank(x) - 1, (proj.in_features,))},
+        return Decision(None, wants={x_path: Shard(rank(x) + proj.feature_axis, (proj.in_features,))},
                         checks=[(proj.in_features, "input features")])
 
     def convert(self, node: fx.Node, path: ArgPath, source: fx.Node, have: Layout, want) -> None:

@@ -95,7 +95,7 @@ def trace(g: SourceGraph, node: fx.Node, shard: Shard, upstream: set[str], depth
         return Sources(params={node.target: shard}) if node.target in g.trainable else None
     proj = g.projections.get(node.name)
     if proj is not None:
-        return Sources(projections={node.name: proj}) if shard.dim == rank(node) - 1 else None
+        return Sources(projections={node.name: proj}) if shard.dim == rank(node) + proj.feature_axis else None
     emb = g.embeddings.get(node.name)
     if emb is not None:
         return Sources(params={emb.weight: Shard(1, shard.segments)}) if shard.dim == rank(node) - 1 else None
