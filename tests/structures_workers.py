@@ -1,0 +1,252 @@
+"""Per-rank bodies of the structure tests on gloo: one tiny model of each structure autotp splits.
+
+Mixture-of-experts (a 3-D expert bank), QK-norm over all heads, interleaved rotary with a parallel block,
+encoder-decoders (cross-attention, per-head relative position bias), ``nn.TransformerEncoder`` and a Mamba
+mixer (split by channel by a hand-written plan). Each rank builds every model from one seed, keeps an
+unsharded copy, and compares outputs, the loss of every step and every parameter after AdamW steps; dropout
+is off in every config.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+from torch.testing import assert_close
+from torch.utils._pytree import tree_leaves
+
+import autotp
+from tests import models
+
+SEED = 0
+STEPS = 3
+ADAM = dict(lr=1e-2, eps=1e-3)
+"""Adam's first step moves an element by lr * g / (|g| + eps), whose slope in g is up to lr / eps. With eps
+1e-6 (tests/workers.py) an element whose gradient is zero up to rounding turns fp32 rounding into visible steps:
+T5's cross-attention query got gradients 3.7e-8 (one process) and 7.7e-9 (two ranks) at one element and
+differed by 2.8e-5 after one step at lr 1e-3; Olmo2's embedding differed by 7.5e-4 after 3 steps at lr 1e-2,
+though every parameter agrees to 1e-8 after the same 3 steps with SGD. eps 1e-3 bounds that gain by 10, so
+TOL compares sharding, not amplified rounding."""
+TOL = dict(rtol=1e-5, atol=1e-5)
+"""Outputs, losses, and every parameter after AdamW (0.1% of one step)."""
+VOCAB = models.VOCAB
+
+
+def _hf(config_name: str, model_name: str, **config) -> nn.Module:
+    import transformers
+
+    return getattr(transformers, model_name)(getattr(transformers, config_name)(**config))
+
+
+_DECODER = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, attention_dropout=0.0)
+
+
+def mixtral() -> nn.Module:
+    """Mixture of experts: 4 experts in one 3-D bank per layer, 2 routed per token."""
+    return _hf("MixtralConfig", "MixtralForCausalLM", **_DECODER, num_local_experts=4, num_experts_per_tok=2)
+
+
+def olmo2() -> nn.Module:
+    """QK-norm: an RMSNorm over the whole q_proj (and k_proj) width, i.e. across all heads."""
+    return _hf("Olmo2Config", "Olmo2ForCausalLM", **_DECODER, eos_token_id=2)
+
+
+def gptj() -> nn.Module:
+    """Interleaved rotary (stack, then flatten) and a parallel block (one norm feeds attention and MLP)."""
+    return _hf("GPTJConfig", "GPTJForCausalLM", vocab_size=VOCAB, n_embd=64, n_head=4, rotary_dim=8, n_layer=2,
+               n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+
+
+def bart() -> nn.Module:
+    """An encoder-decoder with cross-attention (K/V projections of the encoder's output)."""
+    return _hf("BartConfig", "BartForConditionalGeneration", vocab_size=VOCAB, d_model=64, encoder_layers=2,
+               decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=128,
+               decoder_ffn_dim=128, max_position_embeddings=64, dropout=0.0, attention_dropout=0.0,
+               activation_dropout=0.0)
+
+
+def t5() -> nn.Module:
+    """An encoder-decoder whose attention adds a per-head relative position bias."""
+    return _hf("T5Config", "T5ForConditionalGeneration", vocab_size=VOCAB, d_model=64, d_kv=16, d_ff=128,
+               num_layers=2, num_heads=4, dropout_rate=0.0, decoder_start_token_id=0)
+
+
+def mamba() -> nn.Module:
+    """A Mamba mixer: in_proj, a depthwise conv1d over channels, a selective scan, out_proj."""
+    return _hf("MambaConfig", "MambaForCausalLM", vocab_size=VOCAB, hidden_size=64, state_size=8,
+               num_hidden_layers=2, expand=2)
+
+
+class TorchEncoderLM(nn.Module):
+    """``nn.TransformerEncoder`` between a token embedding and an output head."""
+
+    def __init__(self, dim: int = 64):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, dim)
+        layer = nn.TransformerEncoderLayer(dim, nhead=4, dim_feedforward=128, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
+        self.head = nn.Linear(dim, VOCAB)
+
+    def forward(self, ids):
+        return self.head(self.encoder(self.embed(ids)))
+
+
+def _ids(batch: int, seq: int, seed: int) -> dict[str, torch.Tensor]:
+    return {"input_ids": models.tokens(batch, seq, seed)}
+
+
+def _seq2seq(batch: int, seq: int, seed: int) -> dict[str, torch.Tensor]:
+    decoder = models.tokens(batch, seq // 2, seed + 50)
+    return {"input_ids": models.tokens(batch, seq, seed), "decoder_input_ids": decoder}
+
+
+def _positional(batch: int, seq: int, seed: int) -> tuple[torch.Tensor]:
+    return (models.tokens(batch, seq, seed),)
+
+
+@dataclass(frozen=True)
+class Case:
+    """One model of one structure."""
+
+    build: Callable[[], nn.Module]
+    inputs: Callable[[int, int, int], object]
+    """(batch, seq, seed) -> the model's inputs: a dict of keyword tensors or a positional tuple."""
+    must_split: tuple[str, ...] = ()
+    """Parameter names the structure's split must cover (the test fails if autotp keeps them whole)."""
+    edit: Callable[[autotp.Plan, nn.Module], autotp.Plan] | None = None
+    """(autotp's plan, the model) -> a hand-written plan to apply; None applies autotp's own."""
+    example_seq: int = 16
+    """Sequence length of the example inputs the model is captured on."""
+    seq: int = 12
+    """Sequence length of the training batches: the example's for a model whose code loops over positions
+    (the capture then fixes it), another otherwise (sizes stay dynamic)."""
+
+
+def mamba_channel_plan(plan: autotp.Plan, model: nn.Module) -> autotp.Plan:
+    """A hand-written plan splitting each Mamba mixer by channel: in_proj column-split in its two halves (x and
+    the gate), the depthwise conv1d, dt_proj, A_log and D with those channels, x_proj and out_proj along their
+    inputs (all-reduced); the vocabulary split as autotp splits it; the rest whole."""
+    placements = {}
+    for name, param in model.named_parameters():
+        if name in ("backbone.embeddings.weight", "lm_head.weight"):
+            placements[name] = autotp.Placement("vocab", 0)
+        elif ".mixer." not in name:
+            placements[name] = autotp.Placement("replicated")
+        elif name.endswith("in_proj.weight"):
+            placements[name] = autotp.Placement("colwise", 0, (param.shape[0] // 2,) * 2)
+        elif name.endswith(("x_proj.weight", "out_proj.weight")):
+            placements[name] = autotp.Placement("rowwise", 1)
+        else:  # conv1d, dt_proj, A_log, D: one row per channel
+            placements[name] = autotp.Placement("colwise", 0)
+    return plan.replace(placements=placements)
+
+
+def _layers(*suffixes: str, layers: int = 2, stem: str = "model.layers") -> tuple[str, ...]:
+    return tuple(f"{stem}.{i}.{s}" for i in range(layers) for s in suffixes)
+
+
+CASES = {
+    "mixtral (expert bank)": Case(mixtral, _ids, _layers("mlp.experts.gate_up_proj", "mlp.experts.down_proj")),
+    "olmo2 (QK-norm)": Case(olmo2, _ids, _layers("self_attn.q_proj.weight", "self_attn.q_norm.weight",
+                                                  "self_attn.k_norm.weight", "self_attn.o_proj.weight")),
+    "gptj (interleaved rotary, parallel block)": Case(gptj, _ids, _layers(
+        "attn.q_proj.weight", "attn.k_proj.weight", "attn.out_proj.weight", "mlp.fc_in.weight", "mlp.fc_out.weight",
+        stem="transformer.h")),
+    "bart (cross-attention)": Case(bart, _seq2seq, (
+        *_layers("encoder_attn.q_proj.weight", "encoder_attn.k_proj.weight", "encoder_attn.v_proj.weight",
+                 "encoder_attn.out_proj.weight", stem="model.decoder.layers"),
+        *_layers("fc1.weight", stem="model.encoder.layers"))),
+    "t5 (relative position bias)": Case(t5, _seq2seq, (
+        "encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight",
+        "decoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight",
+        *_layers("layer.1.EncDecAttention.k.weight", "layer.1.EncDecAttention.v.weight", stem="decoder.block"))),
+    "nn.TransformerEncoder": Case(TorchEncoderLM, _positional, _layers(
+        "self_attn.in_proj_weight", "self_attn.out_proj.weight", "linear1.weight", "linear2.weight",
+        stem="encoder.layers")),
+    # Mamba's reference selective scan loops over positions: its sequence length is fixed, kept short.
+    "mamba (conv1d split by channel, hand plan)": Case(mamba, _ids, _layers(
+        "mixer.conv1d.weight", "mixer.in_proj.weight", "mixer.x_proj.weight", stem="backbone.layers"),
+        edit=mamba_channel_plan, example_seq=8, seq=8),
+}
+
+
+def _call(module: nn.Module, inputs, **extra):
+    if isinstance(inputs, dict):
+        return module(**inputs, **extra)
+    return module(*inputs, **extra)
+
+
+def _no_cache(model: nn.Module) -> dict:
+    """What the reference is called with: no KV cache, as autotp calls the model it captures."""
+    return {"use_cache": False} if "use_cache" in inspect.signature(model.forward).parameters else {}
+
+
+def _loss(output, target: torch.Tensor) -> torch.Tensor:
+    logits = models.first_tensor(output)
+    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
+
+
+def _target(batch, seed: int) -> torch.Tensor:
+    """Token ids shaped like the logits: one per decoder position (encoder-decoders) or input position."""
+    ids = batch.get("decoder_input_ids", batch["input_ids"]) if isinstance(batch, dict) else batch[0]
+    return models.tokens(*ids.shape, seed)
+
+
+def _split_names(plan: autotp.Plan) -> list[str]:
+    return sorted(name for name, placement in plan.placements.items() if placement.is_split)
+
+
+def check_case(label: str, case: Case, world: int) -> dict:
+    """Shard one model over ``world`` ranks and compare it with the unsharded original: outputs, the loss of
+    STEPS AdamW steps and every parameter afterwards. Returns the largest errors and the split names."""
+    start = time.perf_counter()
+    torch.manual_seed(SEED)
+    ref = case.build()
+    example = case.inputs(2, case.example_seq, 1)
+    plan = None if case.edit is None else case.edit(autotp.plan(ref, tp=world, example_inputs=example), ref)
+    pm = autotp.parallelize(ref, tp=world, example_inputs=example, plan=plan)
+    split = _split_names(pm.plan)
+    kept = [name for name in case.must_split if not pm.plan.placements[name].is_split]
+    assert not kept, f"{label}: {kept} kept whole; split: {split}; notes: {pm.plan.notes}"
+    extra = _no_cache(ref)
+
+    batches = [case.inputs(3, case.seq, seed) for seed in range(2, 2 + STEPS)]  # not the example's sizes
+    got, want = _call(pm, batches[0]), _call(ref, batches[0], **extra)
+    assert len(tree_leaves(got)) == len(tree_leaves(want)), f"{label}: outputs differ in structure"
+    for g, w in zip(tree_leaves(got), tree_leaves(want)):
+        assert_close(g, w, **TOL, msg=lambda m: f"{label} output (split: {split}): {m}")
+
+    opt, ref_opt = torch.optim.AdamW(pm.parameters(), **ADAM), torch.optim.AdamW(ref.parameters(), **ADAM)
+    losses = []
+    for step, batch in enumerate(batches):
+        target = _target(batch, seed=10 + step)
+        loss = _step(pm, batch, target)
+        ref_loss = _loss(_call(ref, batch, **extra), target)
+        ref_loss.backward()
+        assert_close(loss, ref_loss.detach(), **TOL, msg=lambda m: f"{label} loss of step {step}: {m}")
+        losses.append(float((loss - ref_loss.detach()).abs()))
+        opt.step(), ref_opt.step()
+        opt.zero_grad(), ref_opt.zero_grad()
+
+    full, worst = pm.full_state_dict(), 0.0
+    assert set(full) == set(ref.state_dict()), f"{label}: full_state_dict keys differ from the model's"
+    for key, value in ref.state_dict().items():
+        assert_close(full[key], value, **TOL, msg=lambda m: f"{label} {key} after {STEPS} AdamW steps: {m}")
+        worst = max(worst, float((full[key].double() - value.double()).abs().max()))
+    return {"loss": max(losses), "params": worst, "split": split, "seconds": time.perf_counter() - start}
+
+
+def _step(pm, batch, target: torch.Tensor) -> torch.Tensor:
+    if isinstance(batch, dict):
+        return pm.step(**batch, target=target, loss_fn=_loss)
+    return pm.step(*batch, target=target, loss_fn=_loss)
+
+
+def structures(rank: int, world: int, only: list[str] | None = None) -> dict:
+    """``check_case`` for every case (or those named in ``only``) at tp=world, in one spawned group."""
+    return {label: check_case(label, case, world) for label, case in CASES.items() if not only or label in only}
