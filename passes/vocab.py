@@ -1,6 +1,7 @@
 """Find the token embedding and the LM head: the layers split along the vocabulary.
 
-The token embedding is the largest embedding table indexed by a model input; an LM head is a
+The token embedding is the embedding table indexed by a model input that is as large as a projection
+reaching the output (else the largest such table); an LM head is a
 projection onto that many outputs whose result reaches the model's output with no other projection
 in between (tied to the embedding or not).
 """
@@ -62,9 +63,30 @@ def find_vocab(graph: fx.Graph, projections: dict[str, Projection],
     token = [e for e in embeddings.values() if e.ids in from_inputs]
     if not token:
         return None
-    vocab = max(e.num_embeddings for e in token)
     nodes = {n.name: n for n in graph.nodes}
+    outputs = {p.out_features for p in projections.values() if _reaches_output(nodes[p.node], projections)}
+    # A table as large as a head's outputs is the vocabulary; else the largest (position ids computed from
+    # the token ids, as RoBERTa's are, index a table too, and it may be the larger).
+    vocab = max((e.num_embeddings for e in token), key=lambda size: (size in outputs, size))
     heads = tuple(p.node for p in projections.values()
                   if p.out_features == vocab and _reaches_output(nodes[p.node], projections))
     return VocabMatch(vocab_size=vocab, embeddings=tuple(e.node for e in token if e.num_embeddings == vocab),
                       heads=heads)
+
+
+def feeds_only_heads(node: fx.Node, projections: dict[str, Projection], heads: tuple[str, ...]) -> bool:
+    """Whether ``node``'s value reaches nothing but the input of LM heads (through an activation and a norm):
+    a transform before the head, as BERT's. Splitting it would gather its output again before the
+    vocabulary-split head, which costs more than it saves (Megatron keeps it whole too)."""
+    seen, todo, reached = set(), list(node.users), False
+    while todo:
+        user = todo.pop()
+        if user.name in heads and projections[user.name].input in seen | {node.name}:
+            reached = True
+            continue
+        if user.op == "output" or user.name in projections:
+            return False
+        if user.name not in seen:
+            seen.add(user.name)
+            todo.extend(user.users)
+    return reached

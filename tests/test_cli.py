@@ -14,7 +14,8 @@ import torch
 import autotp
 from autotp.tools import cli
 from autotp.tools.exports import to_hf_tp_plan
-from autotp.tools.model_spec import SMALL_HF, SpecKind, build_model, parse_overrides, parse_spec, vocab_size
+from autotp.capture.inputs import vocab_size
+from autotp.tools.model_spec import SMALL_HF, SpecKind, build_model, parse_overrides, parse_spec
 from tests.distributed import run_on_ranks
 
 ROOT = Path(__file__).resolve().parents[1]

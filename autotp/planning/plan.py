@@ -188,6 +188,9 @@ class Plan:
     """Batch size the costs were evaluated at (0: not evaluated)."""
     seq: int = 0
     """Sequence length the costs were evaluated at."""
+    by_choice: tuple[str, ...] = ()
+    """Layers kept whole on purpose because that is cheaper (a transform before the LM head), not for want of a
+    way to split them; the notes say why."""
 
     def __post_init__(self):
         if not isinstance(self.tp, int) or self.tp < 1:
@@ -197,6 +200,7 @@ class Plan:
         object.__setattr__(self, "regions", tuple(self.regions))
         object.__setattr__(self, "notes", tuple(self.notes))
         object.__setattr__(self, "stages", tuple(self.stages))
+        object.__setattr__(self, "by_choice", tuple(self.by_choice))
         object.__setattr__(self, "balance", Balance(self.balance))
         if not isinstance(self.pp, int) or self.pp < 1:
             raise ValueError(f"pp must be a positive integer, got {self.pp!r}")
@@ -225,6 +229,7 @@ class Plan:
             "batch": self.batch,
             "seq": self.seq,
             "stages": [s.to_dict() for s in self.stages],
+            "by_choice": list(self.by_choice),
         }
 
     def to_json(self, indent: int | None = 2) -> str:
@@ -252,6 +257,7 @@ class Plan:
                 batch=data.get("batch", 0),
                 seq=data.get("seq", 0),
                 stages=tuple(Stage(**st | {"modules": tuple(st["modules"])}) for st in data.get("stages", [])),
+                by_choice=tuple(data.get("by_choice", [])),
             )
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise InputError(f"not a valid autotp plan: {e}") from e

@@ -21,6 +21,7 @@ from autotp.passes.layout import PlacementKind, Shard
 from autotp.passes.propagate import Propagation
 from autotp.passes.random import random_refusal
 from autotp.passes.regions import RegionKind, RegionMatch
+from autotp.passes.vocab import feeds_only_heads
 from autotp.passes.steps import COMMUNICATION
 from autotp.planning.plan import REPLICATED, Collective, Placement, Plan, Region
 from autotp.planning.stages import plan_stages
@@ -39,6 +40,23 @@ def _divisibility_error(analysis: Analysis, region: RegionMatch, tp: int, valid:
         f"cannot split the {region.kind.value} at '{layers}' across tp={tp}: its {what} not divisible by {tp}; "
         f"Megatron's split gives every rank an equal whole share. "
         f"Valid tp values for this model: {', '.join(map(str, valid))}. Set tp to one of them.")
+
+
+def _head_transforms(analysis: Analysis, unmatched) -> set[str]:
+    """Unmatched projections that only feed the LM head: whole by choice (``feeds_only_heads``)."""
+    heads = analysis.vocab.heads if analysis.vocab else ()
+    return {n for nodes, _ in unmatched for n in nodes
+            if heads and feeds_only_heads(analysis.nodes[n], analysis.projections, heads)}
+
+
+def _unmatched_note(analysis: Analysis, nodes: tuple[str, ...], why: str, chosen: set[str]) -> str:
+    """Why projections were kept whole: a transform before the LM head by choice, else the blocking op."""
+    layers = ", ".join(analysis.layer(n) for n in nodes)
+    if set(nodes) <= chosen:
+        return (f"{layers} kept whole by choice: a transform before the vocabulary head, which needs its output "
+                "whole; splitting it would add an all-gather and an all-reduce of its output per step (Megatron "
+                "keeps it whole too)")
+    return f"{layers} kept replicated: {why}"
 
 
 def _valid_tp(regions: list[RegionMatch]) -> list[int]:
@@ -189,8 +207,8 @@ def make_plan(captured: Captured, tp: int, pp: int = 1, balance: Balance | str =
     search = analysis.regions(tp)
     regions = search.regions
     valid = _valid_tp(regions)
-    notes: list[str] = [f"{', '.join(analysis.layer(n) for n in nodes)} kept replicated: {why}"
-                        for nodes, why in search.unmatched]
+    chosen = _head_transforms(analysis, search.unmatched)
+    notes: list[str] = [_unmatched_note(analysis, nodes, why, chosen) for nodes, why in search.unmatched]
     by_target: dict[str, Placement] = {}
     plan_regions: list[Region] = []
     for region in regions:
@@ -218,4 +236,5 @@ def make_plan(captured: Captured, tp: int, pp: int = 1, balance: Balance | str =
     by_name = {captured.dim_names.get(k, k): v for k, v in sizes.items()}
     return Plan(tp=tp, placements=placements, collectives=tuple(_collectives(analysis, prop)),
                 regions=tuple(plan_regions), notes=tuple(notes), model=captured.model_name, pp=pp,
-                stages=planned_stages, balance=balance, batch=by_name.get("B", 0), seq=by_name.get("T", 0))
+                stages=planned_stages, balance=balance, batch=by_name.get("B", 0), seq=by_name.get("T", 0),
+                by_choice=tuple(sorted(analysis.layer(n) for n in chosen)))

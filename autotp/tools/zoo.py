@@ -24,7 +24,9 @@ from torch import nn
 from autotp.capture import model_kwargs
 from autotp.checker import check
 from autotp.errors import AutotpError
-from autotp.tools.model_spec import EXAMPLE_BATCH, EXAMPLE_SEQ, build_model, parse_spec, vocab_size
+from autotp.names import within
+from autotp.capture.inputs import EXAMPLE_BATCH, EXAMPLE_SEQ, synthesise, vocab_size
+from autotp.tools.model_spec import build_model, parse_spec
 
 TINY_MOE = {"num_local_experts": 4, "num_experts": 4, "n_routed_experts": 4, "num_experts_per_tok": 2,
             "moe_intermediate_size": 64, "n_shared_experts": 1, "num_shared_experts": 1}
@@ -76,8 +78,7 @@ class Result:
 
 
 def _token_ids(model: nn.Module) -> tuple:
-    ids = torch.randint(0, vocab_size(model), (EXAMPLE_BATCH, EXAMPLE_SEQ), generator=torch.Generator().manual_seed(0))
-    return (ids,)
+    return synthesise(model).flat  # the ids autotp.plan synthesises when given none
 
 
 def _encoder_decoder_inputs(model: nn.Module) -> tuple:
@@ -167,8 +168,9 @@ def _verdict(report, model: nn.Module, used: dict[str, int], seconds: float) -> 
     fraction = sum(n for name, n in used.items() if name in split) / total
     shapes = dict(model.named_parameters())
     tables = _side_tables(model)
+    chosen = {name for name in used if any(within(name, layer) for layer in report.plan.by_choice)}
     whole = [name for name, n in used.items()
-             if name not in split and name not in tables and n >= SIZEABLE and shapes[name].dim() >= 2]
+             if name not in split | tables | chosen and n >= SIZEABLE and shapes[name].dim() >= 2]
     notes = list(report.plan.notes)
     if whole:
         notes.insert(0, f"kept whole: {', '.join(whole[:4])}{' ...' if len(whole) > 4 else ''}")
