@@ -118,32 +118,11 @@ class Case:
     """(batch, seq, seed) -> the model's inputs: a dict of keyword tensors or a positional tuple."""
     must_split: tuple[str, ...] = ()
     """Parameter names the structure's split must cover (the test fails if autotp keeps them whole)."""
-    edit: Callable[[autotp.Plan, nn.Module], autotp.Plan] | None = None
-    """(autotp's plan, the model) -> a hand-written plan to apply; None applies autotp's own."""
     example_seq: int = 16
     """Sequence length of the example inputs the model is captured on."""
     seq: int = 12
     """Sequence length of the training batches: the example's for a model whose code loops over positions
     (the capture then fixes it), another otherwise (sizes stay dynamic)."""
-
-
-def mamba_channel_plan(plan: autotp.Plan, model: nn.Module) -> autotp.Plan:
-    """A hand-written plan splitting each Mamba mixer by channel: in_proj column-split in its two halves (x and
-    the gate), the depthwise conv1d, dt_proj, A_log and D with those channels, x_proj and out_proj along their
-    inputs (all-reduced); the vocabulary split as autotp splits it; the rest whole."""
-    placements = {}
-    for name, param in model.named_parameters():
-        if name in ("backbone.embeddings.weight", "lm_head.weight"):
-            placements[name] = autotp.Placement("vocab", 0)
-        elif ".mixer." not in name:
-            placements[name] = autotp.Placement("replicated")
-        elif name.endswith("in_proj.weight"):
-            placements[name] = autotp.Placement("colwise", 0, (param.shape[0] // 2,) * 2)
-        elif name.endswith(("x_proj.weight", "out_proj.weight")):
-            placements[name] = autotp.Placement("rowwise", 1)
-        else:  # conv1d, dt_proj, A_log, D: one row per channel
-            placements[name] = autotp.Placement("colwise", 0)
-    return plan.replace(placements=placements)
 
 
 def _layers(*suffixes: str, layers: int = 2, stem: str = "model.layers") -> tuple[str, ...]:
@@ -169,9 +148,9 @@ CASES = {
         "self_attn.in_proj_weight", "self_attn.out_proj.weight", "linear1.weight", "linear2.weight",
         stem="encoder.layers")),
     # Mamba's reference selective scan loops over positions: its sequence length is fixed, kept short.
-    "mamba (conv1d split by channel, hand plan)": Case(mamba, _ids, _layers(
-        "mixer.conv1d.weight", "mixer.in_proj.weight", "mixer.x_proj.weight", stem="backbone.layers"),
-        edit=mamba_channel_plan, example_seq=8, seq=8),
+    "mamba (conv1d and scan split by channel)": Case(mamba, _ids, _layers(
+        "mixer.conv1d.weight", "mixer.in_proj.weight", "mixer.x_proj.weight", "mixer.dt_proj.weight",
+        "mixer.A_log", "mixer.D", "mixer.out_proj.weight", stem="backbone.layers"), example_seq=8, seq=8),
 }
 
 
@@ -208,8 +187,7 @@ def check_case(label: str, case: Case, world: int) -> dict:
     torch.manual_seed(SEED)
     ref = case.build()
     example = case.inputs(2, case.example_seq, 1)
-    plan = None if case.edit is None else case.edit(autotp.plan(ref, tp=world, example_inputs=example), ref)
-    pm = autotp.parallelize(ref, tp=world, example_inputs=example, plan=plan)
+    pm = autotp.parallelize(ref, tp=world, example_inputs=example)
     split = _split_names(pm.plan)
     kept = [name for name in case.must_split if not pm.plan.placements[name].is_split]
     assert not kept, f"{label}: {kept} kept whole; split: {split}; notes: {pm.plan.notes}"
