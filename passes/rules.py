@@ -226,6 +226,7 @@ def slice_(node: fx.Node, ins: Inputs, ctx: Context, x: fx.Node, lay: Shard) -> 
     step = arg_or_default(node, 4, "step", 1)
     if dim != lay.dim:
         return Decision(lay)
+    start, end = (b + lay.size if isinstance(b, int) and b < 0 else b for b in (start, end))  # counted from the end
     whole_range = end is None or (isinstance(end, int) and end >= lay.size)
     if whole_range and (start or 0) == 0 and step == 1:
         return Decision(lay)

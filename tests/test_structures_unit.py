@@ -159,10 +159,8 @@ def test_fused_qkv_sliced_at_segment_boundaries():
 
 def test_fused_qkv_sliced_at_negative_boundaries():
     report = _check(_model(SlicedQKV, negative=True), _x(B, T, D))
-    if not report.plan.placements["qkv.weight"].is_split:
-        pytest.xfail("passes/rules.py:_segment_slice compares slice bounds with the segment boundaries as "
-                     "written, so qkv[..., -kv:] (start -8) matches none and the fused projection stays whole")
     _split(report, "qkv.weight", "qkv.bias", "o.weight")
+    assert report.plan.placements["qkv.weight"].segments == (D, 8, 8)
 
 
 # 5. A depthwise conv1d between an in- and an out-projection (a short-conv mixer).
