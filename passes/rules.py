@@ -391,15 +391,27 @@ def attention(node: fx.Node, ins: Inputs, ctx: Context) -> Decision:
     heads = rank(q) - 3
     leading = [ins[p][1] for p in ((0,), (1,), (2,), (3,)) if p in ins and isinstance(ins[p][1], Shard)
                and ins[p][1].dim == heads and rank(ins[p][0]) == rank(q)]  # a per-head bias shared by later layers may lead too
-    if not leading or arg_or_default(node, 7, "enable_gqa", False):
+    if not leading:
         return replicate_all(node, ins, ctx) if _sharded(ins) else Decision(None)
     lay = leading[0]
-    wants = {p: Shard(heads, lay.segments) for p in ((0,), (1,), (2,)) if ins[p][1] != lay}
+    if arg_or_default(node, 7, "enable_gqa", False):
+        # Each query head reads KV head h // (H / KV): contiguous chunks of both keep that on every rank.
+        counts = [static(sizes(ins[p][0])[heads]) for p in ((0,), (1,), (2,))]
+        if any(len(v[1].segments) != 1 for v in ins.values() if isinstance(v[1], Shard)) or \
+                any(c is None or c % ctx.tp for c in counts):
+            return replicate_all(node, ins, ctx)  # fewer KV heads than ranks: kept whole
+        wants = {p: Shard(heads, (sizes(ins[p][0])[heads],)) for p in ((0,), (1,), (2,))}
+        wants = {p: w for p, w in wants.items() if ins[p][1] != w}
+        lay = Shard(heads, (sizes(q)[heads],))
+        checks = [(c, "attention heads") for c in counts]
+    else:
+        wants = {p: Shard(heads, lay.segments) for p in ((0,), (1,), (2,)) if ins[p][1] != lay}
+        checks = []
     mask = {p: v for p, v in ins.items() if p not in ((0,), (1,), (2,))}
     if any(isinstance(v[1], Shard) and v[1] != lay for v in mask.values()):
         return replicate_all(node, ins, ctx)
     wants |= _join(node, mask, ctx, heads, lay.segments)
-    return Decision(lay, wants=wants)
+    return Decision(lay, wants=wants, checks=checks)
 
 
 @on_split_input

@@ -396,8 +396,4 @@ class EnableGQA(nn.Module):
 
 def test_sdpa_enable_gqa_is_exact():
     report = _check(_model(EnableGQA), _x(B, T, D))
-    if not report.plan.placements["q.weight"].is_split:
-        pytest.xfail("passes/rules.py:attention replicates scaled_dot_product_attention(enable_gqa=True): "
-                     "the query heads of a rank would need its own K/V heads (H/kv per KV head); only "
-                     "Llama's explicit repeat_kv (expand + reshape, test 4) is split")
     _split(report, "q.weight", "k.weight", "v.weight", "o.weight")
