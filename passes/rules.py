@@ -83,7 +83,7 @@ def replicate_all(node: fx.Node, ins: Inputs, ctx: Context) -> Decision:
 
 
 def _join(node: fx.Node, ins: Inputs, ctx: Context, out_dim: int, segments: tuple[int, ...],
-          skip: set = frozenset()) -> dict:
+          skip: set = frozenset(), blocks: object = 1) -> dict:
     """Wanted layouts for replicated inputs meeting a value sharded at output dim ``out_dim``.
 
     A broadcast input (size 1 or absent there) stays whole, through ``f`` if gradients flow to it
@@ -98,7 +98,7 @@ def _join(node: fx.Node, ins: Inputs, ctx: Context, out_dim: int, segments: tupl
         if d < 0 or sizes(n)[d] == 1:
             wants[p] = COPY if n.name in ctx.grad else None
         else:
-            wants[p] = Shard(d, segments)
+            wants[p] = Shard(d, segments, blocks)
     return wants
 
 
@@ -114,11 +114,11 @@ def _aligned(node: fx.Node, ins: Inputs, ctx: Context, sharded) -> Decision:
     """The output split where every sharded input's split lands (aligned from the right, as broadcasting
     aligns dims), the other inputs joined to it; replicated when the inputs disagree."""
     out_rank = rank(node)
-    targets = {(lay.dim + out_rank - rank(n), lay.segments) for _, n, lay in sharded}
+    targets = {(lay.dim + out_rank - rank(n), lay.segments, lay.blocks) for _, n, lay in sharded}
     if len(targets) != 1:
         return replicate_all(node, ins, ctx)
-    out_dim, segments = targets.pop()
-    return Decision(Shard(out_dim, segments), wants=_join(node, ins, ctx, out_dim, segments))
+    out_dim, segments, blocks = targets.pop()
+    return Decision(Shard(out_dim, segments, blocks), wants=_join(node, ins, ctx, out_dim, segments, blocks=blocks))
 
 
 def like_first(node: fx.Node, ins: Inputs, ctx: Context) -> Decision:
@@ -329,6 +329,26 @@ def batched_matmul(node: fx.Node, ins: Inputs, ctx: Context) -> Decision:
     return _matrix_split(node, ins, ctx)
 
 
+def baddbmm(node: fx.Node, ins: Inputs, ctx: Context) -> Decision:
+    """``beta * input + alpha * (b1 @ b2)`` (scores plus an ALiBi bias, heads folded into the batch): split
+    along the batch of the product, the added input joined to it."""
+    sharded = _sharded(ins)
+    if not sharded:
+        return Decision(None)
+    if any(p != (0,) and lay.dim != 0 for p, _, lay in sharded):
+        return replicate_all(node, ins, ctx)
+    return _aligned(node, ins, ctx, sharded)
+
+
+@on_split_input
+def layer_norm(node: fx.Node, ins: Inputs, ctx: Context, x: fx.Node, lay: Shard) -> Decision:
+    """layer_norm over trailing dims other than the split one (a per-head QK norm): each rank normalises its own
+    heads with the whole weight, whose gradient is then this rank's share (through ``f``)."""
+    if lay.dim >= rank(x) - len(node.args[1]):
+        return replicate_all(node, ins, ctx)
+    return Decision(lay, wants={p: COPY if n.name in ctx.grad else None for p, (n, _) in ins.items() if p != (0,)})
+
+
 @on_split_input
 def repeat(node: fx.Node, ins: Inputs, ctx: Context, x: fx.Node, lay: Shard) -> Decision:
     """repeat: the split dim must be repeated once (new leading dims only shift it)."""
@@ -350,6 +370,8 @@ def _matrix_split(node: fx.Node, ins: Inputs, ctx: Context) -> Decision:
     product (the other operand whole); the contracted dim split on both gives partial sums, all-reduced."""
     (a, la), (b, lb) = ins[(0,)], ins[(1,)]
     ra, rb = rank(a), rank(b)
+    if any(isinstance(lay, Shard) and lay.blocks != 1 for lay in (la, lb)):
+        return replicate_all(node, ins, ctx)
     if ra < 2 or rb < 2 or any(isinstance(lay, Shard) and lay.dim < r - 2 for lay, r in ((la, ra), (lb, rb))):
         return replicate_all(node, ins, ctx)
     whole = {p: (COPY if n.name in ctx.grad else None) for p, (n, lay) in ins.items() if lay is None}
@@ -461,7 +483,7 @@ RULES = {
     aten.matmul.default: batched_matmul, aten.bmm.default: batched_matmul,
     aten.scaled_dot_product_attention.default: attention, aten.conv1d.default: conv1d,
     aten.view_as.default: view_as, aten.sym_size.int: sym_size, aten.index.Tensor: index, aten.repeat.default: repeat,
-    aten.logsumexp.default: reduction, aten.view_as_complex.default: view_as_complex,
+    aten.logsumexp.default: reduction, aten.baddbmm.default: baddbmm, aten.layer_norm.default: layer_norm, aten.view_as_complex.default: view_as_complex,
     aten.view_as_real.default: view_as_complex,
     # pointwise, though not tagged so: a scalar on one side, or a 0-d tensor fill value
     aten.where.ScalarOther: pointwise, aten.where.ScalarSelf: pointwise, aten.where.Scalar: pointwise,
@@ -474,7 +496,7 @@ for _op in (aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten._to_copy.d
     RULES[_op] = like_first
 
 
-BLOCK_AWARE = frozenset({reshape, permute, like_first, getitem})
+BLOCK_AWARE = frozenset({reshape, permute, like_first, getitem, pointwise, batched_matmul, baddbmm, along_dim})
 """The rules that keep a split repeated over blocks (``Shard.blocks``) meaningful; others see such inputs whole."""
 
 
