@@ -311,7 +311,7 @@ def reduction(node: fx.Node, ins: Inputs, ctx: Context, x: fx.Node, lay: Shard) 
         return replicate_all(node, ins, ctx)
     dims = [_norm(d, rank(x)) for d in ([dims] if isinstance(dims, int) else dims)]
     if lay.dim in dims:
-        if node.target in _ACROSS_SHARDS and ctx.tp > 1:
+        if node.target in _ACROSS_SHARDS and ctx.tp > 1 and lay.blocks == 1:
             return Decision(None, reduce=_ACROSS_SHARDS[node.target])
         return replicate_all(node, ins, ctx)
     keepdim = node.kwargs.get("keepdim", node.args[2] if len(node.args) > 2 and isinstance(node.args[2], bool) else False)
@@ -347,6 +347,40 @@ def layer_norm(node: fx.Node, ins: Inputs, ctx: Context, x: fx.Node, lay: Shard)
     if lay.dim >= rank(x) - len(node.args[1]):
         return replicate_all(node, ins, ctx)
     return Decision(lay, wants={p: COPY if n.name in ctx.grad else None for p, (n, _) in ins.items() if p != (0,)})
+
+
+@on_split_input
+def repeat_interleave(node: fx.Node, ins: Inputs, ctx: Context, x: fx.Node, lay: Shard) -> Decision:
+    """Each head repeated n times in place (grouped KV heads widened to the query heads): each rank's heads
+    become its share of the repeated ones; along another dim, the split moves with it."""
+    repeats, dim = node.args[1], arg_or_default(node, 2, "dim", None)
+    if not isinstance(repeats, int) or dim is None:
+        return replicate_all(node, ins, ctx)
+    if _norm(dim, rank(x)) != lay.dim:
+        return Decision(lay)
+    return Decision(Shard(lay.dim, tuple(s * repeats for s in lay.segments), lay.blocks))
+
+
+@on_split_input
+def pad(node: fx.Node, ins: Inputs, ctx: Context, x: fx.Node, lay: Shard) -> Decision:
+    """Padding of dims other than the split one (a sequence padded to whole chunks)."""
+    amounts = node.args[1]  # (last dim's left, right, second-last's left, right, ...)
+    padded = {rank(x) - 1 - i // 2 for i, a in enumerate(amounts) if a != 0}
+    return replicate_all(node, ins, ctx) if lay.dim in padded else Decision(lay)
+
+
+@on_split_input
+def last_two_dims(node: fx.Node, ins: Inputs, ctx: Context, x: fx.Node, lay: Shard) -> Decision:
+    """Ops on each matrix of a batch (tril, triu): fine when the split is a batch dim (the heads)."""
+    return Decision(lay) if lay.dim < rank(x) - 2 else replicate_all(node, ins, ctx)
+
+
+@on_split_input
+def copy_into(node: fx.Node, ins: Inputs, ctx: Context, x: fx.Node, lay: Shard) -> Decision:
+    """``dst.copy_(src)`` into a split ``dst``: each rank writes its own part, ``src`` split alike (or sliced,
+    or broadcast). A whole ``dst`` takes a whole ``src`` (the decorator's rule)."""
+    decision = pointwise(node, ins, ctx)
+    return decision if decision.out == lay else replicate_all(node, ins, ctx)
 
 
 @on_split_input
@@ -483,7 +517,7 @@ RULES = {
     aten.matmul.default: batched_matmul, aten.bmm.default: batched_matmul,
     aten.scaled_dot_product_attention.default: attention, aten.conv1d.default: conv1d,
     aten.view_as.default: view_as, aten.sym_size.int: sym_size, aten.index.Tensor: index, aten.repeat.default: repeat,
-    aten.logsumexp.default: reduction, aten.baddbmm.default: baddbmm, aten.layer_norm.default: layer_norm, aten.view_as_complex.default: view_as_complex,
+    aten.logsumexp.default: reduction, aten.copy_.default: copy_into, aten.tril.default: last_two_dims, aten.triu.default: last_two_dims, aten.pad.default: pad, aten.constant_pad_nd.default: pad, aten.repeat_interleave.self_int: repeat_interleave, aten.baddbmm.default: baddbmm, aten.layer_norm.default: layer_norm, aten.view_as_complex.default: view_as_complex,
     aten.view_as_real.default: view_as_complex,
     # pointwise, though not tagged so: a scalar on one side, or a 0-d tensor fill value
     aten.where.ScalarOther: pointwise, aten.where.ScalarSelf: pointwise, aten.where.Scalar: pointwise,
@@ -492,11 +526,13 @@ RULES = {
 }
 for _op in (aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten._to_copy.default, aten.contiguous.default,
             aten.detach.default, aten.alias.default, aten.dropout.default, aten.type_as.default,
-            aten.lift_fresh_copy.default):
+            aten.lift_fresh_copy.default, aten.zeros_like.default, aten.ones_like.default, aten.empty_like.default,
+            aten.full_like.default, aten.clone.default):
     RULES[_op] = like_first
 
 
-BLOCK_AWARE = frozenset({reshape, permute, like_first, getitem, pointwise, batched_matmul, baddbmm, along_dim})
+BLOCK_AWARE = frozenset({reshape, permute, like_first, getitem, pointwise, batched_matmul, baddbmm, along_dim,
+                         reduction, no_output})
 """The rules that keep a split repeated over blocks (``Shard.blocks``) meaningful; others see such inputs whole."""
 
 
