@@ -272,12 +272,17 @@ def _fused_hint(decision: Decision, lay: Shard) -> Decision:
 
 
 def cat(node: fx.Node, ins: Inputs, ctx: Context) -> Decision:
-    """cat along a dim other than the shard dim (RoPE's rotate_half)."""
+    """cat along a dim other than the shard dim (RoPE's rotate_half), or along it when every part is split
+    there: each rank's parts side by side are its chunk of every part, the parts becoming segments (Q, K and V
+    concatenated before a short convolution)."""
     sharded = _sharded(ins)
     if not sharded:
         return Decision(None)
     lays = {lay for _, _, lay in sharded}
     dim = _norm(arg_or_default(node, 1, "dim", 0), rank(node))
+    if len(sharded) == len(ins) and all(lay.dim == dim and lay.blocks == 1 for lay in lays):
+        parts = sorted(sharded, key=lambda item: item[0])
+        return Decision(Shard(dim, tuple(s for _, _, lay in parts for s in lay.segments)))
     if len(lays) != 1 or dim == next(iter(lays)).dim:
         return replicate_all(node, ins, ctx)
     lay = lays.pop()

@@ -75,18 +75,18 @@ def find_vocab(graph: fx.Graph, projections: dict[str, Projection],
 
 
 def feeds_only_heads(node: fx.Node, projections: dict[str, Projection], heads: tuple[str, ...]) -> bool:
-    """Whether ``node``'s value reaches nothing but the input of LM heads (through an activation and a norm):
-    a transform before the head, as BERT's. Splitting it would gather its output again before the
-    vocabulary-split head, which costs more than it saves (Megatron keeps it whole too)."""
-    seen, todo, reached = set(), list(node.users), False
-    while todo:
-        user = todo.pop()
-        if user.name in heads and projections[user.name].input in seen | {node.name}:
-            reached = True
-            continue
-        if user.op == "output" or user.name in projections:
+    """Whether ``node``'s value goes, alone, straight into an LM head: a chain of single readers whose other
+    inputs are parameters (an activation, a norm), as BERT's head transform. Splitting it would gather its
+    output again before the vocabulary-split head, which costs more than it saves (Megatron keeps it whole too)."""
+    for _ in range(16):
+        readers = [u for u in node.users if u.users or u.op == "output"]  # checks with no output do not count
+        if len(readers) != 1:
             return False
-        if user.name not in seen:
-            seen.add(user.name)
-            todo.extend(user.users)
-    return reached
+        reader = readers[0]
+        if reader.name in heads:
+            return projections[reader.name].input == node.name
+        if reader.op != "call_function" or reader.name in projections or any(
+                a is not node and a.op != "get_attr" for a in reader.all_input_nodes):
+            return False
+        node = reader
+    return False
