@@ -29,7 +29,7 @@ from autotp.rewrite import rewrite
 from autotp.rewrite.comm import ThreadComm
 from autotp.rewrite.graph_edit import STANDS_FOR
 from autotp.rewrite.random import RankStream
-from autotp.rewrite.shards import assemble, local_shard, segments_or_whole
+from autotp.rewrite.shards import assemble, local_part, segments_or_whole
 
 SEED = 1234
 LR = 0.1
@@ -287,7 +287,7 @@ def locate(captured: Captured, plan: Plan, modules: list[fx.GraphModule], comms:
             lay = layouts.get(node.name)
             expected = want[node.name]
             if isinstance(lay, Shard):
-                expected = local_shard(expected, lay.dim, lay.segments, rank, plan.tp)
+                expected = local_part(expected, lay, rank, plan.tp)
             value = got[node.name]
             if not close(value, expected):
                 error = float((value.float() - expected.float()).abs().max()) if value.shape == expected.shape \

@@ -20,7 +20,7 @@ from torch import fx, nn
 from autotp.passes.layout import Layout, Shard
 from autotp.passes.random import RandomKind, attention_dropout, random_kind
 from autotp.rewrite.graph_edit import STANDS_FOR
-from autotp.rewrite.shards import local_shard
+from autotp.rewrite.shards import local_part
 
 aten = torch.ops.aten
 
@@ -99,7 +99,7 @@ class _Random(nn.Module):
         """This rank's part of a full-size draw."""
         if not isinstance(self.layout, Shard):
             return full
-        return local_shard(full, self.layout.dim, self.layout.segments, self.rank, self.tp)
+        return local_part(full, self.layout, self.rank, self.tp)
 
 
 class Dropout(_Random):

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from autotp.passes.layout import Shard
+
 
 def local_shard(full: torch.Tensor, dim: int, segments: tuple[int, ...], rank: int, tp: int) -> torch.Tensor:
     """Rank ``rank``'s shard of ``full`` along ``dim``."""
@@ -34,6 +36,12 @@ def assemble_blocks(shards: list[torch.Tensor], dim: int, segments: tuple[int, .
     local = sum(segments) // len(shards)
     parts = [s.unflatten(dim, (-1, local)) for s in shards]
     return assemble(parts, dim + 1, segments).flatten(dim, dim + 1)
+
+
+def local_part(full: torch.Tensor, shard: Shard, rank: int, tp: int) -> torch.Tensor:
+    """Rank ``rank``'s part of a full value laid out as ``shard`` (repeated over blocks or not)."""
+    slicer = local_blocks if shard.blocks != 1 else local_shard
+    return slicer(full, shard.dim, shard.segments, rank, tp)
 
 
 def segments_or_whole(segments: tuple[int, ...], size: int) -> tuple[int, ...]:
