@@ -15,11 +15,12 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx
 
-from autotp.passes import rules
 from autotp.passes.graph import arg_or_default, rank, sizes
 from autotp.passes.layout import Shard, broadcast_dim, map_reshape
 from autotp.passes.projections import Embedding, Projection
+from autotp.passes.rule_kit import like_first, pointwise
 from autotp.passes.rules import rule_for
+from autotp.passes.rules_shape import expand, index, permute, reshape, select, slice_
 
 aten = torch.ops.aten
 _MAX_DEPTH = 16
@@ -48,25 +49,25 @@ def _input_shard(node: fx.Node, source: fx.Node, shard: Shard, tp: int) -> Shard
     """The split ``source`` needs for ``node`` to come out split as ``shard``; True: it is broadcast along that
     dim (it need not be split); None: no split of it gives that."""
     rule = rule_for(node.target)
-    if rule is rules.like_first:
+    if rule is like_first:
         return shard
-    if rule is rules.pointwise:
+    if rule is pointwise:
         d = broadcast_dim(rank(node), rank(source), shard.dim)
         return True if d < 0 or sizes(source)[d] == 1 else shard.moved(d)
-    if rule is rules.permute:
+    if rule is permute:
         return _permuted_back(node, shard)
-    if rule is rules.reshape:
+    if rule is reshape:
         return map_reshape(sizes(node), sizes(source), shard, tp)
-    if rule is rules.expand:  # a per-head table expanded over batch and sequence
+    if rule is expand:  # a per-head table expanded over batch and sequence
         d = shard.dim - (rank(node) - rank(source))
         return shard.moved(d) if d >= 0 and sizes(source)[d] != 1 else None
-    if rule is rules.index:  # ``table[ids]``: the split dim comes after the index's dims
+    if rule is index:  # ``table[ids]``: the split dim comes after the index's dims
         ids = node.args[1][0] if len(node.args[1]) == 1 else None
         return shard.moved(shard.dim + 1 - rank(ids)) if source is node.args[0] and isinstance(ids, fx.Node) \
             and shard.dim >= rank(ids) else None
-    if rule is rules.slice_:  # a slice along another dim keeps the split where it is
+    if rule is slice_:  # a slice along another dim keeps the split where it is
         return shard if arg_or_default(node, 1, "dim", 0) % rank(source) != shard.dim else None
-    if rule is rules.select:  # the selected dim is gone from the output
+    if rule is select:  # the selected dim is gone from the output
         return shard.moved(shard.dim + (node.args[1] % rank(source) <= shard.dim))
     return None
 

@@ -1,0 +1,171 @@
+"""Sharding rules of ops that compute along dims: reductions (an all-reduce when over the split dim), matmuls,
+attention, convolutions, norms. Each keeps a split where the computation is per slice, or sees its input whole."""
+
+from __future__ import annotations
+
+import torch
+from torch import fx
+
+from autotp.passes.graph import arg_or_default, rank, sizes
+from autotp.passes.layout import Shard, static
+from autotp.passes.rule_kit import (
+    Context,
+    Decision,
+    Inputs,
+    aligned,
+    join,
+    multi_output,
+    norm_dim,
+    on_split_input,
+    pointwise,
+    replicate_all,
+    sharded_inputs,
+    size_checks,
+)
+from autotp.passes.steps import COPY, Operator
+
+aten = torch.ops.aten
+
+
+_ACROSS_SHARDS = {aten.sum.dim_IntList: Operator.G, aten.mean.dim: Operator.MEAN}
+"""Reductions over the split dim that an all-reduce of the per-rank results completes (a norm's statistic:
+RMSNorm's mean of squares over all heads is the average of the ranks' means, every shard being equal)."""
+
+
+@on_split_input
+def along_dim(node: fx.Node, ins: Inputs, ctx: Context, x: fx.Node, lay: Shard) -> Decision:
+    """Ops that work along one dim and keep the shape (softmax, cumsum): fine unless it is the shard dim."""
+    if norm_dim(arg_or_default(node, 1, "dim", 0), rank(x)) == lay.dim:
+        return replicate_all(node, ins, ctx)
+    return Decision(lay)
+
+
+@on_split_input
+def reduction(node: fx.Node, ins: Inputs, ctx: Context, x: fx.Node, lay: Shard) -> Decision:
+    """sum/mean/amax/var/max over dims other than the shard dim; a sum or mean over it is all-reduced."""
+    dims = arg_or_default(node, 1, "dim", None)
+    if dims is None or dims == []:
+        return replicate_all(node, ins, ctx)
+    dims = [norm_dim(d, rank(x)) for d in ([dims] if isinstance(dims, int) else dims)]
+    if lay.dim in dims:
+        if node.target in _ACROSS_SHARDS and ctx.tp > 1 and lay.blocks == 1:
+            return Decision(None, reduce=_ACROSS_SHARDS[node.target])
+        return replicate_all(node, ins, ctx)
+    keepdim = node.kwargs.get("keepdim", node.args[2] if len(node.args) > 2 and isinstance(node.args[2], bool) else False)
+    out = lay if keepdim else lay.moved(lay.dim - sum(d < lay.dim for d in dims))
+    return Decision((out, out) if multi_output(node) else out)
+
+
+def batched_matmul(node: fx.Node, ins: Inputs, ctx: Context) -> Decision:
+    """matmul/bmm of activations (QKᵀ, attention·V): sharded along a batch dim (the heads)."""
+    sharded = sharded_inputs(ins)
+    if not sharded:
+        return Decision(None)
+    if all(lay.dim < rank(n) - 2 for _, n, lay in sharded):
+        return aligned(node, ins, ctx, sharded)  # a batch dim (the heads)
+    return _matrix_split(node, ins, ctx)
+
+
+def baddbmm(node: fx.Node, ins: Inputs, ctx: Context) -> Decision:
+    """``beta * input + alpha * (b1 @ b2)`` (scores plus an ALiBi bias, heads folded into the batch): split
+    along the batch of the product, the added input joined to it."""
+    sharded = sharded_inputs(ins)
+    if not sharded:
+        return Decision(None)
+    if any(p != (0,) and lay.dim != 0 for p, _, lay in sharded):
+        return replicate_all(node, ins, ctx)
+    return aligned(node, ins, ctx, sharded)
+
+
+@on_split_input
+def layer_norm(node: fx.Node, ins: Inputs, ctx: Context, x: fx.Node, lay: Shard) -> Decision:
+    """layer_norm over trailing dims other than the split one (a per-head QK norm): each rank normalises its own
+    heads with the whole weight, whose gradient is then this rank's share (through ``f``)."""
+    if lay.dim >= rank(x) - len(node.args[1]):
+        return replicate_all(node, ins, ctx)
+    return Decision(lay, wants={p: COPY if n.name in ctx.grad else None for p, (n, _) in ins.items() if p != (0,)})
+
+
+@on_split_input
+def last_two_dims(node: fx.Node, ins: Inputs, ctx: Context, x: fx.Node, lay: Shard) -> Decision:
+    """Ops on each matrix of a batch (tril, triu): fine when the split is a batch dim (the heads)."""
+    return Decision(lay) if lay.dim < rank(x) - 2 else replicate_all(node, ins, ctx)
+
+
+@on_split_input
+def copy_into(node: fx.Node, ins: Inputs, ctx: Context, x: fx.Node, lay: Shard) -> Decision:
+    """``dst.copy_(src)`` into a split ``dst``: each rank writes its own part, ``src`` split alike (or sliced,
+    or broadcast). A whole ``dst`` takes a whole ``src`` (the decorator's rule)."""
+    decision = pointwise(node, ins, ctx)
+    return decision if decision.out == lay else replicate_all(node, ins, ctx)
+
+
+def _matrix_split(node: fx.Node, ins: Inputs, ctx: Context) -> Decision:
+    """``a @ b`` split along a matrix dim: rows of ``a`` or columns of ``b`` give rows or columns of the
+    product (the other operand whole); the contracted dim split on both gives partial sums, all-reduced."""
+    (a, la), (b, lb) = ins[(0,)], ins[(1,)]
+    ra, rb = rank(a), rank(b)
+    if any(isinstance(lay, Shard) and lay.blocks != 1 for lay in (la, lb)):
+        return replicate_all(node, ins, ctx)
+    if ra < 2 or rb < 2 or any(isinstance(lay, Shard) and lay.dim < r - 2 for lay, r in ((la, ra), (lb, rb))):
+        return replicate_all(node, ins, ctx)
+    whole = {p: (COPY if n.name in ctx.grad else None) for p, (n, lay) in ins.items() if lay is None}
+    contracted_a = isinstance(la, Shard) and la.dim == ra - 1
+    contracted_b = isinstance(lb, Shard) and lb.dim == rb - 2
+    if contracted_a or contracted_b:
+        shard = la if contracted_a else lb
+        if (contracted_a and lb not in (None, Shard(rb - 2, shard.segments))) or (contracted_b and la not in (None, Shard(ra - 1, shard.segments))):
+            return replicate_all(node, ins, ctx)
+        wants = {(1,): Shard(rb - 2, shard.segments)} if lb is None else {(0,): Shard(ra - 1, shard.segments)} if la is None else {}
+        return Decision(None, wants=wants, reduce=Operator.G)
+    if isinstance(la, Shard) and lb is None:  # rows of a
+        return Decision(Shard(rank(node) - 2, la.segments), wants=whole)
+    if isinstance(lb, Shard) and la is None:  # columns of b
+        return Decision(Shard(rank(node) - 1, lb.segments), wants=whole)
+    return replicate_all(node, ins, ctx)
+
+
+def attention(node: fx.Node, ins: Inputs, ctx: Context) -> Decision:
+    """scaled_dot_product_attention split by heads: the first of Q, K, V and the mask split by heads leads,
+    the others follow it (sliced when whole; split any other way, inside a head, made so)."""
+    q, _ = ins[(0,)]
+    heads = rank(q) - 3
+    leading = [ins[p][1] for p in ((0,), (1,), (2,), (3,)) if p in ins and isinstance(ins[p][1], Shard)
+               and ins[p][1].dim == heads and rank(ins[p][0]) == rank(q)]  # a per-head bias shared by later layers may lead too
+    if not leading:
+        return replicate_all(node, ins, ctx) if sharded_inputs(ins) else Decision(None)
+    lay = leading[0]
+    if arg_or_default(node, 7, "enable_gqa", False):
+        # Each query head reads KV head h // (H / KV): contiguous chunks of both keep that on every rank.
+        counts = [static(sizes(ins[p][0])[heads]) for p in ((0,), (1,), (2,))]
+        if any(len(v[1].segments) != 1 for v in ins.values() if isinstance(v[1], Shard)) or \
+                any(c is None or c % ctx.tp for c in counts):
+            return replicate_all(node, ins, ctx)  # fewer KV heads than ranks: kept whole
+        wants = {p: Shard(heads, (sizes(ins[p][0])[heads],)) for p in ((0,), (1,), (2,))}
+        wants = {p: w for p, w in wants.items() if ins[p][1] != w}
+        lay = Shard(heads, (sizes(q)[heads],))
+        checks = [(c, "attention heads") for c in counts]
+    else:
+        wants = {p: Shard(heads, lay.segments) for p in ((0,), (1,), (2,)) if ins[p][1] != lay}
+        checks = []
+    mask = {p: v for p, v in ins.items() if p not in ((0,), (1,), (2,))}
+    if any(isinstance(v[1], Shard) and v[1] != lay for v in mask.values()):
+        return replicate_all(node, ins, ctx)
+    wants |= join(node, mask, ctx, heads, lay.segments)
+    return Decision(lay, wants=wants, checks=checks)
+
+
+@on_split_input
+def conv1d(node: fx.Node, ins: Inputs, ctx: Context, x: fx.Node, lay: Shard) -> Decision:
+    """A depthwise conv1d (one group per channel, as in Mamba's and short-conv mixers) with its channels
+    split: each rank convolves its own channels with its rows of the weight; ``groups`` becomes local."""
+    weight, _ = ins[(1,)]
+    channels = sizes(x)[1] if rank(x) == 3 else None
+    groups = arg_or_default(node, 6, "groups", 1)
+    if lay.dim != 1 or groups != channels or sizes(weight)[0] != channels or sizes(weight)[1] != 1:
+        return replicate_all(node, ins, ctx)
+    others = [p for p in ins if p != (0,)]
+    if any(isinstance(ins[p][1], Shard) and ins[p][1] != Shard(0, lay.segments) for p in others):
+        return replicate_all(node, ins, ctx)
+    wants = {p: Shard(0, lay.segments) for p in others if not isinstance(ins[p][1], Shard)}
+    return Decision(lay, wants=wants, fixes={(6,): groups // ctx.tp}, checks=size_checks(lay, "conv channels"))

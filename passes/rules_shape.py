@@ -1,0 +1,248 @@
+"""Sharding rules of ops that move data without computing on it: reshapes, transposes, slices, selects, cat and
+stack, indexing, repeats, padding. They move a split to where it lands, or see their input whole."""
+
+from __future__ import annotations
+
+import torch
+from torch import fx
+
+from autotp.passes.graph import DividedBy, arg_or_default, meta_val, rank, sizes
+from autotp.passes.layout import Shard, map_reshape, static
+from autotp.passes.rule_kit import (
+    Context,
+    Decision,
+    Inputs,
+    join,
+    norm_dim,
+    on_split_input,
+    replicate_all,
+    sharded_inputs,
+    size_checks,
+)
+
+aten = torch.ops.aten
+
+
+_SHAPE_ARG_OPS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
+
+
+@on_split_input
+def reshape(node: fx.Node, ins: Inputs, ctx: Context, x: fx.Node, lay: Shard) -> Decision:
+    """view/reshape/(un)squeeze/flatten: move the shard by shape algebra and fix the size constant."""
+    new = map_reshape(sizes(x), sizes(node), lay, ctx.tp)
+    if new is None:
+        return replicate_all(node, ins, ctx)
+    fixes = {}
+    shape = node.args[1] if node.target in _SHAPE_ARG_OPS else None
+    if shape is not None and isinstance(shape[new.dim], int) and shape[new.dim] != -1:
+        fixes[(1, new.dim)] = shape[new.dim] // ctx.tp
+    elif shape is not None and isinstance(shape[new.dim], fx.Node):
+        fixes[(1, new.dim)] = DividedBy(ctx.tp)  # heads folded into the batch: ``B * H`` computed in the graph
+    if node.target is aten.unflatten.int:  # (x, dim, sizes): the sizes replace dim
+        index = new.dim - norm_dim(node.args[1], rank(x))
+        if 0 <= index < len(node.args[2]) and isinstance(node.args[2][index], int) and node.args[2][index] != -1:
+            fixes[(2, index)] = node.args[2][index] // ctx.tp
+    shape = ", ".join(str(d) if isinstance(d, int) else "?" for d in sizes(node))
+    return Decision(new, fixes=fixes, checks=size_checks(new, f"dim {new.dim} of the reshape to ({shape})"))
+
+
+@on_split_input
+def expand(node: fx.Node, ins: Inputs, ctx: Context, x: fx.Node, lay: Shard) -> Decision:
+    """expand: the sharded dim keeps its size; its entry in the size list becomes the local size."""
+    out_dim = lay.dim + rank(node) - rank(x)
+    size = node.args[1][out_dim]
+    fixes = {(1, out_dim): size // ctx.tp} if isinstance(size, int) and size != -1 else {}
+    return Decision(lay.moved(out_dim), fixes=fixes)
+
+
+@on_split_input
+def permute(node: fx.Node, ins: Inputs, ctx: Context, x: fx.Node, lay: Shard) -> Decision:
+    """permute/transpose/t: follow the dim."""
+    n = rank(x)
+    if node.target is aten.permute.default:
+        order = [norm_dim(d, n) for d in node.args[1]]
+    else:
+        d0, d1 = (0, 1) if node.target is aten.t.default else (norm_dim(node.args[1], n), norm_dim(node.args[2], n))
+        order = list(range(n))
+        order[d0], order[d1] = order[d1], order[d0]
+    return Decision(lay.moved(order.index(lay.dim)))
+
+
+def split(node: fx.Node, ins: Inputs, ctx: Context) -> Decision:
+    """split/chunk/unbind: a split along the shard dim must cut exactly at segment boundaries."""
+    x, lay = ins[(0,)]
+    count = len(meta_val(node))
+    if not isinstance(lay, Shard):
+        return Decision(tuple(None for _ in range(count)))
+    dim = norm_dim(arg_or_default(node, 2 if node.target is not aten.unbind.int else 1, "dim", 0), rank(x))
+    if dim != lay.dim:
+        moved = lay.moved(lay.dim - 1) if node.target is aten.unbind.int and dim < lay.dim else lay
+        return Decision(tuple(moved for _ in range(count)))
+    if node.target is aten.unbind.int:
+        return _fused_hint(replicate_all(node, ins, ctx), lay)
+    parts = tuple(int(v.shape[dim]) for v in meta_val(node))
+    if parts != lay.segments:
+        decision = replicate_all(node, ins, ctx)
+        decision.hint = parts if sum(parts) == lay.size else None
+        return decision
+    fixes = {}
+    if node.target is aten.split.Tensor:
+        fixes[(1,)] = node.args[1] // ctx.tp
+    elif node.target is aten.split_with_sizes.default:
+        fixes[(1,)] = [s // ctx.tp for s in node.args[1]]
+    return Decision(tuple(Shard(dim, (s,)) for s in parts), fixes=fixes)
+
+
+def getitem(node: fx.Node, ins: Inputs, ctx: Context) -> Decision:
+    """``out[i]`` of a multi-output op."""
+    lay = ins[(0,)][1] if (0,) in ins else None  # absent: a whole multi-output value
+    return Decision(lay[node.args[1]] if isinstance(lay, tuple) else lay)
+
+
+@on_split_input
+def slice_(node: fx.Node, ins: Inputs, ctx: Context, x: fx.Node, lay: Shard) -> Decision:
+    """slice: fine off the shard dim, or when it keeps the whole shard dim, or every ``step``-th element of
+    it (interleaved halves, ``x[..., ::2]``): each rank's part then holds its share of the result."""
+    dim = norm_dim(arg_or_default(node, 1, "dim", 0), rank(x))
+    start, end = arg_or_default(node, 2, "start", None), arg_or_default(node, 3, "end", None)
+    step = arg_or_default(node, 4, "step", 1)
+    if dim != lay.dim:
+        return Decision(lay)
+    start, end = (b + lay.size if isinstance(b, int) and b < 0 else b for b in (start, end))  # counted from the end
+    whole_range = end is None or (isinstance(end, int) and end >= lay.size)
+    if whole_range and (start or 0) == 0 and step == 1:
+        return Decision(lay)
+    if whole_range and isinstance(step, int) and 0 <= (start or 0) < step and all(s % step == 0 for s in lay.segments):
+        strided = Shard(dim, tuple(s // step for s in lay.segments))
+        return Decision(strided, checks=size_checks(strided, f"every {step}th element along dim {dim}"))
+    if step == 1 and isinstance(start or 0, int) and (end is None or isinstance(end, int)):
+        return _segment_slice(node, ins, ctx, lay, start or 0, lay.size if whole_range else end)
+    return replicate_all(node, ins, ctx)
+
+
+def _segment_slice(node: fx.Node, ins: Inputs, ctx: Context, lay: Shard, start: int, end: int) -> Decision:
+    """A slice of whole segments (Q, K or V of a fused projection) is those segments, at local offsets;
+    a slice elsewhere asks for the projection to be split in segments cut where it cuts (the hint)."""
+    bounds = [sum(lay.segments[:i]) for i in range(len(lay.segments) + 1)]
+    if start in bounds and end in bounds and start < end:
+        i, j = bounds.index(start), bounds.index(end)
+        fixes = {(2,): start // ctx.tp} if start else {}
+        if len(node.args) > 3 and node.args[3] is not None and end < lay.size:
+            fixes[(3,)] = end // ctx.tp
+        return Decision(Shard(lay.dim, lay.segments[i:j]), fixes=fixes)
+    decision = replicate_all(node, ins, ctx)
+    cuts = sorted(set(bounds) | {start, min(end, lay.size)})
+    decision.hint = tuple(b - a for a, b in zip(cuts, cuts[1:]) if b > a)
+    return decision
+
+
+@on_split_input
+def select(node: fx.Node, ins: Inputs, ctx: Context, x: fx.Node, lay: Shard) -> Decision:
+    """select: drops a dim, which must not be the shard dim."""
+    dim = norm_dim(node.args[1], rank(x))
+    if dim == lay.dim:
+        return _fused_hint(replicate_all(node, ins, ctx), lay)
+    return Decision(lay.moved(lay.dim - (dim < lay.dim)))
+
+
+def _fused_hint(decision: Decision, lay: Shard) -> Decision:
+    """Picking one entry of a split dim (Q of ``qkv.unflatten(-1, (3, E))[..., 0, :]``): its projection is that
+    many parts fused, each to be split on its own (the hint, in proportions the planner scales)."""
+    if len(lay.segments) == 1 and static(lay.size) is not None and lay.size <= 16:
+        decision.hint = (1,) * lay.size
+    return decision
+
+
+def cat(node: fx.Node, ins: Inputs, ctx: Context) -> Decision:
+    """cat along a dim other than the shard dim (RoPE's rotate_half), or along it when every part is split
+    there: each rank's parts side by side are its chunk of every part, the parts becoming segments (Q, K and V
+    concatenated before a short convolution)."""
+    sharded = sharded_inputs(ins)
+    if not sharded:
+        return Decision(None)
+    lays = {lay for _, _, lay in sharded}
+    dim = norm_dim(arg_or_default(node, 1, "dim", 0), rank(node))
+    if len(sharded) == len(ins) and all(lay.dim == dim and lay.blocks == 1 for lay in lays):
+        parts = sorted(sharded, key=lambda item: item[0])
+        return Decision(Shard(dim, tuple(s for _, _, lay in parts for s in lay.segments)))
+    if len(lays) != 1 or dim == next(iter(lays)).dim:
+        return replicate_all(node, ins, ctx)
+    lay = lays.pop()
+    return Decision(lay, wants=join(node, ins, ctx, lay.dim, lay.segments))
+
+
+def stack(node: fx.Node, ins: Inputs, ctx: Context) -> Decision:
+    """stack into a new dim: the shard moves past it (interleaved rotary: ``stack((-x2, x1), -1).flatten(-2)``)."""
+    sharded = sharded_inputs(ins)
+    if not sharded:
+        return Decision(None)
+    lays = {lay for _, _, lay in sharded}
+    if len(lays) != 1:
+        return replicate_all(node, ins, ctx)
+    lay = lays.pop()
+    dim = norm_dim(arg_or_default(node, 1, "dim", 0), rank(node))
+    wants = {p: lay for p, (n, have) in ins.items() if not isinstance(have, Shard)}  # same shapes: sliced alike
+    return Decision(lay.moved(lay.dim + (dim <= lay.dim)), wants=wants)
+
+
+@on_split_input
+def repeat_interleave(node: fx.Node, ins: Inputs, ctx: Context, x: fx.Node, lay: Shard) -> Decision:
+    """Each head repeated n times in place (grouped KV heads widened to the query heads): each rank's heads
+    become its share of the repeated ones; along another dim, the split moves with it."""
+    repeats, dim = node.args[1], arg_or_default(node, 2, "dim", None)
+    if not isinstance(repeats, int) or dim is None:
+        return replicate_all(node, ins, ctx)
+    if norm_dim(dim, rank(x)) != lay.dim:
+        return Decision(lay)
+    return Decision(Shard(lay.dim, tuple(s * repeats for s in lay.segments), lay.blocks))
+
+
+@on_split_input
+def pad(node: fx.Node, ins: Inputs, ctx: Context, x: fx.Node, lay: Shard) -> Decision:
+    """Padding of dims other than the split one (a sequence padded to whole chunks)."""
+    amounts = node.args[1]  # (last dim's left, right, second-last's left, right, ...)
+    padded = {rank(x) - 1 - i // 2 for i, a in enumerate(amounts) if a != 0}
+    return replicate_all(node, ins, ctx) if lay.dim in padded else Decision(lay)
+
+
+@on_split_input
+def repeat(node: fx.Node, ins: Inputs, ctx: Context, x: fx.Node, lay: Shard) -> Decision:
+    """repeat: the split dim must be repeated once (new leading dims only shift it)."""
+    repeats = node.args[1]
+    out_dim = lay.dim + len(repeats) - rank(x)
+    return Decision(lay.moved(out_dim)) if repeats[out_dim] == 1 else replicate_all(node, ins, ctx)
+
+
+@on_split_input
+def view_as_complex(node: fx.Node, ins: Inputs, ctx: Context, x: fx.Node, lay: Shard) -> Decision:
+    """view_as_complex drops the trailing pair dim (complex rotary); view_as_real adds one."""
+    if node.target is aten.view_as_complex.default and lay.dim == rank(x) - 1:
+        return replicate_all(node, ins, ctx)
+    return Decision(lay)
+
+
+@on_split_input
+def index(node: fx.Node, ins: Inputs, ctx: Context, x: fx.Node, lay: Shard) -> Decision:
+    """``x[idx]`` with one index tensor on dim 0 (rows picked per token: an expert's bias, a permutation): a
+    split along a later dim stays, after the index's own dims."""
+    indices = node.args[1]
+    if len(indices) != 1 or not isinstance(indices[0], fx.Node) or lay.dim == 0:
+        return replicate_all(node, ins, ctx)
+    return Decision(lay.moved(lay.dim - 1 + rank(indices[0])), wants={p: None for p in ins if p != (0,)})
+
+
+@on_split_input
+def sym_size(node: fx.Node, ins: Inputs, ctx: Context, x: fx.Node, lay: Shard) -> Decision:
+    """The size of a dim other than the split one is the same on every rank."""
+    return Decision(None) if norm_dim(node.args[1], rank(x)) != lay.dim else replicate_all(node, ins, ctx)
+
+
+def view_as(node: fx.Node, ins: Inputs, ctx: Context) -> Decision:
+    """``x.view_as(y)``: a reshape to ``y``'s shape, which on each rank must be ``y``'s local shape."""
+    x, lay = ins[(0,)]
+    if not isinstance(lay, Shard):
+        return replicate_all(node, ins, ctx) if sharded_inputs(ins) else Decision(None)
+    new = map_reshape(sizes(x), sizes(node), lay, ctx.tp)
+    if new is None:
+        return replicate_all(node, ins, ctx)
+    return Decision(new, wants={(1,): new}, checks=size_checks(new, "dims of view_as"))
