@@ -208,7 +208,7 @@ class _Walker:
                             checks=[(emb.num_embeddings, "vocabulary size")])
         rule = rule_for(node.target)
         if rule not in BLOCK_AWARE and any(isinstance(lay, Shard) and lay.blocks != 1 for _, lay in ins.values()):
-            rule = replicate_all  # only reshapes and transposes know a split repeated over blocks
+            rule = replicate_all  # a rule outside BLOCK_AWARE would drop the blocks of a folded split
         return rule(node, ins, self.ctx)
 
     def role_of(self, proj: Projection, ins: dict) -> Role | None:

@@ -142,9 +142,9 @@ class _RegionFinder:
         taken = {p.node for p in columns} | self.claimed
         found: dict[str, Projection] = {}
         params: dict[str, Shard] = {}
-        for conv in prop.steps_of(Operator.SCATTER):
-            if conv.source not in self.grad or self.nodes[conv.source].op == "get_attr":
-                continue
+        for conv in self._sliced(prop):
+            if self.nodes[conv.source].op == "get_attr":
+                continue  # a parameter sliced: learnt by ``attempt`` itself
             traced = trace(self.sources, self.nodes[conv.source], conv.steps[-1].shard, upstream)
             if traced is None or taken & traced.projections.keys():
                 continue
@@ -164,12 +164,15 @@ class _RegionFinder:
                 stack.extend(node.all_input_nodes)
         return seen
 
+    def _sliced(self, prop: Propagation) -> list:
+        """Slices of values gradients flow through (a value no gradient reaches, a per-head table or a mask,
+        is sliced for free)."""
+        return [c for c in prop.steps_of(Operator.SCATTER) if c.source in self.grad]
+
     def closed(self, prop: Propagation, allow_slices: bool) -> bool:
-        """A region: at least one row closes it, nothing had to be gathered (or sliced, unless allowed: a
-        value no gradient reaches, a per-head table or mask, is sliced for free)."""
-        sliced = [c for c in prop.steps_of(Operator.SCATTER) if c.source in self.grad]
+        """A region: at least one row closes it, nothing had to be gathered (or sliced, unless allowed)."""
         return (bool(prop.rows) and not prop.refusals and not prop.steps_of(Operator.GATHER)
-                and (allow_slices or not sliced))
+                and (allow_slices or not self._sliced(prop)))
 
     def match(self, columns: list[Projection], prop: Propagation, segments: dict, params: dict,
               replicated=()) -> RegionMatch:
@@ -183,7 +186,7 @@ class _RegionFinder:
     def _unblamed(self, prop: Propagation, group: list[Projection]) -> list[Projection]:
         """The members of ``group`` whose split values reach no blocking conversion, when some do (a
         router read together with a shared expert's gate and up projections)."""
-        blocking = prop.steps_of(Operator.GATHER) + [c for c in prop.steps_of(Operator.SCATTER) if c.source in self.grad]
+        blocking = prop.steps_of(Operator.GATHER) + self._sliced(prop)
         blamed = set().union(*(prop.origins.get(c.source, frozenset()) for c in blocking))
         rest = [p for p in group if p.node not in blamed]
         return rest if 0 < len(rest) < len(group) else []
@@ -192,7 +195,7 @@ class _RegionFinder:
         """Why a propagation did not close into a region, for the plan's notes."""
         if prop.refusals:
             return prop.refusals[0][1]
-        blocked = prop.steps_of(Operator.GATHER) or [c for c in prop.steps_of(Operator.SCATTER) if c.source in self.grad]
+        blocked = prop.steps_of(Operator.GATHER) or self._sliced(prop)
         if not blocked:
             return "no projection downstream takes its split output as input"
         conv = blocked[0]

@@ -113,10 +113,11 @@ def _matrix_split(node: fx.Node, ins: Inputs, ctx: Context) -> Decision:
     contracted_a = isinstance(la, Shard) and la.dim == ra - 1
     contracted_b = isinstance(lb, Shard) and lb.dim == rb - 2
     if contracted_a or contracted_b:
-        shard = la if contracted_a else lb
-        if (contracted_a and lb not in (None, Shard(rb - 2, shard.segments))) or (contracted_b and la not in (None, Shard(ra - 1, shard.segments))):
+        segments = (la if contracted_a else lb).segments
+        want_a, want_b = Shard(ra - 1, segments), Shard(rb - 2, segments)
+        if la not in (None, want_a) or lb not in (None, want_b):
             return replicate_all(node, ins, ctx)
-        wants = {(1,): Shard(rb - 2, shard.segments)} if lb is None else {(0,): Shard(ra - 1, shard.segments)} if la is None else {}
+        wants = {p: want for p, want, lay in (((0,), want_a, la), ((1,), want_b, lb)) if lay is None}
         return Decision(None, wants=wants, reduce=Operator.G)
     if isinstance(la, Shard) and lb is None:  # rows of a
         return Decision(Shard(rank(node) - 2, la.segments), wants=whole)
@@ -141,9 +142,9 @@ def attention(node: fx.Node, ins: Inputs, ctx: Context) -> Decision:
         if any(len(v[1].segments) != 1 for v in ins.values() if isinstance(v[1], Shard)) or \
                 any(c is None or c % ctx.tp for c in counts):
             return replicate_all(node, ins, ctx)  # fewer KV heads than ranks: kept whole
-        wants = {p: Shard(heads, (sizes(ins[p][0])[heads],)) for p in ((0,), (1,), (2,))}
-        wants = {p: w for p, w in wants.items() if ins[p][1] != w}
-        lay = Shard(heads, (sizes(q)[heads],))
+        own = {p: Shard(heads, (c,)) for p, c in zip(((0,), (1,), (2,)), counts)}
+        wants = {p: w for p, w in own.items() if ins[p][1] != w}
+        lay = own[(0,)]
         checks = [(c, "attention heads") for c in counts]
     else:
         wants = {p: Shard(heads, lay.segments) for p in ((0,), (1,), (2,)) if ins[p][1] != lay}

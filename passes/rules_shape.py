@@ -55,17 +55,21 @@ def expand(node: fx.Node, ins: Inputs, ctx: Context, x: fx.Node, lay: Shard) -> 
     return Decision(lay.moved(out_dim), fixes=fixes)
 
 
+def permutation(node: fx.Node) -> list[int]:
+    """The input dim each output dim of a permute/transpose/t comes from."""
+    n = rank(node)
+    if node.target is aten.permute.default:
+        return [norm_dim(d, n) for d in node.args[1]]
+    d0, d1 = (0, 1) if node.target is aten.t.default else (norm_dim(node.args[1], n), norm_dim(node.args[2], n))
+    order = list(range(n))
+    order[d0], order[d1] = order[d1], order[d0]
+    return order
+
+
 @on_split_input
 def permute(node: fx.Node, ins: Inputs, ctx: Context, x: fx.Node, lay: Shard) -> Decision:
     """permute/transpose/t: follow the dim."""
-    n = rank(x)
-    if node.target is aten.permute.default:
-        order = [norm_dim(d, n) for d in node.args[1]]
-    else:
-        d0, d1 = (0, 1) if node.target is aten.t.default else (norm_dim(node.args[1], n), norm_dim(node.args[2], n))
-        order = list(range(n))
-        order[d0], order[d1] = order[d1], order[d0]
-    return Decision(lay.moved(order.index(lay.dim)))
+    return Decision(lay.moved(permutation(node).index(lay.dim)))
 
 
 def split(node: fx.Node, ins: Inputs, ctx: Context) -> Decision:
@@ -108,15 +112,16 @@ def slice_(node: fx.Node, ins: Inputs, ctx: Context, x: fx.Node, lay: Shard) -> 
     step = arg_or_default(node, 4, "step", 1)
     if dim != lay.dim:
         return Decision(lay)
+    start = 0 if start is None else start
     start, end = (b + lay.size if isinstance(b, int) and b < 0 else b for b in (start, end))  # counted from the end
-    whole_range = end is None or (isinstance(end, int) and end >= lay.size)
-    if whole_range and (start or 0) == 0 and step == 1:
-        return Decision(lay)
-    if whole_range and isinstance(step, int) and 0 <= (start or 0) < step and all(s % step == 0 for s in lay.segments):
+    if not (isinstance(start, int) and isinstance(step, int) and (end is None or isinstance(end, int))):
+        return replicate_all(node, ins, ctx)
+    end = lay.size if end is None else min(end, lay.size)
+    if step == 1:
+        return Decision(lay) if (start, end) == (0, lay.size) else _segment_slice(node, ins, ctx, lay, start, end)
+    if end == lay.size and 0 <= start < step and all(s % step == 0 for s in lay.segments):
         strided = Shard(dim, tuple(s // step for s in lay.segments))
         return Decision(strided, checks=size_checks(strided, f"every {step}th element along dim {dim}"))
-    if step == 1 and isinstance(start or 0, int) and (end is None or isinstance(end, int)):
-        return _segment_slice(node, ins, ctx, lay, start or 0, lay.size if whole_range else end)
     return replicate_all(node, ins, ctx)
 
 
@@ -131,7 +136,7 @@ def _segment_slice(node: fx.Node, ins: Inputs, ctx: Context, lay: Shard, start: 
             fixes[(3,)] = end // ctx.tp
         return Decision(Shard(lay.dim, lay.segments[i:j]), fixes=fixes)
     decision = replicate_all(node, ins, ctx)
-    cuts = sorted(set(bounds) | {start, min(end, lay.size)})
+    cuts = sorted(set(bounds) | {start, end})
     decision.hint = tuple(b - a for a, b in zip(cuts, cuts[1:]) if b > a)
     return decision
 

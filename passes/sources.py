@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
 from torch import fx
 
 from autotp.passes.graph import arg_or_default, rank, sizes
@@ -20,9 +19,8 @@ from autotp.passes.layout import Shard, broadcast_dim, map_reshape
 from autotp.passes.projections import Embedding, Projection
 from autotp.passes.rule_kit import like_first, pointwise
 from autotp.passes.rules import rule_for
-from autotp.passes.rules_shape import expand, index, permute, reshape, select, slice_
+from autotp.passes.rules_shape import expand, index, permutation, permute, reshape, select, slice_
 
-aten = torch.ops.aten
 _MAX_DEPTH = 16
 
 
@@ -55,7 +53,7 @@ def _input_shard(node: fx.Node, source: fx.Node, shard: Shard, tp: int) -> Shard
         d = broadcast_dim(rank(node), rank(source), shard.dim)
         return True if d < 0 or sizes(source)[d] == 1 else shard.moved(d)
     if rule is permute:
-        return _permuted_back(node, shard)
+        return shard.moved(permutation(node)[shard.dim])
     if rule is reshape:
         return map_reshape(sizes(node), sizes(source), shard, tp)
     if rule is expand:  # a per-head table expanded over batch and sequence
@@ -70,17 +68,6 @@ def _input_shard(node: fx.Node, source: fx.Node, shard: Shard, tp: int) -> Shard
     if rule is select:  # the selected dim is gone from the output
         return shard.moved(shard.dim + (node.args[1] % rank(source) <= shard.dim))
     return None
-
-
-def _permuted_back(node: fx.Node, shard: Shard) -> Shard:
-    n = rank(node)
-    if node.target is aten.permute.default:
-        order = [d % n for d in node.args[1]]
-    else:
-        order = list(range(n))
-        d0, d1 = (0, 1) if len(node.args) < 3 else (node.args[1] % n, node.args[2] % n)
-        order[d0], order[d1] = order[d1], order[d0]
-    return shard.moved(order[shard.dim])
 
 
 def trace(g: SourceGraph, node: fx.Node, shard: Shard, upstream: set[str], depth: int = 0) -> Sources | None:
