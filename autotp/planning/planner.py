@@ -21,8 +21,8 @@ from autotp.passes.layout import PlacementKind, Shard
 from autotp.passes.propagate import Propagation
 from autotp.passes.random import random_refusal
 from autotp.passes.regions import RegionKind, RegionMatch
-from autotp.passes.vocab import feeds_only_heads
 from autotp.passes.steps import COMMUNICATION
+from autotp.passes.vocab import feeds_only_heads
 from autotp.planning.plan import REPLICATED, Collective, Placement, Plan, Region
 from autotp.planning.stages import plan_stages
 
