@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 from autotp.tools.viz.draw import COLOURS, LEGEND, STAGE_FILLS
-from autotp.planning import PlacementKind
-from autotp.tools.viz.model import Box, Decision, VizGraph, VizNode
+from autotp.tools.viz.model import Box, VizGraph, VizNode
 
 
 def _quote(text: str) -> str:
