@@ -91,6 +91,15 @@ def arg_or_default(node: fx.Node, index: int, name: str, default):
     return node.kwargs.get(name, default)
 
 
+def named_arg(node: fx.Node, name: str, default):
+    """An ATen call's argument by its schema name, passed positionally or by keyword (``keepdim`` is the third
+    argument of ``sum.dim_IntList`` but the fourth of ``var.dim``)."""
+    schema = getattr(node.target, "_schema", None)
+    names = [a.name for a in schema.arguments] if schema is not None else []
+    index = names.index(name) if name in names else len(node.args)
+    return arg_or_default(node, index, name, default)
+
+
 def trainable_attrs(gm: fx.GraphModule) -> set[str]:
     """``get_attr`` targets of parameters that require grad."""
     return {name for name, p in gm.named_parameters() if p.requires_grad}

@@ -141,10 +141,33 @@ def _left_projection(node: fx.Node) -> Projection | None:
                       left=True)
 
 
+def _einsum_projection(node: fx.Node) -> Projection | None:
+    """A Projection if ``node`` is an einsum that is ``x @ W`` (or ``x @ W.T``) with ``W`` a 2-D parameter: x's
+    last index contracted with one of W's, W's other index last in the output, x's others kept in order
+    (``"btf,fd->btd"``)."""
+    if node.target is not aten.einsum.default or len(node.args) != 2 or len(node.args[1]) != 2:
+        return None
+    x, weight_node = node.args[1]
+    weight = _attr(weight_node)
+    if weight is None or not isinstance(x, fx.Node) or _attr(x) is not None or "->" not in node.args[0]:
+        return None
+    inputs, out = node.args[0].replace(" ", "").split("->")
+    xs, ws = inputs.split(",")
+    if len(ws) != 2 or len(xs) != len(meta_val(x).shape) or "." in xs or len(set(xs + ws)) != len(xs) + 1:
+        return None
+    if xs[-1] not in ws or out != xs[:-1] + ws.replace(xs[-1], ""):
+        return None
+    shape = meta_val(weight_node).shape
+    in_dim = ws.index(xs[-1])
+    return Projection(node=node.name, input=x.name, weight=weight, bias=None, out_dim=1 - in_dim,
+                      in_features=int(shape[in_dim]), out_features=int(shape[1 - in_dim]), in_dim=in_dim)
+
+
 def find_projections(graph: fx.Graph) -> dict[str, Projection]:
     """Every projection in ``graph``, keyed by node name, in graph order."""
     specs = _PROJECTION_OPS | _grouped_ops()
-    found = (_projection(n, specs) or _left_projection(n) for n in graph.nodes if n.op == "call_function")
+    found = (_projection(n, specs) or _left_projection(n) or _einsum_projection(n)
+             for n in graph.nodes if n.op == "call_function")
     return {p.node: p for p in found if p is not None}
 
 

@@ -166,8 +166,14 @@ class _RegionFinder:
 
     def _sliced(self, prop: Propagation) -> list:
         """Slices of values gradients flow through (a value no gradient reaches, a per-head table or a mask,
-        is sliced for free)."""
-        return [c for c in prop.steps_of(Operator.SCATTER) if c.source in self.grad]
+        is sliced for free), other than values made from the region's own rows (a time-step projection reading
+        V's split features, all-reduced, then taken per head: only its small gradient is gathered)."""
+        return [c for c in prop.steps_of(Operator.SCATTER) if c.source in self.grad
+                and not self._from_rows(prop, c.source, c.steps[-1].shard)]
+
+    def _from_rows(self, prop: Propagation, source: str, shard: Shard) -> bool:
+        traced = trace(self.sources, self.nodes[source], shard, set())
+        return traced is not None and bool(traced.projections.keys() & set(prop.rows))
 
     def closed(self, prop: Propagation, allow_slices: bool) -> bool:
         """A region: at least one row closes it, nothing had to be gathered (or sliced, unless allowed)."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from autotp.passes.graph import arg_or_default, rank, sizes
+from autotp.passes.graph import arg_or_default, named_arg, rank, sizes
 from autotp.passes.layout import Shard, static
 from autotp.passes.rule_kit import (
     Context,
@@ -51,7 +51,7 @@ def reduction(node: fx.Node, ins: Inputs, ctx: Context, x: fx.Node, lay: Shard) 
         if node.target in _ACROSS_SHARDS and ctx.tp > 1 and lay.blocks == 1:
             return Decision(None, reduce=_ACROSS_SHARDS[node.target])
         return replicate_all(node, ins, ctx)
-    keepdim = node.kwargs.get("keepdim", node.args[2] if len(node.args) > 2 and isinstance(node.args[2], bool) else False)
+    keepdim = named_arg(node, "keepdim", False)
     out = lay if keepdim else lay.moved(lay.dim - sum(d < lay.dim for d in dims))
     return Decision((out, out) if multi_output(node) else out)
 
@@ -170,3 +170,47 @@ def conv1d(node: fx.Node, ins: Inputs, ctx: Context, x: fx.Node, lay: Shard) -> 
         return replicate_all(node, ins, ctx)
     wants = {p: Shard(0, lay.segments) for p in others if not isinstance(ins[p][1], Shard)}
     return Decision(lay, wants=wants, fixes={(6,): groups // ctx.tp}, checks=size_checks(lay, "conv channels"))
+
+
+def _einsum_specs(equation: str, ranks: list[int]) -> tuple[list[str], str] | None:
+    """The operands' and the output's index letters of an einsum ``equation`` (None with an ellipsis, or a
+    letter repeated within one operand: a diagonal, which no split keeps per slice)."""
+    if "..." in equation or "->" not in equation:
+        return None
+    inputs, out = equation.replace(" ", "").split("->")
+    specs = inputs.split(",")
+    if len(specs) != len(ranks) or any(len(s) != r or len(set(s)) != r for s, r in zip(specs, ranks)):
+        return None
+    return specs, out
+
+
+def einsum(node: fx.Node, ins: Inputs, ctx: Context) -> Decision:
+    """``einsum`` with operands split along one index letter: kept in the output (a batch or free index),
+    the output is split there; summed over (contracted), each rank's partial sum is all-reduced. Whole
+    operands that carry the letter are sliced; the others stay whole (through ``f`` when gradients flow)."""
+    sharded = sharded_inputs(ins)
+    if not sharded:
+        return Decision(None)
+    operands = node.args[1]
+    parsed = _einsum_specs(node.args[0], [rank(t) for t in operands])
+    if parsed is None or any(lay.blocks != 1 for _, _, lay in sharded):
+        return replicate_all(node, ins, ctx)
+    specs, out = parsed
+    letters = {(specs[p[1]][lay.dim], lay.segments) for p, _, lay in sharded}
+    if len(letters) != 1:
+        return replicate_all(node, ins, ctx)
+    (letter, segments), = letters
+    wants = {}
+    for p, (n, lay) in ins.items():
+        if isinstance(lay, Shard):
+            continue
+        spec = specs[p[1]]
+        if letter in spec and sizes(n)[spec.index(letter)] != 1:
+            wants[p] = Shard(spec.index(letter), segments)
+        else:
+            wants[p] = COPY if n.name in ctx.grad else None
+    if letter in out:
+        return Decision(Shard(out.index(letter), segments), wants=wants, checks=size_checks(Shard(0, segments), "einsum"))
+    if any(letter in specs[p[1]] and sizes(n)[specs[p[1]].index(letter)] == 1 for p, (n, _) in ins.items()):
+        return replicate_all(node, ins, ctx)  # a broadcast operand would be summed tp times
+    return Decision(None, wants=wants, reduce=Operator.G, checks=size_checks(Shard(0, segments), "einsum"))

@@ -236,6 +236,24 @@ def index(node: fx.Node, ins: Inputs, ctx: Context, x: fx.Node, lay: Shard) -> D
     return Decision(lay.moved(lay.dim - 1 + rank(indices[0])), wants={p: None for p in ins if p != (0,)})
 
 
+def gather(node: fx.Node, ins: Inputs, ctx: Context) -> Decision:
+    """``x.gather(dim, index)`` with ``x`` split along another dim (a relative-position bias picked per bucket,
+    split by heads): each rank gathers within its own slice, the index (the output's shape) sliced alike."""
+    (x, lay), (ids, ids_lay) = ins[(0,)], ins[(2,)]
+    if not isinstance(lay, Shard) or not gathers_within(node, lay):
+        return replicate_all(node, ins, ctx) if sharded_inputs(ins) else Decision(None)
+    if ids_lay not in (None, lay):
+        return replicate_all(node, ins, ctx)
+    return Decision(lay, wants={(2,): lay} if ids_lay is None else {})
+
+
+def gathers_within(node: fx.Node, lay: Shard) -> bool:
+    """Whether ``gather`` along its dim keeps ``lay``'s split (another dim, as large in the index)."""
+    x, dim, ids = node.args[0], node.args[1], node.args[2]
+    return (lay.blocks == 1 and norm_dim(dim, rank(x)) != lay.dim and rank(ids) == rank(x)
+            and sizes(ids)[lay.dim] == sizes(x)[lay.dim])
+
+
 @on_split_input
 def sym_size(node: fx.Node, ins: Inputs, ctx: Context, x: fx.Node, lay: Shard) -> Decision:
     """The size of a dim other than the split one is the same on every rank."""
