@@ -12,6 +12,7 @@ from typing import Protocol
 
 from torch import fx
 
+from autotp.passes.choices import kept_by_choice
 from autotp.passes.graph import sizes, trainable_attrs
 from autotp.passes.layout import Shard
 from autotp.passes.projections import find_embeddings, find_projections
@@ -64,7 +65,14 @@ class Analysis:
     def regions(self, tp: int) -> RegionSearch:
         """Column→row regions for ``tp`` (LM heads are planned separately)."""
         skip = set(self.vocab.heads) if self.vocab else set()
-        return find_regions(self.graph, self.projections, self.embeddings, self.trainable, tp, skip=skip)
+        return find_regions(self.graph, self.projections, self.embeddings, self.trainable, tp, skip=skip,
+                            whole=set(self.kept_by_choice()))
+
+    def kept_by_choice(self) -> dict[str, str]:
+        """Projections kept whole on purpose (``choices.kept_by_choice``), with why."""
+        heads = self.vocab.heads if self.vocab else ()
+        found = {n: kept_by_choice(self.nodes[n], self.projections, heads) for n in self.projections}
+        return {n: why for n, why in found.items() if why}
 
     def propagate(self, layouts: Mapping[str, Shard], tp: int) -> Propagation:
         """Propagate parameter layouts (keyed by ``get_attr`` target) through the whole graph."""

@@ -56,8 +56,14 @@ class Embedding:
     num_embeddings: int
 
 
+_CASTS = {aten.to.dtype, aten._to_copy.default}
+
+
 def _attr(node) -> str | None:
-    """The ``get_attr`` target if ``node`` reads a module attribute directly."""
+    """The ``get_attr`` target if ``node`` reads a module attribute directly, or a cast of it (a router computed
+    in float32: ``F.linear(x.float(), W.float())``)."""
+    if isinstance(node, fx.Node) and node.op == "call_function" and node.target in _CASTS:
+        node = node.args[0]
     return node.target if isinstance(node, fx.Node) and node.op == "get_attr" else None
 
 

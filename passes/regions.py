@@ -35,6 +35,9 @@ class RegionKind(str, Enum):
     """Two split branches from different projections are multiplied (SwiGLU)."""
     MLP = "mlp"
     """Any other column→row region."""
+    ROW = "row"
+    """A lone projection between whole values, split by its input features: its input sliced (an all-gather of
+    the gradient backward), its output all-reduced (Megatron's ``RowParallelLinear(input_is_parallel=False)``)."""
     EMBEDDING = "embedding"
     """The vocabulary-split token embedding."""
     LM_HEAD = "lm_head"
@@ -60,6 +63,8 @@ class RegionMatch:
     """Sizes that do not divide by tp (the region cannot be split at this tp)."""
     sizes: tuple[int, ...] = ()
     """Every size the split must divide; their common divisors are the valid tp values."""
+    why: str = ""
+    """For a lone row: why its projection closes no column→row region."""
 
 
 def _sibling_groups(projections: dict[str, Projection], skip: set[str]) -> list[list[Projection]]:
@@ -208,6 +213,19 @@ class _RegionFinder:
         consumer = self.nodes[conv.consumers[0][0]]
         return f"its split output would have to be made whole again at {getattr(consumer.target, '__name__', consumer.target)}"
 
+    def lone_row(self, proj: Projection, why: str) -> RegionMatch | None:
+        """``proj`` row-split alone, when that needs nothing but slicing its own whole input and all-reducing
+        its output (a projection into the residual stream, a pooler), or None."""
+        layout = {proj.weight: Shard(proj.in_dim, (proj.in_features,))}
+        prop = propagate(self.graph, self.projections, self.embeddings, layout, self.tp, self.trainable,
+                         grad=self.grad, index=self.index)
+        sliced = [c for c in prop.steps_of(Operator.SCATTER) if c.source in self.grad]
+        if (prop.refusals or prop.violations or prop.steps_of(Operator.GATHER)
+                or any(c.source != proj.input or {n for n, _ in c.consumers} != {proj.node} for c in sliced)):
+            return None
+        return RegionMatch(kind=RegionKind.ROW, columns=(), rows=(proj.node,), segments=(),
+                           sizes=(proj.in_features,), why=why)
+
     def find(self, group: list[Projection]) -> RegionMatch | str:
         """The region ``group`` starts (with a fallback that keeps failing projections whole), or why none."""
         prop, columns, segments, params = self.attempt(group, self.tp)
@@ -249,11 +267,12 @@ class RegionSearch:
 
 
 def find_regions(graph: fx.Graph, projections: dict[str, Projection], embeddings: dict, trainable: set[str],
-                 tp: int, skip: set[str] = frozenset()) -> RegionSearch:
+                 tp: int, skip: set[str] = frozenset(), whole: set[str] = frozenset()) -> RegionSearch:
     """Every column→row region of ``graph`` for ``tp`` ranks, in graph order.
 
     A region whose sizes do not divide by tp is still returned, with ``violations`` set, so the
-    planner can say which layer and size are at fault.
+    planner can say which layer and size are at fault. ``skip``: projections planned elsewhere (the LM
+    heads); ``whole``: projections that are never split alone (kept whole by choice).
     """
     finder = _RegionFinder(graph, projections, embeddings, trainable, tp)
     claimed = finder.claimed = set(skip)
@@ -272,4 +291,12 @@ def find_regions(graph: fx.Graph, projections: dict[str, Projection], embeddings
             claimed.update(region.rows, region.columns)
     # A group tried alone may have been split later with the region that reaches it (K/V of cross-attention).
     search.unmatched = [(nodes, why) for nodes, why in search.unmatched if not claimed.issuperset(nodes)]
+    # What is left and only reads and writes whole values is split alone, by its input features, unless it is
+    # kept whole on purpose (``choices``).
+    rows = [row for nodes, why in search.unmatched for n in nodes if n not in claimed and n not in whole
+            and (row := finder.lone_row(projections[n], why)) is not None]
+    search.regions += rows
+    claimed.update(n for r in rows for n in r.rows)
+    search.unmatched = [(kept, why) for nodes, why in search.unmatched if (kept := tuple(n for n in nodes if n not in claimed))]
     return search
+

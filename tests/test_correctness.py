@@ -137,12 +137,13 @@ class _FusedMQA(nn.Module):
 
 @pytest.mark.parametrize("tp", [2, 4])
 def test_fused_multi_query_attention_runs_exactly(tp):
-    """Its K/V segments (one head) cannot be split: the attention stays whole, with a note; the MLP splits."""
+    """Its K/V segments (one head) cannot be column-split: the attention is computed whole, its projections split
+    alone by their input features, with a note; the MLP splits."""
     torch.manual_seed(0)
     model, x = _FusedMQA(), torch.randn(2, 8, 64)
     plan = autotp.plan(model, tp=tp, example_inputs=(x,))
-    assert not plan.placements["qkv.weight"].is_split and plan.placements["up.weight"].is_split
-    assert any("qkv kept replicated" in n for n in plan.notes)
+    assert plan.placements["qkv.weight"].kind.value == "rowwise" and plan.placements["up.weight"].kind.value == "colwise"
+    assert any(n.startswith("qkv split alone") and "scaled_dot_product_attention" in n for n in plan.notes), plan.notes
     assert autotp.check(model, tp=tp, example_inputs=(x,)).exact
 
 

@@ -91,3 +91,68 @@ class HeadwiseNorm(nn.Module):
 def test_headwise_var_with_positional_keepdim():
     report = _check(_model(HeadwiseNorm), _x(B, T, D))
     _split(report, "up.weight", "down.weight")
+
+
+class PreProjection(nn.Module):
+    """A projection from a narrow embedding into the residual stream (ELECTRA, ALBERT), then an MLP."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(32, D // 2)
+        self.project = nn.Linear(D // 2, D)
+        self.norm = nn.LayerNorm(D)
+        self.up, self.down = nn.Linear(D, 4 * D), nn.Linear(4 * D, D)
+
+    def forward(self, ids):
+        h = self.norm(self.project(self.embed(ids)))
+        return h + self.down(torch.relu(self.up(h)))
+
+
+def test_lone_projection_between_whole_values_is_row_split():
+    report = _check(_model(PreProjection), torch.randint(0, 32, (B, T)))
+    _split(report, "project.weight", "up.weight", "down.weight")
+    assert "row" in [r.kind.value for r in report.plan.regions]
+
+
+class TimeStep(nn.Module):
+    """A per-head time step computed from V's split features (Doge): row-split, all-reduced, taken per head."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(D, D) for _ in range(4))
+        self.dt = nn.Linear(D, H)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        v = self.v(x)
+        q, k, vh = (z.view(b, t, H, HD).transpose(1, 2) for z in (self.q(x), self.k(x), v))
+        mask = torch.nn.functional.softplus(self.dt(v)).transpose(1, 2)[:, :, None, :]  # [b, H, 1, t]
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, vh, attn_mask=-mask.expand(b, H, t, t))
+        return self.o(y.transpose(1, 2).reshape(b, t, D))
+
+
+def test_value_made_by_a_row_of_the_region_is_sliced_per_head():
+    report = _check(_model(TimeStep), _x(B, T, D))
+    _split(report, "q.weight", "v.weight", "dt.weight", "o.weight")
+
+
+class Router(nn.Module):
+    """A top-2 router in float32 over experts (its weight cast, as many MoE models do)."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate = nn.Linear(D, 8, bias=False)
+        self.experts = nn.ModuleList(nn.Linear(D, D) for _ in range(8))
+
+    def forward(self, x):
+        weights, chosen = torch.nn.functional.linear(x.float(), self.gate.weight.float()).softmax(-1).topk(2, -1)
+        out = torch.stack([e(x) for e in self.experts], -2)  # [b, t, experts, D]
+        picked = out.gather(-2, chosen[..., None].expand(*chosen.shape, D))
+        return (weights[..., None] * picked).sum(-2)
+
+
+def test_router_kept_whole_by_choice():
+    report = _check(_model(Router), _x(B, T, D))
+    assert not report.plan.placements["gate.weight"].is_split
+    assert "gate.weight" in report.plan.by_choice  # a functional linear: named by its parameter
+    assert any("router" in n for n in report.plan.notes)

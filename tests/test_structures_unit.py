@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import autotp
-from autotp.passes.layout import Shard, map_reshape
+from autotp.passes.layout import PlacementKind, Shard, map_reshape
 from autotp.passes.projections import find_projections
 from tests.graphs import captured
 
@@ -341,7 +341,8 @@ def test_weight_on_the_left_is_found_as_a_left_projection():
     assert (left[0].out_dim, left[0].in_features, left[0].out_features) == (0, 4, 32)
 
 
-# 11. Negative: a split that cannot be exact is refused, kept whole and noted.
+# 11. Negative: a column split that cannot be exact is refused; each projection is then split alone, by its
+# input features (its input sliced, its output all-reduced), which is exact.
 
 class SortedFeatures(nn.Module):
     """A sort across the projection's features: no rank can sort its part alone."""
@@ -369,11 +370,11 @@ class LayerNormedFeatures(nn.Module):
 
 
 @pytest.mark.parametrize("cls, op", [(SortedFeatures, "sort"), (LayerNormedFeatures, "layer_norm")])
-def test_unsplittable_structure_stays_whole_with_a_note(cls, op):
+def test_unsplittable_structure_is_not_column_split(cls, op):
     report = _check(_model(cls), _x(B, T, D))
-    assert not report.plan.placements["up.weight"].is_split
-    assert not any(p.is_split for p in report.plan.placements.values()), report.plan
-    assert any(n.startswith("up kept replicated") and op in n for n in report.plan.notes), report.plan.notes
+    assert not any(p.kind is PlacementKind.COLWISE for p in report.plan.placements.values()), report.plan
+    assert {r.kind.value for r in report.plan.regions} == {"row"}, report.plan.regions
+    assert report.plan.placements["up.weight"].kind is PlacementKind.ROWWISE
 
 
 # Known limitation: grouped-query attention through SDPA's enable_gqa is kept whole (safe, exact).

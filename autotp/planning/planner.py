@@ -22,7 +22,6 @@ from autotp.passes.propagate import Propagation
 from autotp.passes.random import random_refusal
 from autotp.passes.regions import RegionKind, RegionMatch
 from autotp.passes.steps import COMMUNICATION
-from autotp.passes.vocab import feeds_only_heads
 from autotp.planning.plan import REPLICATED, Collective, Placement, Plan, Region
 from autotp.planning.stages import plan_stages
 
@@ -42,20 +41,19 @@ def _divisibility_error(analysis: Analysis, region: RegionMatch, tp: int, valid:
         f"Valid tp values for this model: {', '.join(map(str, valid))}. Set tp to one of them.")
 
 
-def _head_transforms(analysis: Analysis, unmatched) -> set[str]:
-    """Unmatched projections that only feed the LM head: whole by choice (``feeds_only_heads``)."""
-    heads = analysis.vocab.heads if analysis.vocab else ()
-    return {n for nodes, _ in unmatched for n in nodes
-            if heads and feeds_only_heads(analysis.nodes[n], analysis.projections, heads)}
+def _chosen_whole(analysis: Analysis, unmatched) -> dict[str, str]:
+    """Unmatched projections kept whole on purpose (``choices.kept_by_choice``), with why."""
+    chosen = analysis.kept_by_choice()
+    return {n: chosen[n] for nodes, _ in unmatched for n in nodes if n in chosen}
 
 
-def _unmatched_note(analysis: Analysis, nodes: tuple[str, ...], why: str, chosen: set[str]) -> str:
-    """Why projections were kept whole: a transform before the LM head by choice, else the blocking op."""
+def _unmatched_note(analysis: Analysis, nodes: tuple[str, ...], why: str, chosen: dict[str, str]) -> str:
+    """Why projections were kept whole: by choice (a transform before the LM head, a router), else the
+    blocking op."""
     layers = ", ".join(analysis.layer(n) for n in nodes)
-    if set(nodes) <= chosen:
-        return (f"{layers} kept whole by choice: a transform before the vocabulary head, which needs its output "
-                "whole; splitting it would add an all-gather and an all-reduce of its output per step (Megatron "
-                "keeps it whole too)")
+    reasons = {chosen.get(n) for n in nodes}
+    if len(reasons) == 1 and None not in reasons:
+        return f"{layers} kept whole by choice: {reasons.pop()}"
     return f"{layers} kept replicated: {why}"
 
 
@@ -207,7 +205,7 @@ def make_plan(captured: Captured, tp: int, pp: int = 1, balance: Balance | str =
     search = analysis.regions(tp)
     regions = search.regions
     valid = _valid_tp(regions)
-    chosen = _head_transforms(analysis, search.unmatched)
+    chosen = _chosen_whole(analysis, search.unmatched)
     notes: list[str] = [_unmatched_note(analysis, nodes, why, chosen) for nodes, why in search.unmatched]
     by_target: dict[str, Placement] = {}
     plan_regions: list[Region] = []
@@ -215,6 +213,9 @@ def make_plan(captured: Captured, tp: int, pp: int = 1, balance: Balance | str =
         if region.violations:
             raise _divisibility_error(analysis, region, tp, valid)
         by_target |= _region_placements(analysis, region)
+        if region.kind is RegionKind.ROW:
+            notes.append(f"{analysis.layer(region.rows[0])} split alone by its input features (its whole input "
+                         f"sliced, its output all-reduced), as no column split closes around it: {region.why}")
         kept = tuple(analysis.layer(n) for n in region.replicated)
         if kept:
             notes.append(f"{', '.join(kept)} kept replicated: tp={tp} does not divide their heads; "

@@ -97,6 +97,9 @@ def _member_style(plan: Plan, module: str, role: Role, target: Target) -> tuple[
 
 
 def _region_styles(plan: Plan, region: Region, target: Target) -> tuple[dict[str, str], str]:
+    if region.kind is RegionKind.ROW:
+        return {}, ("is split alone by its input features, reading a whole input it slices itself; these styles' "
+                    "rowwise expects an input that is already split")
     if region.replicated:
         return {}, (f"tp={plan.tp} does not divide the KV heads, so autotp keeps {', '.join(region.replicated)} "
                     "whole and each rank slices its heads; these styles cannot express that")

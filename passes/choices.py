@@ -1,0 +1,40 @@
+"""Projections autotp keeps whole on purpose, and why: where splitting costs more than it saves, as Megatron
+also judges (a transform right before the vocabulary head, a mixture-of-experts router)."""
+
+from __future__ import annotations
+
+import torch
+from torch import fx
+
+from autotp.passes.projections import Projection
+from autotp.passes.vocab import feeds_only_heads
+
+aten = torch.ops.aten
+
+HEAD_TRANSFORM = ("a transform before the vocabulary head, which needs its output whole; splitting it would add "
+                  "an all-gather and an all-reduce of its output per step (Megatron keeps it whole too)")
+ROUTER = ("a mixture-of-experts router: its logits feed a top-k over all experts, so a split would be gathered "
+          "again at once (Megatron keeps routers whole too)")
+
+_ROUTING = {aten.topk.default}
+_ROUTER_DEPTH = 6
+"""How many ops (a softmax, a cast, a bias add) may lie between a router and its top-k."""
+
+
+def routes(node: fx.Node) -> bool:
+    """Whether ``node``'s output reaches a top-k within a few ops: a router's logits."""
+    frontier = [node]
+    for _ in range(_ROUTER_DEPTH):
+        frontier = [u for n in frontier for u in n.users]
+        if any(u.target in _ROUTING for u in frontier):
+            return True
+    return False
+
+
+def kept_by_choice(node: fx.Node, projections: dict[str, Projection], heads: tuple[str, ...]) -> str | None:
+    """Why the projection ``node`` is kept whole on purpose, or None when it should be split if it can."""
+    if heads and feeds_only_heads(node, projections, heads):
+        return HEAD_TRANSFORM
+    if routes(node):
+        return ROUTER
+    return None
