@@ -167,7 +167,7 @@ def _verdict(report, model: nn.Module, used: dict[str, int], seconds: float) -> 
     total = sum(used.values()) or 1
     fraction = sum(n for name, n in used.items() if name in split) / total
     shapes = dict(model.named_parameters())
-    tables = _side_tables(model)
+    tables = _side_tables(model, report.plan)
     chosen = {name for name in used if any(within(name, layer) for layer in report.plan.by_choice)}
     whole = [name for name, n in used.items()
              if name not in split | tables | chosen and n >= SIZEABLE and shapes[name].dim() >= 2]
@@ -177,14 +177,18 @@ def _verdict(report, model: nn.Module, used: dict[str, int], seconds: float) -> 
     return Result(Status.PARTIAL if whole else Status.EXACT, fraction, notes, seconds)
 
 
-def _side_tables(model: nn.Module) -> set[str]:
-    """Embedding tables not indexed by the vocabulary (positions, token types): Megatron keeps them whole too."""
+def _side_tables(model: nn.Module, plan) -> set[str]:
+    """Embedding tables not indexed by the vocabulary (positions, token types): Megatron keeps them whole too.
+    Where the plan split the vocabulary, every other table; else those of another size than the vocabulary."""
+    tables = {f"{name}.weight" if name else "weight" for name, m in model.named_modules() if isinstance(m, nn.Embedding)}
+    vocab_split = {name for name, p in plan.placements.items() if p.kind.value == "vocab"}
+    if vocab_split:
+        return tables - vocab_split
     try:
         vocab = vocab_size(model)
     except AutotpError:
         vocab = None
-    return {f"{name}.weight" if name else "weight" for name, m in model.named_modules()
-            if isinstance(m, nn.Embedding) and m.num_embeddings != vocab}
+    return {t for t in tables if model.get_submodule(t.rpartition(".")[0]).num_embeddings != vocab}
 
 
 def _line(e: BaseException) -> str:
