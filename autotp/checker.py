@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import fx, nn
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_leaves, tree_map
 
 from autotp.api import param_shapes, with_input_note
 from autotp.capture import Captured, capture, example_inputs_of, model_kwargs
@@ -69,6 +69,9 @@ class CheckReport:
     mismatch: Mismatch | None = None
     located: Mismatch | None = None
     """The first forward operation whose value differs, when the forward is at fault."""
+    rounding: Mismatch | None = None
+    """A float32 difference that the same check in float64 shows to be rounding: sums reordered across ranks,
+    amplified by the model (large attention scores), while the sharded computation is the same function."""
 
     @property
     def exact(self) -> bool:
@@ -77,8 +80,9 @@ class CheckReport:
 
     def __str__(self) -> str:
         if self.exact:
-            return (f"exact: tp={self.tp}, {self.compared} tensors (output, loss, every gradient and parameter "
+            text = (f"exact: tp={self.tp}, {self.compared} tensors (output, loss, every gradient and parameter "
                     f"after an SGD step) agree with the unsharded model; largest error {self.max_error:.3g}")
+            return text + (f" (in float64; in float32 {self.rounding}, which is rounding)" if self.rounding else "")
         lines = [f"MISMATCH at tp={self.tp}: {self.mismatch}"]
         if self.located is not None:
             lines.append(f"  first differing operation: {self.located}")
@@ -215,7 +219,28 @@ def check(model: nn.Module, tp: int, example_inputs=None, pp: int = 1, plan: Pla
     _compare_step(compare, chosen, captured, reference, ranks, ref_out, ref_loss)
     if not report.exact and report.mismatch.what in ("output", "loss"):
         report.located = locate(captured, chosen, modules, comms, inputs)
+    if not report.exact:
+        return _in_float64(model, example_inputs, chosen, report, modules_hook)
     return report
+
+
+def _in_float64(model: nn.Module, example_inputs, plan: Plan, report: CheckReport, modules_hook) -> CheckReport:
+    """The float64 check of a float32 model that differed: exact there means the float32 difference is rounding
+    (kept in ``rounding``); anything else keeps the float32 report. A model that casts to float32 itself
+    cannot run in float64 and keeps it too."""
+    floats = [t for t in [*model.parameters(), *model.buffers()] if t.is_floating_point()]
+    if not floats or any(t.dtype != torch.float32 for t in floats):
+        return report
+    widened = tree_map(lambda t: t.double() if isinstance(t, torch.Tensor) and t.is_floating_point() else t,
+                       example_inputs)
+    try:
+        wide = check(copy.deepcopy(model).double(), report.tp, widened, plan=plan, modules_hook=modules_hook)
+    except Exception:  # noqa: BLE001 - a model that cannot run in float64 says nothing about rounding
+        return report
+    if not wide.exact:
+        return report
+    wide.rounding = report.mismatch
+    return wide
 
 
 def _compare_step(compare: _Compare, plan: Plan, captured: Captured, reference: nn.Module, ranks: list[_Rank],

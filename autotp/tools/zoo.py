@@ -172,6 +172,8 @@ def _verdict(report, model: nn.Module, used: dict[str, int], seconds: float) -> 
     whole = [name for name, n in used.items()
              if name not in split | tables | chosen and n >= SIZEABLE and shapes[name].dim() >= 2]
     notes = list(report.plan.notes)
+    if report.rounding:
+        notes.insert(0, f"exact in float64; float32 differs by rounding amplified by the model ({report.rounding})")
     if whole:
         notes.insert(0, f"kept whole: {', '.join(whole[:4])}{' ...' if len(whole) > 4 else ''}")
     return Result(Status.PARTIAL if whole else Status.EXACT, fraction, notes, seconds)
