@@ -22,7 +22,8 @@ _MATMULS = {aten.linear.default, aten.addmm.default, aten.mm.default, aten.matmu
 _ATTENTION = {aten.scaled_dot_product_attention.default}
 _NORMS = {aten.layer_norm.default, aten.rms_norm.default, aten.native_layer_norm.default}
 _FREE = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default,
-         aten.permute.default, aten.transpose.int, aten.t.default, aten.unsqueeze.default, aten.squeeze.dim,
+         aten.permute.default, aten.transpose.int, aten.t.default, aten.numpy_T.default, aten.unsqueeze.default,
+         aten.squeeze.dim,
          aten.slice.Tensor, aten.select.int, aten.split.Tensor, aten.split_with_sizes.default,
          aten.alias.default, aten.detach.default, aten.sym_size.int}
 """Ops that only re-index memory: no FLOPs and (as views) no new activation memory."""

@@ -95,7 +95,7 @@ def _transposed_attr(node) -> str | None:
         return None
     n = len(meta_val(node).shape)
     last_two = {n - 2, n - 1}
-    swaps = (node.target is aten.t.default
+    swaps = (node.target is aten.t.default or (node.target is aten.numpy_T.default and n == 2)
              or (node.target is aten.transpose.int and {node.args[1] % n, node.args[2] % n} == last_two)
              or (node.target is aten.permute.default and n == 2 and list(node.args[1]) in ([1, 0], [-1, -2])))
     return _attr(node.args[0]) if swaps else None

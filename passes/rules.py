@@ -54,6 +54,7 @@ RULES = {
     aten.squeeze.default: reshape, aten.flatten.using_ints: reshape, aten.unflatten.int: reshape,
     aten.expand.default: expand,
     aten.permute.default: permute, aten.transpose.int: permute, aten.t.default: permute,
+    aten.numpy_T.default: permute,
     aten.split.Tensor: split, aten.split_with_sizes.default: split, aten.chunk.default: split,
     aten.unbind.int: split,
     operator.getitem: getitem,

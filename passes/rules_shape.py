@@ -60,6 +60,8 @@ def permutation(node: fx.Node) -> list[int]:
     n = rank(node)
     if node.target is aten.permute.default:
         return [norm_dim(d, n) for d in node.args[1]]
+    if node.target is aten.numpy_T.default:  # ``W.T``: every dim reversed
+        return list(reversed(range(n)))
     d0, d1 = (0, 1) if node.target is aten.t.default else (norm_dim(node.args[1], n), norm_dim(node.args[2], n))
     order = list(range(n))
     order[d0], order[d1] = order[d1], order[d0]
