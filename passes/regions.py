@@ -101,6 +101,8 @@ class _RegionFinder:
         self.grad = grad_nodes(graph, trainable)
         self.index = GraphIndex.of(graph)
         self.claimed: set[str] = set()
+        self.heads: set[str] = set()
+        """The vocabulary heads: a split that reaches one as its row has split the residual stream."""
         self.sources = SourceGraph(projections, embeddings, self.grad, trainable, tp)
         self.set_aside: list[tuple[tuple[str, ...], str]] = []
         """Projections left out of a group's region because they blocked it, and why."""
@@ -183,7 +185,7 @@ class _RegionFinder:
     def closed(self, prop: Propagation, allow_slices: bool) -> bool:
         """A region: at least one row closes it, nothing had to be gathered (or sliced, unless allowed)."""
         return (bool(prop.rows) and not prop.refusals and not prop.steps_of(Operator.GATHER)
-                and (allow_slices or not self._sliced(prop)))
+                and not self.heads & set(prop.rows) and (allow_slices or not self._sliced(prop)))
 
     def match(self, columns: list[Projection], prop: Propagation, segments: dict, params: dict,
               replicated=()) -> RegionMatch:
@@ -206,6 +208,8 @@ class _RegionFinder:
         """Why a propagation did not close into a region, for the plan's notes."""
         if prop.refusals:
             return prop.refusals[0][1]
+        if self.heads & set(prop.rows):  # the split reached the vocabulary head: it was the residual stream
+            return "its split output is the residual stream (it would reach the LM head)"
         blocked = prop.steps_of(Operator.GATHER) or self._sliced(prop)
         if not blocked:
             return "no projection downstream takes its split output as input"
@@ -276,6 +280,7 @@ def find_regions(graph: fx.Graph, projections: dict[str, Projection], embeddings
     """
     finder = _RegionFinder(graph, projections, embeddings, trainable, tp)
     claimed = finder.claimed = set(skip)
+    finder.heads = set(skip)
     search = RegionSearch([], [])
     for group in _sibling_groups(projections, claimed):
         group = [p for p in group if p.node not in claimed]

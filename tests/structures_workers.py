@@ -1,8 +1,8 @@
 """Per-rank bodies of the structure tests on gloo: one tiny model of each structure autotp splits.
 
 Mixture-of-experts (a 3-D expert bank), QK-norm over all heads, interleaved rotary with a parallel block,
-encoder-decoders (cross-attention, per-head relative position bias), ``nn.TransformerEncoder`` and a Mamba
-mixer (split by channel by a hand-written plan). Each rank builds every model from one seed, keeps an
+encoder-decoders (cross-attention, per-head relative position bias), ``nn.TransformerEncoder``, einsum attention
+with a gathered per-head bias and a projection split alone, and a Mamba mixer. Each rank builds every model from one seed, keeps an
 unsharded copy, and compares outputs, the loss of every step and every parameter after AdamW steps; dropout
 is off in every config.
 """
@@ -96,6 +96,30 @@ class TorchEncoderLM(nn.Module):
         return self.head(self.encoder(self.embed(ids)))
 
 
+class EinsumLM(nn.Module):
+    """A narrow embedding projected into the residual stream (split alone by its input features, as ELECTRA's),
+    einsum attention with a per-head bias picked per distance bucket by ``gather`` (ProphetNet-style), an MLP."""
+
+    HEADS, BUCKETS = 4, 8
+
+    def __init__(self, dim: int = 64):
+        super().__init__()
+        self.embed, self.project = nn.Embedding(VOCAB, dim // 2), nn.Linear(dim // 2, dim)
+        self.qkv, self.out = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.rel = nn.Linear(dim, self.HEADS * self.BUCKETS)
+        self.up, self.down, self.head = nn.Linear(dim, 2 * dim), nn.Linear(2 * dim, dim), nn.Linear(dim, VOCAB)
+
+    def forward(self, ids):
+        x = self.project(self.embed(ids))
+        b, t, d = x.shape
+        q, k, v = (z.view(b, t, self.HEADS, -1) for z in self.qkv(x).chunk(3, -1))
+        table = self.rel(x).view(b, t, self.HEADS, self.BUCKETS).transpose(1, 2)
+        buckets = (torch.arange(t)[:, None] - torch.arange(t)[None, :]).abs().clamp(max=self.BUCKETS - 1)
+        scores = torch.einsum("bthd,bshd->bhts", q, k) + table.gather(3, buckets.expand(b, self.HEADS, t, t))
+        x = x + self.out(torch.einsum("bhts,bshd->bthd", scores.softmax(-1), v).reshape(b, t, d))
+        return self.head(x + self.down(torch.relu(self.up(x))))
+
+
 def _ids(batch: int, seq: int, seed: int) -> dict[str, torch.Tensor]:
     return {"input_ids": models.tokens(batch, seq, seed)}
 
@@ -147,6 +171,8 @@ CASES = {
     "nn.TransformerEncoder": Case(TorchEncoderLM, _positional, _layers(
         "self_attn.in_proj_weight", "self_attn.out_proj.weight", "linear1.weight", "linear2.weight",
         stem="encoder.layers")),
+    "einsum attention, gathered bias, lone row": Case(EinsumLM, _positional, (
+        "project.weight", "qkv.weight", "rel.weight", "out.weight", "up.weight", "down.weight")),
     # Mamba's reference selective scan loops over positions: its sequence length is fixed, kept short.
     "mamba (conv1d and scan split by channel)": Case(mamba, _ids, _layers(
         "mixer.conv1d.weight", "mixer.in_proj.weight", "mixer.x_proj.weight", "mixer.dt_proj.weight",
