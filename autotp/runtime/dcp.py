@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import io
 import os
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -100,6 +101,12 @@ class ShardedLoadPlanner(DefaultLoadPlanner):
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
         self.on_read = on_read
 
+    def set_up_planner(self, state_dict: dict, metadata: Metadata | None = None, is_coordinator: bool = False) -> None:
+        # The default planner's set-up makes meta tensors real and drops values of types it does not know
+        # (``Sharded``); the chunks here are real tensors already.
+        self.original_state_dict = self.state_dict = state_dict
+        self.metadata, self.is_coordinator = metadata, is_coordinator
+
     def create_local_plan(self) -> LoadPlan:
         requests: list[ReadItem] = []
         for fqn, value in self.state_dict.items():
@@ -145,7 +152,10 @@ def tensor_metadata(metadata: Metadata) -> dict[str, TensorStorageMetadata]:
 def save(state: dict[str, object], path: str | os.PathLike, group, distributed: bool) -> None:
     """Write ``state`` (``Sharded`` values and picklable objects) as a DCP checkpoint; collective over ``group``."""
     writer = dcp.FileSystemWriter(path, single_file_per_rank=True)
-    dcp.save(state, storage_writer=writer, planner=ShardedSavePlanner(), process_group=group, no_dist=not distributed)
+    with warnings.catch_warnings():  # without a group DCP warns that it saves from one process: that is meant
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save(state, storage_writer=writer, planner=ShardedSavePlanner(), process_group=group,
+                 no_dist=not distributed)
 
 
 def load(state: dict[str, object], path: str | os.PathLike, on_read: Callable[[int], None] | None = None) -> None:
@@ -153,5 +163,8 @@ def load(state: dict[str, object], path: str | os.PathLike, on_read: Callable[[i
 
     Each rank reads on its own (no collective): only the saved chunks overlapping its own are read.
     """
-    if state:
+    if not state:
+        return
+    with warnings.catch_warnings():  # DCP warns that no_dist means one process: that is meant here
+        warnings.simplefilter("ignore", UserWarning)
         dcp.load(state, storage_reader=dcp.FileSystemReader(path), planner=ShardedLoadPlanner(on_read), no_dist=True)

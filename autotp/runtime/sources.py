@@ -182,7 +182,7 @@ def read_wants(reader, found: dict[str, str], wants: list[Want], label: str, sho
     """Every want's tensor: from the checkpoint (cast to the model's dtype) where it is held, else the model's own."""
     held = [i for i, w in enumerate(wants) if w.name in found]
     nbytes = sum(_nbytes(wants[i]) for i in held)
-    progress = Progress(label, len(held), nbytes, show)
+    progress = Progress(label, len(held), nbytes, show and bool(held))
     values = dict(zip(held, reader.read([(found[wants[i].name], wants[i].part) for i in held], progress)))
     progress.close()
     out = []
