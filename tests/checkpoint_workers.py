@@ -30,26 +30,8 @@ def llama(meta: bool = False) -> nn.Module:
                                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                       tie_word_embeddings=True)
     torch.manual_seed(0)
-    with params_on_meta() if meta else contextlib.nullcontext():
+    with autotp.empty_weights() if meta else contextlib.nullcontext():
         return transformers.LlamaForCausalLM(config)
-
-
-@contextlib.contextmanager
-def params_on_meta():
-    """accelerate's ``init_empty_weights()`` (which autotp does not depend on): every parameter is moved to the
-    meta device as it is registered; buffers stay real."""
-    register = nn.Module.register_parameter
-
-    def on_meta(module, name, param):
-        register(module, name, param)
-        if param is not None and not param.is_meta:  # a meta one is a tie to a parameter moved already
-            module._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
-
-    nn.Module.register_parameter = on_meta
-    try:
-        yield
-    finally:
-        nn.Module.register_parameter = register
 
 
 def _same_state(full: dict, want: dict, label: str, exact: bool = False) -> None:

@@ -10,6 +10,7 @@ import torch
 
 from autotp.planning.plan import Placement
 from autotp.rewrite.shards import local_shard, part_of
+from autotp.runtime import dcp
 from autotp.runtime.progress import Progress
 from tests import checkpoint_workers
 from tests.distributed import run_on_ranks
@@ -61,3 +62,21 @@ def test_progress_draws_only_when_shown():
         bar.close()
     assert "2/2 tensors, 2/2 MB" in shown.getvalue() and "100%" in shown.getvalue()
     assert hidden.getvalue() == ""
+
+
+def test_dcp_chunks_of_a_fused_split_reshard(tmp_path):
+    """A fused weight split per segment is several chunks per rank; any other layout reads its own runs back."""
+    full = torch.randn(12, 5)
+    placement = Placement("colwise", 0, (4, 4, 4))
+    parts = [part_of(placement, (12, 5), rank, 2) for rank in range(2)]
+    # One process writes both ranks' chunks (as two ranks would, each its own).
+    chunks = [c for p in parts for c in dcp.Sharded.of(p.take(full), p).chunks]
+    dcp.save({"model.w": dcp.Sharded((12, 5), chunks)}, tmp_path, None, False)
+    saved = dcp.tensor_metadata(dcp.read_metadata(tmp_path))["model.w"]
+    assert sorted(c.offsets[0] for c in saved.chunks) == [0, 2, 4, 6, 8, 10] and tuple(saved.size) == (12, 5)
+    for tp in (1, 4):
+        for rank in range(tp):
+            part = part_of(placement, (12, 5), rank, tp)
+            local = torch.empty(part.local_shape)
+            dcp.load({"model.w": dcp.Sharded.of(local, part)}, tmp_path)
+            assert torch.equal(local, part.take(full)), (tp, rank)

@@ -102,8 +102,8 @@ def optimizer_state(optimizer: torch.optim.Optimizer, held: Holding) -> dict[str
         param, part = held.params[name], held.tensors[name][1]
         for key, value in values.items():
             if isinstance(value, torch.Tensor):
-                like_param = tuple(value.shape) == tuple(param.shape)
-                out[f"{OPTIMIZER_STATE}{name}.{key}"] = dcp.Sharded.of(value, part if like_param else Part(tuple(value.shape)))
+                chunked = part if tuple(value.shape) == tuple(param.shape) else Part(tuple(value.shape))
+                out[f"{OPTIMIZER_STATE}{name}.{key}"] = dcp.Sharded.of(value, chunked)
             else:
                 out[f"{OPTIMIZER_STATE}{name}.{key}"] = value
     at = 0
@@ -194,11 +194,12 @@ def export_safetensors(full: dict[str, object], aliases: dict[str, str], path: s
     folder = Path(path)
     folder.mkdir(parents=True, exist_ok=True)
     files = _split_files(tensors, max_shard_bytes)
-    for index, names in enumerate(files):
-        name = HF_SINGLE if len(files) == 1 else f"model-{index + 1:05d}-of-{len(files):05d}.safetensors"
-        save_file({n: tensors[n] for n in names}, str(folder / name), metadata={"format": "pt"})
+    file_names = [HF_SINGLE] if len(files) == 1 else [f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
+                                                      for i in range(len(files))]
+    for file_name, names in zip(file_names, files):
+        save_file({n: tensors[n] for n in names}, str(folder / file_name), metadata={"format": "pt"})
     if len(files) > 1:
-        weight_map = {n: f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i, names in enumerate(files) for n in names}
+        weight_map = {n: file_name for file_name, names in zip(file_names, files) for n in names}
         total = sum(t.numel() * t.element_size() for t in tensors.values())
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (folder / HF_INDEX).write_text(json.dumps(index, indent=2), encoding="utf-8")

@@ -10,6 +10,7 @@ must be in the checkpoint, which is checked before anything is read.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from enum import Enum
@@ -48,8 +49,12 @@ def kind_of(path: str | os.PathLike) -> Kind:
         return Kind.DCP
     if p.is_dir() and ((p / HF_INDEX).is_file() or (p / HF_SINGLE).is_file()):
         return Kind.HF_DIR
-    what = "does not exist" if not p.exists() else ("is a file without the .safetensors suffix" if p.is_file()
-                                                   else f"is a directory with neither {HF_INDEX}, {HF_SINGLE} nor .metadata")
+    if not p.exists():
+        what = "does not exist"
+    elif p.is_file():
+        what = "is a file without the .safetensors suffix"
+    else:
+        what = f"is a directory with neither {HF_INDEX}, {HF_SINGLE} nor .metadata"
     raise InputError(f"checkpoint={str(path)!r} {what}; pass a .safetensors file, a Hugging Face model directory "
                      "(save_pretrained's) or a directory pm.save wrote")
 
@@ -58,7 +63,8 @@ def _safe_open(path: Path):
     try:
         from safetensors import safe_open
     except ImportError as e:  # a dependency of autotp; only a broken install lacks it
-        raise InputError("reading .safetensors checkpoints needs the safetensors package: pip install safetensors") from e
+        raise InputError("reading .safetensors checkpoints needs the safetensors package: "
+                         "pip install safetensors") from e
     return safe_open(str(path), framework="pt", device="cpu")
 
 
@@ -127,6 +133,29 @@ def open_reader(path: str | os.PathLike) -> SafetensorsReader | DcpReader:
     return DcpReader(path) if kind is Kind.DCP else SafetensorsReader(path, kind)
 
 
+@contextlib.contextmanager
+def empty_weights():
+    """Build models with their parameters on the meta device and their buffers real (accelerate's
+    ``init_empty_weights()``, without the dependency): ``with autotp.empty_weights(): model = Model(config)``.
+
+    Each parameter is made as usual and moved to meta as it is registered, so at most one parameter exists at a
+    time; buffers computed at construction (rotary ``inv_freq``, masks), which checkpoints do not hold, keep their
+    values. Tied parameters stay tied.
+    """
+    register = nn.Module.register_parameter
+
+    def on_meta(module: nn.Module, name: str, param) -> None:
+        register(module, name, param)
+        if param is not None and not param.is_meta:  # a meta one is a tie to a parameter moved already
+            module._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+
+    nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
 def _groups(model: nn.Module) -> dict[str, list[str]]:
     """Every tensor's first name -> all its names (a tied weight has several; a checkpoint may hold any one)."""
     groups: dict[str, list[str]] = {}
@@ -159,14 +188,15 @@ def check_covers(model: nn.Module, shapes: dict[str, tuple[int, ...]], where: st
                          f"{', '.join(wrong[:5])}; build the model from the checkpoint's config")
     if missing:
         buffers = {n for n, _ in model.named_buffers(remove_duplicate=False)}
-        kinds = [("buffer(s)", [n for n in missing if n in buffers]), ("parameter(s)", [n for n in missing if n not in buffers])]
+        kinds = [("buffer(s)", [n for n in missing if n in buffers]),
+                 ("parameter(s)", [n for n in missing if n not in buffers])]
         listing = "; ".join(f"{len(names)} {kind}: {', '.join(names[:6])}{' ...' if len(names) > 6 else ''}"
                             for kind, names in kinds if names)
         raise InputError(
             f"the model has tensors on the meta device (no values) that {where} does not hold: {listing}. "
             "Buffers computed at construction (rotary inv_freq, masks) are not saved in checkpoints: build the model "
-            "with real buffers (accelerate's init_empty_weights() keeps buffers on the CPU, or build on the CPU), or "
-            "give these tensors values before parallelize; parameters must be in the checkpoint (check its names)")
+            "under autotp.empty_weights() or accelerate's init_empty_weights() (both keep buffers real), or give "
+            "these tensors values before parallelize; parameters must be in the checkpoint (check its names)")
     return found
 
 
