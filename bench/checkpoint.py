@@ -10,8 +10,10 @@ then runs three spawns of 2 gloo ranks, each a fresh pair of processes:
   the meta device) and parallelizes it with ``checkpoint=`` the Hugging Face directory, or the DCP directory.
 
 Peak resident memory is the kernel's high-water mark (``VmHWM``), reset before each phase (``clear_refs``), minus
-the resident memory when the phase starts (torch and transformers imported); it is reported per rank and as a
-ratio to the model's bytes. The files were just written, so they are read from the page cache: the speeds are
+the resident memory before the model was built (torch and transformers imported), for two phases: building the
+model (under ``empty_weights`` each parameter is made, then moved to meta: the largest one exists for a moment)
+and ``parallelize`` (the model still held, as a user holds it); reported per rank and as a ratio to the model's
+bytes, with what stays resident once the model is dropped. The files were just written, so they are read from the page cache: the speeds are
 of autotp and DCP, not of a disk. Writes ``bench/results/checkpoint-cpu.md`` and ``.json``.
 """
 
@@ -55,10 +57,11 @@ def _status(field: str) -> int:
     return int(re.search(rf"{field}:\s+(\d+) kB", text).group(1)) * 1024
 
 
-def _phase(fn) -> tuple[object, dict]:
-    """Run ``fn``; its wall time, and the peak resident memory it added above the memory held when it began."""
+def _phase(fn, base: int | None = None) -> tuple[object, dict]:
+    """Run ``fn``; its wall time, and the peak resident memory above ``base`` (default: the resident memory when
+    it began) while it ran."""
     gc.collect()
-    base = _status("VmRSS")
+    base = _status("VmRSS") if base is None else base
     Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
     start = time.perf_counter()
     out = fn()
@@ -67,18 +70,22 @@ def _phase(fn) -> tuple[object, dict]:
 
 
 def rank_body(rank: int, world: int, how: str, folder: str, layers: int) -> dict:
-    """One rank of one spawn: prepare the model ``how`` (memory, safetensors or dcp) and measure."""
+    """One rank of one spawn: build the model and prepare it ``how`` (memory, safetensors or dcp); measure both
+    against the resident memory before the model was built."""
     import autotp
 
     folder = Path(folder)
     ids = torch.randint(0, 1000, (2, 16), generator=torch.Generator().manual_seed(0))
-    if how == "memory":
-        pm, prep = _phase(lambda: autotp.parallelize(_llama(False, layers), tp=TP, example_inputs=(ids,)))
-    else:
-        source = folder / ("hf" if how == "safetensors" else "dcp")
-        pm, prep = _phase(lambda: autotp.parallelize(_llama(True, layers), tp=TP, example_inputs=(ids,),
-                                                     checkpoint=source, quiet=True))
-    out = {"prepare": prep, "local_mb": sum(p.numel() * p.element_size() for p in pm.parameters()) / 2**20}
+    gc.collect()
+    start = _status("VmRSS")
+    model, build = _phase(lambda: _llama(how != "memory", layers), start)
+    source = None if how == "memory" else folder / ("hf" if how == "safetensors" else "dcp")
+    pm, prep = _phase(lambda: autotp.parallelize(model, tp=TP, example_inputs=(ids,), checkpoint=source, quiet=True),
+                      start)
+    del model
+    gc.collect()
+    out = {"build": build, "prepare": prep, "held_mb": (_status("VmRSS") - start) / 2**20,
+           "local_mb": sum(p.numel() * p.element_size() for p in pm.parameters()) / 2**20}
     if how == "memory":
         _, out["save_dcp"] = _phase(lambda: pm.save(folder / "dcp"))
         _, out["load_dcp"] = _phase(lambda: pm.load(folder / "dcp", quiet=True))
@@ -109,16 +116,19 @@ def report(results: dict) -> str:
     """The markdown tables of ``results``."""
     model = results["model_mb"]
     lines = [f"Llama, {results['layers']} blocks, {model:.0f} MB of fp32 parameters, tp={results['tp']}, 2 gloo ranks.",
-             "", "| prepared from | peak RSS added, rank 0 / rank 1 (MB) | / model bytes (max) | time (s, max) |",
-             "|---|---|---|---|"]
+             "", "| prepared from | peak RSS added, rank 0 / rank 1 (MB) | / model bytes | building the model | "
+             "parallelize | held after (MB) | parallelize time (s) |", "|---|---|---|---|---|---|---|"]
     names = {"memory": "the full model in memory (built on every rank)",
              "safetensors": "HF safetensors directory, meta model",
              "dcp": "DCP checkpoint (pm.save at tp=2), meta model"}
     for how, label in names.items():
-        per_rank = [r["prepare"] for r in results["spawns"][how]]
-        added = [p["added_mb"] for p in per_rank]
-        lines.append(f"| {label} | {added[0]:.0f} / {added[1]:.0f} | {max(added) / model:.2f} | "
-                     f"{max(p['seconds'] for p in per_rank):.2f} |")
+        runs = results["spawns"][how]
+        added = [max(r["build"]["added_mb"], r["prepare"]["added_mb"]) for r in runs]
+        build = max(r["build"]["added_mb"] for r in runs) / model
+        prep = max(r["prepare"]["added_mb"] for r in runs) / model
+        lines.append(f"| {label} | {added[0]:.0f} / {added[1]:.0f} | **{max(added) / model:.2f}** | {build:.2f} | "
+                     f"{prep:.2f} | {max(r['held_mb'] for r in runs):.0f} | "
+                     f"{max(r['prepare']['seconds'] for r in runs):.1f} |")
     lines += ["", "| operation | time (s, max over ranks) | model MB/s | peak RSS added (MB, max) |",
               "|---|---|---|---|"]
     ops = {"save_dcp": "pm.save(DIR) (DCP, each rank its shards)", "load_dcp": "pm.load(DIR) (DCP, into the module)",

@@ -23,9 +23,8 @@ from torch import nn
 from autotp.errors import InputError
 from autotp.planning.plan import Plan
 from autotp.rewrite.shards import Part, part_of
-from autotp.rewrite.tensor_parallel import Want
 from autotp.runtime import dcp
-from autotp.runtime.sources import HF_INDEX, HF_SINGLE, MODEL_PREFIX, DcpReader, open_reader, read_wants
+from autotp.runtime.sources import HF_INDEX, HF_SINGLE, MODEL_PREFIX, DcpReader, open_reader, read_into
 
 OPTIMIZER_STATE = "optimizer.state."
 OPTIMIZER_GROUPS = "optimizer.param_groups."
@@ -129,10 +128,8 @@ def load(held: Holding, path: str | os.PathLike, optimizer: torch.optim.Optimize
     if missing:
         raise InputError(f"checkpoint {str(path)!r} lacks {len(missing)} parameter(s) of this module: "
                          f"{', '.join(missing[:6])}; pass a checkpoint of this model")
-    wants = [Want(n, t, p) for n, (t, p) in held.tensors.items()]
-    with torch.no_grad():
-        for want, value in zip(wants, read_wants(reader, found, wants, f"loading {Path(path).name}", show)):
-            want.tensor.copy_(value)
+    items = [(found[name], part, tensor.detach()) for name, (tensor, part) in held.tensors.items() if name in found]
+    read_into(reader, items, f"loading {Path(path).name}", show)  # in place: no second copy of the shards
     if optimizer is not None:
         if not isinstance(reader, DcpReader):
             raise InputError(f"checkpoint {str(path)!r} holds no optimizer state (only pm.save's DCP checkpoints do); "

@@ -89,21 +89,18 @@ class SafetensorsReader:
                     self.files[name] = file
                     self.shapes[name] = tuple(f.get_slice(name).get_shape())
 
-    def read(self, items: list[tuple[str, Part]], progress: Progress) -> list[torch.Tensor]:
-        """Each rank's part of each named tensor: only its slices are copied out of the file."""
-        out = []
-        for name, part in items:
+    def read_into(self, items: list[tuple[str, Part, torch.Tensor]], progress: Progress) -> None:
+        """Copy each named tensor's ``part`` into the rank's tensor given with it (cast to its dtype): only those
+        slices are read out of the file, one run at a time."""
+        for name, part, dest in items:
             with _safe_open(self.files[name]) as f:  # opened per tensor, so its mapped pages are let go after it
                 if part.whole:
-                    tensor = f.get_tensor(name)
+                    dest.copy_(f.get_tensor(name))
                 else:
-                    view = f.get_slice(name)
-                    lead = (slice(None),) * part.dim
-                    tensor = torch.cat([view[(*lead, slice(start, start + length))] for start, length in part.runs],
-                                       dim=part.dim)
-            progress.advance(tensor.numel() * tensor.element_size())
-            out.append(tensor)
-        return out
+                    view, lead = f.get_slice(name), (slice(None),) * part.dim
+                    for (start, length), target in zip(part.runs, part.views(dest)):
+                        target.copy_(view[(*lead, slice(start, start + length))])
+            progress.advance(dest.numel() * dest.element_size())
 
 
 class DcpReader:
@@ -115,16 +112,12 @@ class DcpReader:
         self.meta = {k[len(MODEL_PREFIX):]: md for k, md in tensors.items() if k.startswith(MODEL_PREFIX)}
         self.shapes = {name: tuple(md.size) for name, md in self.meta.items()}
 
-    def read(self, items: list[tuple[str, Part]], progress: Progress) -> list[torch.Tensor]:
-        """Each rank's part of each named tensor, read in one pass over the files."""
-        state, out = {}, []
-        for name, part in items:
-            local = torch.empty(part.local_shape, dtype=self.meta[name].properties.dtype)
-            state[MODEL_PREFIX + name] = dcp.Sharded.of(local, part)
-            out.append(local)
+    def read_into(self, items: list[tuple[str, Part, torch.Tensor]], progress: Progress) -> None:
+        """Copy each named tensor's ``part`` into the rank's tensor given with it (cast to its dtype), in one pass
+        over the files: DCP reads the saved chunks that overlap the part's."""
+        state = {MODEL_PREFIX + name: dcp.Sharded.of(dest, part) for name, part, dest in items}
         dcp.load(state, self.path, on_read=lambda nbytes: progress.advance(nbytes, tensors=0))
         progress.advance(0, tensors=len(items))
-        return out
 
 
 def open_reader(path: str | os.PathLike) -> SafetensorsReader | DcpReader:
@@ -210,15 +203,12 @@ def checkpoint_source(path: str | os.PathLike, model: nn.Module, show: bool) -> 
 
 def read_wants(reader, found: dict[str, str], wants: list[Want], label: str, show: bool) -> list[torch.Tensor]:
     """Every want's tensor: from the checkpoint (cast to the model's dtype) where it is held, else the model's own."""
-    held = [i for i, w in enumerate(wants) if w.name in found]
-    nbytes = sum(_nbytes(wants[i]) for i in held)
-    progress = Progress(label, len(held), nbytes, show and bool(held))
-    values = dict(zip(held, reader.read([(found[wants[i].name], wants[i].part) for i in held], progress)))
-    progress.close()
+    values = {i: torch.empty(w.part.local_shape, dtype=w.tensor.dtype) for i, w in enumerate(wants) if w.name in found}
+    read_into(reader, [(found[wants[i].name], wants[i].part, dest) for i, dest in values.items()], label, show)
     out = []
     for i, want in enumerate(wants):
         if i in values:
-            out.append(values[i].to(want.tensor.dtype))
+            out.append(values[i])
         elif want.tensor.is_meta:
             raise InputError(f"{want.name} is on the meta device and not in the checkpoint; give it values or add it "
                              "to the checkpoint")
@@ -227,8 +217,8 @@ def read_wants(reader, found: dict[str, str], wants: list[Want], label: str, sho
     return out
 
 
-def _nbytes(want: Want) -> int:
-    count = 1
-    for size in want.part.local_shape:
-        count *= size
-    return count * want.tensor.element_size()
+def read_into(reader, items: list[tuple[str, Part, torch.Tensor]], label: str, show: bool) -> None:
+    """``reader.read_into(items)`` with a progress bar (when ``show`` and there is something to read)."""
+    progress = Progress(label, len(items), sum(d.numel() * d.element_size() for _, _, d in items), show and bool(items))
+    reader.read_into(items, progress)
+    progress.close()
