@@ -77,8 +77,10 @@ class Captured:
         """The pytree spec that rebuilds the model's output from the graph's flat outputs."""
         return output_spec(self.module)
 
-    def param_name(self, target: str) -> str:
-        """The original parameter name of a ``get_attr`` target."""
+    @staticmethod
+    def param_name(target: str) -> str:
+        """The original parameter name of a ``get_attr`` target (static: modules that keep it keep no capture,
+        whose graph holds the original model's tensors)."""
         return _strip(target)
 
     def attr_target(self, param_name: str) -> str:

@@ -89,9 +89,20 @@ class SafetensorsReader:
                     self.files[name] = file
                     self.shapes[name] = tuple(f.get_slice(name).get_shape())
 
+    def read(self, items: list[tuple[str, Part, torch.dtype]], progress: Progress) -> list[torch.Tensor]:
+        """Each named tensor's ``part``, as ``dtype``."""
+        out = [torch.empty(part.local_shape, dtype=dtype) for _, part, dtype in items]
+        self.read_into([(name, part, dest) for (name, part, _), dest in zip(items, out)], progress)
+        return out
+
     def read_into(self, items: list[tuple[str, Part, torch.Tensor]], progress: Progress) -> None:
-        """Copy each named tensor's ``part`` into the rank's tensor given with it (cast to its dtype): only those
-        slices are read out of the file, one run at a time."""
+        """Copy each named tensor's ``part`` into the tensor given with it (cast to its dtype), a run at a time:
+        only those slices are read out of the file.
+
+        Always a copy: safetensors hands out tensors backed by a copy-on-write map of the file, whose untouched
+        pages would change (or fault) if the file were rewritten while training, say by an export to the same
+        path.
+        """
         for name, part, dest in items:
             with _safe_open(self.files[name]) as f:  # opened per tensor, so its mapped pages are let go after it
                 if part.whole:
@@ -112,9 +123,15 @@ class DcpReader:
         self.meta = {k[len(MODEL_PREFIX):]: md for k, md in tensors.items() if k.startswith(MODEL_PREFIX)}
         self.shapes = {name: tuple(md.size) for name, md in self.meta.items()}
 
+    def read(self, items: list[tuple[str, Part, torch.dtype]], progress: Progress) -> list[torch.Tensor]:
+        """Each named tensor's ``part``, as ``dtype``."""
+        out = [torch.empty(part.local_shape, dtype=dtype) for _, part, dtype in items]
+        self.read_into([(name, part, dest) for (name, part, _), dest in zip(items, out)], progress)
+        return out
+
     def read_into(self, items: list[tuple[str, Part, torch.Tensor]], progress: Progress) -> None:
-        """Copy each named tensor's ``part`` into the rank's tensor given with it (cast to its dtype), in one pass
-        over the files: DCP reads the saved chunks that overlap the part's."""
+        """Copy each named tensor's ``part`` into the tensor given with it (cast to its dtype), in one pass over
+        the files: DCP reads the saved chunks that overlap the part's, straight into place."""
         state = {MODEL_PREFIX + name: dcp.Sharded.of(dest, part) for name, part, dest in items}
         dcp.load(state, self.path, on_read=lambda nbytes: progress.advance(nbytes, tensors=0))
         progress.advance(0, tensors=len(items))
@@ -203,8 +220,12 @@ def checkpoint_source(path: str | os.PathLike, model: nn.Module, show: bool) -> 
 
 def read_wants(reader, found: dict[str, str], wants: list[Want], label: str, show: bool) -> list[torch.Tensor]:
     """Every want's tensor: from the checkpoint (cast to the model's dtype) where it is held, else the model's own."""
-    values = {i: torch.empty(w.part.local_shape, dtype=w.tensor.dtype) for i, w in enumerate(wants) if w.name in found}
-    read_into(reader, [(found[wants[i].name], wants[i].part, dest) for i, dest in values.items()], label, show)
+    held = [i for i, w in enumerate(wants) if w.name in found]
+    items = [(found[wants[i].name], wants[i].part, wants[i].tensor.dtype) for i in held]
+    nbytes = sum(_nbytes(part.local_shape, dtype) for _, part, dtype in items)
+    progress = Progress(label, len(items), nbytes, show and bool(items))
+    values = dict(zip(held, reader.read(items, progress)))
+    progress.close()
     out = []
     for i, want in enumerate(wants):
         if i in values:
@@ -219,6 +240,14 @@ def read_wants(reader, found: dict[str, str], wants: list[Want], label: str, sho
 
 def read_into(reader, items: list[tuple[str, Part, torch.Tensor]], label: str, show: bool) -> None:
     """``reader.read_into(items)`` with a progress bar (when ``show`` and there is something to read)."""
-    progress = Progress(label, len(items), sum(d.numel() * d.element_size() for _, _, d in items), show and bool(items))
+    nbytes = sum(_nbytes(dest.shape, dest.dtype) for _, _, dest in items)
+    progress = Progress(label, len(items), nbytes, show and bool(items))
     reader.read_into(items, progress)
     progress.close()
+
+
+def _nbytes(shape, dtype: torch.dtype) -> int:
+    count = 1
+    for size in shape:
+        count *= size
+    return count * dtype.itemsize
