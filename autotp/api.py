@@ -97,8 +97,8 @@ def parallelize(model: nn.Module, tp: int | None = None, example_inputs=None, pp
 
     With ``checkpoint`` (a ``.safetensors`` file, a Hugging Face model directory, or a directory ``pm.save``
     wrote at any layout), every rank reads only its own slices of the weights from it, and the model may be on
-    the meta device (built under ``torch.device("meta")`` or accelerate's ``init_empty_weights()``): it never
-    exists whole. The first rank draws a progress bar unless ``quiet``.
+    the meta device (built under ``autotp.empty_weights()``, accelerate's ``init_empty_weights()`` or
+    ``torch.device("meta")``): it never exists whole. The first rank draws a progress bar unless ``quiet``.
     """
     if plan is not None and isinstance(plan, Plan):
         tp, pp = tp or plan.tp, pp or plan.pp
@@ -115,7 +115,9 @@ def parallelize(model: nn.Module, tp: int | None = None, example_inputs=None, pp
         _check_materialised(model)
     distributed = ensure_process_group(tp * pp, timeout)
     check_world(group, distributed, tp, pp)
-    source = None if checkpoint is None else checkpoint_source(checkpoint, model, first_rank(group, distributed) and not quiet)
+    source = None
+    if checkpoint is not None:  # checked against the model now, before anything is captured
+        source = checkpoint_source(checkpoint, model, first_rank(group, distributed) and not quiet)
     graphs = {mode: capture(model, example, training=mode) for mode in (True, False)}
     captured = graphs[True]
     stages = pp * virtual
@@ -144,8 +146,9 @@ def _check_materialised(model: nn.Module) -> None:
     meta = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if meta:
         raise InputError(f"{len(meta)} parameter(s)/buffer(s) are on the meta device (no values), e.g. {meta[0]}; "
-                         "autotp.plan plans such a model, but parallelize needs weights: pass checkpoint= (a .safetensors "
-                         "file, a Hugging Face directory or a pm.save directory) or build the model on the CPU")
+                         "autotp.plan plans such a model, but parallelize needs weights: pass checkpoint= (a "
+                         ".safetensors file, a Hugging Face directory or a pm.save directory) or build the model on "
+                         "the CPU")
 
 
 def _tensor_parallel(model: nn.Module, graphs: dict[bool, Captured], chosen: Plan, group,
