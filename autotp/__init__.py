@@ -16,9 +16,10 @@ from autotp.checker import CheckReport, check
 from autotp.errors import AutotpError, CaptureError, InputError, InternalError, PlanError, RankFailure, RuntimeSetupError
 from autotp.planning import Collective, Placement, PlacementKind, Plan, Region
 from autotp.runtime import ParallelModule
+from autotp.runtime.sources import empty_weights
 
 __all__ = [
     "AutotpError", "CaptureError", "CheckReport", "Collective", "InputError", "InternalError", "ParallelModule",
     "Placement", "PlacementKind", "Plan", "PlanError", "RankFailure", "Region", "RuntimeSetupError", "check",
-    "parallelize", "plan",
+    "empty_weights", "parallelize", "plan",
 ]

@@ -5,6 +5,7 @@ They connect the stages: capture → passes and planning → rewrite → runtime
 
 from __future__ import annotations
 
+import os
 from datetime import timedelta
 
 import torch
@@ -16,7 +17,7 @@ from autotp.options import Balance, Schedule
 from autotp.passes.analysis import Analysis
 from autotp.planning import Plan, check_plan_fits, make_plan
 from autotp.planning.planner import verify_plan
-from autotp.rewrite import build_graph, materialise, rewrite, split_stages
+from autotp.rewrite import Source, build_graph, materialise_all, split_stages
 from autotp.rewrite.comm import TorchComm
 from autotp.rewrite.random import RankStream
 from autotp.runtime import (
@@ -31,7 +32,8 @@ from autotp.runtime import (
     tied_groups,
 )
 from autotp.runtime.inputs import InputSpec
-from autotp.runtime.process import from_first_rank, shared_seed
+from autotp.runtime.process import first_rank, from_first_rank, shared_seed
+from autotp.runtime.sources import checkpoint_source
 
 _MEANING = {"tp": "the number of tensor-parallel ranks", "pp": "the number of pipeline stages' ranks",
             "virtual_stages": "pipeline stages per rank", "microbatches": "microbatches per step"}
@@ -77,7 +79,8 @@ def plan(model: nn.Module, tp: int, example_inputs=None, pp: int = 1, balance: s
 def parallelize(model: nn.Module, tp: int | None = None, example_inputs=None, pp: int | None = None,
                 plan: Plan | None = None, group=None,
                 microbatches: int | None = None, schedule: str = "1f1b", balance: str = "both", cuts=(),
-                virtual_stages: int | None = None, timeout: float | timedelta | None = None):
+                virtual_stages: int | None = None, timeout: float | timedelta | None = None,
+                checkpoint: str | os.PathLike | None = None, quiet: bool = False):
     """This rank's piece of ``model``, tensor-parallel over ``tp`` ranks and pipelined over ``pp``.
 
     ``example_inputs`` are as for ``plan`` (a tensor, a tuple, a dict of keyword tensors, or left out for
@@ -91,6 +94,11 @@ def parallelize(model: nn.Module, tp: int | None = None, example_inputs=None, pp
     default to the plan's). With pp > 1, ``step`` runs ``microbatches`` (default pp) through the
     ``schedule`` (``gpipe``, ``1f1b`` or ``interleaved1f1b`` with ``virtual_stages`` stages per rank);
     1F1B schedules need at least as many microbatches as stages (the default).
+
+    With ``checkpoint`` (a ``.safetensors`` file, a Hugging Face model directory, or a directory ``pm.save``
+    wrote at any layout), every rank reads only its own slices of the weights from it, and the model may be on
+    the meta device (built under ``autotp.empty_weights()``, accelerate's ``init_empty_weights()`` or
+    ``torch.device("meta")``): it never exists whole. The first rank draws a progress bar unless ``quiet``.
     """
     if plan is not None and isinstance(plan, Plan):
         tp, pp = tp or plan.tp, pp or plan.pp
@@ -103,9 +111,13 @@ def parallelize(model: nn.Module, tp: int | None = None, example_inputs=None, pp
     if pp > 1 and group is not None:
         raise InputError("pp > 1 lays ranks out on a (pp x tp) mesh over the default process group; do not pass group")
     example = example_inputs_of(model, example_inputs)
-    _check_materialised(model)
+    if checkpoint is None:
+        _check_materialised(model)
     distributed = ensure_process_group(tp * pp, timeout)
     check_world(group, distributed, tp, pp)
+    source = None
+    if checkpoint is not None:  # checked against the model now, before anything is captured
+        source = checkpoint_source(checkpoint, model, first_rank(group, distributed) and not quiet)
     graphs = {mode: capture(model, example, training=mode) for mode in (True, False)}
     captured = graphs[True]
     stages = pp * virtual
@@ -116,12 +128,12 @@ def parallelize(model: nn.Module, tp: int | None = None, example_inputs=None, pp
                                            cuts=tuple(cuts), stages=stages), example)
     check_same_plan(chosen, group, distributed)
     if pp == 1:
-        return _tensor_parallel(model, graphs, chosen, group, distributed)
+        return _tensor_parallel(model, graphs, chosen, group, distributed, source)
     micro = _check_positive("microbatches", microbatches or stages)
     if sched is not Schedule.GPIPE and micro < stages:
         raise InputError(f"schedule {sched.value} needs at least {stages} microbatches (one per stage) to fill the "
                          f"pipeline, got microbatches={micro}; raise microbatches or use schedule='gpipe'")
-    return _pipeline_parallel(model, graphs, chosen, sched, micro)
+    return _pipeline_parallel(model, graphs, chosen, sched, micro, source)
 
 
 def param_shapes(model: nn.Module) -> dict[str, tuple]:
@@ -134,42 +146,49 @@ def _check_materialised(model: nn.Module) -> None:
     meta = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if meta:
         raise InputError(f"{len(meta)} parameter(s)/buffer(s) are on the meta device (no values), e.g. {meta[0]}; "
-                         "autotp.plan plans such a model, but parallelize needs real weights: build the model on "
-                         "the CPU (or load its weights) before parallelizing")
+                         "autotp.plan plans such a model, but parallelize needs weights: pass checkpoint= (a "
+                         ".safetensors file, a Hugging Face directory or a pm.save directory) or build the model on "
+                         "the CPU")
 
 
 def _tensor_parallel(model: nn.Module, graphs: dict[bool, Captured], chosen: Plan, group,
-                     distributed: bool) -> ParallelModule:
+                     distributed: bool, source: Source | None) -> ParallelModule:
     comm = TorchComm(group) if distributed else None
     rank = comm.rank if comm is not None else 0
     stream = RankStream(shared_seed(group, distributed))
-    made: dict = {}
-    source = from_first_rank(model, group, distributed)
-    modules = {mode: rewrite(captured, chosen, rank, comm, stream, made, source) for mode, captured in graphs.items()}
+    source = source or from_first_rank(model, group, distributed)
+    modules = {mode: build_graph(captured, chosen, rank, comm, stream=stream) for mode, captured in graphs.items()}
+    materialise_all([(modules[mode], graphs[mode]) for mode in modules], chosen, rank, source=source)
     device = device_for(group, distributed)
     if device is not None:
         for gm in modules.values():
             gm.to(device)  # NCCL communicates GPU tensors; inputs must then be on this device too
-    return ParallelModule(modules, chosen, comm, state_names(model, graphs[True], modules.values()), stream,
-                          InputSpec.of(graphs[True]), model.training)
+    pm = ParallelModule(modules, chosen, comm, state_names(model, graphs[True], modules.values(), source), stream,
+                        InputSpec.of(graphs[True]), model.training)
+    pm.model_config = getattr(model, "config", None)
+    return pm
 
 
 def _pipeline_parallel(model: nn.Module, graphs: dict[bool, Captured], chosen: Plan, sched: Schedule,
-                       microbatches: int) -> PipelineModule:
+                       microbatches: int, source: Source | None) -> PipelineModule:
     device = device_for(None, True) or torch.device("cpu")
     mesh = Mesh(chosen.pp, chosen.tp, device)
     comm, stream = TorchComm(mesh.tp_group), RankStream(shared_seed(None, True))
-    source, made = from_first_rank(model, None, True), {}
+    source = source or from_first_rank(model, None, True)
     stages: dict[bool, dict[int, torch.fx.GraphModule]] = {}
     for mode, captured in graphs.items():
         analysis = Analysis(captured)
         gm = build_graph(captured, chosen, mesh.tp_rank, comm, analysis, stream)
         every = split_stages(gm, analysis, chosen, list(range(len(chosen.stages))))
         if mode:
-            names, tied = state_names(model, captured, every), tied_groups(every, mesh)
+            names, tied = state_names(model, captured, every, source), tied_groups(every, mesh)
         stages[mode] = {i: g for i, g in enumerate(every) if i % chosen.pp == mesh.pp_rank}
-        for g in stages[mode].values():
-            materialise(g, captured, chosen, mesh.tp_rank, made, source)
+    materialise_all([(g, graphs[mode]) for mode in stages for g in stages[mode].values()], chosen, mesh.tp_rank,
+                    source=source)
+    for held in stages.values():
+        for g in held.values():
             g.to(device)
-    return PipelineModule(stages, chosen, mesh, names, graphs[True].out_spec, tied, sched, microbatches, comm, stream,
-                          InputSpec.of(graphs[True]), model.training)
+    pm = PipelineModule(stages, chosen, mesh, names, graphs[True].out_spec, tied, sched, microbatches, comm, stream,
+                        InputSpec.of(graphs[True]), model.training)
+    pm.model_config = getattr(model, "config", None)
+    return pm

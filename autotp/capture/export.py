@@ -77,8 +77,10 @@ class Captured:
         """The pytree spec that rebuilds the model's output from the graph's flat outputs."""
         return output_spec(self.module)
 
-    def param_name(self, target: str) -> str:
-        """The original parameter name of a ``get_attr`` target."""
+    @staticmethod
+    def param_name(target: str) -> str:
+        """The original parameter name of a ``get_attr`` target (static: modules that keep it keep no capture,
+        whose graph holds the original model's tensors)."""
         return _strip(target)
 
     def attr_target(self, param_name: str) -> str:
@@ -212,6 +214,28 @@ def _record_facts(gm: fx.GraphModule) -> None:
             node.meta[MUTATES_META] = mutated_args(node)
 
 
+_META, _CPU = torch.device("meta"), torch.device("cpu")
+
+
+def _meta_devices_to_cpu(gm: fx.GraphModule) -> None:
+    """A model on the meta device (weights to come from a checkpoint) is traced on meta: the graph then makes
+    tensors there (``arange(..., device=meta)`` for positions) and asserts it; the rank modules run on the CPU
+    (moved to the GPU as a whole under NCCL), so such arguments say the CPU."""
+    def retarget(value):
+        return _CPU if isinstance(value, torch.device) and value == _META else value
+
+    for module in gm.modules():  # regions such as autocast-disabled rotary embeddings are submodules
+        if not isinstance(module, fx.GraphModule):
+            continue
+        changed = False
+        for node in module.graph.nodes:
+            args, kwargs = fx.node.map_aggregate(node.args, retarget), fx.node.map_aggregate(node.kwargs, retarget)
+            if args != node.args or kwargs != node.kwargs:
+                node.args, node.kwargs, changed = args, kwargs, True
+        if changed:
+            module.recompile()
+
+
 def _check_inputs_read(gm: fx.GraphModule, example: ExampleInputs, signature: Signature) -> None:
     """Refuse a keyword input that only a ``**kwargs`` took and nothing read: a misspelt name (Hugging Face
     forwards take ``**kwargs``), which would otherwise be ignored without a word."""
@@ -279,6 +303,7 @@ def capture(model: nn.Module, example_inputs, training: bool | None = None) -> C
     _check_inputs_read(gm, example, signature)
     aliases = tensor_aliases(model)
     _merge_tied_reads(gm, aliases)
+    _meta_devices_to_cpu(gm)
     _record_facts(gm)
     return Captured(module=gm, model_name=type(model).__name__, state_keys=tuple(model.state_dict().keys()),
                     aliases=aliases, dim_names=_dim_names(gm), example_sizes=_example_sizes(gm, inputs),

@@ -5,6 +5,7 @@
 """
 
 from autotp.rewrite.stages import split_stages
-from autotp.rewrite.tensor_parallel import build_graph, materialise, rewrite
+from autotp.rewrite.tensor_parallel import Source, Want, build_graph, materialise, materialise_all, own_tensors, rewrite
 
-__all__ = ["build_graph", "materialise", "rewrite", "split_stages"]
+__all__ = ["Source", "Want", "build_graph", "materialise", "materialise_all", "own_tensors", "rewrite",
+           "split_stages"]

@@ -1,4 +1,4 @@
-"""Slicing a full tensor into one rank's shard and assembling shards back (segment-aware).
+"""Slicing a full tensor into one rank's shard and assembling shards back (segment-aware); a rank's ``Part``.
 
 A split with ``segments`` (the global sizes of the parts along ``dim``) gives rank r chunk r of
 every part: for a fused QKV weight, its share of Q, of K and of V, side by side.
@@ -6,9 +6,12 @@ every part: for a fused QKV weight, its share of Q, of K and of V, side by side.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from autotp.passes.layout import Shard
+from autotp.planning.plan import Placement
 
 
 def local_shard(full: torch.Tensor, dim: int, segments: tuple[int, ...], rank: int, tp: int) -> torch.Tensor:
@@ -47,3 +50,69 @@ def local_part(full: torch.Tensor, shard: Shard, rank: int, tp: int) -> torch.Te
 def segments_or_whole(segments: tuple[int, ...], size: int) -> tuple[int, ...]:
     """``segments``, or the whole dim as one segment when the split is plain."""
     return tuple(segments) if segments else (size,)
+
+
+@dataclass(frozen=True)
+class Part:
+    """The part of a tensor one rank holds: along ``dim``, the global ranges ``runs`` (start, length), side by
+    side in the rank's tensor (a fused split holds one run per segment); ``dim`` None means the whole tensor.
+
+    It is what a tensor source is asked for, and what a sharded checkpoint records per rank (each run is one
+    chunk at global offsets), so a rank reads and writes exactly its slices and nothing else.
+    """
+
+    shape: tuple[int, ...]
+    """The full tensor's shape."""
+    dim: int | None = None
+    runs: tuple[tuple[int, int], ...] = ()
+
+    @property
+    def whole(self) -> bool:
+        """Whether the rank holds the full tensor."""
+        return self.dim is None
+
+    @property
+    def local_shape(self) -> tuple[int, ...]:
+        """The shape of the rank's tensor."""
+        if self.whole:
+            return self.shape
+        return (*self.shape[:self.dim], sum(length for _, length in self.runs), *self.shape[self.dim + 1:])
+
+    def chunks(self) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+        """(global offsets, sizes) of each run, in the order they sit in the rank's tensor."""
+        if self.whole:
+            return [((0,) * len(self.shape), self.shape)]
+        out = []
+        for start, length in self.runs:
+            offsets = tuple(start if d == self.dim else 0 for d in range(len(self.shape)))
+            out.append((offsets, tuple(length if d == self.dim else s for d, s in enumerate(self.shape))))
+        return out
+
+    def views(self, local: torch.Tensor) -> list[torch.Tensor]:
+        """Views of the rank's tensor ``local``, one per chunk (writing them writes ``local``)."""
+        if self.whole:
+            return [local]
+        out, at = [], 0
+        for _, length in self.runs:
+            out.append(local.narrow(self.dim, at, length))
+            at += length
+        return out
+
+    def take(self, full: torch.Tensor) -> torch.Tensor:
+        """The rank's tensor cut from the full one (a new tensor)."""
+        if self.whole:
+            return full.clone()
+        return torch.cat([full.narrow(self.dim, start, length) for start, length in self.runs], dim=self.dim)
+
+
+def part_of(placement: Placement | None, shape: tuple[int, ...], rank: int, tp: int) -> Part:
+    """Rank ``rank``'s part of a tensor of ``shape`` placed as ``placement`` (the runs ``local_shard`` takes)."""
+    shape = tuple(int(s) for s in shape)
+    if placement is None or not placement.is_split or tp == 1:
+        return Part(shape)
+    runs, base = [], 0
+    for segment in segments_or_whole(placement.segments, shape[placement.dim]):
+        share = segment // tp
+        runs.append((base + rank * share, share))
+        base += segment
+    return Part(shape, placement.dim, tuple(runs))

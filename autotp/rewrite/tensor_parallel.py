@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import fx, nn
@@ -26,39 +27,72 @@ from autotp.rewrite.collectives import collective_module, masked_embedding
 from autotp.rewrite.comm import Communicator
 from autotp.rewrite.graph_edit import STANDS_FOR, copy_graph_module, set_tensor, with_arg
 from autotp.rewrite.random import RankStream, replace_random_ops
-from autotp.rewrite.shards import local_shard, segments_or_whole
+from autotp.rewrite.shards import Part, part_of
 
 aten = torch.ops.aten
 
 
-def materialise(gm: fx.GraphModule, captured: Captured, plan: Plan, rank: int,
-                made: dict[int, torch.Tensor] | None = None,
-                source: Callable[[str, torch.Tensor], torch.Tensor] | None = None) -> None:
-    """Give ``gm`` its own tensors: this rank's shard of split parameters, copies of the rest.
+@dataclass(frozen=True)
+class Want:
+    """One tensor a rank's module needs: the model's tensor (possibly on the meta device) under its first name,
+    and the part of it this rank holds."""
 
-    Tied weights (one tensor under several names) get one new tensor, so they stay tied; pass the same
-    ``made`` to several modules (pipeline stages on one rank) to share tensors between them too.
-    ``source(name, tensor)`` gives the full tensor to slice (default: the model's own; the runtime
-    passes one that takes every rank's copy from one rank).
+    name: str
+    tensor: torch.Tensor
+    part: Part
+
+
+Source = Callable[[list[Want]], list[torch.Tensor]]
+"""Gives the rank's tensor (a new one, of ``want.part.local_shape``) for every want, in order: the model's own
+tensors (``own_tensors``), the first rank's copy (``runtime.process.from_first_rank``) or a checkpoint's slices
+(``runtime.sources``). Asked once for everything a set of modules needs, so a source can batch its reads."""
+
+
+def own_tensors(wants: list[Want]) -> list[torch.Tensor]:
+    """The default source: each rank's part cut from the model's own tensors."""
+    return [w.part.take(w.tensor.detach()) for w in wants]
+
+
+def _wants(modules, plan: Plan, rank: int, made: dict[int, torch.Tensor]) -> dict[int, Want]:
+    """Every tensor of ``modules`` (pairs of a GraphModule and its capture) not yet in ``made``, by id."""
+    wants: dict[int, Want] = {}
+    for gm, captured in modules:
+        params = dict(gm.named_parameters(remove_duplicate=False))
+        for target, tensor in [*params.items(), *gm.named_buffers(remove_duplicate=False)]:
+            if id(tensor) in made or id(tensor) in wants:
+                continue
+            name = captured.aliases.get(captured.param_name(target), captured.param_name(target))
+            placement = plan.placements.get(name) if target in params else None  # buffers are never split
+            wants[id(tensor)] = Want(name, tensor, part_of(placement, tuple(tensor.shape), rank, plan.tp))
+    return wants
+
+
+def materialise_all(modules, plan: Plan, rank: int, made: dict[int, torch.Tensor] | None = None,
+                    source: Source | None = None) -> None:
+    """Give every GraphModule of ``modules`` (pairs of a module and its capture) its own tensors: this rank's
+    part of split parameters, copies of the rest, all asked of ``source`` at once (default: the model's own).
+
+    Tied weights (one tensor under several names) get one new tensor, so they stay tied; the modules share
+    tensors they both read (train and eval graphs, pipeline stages on one rank), as does a later call given the
+    same ``made``.
     """
     made = {} if made is None else made
-    source = source or (lambda name, tensor: tensor.detach())
-    for target, param in list(gm.named_parameters(remove_duplicate=False)):
-        if id(param) not in made:
-            name = captured.aliases.get(captured.param_name(target), "")
-            placement = plan.placements.get(name)
-            data = source(name, param)
-            if placement is not None and placement.is_split:
-                segments = segments_or_whole(placement.segments, data.shape[placement.dim])
-                data = local_shard(data, placement.dim, segments, rank, plan.tp)  # already a new tensor
-            else:
-                data = data.clone()
-            made[id(param)] = nn.Parameter(data, requires_grad=param.requires_grad)
-        set_tensor(gm, target, made[id(param)])
-    for target, buf in list(gm.named_buffers(remove_duplicate=False)):
-        if id(buf) not in made:
-            made[id(buf)] = source(captured.param_name(target), buf).clone()
-        set_tensor(gm, target, made[id(buf)])
+    wants = _wants(modules, plan, rank, made)
+    for (key, want), data in zip(wants.items(), (source or own_tensors)(list(wants.values()))):
+        if tuple(data.shape) != want.part.local_shape:
+            raise InternalError(f"the tensor source gave {want.name} shape {list(data.shape)}, "
+                                f"expected {list(want.part.local_shape)}")
+        tensor = want.tensor
+        made[key] = nn.Parameter(data, requires_grad=tensor.requires_grad) if isinstance(tensor, nn.Parameter) else data
+    for gm, _ in modules:
+        for target, tensor in [*gm.named_parameters(remove_duplicate=False), *gm.named_buffers(remove_duplicate=False)]:
+            set_tensor(gm, target, made[id(tensor)])
+
+
+def materialise(gm: fx.GraphModule, captured: Captured, plan: Plan, rank: int,
+                made: dict[int, torch.Tensor] | None = None, source: Source | None = None) -> None:
+    """``materialise_all`` for one module."""
+    materialise_all([(gm, captured)], plan, rank, made, source)
 
 
 class _Surgeon:
@@ -153,7 +187,7 @@ def build_graph(captured: Captured, plan: Plan, rank: int, comm: Communicator | 
 
 
 def rewrite(captured: Captured, plan: Plan, rank: int, comm: Communicator | None, stream: RankStream | None = None,
-            made: dict | None = None, source=None) -> fx.GraphModule:
+            made: dict | None = None, source: Source | None = None) -> fx.GraphModule:
     """This rank's GraphModule for ``plan``: sharded parameters, fixed shapes, inserted collectives."""
     gm = build_graph(captured, plan, rank, comm, stream=stream)
     materialise(gm, captured, plan, rank, made, source)

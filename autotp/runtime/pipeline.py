@@ -22,6 +22,7 @@ from autotp.rewrite.comm import Communicator
 from autotp.rewrite.random import RankStream
 from autotp.runtime.inputs import InputSpec
 from autotp.runtime.process import close_at_exit
+from autotp.runtime.checkpoint import Checkpointing, Holding, holding
 from autotp.runtime.tensor_parallel import StateNames, checked_loss, default_loss, gather_tp
 
 
@@ -83,7 +84,7 @@ def _refuse_own_loss(target, kwargs: dict) -> None:
                          "loss_fn(output, target) per microbatch; default loss_fn: cross-entropy of the logits)")
 
 
-class PipelineModule(nn.Module):
+class PipelineModule(Checkpointing, nn.Module):
     """This rank's stages of a tensor- and pipeline-parallel model.
 
     ``step`` trains through the schedule on the train-mode stages; ``forward`` runs the train- or eval-mode
@@ -215,6 +216,11 @@ class PipelineModule(nn.Module):
         for module in self.stages.values():
             out |= self._names.local(module)
         return out
+
+    def _holding(self) -> Holding:
+        params = {k: p for module in self.stages.values() for k, p in self._names.params(module).items()}
+        return holding(self.plan, self.mesh.tp_rank, self.local_state_dict(), params, self._names.extra_state,
+                       self._names.aliases, None, True)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Full tensors under the original keys, gathered across tp and pp, on every rank (collective)."""

@@ -12,7 +12,6 @@ from __future__ import annotations
 import atexit
 import os
 import weakref
-from collections.abc import Callable
 from datetime import timedelta
 
 import torch
@@ -20,6 +19,7 @@ import torch.distributed as dist
 
 from autotp.errors import RuntimeSetupError
 from autotp.planning.plan import Plan
+from autotp.rewrite.tensor_parallel import Source, Want
 
 DEFAULT_TIMEOUT = timedelta(minutes=10)
 """How long a collective waits for the other ranks when autotp creates the group (torch's own default is
@@ -66,6 +66,11 @@ def device_for(group, distributed: bool) -> torch.device | None:
     return device
 
 
+def first_rank(group, distributed: bool) -> bool:
+    """Whether this process is the group's first rank (the one that prints); True without a group."""
+    return not distributed or dist.get_rank(group) == 0
+
+
 def check_world(group, distributed: bool, tp: int, pp: int = 1) -> None:
     """The group must have exactly tp × pp ranks."""
     world = world_size(group, distributed)
@@ -98,9 +103,8 @@ def shared_seed(group, distributed: bool) -> int:
     return int(seed[0])
 
 
-def from_first_rank(model: torch.nn.Module, group,
-                    distributed: bool) -> Callable[[str, torch.Tensor], torch.Tensor] | None:
-    """A tensor source that gives every rank the first rank's copy of the model's state (as torch's
+def from_first_rank(model: torch.nn.Module, group, distributed: bool) -> Source | None:
+    """A tensor source that gives every rank its part of the first rank's copy of the model's state (as torch's
     ``src_data_rank=0``), so ranks whose models were initialised differently still hold slices of one model.
 
     Every rank broadcasts the whole state in the same order first (a rank that holds only some pipeline
@@ -118,8 +122,8 @@ def from_first_rank(model: torch.nn.Module, group,
         dist.broadcast(copy, group=group, group_src=0)
         synced[name] = copy
 
-    def source(name: str, tensor: torch.Tensor) -> torch.Tensor:
-        return synced.get(name, tensor.detach())
+    def source(wants: list[Want]) -> list[torch.Tensor]:
+        return [w.part.take(synced.get(w.name, w.tensor.detach())) for w in wants]
 
     return source
 

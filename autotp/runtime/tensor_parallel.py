@@ -17,7 +17,9 @@ from autotp.errors import InputError
 from autotp.planning.plan import Plan
 from autotp.rewrite.comm import Communicator
 from autotp.rewrite.random import RankStream
-from autotp.rewrite.shards import assemble, segments_or_whole
+from autotp.rewrite.shards import Part, assemble, segments_or_whole
+from autotp.rewrite.tensor_parallel import Source, Want, own_tensors
+from autotp.runtime.checkpoint import Checkpointing, Holding, holding
 from autotp.runtime.inputs import InputSpec
 from autotp.runtime.process import close_at_exit
 
@@ -82,6 +84,10 @@ class StateNames:
         """A rank module's tensors (shards for split parameters) under the original names."""
         return {self.param_name(k): v for k, v in module.state_dict().items() if not k.startswith("autotp_")}
 
+    def params(self, module: nn.Module) -> dict[str, nn.Parameter]:
+        """A rank module's parameters under the original names."""
+        return {self.param_name(k): p for k, p in module.named_parameters()}
+
     def complete(self, full: dict[str, torch.Tensor]) -> dict[str, object]:
         """Every original key, from full tensors keyed by kept names."""
         full = full | {k: _copy(v) for k, v in self.extra_state.items()}
@@ -92,11 +98,15 @@ def _copy(value):
     return value.detach().clone() if isinstance(value, torch.Tensor) else value
 
 
-def state_names(model: nn.Module, captured: Captured, modules) -> StateNames:
-    """The state-dict bookkeeping for rank modules built from ``captured``."""
+def state_names(model: nn.Module, captured: Captured, modules, source: Source | None = None) -> StateNames:
+    """The state-dict bookkeeping for rank modules built from ``captured``; ``source`` gives the values of state
+    the graph never reads (default: the model's own)."""
     kept = {captured.param_name(k) for m in modules for k in m.state_dict()}
     # Every rank keeps a copy of state the graph never reads, so full_state_dict has every key.
     extra = {k: _copy(v) for k, v in model.state_dict().items() if captured.aliases.get(k, k) not in kept}
+    tensors = [k for k, v in extra.items() if isinstance(v, torch.Tensor)]
+    wants = [Want(captured.aliases.get(k, k), extra[k], Part(tuple(extra[k].shape))) for k in tensors]
+    extra |= dict(zip(tensors, (source or own_tensors)(wants)))
     return StateNames(captured.state_keys, captured.aliases, captured.param_name, extra)
 
 
@@ -110,7 +120,7 @@ def gather_tp(plan: Plan, name: str, local: torch.Tensor, comm: Communicator | N
     return assemble(parts, placement.dim, segments_or_whole(placement.segments, size))
 
 
-class ParallelModule(nn.Module):
+class ParallelModule(Checkpointing, nn.Module):
     """This rank's piece of a tensor-parallel model; computes what the original model computes.
 
     It holds the model's train-mode and eval-mode graphs (sharing one set of shards): ``train()`` and
@@ -156,6 +166,11 @@ class ParallelModule(nn.Module):
     def local_state_dict(self) -> dict[str, torch.Tensor]:
         """This rank's tensors (shards for split parameters) under the original names."""
         return self._names.local(self.module)
+
+    def _holding(self) -> Holding:
+        group = self.comm.group if self.comm is not None else None
+        return holding(self.plan, self.rank, self.local_state_dict(), self._names.params(self.module),
+                       self._names.extra_state, self._names.aliases, group, self.comm is not None)
 
     def full_state_dict(self) -> dict[str, object]:
         """Full tensors under the original model's state-dict keys, on every rank.

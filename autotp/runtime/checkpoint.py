@@ -1,0 +1,265 @@
+"""Saving and loading a parallel module (and its optimizer): sharded DCP checkpoints and Hugging Face exports.
+
+``pm.save(DIR)`` writes a DCP checkpoint in which each rank writes its own chunks (no gather, no full copy):
+model tensors under ``model.<original name>`` and optimizer state under ``optimizer.state.<name>.<key>`` (moments
+chunked like their parameter) and ``optimizer.param_groups.<name>`` (the hyperparameters), torch's flattened
+optimizer names. Every tensor is recorded with its full size and each chunk's global offsets, so a module of
+any ``(tp, pp)`` layout loads it and reads only the chunks it needs. ``format="safetensors"`` gathers the
+full tensors to the first rank and writes Hugging Face's layout (with ``config.json``), which
+``from_pretrained`` loads.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from autotp.errors import InputError
+from autotp.planning.plan import Plan
+from autotp.rewrite.shards import Part, part_of
+from autotp.runtime import dcp
+from autotp.runtime.sources import HF_INDEX, HF_SINGLE, MODEL_PREFIX, DcpReader, open_reader, read_into
+
+OPTIMIZER_STATE = "optimizer.state."
+OPTIMIZER_GROUPS = "optimizer.param_groups."
+FORMATS = ("dcp", "safetensors")
+MAX_SHARD_BYTES = 5 * 2**30
+"""Largest safetensors file of an export (Hugging Face's default, 5 GB); bigger models are split into files
+listed by ``model.safetensors.index.json``."""
+
+
+@dataclass
+class Holding:
+    """What one rank holds of a parallel module, for checkpoints."""
+
+    tensors: dict[str, tuple[torch.Tensor, Part]]
+    """Original (kept) name -> this rank's tensor and the part of the full tensor it is."""
+    params: dict[str, nn.Parameter]
+    """Original name -> this rank's parameter (to name an optimizer's state)."""
+    aliases: dict[str, str]
+    """Every name of the original model -> the name its (possibly tied) tensor is kept under."""
+    group: object
+    """The process group a save is collective over (None: the default group)."""
+    distributed: bool
+
+
+def holding(plan: Plan, tp_rank: int, local: dict[str, torch.Tensor], params: dict[str, nn.Parameter],
+            extra: dict[str, object], aliases: dict[str, str], group, distributed: bool) -> Holding:
+    """The ``Holding`` of a rank whose tensors are ``local`` (shards under original names), plus ``extra`` state
+    every rank keeps whole (tensors only are saved)."""
+    tensors = {}
+    for name, tensor in local.items():
+        placement = plan.placements.get(name)
+        shape = list(tensor.shape)
+        if placement is not None and placement.is_split:
+            shape[placement.dim] *= plan.tp
+        tensors[name] = (tensor, part_of(placement, tuple(shape), tp_rank, plan.tp))
+    for name, value in extra.items():
+        if isinstance(value, torch.Tensor):
+            tensors.setdefault(name, (value, Part(tuple(value.shape))))
+    return Holding(tensors, params, aliases, group, distributed)
+
+
+def _format(value: str) -> str:
+    if value not in FORMATS:
+        raise InputError(f"format must be one of {list(FORMATS)}, got {value!r}")
+    return value
+
+
+def save(held: Holding, path: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None) -> None:
+    """Write ``held`` (and ``optimizer``'s state) as a sharded DCP checkpoint at ``path``; collective."""
+    state: dict[str, object] = {MODEL_PREFIX + n: dcp.Sharded.of(t.detach(), p) for n, (t, p) in held.tensors.items()}
+    if optimizer is not None:
+        state |= optimizer_state(optimizer, held)
+    dcp.save(state, path, held.group, held.distributed)
+
+
+def _param_names(optimizer: torch.optim.Optimizer, held: Holding) -> list[str]:
+    """The original name of each of ``optimizer``'s parameters, in its order (its state dict's indices)."""
+    names = {id(p): n for n, p in held.params.items()}
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    strangers = sum(id(p) not in names for p in params)
+    if strangers:
+        raise InputError(f"the optimizer holds {strangers} parameter(s) that are not this parallel module's; make it "
+                         "from pm.parameters() (this rank's shards)")
+    return [names[id(p)] for p in params]
+
+
+def optimizer_state(optimizer: torch.optim.Optimizer, held: Holding) -> dict[str, object]:
+    """``optimizer``'s state keyed by parameter names: tensors shaped like their parameter chunked like it."""
+    names = _param_names(optimizer, held)
+    saved = optimizer.state_dict()
+    out: dict[str, object] = {}
+    for index, values in saved["state"].items():
+        name = names[index]
+        param, part = held.params[name], held.tensors[name][1]
+        for key, value in values.items():
+            if isinstance(value, torch.Tensor):
+                chunked = part if tuple(value.shape) == tuple(param.shape) else Part(tuple(value.shape))
+                out[f"{OPTIMIZER_STATE}{name}.{key}"] = dcp.Sharded.of(value, chunked)
+            else:
+                out[f"{OPTIMIZER_STATE}{name}.{key}"] = value
+    at = 0
+    for group in saved["param_groups"]:
+        hyper = {k: v for k, v in group.items() if k != "params"}
+        for _ in group["params"]:
+            out[OPTIMIZER_GROUPS + names[at]] = hyper
+            at += 1
+    return out
+
+
+def load(held: Holding, path: str | os.PathLike, optimizer: torch.optim.Optimizer | None, show: bool) -> None:
+    """Fill ``held``'s tensors (and ``optimizer``'s state) from the checkpoint at ``path``; no collective."""
+    reader = open_reader(path)
+    found, missing = {}, []
+    for name, (tensor, _) in held.tensors.items():
+        names = [n for n, kept in held.aliases.items() if kept == name] or [name]
+        hit = next((n for n in names if n in reader.shapes), None)
+        if hit is not None:
+            found[name] = hit
+        elif name in held.params:
+            missing.append(name)
+    if missing:
+        raise InputError(f"checkpoint {str(path)!r} lacks {len(missing)} parameter(s) of this module: "
+                         f"{', '.join(missing[:6])}; pass a checkpoint of this model")
+    items = [(found[name], part, tensor.detach()) for name, (tensor, part) in held.tensors.items() if name in found]
+    read_into(reader, items, f"loading {Path(path).name}", show)  # in place: no second copy of the shards
+    if optimizer is not None:
+        if not isinstance(reader, DcpReader):
+            raise InputError(f"checkpoint {str(path)!r} holds no optimizer state (only pm.save's DCP checkpoints do); "
+                             "leave optimizer= out to load the model alone")
+        load_optimizer(optimizer, held, path)
+
+
+def load_optimizer(optimizer: torch.optim.Optimizer, held: Holding, path: str | os.PathLike) -> None:
+    """Load the state of ``optimizer`` (made from this module's parameters) from a DCP checkpoint; the layout
+    it was saved at may differ (moments are read chunk by chunk like their parameters)."""
+    names = _param_names(optimizer, held)
+    meta = dcp.read_metadata(path).state_dict_metadata
+    state: dict[str, object] = {}
+    tensors: dict[str, torch.Tensor] = {}  # the local tensors the Sharded values' chunks are views of
+    for name in names:
+        if OPTIMIZER_GROUPS + name not in meta:
+            raise InputError(f"checkpoint {str(path)!r} has no optimizer state for {name}; save with "
+                             "pm.save(path, optimizer=opt), or leave optimizer= out")
+        state[OPTIMIZER_GROUPS + name] = None
+        part = held.tensors[name][1]
+        for key in _state_keys(meta, name):
+            md = meta[key]
+            if isinstance(md, dcp.TensorStorageMetadata):
+                chunked = part if tuple(md.size) == part.shape else Part(tuple(md.size))
+                tensors[key] = torch.empty(chunked.local_shape, dtype=md.properties.dtype)
+                state[key] = dcp.Sharded.of(tensors[key], chunked)
+            else:
+                state[key] = None
+    dcp.load(state, path)
+    values = state | tensors
+    per_param = {i: {key[len(OPTIMIZER_STATE) + len(name) + 1:]: values[key] for key in _state_keys(values, name)}
+                 for i, name in enumerate(names)}
+    groups, at = [], 0
+    for group in optimizer.param_groups:
+        count = len(group["params"])
+        groups.append(dict(values[OPTIMIZER_GROUPS + names[at]]) | {"params": list(range(at, at + count))})
+        at += count
+    optimizer.load_state_dict({"state": {i: v for i, v in per_param.items() if v}, "param_groups": groups})
+
+
+def _state_keys(keys, name: str) -> list[str]:
+    """The keys of parameter ``name``'s optimizer state among ``keys`` (state keys hold no dot: a longer name
+    that starts with ``name.`` is another parameter's)."""
+    prefix = f"{OPTIMIZER_STATE}{name}."
+    return [k for k in keys if k.startswith(prefix) and "." not in k[len(prefix):]]
+
+
+def export_safetensors(full: dict[str, object], aliases: dict[str, str], path: str | os.PathLike, config,
+                       write: bool, max_shard_bytes: int = MAX_SHARD_BYTES) -> None:
+    """Write the full tensors ``full`` (original keys) in Hugging Face's layout: each tied tensor once, under its
+    first name (as ``save_pretrained`` does), files of at most ``max_shard_bytes`` with their index, and
+    ``config.json`` when ``config`` can save itself. Only the rank with ``write`` writes."""
+    if not write:
+        return
+    from safetensors.torch import save_file
+
+    tensors = {k: v.detach().contiguous() for k, v in full.items()
+               if isinstance(v, torch.Tensor) and aliases.get(k, k) == k}
+    folder = Path(path)
+    folder.mkdir(parents=True, exist_ok=True)
+    files = _split_files(tensors, max_shard_bytes)
+    file_names = [HF_SINGLE] if len(files) == 1 else [f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
+                                                      for i in range(len(files))]
+    for file_name, names in zip(file_names, files):
+        save_file({n: tensors[n] for n in names}, str(folder / file_name), metadata={"format": "pt"})
+    if len(files) > 1:
+        weight_map = {n: file_name for file_name, names in zip(file_names, files) for n in names}
+        total = sum(t.numel() * t.element_size() for t in tensors.values())
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (folder / HF_INDEX).write_text(json.dumps(index, indent=2), encoding="utf-8")
+    if config is not None and hasattr(config, "save_pretrained"):
+        config.save_pretrained(str(folder))
+
+
+def _split_files(tensors: dict[str, torch.Tensor], max_bytes: int) -> list[list[str]]:
+    """Names grouped into files of at most ``max_bytes`` (a bigger tensor gets a file of its own), in order."""
+    files: list[list[str]] = [[]]
+    size = 0
+    for name, tensor in tensors.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if files[-1] and size + nbytes > max_bytes:
+            files.append([])
+            size = 0
+        files[-1].append(name)
+        size += nbytes
+    return files
+
+
+def barrier(held: Holding) -> None:
+    """Wait for every rank (so files written by the first rank exist when ``save`` returns anywhere)."""
+    if held.distributed:
+        dist.barrier(group=held.group)
+
+
+class Checkpointing:
+    """``save`` and ``load`` for the parallel modules, which provide ``_holding()`` and ``full_state_dict()``."""
+
+    model_config = None
+    """The original model's ``config`` (a Hugging Face model's), written beside a safetensors export."""
+
+    def _holding(self) -> Holding:
+        raise NotImplementedError
+
+    def save(self, path: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None, format: str = "dcp",
+             max_shard_bytes: int = MAX_SHARD_BYTES) -> None:
+        """Save the model (and ``optimizer``'s state) at ``path``; a collective call, made by every rank.
+
+        ``format="dcp"``: a torch.distributed.checkpoint directory in which each rank writes its own shards (no
+        gather, no full copy), keyed by the original names with full sizes: ``parallelize(model, checkpoint=path)``
+        or ``pm.load(path)`` at any ``(tp, pp)`` reads it back. ``format="safetensors"``: full tensors gathered
+        and written by the first rank in Hugging Face's layout (``model.safetensors``, or files of at most
+        ``max_shard_bytes`` with ``model.safetensors.index.json``, and the model's ``config.json``), which
+        ``from_pretrained(path)`` loads; model only.
+        """
+        held = self._holding()
+        if _format(format) == "dcp":
+            save(held, path, optimizer)
+            return
+        if optimizer is not None:
+            raise InputError("format='safetensors' exports the model only; save optimizer state with format='dcp'")
+        full = self.full_state_dict()  # collective: every rank gathers
+        first = not held.distributed or dist.get_rank(held.group) == 0
+        export_safetensors(full, held.aliases, path, self.model_config, first, max_shard_bytes)
+        barrier(held)
+
+    def load(self, path: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None,
+             quiet: bool = False) -> None:
+        """Load the model's tensors (and ``optimizer``'s state, from a DCP checkpoint) from ``path``: a directory
+        ``save`` wrote at any layout, a ``.safetensors`` file or a Hugging Face directory. Each rank reads only
+        its own slices; the first rank draws a progress bar unless ``quiet``."""
+        held = self._holding()
+        first = not held.distributed or dist.get_rank(held.group) == 0
+        load(held, path, optimizer, show=first and not quiet)
