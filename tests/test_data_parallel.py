@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -99,3 +100,21 @@ def test_two_torchrun_nodes_on_localhost():
     ok = sorted(line for out in outputs for line in out.splitlines() if "exact after" in line)
     assert len(ok) == 4, "\n".join(outputs)
     assert {line.split(":")[1].split(",")[0].strip() for line in ok} == {"dp_rank 0", "dp_rank 1"}, ok
+
+
+def test_plan_table_adds_the_replicas(capsys):
+    """`autotp plan --dp`: what fsdp holds per rank is the dp=1 rank's parameters and moments over dp, and the
+    replicas' ring traffic is 3 (dp-1)/dp of the parameters (2 all-gathers, 1 reduce-scatter); replicate: 2 (dp-1)/dp."""
+    from autotp.tools import cli
+
+    gpt = "examples/gpt.py:build_gpt"
+    assert cli.main(["plan", gpt, "--tp", "2", "--pp", "2", "--dp", "2"]) == 0
+    text = capsys.readouterr().out
+    assert text.splitlines()[0].startswith("autotp plan for GPT: tp=2, pp=2, dp=2 (fsdp);"), text
+    fullest = float(text.split("parameter memory per rank: ")[1].split(" KiB")[0]) * 1024
+    line = next(x for x in text.splitlines() if "data parallelism" in x)
+    sharded, whole = (float(v) * 1024 for v in re.search(r"per rank (\S+) KiB \(vs (\S+) KiB at dp=1\)", line).groups())
+    assert sharded == pytest.approx(3 * fullest / 2, rel=0.01) and whole == pytest.approx(3 * fullest, rel=0.01), line
+    assert cli.main(["plan", gpt, "--tp", "2", "--dp", "4", "--dp-mode", "replicate"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if "data parallelism" in x)
+    assert "(dp=4, replicate)" in line and "1 all-reduce of the gradients" in line, line
