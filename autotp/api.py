@@ -171,7 +171,8 @@ def _tensor_parallel(model: nn.Module, graphs: dict[bool, Captured], chosen: Pla
 
 
 def _pipeline_parallel(model: nn.Module, graphs: dict[bool, Captured], chosen: Plan, sched: Schedule,
-                       microbatches: int, dp: int = 1, dp_mode: DataParallelMode = DataParallelMode.FSDP) -> PipelineModule:
+                       microbatches: int, dp: int = 1,
+                       dp_mode: DataParallelMode = DataParallelMode.FSDP) -> PipelineModule:
     device = device_for(None, True) or torch.device("cpu")
     mesh = Mesh(chosen.pp, chosen.tp, device, dp=dp)
     comm, stream = TorchComm(mesh.tp_group), RankStream(shared_seed(None, True))

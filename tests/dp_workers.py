@@ -29,7 +29,7 @@ def _mean_over_replicas(loss: torch.Tensor, dp_rank: int) -> float:
 
 def check_data_parallel(dp: int, tp: int, pp: int, mode: str) -> dict:
     """STEPS AdamW steps with clipping on dp replicas, each on its slice, against one process on the whole batch:
-    outputs, the mean loss, the clipped norm (2-norm and inf-norm), every parameter afterwards."""
+    outputs, the mean loss, the clipped norm (2-norm and inf-norm), eval-mode outputs and every parameter after."""
     label = f"dp={dp} tp={tp} pp={pp} {mode}"
     ref = models.build("gpt", layers=1)
     pm = autotp.parallelize(ref, tp=tp, pp=pp, dp=dp, dp_mode=mode, example_inputs=(models.tokens(2, 16, seed=1),),
@@ -45,9 +45,10 @@ def check_data_parallel(dp: int, tp: int, pp: int, mode: str) -> dict:
         ref_loss = models.loss_fn(ref(x), y)
         ref_loss.backward()
         mean = _mean_over_replicas(loss, pm.dp_rank)
-        assert math.isclose(mean, ref_loss.item(), rel_tol=1e-5), f"{label} step {step} loss {mean} vs {ref_loss.item()}"
+        assert math.isclose(mean, ref_loss.item(), rel_tol=1e-5), f"{label} step {step}: {mean} vs {ref_loss.item()}"
         if step == 0:  # the inf-norm, with nothing clipped (max_norm far above it)
-            got, want = pm.clip_grad_norm_(1e9, math.inf), torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e9, math.inf)
+            got = pm.clip_grad_norm_(1e9, math.inf)
+            want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e9, math.inf)
             assert_close(got, want, rtol=1e-5, atol=0, msg=lambda m: f"{label} inf-norm: {m}")
         norm, ref_norm = pm.clip_grad_norm_(MAX_NORM), torch.nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM)
         assert_close(norm, ref_norm, rtol=1e-5, atol=0, msg=lambda m: f"{label} step {step} norm: {m}")
@@ -58,6 +59,8 @@ def check_data_parallel(dp: int, tp: int, pp: int, mode: str) -> dict:
         norms.append(norm.item())
         opt.step(), ref_opt.step()
         opt.zero_grad(), ref_opt.zero_grad()
+    pm.eval(), ref.eval()  # the eval-mode graphs read the same (sharded, trained) parameters
+    assert_close(pm(x[rows]), ref(x[rows]), rtol=1e-5, atol=1e-5, msg=lambda m: f"{label} eval output: {m}")
     full = pm.full_state_dict()
     assert set(full) == set(ref.state_dict()), label
     for key, want in ref.state_dict().items():

@@ -44,10 +44,8 @@ def test_every_layout_and_mode_trains_like_one_process(layouts):
 def test_fsdp_shards_what_replicate_holds_whole(layouts):
     for dp, tp, pp in LAYOUTS:
         sharded, whole = (layouts[f"dp={dp} tp={tp} pp={pp} {m}"]["local_params"] for m in MODES)
-        # FSDP pads a tensor to a multiple of dp rows and gives the padding to the last ranks: at most dp-1
-        # rows short per tensor on this rank, never more than whole/dp.
-        assert sharded <= whole / dp, (dp, tp, pp, sharded, whole)
-        assert sharded > 0.9 * whole / dp, (dp, tp, pp, sharded, whole)
+        # FSDP gives each replica ceil(rows / dp) rows of every tensor (the last ones fewer): 1/dp up to rounding.
+        assert sharded == pytest.approx(whole / dp, rel=0.02), (dp, tp, pp, sharded, whole)
 
 
 def test_clip_grad_norm_without_data_parallelism():
@@ -103,8 +101,8 @@ def test_two_torchrun_nodes_on_localhost():
 
 
 def test_plan_table_adds_the_replicas(capsys):
-    """`autotp plan --dp`: what fsdp holds per rank is the dp=1 rank's parameters and moments over dp, and the
-    replicas' ring traffic is 3 (dp-1)/dp of the parameters (2 all-gathers, 1 reduce-scatter); replicate: 2 (dp-1)/dp."""
+    """`autotp plan --dp`: what fsdp holds per rank is the dp=1 rank's parameters and moments over dp; replicate
+    keeps them whole and all-reduces the gradients."""
     from autotp.tools import cli
 
     gpt = "examples/gpt.py:build_gpt"

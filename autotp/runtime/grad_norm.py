@@ -43,8 +43,8 @@ def clip_grad_norm_(pieces: list[tuple[torch.Tensor, bool]], max_norm: float, no
     counted = [g.detach() for g, c in pieces if c]
     device = pieces[0][0].device if pieces else torch.device("cpu")
     if p == math.inf:
-        total = torch.stack([g.abs().max() for g in counted if g.numel()]).max() if any(
-            g.numel() for g in counted) else torch.zeros((), device=device)
+        maxima = [g.abs().max().float() for g in counted if g.numel()]  # an FSDP shard may be empty
+        total = torch.stack(maxima).max() if maxima else torch.zeros((), device=device)
         if distributed:
             dist.all_reduce(total, op=dist.ReduceOp.MAX, group=group)
     else:

@@ -41,7 +41,8 @@ def ensure_process_group(world_needed: int, timeout: timedelta | float | None = 
     if world_needed == 1:
         return False
     raise RuntimeSetupError(
-        f"{world_needed} ranks (tp x pp x dp) need {world_needed} processes, but no torch.distributed process group exists. "
+        f"{world_needed} ranks (tp x pp x dp) need {world_needed} processes, but no torch.distributed process group "
+        "exists. "
         f"Launch with `torchrun --nproc-per-node {world_needed} your_script.py`, or call "
         "torch.distributed.init_process_group(...) before autotp.parallelize.")
 
