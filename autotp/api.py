@@ -125,7 +125,7 @@ def parallelize(model: nn.Module, tp: int | None = None, example_inputs=None, pp
                                            cuts=tuple(cuts), stages=stages), example)
     check_same_plan(chosen, group, distributed)
     if pp == 1:
-        return _tensor_parallel(model, graphs, chosen, group, distributed, _data_parallel(1, dp, tp, dp_mode))
+        return _tensor_parallel(model, graphs, chosen, group, distributed, _data_parallel(dp, tp, dp_mode))
     micro = _check_positive("microbatches", microbatches or stages)
     if sched is not Schedule.GPIPE and micro < stages:
         raise InputError(f"schedule {sched.value} needs at least {stages} microbatches (one per stage) to fill the "
@@ -147,11 +147,11 @@ def _check_materialised(model: nn.Module) -> None:
                          "the CPU (or load its weights) before parallelizing")
 
 
-def _data_parallel(pp: int, dp: int, tp: int, mode: DataParallelMode) -> DataParallel | None:
-    """The replicas' layout on a (pp, dp, tp) mesh over the default group; None for dp=1 (tp-only as before)."""
+def _data_parallel(dp: int, tp: int, mode: DataParallelMode) -> DataParallel | None:
+    """Tensor parallelism's replicas on a (1, dp, tp) mesh over the default group; None for dp=1 (as before)."""
     if dp == 1:
         return None
-    return DataParallel(Mesh(pp, tp, device_for(None, True) or torch.device("cpu"), dp=dp), mode)
+    return DataParallel(Mesh(1, tp, device_for(None, True) or torch.device("cpu"), dp=dp), mode)
 
 
 def _tensor_parallel(model: nn.Module, graphs: dict[bool, Captured], chosen: Plan, group,
