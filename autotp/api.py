@@ -13,7 +13,7 @@ from torch import nn
 
 from autotp.capture import Captured, ExampleInputs, capture, example_inputs_of
 from autotp.errors import InputError
-from autotp.options import Balance, Schedule
+from autotp.options import Balance, DataParallelMode, Schedule
 from autotp.passes.analysis import Analysis
 from autotp.planning import Plan, check_plan_fits, make_plan
 from autotp.planning.planner import verify_plan
@@ -21,6 +21,7 @@ from autotp.rewrite import Source, build_graph, materialise_all, split_stages
 from autotp.rewrite.comm import TorchComm
 from autotp.rewrite.random import RankStream
 from autotp.runtime import (
+    DataParallel,
     Mesh,
     ParallelModule,
     PipelineModule,
@@ -36,7 +37,8 @@ from autotp.runtime.process import first_rank, from_first_rank, shared_seed
 from autotp.runtime.sources import checkpoint_source
 
 _MEANING = {"tp": "the number of tensor-parallel ranks", "pp": "the number of pipeline stages' ranks",
-            "virtual_stages": "pipeline stages per rank", "microbatches": "microbatches per step"}
+            "virtual_stages": "pipeline stages per rank", "microbatches": "microbatches per step",
+            "dp": "the number of data-parallel replicas"}
 
 
 def _check_positive(name: str, value) -> int:
@@ -80,8 +82,10 @@ def parallelize(model: nn.Module, tp: int | None = None, example_inputs=None, pp
                 plan: Plan | None = None, group=None,
                 microbatches: int | None = None, schedule: str = "1f1b", balance: str = "both", cuts=(),
                 virtual_stages: int | None = None, timeout: float | timedelta | None = None,
-                checkpoint: str | os.PathLike | None = None, quiet: bool = False):
-    """This rank's piece of ``model``, tensor-parallel over ``tp`` ranks and pipelined over ``pp``.
+                checkpoint: str | os.PathLike | None = None, quiet: bool = False, dp: int = 1,
+                dp_mode: str = "fsdp"):
+    """This rank's piece of ``model``, tensor-parallel over ``tp`` ranks, pipelined over ``pp`` and replicated
+    over ``dp`` data-parallel replicas (ranks on a (pp, dp, tp) mesh, tp innermost).
 
     ``example_inputs`` are as for ``plan`` (a tensor, a tuple, a dict of keyword tensors, or left out for
     synthesised token ids); the module then takes the same inputs, positionally or by name
@@ -99,6 +103,9 @@ def parallelize(model: nn.Module, tp: int | None = None, example_inputs=None, pp
     wrote at any layout), every rank reads only its own slices of the weights from it, and the model may be on
     the meta device (built under ``autotp.empty_weights()``, accelerate's ``init_empty_weights()`` or
     ``torch.device("meta")``): it never exists whole. The first rank draws a progress bar unless ``quiet``.
+    With ``dp`` > 1 each replica (``pm.dp_rank`` of ``pm.dp_size``) trains on its own slice of the global batch
+    and gradients are averaged over the replicas; ``dp_mode`` is ``fsdp`` (FSDP2 ``fully_shard`` over the
+    replicas: parameters, gradients and optimizer state sharded) or ``replicate`` (gradient all-reduce).
     """
     if plan is not None and isinstance(plan, Plan):
         tp, pp = tp or plan.tp, pp or plan.pp
@@ -108,13 +115,15 @@ def parallelize(model: nn.Module, tp: int | None = None, example_inputs=None, pp
     if isinstance(plan, Plan) and plan.stages:
         default_virtual = max(1, len(plan.stages) // pp)
     virtual = _check_positive("virtual_stages", virtual_stages or default_virtual)
-    if pp > 1 and group is not None:
-        raise InputError("pp > 1 lays ranks out on a (pp x tp) mesh over the default process group; do not pass group")
+    dp, dp_mode = _check_positive("dp", dp), _choice(DataParallelMode, "dp_mode", dp_mode)
+    if (pp > 1 or dp > 1) and group is not None:
+        raise InputError("pp > 1 or dp > 1 lays ranks out on a (pp x dp x tp) mesh over the default process group; "
+                         "do not pass group")
     example = example_inputs_of(model, example_inputs)
     if checkpoint is None:
         _check_materialised(model)
-    distributed = ensure_process_group(tp * pp, timeout)
-    check_world(group, distributed, tp, pp)
+    distributed = ensure_process_group(tp * pp * dp, timeout)
+    check_world(group, distributed, tp, pp, dp)
     source = None
     if checkpoint is not None:  # checked against the model now, before anything is captured
         source = checkpoint_source(checkpoint, model, first_rank(group, distributed) and not quiet)
@@ -128,12 +137,12 @@ def parallelize(model: nn.Module, tp: int | None = None, example_inputs=None, pp
                                            cuts=tuple(cuts), stages=stages), example)
     check_same_plan(chosen, group, distributed)
     if pp == 1:
-        return _tensor_parallel(model, graphs, chosen, group, distributed, source)
+        return _tensor_parallel(model, graphs, chosen, group, distributed, source, _data_parallel(dp, tp, dp_mode))
     micro = _check_positive("microbatches", microbatches or stages)
     if sched is not Schedule.GPIPE and micro < stages:
         raise InputError(f"schedule {sched.value} needs at least {stages} microbatches (one per stage) to fill the "
                          f"pipeline, got microbatches={micro}; raise microbatches or use schedule='gpipe'")
-    return _pipeline_parallel(model, graphs, chosen, sched, micro, source)
+    return _pipeline_parallel(model, graphs, chosen, sched, micro, source, dp, dp_mode)
 
 
 def param_shapes(model: nn.Module) -> dict[str, tuple]:
@@ -151,9 +160,16 @@ def _check_materialised(model: nn.Module) -> None:
                          "the CPU")
 
 
+def _data_parallel(dp: int, tp: int, mode: DataParallelMode) -> DataParallel | None:
+    """Tensor parallelism's replicas on a (1, dp, tp) mesh over the default group; None for dp=1 (as before)."""
+    if dp == 1:
+        return None
+    return DataParallel(Mesh(1, tp, device_for(None, True) or torch.device("cpu"), dp=dp), mode)
+
+
 def _tensor_parallel(model: nn.Module, graphs: dict[bool, Captured], chosen: Plan, group,
-                     distributed: bool, source: Source | None) -> ParallelModule:
-    comm = TorchComm(group) if distributed else None
+                     distributed: bool, source: Source | None, dp: DataParallel | None = None) -> ParallelModule:
+    comm = TorchComm(dp.mesh.tp_group if dp is not None else group) if distributed else None
     rank = comm.rank if comm is not None else 0
     stream = RankStream(shared_seed(group, distributed))
     source = source or from_first_rank(model, group, distributed)
@@ -164,15 +180,16 @@ def _tensor_parallel(model: nn.Module, graphs: dict[bool, Captured], chosen: Pla
         for gm in modules.values():
             gm.to(device)  # NCCL communicates GPU tensors; inputs must then be on this device too
     pm = ParallelModule(modules, chosen, comm, state_names(model, graphs[True], modules.values(), source), stream,
-                        InputSpec.of(graphs[True]), model.training)
+                        InputSpec.of(graphs[True]), model.training, dp)
     pm.model_config = getattr(model, "config", None)
     return pm
 
 
 def _pipeline_parallel(model: nn.Module, graphs: dict[bool, Captured], chosen: Plan, sched: Schedule,
-                       microbatches: int, source: Source | None) -> PipelineModule:
+                       microbatches: int, source: Source | None, dp: int = 1,
+                       dp_mode: DataParallelMode = DataParallelMode.FSDP) -> PipelineModule:
     device = device_for(None, True) or torch.device("cpu")
-    mesh = Mesh(chosen.pp, chosen.tp, device)
+    mesh = Mesh(chosen.pp, chosen.tp, device, dp=dp)
     comm, stream = TorchComm(mesh.tp_group), RankStream(shared_seed(None, True))
     source = source or from_first_rank(model, None, True)
     stages: dict[bool, dict[int, torch.fx.GraphModule]] = {}
@@ -189,6 +206,6 @@ def _pipeline_parallel(model: nn.Module, graphs: dict[bool, Captured], chosen: P
         for g in held.values():
             g.to(device)
     pm = PipelineModule(stages, chosen, mesh, names, graphs[True].out_spec, tied, sched, microbatches, comm, stream,
-                        InputSpec.of(graphs[True]), model.training)
+                        InputSpec.of(graphs[True]), model.training, DataParallel(mesh, dp_mode) if dp > 1 else None)
     pm.model_config = getattr(model, "config", None)
     return pm

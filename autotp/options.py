@@ -22,3 +22,12 @@ class Schedule(str, Enum):
     """After a warm-up of forwards, each stage alternates one forward and one backward."""
     INTERLEAVED_1F1B = "interleaved1f1b"
     """1F1B over several (virtual) stages per rank."""
+
+
+class DataParallelMode(str, Enum):
+    """How data-parallel replicas hold the model."""
+
+    FSDP = "fsdp"
+    """Parameters, gradients and optimizer state sharded over the replicas (torch's FSDP2 ``fully_shard``)."""
+    REPLICATE = "replicate"
+    """Every replica holds the whole rank module; gradients are averaged by all-reduce (as DDP)."""

@@ -82,7 +82,7 @@ def rank_body(rank: int, world: int, how: str, folder: str, layers: int) -> dict
     source = None if how == "memory" else folder / ("hf" if how == "safetensors" else "dcp")
     pm, prep = _phase(lambda: autotp.parallelize(model, tp=TP, example_inputs=(ids,), checkpoint=source, quiet=True),
                       start)
-    del model
+    model = None  # the user drops the original: what the parallel module keeps alive is measured next
     gc.collect()
     out = {"build": build, "prepare": prep, "held_mb": (_status("VmRSS") - start) / 2**20,
            "local_mb": sum(p.numel() * p.element_size() for p in pm.parameters()) / 2**20}

@@ -1,10 +1,11 @@
-"""Train the example GPT with tensor and pipeline parallelism on a small text that ships with the repo.
+"""Train the example GPT with tensor, pipeline and data parallelism on a small text that ships with the repo.
 
     torchrun --nproc-per-node 4 examples/train_gpt.py --tp 2 --pp 2
+    torchrun --nproc-per-node 8 examples/train_gpt.py --tp 2 --pp 2 --dp 2
 
-Prints the plan, the loss as it falls, tokens per second, and each rank's peak memory. The model is a
-character-level nanoGPT-style GPT; every rank samples the same batches (same seed), as data-parallel
-replicas of one batch would.
+Prints the plan, the loss as it falls, tokens per second, and each rank's parameters and peak memory. The
+model is a character-level nanoGPT-style GPT; every rank samples the same global batches (same seed) and
+each data-parallel replica trains on its slice of them (``pm.dp_rank`` of ``pm.dp_size``).
 """
 
 from __future__ import annotations
@@ -28,11 +29,14 @@ TEXT = Path(__file__).resolve().parent / "data" / "alice.txt"
 
 
 def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description="Train the example GPT with autotp (tp x pp ranks).")
+    p = argparse.ArgumentParser(description="Train the example GPT with autotp (tp x pp x dp ranks).")
     p.add_argument("--tp", type=int, default=2, help="tensor-parallel ranks")
     p.add_argument("--pp", type=int, default=2, help="pipeline stages (ranks)")
+    p.add_argument("--dp", type=int, default=1, help="data-parallel replicas (each trains on batch/dp rows)")
+    p.add_argument("--dp-mode", default="fsdp", choices=["fsdp", "replicate"])
+    p.add_argument("--clip", type=float, default=1.0, help="clip the gradients' global norm to this")
     p.add_argument("--steps", type=int, default=60)
-    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--batch", type=int, default=16, help="global batch (all replicas together)")
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--microbatches", type=int, default=None, help="default: one per stage")
     p.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved1f1b"])
@@ -65,6 +69,13 @@ def peak_memory_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
+def mean_over_ranks(loss: torch.Tensor) -> torch.Tensor:
+    """The global batch's loss: the mean of the replicas' (every rank of one replica holds its replica's)."""
+    loss = loss.clone()
+    dist.all_reduce(loss)
+    return loss / dist.get_world_size()
+
+
 def main() -> None:
     args = parse_args()
     torch.set_num_threads(1)
@@ -75,14 +86,16 @@ def main() -> None:
     model = build_gpt(n_layer=4, n_head=4, n_embd=128, vocab_size=vocab, block_size=args.seq)
     stream = batches(data, args.batch, args.seq, seed=1)
     x, y = next(stream)
-    pm = autotp.parallelize(model, tp=args.tp, pp=args.pp, example_inputs=(x,), microbatches=args.microbatches,
-                            schedule=args.schedule)
+    pm = autotp.parallelize(model, tp=args.tp, pp=args.pp, dp=args.dp, dp_mode=args.dp_mode, example_inputs=(x,),
+                            microbatches=args.microbatches, schedule=args.schedule)
+    rows = slice(pm.dp_rank * args.batch // pm.dp_size, (pm.dp_rank + 1) * args.batch // pm.dp_size)
     if rank == 0:
         print(pm.plan.summary(), flush=True)
     opt = torch.optim.AdamW(pm.parameters(), lr=args.lr)
     start, first_loss = time.perf_counter(), None
     for step in range(args.steps):
-        loss = pm.step(x, target=y)
+        loss = mean_over_ranks(pm.step(x[rows], target=y[rows]))  # each replica's loss on its slice
+        pm.clip_grad_norm_(args.clip)
         opt.step()
         opt.zero_grad()
         first_loss = first_loss if first_loss is not None else loss.item()
@@ -90,7 +103,7 @@ def main() -> None:
             rate = (step + 1) * args.batch * args.seq / (time.perf_counter() - start)
             print(f"step {step:3d}  loss {loss.item():.4f}  {rate:,.0f} tokens/s", flush=True)
         x, y = next(stream)
-    params = sum(p.numel() for p in pm.parameters())
+    params = sum(getattr(p, "to_local", lambda: p)().numel() for p in pm.parameters())  # FSDP: this rank's shard
     report = [None] * dist.get_world_size()
     dist.all_gather_object(report, (params, peak_memory_mb()))
     if rank == 0:

@@ -241,7 +241,7 @@ def index(node: fx.Node, ins: Inputs, ctx: Context, x: fx.Node, lay: Shard) -> D
 def gather(node: fx.Node, ins: Inputs, ctx: Context) -> Decision:
     """``x.gather(dim, index)`` with ``x`` split along another dim (a relative-position bias picked per bucket,
     split by heads): each rank gathers within its own slice, the index (the output's shape) sliced alike."""
-    (x, lay), (ids, ids_lay) = ins[(0,)], ins[(2,)]
+    (_, lay), (_, ids_lay) = ins[(0,)], ins[(2,)]
     if not isinstance(lay, Shard) or not gathers_within(node, lay):
         return replicate_all(node, ins, ctx) if sharded_inputs(ins) else Decision(None)
     if ids_lay not in (None, lay):

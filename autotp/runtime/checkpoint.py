@@ -244,6 +244,7 @@ class Checkpointing:
         ``max_shard_bytes`` with ``model.safetensors.index.json``, and the model's ``config.json``), which
         ``from_pretrained(path)`` loads; model only.
         """
+        self._one_replica("save")
         held = self._holding()
         if _format(format) == "dcp":
             save(held, path, optimizer)
@@ -260,6 +261,16 @@ class Checkpointing:
         """Load the model's tensors (and ``optimizer``'s state, from a DCP checkpoint) from ``path``: a directory
         ``save`` wrote at any layout, a ``.safetensors`` file or a Hugging Face directory. Each rank reads only
         its own slices; the first rank draws a progress bar unless ``quiet``."""
+        self._one_replica("load")
         held = self._holding()
         first = not held.distributed or dist.get_rank(held.group) == 0
         load(held, path, optimizer, show=first and not quiet)
+
+    def _one_replica(self, what: str) -> None:
+        """Saving and loading run over one tensor-parallel group: with several data-parallel replicas each
+        group would write the same files at once."""
+        replicas = getattr(self, "dp_size", 1)
+        if replicas > 1:
+            raise InputError(f"pm.{what} is not supported yet with dp={replicas} (each data-parallel replica would "
+                             f"{what} the same files at once); parallelize(..., checkpoint=PATH) does load with dp, "
+                             "and full_state_dict() gathers the model at any dp")

@@ -1,13 +1,16 @@
-"""The pipeline runtime: stages on a (pp × tp) DeviceMesh, driven by torch.distributed.pipelining.
+"""The pipeline runtime: stages on a (pp × dp × tp) DeviceMesh, driven by torch.distributed.pipelining.
 
 Each rank holds the stages ``i`` with ``i % pp == its pipeline rank`` (one, or several when the schedule
 is interleaved), each already tensor-parallel over its ``tp`` group. A weight tied across stages (the
-embedding and the LM head) is held by both; their gradients are summed after each backward.
+embedding and the LM head) is held by both; their gradients are summed after each backward. With data
+parallelism each (dp) replica runs its own pipeline on its slice of the batch; under fsdp each stage is an
+FSDP unit, which torch's schedules drive (gradients reduce-scattered once, after the last microbatch).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from itertools import product
 
 import torch
 import torch.distributed as dist
@@ -20,31 +23,13 @@ from autotp.options import Schedule
 from autotp.planning.plan import Plan
 from autotp.rewrite.comm import Communicator
 from autotp.rewrite.random import RankStream
+from autotp.runtime.data_parallel import DataParallel, check_unshared, gathered, local, unsharded
+from autotp.runtime.grad_norm import clip_grad_norm_, is_counted
 from autotp.runtime.inputs import InputSpec
+from autotp.runtime.mesh import Mesh, global_rank
 from autotp.runtime.process import close_at_exit
 from autotp.runtime.checkpoint import Checkpointing, Holding, holding
-from autotp.runtime.tensor_parallel import StateNames, checked_loss, default_loss, gather_tp
-
-
-class Mesh:
-    """This rank's place in the (pp × tp) grid and the groups along each axis."""
-
-    def __init__(self, pp: int, tp: int, device: torch.device):
-        from torch.distributed.device_mesh import init_device_mesh
-
-        self.pp, self.tp = pp, tp
-        self.device = device
-        self.mesh = init_device_mesh(device.type, (pp, tp), mesh_dim_names=("pp", "tp"))
-        self.tp_group, self.pp_group = self.mesh.get_group("tp"), self.mesh.get_group("pp")
-        self.pp_rank, self.tp_rank = self.mesh.get_local_rank("pp"), self.mesh.get_local_rank("tp")
-
-    def close(self) -> None:
-        """Drop the references to the mesh's process groups."""
-        self.mesh = self.tp_group = self.pp_group = None
-
-    def rank_of(self, stage: int) -> int:
-        """Global rank holding pipeline ``stage`` in this rank's tensor-parallel column."""
-        return (stage % self.pp) * self.tp + self.tp_rank
+from autotp.runtime.tensor_parallel import StateNames, checked_loss, default_loss, gather_tp, split_param
 
 
 def tied_groups(stage_graphs: list[fx.GraphModule], mesh: Mesh) -> dict[str, object]:
@@ -63,8 +48,8 @@ def tied_groups(stage_graphs: list[fx.GraphModule], mesh: Mesh) -> dict[str, obj
         holders = {s % mesh.pp for s in readers[target]}
         if len(holders) < 2:
             continue  # one rank holds every copy: they are one shared tensor already
-        for tp_rank in range(mesh.tp):
-            ranks = sorted(p * mesh.tp + tp_rank for p in holders)
+        for dp_rank, tp_rank in product(range(mesh.dp), range(mesh.tp)):
+            ranks = sorted(global_rank(p, dp_rank, tp_rank, mesh.dp, mesh.tp) for p in holders)
             group = dist.new_group(ranks)
             if dist.get_rank() in ranks:
                 groups[target] = group
@@ -95,20 +80,32 @@ class PipelineModule(Checkpointing, nn.Module):
 
     def __init__(self, stages: dict[bool, dict[int, fx.GraphModule]], plan: Plan, mesh: Mesh, names: StateNames,
                  out_spec, tied: dict[str, object], schedule: Schedule, microbatches: int, comm: Communicator,
-                 stream: RankStream, inputs: InputSpec, training: bool):
+                 stream: RankStream, inputs: InputSpec, training: bool, dp: DataParallel | None = None):
         super().__init__()
         self.stages = nn.ModuleDict({str(i): m for i, m in stages[True].items()})
         self.eval_stages = nn.ModuleDict({str(i): m for i, m in stages[False].items()})
         self.plan, self.mesh, self._names, self._out_spec, self._tied = plan, mesh, names, out_spec, tied
-        self.comm, self._stream, self._inputs = comm, stream, inputs
+        self.comm, self._stream, self._inputs, self._dp = comm, stream, inputs, dp
         self.schedule, self.microbatches = Schedule(schedule), microbatches
         self.num_stages = len(plan.stages)
-        self._pipeline_stages = [PipelineStage(m, i, self.num_stages, mesh.device, group=mesh.pp_group)
-                                 for i, m in stages[True].items()]
+        self._units = _fsdp_units(stages, dp)
+        """Stage index -> its FSDP unit (not a registered child: the schedule always runs the train graph)."""
+        self._pipeline_stages = [PipelineStage(self._units.get(i, m), i, self.num_stages, mesh.device,
+                                               group=mesh.pp_group) for i, m in stages[True].items()]
         self._schedule = None
         self._loss_fn: Callable = default_loss
         self.train(training)
         close_at_exit(self)
+
+    @property
+    def dp_rank(self) -> int:
+        """This replica's index among the data-parallel replicas: feed it slice ``dp_rank`` of the global batch."""
+        return self.mesh.dp_rank
+
+    @property
+    def dp_size(self) -> int:
+        """The number of data-parallel replicas (1 without data parallelism)."""
+        return self.mesh.dp
 
     @property
     def holds_first(self) -> bool:
@@ -142,7 +139,9 @@ class PipelineModule(Checkpointing, nn.Module):
 
         The inputs may be positional or keyword, as the model takes them. The loss is the mean of the
         microbatch losses (equal sizes): exact for mean-reduced losses, matching the gradients, which the
-        schedule averages over microbatches. ``target`` is required: see ``_refuse_own_loss``.
+        schedule averages over microbatches. ``target`` is required: see ``_refuse_own_loss``. With data
+        parallelism each replica passes its own slice and gets its slice's loss; gradients are averaged over
+        the replicas.
         """
         _refuse_own_loss(target, kwargs)
         inputs = self._inputs.arrange(inputs, kwargs)
@@ -155,6 +154,8 @@ class PipelineModule(Checkpointing, nn.Module):
         args = inputs if self.holds_first else ()
         kwargs = {"target": target, "losses": losses} if self.holds_last else {}
         schedule.step(*args, **kwargs)
+        if self._dp is not None:
+            self._dp.average_gradients(self.parameters())
         self._sum_tied_grads()
         loss = torch.stack(losses).mean().detach() if self.holds_last else torch.zeros((), device=self.mesh.device)
         dist.broadcast(loss, src=self.mesh.rank_of(self.num_stages - 1), group=self.mesh.pp_group)
@@ -166,7 +167,22 @@ class PipelineModule(Checkpointing, nn.Module):
             grad = held[target].grad
             if grad is None:
                 grad = held[target].grad = torch.zeros_like(held[target])
-            dist.all_reduce(grad, group=group)
+            dist.all_reduce(local(grad), group=group)  # the holders' FSDP shards line up: same dp rank
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the gradients as ``torch.nn.utils.clip_grad_norm_`` clips the unsharded model's; returns the
+        total norm, the same on every rank (collective: every rank must call it, after ``step``)."""
+        dp_counts = self._dp.counts() if self._dp is not None else True
+        pieces, seen = [], set()
+        for module in self.stages.values():
+            for target, p in module.named_parameters():
+                if p.grad is None or id(p) in seen:
+                    continue
+                seen.add(id(p))
+                first = target not in self._tied or dist.get_rank(self._tied[target]) == 0
+                split = split_param(self.plan, self._names, target)
+                pieces.append((local(p.grad), is_counted(split, self.mesh.tp_rank, dp_counts, first)))
+        return clip_grad_norm_(pieces, max_norm, norm_type)
 
     def manual_seed(self, seed: int) -> None:
         """Restart this rank's random stream at ``seed`` (call it with the same seed on every rank)."""
@@ -182,7 +198,8 @@ class PipelineModule(Checkpointing, nn.Module):
         for index in range(self.num_stages):
             if str(index) in stages:
                 module = stages[str(index)]
-                result = module(*inputs) if index == 0 else module(hidden, *inputs)
+                with unsharded([self._units[index]] if index in self._units else []):
+                    result = module(*inputs) if index == 0 else module(hidden, *inputs)
                 if index == self.num_stages - 1:
                     outputs = list(result)
                 else:
@@ -211,10 +228,11 @@ class PipelineModule(Checkpointing, nn.Module):
         return hidden
 
     def local_state_dict(self) -> dict[str, torch.Tensor]:
-        """This rank's tensors (its stages' shards) under the original names."""
+        """This rank's tensors (its stages' tp shards, whole over dp) under the original names; collective over
+        dp under fsdp."""
         out: dict[str, torch.Tensor] = {}
         for module in self.stages.values():
-            out |= self._names.local(module)
+            out |= {name: gathered(t) for name, t in self._names.local(module).items()}
         return out
 
     def _holding(self) -> Holding:
@@ -236,5 +254,13 @@ class PipelineModule(Checkpointing, nn.Module):
     def close(self) -> None:
         """Release the process groups this module holds (done at exit); it cannot communicate afterwards."""
         self.comm.close()
-        self._pipeline_stages, self._schedule, self._tied = [], None, {}
+        self._pipeline_stages, self._schedule, self._tied, self._units = [], None, {}, {}
         self.mesh.close()
+
+
+def _fsdp_units(stages: dict[bool, dict[int, fx.GraphModule]], dp: DataParallel | None) -> dict[int, nn.Module]:
+    """Each stage's train and eval graphs as one FSDP unit (fsdp); none otherwise."""
+    if dp is None or not dp.sharded:
+        return {}
+    check_unshared(stages[True])
+    return {i: dp.wrap(gm, stages[False][i]) for i, gm in stages[True].items()}

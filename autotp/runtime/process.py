@@ -41,7 +41,8 @@ def ensure_process_group(world_needed: int, timeout: timedelta | float | None = 
     if world_needed == 1:
         return False
     raise RuntimeSetupError(
-        f"{world_needed} ranks (tp x pp) need {world_needed} processes, but no torch.distributed process group exists. "
+        f"{world_needed} ranks (tp x pp x dp) need {world_needed} processes, but no torch.distributed process group "
+        "exists. "
         f"Launch with `torchrun --nproc-per-node {world_needed} your_script.py`, or call "
         "torch.distributed.init_process_group(...) before autotp.parallelize.")
 
@@ -71,14 +72,15 @@ def first_rank(group, distributed: bool) -> bool:
     return not distributed or dist.get_rank(group) == 0
 
 
-def check_world(group, distributed: bool, tp: int, pp: int = 1) -> None:
-    """The group must have exactly tp × pp ranks."""
-    world = world_size(group, distributed)
-    if world != tp * pp:
-        setting = f"tp={tp}" if pp == 1 else f"tp={tp} x pp={pp}"
+def check_world(group, distributed: bool, tp: int, pp: int = 1, dp: int = 1) -> None:
+    """The group must have exactly tp × pp × dp ranks."""
+    world, needed = world_size(group, distributed), tp * pp * dp
+    if world != needed:
+        used = [(axis, n) for axis, n in (("tp", tp), ("pp", pp), ("dp", dp)) if n > 1 or axis == "tp"]
+        setting, product = " x ".join(f"{a}={n}" for a, n in used), " x ".join(a for a, _ in used)
         raise RuntimeSetupError(
-            f"the process group has {world} ranks but {setting} needs {tp * pp}; autotp needs world size == tp x pp. "
-            f"Launch {tp * pp} processes (torchrun --nproc-per-node {tp * pp}) or change the setting.")
+            f"the process group has {world} ranks but {setting} needs {needed}; autotp needs world size == {product}. "
+            f"Launch {needed} processes (torchrun --nproc-per-node {needed}) or change the setting.")
 
 
 def check_same_plan(plan: Plan, group, distributed: bool) -> None:

@@ -20,6 +20,8 @@ from autotp.rewrite.random import RankStream
 from autotp.rewrite.shards import Part, assemble, segments_or_whole
 from autotp.rewrite.tensor_parallel import Source, Want, own_tensors
 from autotp.runtime.checkpoint import Checkpointing, Holding, holding
+from autotp.runtime.data_parallel import DataParallel, gathered, local
+from autotp.runtime.grad_norm import clip_grad_norm_, is_counted
 from autotp.runtime.inputs import InputSpec
 from autotp.runtime.process import close_at_exit
 
@@ -110,6 +112,13 @@ def state_names(model: nn.Module, captured: Captured, modules, source: Source | 
     return StateNames(captured.state_keys, captured.aliases, captured.param_name, extra)
 
 
+def split_param(plan: Plan, names: StateNames, target: str) -> bool:
+    """Whether the parameter a rank module holds at ``target`` is split over the tensor-parallel ranks."""
+    name = names.param_name(target)
+    placement = plan.placements.get(names.aliases.get(name, name))
+    return placement is not None and placement.is_split and plan.tp > 1
+
+
 def gather_tp(plan: Plan, name: str, local: torch.Tensor, comm: Communicator | None) -> torch.Tensor:
     """The full tensor of parameter ``name`` from every tensor-parallel rank's shard (collective)."""
     placement = plan.placements.get(name)
@@ -125,19 +134,36 @@ class ParallelModule(Checkpointing, nn.Module):
 
     It holds the model's train-mode and eval-mode graphs (sharing one set of shards): ``train()`` and
     ``eval()`` switch dropout and any other mode-dependent op exactly as on the original model.
+    With ``dp`` (data parallelism), ``comm`` is the tensor-parallel group and this module is one replica;
+    under fsdp both graphs run through one FSDP unit (``fsdp_unit``) that shards their parameters over dp.
     """
 
     def __init__(self, graphs: dict[bool, fx.GraphModule], plan: Plan, comm: Communicator | None,
-                 names: StateNames, stream: RankStream, inputs: InputSpec, training: bool):
+                 names: StateNames, stream: RankStream, inputs: InputSpec, training: bool,
+                 dp: DataParallel | None = None):
         super().__init__()
         self.module, self.eval_module = graphs[True], graphs[False]
         self.plan, self.comm = plan, comm
         self.rank = comm.rank if comm is not None else 0
         self._names, self._stream, self._inputs = names, stream, inputs
+        self._dp = dp
+        self.fsdp_unit = dp.wrap(self.module, self.eval_module) if dp is not None else None
         self.train(training)
         close_at_exit(self)
 
-    def _graph(self) -> fx.GraphModule:
+    @property
+    def dp_rank(self) -> int:
+        """This replica's index among the data-parallel replicas: feed it slice ``dp_rank`` of the global batch."""
+        return self._dp.rank if self._dp is not None else 0
+
+    @property
+    def dp_size(self) -> int:
+        """The number of data-parallel replicas (1 without data parallelism)."""
+        return self._dp.size if self._dp is not None else 1
+
+    def _graph(self) -> nn.Module:
+        if self.fsdp_unit is not None:
+            return self.fsdp_unit  # FSDP's hooks unshard before, and reduce-scatter gradients after, either graph
         return self.module if self.training else self.eval_module
 
     def forward(self, *inputs, **kwargs):
@@ -152,10 +178,29 @@ class ParallelModule(Checkpointing, nn.Module):
         The loss is ``loss_fn(output, target)`` (default: cross-entropy of the logits) when ``target`` is
         given; else the model's own (``output.loss``, which a Hugging Face model computes when the inputs
         include ``labels=``; the model must have been captured with labels among its example inputs).
+        With data parallelism each replica passes its own slice of the global batch and gets its own slice's
+        loss; the gradients are averaged over the replicas, so one optimizer step equals a single process's on
+        the whole batch (for a mean-reduced loss over equal slices).
         """
         loss = step_loss(self(*inputs, **kwargs), target, loss_fn)
         loss.backward()
+        self.average_gradients()
         return loss.detach()
+
+    def average_gradients(self) -> None:
+        """Average the gradients over the data-parallel replicas, after a backward of your own under
+        ``dp_mode='replicate'`` (``step`` does it; under fsdp, FSDP's hooks do it during backward)."""
+        if self._dp is not None:
+            self._dp.average_gradients(self.parameters())
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the gradients as ``torch.nn.utils.clip_grad_norm_`` clips the unsharded model's; returns the
+        total norm, the same on every rank (collective: every rank must call it)."""
+        tp_rank, dp_counts = self.rank, self._dp.counts() if self._dp is not None else True
+        pieces = [(local(p.grad), is_counted(split_param(self.plan, self._names, target), tp_rank, dp_counts, True))
+                  for target, p in self.module.named_parameters() if p.grad is not None]
+        group = self.comm.group if self._dp is None and self.comm is not None else None
+        return clip_grad_norm_(pieces, max_norm, norm_type, group, distributed=self.comm is not None)
 
     def manual_seed(self, seed: int) -> None:
         """Restart the random stream of dropout and every other random op at ``seed`` on this rank (call it with
@@ -164,8 +209,9 @@ class ParallelModule(Checkpointing, nn.Module):
         self._stream.manual_seed(seed)
 
     def local_state_dict(self) -> dict[str, torch.Tensor]:
-        """This rank's tensors (shards for split parameters) under the original names."""
-        return self._names.local(self.module)
+        """This rank's tensors (tensor-parallel shards for split parameters, whole over data-parallel
+        replicas) under the original names; collective over dp under fsdp."""
+        return {name: gathered(t) for name, t in self._names.local(self.module).items()}
 
     def _holding(self) -> Holding:
         group = self.comm.group if self.comm is not None else None
@@ -185,3 +231,5 @@ class ParallelModule(Checkpointing, nn.Module):
         """Release the process group this module holds (done at exit); it cannot communicate afterwards."""
         if self.comm is not None and hasattr(self.comm, "close"):
             self.comm.close()
+        if self._dp is not None:
+            self._dp.mesh.close()

@@ -31,7 +31,7 @@ from autotp.capture import capture
 from autotp.errors import AutotpError, InputError, InternalError
 from autotp.tools.exports import Target, export_styles, to_hf_tp_plan, torch_plan_source
 from autotp.tools.model_spec import build_model, example_inputs, parse_overrides, parse_spec
-from autotp.options import Balance
+from autotp.options import Balance, DataParallelMode
 from autotp.planning import Plan, check_plan_fits
 from autotp.tools.report import ParamInfo, param_infos, per_rank_param_bytes, plan_table
 from autotp.tools.viz import (
@@ -109,6 +109,10 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--format", choices=[f.value for f in TextFormat],
                       help="what to print (default: json for -o *.json, torch for -o *.py, else table)")
     plan.add_argument("-o", "--output", metavar="FILE", help="write to FILE instead of stdout")
+    plan.add_argument("--dp", type=_positive, default=1,
+                      help="data-parallel replicas: the table adds their memory per rank and gradient collectives")
+    plan.add_argument("--dp-mode", choices=[m.value for m in DataParallelMode], default=DataParallelMode.FSDP.value,
+                      help="how the replicas hold the model (default fsdp)")
     viz = sub.add_parser("viz", help="draw the plan (svg, png, html, dot) or its pipeline timeline")
     _common(viz)
     viz.add_argument("-o", "--output", metavar="FILE", required=True, help="plan.svg, plan.png, plan.html or plan.dot")
@@ -173,7 +177,8 @@ def load_and_plan(args) -> Planned:
 
 
 def _table(planned: Planned, args) -> str:
-    return plan_table(planned.plan, planned.params, args.batch, args.seq, expand=args.expand)
+    return plan_table(planned.plan, planned.params, args.batch, args.seq, expand=args.expand,
+                      dp=getattr(args, "dp", 1), dp_mode=DataParallelMode(getattr(args, "dp_mode", "fsdp")))
 
 
 def _emit(text: str, output: str | None) -> None:

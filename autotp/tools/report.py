@@ -13,6 +13,7 @@ from torch import nn
 
 from autotp.capture import tensor_aliases
 from autotp.names import block_numbers, block_of, block_pattern, within_any
+from autotp.options import DataParallelMode
 from autotp.passes.steps import CollectiveOp
 from autotp.planning import Collective, Placement, Plan
 
@@ -247,13 +248,34 @@ def _stage_section(plan: Plan, params: dict[str, ParamInfo]) -> list[str]:
             f"imbalance (max/mean): compute {imb['compute']:.3f}, params {imb['params']:.3f}"]
 
 
-def plan_table(plan: Plan, params: dict[str, ParamInfo], batch: int, seq: int, expand: bool = False) -> str:
+def data_parallel_lines(fullest: float, dp: int, mode: DataParallelMode) -> list[str]:
+    """What ``dp`` replicas add per rank and per step, given the fullest rank's parameter bytes (tp x pp).
+
+    fsdp shards parameters and AdamW's two moments over dp, all-gathers parameters before forward and
+    backward and reduce-scatters gradients: 3 (dp-1)/dp of them sent per rank over a ring; replicate keeps
+    them whole and all-reduces gradients: 2 (dp-1)/dp.
+    """
+    share = (dp - 1) / dp
+    if mode is DataParallelMode.FSDP:
+        return [f"  data parallelism (dp={dp}, fsdp): parameters + AdamW moments per rank "
+                f"{human_bytes(3 * fullest / dp)} (vs {human_bytes(3 * fullest)} at dp=1); per step 2 all-gathers of "
+                f"the parameters and 1 reduce-scatter of the gradients over dp: each rank sends "
+                f"{human_bytes(3 * share * fullest)} over a ring"]
+    return [f"  data parallelism (dp={dp}, replicate): parameters + AdamW moments per rank {human_bytes(3 * fullest)} "
+            f"(whole on every replica); per step 1 all-reduce of the gradients over dp: each rank sends "
+            f"{human_bytes(2 * share * fullest)} over a ring"]
+
+
+def plan_table(plan: Plan, params: dict[str, ParamInfo], batch: int, seq: int, expand: bool = False,
+               dp: int = 1, dp_mode: DataParallelMode = DataParallelMode.FSDP) -> str:
     """The plan as text: split modules, collectives per block, stages, totals and notes.
 
-    Rows of identical repeated blocks are merged (``h.[0-11]``) unless ``expand``.
+    Rows of identical repeated blocks are merged (``h.[0-11]``) unless ``expand``. With ``dp`` > 1 the totals
+    add what the data-parallel replicas hold and send (the plan itself is per tp x pp).
     """
     split = sum(p.is_split for p in plan.placements.values())
-    lines = [f"autotp plan for {plan.model or 'model'}: tp={plan.tp}, pp={plan.pp}; "
+    replicas = f", dp={dp} ({dp_mode.value})" if dp > 1 else ""
+    lines = [f"autotp plan for {plan.model or 'model'}: tp={plan.tp}, pp={plan.pp}{replicas}; "
              f"{split}/{len(plan.placements)} parameters split; costs at batch {batch}, seq {seq}", ""]
     lines += _module_section(plan, params, expand) + [""]
     lines += _collective_section(plan, batch, seq, expand) + [""]
@@ -268,5 +290,7 @@ def plan_table(plan: Plan, params: dict[str, ParamInfo], batch: int, seq: int, e
               f"({whole / fullest if fullest else 1:.2f}x less)",
               f"  communication per step (forward + backward): {len(plan.collectives)} collectives, "
               f"{human_bytes(payload)} of tensors; each rank sends {human_bytes(wire)} over a ring"]
+    if dp > 1:
+        lines += data_parallel_lines(fullest, dp, dp_mode)
     lines += [f"  note: {n}" for n in plan.notes]
     return "\n".join(lines)

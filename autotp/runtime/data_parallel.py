@@ -1,0 +1,148 @@
+"""Data parallelism, the mesh's third axis: replicas that each train on their own slice of the global batch.
+
+``fsdp`` hands each rank module to torch's FSDP2 (``fully_shard``) over the dp sub-mesh: parameters,
+gradients and optimizer state are sharded over the replicas, parameters are all-gathered before each
+forward and gradients reduce-scattered (averaged) after backward by FSDP's own hooks. The rewritten graphs
+read their parameters with ``get_attr`` at call time, so FSDP's swap of the sharded parameters for the
+unsharded ones in its pre-forward hook is what they read. ``replicate`` keeps every parameter whole on
+every replica and averages gradients with a bucketed all-reduce after backward, as DDP does.
+
+Either way the gradient is the mean over replicas of each replica's mean-reduced loss gradient: with
+equal slices, exactly the gradient of the mean loss over the concatenated global batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import fx, nn
+from torch.distributed.tensor import DTensor
+
+from autotp.errors import InputError
+from autotp.options import DataParallelMode
+from autotp.runtime.mesh import Mesh
+
+BUCKET_BYTES = 25 * 2**20
+"""Gradients are all-reduced in buckets of about this size (DDP's default): one collective per bucket,
+not per parameter, without one buffer as large as the whole model."""
+
+
+class ShardedUnit(nn.Module):
+    """A rank module's train- and eval-mode graphs, sharded as one FSDP unit.
+
+    The two graphs read one set of tensors; FSDP swaps a shared parameter on every module that holds it
+    only within one unit, so they must be sharded together. ``forward`` runs the graph of the unit's mode.
+    """
+
+    def __init__(self, train_graph: fx.GraphModule, eval_graph: fx.GraphModule):
+        super().__init__()
+        self.train_graph, self.eval_graph = train_graph, eval_graph
+
+    def forward(self, *inputs):
+        """The train- or eval-mode graph's output, as the unit's mode says."""
+        return (self.train_graph if self.training else self.eval_graph)(*inputs)
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of ``tensor``: the local shard of an FSDP DTensor (sharing its storage), else itself."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def gathered(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` whole over the data-parallel replicas (an FSDP shard is all-gathered: collective over dp)."""
+    return tensor.detach().full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+class DataParallel:
+    """How this rank's modules are replicated over ``mesh.dp`` replicas: FSDP2 sharding or gradient all-reduce."""
+
+    def __init__(self, mesh: Mesh, mode: DataParallelMode):
+        self.mesh, self.mode = mesh, mode
+        self.size, self.rank = mesh.dp, mesh.dp_rank
+
+    @property
+    def sharded(self) -> bool:
+        """Whether parameters, gradients and optimizer state are sharded over the replicas (fsdp)."""
+        return self.mode is DataParallelMode.FSDP
+
+    def wrap(self, train_graph: fx.GraphModule, eval_graph: fx.GraphModule) -> ShardedUnit | None:
+        """The FSDP unit running both graphs (fsdp); None under ``replicate``, where the graphs run as they are."""
+        if not self.sharded:
+            return None
+        from torch.distributed.fsdp import fully_shard
+
+        unit = ShardedUnit(train_graph, eval_graph)
+        # Explicitly True: FSDP's default keeps a root's parameters whole after forward until the backward,
+        # so after a forward with no backward (an evaluation, a forward before the optimizer is made)
+        # ``parameters()`` would hand out the whole tensors instead of the shards.
+        fully_shard(unit, mesh=self.mesh.dp_mesh, reshard_after_forward=True)
+        return unit
+
+    def average_gradients(self, params: Iterable[nn.Parameter]) -> None:
+        """Average the gradients of ``params`` over the replicas (``replicate``; FSDP's hooks already did)."""
+        if self.sharded:
+            return
+        grads = [p.grad for p in _unique(params) if p.grad is not None]
+        for bucket in _buckets(grads, BUCKET_BYTES):
+            flat = torch.cat([g.reshape(-1) for g in bucket])
+            dist.all_reduce(flat, group=self.mesh.dp_group)
+            flat.div_(self.size)
+            for grad, part in zip(bucket, flat.split([g.numel() for g in bucket])):
+                grad.copy_(part.view_as(grad))
+
+    def counts(self) -> bool:
+        """Whether this replica's gradients enter a norm over all ranks: each shard under fsdp; under
+        ``replicate`` every replica holds the same whole gradient, so only the first counts it."""
+        return self.sharded or self.rank == 0
+
+
+def _unique(params: Iterable[nn.Parameter]) -> list[nn.Parameter]:
+    seen: dict[int, nn.Parameter] = {}
+    for p in params:
+        seen.setdefault(id(p), p)
+    return list(seen.values())
+
+
+def _buckets(grads: list[torch.Tensor], limit: int) -> Iterator[list[torch.Tensor]]:
+    """Consecutive groups of gradients of one dtype and device, each about ``limit`` bytes at most."""
+    bucket: list[torch.Tensor] = []
+    size = 0
+    for g in grads:
+        nbytes = g.numel() * g.element_size()
+        if bucket and (size + nbytes > limit or g.dtype != bucket[0].dtype or g.device != bucket[0].device):
+            yield bucket
+            bucket, size = [], 0
+        bucket.append(g)
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+@contextlib.contextmanager
+def unsharded(units: Iterable[ShardedUnit]):
+    """The units' parameters whole for the block (a no-grad forward that calls their graphs directly)."""
+    units = list(units)
+    for unit in units:
+        unit.unshard()
+    try:
+        yield
+    finally:
+        for unit in units:
+            unit.reshard()
+
+
+def check_unshared(stage_graphs: dict[int, fx.GraphModule]) -> None:
+    """FSDP shards each pipeline stage as its own unit: two stages on one rank reading one parameter (a
+    weight shared by blocks the pipeline cut apart) cannot both swap it, so refuse before sharding."""
+    owner: dict[int, int] = {}
+    for index, gm in stage_graphs.items():
+        for target, param in gm.named_parameters():
+            first = owner.setdefault(id(param), index)
+            if first != index:
+                raise InputError(f"parameter {target} is read by pipeline stages {first} and {index}, which this rank "
+                                 "both holds; dp_mode='fsdp' shards each stage as its own unit and cannot share a "
+                                 "parameter between two units: use dp_mode='replicate', or cuts= that keep its readers "
+                                 "in one stage")

@@ -1,0 +1,45 @@
+"""Where each rank sits: a (pp × dp × tp) DeviceMesh and the process groups along its axes.
+
+Tensor-parallel ranks are innermost (consecutive global ranks share a tp group, as in Megatron and
+torchtitan: on GPUs they share a node's fast links), data-parallel replicas next, pipeline stages
+outermost. Global rank = (pp_rank · dp + dp_rank) · tp + tp_rank.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+
+AXES = ("pp", "dp", "tp")
+"""The mesh's dimension names, outermost first."""
+
+
+def global_rank(pp_rank: int, dp_rank: int, tp_rank: int, dp: int, tp: int) -> int:
+    """The global rank at mesh position (pp_rank, dp_rank, tp_rank)."""
+    return (pp_rank * dp + dp_rank) * tp + tp_rank
+
+
+class Mesh:
+    """This rank's place in the (pp × dp × tp) grid and the groups along each axis."""
+
+    def __init__(self, pp: int, tp: int, device: torch.device, dp: int = 1):
+        self.pp, self.dp, self.tp = pp, dp, tp
+        self.device = device
+        self.mesh = init_device_mesh(device.type, (pp, dp, tp), mesh_dim_names=AXES)
+        self.tp_group, self.pp_group = self.mesh.get_group("tp"), self.mesh.get_group("pp")
+        self.dp_group = self.mesh.get_group("dp")
+        self.pp_rank, self.tp_rank = self.mesh.get_local_rank("pp"), self.mesh.get_local_rank("tp")
+        self.dp_rank = self.mesh.get_local_rank("dp")
+
+    @property
+    def dp_mesh(self):
+        """The 1-D sub-mesh of this rank's data-parallel replicas (what FSDP shards over)."""
+        return self.mesh["dp"]
+
+    def close(self) -> None:
+        """Drop the references to the mesh's process groups."""
+        self.mesh = self.tp_group = self.pp_group = self.dp_group = None
+
+    def rank_of(self, stage: int) -> int:
+        """Global rank holding pipeline ``stage`` in this rank's (dp, tp) column."""
+        return global_rank(stage % self.pp, self.dp_rank, self.tp_rank, self.dp, self.tp)
