@@ -82,7 +82,7 @@ def _vocab_placements(analysis: Analysis, tp: int, notes: list[str]) -> tuple[di
     if vocab is None or tp == 1:
         return {}, []
     if vocab.vocab_size % tp:
-        notes.append(f"vocabulary of {vocab.vocab_size} is not divisible by tp={tp}: embedding and LM head replicated")
+        notes.append(f"vocabulary of {vocab.vocab_size} is not divisible by tp={tp}: embedding and LM head not split along it")
         return {}, []
     out = {analysis.embeddings[e].weight: Placement(PlacementKind.VOCAB, 0) for e in vocab.embeddings}
     for head in vocab.heads:

@@ -249,7 +249,7 @@ def coverage_table(results: dict[str, dict[int, Result]], families: dict[str, st
              f"({exact_causal / max(len(buildable), 1):.0%}) `exact` at tp={tps[0]}",
              "- `exact`: exact and every matrix the forward uses (at least 64x64; position and token-type tables, "
              "which Megatron keeps whole too, excepted) split, or kept whole by the planner's stated choice "
-             "(`Plan.by_choice`: a transform before the LM head, cheaper whole); `partial`: exact, something "
+             "(`Plan.by_choice`: a transform before the LM head, a mixture-of-experts router); `partial`: exact, something "
              "kept whole (the notes say what and why); `refused`: a clear error; `not buildable`: the tiny config "
              "does not build. Split: the fraction of the parameters the forward reads that are split "
              "(parameters of towers the inputs never reach are not counted).", "",
