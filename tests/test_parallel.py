@@ -23,12 +23,15 @@ def tp4():
 def _expected_counts(result: dict) -> tuple[dict, dict]:
     """Megatron's minimum: per block one all-reduce after attention and one after the MLP (forward,
     Megatron's g) and one before each (backward, f); plus the vocabulary-split embedding's all-reduce
-    and the LM head's f and output all-gather."""
-    blocks = result["blocks"]
-    forward = {"allreduce": 2 * blocks + result["vocab_split"]}
+    and the LM head's f and output all-gather. A projection split alone (BERT's pooler: no column split closes
+    around it) adds its output's all-reduce forward and its input gradient's all-gather backward."""
+    blocks, lone = result["blocks"], result["lone_rows"]
+    forward = {"allreduce": 2 * blocks + result["vocab_split"] + lone}
     backward = {"allreduce": 2 * blocks + result["head_split"]}
     if result["head_split"]:
         forward["allgather"] = 1
+    if lone:
+        backward["allgather"] = lone
     return forward, backward
 
 

@@ -99,6 +99,7 @@ def check_model(name: str, tp: int) -> dict:
         "blocks": sum(r.kind == "attention" for r in pm.plan.regions),
         "vocab_split": any(r.kind == "embedding" for r in pm.plan.regions),
         "head_split": any(r.kind == "lm_head" for r in pm.plan.regions),
+        "lone_rows": sum(r.kind == "row" for r in pm.plan.regions),
         "notes": list(pm.plan.notes),
     }
 
