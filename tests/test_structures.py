@@ -3,7 +3,7 @@
 Mixture-of-experts (a 3-D expert bank), QK-norm across all heads, interleaved rotary with a parallel block,
 encoder-decoders (cross-attention; per-head relative position bias), ``nn.TransformerEncoder``, einsum attention
 with a per-head bias picked by ``gather`` and a projection split alone by its input features, and a Mamba
-mixer (a hand-written plan splitting its depthwise conv1d by channel: autotp's own plan keeps the mixer whole).
+mixer (its depthwise conv1d, scan parameters and time-step projection split by channel).
 Outputs, the loss of 3 AdamW steps and every parameter afterwards agree to 1e-5; each structure's matrices
 are split (checked in the workers, which name what is split when a check fails).
 """
