@@ -151,3 +151,33 @@ def test_a_real_fault_is_not_excused_as_rounding():
     torch.manual_seed(0)
     report = autotp.check(_Sharp(), 2, torch.randn(2, 8, 16), modules_hook=scale_one_rank)
     assert not report.exact and report.rounding is None
+
+
+class _Reverse(torch.autograd.Function):
+    """Gradient reversal: identity forward, negated gradient backward (a custom backward autograd would not give)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return -grad
+
+
+class _Reversed(torch.nn.Module):
+    def __init__(self, d=16):
+        super().__init__()
+        self.a, self.up, self.down = torch.nn.Linear(d, d), torch.nn.Linear(d, 4 * d), torch.nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        return self.down(torch.relu(self.up(_Reverse.apply(self.a(x)))))
+
+
+def test_a_custom_backward_is_named_in_the_plan_and_its_loss_found_by_the_checker():
+    torch.manual_seed(0)
+    model, x = _Reversed(), torch.randn(2, 8, 16)
+    plan = autotp.plan(model, 2, example_inputs=(x,))
+    assert any("_Reverse" in n and "backward" in n for n in plan.notes), plan.notes
+    assert torch.autograd.Function.__dict__["apply"].__func__.__name__ == "apply"  # restored after capture
+    assert not autotp.check(model, 2, (x,)).exact  # the graph has autograd's gradient, not the reversed one

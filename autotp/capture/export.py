@@ -18,7 +18,7 @@ import torch
 from torch import fx, nn
 
 from autotp.capture.inputs import ExampleInputs, Signature, example_inputs_of, require_module
-from autotp.capture.torch_private import is_guard_call, mutated_args, output_spec, plain_sizes
+from autotp.capture.torch_private import applied_functions, is_guard_call, mutated_args, output_spec, plain_sizes
 from autotp.errors import CaptureError, InputError
 from autotp.passes.graph import MUTATES_META, SHAPE_META
 
@@ -58,6 +58,8 @@ class Captured:
     """Every parameter name of the model, tied ones under each of their names."""
     dim_names: dict[str, str] = field(default_factory=dict)
     """Symbol of each dynamic input size (``s72``) -> a readable name (``B``, ``T``)."""
+    custom_functions: tuple[str, ...] = ()
+    """User-defined autograd Functions the forward applies: the graph has their forward, not their backward."""
     example_sizes: dict[str, int] = field(default_factory=dict)
     """Symbol of each dynamic input size -> its value in the example inputs."""
     training: bool = True
@@ -280,10 +282,10 @@ def capture(model: nn.Module, example_inputs, training: bool | None = None) -> C
     example = example_inputs_of(model, example_inputs)
     inputs = example.flat
     wrapper = _CaptureWrapper(model, example, model_kwargs(model))
-    errors = []
+    errors, functions = [], set()
     for dynamic in (True, False):
         try:
-            with _quiet_torch_logs(), _in_mode(model, training):
+            with _quiet_torch_logs(), _in_mode(model, training), applied_functions(functions):
                 gm = _export(wrapper, inputs, dynamic)
             break
         except Exception as e:  # torch.export raises many unrelated types; all mean "could not capture"
@@ -309,4 +311,4 @@ def capture(model: nn.Module, example_inputs, training: bool | None = None) -> C
                     aliases=aliases, dim_names=_dim_names(gm), example_sizes=_example_sizes(gm, inputs),
                     param_names=tuple(n for n, _ in model.named_parameters(remove_duplicate=False)),
                     training=model.training if training is None else training, input_names=example.names,
-                    signature=signature)
+                    signature=signature, custom_functions=tuple(sorted(functions)))

@@ -9,6 +9,8 @@ autotp silently computing something else.
 
 from __future__ import annotations
 
+import contextlib
+
 import sympy
 import torch
 from torch import fx
@@ -61,3 +63,21 @@ def output_spec(module: fx.GraphModule):
 def is_guard_call(node: fx.Node) -> bool:
     """Whether ``node`` calls the export's input-shape guard module."""
     return node.op == "call_module" and node.target == GUARDS_MODULE
+
+
+@contextlib.contextmanager
+def applied_functions(found: set[str]):
+    """Record in ``found`` the user-defined ``torch.autograd.Function`` subclasses applied inside the block: a
+    non-strict ``torch.export`` traces their forward only, so their own backward does not reach the graph."""
+    original = torch.autograd.Function.__dict__["apply"]
+
+    def apply(cls, *args, **kwargs):
+        if not cls.__module__.startswith("torch."):
+            found.add(f"{cls.__module__}.{cls.__qualname__}")
+        return original.__func__(cls, *args, **kwargs)
+
+    torch.autograd.Function.apply = classmethod(apply)
+    try:
+        yield
+    finally:
+        torch.autograd.Function.apply = original

@@ -207,6 +207,11 @@ def make_plan(captured: Captured, tp: int, pp: int = 1, balance: Balance | str =
     valid = _valid_tp(regions)
     chosen = _chosen_whole(analysis, search.unmatched)
     notes: list[str] = [_unmatched_note(analysis, nodes, why, chosen) for nodes, why in search.unmatched]
+    if captured.custom_functions:
+        notes.append(f"the forward applies custom autograd Function(s) {', '.join(captured.custom_functions)}: "
+                     "torch.export keeps their forward only, so training uses autograd's gradient of that forward, "
+                     "not their own backward; autotp.check(model, tp) shows whether that is the same for this model "
+                     "(not for gradient reversal or straight-through estimators)")
     by_target: dict[str, Placement] = {}
     plan_regions: list[Region] = []
     for region in regions:
