@@ -7,6 +7,8 @@ questions about them by name. It takes any captured model that offers the few at
 
 from __future__ import annotations
 
+import functools
+
 from collections.abc import Mapping
 from typing import Protocol
 
@@ -66,10 +68,12 @@ class Analysis:
         """Column→row regions for ``tp`` (LM heads are planned separately)."""
         skip = set(self.vocab.heads) if self.vocab else set()
         return find_regions(self.graph, self.projections, self.embeddings, self.trainable, tp, skip=skip,
-                            whole=set(self.kept_by_choice()))
+                            whole=set(self.chosen_whole))
 
-    def kept_by_choice(self) -> dict[str, str]:
-        """Projections kept whole on purpose (``choices.kept_by_choice``), with why."""
+    @functools.cached_property
+    def chosen_whole(self) -> dict[str, str]:
+        """Projections kept whole on purpose (``choices.kept_by_choice``), with why (found once, read by the
+        region search and the planner)."""
         heads = self.vocab.heads if self.vocab else ()
         found = {n: kept_by_choice(self.nodes[n], self.projections, heads) for n in self.projections}
         return {n: why for n, why in found.items() if why}

@@ -80,3 +80,15 @@ def test_dcp_chunks_of_a_fused_split_reshard(tmp_path):
             local = torch.empty(part.local_shape)
             dcp.load({"model.w": dcp.Sharded.of(local, part)}, tmp_path)
             assert torch.equal(local, part.take(full)), (tp, rank)
+
+
+def test_save_and_load_with_several_replicas_are_refused_with_the_way_out():
+    from autotp.errors import InputError
+    from autotp.runtime.checkpoint import Checkpointing
+
+    class TwoReplicas(Checkpointing):
+        dp_size = 2
+
+    for call in (lambda m: m.save("unused"), lambda m: m.load("unused")):
+        with pytest.raises(InputError, match=r"dp=2 .*checkpoint=PATH\) does load with dp"):
+            call(TwoReplicas())

@@ -43,7 +43,7 @@ def _divisibility_error(analysis: Analysis, region: RegionMatch, tp: int, valid:
 
 def _chosen_whole(analysis: Analysis, unmatched) -> dict[str, str]:
     """Unmatched projections kept whole on purpose (``choices.kept_by_choice``), with why."""
-    chosen = analysis.kept_by_choice()
+    chosen = analysis.chosen_whole
     return {n: chosen[n] for nodes, _ in unmatched for n in nodes if n in chosen}
 
 
