@@ -30,6 +30,11 @@ class Conversion:
     steps: tuple[Step, ...]
     consumers: list[tuple[str, ArgPath]] = field(default_factory=list)
 
+    def by_reader(self, output: str) -> tuple[list[tuple[str, ArgPath]], list[tuple[str, ArgPath]]]:
+        """The consumers inside the graph, and those at the model's output (node ``output``): the rewrite gives
+        the latter their own copy of the steps, which a training step defers."""
+        return ([c for c in self.consumers if c[0] != output], [c for c in self.consumers if c[0] == output])
+
 
 @dataclass(frozen=True)
 class Violation:

@@ -31,6 +31,9 @@ class Operator(str, Enum):
     """Sum the partial lookups of a vocabulary-split embedding: all-reduce forward."""
     MEAN = "mean"
     """Average the ranks' means over their shares of a split dim (a norm's statistic): all-reduce forward."""
+    CROSS_ENTROPY = "cross_entropy"
+    """Cross-entropy of class-split logits: each rank's max, sum of exponentials and target logit, all-gathered
+    forward (Megatron's vocab-parallel cross-entropy; backward local)."""
 
 
 class CollectiveOp(str, Enum):
@@ -64,6 +67,7 @@ COMMUNICATION: dict[Operator, Communication] = {
     Operator.SCATTER: Communication(CollectiveOp.ALL_GATHER, Direction.BACKWARD, at_source=False),
     Operator.VOCAB_EMBEDDING: Communication(CollectiveOp.ALL_REDUCE, Direction.FORWARD, at_source=True),
     Operator.MEAN: Communication(CollectiveOp.ALL_REDUCE, Direction.FORWARD, at_source=True),
+    Operator.CROSS_ENTROPY: Communication(CollectiveOp.ALL_GATHER, Direction.FORWARD, at_source=True),
 }
 
 

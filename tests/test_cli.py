@@ -62,8 +62,9 @@ def test_table_lists_split_modules_collectives_and_totals(capsys, monkeypatch):
     assert "transformer.h.[0-1].mlp.c_fc (x2)     column  [256, 64] + [256]  [128, 64] + [128]" in text
     assert "transformer.wte                       vocab   [128, 64]          [64, 64]" in text
     assert "Collectives per block (bytes at batch 4, seq 16):" in text
-    assert "all_gather  forward   gather           -            BxTx128  32 KiB" in text  # 4*16*128 floats
-    assert "parameter memory per rank:" in text and "communication per step" in text
+    # 4*16*128 floats: forward() gathers the logits; pm.step computes its loss on them split
+    assert "all_gather  forward, not in step  gather           -            BxTx128  32 KiB" in text
+    assert "parameter memory per rank:" in text and "communication per training step" in text
 
 
 def test_json_round_trips_and_equals_planning_in_process(runs):

@@ -101,6 +101,9 @@ class Collective:
     """Shape of the communicated tensor, with ``B``/``T``-style symbols for dynamic sizes."""
     itemsize: int = 4
     """Bytes per element."""
+    in_step: bool = True
+    """Whether a training step (``pm.step``) runs it: False for the gather of a model output, which the step
+    defers (its loss is computed on the split output), while ``forward`` runs it."""
 
     def __post_init__(self):
         object.__setattr__(self, "op", CollectiveOp(self.op))
@@ -119,7 +122,7 @@ class Collective:
     def to_dict(self) -> dict:
         """A JSON-ready dict."""
         return {"op": self.op.value, "direction": self.direction.value, "operator": self.operator.value,
-                "module": self.module, "shape": list(self.shape), "itemsize": self.itemsize}
+                "module": self.module, "shape": list(self.shape), "itemsize": self.itemsize, "in_step": self.in_step}
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from autotp.passes.layout import PlacementKind, Shard
 from autotp.passes.propagate import Propagation
 from autotp.passes.random import random_refusal
 from autotp.passes.regions import RegionKind, RegionMatch
-from autotp.passes.steps import COMMUNICATION
+from autotp.passes.steps import COMMUNICATION, Operator
 from autotp.planning.plan import REPLICATED, Collective, Placement, Plan, Region
 from autotp.planning.stages import plan_stages
 
@@ -156,20 +156,37 @@ def _shape(analysis: Analysis, node_name: str) -> tuple[str, ...]:
     return tuple(readable(d) for d in sizes(analysis.nodes[node_name]))
 
 
-def _collective(analysis: Analysis, operator, value: str, reader: str) -> Collective:
+def _communicated_shape(analysis: Analysis, operator: Operator, value: str) -> tuple[str, ...]:
+    """The shape of what ``operator`` sends for ``value``: the value, except for a vocab-parallel cross-entropy,
+    which sends three statistics (max, sum of exponentials, target logit) per target."""
+    if operator is Operator.CROSS_ENTROPY:
+        return (*_shape(analysis, analysis.nodes[value].args[1].name), "3")
+    return _shape(analysis, value)
+
+
+def _collective(analysis: Analysis, operator: Operator, value: str, reader: str, in_step: bool = True) -> Collective:
     """The collective ``operator`` runs on ``value``, listed at the value or at its ``reader``."""
     comm = COMMUNICATION[operator]
     at = value if comm.at_source else reader
-    return Collective(comm.op, comm.direction, operator, analysis.layer(at), _shape(analysis, value))
+    return Collective(comm.op, comm.direction, operator, analysis.layer(at),
+                      _communicated_shape(analysis, operator, value), in_step=in_step)
 
 
 def _collectives(analysis: Analysis, prop: Propagation) -> list[Collective]:
     """The collectives the rewrite will insert, in graph order, for people and cost models."""
     order = {name: i for i, name in enumerate(analysis.nodes)}
-    found = [(order[conv.source], _collective(analysis, step.operator, conv.source, conv.consumers[0][0]))
-             for conv in prop.conversions.values() for step in conv.steps]
+    found = [(order[conv.source], _collective(analysis, step.operator, conv.source, reader, in_step))
+             for conv in prop.conversions.values() for step in conv.steps
+             for reader, in_step in _readers_by_step(analysis, conv)]
     found += [(order[node], _collective(analysis, operator, node, node)) for node, operator in prop.reduced.items()]
     return [c for _, c in sorted(found, key=lambda item: item[0])]
+
+
+def _readers_by_step(analysis: Analysis, conv) -> list[tuple[str, bool]]:
+    """One reader of ``conv`` per copy the rewrite inserts, with whether a training step runs it: a model
+    output's gather is inserted apart from the one the graph's other readers use, and the step defers it."""
+    inside, outputs = conv.by_reader(analysis.graph.output_node().name)
+    return [*([(inside[0][0], True)] if inside else []), *([(outputs[0][0], False)] if outputs else [])]
 
 
 def param_layouts(analysis: Analysis, placements: Mapping[str, Placement]) -> dict[str, Shard]:

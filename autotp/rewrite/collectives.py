@@ -4,6 +4,8 @@
 ``g`` (ReduceFromTP): all-reduce forward, identity backward; after a row-split projection.
 ``GatherFromTP``: all-gather forward, keep-own-slice backward; when a split value must be whole.
 ``ScatterToTP``: keep-own-slice forward, all-gather backward; when a whole value meets a split one.
+``OutputGather``: a ``GatherFromTP`` at the model's output, which a training step may defer.
+``VocabParallelCrossEntropy``: Megatron's cross-entropy over class-split logits (the logits never gathered).
 
 ``IMPLEMENTATIONS`` maps each ``Operator`` (whose wire behaviour ``autotp.passes.steps.COMMUNICATION``
 describes) to the module that runs it: adding a collective means one entry there and one here.
@@ -127,11 +129,86 @@ class ScatterToTP(_Collective):
         return _Scatter.apply(x, self.dim, self.segments, self.comm, self.blocked)
 
 
+class OutputGather(GatherFromTP):
+    """The gather that makes a split model output whole. A training step that needs only the loss defers it
+    (``runtime.outputs``): while ``deferred`` is a list, the output stays split and is recorded there with this
+    gather, which the step runs only if its loss needs the whole value."""
+
+    deferred: list | None = None
+
+    def forward(self, x):
+        if self.deferred is None:
+            return self.whole(x)
+        self.deferred.append((x, self))
+        return x
+
+    def whole(self, x):
+        """The gathered value (what ``forward`` returns when not deferred)."""
+        return super().forward(x)
+
+
+class _CrossEntropy(torch.autograd.Function):
+    """Per-token cross-entropy over logits split along the last dim (the classes), zero where ignored."""
+
+    @staticmethod
+    def forward(ctx, logits, target, comm, ignore_index):
+        local = logits.shape[-1]
+        offset = target - comm.rank * local
+        valid = target != ignore_index
+        mine = valid & (offset >= 0) & (offset < local)
+        index = offset.clamp(0, local - 1).unsqueeze(-1)
+        picked = logits.gather(-1, index).squeeze(-1).masked_fill(~mine, 0.0)
+        top = logits.amax(-1)
+        total = (logits - top.unsqueeze(-1)).exp().sum(-1)
+        # One all-gather of each rank's (max, sum of exponentials, target logit) gives every rank the whole
+        # log-sum-exp: Megatron's three all-reduces in one collective.
+        tops, totals, picks = torch.stack(comm.all_gather(torch.stack([top, total, picked]))).unbind(1)
+        highest = tops.amax(0)
+        lse = highest + (totals * (tops - highest).exp()).sum(0).log()
+        ctx.save_for_backward(logits, lse, index, mine, valid)
+        return (lse - picks.sum(0)).masked_fill(~valid, 0.0)
+
+    @staticmethod
+    def backward(ctx, grad):
+        # d loss / d logits = softmax - one_hot(target), both on this rank's classes: no communication.
+        logits, lse, index, mine, valid = ctx.saved_tensors
+        out = (logits - lse.unsqueeze(-1)).exp()
+        out.scatter_add_(-1, index, -mine.unsqueeze(-1).to(out.dtype))
+        return out * grad.masked_fill(~valid, 0.0).unsqueeze(-1), None, None, None  # no 0 * inf: torch's zeros
+
+
+MEAN, SUM = 1, 2
+"""``aten.cross_entropy_loss``'s reduction codes (0: none)."""
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, comm: Communicator,
+                                 reduction: int = MEAN, ignore_index: int = -100) -> torch.Tensor:
+    """``F.cross_entropy(logits, target)`` of logits whose class dim (dim 1, or 0 when 1-d) is split evenly
+    over ``comm``'s ranks, in rank order, computed without gathering them: Megatron's vocab-parallel
+    cross-entropy. The mean is over the targets that are not ``ignore_index``, as torch's."""
+    if logits.dim() >= 2:
+        logits = logits.movedim(1, -1)
+    losses = _CrossEntropy.apply(logits, target, comm, ignore_index)
+    if reduction == SUM:
+        return losses.sum()
+    if reduction == MEAN:
+        return losses.sum() / (target != ignore_index).sum().to(losses.dtype)
+    return losses
+
+
+class VocabParallelCrossEntropy(_Collective):
+    """``aten.cross_entropy_loss`` on class-split logits (the rule admits no class weights, no smoothing)."""
+
+    def forward(self, logits, target, weight=None, reduction=MEAN, ignore_index=-100, label_smoothing=0.0):
+        return vocab_parallel_cross_entropy(logits, target, self.comm, reduction, ignore_index)
+
+
 IMPLEMENTATIONS: dict[Operator, Callable[[Communicator, Shard | None], nn.Module]] = {
     Operator.F: lambda comm, shard: CopyToTP(comm),
     Operator.G: lambda comm, shard: ReduceFromTP(comm),
     Operator.VOCAB_EMBEDDING: lambda comm, shard: ReduceFromTP(comm),
     Operator.MEAN: lambda comm, shard: MeanFromTP(comm),
+    Operator.CROSS_ENTROPY: lambda comm, shard: VocabParallelCrossEntropy(comm),
     Operator.GATHER: lambda comm, shard: GatherFromTP(comm, shard.dim, shard.segments, shard.blocks != 1),
     Operator.SCATTER: lambda comm, shard: ScatterToTP(comm, shard.dim, shard.segments, shard.blocks != 1),
 }

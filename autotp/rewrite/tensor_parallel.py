@@ -23,7 +23,7 @@ from autotp.passes.propagate import Conversion, Propagation
 from autotp.passes.steps import Operator
 from autotp.planning.plan import Plan
 from autotp.planning.planner import param_layouts, target_placements
-from autotp.rewrite.collectives import collective_module, masked_embedding
+from autotp.rewrite.collectives import OutputGather, collective_module, masked_embedding
 from autotp.rewrite.comm import Communicator
 from autotp.rewrite.graph_edit import STANDS_FOR, copy_graph_module, set_tensor, with_arg
 from autotp.rewrite.random import RankStream, replace_random_ops
@@ -95,6 +95,13 @@ def materialise(gm: fx.GraphModule, captured: Captured, plan: Plan, rank: int,
     materialise_all([(gm, captured)], plan, rank, made, source)
 
 
+def _output_module(operator: Operator, comm: Communicator, shard) -> nn.Module:
+    """The module making a split model output whole: a gather the runtime may defer."""
+    if operator is not Operator.GATHER:
+        raise InternalError(f"a model output needs {operator.value}, expected a gather")
+    return OutputGather(comm, shard.dim, shard.segments, shard.blocks != 1)
+
+
 class _Surgeon:
     """Applies one propagation result to one rank's graph."""
 
@@ -104,21 +111,36 @@ class _Surgeon:
         self.nodes = {n.name: n for n in self.graph.nodes}
         self.count = 0
 
-    def call_module(self, module: nn.Module, after: fx.Node, args: tuple) -> fx.Node:
+    def add(self, module: nn.Module) -> str:
+        """Add ``module`` to the rank's GraphModule under a new name."""
         name = f"autotp_{type(module).__name__.lower()}_{self.count}"
         self.count += 1
         self.gm.add_submodule(name, module)
+        return name
+
+    def call_module(self, module: nn.Module, after: fx.Node, args: tuple) -> fx.Node:
         with self.graph.inserting_after(after):
-            return self.graph.call_module(name, args)
+            return self.graph.call_module(self.add(module), args)
 
     def convert(self, conv: Conversion) -> None:
-        value = self.nodes[conv.source]
-        for step in conv.steps:
-            value = self.call_module(collective_module(step.operator, self.comm, step.shard), value, (value,))
-        for consumer, path in conv.consumers:
-            if get_arg(self.nodes[consumer], path) is not self.nodes[conv.source]:
-                raise InternalError(f"node {consumer} no longer reads {conv.source} at argument {path}")
+        inside, outputs = conv.by_reader(self.graph.output_node().name)
+        if inside:
+            self.insert_steps(conv.source, conv.steps, inside, collective_module)
+        if outputs:  # a model output's own gather, which a training step may defer
+            self.insert_steps(conv.source, conv.steps, outputs, _output_module)
+
+    def insert_steps(self, source: str, steps, consumers, module_of) -> None:
+        value = self.nodes[source]
+        for step in steps:
+            value = self.call_module(module_of(step.operator, self.comm, step.shard), value, (value,))
+        for consumer, path in consumers:
+            if get_arg(self.nodes[consumer], path) is not self.nodes[source]:
+                raise InternalError(f"node {consumer} no longer reads {source} at argument {path}")
             with_arg(self.nodes[consumer], path, value)
+
+    def replace(self, node: fx.Node, module: nn.Module) -> None:
+        """Run ``module`` in place of ``node``'s op, on the same arguments (a parallel version of the op)."""
+        node.op, node.target = "call_module", self.add(module)
 
     def reduce_after(self, node: fx.Node, operator: Operator, bias: fx.Node | None) -> None:
         """The reduction after ``node`` (Megatron's ``g``); a row-split layer's bias is added once, after it."""
@@ -162,6 +184,8 @@ class _Surgeon:
             node = self.nodes[name]
             if reduction is Operator.VOCAB_EMBEDDING:
                 self.embedding(node, self.analysis.embeddings[name].num_embeddings)
+            elif reduction is Operator.CROSS_ENTROPY:
+                self.replace(node, collective_module(reduction, self.comm))
             elif name in self.analysis.projections:
                 self.row(node, self.analysis.projections[name])
             else:

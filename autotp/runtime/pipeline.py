@@ -29,7 +29,8 @@ from autotp.runtime.inputs import InputSpec
 from autotp.runtime.mesh import Mesh, global_rank
 from autotp.runtime.process import close_at_exit
 from autotp.runtime.checkpoint import Checkpointing, Holding, holding
-from autotp.runtime.tensor_parallel import StateNames, checked_loss, default_loss, gather_tp, split_param
+from autotp.runtime.outputs import SplitOutputs, deferred, output_gathers
+from autotp.runtime.tensor_parallel import StateNames, gather_tp, split_param, step_loss
 
 
 def tied_groups(stage_graphs: list[fx.GraphModule], mesh: Mesh) -> dict[str, object]:
@@ -93,7 +94,10 @@ class PipelineModule(Checkpointing, nn.Module):
         self._pipeline_stages = [PipelineStage(self._units.get(i, m), i, self.num_stages, mesh.device,
                                                group=mesh.pp_group) for i, m in stages[True].items()]
         self._schedule = None
-        self._loss_fn: Callable = default_loss
+        self._loss_fn: Callable | None = None
+        self._output_gathers = output_gathers(self.stages.values())
+        self._split: SplitOutputs | None = None
+        """The outputs the running step left split (its last stage's output gathers are deferred)."""
         self.train(training)
         close_at_exit(self)
 
@@ -120,7 +124,7 @@ class PipelineModule(Checkpointing, nn.Module):
         def flat_loss(output, target):
             # The last stage returns the model's outputs flattened; the user's loss sees them as the model's.
             leaves = [output] if isinstance(output, torch.Tensor) else list(output)  # 1-tuples arrive unwrapped
-            return checked_loss(self._loss_fn(tree_unflatten(leaves, self._out_spec), target))
+            return step_loss(tree_unflatten(leaves, self._out_spec), target, self._loss_fn, self._split)
 
         if self.schedule is Schedule.INTERLEAVED_1F1B:
             return ScheduleInterleaved1F1B(self._pipeline_stages, self.microbatches, loss_fn=flat_loss)
@@ -146,14 +150,15 @@ class PipelineModule(Checkpointing, nn.Module):
         _refuse_own_loss(target, kwargs)
         inputs = self._inputs.arrange(inputs, kwargs)
         self._check_batch(inputs)
-        self._loss_fn = loss_fn or default_loss
-        if self._schedule is None:
-            self._schedule = self._make_schedule()
-        schedule = self._schedule
+        self._loss_fn = loss_fn
         losses: list[torch.Tensor] = []
         args = inputs if self.holds_first else ()
         kwargs = {"target": target, "losses": losses} if self.holds_last else {}
-        schedule.step(*args, **kwargs)
+        with deferred(self._output_gathers) as self._split:
+            if self._schedule is None:
+                self._schedule = self._make_schedule()
+            self._schedule.step(*args, **kwargs)
+        self._split = None
         if self._dp is not None:
             self._dp.average_gradients(self.parameters())
         self._sum_tied_grads()

@@ -23,15 +23,8 @@ from autotp.runtime.checkpoint import Checkpointing, Holding, holding
 from autotp.runtime.data_parallel import DataParallel, gathered, local
 from autotp.runtime.grad_norm import clip_grad_norm_, is_counted
 from autotp.runtime.inputs import InputSpec
+from autotp.runtime.outputs import SplitOutputs, default_loss, deferred, output_gathers, user_loss
 from autotp.runtime.process import close_at_exit
-
-
-def default_loss(output, target: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy of the logits (``output.logits`` for Hugging Face outputs) against ``target``."""
-    logits = getattr(output, "logits", output)
-    if isinstance(logits, (tuple, list)):
-        logits = logits[0]
-    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
 
 
 def model_loss(output) -> torch.Tensor | None:
@@ -41,11 +34,14 @@ def model_loss(output) -> torch.Tensor | None:
     return getattr(output, "loss", None)
 
 
-def step_loss(output, target: torch.Tensor | None, loss_fn: Callable | None) -> torch.Tensor:
+def step_loss(output, target: torch.Tensor | None, loss_fn: Callable | None,
+              split: SplitOutputs | None = None) -> torch.Tensor:
     """The loss ``step`` trains on: ``loss_fn`` (default: cross-entropy) against ``target`` when given, else the
-    model's own loss (computed from ``labels`` inside the model)."""
+    model's own (computed from ``labels`` inside the model). ``split``: the outputs the step left split."""
     if target is not None:
-        return checked_loss((loss_fn or default_loss)(output, target))
+        if loss_fn is None:
+            return checked_loss(default_loss(output, target, split))
+        return checked_loss(user_loss(loss_fn, output, target, split))
     if loss_fn is not None:
         raise InputError("loss_fn is called as loss_fn(output, target), but no target= was given; pass target=")
     loss = model_loss(output)
@@ -148,6 +144,7 @@ class ParallelModule(Checkpointing, nn.Module):
         self._names, self._stream, self._inputs = names, stream, inputs
         self._dp = dp
         self.fsdp_unit = dp.wrap(self.module, self.eval_module) if dp is not None else None
+        self._output_gathers = output_gathers([self.module, self.eval_module])
         self.train(training)
         close_at_exit(self)
 
@@ -182,7 +179,8 @@ class ParallelModule(Checkpointing, nn.Module):
         loss; the gradients are averaged over the replicas, so one optimizer step equals a single process's on
         the whole batch (for a mean-reduced loss over equal slices).
         """
-        loss = step_loss(self(*inputs, **kwargs), target, loss_fn)
+        with deferred(self._output_gathers) as split:
+            loss = step_loss(self(*inputs, **kwargs), target, loss_fn, split)
         loss.backward()
         self.average_gradients()
         return loss.detach()

@@ -193,10 +193,16 @@ def per_rank_param_bytes(plan: Plan, params: dict[str, ParamInfo]) -> float:
     return max(param_bytes(plan, params, names)[0] for names in stage_params(plan, params))
 
 
+def step_collectives(plan: Plan) -> list[Collective]:
+    """The collectives a training step runs (all but the deferred gathers of model outputs)."""
+    return [c for c in plan.collectives if c.in_step]
+
+
 def step_bytes(plan: Plan, batch: int, seq: int) -> tuple[float, float]:
-    """(payload bytes of every collective in one forward+backward step, bytes each rank sends over a ring)."""
-    payload = sum(collective_bytes(c, batch, seq) or 0 for c in plan.collectives)
-    wire = sum(ring_bytes(c, plan.tp, batch, seq) or 0 for c in plan.collectives)
+    """(payload bytes of every collective in one training step, forward and backward, bytes each rank sends over
+    a ring). The gathers of model outputs are not in it: ``pm.step`` computes its loss on the split outputs."""
+    payload = sum(collective_bytes(c, batch, seq) or 0 for c in step_collectives(plan))
+    wire = sum(ring_bytes(c, plan.tp, batch, seq) or 0 for c in step_collectives(plan))
     return payload, wire
 
 
@@ -221,7 +227,8 @@ def _collective_section(plan: Plan, batch: int, seq: int, expand: bool) -> list[
         by_block.setdefault(block_of(c.module) or c.module, []).append(c)
     keyed = []
     for block, items in by_block.items():
-        rel = tuple((c.op.value, c.direction.value, c.operator.value, c.module.removeprefix(block).lstrip(".") or "-",
+        rel = tuple((c.op.value, c.direction.value if c.in_step else "forward, not in step",
+                     c.operator.value, c.module.removeprefix(block).lstrip(".") or "-",
                      "x".join(c.shape), human_bytes(collective_bytes(c, batch, seq))) for c in items)
         keyed.append((block, rel))
     entries = [(n, p, 1) for n, p in keyed] if expand else collapse_names(keyed)
@@ -288,7 +295,7 @@ def plan_table(plan: Plan, params: dict[str, ParamInfo], batch: int, seq: int, e
     lines += ["Totals:",
               f"  parameter memory per rank: {human_bytes(fullest)}{where} vs {human_bytes(whole)} unsharded "
               f"({whole / fullest if fullest else 1:.2f}x less)",
-              f"  communication per step (forward + backward): {len(plan.collectives)} collectives, "
+              f"  communication per training step (forward + backward): {len(step_collectives(plan))} collectives, "
               f"{human_bytes(payload)} of tensors; each rank sends {human_bytes(wire)} over a ring"]
     if dp > 1:
         lines += data_parallel_lines(fullest, dp, dp_mode)

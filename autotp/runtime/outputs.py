@@ -1,0 +1,90 @@
+"""Model outputs a training step leaves split: the loss is computed on the shards where it can be.
+
+A rank graph makes every split output whole (an ``OutputGather``). ``forward`` keeps that; a training step
+defers those gathers, because it needs only a loss: the model's own (already whole, computed inside the
+graph), Megatron's vocab-parallel cross-entropy of the vocabulary-split logits (the default loss: the B×T×V
+logits are never gathered), or a user's ``loss_fn``, for which the outputs are gathered after all.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_map_only
+
+from autotp.errors import InputError
+from autotp.rewrite.collectives import OutputGather, vocab_parallel_cross_entropy
+
+
+class SplitOutputs:
+    """The outputs one deferred run left split, each with the gather that would make it whole."""
+
+    def __init__(self):
+        self.recorded: list[tuple[torch.Tensor, OutputGather]] = []
+
+    def gather_of(self, value: torch.Tensor) -> OutputGather | None:
+        """The deferred gather of ``value`` (the tensor itself, or a detached alias of it), or None if whole."""
+        for split, gather in self.recorded:
+            if value is split or (value.data_ptr() == split.data_ptr() and value.shape == split.shape):
+                return gather
+        return None
+
+    def whole(self, output):
+        """``output`` (any nest of tensors) with every split tensor gathered, as ``forward`` returns it."""
+        def gathered(value: torch.Tensor) -> torch.Tensor:
+            gather = self.gather_of(value)
+            return value if gather is None else gather.whole(value)
+        return tree_map_only(torch.Tensor, gathered, output)
+
+
+def output_gathers(modules: Iterable[nn.Module]) -> list[OutputGather]:
+    """The output gathers of ``modules`` (rank graphs or pipeline stages)."""
+    return [m for root in modules for m in root.modules() if isinstance(m, OutputGather)]
+
+
+@contextmanager
+def deferred(gathers: list[OutputGather]):
+    """Within: the outputs of runs of the graphs holding ``gathers`` stay split; yields their record."""
+    split = SplitOutputs()
+    for gather in gathers:
+        gather.deferred = split.recorded
+    try:
+        yield split
+    finally:
+        for gather in gathers:
+            gather.deferred = None
+
+
+def logits_of(output) -> torch.Tensor:
+    """The logits of a model's output: ``output.logits`` (Hugging Face), the first of a tuple, or the output."""
+    logits = getattr(output, "logits", output)
+    if isinstance(logits, dict):
+        logits = logits.get("logits")
+    if isinstance(logits, (tuple, list)):
+        logits = logits[0]
+    if not isinstance(logits, torch.Tensor):
+        raise InputError(f"the default loss is the cross-entropy of the logits, but the model's output is a "
+                         f"{type(output).__name__} with no logits; pass loss_fn=")
+    return logits
+
+
+def default_loss(output, target: torch.Tensor, split: SplitOutputs | None = None) -> torch.Tensor:
+    """Cross-entropy of the logits against ``target`` (mean over every token). Logits left split along the
+    vocabulary are not gathered: Megatron's vocab-parallel cross-entropy computes the same loss from the
+    shards."""
+    logits = logits_of(output)
+    flat_logits, flat_target = logits.reshape(-1, logits.shape[-1]), target.reshape(-1)
+    gather = split.gather_of(logits) if split is not None else None
+    if gather is not None and gather.dim == logits.dim() - 1 and len(gather.segments) == 1 and not gather.blocked:
+        return vocab_parallel_cross_entropy(flat_logits, flat_target, gather.comm)
+    if gather is not None:
+        flat_logits = split.whole(logits).reshape(flat_logits.shape[0], -1)
+    return nn.functional.cross_entropy(flat_logits, flat_target)
+
+
+def user_loss(loss_fn: Callable, output, target: torch.Tensor, split: SplitOutputs | None) -> torch.Tensor:
+    """``loss_fn`` on the output as the model returns it: every split output gathered first."""
+    return loss_fn(split.whole(output) if split is not None else output, target)

@@ -1,0 +1,96 @@
+"""Per-rank bodies of the loss-parallel tests on gloo: a training step computes its cross-entropy on the
+vocabulary-split logits (Megatron's vocab-parallel loss) and never gathers them, exactly."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.testing import assert_close
+
+import autotp
+from tests import models
+from tests.inputs_workers import hf_llama, padded_batch
+from tests.workers import ADAM, STEPS
+
+
+class GatherSizes:
+    """Records the number of elements each rank contributes to every all-gather while active."""
+
+    def __init__(self):
+        self.sizes: list[int] = []
+        self._original = dist.all_gather
+
+    def __enter__(self):
+        def recording(parts, x, *args, **kwargs):
+            self.sizes.append(x.numel())
+            return self._original(parts, x, *args, **kwargs)
+        dist.all_gather = recording
+        return self
+
+    def __exit__(self, *exc):
+        dist.all_gather = self._original
+
+
+def _train(pm, ref, run_pm, ref_loss) -> float:
+    """STEPS AdamW steps of both; every loss equal; the largest parameter error afterwards."""
+    opt, ref_opt = torch.optim.AdamW(pm.parameters(), **ADAM), torch.optim.AdamW(ref.parameters(), **ADAM)
+    for _ in range(STEPS):
+        loss, want = run_pm(), ref_loss()
+        want.backward()
+        assert_close(loss, want.detach(), rtol=1e-5, atol=1e-6)
+        opt.step(), ref_opt.step()
+        opt.zero_grad(), ref_opt.zero_grad()
+    full, worst = pm.full_state_dict(), 0.0
+    for key, value in ref.state_dict().items():
+        assert_close(full[key], value, rtol=1e-5, atol=1e-5, msg=lambda m: f"{key} after AdamW: {m}")
+        worst = max(worst, float((full[key] - value).abs().max()))
+    return worst
+
+
+def default_loss(rank: int, world: int) -> dict:
+    """``pm.step(x, target=y)`` trains on the vocab-parallel cross-entropy: its only all-gather is of three
+    numbers per token, not of the B×T×V logits that ``forward`` gathers."""
+    ref = models.build("gpt")
+    x, y = models.tokens(3, 10, 1), models.tokens(3, 10, 2)
+    pm = autotp.parallelize(ref, tp=world, example_inputs=x)
+    with GatherSizes() as in_forward:
+        pm(x)
+    with GatherSizes() as in_step:
+        pm.step(x, target=y)
+    for p in pm.parameters():
+        p.grad = None
+    error = _train(pm, ref, lambda: pm.step(x, target=y), lambda: models.loss_fn(ref(x), y))
+    return {"forward": in_forward.sizes, "step": in_step.sizes, "error": error}
+
+
+def user_loss(rank: int, world: int) -> dict:
+    """A ``loss_fn`` of the user's sees the whole logits (gathered for it) and trains exactly."""
+    ref = models.build("gpt")
+    x, y = models.tokens(2, 8, 3), models.tokens(2, 8, 4)
+    pm = autotp.parallelize(ref, tp=world, example_inputs=x)
+
+    def smoothed(logits, target):
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten(), label_smoothing=0.1)
+
+    error = _train(pm, ref, lambda: pm.step(x, target=y, loss_fn=smoothed), lambda: smoothed(ref(x), y))
+    return {"error": error}
+
+
+def own_loss(rank: int, world: int) -> dict:
+    """A Hugging Face model's own loss (``labels=``, padded with -100) is computed on the split logits inside
+    the graph: no logits gather in the step."""
+    batch = padded_batch("right")
+    torch.manual_seed(0)
+    ref = hf_llama()
+    pm = autotp.parallelize(ref, tp=world, example_inputs=batch)
+    with GatherSizes() as in_step:
+        pm.step(**batch)
+    for p in pm.parameters():
+        p.grad = None
+    error = _train(pm, ref, lambda: pm.step(**batch), lambda: ref(**batch, use_cache=False).loss)
+    return {"step": in_step.sizes, "error": error}
+
+
+def loss_parallel_on_ranks(rank: int, world: int) -> dict:
+    """Every gloo check of the loss-parallel tests in one spawned group."""
+    return {"default": default_loss(rank, world), "user": user_loss(rank, world), "own": own_loss(rank, world)}

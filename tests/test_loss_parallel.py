@@ -1,0 +1,108 @@
+"""Loss parallel: the cross-entropy of vocabulary-split logits is computed on the shards (Megatron's
+vocab-parallel cross-entropy), in the graph (a model's own loss) and in ``pm.step`` (the default loss)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+import autotp
+from autotp.passes.steps import Operator
+from autotp.rewrite.collectives import vocab_parallel_cross_entropy
+from autotp.rewrite.comm import ThreadComm
+from tests import models
+from tests.distributed import run_on_ranks
+from tests.inputs_workers import hf_llama, padded_batch
+from tests.loss_workers import loss_parallel_on_ranks
+
+
+def _on_threads(tp: int, body) -> list:
+    """``body(comm)`` on ``tp`` simulated ranks (threads); their results in rank order."""
+    comms, results, errors = ThreadComm.group(tp), [None] * tp, []
+
+    def run(rank):
+        try:
+            results[rank] = body(comms[rank])
+        except Exception as e:  # re-raised below, in the test's thread
+            errors.append(e)
+            comms[rank].abort()
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(tp)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    if errors:
+        raise errors[0]
+    return results
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("shape", [(12, 16), (16,), (3, 16, 5)])
+@pytest.mark.parametrize("reduction", [0, 1, 2])
+def test_vocab_parallel_cross_entropy_equals_torchs(tp, shape, reduction):
+    gen = torch.Generator().manual_seed(0)
+    logits = (torch.randn(shape, generator=gen, dtype=torch.float64) * 4).requires_grad_()
+    classes = 1 if len(shape) > 1 else 0
+    target_shape = shape[:1] + shape[2:] if len(shape) > 1 else ()
+    target = torch.randint(0, shape[classes], target_shape, generator=gen)
+    ignore = 3  # a real class, ignored where the target names it
+    if target.dim():
+        target.view(-1)[::4] = ignore
+    weights = torch.randn(torch.nn.functional.cross_entropy(logits, target, reduction="none").shape,
+                          generator=gen, dtype=torch.float64)
+    mode = ["none", "mean", "sum"][reduction]
+    want = torch.nn.functional.cross_entropy(logits, target, reduction=mode, ignore_index=ignore)
+    (want * weights if reduction == 0 else want).sum().backward()
+    local = shape[classes] // tp
+
+    def rank_loss(comm):
+        mine = logits.detach().narrow(classes, comm.rank * local, local).clone().requires_grad_()
+        loss = vocab_parallel_cross_entropy(mine, target, comm, reduction, ignore)
+        (loss * weights if reduction == 0 else loss).sum().backward()
+        return loss.detach(), mine.grad
+
+    results = _on_threads(tp, rank_loss)
+    for loss, _ in results:
+        torch.testing.assert_close(loss, want.detach(), rtol=1e-12, atol=1e-12, equal_nan=True)
+    torch.testing.assert_close(torch.cat([g for _, g in results], classes), logits.grad, rtol=1e-12, atol=1e-12, equal_nan=True)
+
+
+def test_a_models_own_loss_is_planned_on_the_split_logits():
+    batch = padded_batch("right")
+    plan = autotp.plan(hf_llama(), tp=2, example_inputs=batch)
+    by_operator = {c.operator: c for c in plan.collectives}
+    assert by_operator[Operator.CROSS_ENTROPY].shape[-1] == "3"  # three statistics per target
+    (logits_gather,) = [c for c in plan.collectives if c.operator is Operator.GATHER]
+    assert not logits_gather.in_step  # forward() gathers the logits; a training step does not
+
+
+class _SmoothedLM(nn.Module):
+    """A loss the vocab-parallel cross-entropy does not cover (label smoothing): the logits are gathered."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.head = nn.Embedding(64, 32), nn.Linear(32, 64)
+
+    def forward(self, ids, labels):
+        logits = self.head(self.embed(ids))
+        return nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), label_smoothing=0.1)
+
+
+def test_a_loss_outside_the_rule_gathers_the_logits_and_stays_exact():
+    ids = models.tokens(2, 6, 0) % 64
+    plan = autotp.plan(_SmoothedLM(), tp=2, example_inputs=(ids, ids))
+    assert Operator.CROSS_ENTROPY not in {c.operator for c in plan.collectives}
+    assert any(c.operator is Operator.GATHER and c.in_step for c in plan.collectives)
+    assert autotp.check(_SmoothedLM(), tp=2, example_inputs=(ids, ids)).exact
+
+
+def test_training_never_gathers_the_logits_on_two_ranks():
+    results = run_on_ranks(loss_parallel_on_ranks, 2)
+    for r in results:
+        default, own = r["default"], r["own"]
+        assert default["forward"] == [3 * 10 * models.VOCAB // 2]  # forward() gathers this rank's logits
+        assert default["step"] == [3 * 3 * 10]  # the step: max, sum of exponentials, target logit per token
+        assert own["step"] == [3 * 4 * 12]  # padded HF batch of 4 x 12 (labels shifted inside the model)
+        assert max(default["error"], r["user"]["error"], own["error"]) < 1e-5
