@@ -101,21 +101,35 @@ def count_step(forward: Callable[[], torch.Tensor], loss_fn: Callable[[torch.Ten
     return result
 
 
-def megatron_minimum(shape: ModelShape, itemsize: int) -> dict[str, dict]:
-    """Megatron's collectives for one step of examples.gpt's GPT, vocabulary split, logits gathered.
+def megatron_minimum(shape: ModelShape, itemsize: int, vocab_parallel_loss: bool = True) -> dict[str, dict]:
+    """Megatron's collectives for one training step of examples.gpt's GPT, vocabulary split.
 
-    Forward: one all-reduce after each attention and MLP (g), one after the vocabulary-split embedding,
-    and one all-gather of the logits. Backward: one all-reduce before each attention and MLP (f) and
-    one before the LM head. Every all-reduce carries a (B, T, D) tensor, the gather (B, T, V).
+    Forward: one all-reduce after each attention and MLP (g), one after the vocabulary-split embedding, and
+    the loss: Megatron's vocab-parallel cross-entropy all-reduces three (B, T) statistics (the max, the sum
+    of exponentials, the target logit); without it (``vocab_parallel_loss=False``, as inference does) one
+    all-gather of the (B, T, V) logits. Backward: one all-reduce before each attention and MLP (f) and one
+    before the LM head. Every other all-reduce carries a (B, T, D) tensor.
     """
     act = shape.batch * shape.seq * shape.n_embd * itemsize
-    logits = shape.batch * shape.seq * shape.vocab_size * itemsize
     reduces = 2 * shape.n_layer + 1
-    return {
-        "forward": {"all_reduce": {"count": reduces, "bytes": reduces * act},
-                    "all_gather": {"count": 1, "bytes": logits}},
-        "backward": {"all_reduce": {"count": reduces, "bytes": reduces * act}},
-    }
+    forward = {"all_reduce": {"count": reduces, "bytes": reduces * act}}
+    if vocab_parallel_loss:
+        forward["all_reduce"] = {"count": reduces + 3, "bytes": reduces * act + 3 * shape.batch * shape.seq * itemsize}
+    else:
+        forward["all_gather"] = {"count": 1, "bytes": shape.batch * shape.seq * shape.vocab_size * itemsize}
+    return {"forward": forward, "backward": {"all_reduce": {"count": reduces, "bytes": reduces * act}}}
+
+
+def count_calls(run: Callable[[], object]) -> dict[str, dict]:
+    """Collectives of ``run()`` (a whole training step such as ``pm.step``: forward and backward together),
+    by collective: ``{all_reduce: {count, bytes}, ...}``; the two counters must agree."""
+    with _counting() as (debug, nbytes):
+        run()
+    tally = _tally(nbytes.events)
+    counted = {k: v["count"] for k, v in tally.items()}
+    if counted != _debug_counts(debug):
+        raise RuntimeError(f"CommDebugMode counted {_debug_counts(debug)}, CommBytes {counted}")
+    return tally
 
 
 def totals(step: dict[str, dict]) -> dict:

@@ -111,4 +111,4 @@ def memory_section(rank: int, tpg: TPGroup, cfg: BenchConfig) -> dict:
     # Last: its AdamW step changes the model the variants above were built from.
     results["single"] = measure_step(model, x, y, cfg, count=False)
     return {"shape": shape.describe(), "tp": len(tpg.ranks), "pp": cfg.pp, "rank": rank, "per_variant": results,
-            "comm_minimum": comm.megatron_minimum(shape, torch.finfo(cfg.torch_dtype).bits // 8)}
+            "comm_minimum": comm.megatron_minimum(shape, torch.finfo(cfg.torch_dtype).bits // 8, vocab_parallel_loss=False)}

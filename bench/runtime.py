@@ -91,7 +91,7 @@ def runtime_section(rank: int, r: Roles, tpg: TPGroup, cfg: BenchConfig, time_st
     samples = time_alternating(variants, rank, x, y, cfg) if time_steps else {}
     return found | {
         "shape": shape.describe(),
-        "comm_minimum": comm.megatron_minimum(shape, torch.finfo(cfg.torch_dtype).bits // 8),
+        "comm_minimum": comm.megatron_minimum(shape, torch.finfo(cfg.torch_dtype).bits // 8, vocab_parallel_loss=False),
         "threads": {name: r.threads[min(v.ranks)] for name, v in variants.items()},
         "times": {name: summary(s) for name, s in samples.items() if name != "load"},
         "load_average": summary(samples["load"]) if samples else None,

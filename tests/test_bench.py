@@ -68,10 +68,12 @@ def test_quick_json_has_the_pipeline_measurements(quick_run):
 
 def test_megatron_minimum_counts_and_bytes():
     shape = ModelShape(n_layer=3, n_head=2, n_embd=8, vocab_size=32, batch=2, seq=5)
-    low = megatron_minimum(shape, itemsize=4)
+    low = megatron_minimum(shape, itemsize=4, vocab_parallel_loss=False)
     assert low["forward"]["all_reduce"] == {"count": 7, "bytes": 7 * 2 * 5 * 8 * 4}
     assert low["forward"]["all_gather"] == {"count": 1, "bytes": 2 * 5 * 32 * 4}
     assert low["backward"]["all_reduce"]["count"] == 7
+    trained = megatron_minimum(shape, itemsize=4)  # the loss's three statistics per token, no logits
+    assert trained["forward"] == {"all_reduce": {"count": 10, "bytes": 7 * 2 * 5 * 8 * 4 + 3 * 2 * 5 * 4}}
 
 
 def test_helpers():
