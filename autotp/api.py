@@ -13,9 +13,10 @@ from torch import nn
 
 from autotp.capture import Captured, ExampleInputs, capture, example_inputs_of
 from autotp.errors import InputError
-from autotp.options import Balance, DataParallelMode, Schedule
+from autotp.options import Balance, DataParallelMode, Schedule, VocabChoice
 from autotp.passes.analysis import Analysis
 from autotp.planning import Plan, check_plan_fits, make_plan
+from autotp.planning.choose import Choices, machine_for, parse_bytes
 from autotp.planning.planner import verify_plan
 from autotp.rewrite import Source, build_graph, materialise_all, split_stages
 from autotp.rewrite.comm import TorchComm
@@ -55,13 +56,20 @@ def _choice(kind, name: str, value):
         raise InputError(f"{name} must be one of {[c.value for c in kind]}, got {value!r}") from e
 
 
+def choices_of(vocab: str, memory_budget, device) -> Choices:
+    """What the planner may choose (``vocab``, ``memory_budget``), priced for ranks on ``device`` (None: this
+    process's kind)."""
+    return Choices(_choice(VocabChoice, "vocab", vocab), parse_bytes(memory_budget), machine_for(device))
+
+
 def with_input_note(chosen: Plan, example: ExampleInputs) -> Plan:
     """``chosen``, noting that its example inputs were synthesised (the plan was made from guessed inputs)."""
     return chosen.replace(notes=(*chosen.notes, example.synthesised)) if example.synthesised else chosen
 
 
 def plan(model: nn.Module, tp: int, example_inputs=None, pp: int = 1, balance: str = "both",
-         batch: int | None = None, seq: int | None = None, cuts=(), virtual_stages: int = 1) -> Plan:
+         batch: int | None = None, seq: int | None = None, cuts=(), virtual_stages: int = 1, vocab: str = "auto",
+         memory_budget: int | str | None = None) -> Plan:
     """The plan for ``model`` at ``tp`` tensor- and ``pp`` pipeline-parallel ranks, with no process group.
 
     ``example_inputs`` is what the model is captured on: a tensor, a tuple of positional tensors, or a dict of
@@ -69,12 +77,15 @@ def plan(model: nn.Module, tp: int, example_inputs=None, pp: int = 1, balance: s
     the model's vocabulary (``config.vocab_size``, else its largest embedding) and the plan's notes say so.
     Stage costs are evaluated at ``batch``/``seq`` (default: the example's); ``cuts`` names modules that
     must start a stage; ``virtual_stages`` > 1 plans pp × virtual_stages stages (interleaved schedules).
+    ``vocab`` is ``auto`` (split the embedding and LM head along the vocabulary where the cost model finds
+    that faster at ``batch``/``seq``, or where whole they would not fit ``memory_budget``: bytes per rank for
+    parameters, gradients and AdamW moments, e.g. ``"40GiB"``), ``split`` (always, as Megatron) or ``whole``.
     """
     tp, pp = _check_positive("tp", tp), _check_positive("pp", pp)
     stages = pp * _check_positive("virtual_stages", virtual_stages)
     example = example_inputs_of(model, example_inputs)
     chosen = make_plan(capture(model, example), tp, pp=pp, balance=_choice(Balance, "balance", balance), batch=batch,
-                       seq=seq, cuts=tuple(cuts), stages=stages)
+                       seq=seq, cuts=tuple(cuts), stages=stages, choices=choices_of(vocab, memory_budget, None))
     return with_input_note(chosen, example)
 
 
@@ -83,7 +94,7 @@ def parallelize(model: nn.Module, tp: int | None = None, example_inputs=None, pp
                 microbatches: int | None = None, schedule: str = "1f1b", balance: str = "both", cuts=(),
                 virtual_stages: int | None = None, timeout: float | timedelta | None = None,
                 checkpoint: str | os.PathLike | None = None, quiet: bool = False, dp: int = 1,
-                dp_mode: str = "fsdp"):
+                dp_mode: str = "fsdp", vocab: str = "auto", memory_budget: int | str | None = None):
     """This rank's piece of ``model``, tensor-parallel over ``tp`` ranks, pipelined over ``pp`` and replicated
     over ``dp`` data-parallel replicas (ranks on a (pp, dp, tp) mesh, tp innermost).
 
@@ -106,6 +117,7 @@ def parallelize(model: nn.Module, tp: int | None = None, example_inputs=None, pp
     With ``dp`` > 1 each replica (``pm.dp_rank`` of ``pm.dp_size``) trains on its own slice of the global batch
     and gradients are averaged over the replicas; ``dp_mode`` is ``fsdp`` (FSDP2 ``fully_shard`` over the
     replicas: parameters, gradients and optimizer state sharded) or ``replicate`` (gradient all-reduce).
+    ``vocab`` and ``memory_budget`` are as for ``plan`` (costs at the example inputs' batch and sequence).
     """
     if plan is not None and isinstance(plan, Plan):
         tp, pp = tp or plan.tp, pp or plan.pp
@@ -133,8 +145,9 @@ def parallelize(model: nn.Module, tp: int | None = None, example_inputs=None, pp
     if plan is not None:
         chosen = verify_plan(captured, check_plan_fits(plan, param_shapes(model), tp, pp, stages))
     else:
+        choices = choices_of(vocab, memory_budget, device_for(group, distributed) or "cpu")
         chosen = with_input_note(make_plan(captured, tp, pp=pp, balance=_choice(Balance, "balance", balance),
-                                           cuts=tuple(cuts), stages=stages), example)
+                                           cuts=tuple(cuts), stages=stages, choices=choices), example)
     check_same_plan(chosen, group, distributed)
     if pp == 1:
         return _tensor_parallel(model, graphs, chosen, group, distributed, source, _data_parallel(dp, tp, dp_mode))

@@ -18,7 +18,7 @@ import torch
 from torch import fx, nn
 from torch.utils._pytree import tree_leaves, tree_map
 
-from autotp.api import param_shapes, with_input_note
+from autotp.api import choices_of, param_shapes, with_input_note
 from autotp.capture import Captured, capture, example_inputs_of, model_kwargs
 from autotp.errors import AutotpError, InputError, InternalError
 from autotp.passes.analysis import Analysis
@@ -186,11 +186,12 @@ def build_ranks(captured: Captured, plan: Plan, seed: int = SEED) -> tuple[list[
 
 
 def check(model: nn.Module, tp: int, example_inputs=None, pp: int = 1, plan: Plan | None = None,
-          modules_hook=None) -> CheckReport:
+          modules_hook=None, vocab: str = "auto") -> CheckReport:
     """Simulate every rank of ``plan`` (default: autotp's plan at ``tp``) in this process and compare one
     training step with the unsharded model. ``example_inputs`` are as for ``autotp.plan`` (a tensor, a tuple,
     a dict of keyword tensors such as ``input_ids``, ``attention_mask`` and ``labels``, or left out for
-    synthesised token ids). ``modules_hook(modules, comms)`` may alter the rank modules before they run (the
+    synthesised token ids); ``vocab`` as for ``autotp.plan`` (``split`` checks the vocabulary split even where
+    the cost model would keep it whole). ``modules_hook(modules, comms)`` may alter the rank modules before they run (the
     tests inject faults this way). The model is not changed."""
     if pp != 1:
         raise InputError("the one-process checker simulates tensor parallelism (pp=1); pipeline stages are "
@@ -200,7 +201,7 @@ def check(model: nn.Module, tp: int, example_inputs=None, pp: int = 1, plan: Pla
     if plan is not None:
         chosen = verify_plan(captured, check_plan_fits(plan, param_shapes(model), tp))
     else:
-        chosen = with_input_note(make_plan(captured, tp), example)
+        chosen = with_input_note(make_plan(captured, tp, choices=choices_of(vocab, None, None)), example)
     modules, comms = build_ranks(captured, chosen)
     if modules_hook is not None:
         modules_hook(modules, comms)

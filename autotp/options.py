@@ -31,3 +31,14 @@ class DataParallelMode(str, Enum):
     """Parameters, gradients and optimizer state sharded over the replicas (torch's FSDP2 ``fully_shard``)."""
     REPLICATE = "replicate"
     """Every replica holds the whole rank module; gradients are averaged by all-reduce (as DDP)."""
+
+
+class VocabChoice(str, Enum):
+    """Whether the token embedding and LM head are split along the vocabulary."""
+
+    AUTO = "auto"
+    """As the cost model finds faster, within the memory budget (``autotp.planning.choose``)."""
+    SPLIT = "split"
+    """Always (Megatron's choice)."""
+    WHOLE = "whole"
+    """Never: every rank holds both tables whole."""

@@ -96,7 +96,8 @@ def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 
 def _autotp(model, x, group, mesh):
-    return autotp.parallelize(model, tp=dist.get_world_size(group), example_inputs=(x,), group=group)
+    # The vocabulary split, as the Megatron baseline: like for like (bench.vocab_choice times the choice).
+    return autotp.parallelize(model, tp=dist.get_world_size(group), example_inputs=(x,), group=group, vocab="split")
 
 
 def _megatron(model, x, group, mesh):

@@ -40,7 +40,7 @@ def _same_state(full: dict, want: dict, label: str, exact: bool = False) -> None
         if exact:
             assert torch.equal(full[key], value), f"{label}: {key} differs"
         else:
-            assert_close(full[key], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"{label}: {key}: {m}")
+            assert_close(full[key], value, rtol=1e-5, atol=1e-5, msg=lambda m: f"{label}: {key}: {m}")
 
 
 def _train(pm, opt, batches) -> None:

@@ -41,7 +41,7 @@ def dropout_training(rank: int, world: int) -> dict:
         model = build().train()
         ref = copy.deepcopy(model)
         x, y = models.tokens(2, 16, 1), models.tokens(2, 16, 2)
-        pm = autotp.parallelize(model, tp=world, example_inputs=(x,))
+        pm = autotp.parallelize(model, tp=world, vocab="split", example_inputs=(x,))
         torch.manual_seed(100 + rank)  # the ranks' global generators now differ
         pm.manual_seed(SEED)
         opt = torch.optim.SGD(pm.parameters(), lr=LR)
@@ -86,7 +86,7 @@ def modes_and_weights(rank: int, world: int) -> dict:
     model = build_gpt(n_layer=2, dropout=0.2)
     for start_in_train in (True, False):
         model.train(start_in_train)
-        pm = autotp.parallelize(model, tp=world, example_inputs=(x,))
+        pm = autotp.parallelize(model, tp=world, vocab="split", example_inputs=(x,))
         assert pm.training == start_in_train
         pm.eval()
         first, second = pm(x), pm(x)
@@ -110,7 +110,7 @@ def modes_and_weights(rank: int, world: int) -> dict:
         lm = models.PaddedLM(tied)
         ref = copy.deepcopy(lm)
         ids = models.padded_ids()
-        pm = autotp.parallelize(lm, tp=world, example_inputs=(ids,))
+        pm = autotp.parallelize(lm, tp=world, vocab="split", example_inputs=(ids,))
         assert pm.plan.placements["embed.weight"].is_split
         opt, ref_opt = torch.optim.AdamW(pm.parameters(), lr=1e-2), torch.optim.AdamW(ref.parameters(), lr=1e-2)
         for _ in range(STEPS):
@@ -126,7 +126,7 @@ def modes_and_weights(rank: int, world: int) -> dict:
 def peer_failure(rank: int, world: int) -> str:
     """Rank 1 stops before a collective; rank 0's forward fails with a RankFailure naming itself."""
     x = models.tokens(2, 8, 0)
-    pm = autotp.parallelize(models.build("gpt"), tp=world, example_inputs=(x,))
+    pm = autotp.parallelize(models.build("gpt"), tp=world, vocab="split", example_inputs=(x,))
     dist.barrier()
     if rank == 1:
         dist.destroy_process_group()

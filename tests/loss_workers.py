@@ -52,7 +52,7 @@ def default_loss(rank: int, world: int) -> dict:
     numbers per token, not of the B×T×V logits that ``forward`` gathers."""
     ref = models.build("gpt")
     x, y = models.tokens(3, 10, 1), models.tokens(3, 10, 2)
-    pm = autotp.parallelize(ref, tp=world, example_inputs=x)
+    pm = autotp.parallelize(ref, tp=world, vocab="split", example_inputs=x)
     with GatherSizes() as in_forward:
         pm(x)
     with GatherSizes() as in_step:
@@ -67,7 +67,7 @@ def user_loss(rank: int, world: int) -> dict:
     """A ``loss_fn`` of the user's sees the whole logits (gathered for it) and trains exactly."""
     ref = models.build("gpt")
     x, y = models.tokens(2, 8, 3), models.tokens(2, 8, 4)
-    pm = autotp.parallelize(ref, tp=world, example_inputs=x)
+    pm = autotp.parallelize(ref, tp=world, vocab="split", example_inputs=x)
 
     def smoothed(logits, target):
         return torch.nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten(), label_smoothing=0.1)
@@ -82,7 +82,7 @@ def own_loss(rank: int, world: int) -> dict:
     batch = padded_batch("right")
     torch.manual_seed(0)
     ref = hf_llama()
-    pm = autotp.parallelize(ref, tp=world, example_inputs=batch)
+    pm = autotp.parallelize(ref, tp=world, vocab="split", example_inputs=batch)
     with GatherSizes() as in_step:
         pm.step(**batch)
     for p in pm.parameters():

@@ -19,7 +19,7 @@ IDS = models.tokens(2, 16, 0)
                                       ("hf_llama", 4), ("hf_bert", 2)])
 def test_models_check_exact(name, tp):
     torch.manual_seed(0)
-    report = autotp.check(models.build(name), tp=tp, example_inputs=(IDS,))
+    report = autotp.check(models.build(name), tp=tp, vocab="split", example_inputs=(IDS,))
     assert report.exact, str(report)
     assert report.compared > 20 and report.max_error < 1e-4
 
@@ -27,7 +27,7 @@ def test_models_check_exact(name, tp):
 def test_dropout_is_exact_in_one_process():
     """Dropout on (0.2), replicated and split values alike: the ranks' masks are the unsharded model's."""
     torch.manual_seed(0)
-    report = autotp.check(build_gpt(n_layer=2, dropout=0.2), tp=4, example_inputs=(IDS,))
+    report = autotp.check(build_gpt(n_layer=2, dropout=0.2), tp=4, vocab="split", example_inputs=(IDS,))
     assert report.exact, str(report)
 
 
@@ -35,16 +35,16 @@ def test_dropout_is_exact_in_one_process():
 def test_padding_row_is_honoured(tied):
     torch.manual_seed(0)
     model = models.PaddedLM(tied)
-    report = autotp.check(model, tp=2, example_inputs=(models.padded_ids(),))
+    report = autotp.check(model, tp=2, vocab="split", example_inputs=(models.padded_ids(),))
     assert report.exact, str(report)
-    assert autotp.plan(model, tp=2, example_inputs=(models.padded_ids(),)).placements["embed.weight"].is_split
+    assert autotp.plan(model, tp=2, vocab="split", example_inputs=(models.padded_ids(),)).placements["embed.weight"].is_split
 
 
 def test_a_four_layer_model_checks_at_tp4_quickly():
     torch.manual_seed(0)
     model = build_gpt(n_layer=4)
     start = time.perf_counter()
-    report = autotp.check(model, tp=4, example_inputs=(IDS,))
+    report = autotp.check(model, tp=4, vocab="split", example_inputs=(IDS,))
     assert report.exact and time.perf_counter() - start < 20, str(report)
 
 
@@ -53,7 +53,7 @@ def test_a_dropped_all_reduce_is_found_and_located():
         comms[1].dropped = {1}  # the 0th is the embedding's; the 1st closes the first attention
 
     torch.manual_seed(0)
-    report = autotp.check(build_gpt(n_layer=2), tp=2, example_inputs=(IDS,), modules_hook=drop_second_all_reduce)
+    report = autotp.check(build_gpt(n_layer=2), tp=2, vocab="split", example_inputs=(IDS,), modules_hook=drop_second_all_reduce)
     assert not report.exact and report.mismatch.what in ("output", "loss")
     assert report.located is not None and "transformer.h.0.attn" in report.located.where, str(report)
     assert "rank 1" in report.located.where
@@ -66,7 +66,7 @@ def test_a_mis_sliced_shard_is_found_and_located():
             weight.copy_(weight.roll(1, dims=0))
 
     torch.manual_seed(0)
-    report = autotp.check(build_gpt(n_layer=2), tp=2, example_inputs=(IDS,), modules_hook=roll_rank1_fc)
+    report = autotp.check(build_gpt(n_layer=2), tp=2, vocab="split", example_inputs=(IDS,), modules_hook=roll_rank1_fc)
     assert not report.exact
     assert "transformer.h.1.mlp.c_fc" in report.located.where, str(report)
 
@@ -80,7 +80,7 @@ def test_an_unmasked_padding_row_is_found_by_its_gradient():
             gm.recompile()
 
     torch.manual_seed(0)
-    report = autotp.check(models.PaddedLM(tied=False), tp=2, example_inputs=(models.padded_ids(),), modules_hook=forget_padding)
+    report = autotp.check(models.PaddedLM(tied=False), tp=2, vocab="split", example_inputs=(models.padded_ids(),), modules_hook=forget_padding)
     assert not report.exact and report.mismatch.what == "gradient"
     assert report.mismatch.where == "embed.weight", str(report)
 
@@ -88,10 +88,10 @@ def test_an_unmasked_padding_row_is_found_by_its_gradient():
 def test_a_hand_edited_plan_is_checked():
     torch.manual_seed(0)
     model = build_gpt(n_layer=2)
-    plan = autotp.plan(model, tp=2, example_inputs=(IDS,))
-    assert autotp.check(model, tp=2, example_inputs=(IDS,), plan=plan).exact
+    plan = autotp.plan(model, tp=2, vocab="split", example_inputs=(IDS,))
+    assert autotp.check(model, tp=2, vocab="split", example_inputs=(IDS,), plan=plan).exact
     with pytest.raises(autotp.PlanError, match="made for tp=2"):
-        autotp.check(model, tp=4, example_inputs=(IDS,), plan=plan)
+        autotp.check(model, tp=4, vocab="split", example_inputs=(IDS,), plan=plan)
 
 
 class _DropoutOfViews(torch.nn.Module):
@@ -112,7 +112,7 @@ class _DropoutOfViews(torch.nn.Module):
 @pytest.mark.parametrize("tp", [1, 2])
 def test_dropout_of_transposed_and_expanded_values_is_exact(tp):
     torch.manual_seed(0)
-    report = autotp.check(_DropoutOfViews(), tp=tp, example_inputs=(torch.randn(2, 8, 16),))
+    report = autotp.check(_DropoutOfViews(), tp=tp, vocab="split", example_inputs=(torch.randn(2, 8, 16),))
     assert report.exact, str(report)
 
 
@@ -177,7 +177,7 @@ class _Reversed(torch.nn.Module):
 def test_a_custom_backward_is_named_in_the_plan_and_its_loss_found_by_the_checker():
     torch.manual_seed(0)
     model, x = _Reversed(), torch.randn(2, 8, 16)
-    plan = autotp.plan(model, 2, example_inputs=(x,))
+    plan = autotp.plan(model, 2, vocab="split", example_inputs=(x,))
     assert any("_Reverse" in n and "backward" in n for n in plan.notes), plan.notes
     assert torch.autograd.Function.__dict__["apply"].__func__.__name__ == "apply"  # restored after capture
     assert not autotp.check(model, 2, (x,)).exact  # the graph has autograd's gradient, not the reversed one

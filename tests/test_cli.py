@@ -27,7 +27,7 @@ def _commands(out: Path) -> dict[str, list[str]]:
     return {
         "gpt_json": ["plan", GPT, "--tp", "2", "--format", "json", "-o", str(out / "gpt.json")],
         "llama_json": ["plan", "hf:llama", "--tp", "2", "--format", "json", "-o", str(out / "llama.json")],
-        "svg": ["viz", GPT, "--tp", "2", "-o", str(out / "gpt.svg")],
+        "svg": ["viz", GPT, "--tp", "2", "--vocab-split", "split", "-o", str(out / "gpt.svg")],
         "bad_spec": ["plan", "not-a-spec", "--tp", "2"],
     }
 
@@ -57,7 +57,7 @@ def _args(argv):
 
 def test_table_lists_split_modules_collectives_and_totals(capsys, monkeypatch):
     monkeypatch.chdir(ROOT)
-    assert cli.main(["plan", GPT, "--tp", "2", "--batch", "4", "--seq", "16"]) == 0
+    assert cli.main(["plan", GPT, "--tp", "2", "--batch", "4", "--seq", "16", "--vocab-split", "split"]) == 0
     text = capsys.readouterr().out
     assert "transformer.h.[0-1].mlp.c_fc (x2)     column  [256, 64] + [256]  [128, 64] + [128]" in text
     assert "transformer.wte                       vocab   [128, 64]          [64, 64]" in text
@@ -116,7 +116,7 @@ def test_svg_parses_and_names_every_split_module(runs):
     results, out = runs
     assert _ok(results["svg"]).stdout.strip() == f"wrote {out / 'gpt.svg'}"
     text = " ".join(ET.parse(out / "gpt.svg").getroot().itertext())
-    planned = cli.load_and_plan(_args(["plan", GPT, "--tp", "2"]))
+    planned = cli.load_and_plan(_args(["plan", GPT, "--tp", "2", "--vocab-split", "split"]))
     split = [r.name for r in module_rows(planned.plan, param_infos(planned.model)) if r.kind != "replicated"]
     assert len(split) == 10 and all(name in text for name in split)
     assert "vocab-split" in text and "all-reduce (g, forward)" in text
@@ -206,7 +206,8 @@ def test_internal_errors_are_reported_as_autotp_bugs(capsys, monkeypatch):
 
 def test_plan_file_is_read_and_checked(capsys, monkeypatch, tmp_path):
     monkeypatch.chdir(ROOT)
-    assert cli.main(["plan", GPT, "--tp", "2", "--format", "json", "-o", str(tmp_path / "p.json")]) == 0
+    assert cli.main(["plan", GPT, "--tp", "2", "--vocab-split", "split", "--format", "json", "-o",
+                     str(tmp_path / "p.json")]) == 0
     assert cli.main(["plan", GPT, "--plan", str(tmp_path / "p.json"), "--format", "hf"]) == 0
     assert json.loads(capsys.readouterr().out)["lm_head"] == "colwise_gather_output"
     assert cli.main(["plan", GPT, "--plan", str(tmp_path / "p.json"), "--tp", "4"]) == 2

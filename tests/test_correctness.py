@@ -35,7 +35,7 @@ def test_a_stopped_rank_gives_the_others_a_clear_error():
 @pytest.fixture(scope="module")
 def single():
     torch.manual_seed(0)
-    return autotp.parallelize(models.build("gpt"), tp=1, example_inputs=(X,))
+    return autotp.parallelize(models.build("gpt"), tp=1, vocab="split", example_inputs=(X,))
 
 
 def test_inputs_longer_than_the_capture_allows(single):
@@ -65,7 +65,7 @@ def test_meta_models_are_refused_before_anything_runs():
     with torch.device("meta"):
         model = models.build("gpt")
     with pytest.raises(autotp.InputError, match="on the meta device"):
-        autotp.parallelize(model, tp=1, example_inputs=(X,))
+        autotp.parallelize(model, tp=1, vocab="split", example_inputs=(X,))
 
 
 class _WithExtraState(nn.Module):
@@ -86,29 +86,29 @@ class _WithExtraState(nn.Module):
 
 
 def test_none_entries_in_the_state_dict():
-    pm = autotp.parallelize(_WithExtraState(), tp=1, example_inputs=(torch.randn(2, 3, 8),))
+    pm = autotp.parallelize(_WithExtraState(), tp=1, vocab="split", example_inputs=(torch.randn(2, 3, 8),))
     full = pm.full_state_dict()
     assert "_extra_state" in full and full["_extra_state"] is None
 
 
 def test_a_plan_naming_a_dim_the_weight_lacks_is_refused():
     model = models.build("gpt")
-    plan = autotp.plan(model, tp=2, example_inputs=(X,))
+    plan = autotp.plan(model, tp=2, vocab="split", example_inputs=(X,))
     bad = dict(plan.placements) | {"transformer.ln_f.weight": autotp.Placement("colwise", 3)}
     with pytest.raises(autotp.PlanError, match="transformer.ln_f.weight.*dim 3"):
-        autotp.check(model, tp=2, example_inputs=(X,), plan=plan.replace(placements=bad))
+        autotp.check(model, tp=2, vocab="split", example_inputs=(X,), plan=plan.replace(placements=bad))
 
 
 def test_a_hand_edited_plan_with_swapped_projections_is_exact_or_refused():
     model = models.build("gpt")
-    plan = autotp.plan(model, tp=2, example_inputs=(X,))
+    plan = autotp.plan(model, tp=2, vocab="split", example_inputs=(X,))
     swapped = dict(plan.placements)
     swapped["transformer.h.0.mlp.c_fc.weight"] = autotp.Placement("rowwise", 1)
     swapped["transformer.h.0.mlp.c_fc.bias"] = autotp.Placement("replicated")
     swapped["transformer.h.0.mlp.c_proj.weight"] = autotp.Placement("colwise", 0)
     swapped["transformer.h.0.mlp.c_proj.bias"] = autotp.Placement("colwise", 0)
     try:
-        report = autotp.check(model, tp=2, example_inputs=(X,), plan=plan.replace(placements=swapped))
+        report = autotp.check(model, tp=2, vocab="split", example_inputs=(X,), plan=plan.replace(placements=swapped))
     except autotp.PlanError as e:
         assert "c_fc" in str(e) or "c_proj" in str(e)
     else:
@@ -141,10 +141,10 @@ def test_fused_multi_query_attention_runs_exactly(tp):
     alone by their input features, with a note; the MLP splits."""
     torch.manual_seed(0)
     model, x = _FusedMQA(), torch.randn(2, 8, 64)
-    plan = autotp.plan(model, tp=tp, example_inputs=(x,))
+    plan = autotp.plan(model, tp=tp, vocab="split", example_inputs=(x,))
     assert plan.placements["qkv.weight"].kind.value == "rowwise" and plan.placements["up.weight"].kind.value == "colwise"
     assert any(n.startswith("qkv split alone") and "scaled_dot_product_attention" in n for n in plan.notes), plan.notes
-    assert autotp.check(model, tp=tp, example_inputs=(x,)).exact
+    assert autotp.check(model, tp=tp, vocab="split", example_inputs=(x,)).exact
 
 
 class _Renormed(nn.Module):
@@ -166,7 +166,7 @@ class _Renormed(nn.Module):
 def test_embedding_options_a_vocabulary_split_cannot_honour_keep_it_whole(option, said):
     torch.manual_seed(0)
     model, ids = _Renormed(**option), models.padded_ids()
-    plan = autotp.plan(model, tp=2, example_inputs=(ids,))
+    plan = autotp.plan(model, tp=2, vocab="split", example_inputs=(ids,))
     assert not plan.placements["embed.weight"].is_split and plan.placements["up.weight"].is_split
     assert any(said in n for n in plan.notes), plan.notes
-    assert autotp.check(model, tp=2, example_inputs=(ids,)).exact
+    assert autotp.check(model, tp=2, vocab="split", example_inputs=(ids,)).exact

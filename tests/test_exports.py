@@ -14,7 +14,7 @@ EXAMPLE = (models.tokens(2, 16, 0),)
 
 def _plan(name: str, tp: int = 2):
     model = models.build(name)
-    return model, autotp.plan(model, tp=tp, example_inputs=EXAMPLE)
+    return model, autotp.plan(model, tp=tp, vocab="split", example_inputs=EXAMPLE)
 
 
 @pytest.mark.parametrize("name", ["hf_llama", "hf_qwen2"])

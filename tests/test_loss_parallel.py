@@ -71,7 +71,7 @@ def test_vocab_parallel_cross_entropy_equals_torchs(tp, shape, reduction):
 
 def test_a_models_own_loss_is_planned_on_the_split_logits():
     batch = padded_batch("right")
-    plan = autotp.plan(hf_llama(), tp=2, example_inputs=batch)
+    plan = autotp.plan(hf_llama(), tp=2, vocab="split", example_inputs=batch)
     by_operator = {c.operator: c for c in plan.collectives}
     assert by_operator[Operator.CROSS_ENTROPY].shape[-1] == "3"  # three statistics per target
     (logits_gather,) = [c for c in plan.collectives if c.operator is Operator.GATHER]
@@ -92,10 +92,10 @@ class _SmoothedLM(nn.Module):
 
 def test_a_loss_outside_the_rule_gathers_the_logits_and_stays_exact():
     ids = models.tokens(2, 6, 0) % 64
-    plan = autotp.plan(_SmoothedLM(), tp=2, example_inputs=(ids, ids))
+    plan = autotp.plan(_SmoothedLM(), tp=2, vocab="split", example_inputs=(ids, ids))
     assert Operator.CROSS_ENTROPY not in {c.operator for c in plan.collectives}
     assert any(c.operator is Operator.GATHER and c.in_step for c in plan.collectives)
-    assert autotp.check(_SmoothedLM(), tp=2, example_inputs=(ids, ids)).exact
+    assert autotp.check(_SmoothedLM(), tp=2, vocab="split", example_inputs=(ids, ids)).exact
 
 
 def test_training_never_gathers_the_logits_on_two_ranks():

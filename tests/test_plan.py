@@ -14,7 +14,7 @@ EXAMPLE = (models.tokens(2, 16, 0),)
 
 @pytest.fixture(scope="module")
 def gpt_plan():
-    return autotp.plan(models.build("gpt"), tp=2, example_inputs=EXAMPLE)
+    return autotp.plan(models.build("gpt"), tp=2, vocab="split", example_inputs=EXAMPLE)
 
 
 def test_json_round_trip(gpt_plan):
@@ -86,7 +86,7 @@ def test_bad_json_is_a_clear_error():
 @pytest.mark.parametrize("name", ["hf_llama", "hf_mistral", "hf_qwen2"])
 def test_agrees_with_hf_base_model_tp_plan(name):
     model = models.build(name)
-    plan = autotp.plan(model, tp=2, example_inputs=EXAMPLE)
+    plan = autotp.plan(model, tp=2, vocab="split", example_inputs=EXAMPLE)
     hf_plan = model.config.base_model_tp_plan
     checked = 0
     for param, placement in plan.placements.items():

@@ -33,7 +33,7 @@ EXAMPLE = (models.tokens(2, 16, 0),)
 @pytest.fixture(scope="module")
 def gpt():
     model = models.build("gpt")
-    plan = autotp.plan(model, tp=2, example_inputs=EXAMPLE)
+    plan = autotp.plan(model, tp=2, vocab="split", example_inputs=EXAMPLE)
     stages = (Stage(0, ("transformer.wte", "transformer.wpe", "transformer.h.0"), 1.0e9, 60_000, 1e6, 4096.0),
               Stage(1, ("transformer.h.1", "transformer.ln_f", "lm_head"), 1.2e9, 52_000, 1e6))
     return dict(model=model, captured=capture(model, EXAMPLE), plan=plan, params=param_infos(model),
@@ -160,7 +160,7 @@ def test_table_numbers_and_stages(gpt):
 
 def test_bare_parameter_projections_are_their_own_boxes():
     model = models.build("raw_gpt")
-    plan = autotp.plan(model, tp=2, example_inputs=EXAMPLE)
+    plan = autotp.plan(model, tp=2, vocab="split", example_inputs=EXAMPLE)
     vg = viz_graph(capture(model, EXAMPLE), plan, param_infos(model), 8, 32, collapse=False)
     by_id = {n.id: n for n in vg.nodes}
     titles = {n.title: n for n in vg.nodes}

@@ -14,7 +14,7 @@ import sympy
 
 from autotp.capture import Captured
 from autotp.errors import PlanError
-from autotp.options import Balance
+from autotp.options import Balance, VocabChoice
 from autotp.passes.analysis import Analysis
 from autotp.passes.graph import arg_or_default, sizes
 from autotp.passes.layout import PlacementKind, Shard
@@ -22,6 +22,7 @@ from autotp.passes.propagate import Propagation
 from autotp.passes.random import random_refusal
 from autotp.passes.regions import RegionKind, RegionMatch
 from autotp.passes.steps import COMMUNICATION, Operator
+from autotp.planning.choose import Choices, training_bytes_per_rank, vocab_cost, vocab_verdict
 from autotp.planning.plan import REPLICATED, Collective, Placement, Plan, Region
 from autotp.planning.stages import plan_stages
 
@@ -77,13 +78,21 @@ def _region_placements(analysis: Analysis, region: RegionMatch) -> dict[str, Pla
     return out
 
 
-def _vocab_placements(analysis: Analysis, tp: int, notes: list[str]) -> tuple[dict[str, Placement], list[Region]]:
+def _vocab_placements(analysis: Analysis, tp: int, notes: list[str], choices: Choices, values: dict[str, int],
+                      others: dict[str, Placement]) -> tuple[dict[str, Placement], list[Region], tuple[str, ...]]:
+    """The vocabulary split (placements and regions), unless it cannot be exact or ``choices`` keep it whole
+    (then the layers kept whole by choice); the reason goes to ``notes``. ``others``: the plan's other split
+    parameters."""
     vocab = analysis.vocab
-    if vocab is None or tp == 1:
-        return {}, []
+    layers = tuple(analysis.layer(n) for n in (*vocab.embeddings, *vocab.heads)) if vocab else ()
+    if vocab is None or tp == 1 or choices.vocab is VocabChoice.WHOLE:
+        if vocab is not None and tp > 1:
+            notes.append("embedding and LM head kept whole: vocab='whole' was asked for")
+            return {}, [], layers
+        return {}, [], ()
     if vocab.vocab_size % tp:
         notes.append(f"vocabulary of {vocab.vocab_size} is not divisible by tp={tp}: embedding and LM head not split along it")
-        return {}, []
+        return {}, [], ()
     out = {analysis.embeddings[e].weight: Placement(PlacementKind.VOCAB, 0) for e in vocab.embeddings}
     for head in vocab.heads:
         p = analysis.projections[head]
@@ -93,10 +102,18 @@ def _vocab_placements(analysis: Analysis, tp: int, notes: list[str]) -> tuple[di
     blocker = _vocab_blocker(analysis, out, tp)
     if blocker:
         notes.append(f"embedding and LM head replicated: {blocker}")
-        return {}, []
+        return {}, [], ()
+    if choices.vocab is VocabChoice.AUTO:
+        cost = vocab_cost(analysis, tp, values, choices.machine)
+        whole, why = vocab_verdict(cost, training_bytes_per_rank(analysis, others | out, tp), choices.memory_budget)
+        verdict = "kept whole" if whole else "split"
+        notes.append(f"vocabulary of {vocab.vocab_size} {verdict} by the cost model ({choices.machine.name}, at the "
+                     f"plan's batch and sequence): {why}; vocab='split' or 'whole' overrides it")
+        if whole:
+            return {}, [], layers
     regions = [Region(RegionKind.EMBEDDING, tuple(analysis.layer(e) for e in vocab.embeddings), ())]
     regions += [Region(RegionKind.LM_HEAD, (analysis.layer(h),), ()) for h in vocab.heads]
-    return out, regions
+    return out, regions, ()
 
 
 _UNSPLITTABLE_EMBEDDING = {3: "scale_grad_by_freq", 4: "sparse"}
@@ -211,12 +228,14 @@ def cost_sizes(captured: Captured, batch: int | None, seq: int | None) -> dict[s
 
 
 def make_plan(captured: Captured, tp: int, pp: int = 1, balance: Balance | str = Balance.BOTH,
-              batch: int | None = None, seq: int | None = None, cuts=(), stages: int | None = None) -> Plan:
+              batch: int | None = None, seq: int | None = None, cuts=(), stages: int | None = None,
+              choices: Choices = Choices()) -> Plan:
     """Plan Megatron-style tensor parallelism over ``tp`` ranks and ``pp`` pipeline ranks.
 
     ``stages`` (default ``pp``) is the number of pipeline stages: more than pp for interleaved schedules.
     Stage costs are evaluated at ``batch`` and ``seq`` (default: the example's sizes). ``cuts`` names
-    modules at which a stage must start.
+    modules at which a stage must start. ``choices``: whether the vocabulary is split (default: as the cost
+    model finds faster at ``batch`` and ``seq`` within the memory budget).
     """
     analysis = Analysis(captured)
     search = analysis.regions(tp)
@@ -244,7 +263,8 @@ def make_plan(captured: Captured, tp: int, pp: int = 1, balance: Balance | str =
                          "each rank selects the heads it needs")
         plan_regions.append(Region(region.kind, tuple(analysis.layer(c) for c in region.columns),
                                    tuple(analysis.layer(r) for r in region.rows), kept))
-    vocab_placements, vocab_regions = _vocab_placements(analysis, tp, notes)
+    sizes = cost_sizes(captured, batch, seq)
+    vocab_placements, vocab_regions, vocab_kept = _vocab_placements(analysis, tp, notes, choices, sizes, by_target)
     by_target |= vocab_placements
     plan_regions = vocab_regions[:1] + plan_regions + vocab_regions[1:]
     if tp == 1:
@@ -253,11 +273,10 @@ def make_plan(captured: Captured, tp: int, pp: int = 1, balance: Balance | str =
     _refuse_inexact(analysis, prop)
     placements = {name: by_target.get(captured.attr_target(captured.aliases[name]), REPLICATED)
                   for name in captured.param_names}
-    sizes = cost_sizes(captured, batch, seq)
     balance = Balance(balance)
     planned_stages = plan_stages(analysis, prop, tp, stages or pp, balance, sizes, cuts)
     by_name = {captured.dim_names.get(k, k): v for k, v in sizes.items()}
     return Plan(tp=tp, placements=placements, collectives=tuple(_collectives(analysis, prop)),
                 regions=tuple(plan_regions), notes=tuple(notes), model=captured.model_name, pp=pp,
                 stages=planned_stages, balance=balance, batch=by_name.get("B", 0), seq=by_name.get("T", 0),
-                by_choice=tuple(sorted(analysis.layer(n) for n in chosen)))
+                by_choice=tuple(sorted({*(analysis.layer(n) for n in chosen), *vocab_kept})))

@@ -31,7 +31,7 @@ from autotp.capture import capture
 from autotp.errors import AutotpError, InputError, InternalError
 from autotp.tools.exports import Target, export_styles, to_hf_tp_plan, torch_plan_source
 from autotp.tools.model_spec import build_model, example_inputs, parse_overrides, parse_spec
-from autotp.options import Balance, DataParallelMode
+from autotp.options import Balance, DataParallelMode, VocabChoice
 from autotp.planning import Plan, check_plan_fits
 from autotp.tools.report import ParamInfo, param_infos, per_rank_param_bytes, plan_table
 from autotp.tools.viz import (
@@ -96,6 +96,10 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="NAME=VALUE",
                    help="factory keyword argument or HF config field; repeatable")
     p.add_argument("--vocab", type=_positive, help="vocabulary of the example token ids (default: the model's)")
+    p.add_argument("--vocab-split", choices=[c.value for c in VocabChoice], default=VocabChoice.AUTO.value,
+                   help="split the embedding and LM head along the vocabulary: auto (where the cost model finds it "
+                        "faster at --batch/--seq, or needed to fit --memory-budget; default), split or whole")
+    p.add_argument("--memory-budget", metavar="BYTES", help="bytes per rank for training state, e.g. 40GiB")
     p.add_argument("--plan", dest="plan_file", metavar="FILE", help="read this plan (JSON) instead of planning")
     p.add_argument("--expand", action="store_true", help="list every repeated block instead of collapsing them")
 
@@ -172,7 +176,8 @@ def load_and_plan(args) -> Planned:
     params = param_infos(model)
     if args.plan_file:
         return Planned(model, inputs, _load_plan_file(args.plan_file, params, args.tp), params)
-    plan = autotp.plan(model, args.tp, inputs, pp=args.pp, balance=args.balance, batch=args.batch, seq=args.seq)
+    plan = autotp.plan(model, args.tp, inputs, pp=args.pp, balance=args.balance, batch=args.batch, seq=args.seq,
+                       vocab=args.vocab_split, memory_budget=args.memory_budget)
     return Planned(model, inputs, plan, params)
 
 

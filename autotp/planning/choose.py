@@ -1,0 +1,158 @@
+"""Split or whole where both are exact: what the cost model chooses, under a per-rank memory budget.
+
+Splitting the vocabulary (the token embedding and the LM head) divides their compute and memory by tp, and
+costs communication every step: an all-reduce of the embedding's (B, T, D) output forward, one of the
+head input's gradient backward, and the vocab-parallel loss's three numbers per token. For a small
+vocabulary the communication costs more than the compute it saves (measured: bench.vocab_choice). Megatron
+always splits; torchtitan and HF's ``tp_plan`` hard-code one choice too. Here the planner prices both with
+a machine's compute rate and collective cost, at the plan's batch and sequence, and keeps the vocabulary
+whole only when that is faster and its whole tables (with their gradients and AdamW moments) still fit the
+memory budget.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+import torch
+
+from autotp.errors import InputError
+from autotp.options import VocabChoice
+from autotp.passes.analysis import Analysis
+from autotp.passes.costs import evaluate
+from autotp.passes.graph import sizes
+
+TRAINING_COPIES = 4
+"""Bytes per parameter byte while training with AdamW: the parameter, its gradient and two moments."""
+
+
+@dataclass(frozen=True)
+class Machine:
+    """What the cost model assumes of the hardware: per-rank compute rate and a collective's cost."""
+
+    name: str
+    flops: float
+    """Matmul FLOP/s of one rank."""
+    bandwidth: float
+    """Bytes/s one rank sends in a ring collective."""
+    latency: float
+    """Seconds a collective costs regardless of its size."""
+
+    def compute(self, flops: float) -> float:
+        """Seconds for ``flops``."""
+        return flops / self.flops
+
+    def all_reduce(self, nbytes: float, tp: int) -> float:
+        """Seconds for a ring all-reduce of ``nbytes`` over ``tp`` ranks."""
+        return self.latency + 2 * (tp - 1) / tp * nbytes / self.bandwidth
+
+    def all_gather(self, nbytes: float, tp: int) -> float:
+        """Seconds for a ring all-gather whose result is ``nbytes``."""
+        return self.latency + (tp - 1) / tp * nbytes / self.bandwidth
+
+
+CPU = Machine("CPU processes over gloo", flops=5e10, bandwidth=6e8, latency=1e-3)
+"""Measured on the 2-core development machine (bench.vocab_choice prints the calibration): a 512x256 by
+256x8192 fp32 matmul at ~55 GFLOP/s on one thread; a gloo all-reduce of 512 KiB ~1.9 ms, of 2 MiB ~4.5 ms."""
+GPU = Machine("GPUs over NCCL", flops=2e14, bandwidth=1.5e11, latency=2e-5)
+"""An H100 class GPU in bf16 over NVLink (nominal figures, not measured here)."""
+
+
+def machine_for(device: torch.device | str | None) -> Machine:
+    """The cost model's machine for ranks on ``device`` (default: CUDA when this process sees a GPU)."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return GPU if torch.device(device).type == "cuda" else CPU
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(budget: int | float | str | None) -> int | None:
+    """A memory budget in bytes: a number, or a string such as ``"40GiB"`` or ``"500 MB"``; None: no budget."""
+    if budget is None:
+        return None
+    if isinstance(budget, (int, float)) and not isinstance(budget, bool) and budget > 0:
+        return int(budget)
+    match = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", budget) if isinstance(budget, str) else None
+    if match is None or match.group(2).lower() not in _UNITS:
+        raise InputError(f"memory_budget must be a positive number of bytes or a size such as '40GiB' or '500MB', "
+                         f"got {budget!r}")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+@dataclass(frozen=True)
+class Choices:
+    """What the planner may choose, and by what: the vocabulary's split, the memory budget, the machine."""
+
+    vocab: VocabChoice = VocabChoice.AUTO
+    memory_budget: int | None = None
+    """Bytes one rank may hold while training (parameters, gradients, AdamW moments); None: no limit."""
+    machine: Machine = CPU
+
+
+@dataclass(frozen=True)
+class VocabCost:
+    """What splitting the vocabulary saves and costs per training step, at the plan's batch and sequence."""
+
+    saved: float
+    """Seconds of compute per step the split saves on each rank (forward and backward of the heads)."""
+    communication: float
+    """Seconds of communication per step the split adds."""
+    whole_bytes: int
+    """Bytes per rank that keeping the tables whole adds while training (parameters, gradients, moments)."""
+
+    @property
+    def whole_is_faster(self) -> bool:
+        """Whether one step is faster with the vocabulary whole."""
+        return self.communication > self.saved
+
+
+def vocab_cost(analysis: Analysis, tp: int, values: dict[str, int], machine: Machine) -> VocabCost:
+    """Price the vocabulary split of ``analysis`` at ``tp`` with the size symbols set to ``values``."""
+    vocab, saved, communication = analysis.vocab, 0.0, 0.0
+    share = 1 - 1 / tp
+    for head in vocab.heads:
+        proj = analysis.projections[head]
+        x = analysis.nodes[proj.input]
+        tokens = evaluate(math.prod(sizes(x)[:-1]), values)
+        itemsize = x.meta["val"].element_size()
+        saved += machine.compute(6 * tokens * proj.in_features * proj.out_features * share)  # forward + backward
+        communication += machine.all_reduce(tokens * proj.in_features * itemsize, tp)  # f before the head
+        communication += machine.all_gather(tokens * 3 * 4 * tp, tp)  # the loss's statistics
+    for embedding in vocab.embeddings:
+        out = analysis.nodes[embedding]
+        communication += machine.all_reduce(evaluate(math.prod(sizes(out)), values) * out.meta["val"].element_size(),
+                                            tp)
+    tables = {analysis.embeddings[e].weight for e in vocab.embeddings} | {
+        analysis.projections[h].weight for h in vocab.heads}
+    table_bytes = sum(_param_bytes(analysis, t) for t in tables)
+    return VocabCost(saved, communication, int(table_bytes * share * TRAINING_COPIES))
+
+
+def _param_bytes(analysis: Analysis, target: str) -> int:
+    tensor = analysis.captured.module.get_parameter(target)
+    return tensor.numel() * tensor.element_size()
+
+
+def training_bytes_per_rank(analysis: Analysis, split: dict[str, object], tp: int) -> int:
+    """Bytes one rank holds while training (AdamW) when the ``get_attr`` targets in ``split`` are split."""
+    total = 0
+    for target, tensor in analysis.captured.module.named_parameters(remove_duplicate=True):
+        total += tensor.numel() * tensor.element_size() // (tp if target in split else 1)
+    return total * TRAINING_COPIES
+
+
+def vocab_verdict(cost: VocabCost, split_bytes: int, budget: int | None) -> tuple[bool, str]:
+    """(whether to keep the vocabulary whole, why): whole when that is faster and fits ``budget``."""
+    timing = (f"splitting it would save {cost.saved * 1e3:.3g} ms of compute per step and add "
+              f"{cost.communication * 1e3:.3g} ms of communication")
+    if not cost.whole_is_faster:
+        return False, timing
+    if budget is not None and split_bytes + cost.whole_bytes > budget:
+        return False, (f"{timing}, but whole it would need {(split_bytes + cost.whole_bytes) / 2**20:.4g} MiB per "
+                       f"rank for training, over the memory budget of {budget / 2**20:.4g} MiB")
+    return True, timing
