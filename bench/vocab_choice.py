@@ -62,10 +62,12 @@ def _shape_times(shape: ModelShape, rounds: int) -> dict:
             if r >= 2:  # two warm-up rounds
                 samples[choice].append(seconds)
     auto_split = any(p.is_split and p.kind.word == "vocab" for p in pms["auto"].plan.placements.values())
+    chose = "split" if auto_split else "whole"
     best = min(("split", "whole"), key=lambda c: summary(samples[c])["median"])
     return {"times": {c: summary(s) for c, s in samples.items()},
             "whole / split": paired_ratio(samples["whole"], samples["split"]),
-            "auto chose": "split" if auto_split else "whole", "best": best,
+            "auto chose": chose, "best": best,
+            "same placements as its choice": pms["auto"].plan.placements == pms[chose].plan.placements,
             "auto / best": paired_ratio(samples["auto"], samples[best]),
             "note": next(n for n in pms["auto"].plan.notes if n.startswith("vocabulary of"))}
 

@@ -58,3 +58,17 @@ def test_the_budget_and_the_fixed_choices_override_the_timing():
     assert not _vocab_split(whole) and "lm_head" in whole.by_choice
     with pytest.raises(autotp.InputError, match="vocab must be one of"):
         autotp.plan(model, tp=2, example_inputs=IDS, vocab="half")
+
+
+def test_with_a_budget_regions_whose_split_is_slower_are_kept_whole():
+    model = models.build("gpt")
+    short = autotp.plan(model, tp=2, example_inputs=IDS, batch=8, seq=32, memory_budget="10MiB")
+    assert not any(p.is_split for p in short.placements.values())  # tiny: communication outweighs everything
+    assert "transformer.h.0.mlp.c_fc" in short.by_choice
+    assert any("4 of 4 regions kept whole by the cost model" in n for n in short.notes), short.notes
+    long = autotp.plan(model, tp=2, example_inputs=IDS, batch=8, seq=1024, memory_budget="10MiB")
+    assert long.placements["transformer.h.0.attn.c_attn.weight"].is_split  # attention's T^2 compute pays
+    unlimited = autotp.plan(model, tp=2, example_inputs=IDS, batch=8, seq=32)
+    assert unlimited.placements["transformer.h.0.mlp.c_fc.weight"].is_split  # no budget: regions are split
+    small = autotp.plan(model, tp=2, example_inputs=IDS, batch=8, seq=32, memory_budget="950KiB")
+    assert sum(p.is_split for p in small.placements.values()) > 0  # the budget forces some splits

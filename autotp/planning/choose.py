@@ -1,5 +1,10 @@
 """Split or whole where both are exact: what the cost model chooses, under a per-rank memory budget.
 
+Regions (an attention, an MLP) are split unless a ``memory_budget`` is given: then every region whose split
+costs more time than it saves is kept whole, the most time saved per byte first, while the rank's training
+state still fits the budget (without a budget a region's weights are the memory tensor parallelism exists to
+divide, so they are split).
+
 Splitting the vocabulary (the token embedding and the LM head) divides their compute and memory by tp, and
 costs communication every step: an all-reduce of the embedding's (B, T, D) output forward, one of the
 head input's gradient backward, and the vocab-parallel loss's three numbers per token. For a small
@@ -21,8 +26,9 @@ import torch
 from autotp.errors import InputError
 from autotp.options import VocabChoice
 from autotp.passes.analysis import Analysis
-from autotp.passes.costs import evaluate
+from autotp.passes.costs import evaluate, node_cost
 from autotp.passes.graph import sizes
+from autotp.passes.regions import RegionKind, RegionMatch
 
 TRAINING_COPIES = 4
 """Bytes per parameter byte while training with AdamW: the parameter, its gradient and two moments."""
@@ -144,6 +150,68 @@ def training_bytes_per_rank(analysis: Analysis, split: dict[str, object], tp: in
     for target, tensor in analysis.captured.module.named_parameters(remove_duplicate=True):
         total += tensor.numel() * tensor.element_size() // (tp if target in split else 1)
     return total * TRAINING_COPIES
+
+
+@dataclass(frozen=True)
+class RegionCost:
+    """What splitting one region saves and costs per training step (as ``VocabCost``)."""
+
+    region: RegionMatch
+    saved: float
+    communication: float
+    whole_bytes: int
+
+    @property
+    def gain(self) -> float:
+        """Seconds per step keeping it whole saves (negative: the split is faster)."""
+        return self.communication - self.saved
+
+
+def region_cost(analysis: Analysis, region: RegionMatch, tp: int, values: dict[str, int],
+                machine: Machine) -> RegionCost:
+    """Price ``region``'s split: the forward and backward compute of its nodes divided by tp, against its
+    two collectives (the closing all-reduce forward; the opening all-reduce, or a lone row's all-gather, of
+    the input's gradient backward)."""
+    share = 1 - 1 / tp
+    flops = sum(evaluate(node_cost(analysis.nodes[n]).flops, values) for n in _region_nodes(analysis, region))
+    row = analysis.nodes[region.rows[0]]
+    x = analysis.nodes[analysis.projections[region.rows[0]].input]
+    out_bytes = evaluate(math.prod(sizes(row)), values) * row.meta["val"].element_size()
+    in_bytes = evaluate(math.prod(sizes(x)), values) * x.meta["val"].element_size()
+    backward = (machine.all_gather(in_bytes, tp) if region.kind is RegionKind.ROW
+                else machine.all_reduce(out_bytes, tp))
+    params = {analysis.projections[n].weight for n in (*region.columns, *region.rows)}
+    params |= {analysis.projections[n].bias for n in region.columns if analysis.projections[n].bias}
+    params |= {t for t, _ in region.params}
+    whole = sum(_param_bytes(analysis, t) for t in params) * share * TRAINING_COPIES
+    return RegionCost(region, machine.compute(3 * flops * share), machine.all_reduce(out_bytes, tp) + backward,
+                      int(whole))
+
+
+def _region_nodes(analysis: Analysis, region: RegionMatch) -> list[str]:
+    """The nodes a region's split divides: from its column projections to its rows (a lone row: itself)."""
+    rows, seen, todo = set(region.rows), set(), list(region.columns)
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        if name not in rows:
+            todo.extend(u.name for u in analysis.nodes[name].users if u.op == "call_function")
+    return sorted(seen | rows)
+
+
+def regions_kept_whole(costs: list[RegionCost], split_bytes: int, budget: int | None) -> list[RegionCost]:
+    """The regions to keep whole: with a budget, those whose split is slower, the most time saved per byte
+    first, while the rank's training state fits ``budget`` (``split_bytes``: with every region split)."""
+    if budget is None:
+        return []
+    kept, total = [], split_bytes
+    for cost in sorted((c for c in costs if c.gain > 0), key=lambda c: c.gain / max(c.whole_bytes, 1), reverse=True):
+        if total + cost.whole_bytes <= budget:
+            kept.append(cost)
+            total += cost.whole_bytes
+    return kept
 
 
 def vocab_verdict(cost: VocabCost, split_bytes: int, budget: int | None) -> tuple[bool, str]:

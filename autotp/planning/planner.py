@@ -22,7 +22,8 @@ from autotp.passes.propagate import Propagation
 from autotp.passes.random import random_refusal
 from autotp.passes.regions import RegionKind, RegionMatch
 from autotp.passes.steps import COMMUNICATION, Operator
-from autotp.planning.choose import Choices, training_bytes_per_rank, vocab_cost, vocab_verdict
+from autotp.planning.choose import (Choices, region_cost, regions_kept_whole, training_bytes_per_rank, vocab_cost,
+                                    vocab_verdict)
 from autotp.planning.plan import REPLICATED, Collective, Placement, Plan, Region
 from autotp.planning.stages import plan_stages
 
@@ -76,6 +77,28 @@ def _region_placements(analysis: Analysis, region: RegionMatch) -> dict[str, Pla
         whole = shard.segments == (analysis.param_size(target, shard.dim),)
         out[target] = Placement(PlacementKind.COLWISE, shard.dim, () if whole else shard.segments)
     return out
+
+
+def _choose_regions(analysis: Analysis, regions: list[RegionMatch], tp: int, values: dict[str, int],
+                    choices: Choices, notes: list[str]) -> tuple[list[RegionMatch], tuple[str, ...]]:
+    """The regions to split, and the layers of those the cost model keeps whole within the memory budget."""
+    if choices.memory_budget is None or tp == 1:
+        return regions, ()
+    everything = {}
+    for region in regions:
+        everything |= _region_placements(analysis, region)
+    costs = [region_cost(analysis, r, tp, values, choices.machine) for r in regions]
+    kept = regions_kept_whole(costs, training_bytes_per_rank(analysis, everything, tp), choices.memory_budget)
+    if not kept:
+        return regions, ()
+    layers = tuple(analysis.layer(n) for c in kept for n in (*c.region.columns, *c.region.rows))
+    saved = sum(c.gain for c in kept)
+    notes.append(f"{len(kept)} of {len(regions)} regions kept whole by the cost model ({choices.machine.name}, at the "
+                 f"plan's batch and sequence; within the memory budget of {choices.memory_budget / 2**20:.4g} MiB): "
+                 f"their splits would cost more communication than the compute they save, {saved * 1e3:.3g} ms per "
+                 f"step in all ({', '.join(layers[:4])}{', ...' if len(layers) > 4 else ''})")
+    whole = {id(c.region) for c in kept}
+    return [r for r in regions if id(r) not in whole], layers
 
 
 def _vocab_placements(analysis: Analysis, tp: int, notes: list[str], choices: Choices, values: dict[str, int],
@@ -250,9 +273,12 @@ def make_plan(captured: Captured, tp: int, pp: int = 1, balance: Balance | str =
                      "(not for gradient reversal or straight-through estimators)")
     by_target: dict[str, Placement] = {}
     plan_regions: list[Region] = []
+    sizes = cost_sizes(captured, batch, seq)
     for region in regions:
         if region.violations:
             raise _divisibility_error(analysis, region, tp, valid)
+    regions, regions_kept = _choose_regions(analysis, regions, tp, sizes, choices, notes)
+    for region in regions:
         by_target |= _region_placements(analysis, region)
         if region.kind is RegionKind.ROW:
             notes.append(f"{analysis.layer(region.rows[0])} split alone by its input features (its whole input "
@@ -263,7 +289,6 @@ def make_plan(captured: Captured, tp: int, pp: int = 1, balance: Balance | str =
                          "each rank selects the heads it needs")
         plan_regions.append(Region(region.kind, tuple(analysis.layer(c) for c in region.columns),
                                    tuple(analysis.layer(r) for r in region.rows), kept))
-    sizes = cost_sizes(captured, batch, seq)
     vocab_placements, vocab_regions, vocab_kept = _vocab_placements(analysis, tp, notes, choices, sizes, by_target)
     by_target |= vocab_placements
     plan_regions = vocab_regions[:1] + plan_regions + vocab_regions[1:]
@@ -279,4 +304,4 @@ def make_plan(captured: Captured, tp: int, pp: int = 1, balance: Balance | str =
     return Plan(tp=tp, placements=placements, collectives=tuple(_collectives(analysis, prop)),
                 regions=tuple(plan_regions), notes=tuple(notes), model=captured.model_name, pp=pp,
                 stages=planned_stages, balance=balance, batch=by_name.get("B", 0), seq=by_name.get("T", 0),
-                by_choice=tuple(sorted({*(analysis.layer(n) for n in chosen), *vocab_kept})))
+                by_choice=tuple(sorted({*(analysis.layer(n) for n in chosen), *vocab_kept, *regions_kept})))
