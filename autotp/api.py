@@ -94,7 +94,8 @@ def parallelize(model: nn.Module, tp: int | None = None, example_inputs=None, pp
                 microbatches: int | None = None, schedule: str = "1f1b", balance: str = "both", cuts=(),
                 virtual_stages: int | None = None, timeout: float | timedelta | None = None,
                 checkpoint: str | os.PathLike | None = None, quiet: bool = False, dp: int = 1,
-                dp_mode: str = "fsdp", vocab: str = "auto", memory_budget: int | str | None = None):
+                dp_mode: str = "fsdp", vocab: str = "auto", memory_budget: int | str | None = None,
+                compile: bool = False):
     """This rank's piece of ``model``, tensor-parallel over ``tp`` ranks, pipelined over ``pp`` and replicated
     over ``dp`` data-parallel replicas (ranks on a (pp, dp, tp) mesh, tp innermost).
 
@@ -118,6 +119,8 @@ def parallelize(model: nn.Module, tp: int | None = None, example_inputs=None, pp
     and gradients are averaged over the replicas; ``dp_mode`` is ``fsdp`` (FSDP2 ``fully_shard`` over the
     replicas: parameters, gradients and optimizer state sharded) or ``replicate`` (gradient all-reduce).
     ``vocab`` and ``memory_budget`` are as for ``plan`` (costs at the example inputs' batch and sequence).
+    ``compile`` runs the rank's graphs under ``torch.compile`` (tensor parallelism only: pp = dp = 1); the first
+    call of each mode (forward, step) compiles, a new input size may compile again.
     """
     if plan is not None and isinstance(plan, Plan):
         tp, pp = tp or plan.tp, pp or plan.pp
@@ -128,6 +131,9 @@ def parallelize(model: nn.Module, tp: int | None = None, example_inputs=None, pp
         default_virtual = max(1, len(plan.stages) // pp)
     virtual = _check_positive("virtual_stages", virtual_stages or default_virtual)
     dp, dp_mode = _check_positive("dp", dp), _choice(DataParallelMode, "dp_mode", dp_mode)
+    if compile and (pp > 1 or dp > 1):
+        raise InputError(f"compile=True runs tensor-parallel graphs (pp=1, dp=1) under torch.compile; with pp={pp} "
+                         f"and dp={dp} the pipeline schedule and FSDP's hooks wrap them: leave compile off there")
     if (pp > 1 or dp > 1) and group is not None:
         raise InputError("pp > 1 or dp > 1 lays ranks out on a (pp x dp x tp) mesh over the default process group; "
                          "do not pass group")
@@ -150,7 +156,8 @@ def parallelize(model: nn.Module, tp: int | None = None, example_inputs=None, pp
                                            cuts=tuple(cuts), stages=stages, choices=choices), example)
     check_same_plan(chosen, group, distributed)
     if pp == 1:
-        return _tensor_parallel(model, graphs, chosen, group, distributed, source, _data_parallel(dp, tp, dp_mode))
+        return _tensor_parallel(model, graphs, chosen, group, distributed, source, _data_parallel(dp, tp, dp_mode),
+                                compile)
     micro = _check_positive("microbatches", microbatches or stages)
     if sched is not Schedule.GPIPE and micro < stages:
         raise InputError(f"schedule {sched.value} needs at least {stages} microbatches (one per stage) to fill the "
@@ -181,7 +188,8 @@ def _data_parallel(dp: int, tp: int, mode: DataParallelMode) -> DataParallel | N
 
 
 def _tensor_parallel(model: nn.Module, graphs: dict[bool, Captured], chosen: Plan, group,
-                     distributed: bool, source: Source | None, dp: DataParallel | None = None) -> ParallelModule:
+                     distributed: bool, source: Source | None, dp: DataParallel | None = None,
+                     compile: bool = False) -> ParallelModule:
     comm = TorchComm(dp.mesh.tp_group if dp is not None else group) if distributed else None
     rank = comm.rank if comm is not None else 0
     stream = RankStream(shared_seed(group, distributed))
@@ -193,7 +201,7 @@ def _tensor_parallel(model: nn.Module, graphs: dict[bool, Captured], chosen: Pla
         for gm in modules.values():
             gm.to(device)  # NCCL communicates GPU tensors; inputs must then be on this device too
     pm = ParallelModule(modules, chosen, comm, state_names(model, graphs[True], modules.values(), source), stream,
-                        InputSpec.of(graphs[True]), model.training, dp)
+                        InputSpec.of(graphs[True]), model.training, dp, compile)
     pm.model_config = getattr(model, "config", None)
     return pm
 

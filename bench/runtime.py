@@ -52,6 +52,20 @@ def time_alternating(variants: dict[str, Variant], rank: int, x, y, cfg: BenchCo
     return samples
 
 
+def alternate(steps: dict, rounds: int, warmup: int = 2) -> dict[str, list[float]]:
+    """Seconds of ``rounds`` calls of every ``steps[name]()``, taking turns (order rotated each round) after
+    ``warmup`` untimed rounds; each time is the slowest rank's (every rank of the default group calls this)."""
+    samples: dict[str, list[float]] = {name: [] for name in steps}
+    for r, order in enumerate(rotations(list(steps), warmup + rounds)):
+        for name in order:
+            dist.barrier()
+            t = torch.tensor([timed(steps[name])], dtype=torch.float64)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            if r >= warmup:
+                samples[name].append(float(t.item()))
+    return samples
+
+
 def check_outputs(variants: dict[str, Variant], model, x, cfg: BenchConfig) -> dict[str, dict]:
     """Each tensor-parallel variant's logits against the single model's; the reference must match."""
     tol = TOLERANCE[cfg.dtype]

@@ -23,7 +23,7 @@ import torch.distributed as dist
 import autotp
 from bench.config import ModelShape
 from bench.ranks import run_on_ranks
-from bench.runtime import rotations
+from bench.runtime import alternate
 from bench.stats import paired_ratio, summary, timed
 from examples.gpt import build_gpt
 
@@ -34,12 +34,6 @@ SHAPES = {
 }
 CHOICES = ("split", "whole", "auto")
 RESULTS = Path(__file__).parent / "results" / "vocab_choice.json"
-
-
-def _slowest(seconds: float) -> float:
-    t = torch.tensor([seconds], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())
 
 
 def _step(pm, x, y) -> None:
@@ -54,13 +48,7 @@ def _shape_times(shape: ModelShape, rounds: int) -> dict:
     gen = torch.Generator().manual_seed(1)
     x, y = (torch.randint(0, shape.vocab_size, (shape.batch, shape.seq), generator=gen) for _ in range(2))
     pms = {c: autotp.parallelize(model, tp=2, example_inputs=x, vocab=c) for c in CHOICES}
-    samples: dict[str, list[float]] = {c: [] for c in CHOICES}
-    for r, order in enumerate(rotations(list(CHOICES), rounds + 2)):
-        for choice in order:
-            dist.barrier()
-            seconds = _slowest(timed(lambda: _step(pms[choice], x, y)))
-            if r >= 2:  # two warm-up rounds
-                samples[choice].append(seconds)
+    samples = alternate({c: (lambda c=c: _step(pms[c], x, y)) for c in CHOICES}, rounds)
     auto_split = any(p.is_split and p.kind.word == "vocab" for p in pms["auto"].plan.placements.values())
     chose = "split" if auto_split else "whole"
     best = min(("split", "whole"), key=lambda c: summary(samples[c])["median"])

@@ -136,7 +136,7 @@ class ParallelModule(Checkpointing, nn.Module):
 
     def __init__(self, graphs: dict[bool, fx.GraphModule], plan: Plan, comm: Communicator | None,
                  names: StateNames, stream: RankStream, inputs: InputSpec, training: bool,
-                 dp: DataParallel | None = None):
+                 dp: DataParallel | None = None, compile: bool = False):
         super().__init__()
         self.module, self.eval_module = graphs[True], graphs[False]
         self.plan, self.comm = plan, comm
@@ -145,6 +145,8 @@ class ParallelModule(Checkpointing, nn.Module):
         self._dp = dp
         self.fsdp_unit = dp.wrap(self.module, self.eval_module) if dp is not None else None
         self._output_gathers = output_gathers([self.module, self.eval_module])
+        # A plain dict, so the compiled wrappers are not submodules (their parameters are the graphs').
+        self._compiled = {mode: torch.compile(gm) for mode, gm in graphs.items()} if compile else None
         self.train(training)
         close_at_exit(self)
 
@@ -161,6 +163,8 @@ class ParallelModule(Checkpointing, nn.Module):
     def _graph(self) -> nn.Module:
         if self.fsdp_unit is not None:
             return self.fsdp_unit  # FSDP's hooks unshard before, and reduce-scatter gradients after, either graph
+        if self._compiled is not None:
+            return self._compiled[self.training]
         return self.module if self.training else self.eval_module
 
     def forward(self, *inputs, **kwargs):

@@ -1,0 +1,63 @@
+"""Eager and compiled: one tensor-parallel training step with and without ``torch.compile``, alternating.
+
+    python -m bench.compiled [--rounds 15]
+
+Two gloo ranks on the CPU (one thread each) step the runtime benchmark's GPT (4 x 256, vocabulary 8192,
+batch 4 x 128) at tp=2 through ``pm.step(x, target=y)``, from ``parallelize(..., compile=False)`` and
+``compile=True`` (inductor's CPU backend); a step's time is the slower rank's; the compile itself is timed
+apart (the first step of each). Ratios are medians of per-round ratios with 95% bootstrap intervals.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+import autotp
+from bench.config import ModelShape
+from bench.ranks import run_on_ranks
+from bench.runtime import alternate
+from bench.stats import paired_ratio, summary, timed
+from examples.gpt import build_gpt
+
+SHAPE = ModelShape(n_layer=4, n_head=8, n_embd=256, vocab_size=8192, batch=4, seq=128)
+RESULTS = Path(__file__).parent / "results" / "compiled.json"
+
+
+def _measure(rank: int, world: int, rounds: int) -> dict:
+    torch.manual_seed(0)
+    model = build_gpt(**SHAPE.gpt_kwargs())
+    gen = torch.Generator().manual_seed(1)
+    x, y = (torch.randint(0, SHAPE.vocab_size, (SHAPE.batch, SHAPE.seq), generator=gen) for _ in range(2))
+    pms = {mode: autotp.parallelize(model, tp=world, example_inputs=x, compile=mode == "compiled")
+           for mode in ("eager", "compiled")}
+
+    def step(pm):
+        pm.step(x, target=y)
+        for p in pm.parameters():
+            p.grad = None
+
+    first = timed(lambda: step(pms["compiled"]))
+    samples = alternate({mode: (lambda pm=pm: step(pm)) for mode, pm in pms.items()}, rounds)
+    return {"times": {m: summary(s) for m, s in samples.items()}, "first compiled step s": first,
+            "compiled / eager": paired_ratio(samples["compiled"], samples["eager"])}
+
+
+def main(argv=None) -> None:
+    """Measure, print, write ``bench/results/compiled.json``."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rounds", type=int, default=15, help="timed rounds per variant")
+    args = p.parse_args(argv)
+    r = run_on_ranks(_measure, "cpu", [1, 1], args.rounds)[0]
+    RESULTS.write_text(json.dumps(r, indent=2) + "\n")
+    ratio = r["compiled / eager"]
+    print(f"eager {r['times']['eager']['median'] * 1e3:.1f} ms, compiled {r['times']['compiled']['median'] * 1e3:.1f} "
+          f"ms per step; compiled / eager {ratio['median']:.3f} [{ratio['low']:.3f}, {ratio['high']:.3f}]; "
+          f"first compiled step (compiling) {r['first compiled step s']:.1f} s")
+
+
+if __name__ == "__main__":
+    main()
