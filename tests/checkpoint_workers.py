@@ -140,3 +140,47 @@ def _dcp_keys(path: Path) -> list[str]:
 
     return list(FileSystemReader(str(path)).read_metadata().state_dict_metadata)
 
+
+
+def dp_checkpoints(rank: int, world: int, path: str) -> list[str]:
+    """On 4 ranks: dp=2 x tp=2 fsdp replicas train 2 AdamW steps on their halves of the batch and save (DCP with
+    the optimizer, and a safetensors export); replicate replicas, fsdp replicas and a tp=4 module each load it,
+    equal one process after 2 steps, and after one more step equal it after 3."""
+    folder = Path(path)
+    x, y = models.tokens(8, 12, 5), models.tokens(8, 12, 6)
+    ref = llama()
+    ref_opt = torch.optim.AdamW(ref.parameters(), **ADAM)
+
+    def ref_step():
+        nn.functional.cross_entropy(ref(x).logits.flatten(0, 1), y.flatten()).backward()
+        ref_opt.step(), ref_opt.zero_grad()
+
+    def step(pm, opt):
+        rows = slice(pm.dp_rank * len(x) // pm.dp_size, (pm.dp_rank + 1) * len(x) // pm.dp_size)
+        pm.step(x[rows], target=y[rows])
+        opt.step(), opt.zero_grad()
+
+    saver = autotp.parallelize(llama(), tp=2, dp=2, example_inputs=x[:2], vocab="split", quiet=True)
+    opt = torch.optim.AdamW(saver.parameters(), **ADAM)
+    for _ in range(2):
+        step(saver, opt), ref_step()
+    saver.save(folder / "dcp", optimizer=opt)
+    saver.save(folder / "hf", format="safetensors")
+    after_two = {k: v.clone() for k, v in ref.state_dict().items()}
+    _same_state(saver.full_state_dict(), after_two, "fsdp dp=2 trained")
+    ref_step()
+    done = []
+    for label, layout in [("replicate", dict(tp=2, dp=2, dp_mode="replicate")), ("fsdp", dict(tp=2, dp=2)),
+                          ("tp=4", dict(tp=4))]:
+        pm = autotp.parallelize(llama(), example_inputs=x[:2], vocab="split", quiet=True, **layout)
+        pm_opt = torch.optim.AdamW(pm.parameters(), **ADAM)
+        pm.load(folder / "dcp", optimizer=pm_opt, quiet=True)
+        _same_state(pm.full_state_dict(), after_two, f"{label} loaded")
+        step(pm, pm_opt)
+        _same_state(pm.full_state_dict(), ref.state_dict(), f"{label} after a resumed step")
+        done.append(label)
+    import transformers
+
+    exported = transformers.LlamaForCausalLM.from_pretrained(folder / "hf").state_dict()
+    _same_state(exported, after_two, "exported at dp=2")
+    return [*done, "export"]

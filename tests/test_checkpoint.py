@@ -13,6 +13,7 @@ from autotp.rewrite.shards import local_shard, part_of
 from autotp.runtime import dcp
 from autotp.runtime.progress import Progress
 from tests import checkpoint_workers
+from tests.checkpoint_workers import dp_checkpoints
 from tests.distributed import run_on_ranks
 
 
@@ -82,13 +83,9 @@ def test_dcp_chunks_of_a_fused_split_reshard(tmp_path):
             assert torch.equal(local, part.take(full)), (tp, rank)
 
 
-def test_save_and_load_with_several_replicas_are_refused_with_the_way_out():
-    from autotp.errors import InputError
-    from autotp.runtime.checkpoint import Checkpointing
-
-    class TwoReplicas(Checkpointing):
-        dp_size = 2
-
-    for call in (lambda m: m.save("unused"), lambda m: m.load("unused")):
-        with pytest.raises(InputError, match=r"dp=2 .*checkpoint=PATH\) does load with dp"):
-            call(TwoReplicas())
+def test_checkpoints_with_data_parallel_replicas(tmp_path):
+    """Saved by fsdp replicas (dp=2 x tp=2) with AdamW state; loaded by replicate replicas, by fsdp replicas and
+    at tp=4: each equals one process after the same steps, and goes on training like it; the safetensors export
+    at dp=2 loads back with from_pretrained."""
+    results = run_on_ranks(dp_checkpoints, 4, str(tmp_path))
+    assert all(r == ["replicate", "fsdp", "tp=4", "export"] for r in results)

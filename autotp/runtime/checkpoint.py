@@ -13,17 +13,19 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from autotp.errors import InputError
 from autotp.planning.plan import Plan
 from autotp.rewrite.shards import Part, part_of
 from autotp.runtime import dcp
+from autotp.runtime.data_parallel import dp_shard, gathered, local
 from autotp.runtime.sources import HF_INDEX, HF_SINGLE, MODEL_PREFIX, DcpReader, open_reader, read_into
 
 OPTIMIZER_STATE = "optimizer.state."
@@ -47,14 +49,19 @@ class Holding:
     group: object
     """The process group a save is collective over (None: the default group)."""
     distributed: bool
+    sharded: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Original name -> the module's own FSDP DTensor, where ``tensors`` holds a copy whole over dp (a load
+    fills the copy, then the DTensor's local shard from it)."""
 
 
-def holding(plan: Plan, tp_rank: int, local: dict[str, torch.Tensor], params: dict[str, nn.Parameter],
+def holding(plan: Plan, tp_rank: int, own: dict[str, torch.Tensor], params: dict[str, nn.Parameter],
             extra: dict[str, object], aliases: dict[str, str], group, distributed: bool) -> Holding:
-    """The ``Holding`` of a rank whose tensors are ``local`` (shards under original names), plus ``extra`` state
-    every rank keeps whole (tensors only are saved)."""
-    tensors = {}
-    for name, tensor in local.items():
+    """The ``Holding`` of a rank whose tensors are ``own`` (tp shards under original names; FSDP DTensors are
+    gathered over dp, a collective), plus ``extra`` state every rank keeps whole (tensors only are saved).
+    With data parallelism every replica holds the same chunks: a save over the whole world writes each once."""
+    tensors, sharded = {}, {name: t for name, t in own.items() if isinstance(t, DTensor)}
+    for name, tensor in own.items():
+        tensor = gathered(tensor)
         placement = plan.placements.get(name)
         shape = list(tensor.shape)
         if placement is not None and placement.is_split:
@@ -63,7 +70,7 @@ def holding(plan: Plan, tp_rank: int, local: dict[str, torch.Tensor], params: di
     for name, value in extra.items():
         if isinstance(value, torch.Tensor):
             tensors.setdefault(name, (value, Part(tuple(value.shape))))
-    return Holding(tensors, params, aliases, group, distributed)
+    return Holding(tensors, params, aliases, group, distributed, sharded)
 
 
 def _format(value: str) -> str:
@@ -101,6 +108,7 @@ def optimizer_state(optimizer: torch.optim.Optimizer, held: Holding) -> dict[str
         param, part = held.params[name], held.tensors[name][1]
         for key, value in values.items():
             if isinstance(value, torch.Tensor):
+                value = gathered(value)  # an FSDP moment: whole over dp, like its parameter in ``held``
                 chunked = part if tuple(value.shape) == tuple(param.shape) else Part(tuple(value.shape))
                 out[f"{OPTIMIZER_STATE}{name}.{key}"] = dcp.Sharded.of(value, chunked)
             else:
@@ -130,6 +138,9 @@ def load(held: Holding, path: str | os.PathLike, optimizer: torch.optim.Optimize
                          f"{', '.join(missing[:6])}; pass a checkpoint of this model")
     items = [(found[name], part, tensor.detach()) for name, (tensor, part) in held.tensors.items() if name in found]
     read_into(reader, items, f"loading {Path(path).name}", show)  # in place: no second copy of the shards
+    with torch.no_grad():
+        for name, own in held.sharded.items():
+            local(own).copy_(dp_shard(held.tensors[name][0], own))
     if optimizer is not None:
         if not isinstance(reader, DcpReader):
             raise InputError(f"checkpoint {str(path)!r} holds no optimizer state (only pm.save's DCP checkpoints do); "
@@ -160,14 +171,21 @@ def load_optimizer(optimizer: torch.optim.Optimizer, held: Holding, path: str | 
                 state[key] = None
     dcp.load(state, path)
     values = state | tensors
-    per_param = {i: {key[len(OPTIMIZER_STATE) + len(name) + 1:]: values[key] for key in _state_keys(values, name)}
-                 for i, name in enumerate(names)}
+    per_param = {i: {key[len(OPTIMIZER_STATE) + len(name) + 1:]: _like_param(values[key], held.params[name])
+                     for key in _state_keys(values, name)} for i, name in enumerate(names)}
     groups, at = [], 0
     for group in optimizer.param_groups:
         count = len(group["params"])
         groups.append(dict(values[OPTIMIZER_GROUPS + names[at]]) | {"params": list(range(at, at + count))})
         at += count
     optimizer.load_state_dict({"state": {i: v for i, v in per_param.items() if v}, "param_groups": groups})
+
+
+def _like_param(value, param: torch.Tensor):
+    """An optimizer state value as its parameter holds it: shaped like an FSDP DTensor parameter, its dp shard."""
+    if isinstance(param, DTensor) and isinstance(value, torch.Tensor) and value.shape == param.shape:
+        return distribute_tensor(value, param.device_mesh, param.placements, src_data_rank=None)
+    return value
 
 
 def _state_keys(keys, name: str) -> list[str]:
@@ -244,7 +262,6 @@ class Checkpointing:
         ``max_shard_bytes`` with ``model.safetensors.index.json``, and the model's ``config.json``), which
         ``from_pretrained(path)`` loads; model only.
         """
-        self._one_replica("save")
         held = self._holding()
         if _format(format) == "dcp":
             save(held, path, optimizer)
@@ -261,16 +278,6 @@ class Checkpointing:
         """Load the model's tensors (and ``optimizer``'s state, from a DCP checkpoint) from ``path``: a directory
         ``save`` wrote at any layout, a ``.safetensors`` file or a Hugging Face directory. Each rank reads only
         its own slices; the first rank draws a progress bar unless ``quiet``."""
-        self._one_replica("load")
         held = self._holding()
         first = not held.distributed or dist.get_rank(held.group) == 0
         load(held, path, optimizer, show=first and not quiet)
-
-    def _one_replica(self, what: str) -> None:
-        """Saving and loading run over one tensor-parallel group: with several data-parallel replicas each
-        group would write the same files at once."""
-        replicas = getattr(self, "dp_size", 1)
-        if replicas > 1:
-            raise InputError(f"pm.{what} is not supported yet with dp={replicas} (each data-parallel replica would "
-                             f"{what} the same files at once); parallelize(..., checkpoint=PATH) does load with dp, "
-                             "and full_state_dict() gathers the model at any dp")

@@ -19,7 +19,7 @@ from collections.abc import Iterable, Iterator
 import torch
 import torch.distributed as dist
 from torch import fx, nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from autotp.errors import InputError
 from autotp.options import DataParallelMode
@@ -49,6 +49,11 @@ class ShardedUnit(nn.Module):
 def local(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's piece of ``tensor``: the local shard of an FSDP DTensor (sharing its storage), else itself."""
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def dp_shard(whole: torch.Tensor, like: DTensor) -> torch.Tensor:
+    """This rank's FSDP shard of ``whole`` (a tensor whole over dp), laid out as ``like``'s; no communication."""
+    return distribute_tensor(whole, like.device_mesh, like.placements, src_data_rank=None).to_local()
 
 
 def gathered(tensor: torch.Tensor) -> torch.Tensor:

@@ -242,7 +242,8 @@ class PipelineModule(Checkpointing, nn.Module):
 
     def _holding(self) -> Holding:
         params = {k: p for module in self.stages.values() for k, p in self._names.params(module).items()}
-        return holding(self.plan, self.mesh.tp_rank, self.local_state_dict(), params, self._names.extra_state,
+        own = {name: t for module in self.stages.values() for name, t in self._names.local(module).items()}
+        return holding(self.plan, self.mesh.tp_rank, own, params, self._names.extra_state,
                        self._names.aliases, None, True)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:

@@ -216,8 +216,9 @@ class ParallelModule(Checkpointing, nn.Module):
         return {name: gathered(t) for name, t in self._names.local(self.module).items()}
 
     def _holding(self) -> Holding:
-        group = self.comm.group if self.comm is not None else None
-        return holding(self.plan, self.rank, self.local_state_dict(), self._names.params(self.module),
+        # Over the tp group alone, or the whole world when data-parallel replicas hold the same chunks.
+        group = self.comm.group if self.comm is not None and self.dp_size == 1 else None
+        return holding(self.plan, self.rank, self._names.local(self.module), self._names.params(self.module),
                        self._names.extra_state, self._names.aliases, group, self.comm is not None)
 
     def full_state_dict(self) -> dict[str, object]:
