@@ -81,15 +81,15 @@ def _counting():
             yield debug, nbytes
 
 
-def count_step(forward: Callable[[], torch.Tensor], loss_fn: Callable[[torch.Tensor], torch.Tensor]) -> dict:
-    """Collectives of one training step, per direction: ``{forward: {all_reduce: {count, bytes}}, ...}``.
+def count_step(forward: Callable[[], object], loss_fn: Callable[[object], torch.Tensor]) -> dict:
+    """Collectives of one training step, per direction: ``{forward: {all_reduce: {count, bytes}}, ...}``; the
+    loss (``loss_fn(forward())``) counts as forward.
 
     The two counters must agree on the counts; a mismatch means one of them missed an op.
     """
     result = {}
     with _counting() as (fwd_debug, fwd_bytes):
-        out = forward()
-    loss = loss_fn(out)
+        loss = loss_fn(forward())  # the loss's own collectives (a vocab-parallel one) belong to the forward
     with _counting() as (bwd_debug, bwd_bytes):
         loss.backward()
     for direction, debug, nbytes in (("forward", fwd_debug, fwd_bytes), ("backward", bwd_debug, bwd_bytes)):

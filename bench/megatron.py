@@ -61,6 +61,35 @@ class _GatherLastDim(torch.autograd.Function):
         return grad.chunk(tp, dim=-1)[rank].contiguous(), None
 
 
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Megatron-LM's ``vocab_parallel_cross_entropy``: per-token loss from this rank's vocabulary slice of the
+    logits, by all-reducing the max, the target logit and the sum of exponentials; backward local."""
+
+    @staticmethod
+    def forward(ctx, logits, target, group):
+        rank, local = dist.get_rank(group), logits.shape[-1]
+        top = logits.max(dim=-1).values
+        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+        shifted = logits - top.unsqueeze(-1)
+        offset = target - rank * local
+        outside = (offset < 0) | (offset >= local)
+        index = offset.masked_fill(outside, 0).unsqueeze(-1)
+        predicted = shifted.gather(-1, index).squeeze(-1).masked_fill(outside, 0.0)
+        dist.all_reduce(predicted, group=group)
+        exp = shifted.exp()
+        total = exp.sum(dim=-1)
+        dist.all_reduce(total, group=group)
+        softmax = exp.div_(total.unsqueeze(-1))
+        ctx.save_for_backward(softmax, index, outside)
+        return total.log() - predicted
+
+    @staticmethod
+    def backward(ctx, grad):
+        softmax, index, outside = ctx.saved_tensors
+        grad_input = softmax.scatter_add(-1, index, -(~outside).unsqueeze(-1).to(softmax.dtype))
+        return grad_input * grad.unsqueeze(-1), None, None
+
+
 def _shard(t: torch.Tensor, dim: int, rank: int, tp: int) -> nn.Parameter:
     return nn.Parameter(t.detach().chunk(tp, dim=dim)[rank].clone())
 
@@ -178,9 +207,9 @@ class ParallelBlock(nn.Module):
 class MegatronGPT(nn.Module):
     """examples.gpt.GPT split over ``group``: vocabulary-split tied embedding and head, split blocks.
 
-    The head is Megatron's ``parallel_lm_logits`` with ``parallel_output=False``: f, a matmul with
-    this rank's rows of the tied table, and an all-gather of the logits, so the output is the full
-    logits on every rank, as the unsharded model returns.
+    The head is Megatron's ``parallel_lm_logits``: f, then a matmul with this rank's rows of the tied table.
+    ``forward`` gathers the logits (``parallel_output=False``, the full logits on every rank, as the unsharded
+    model returns); ``forward(idx, target)`` gives the loss Megatron trains on, from the split logits.
     """
 
     def __init__(self, gpt: nn.Module, group):
@@ -193,12 +222,19 @@ class MegatronGPT(nn.Module):
         self.h = nn.ModuleList(ParallelBlock(b, group) for b in gpt.transformer.h)
         self.ln_f = _LayerNorm(gpt.transformer.ln_f)
 
-    def forward(self, idx):
-        """Full logits (B, T, vocab) on every rank."""
+    def forward(self, idx, target=None):
+        """Full logits (B, T, vocab) on every rank; with ``target``, the mean cross-entropy as Megatron trains:
+        from this rank's vocabulary slice of the logits, never gathered (``parallel_output=True`` and
+        ``vocab_parallel_cross_entropy``)."""
+        if target is not None:
+            return _VocabParallelCrossEntropy.apply(self._local_logits(idx), target, self.group).mean()
+        return _GatherLastDim.apply(self._local_logits(idx), self.group)
+
+    def _local_logits(self, idx):
         x = _embed(self.wte, self.wpe, idx)
         for block in self.h:
             x = block(x)
-        return _head(self.ln_f, self.wte, self.group, x)
+        return F.linear(_CopyToTP.apply(self.ln_f(x), self.group), self.wte.weight)
 
 
 def _embed(wte: VocabParallelEmbedding, wpe: nn.Embedding, idx: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,7 @@ from bench.config import BenchConfig
 from bench.stats import summary, timed
 from bench.torch_tp import fused_colwise_error
 from bench.variants import (TOLERANCE, TP_VARIANTS, Roles, TPGroup, Variant, batch, build_model, build_variant,
-                            device_of, loss_fn, max_diff, run_step, single_variants)
+                            device_of, max_diff, run_step, single_variants, training_loss)
 
 
 def _slowest(seconds: float, cfg: BenchConfig) -> float:
@@ -84,7 +84,7 @@ def _tp_variants(model, x, y, tpg: TPGroup, cfg: BenchConfig) -> tuple[dict, dic
     """The tensor-parallel variants, checked against the single model, and their collectives per step."""
     variants = {name: build_variant(name, model, x, tpg) for name in TP_VARIANTS}
     checks = check_outputs(variants, model, x, cfg)
-    counted = {name: comm.count_step(lambda v=variants[name]: v.module(x), lambda out: loss_fn(out, y))
+    counted = {name: comm.count_step(lambda v=variants[name]: training_loss(v, x, y), lambda loss: loss)
                for name in TP_VARIANTS}
     return variants, {"checks": checks, "comm": counted, "fused_colwise": fused_colwise_error(model, tpg.mesh, x)}
 
@@ -105,7 +105,7 @@ def runtime_section(rank: int, r: Roles, tpg: TPGroup, cfg: BenchConfig, time_st
     samples = time_alternating(variants, rank, x, y, cfg) if time_steps else {}
     return found | {
         "shape": shape.describe(),
-        "comm_minimum": comm.megatron_minimum(shape, torch.finfo(cfg.torch_dtype).bits // 8, vocab_parallel_loss=False),
+        "comm_minimum": comm.megatron_minimum(shape, torch.finfo(cfg.torch_dtype).bits // 8),
         "threads": {name: r.threads[min(v.ranks)] for name, v in variants.items()},
         "times": {name: summary(s) for name, s in samples.items() if name != "load"},
         "load_average": summary(samples["load"]) if samples else None,

@@ -133,7 +133,9 @@ def build_variant(name: str, model: nn.Module, x: torch.Tensor, tpg: TPGroup) ->
     """Tensor-parallel variant ``name`` of ``model`` over the tp ranks."""
     if name not in BUILDERS:
         raise ValueError(f"unknown variant {name!r}; choose from {', '.join(BUILDERS)}")
-    return Variant(name, BUILDERS[name](model, x, tpg.group, tpg.mesh), tpg.ranks)
+    module = BUILDERS[name](model, x, tpg.group, tpg.mesh)
+    own = (lambda m, x, y, name=name: train_step(m, x, y, name)) if name in TRAINING_LOSSES else None
+    return Variant(name, module, tpg.ranks, own)
 
 
 def single_variants(model: nn.Module, r: Roles) -> dict[str, Variant]:
@@ -158,6 +160,25 @@ def step(module: nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
     """One forward and backward (the timed unit)."""
     zero_grad(module)
     loss_fn(module(x), y).backward()
+
+
+TRAINING_LOSSES: dict[str, Callable] = {
+    "autotp": lambda pm, x, y: pm.loss(x, target=y),  # pm.step's loss: vocab-parallel, logits never gathered
+    "megatron": lambda m, x, y: m(x, y),  # Megatron's vocab_parallel_cross_entropy
+}
+"""How a variant computes the loss it trains on, where that is not the cross-entropy of its (whole) logits."""
+
+
+def training_loss(v: Variant, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The loss one training step of ``v`` backpropagates."""
+    own = TRAINING_LOSSES.get(v.name)
+    return own(v.module, x, y) if own is not None else loss_fn(v.module(x), y)
+
+
+def train_step(module: nn.Module, x: torch.Tensor, y: torch.Tensor, name: str) -> None:
+    """One forward and backward of variant ``name`` on its own training loss."""
+    zero_grad(module)
+    training_loss(Variant(name, module, frozenset()), x, y).backward()
 
 
 def run_step(v: Variant, x: torch.Tensor, y: torch.Tensor):

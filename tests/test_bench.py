@@ -49,7 +49,10 @@ def test_quick_json_has_the_measurements(quick_run):
     assert set(results["runtime"]["times"]) >= {"autotp", "megatron", "torch_tp", "single_1t", "single_2t"}
     assert all(c["ok"] for c in results["runtime"]["checks"].values()), results["runtime"]["checks"]
     # Counts are not timings: autotp issues exactly Megatron's collectives.
-    assert totals(results["runtime"]["comm"]["autotp"]) == totals(results["runtime"]["comm_minimum"])
+    # Training steps as Megatron trains (vocab-parallel loss): within 5% of its analytic minimum in bytes.
+    autotp_bytes, low = totals(results["runtime"]["comm"]["autotp"]), totals(results["runtime"]["comm_minimum"])
+    assert low["bytes"] <= autotp_bytes["bytes"] <= 1.05 * low["bytes"]
+    assert totals(results["runtime"]["comm"]["megatron"]) == low
     assert [d["layers"] for d in results["prep"]["depths"]] == [6, 12]
 
 

@@ -183,11 +183,18 @@ class ParallelModule(Checkpointing, nn.Module):
         loss; the gradients are averaged over the replicas, so one optimizer step equals a single process's on
         the whole batch (for a mean-reduced loss over equal slices).
         """
-        with deferred(self._output_gathers) as split:
-            loss = step_loss(self(*inputs, **kwargs), target, loss_fn, split)
+        loss = self.loss(*inputs, target=target, loss_fn=loss_fn, **kwargs)
         loss.backward()
         self.average_gradients()
         return loss.detach()
+
+    def loss(self, *inputs, target: torch.Tensor | None = None, loss_fn: Callable | None = None,
+             **kwargs) -> torch.Tensor:
+        """The forward half of ``step``: the loss it trains on (same arguments), with its graph, for a backward
+        of your own. Split outputs are not gathered for it: the default cross-entropy and a model's own loss
+        are computed on the vocabulary-split logits; a ``loss_fn`` gets the outputs whole."""
+        with deferred(self._output_gathers) as split:
+            return step_loss(self(*inputs, **kwargs), target, loss_fn, split)
 
     def average_gradients(self) -> None:
         """Average the gradients over the data-parallel replicas, after a backward of your own under
