@@ -93,9 +93,20 @@ BLOCK_AWARE = frozenset({reshape, permute, like_first, getitem, pointwise, batch
 
 
 def rule_for(target) -> callable:
-    """The sharding rule of an op: its own, the pointwise rule for ops tagged pointwise, else replicate."""
+    """The sharding rule of an op: its own, the pointwise rule for ops tagged pointwise, an in-place op its
+    functional form's (``masked_fill_`` splits as ``masked_fill``: it writes each rank's slice in place),
+    else replicate."""
     if target in RULES:
         return RULES[target]
     if isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags:
         return pointwise
-    return replicate_all
+    functional = _functional(target)
+    return rule_for(functional) if functional is not None else replicate_all
+
+
+def _functional(target):
+    """The out-of-place overload of an in-place ATen op (``masked_fill_.Scalar`` -> ``masked_fill.Scalar``)."""
+    if not isinstance(target, torch._ops.OpOverload) or torch.Tag.inplace not in target.tags:
+        return None
+    packet = getattr(torch.ops.aten, target._overloadpacket.__name__.rstrip("_"), None)
+    return getattr(packet, target._overloadname, None) if packet is not None else None

@@ -156,3 +156,24 @@ def test_router_kept_whole_by_choice():
     assert not report.plan.placements["gate.weight"].is_split
     assert "gate.weight" in report.plan.by_choice  # a functional linear: named by its parameter
     assert any("router" in n for n in report.plan.notes)
+
+
+class InPlaceMaskedScores(nn.Module):
+    """Megatron-core's attention: scores masked in place (``masked_fill_``) by a whole causal mask, then softmax."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv, self.o = nn.Linear(D, 3 * D), nn.Linear(D, D)
+        self.register_buffer("mask", torch.triu(torch.ones(1, 1, T, T, dtype=torch.bool), diagonal=1))
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, k, v = (p.view(b, t, H, HD).transpose(1, 2) for p in self.qkv(x).split(D, -1))
+        scores = q @ k.transpose(-1, -2) / HD ** 0.5
+        scores.masked_fill_(self.mask[..., :t, :t], -10000.0)  # in place on a value split by heads
+        return self.o((scores.softmax(-1) @ v).transpose(1, 2).reshape(b, t, D))
+
+
+def test_an_in_place_op_on_a_split_value_splits_as_its_functional_form():
+    report = _check(_model(InPlaceMaskedScores), _x(B, T, D))
+    _split(report, "qkv.weight", "o.weight")

@@ -159,22 +159,25 @@ class _CrossEntropy(torch.autograd.Function):
         index = offset.clamp(0, local - 1).unsqueeze(-1)
         picked = logits.gather(-1, index).squeeze(-1).masked_fill(~mine, 0.0)
         top = logits.amax(-1)
-        total = (logits - top.unsqueeze(-1)).exp().sum(-1)
+        exp = (logits - top.unsqueeze(-1)).exp_()
+        total = exp.sum(-1)
         # One all-gather of each rank's (max, sum of exponentials, target logit) gives every rank the whole
         # log-sum-exp: Megatron's three all-reduces in one collective.
         tops, totals, picks = torch.stack(comm.all_gather(torch.stack([top, total, picked]))).unbind(1)
         highest = tops.amax(0)
         lse = highest + (totals * (tops - highest).exp()).sum(0).log()
-        ctx.save_for_backward(logits, lse, index, mine, valid)
+        softmax = exp.mul_((top - lse).exp().unsqueeze(-1))  # exp(x - top) * exp(top - lse), in place
+        ctx.save_for_backward(softmax, index, mine, valid)
         return (lse - picks.sum(0)).masked_fill(~valid, 0.0)
 
     @staticmethod
     def backward(ctx, grad):
         # d loss / d logits = softmax - one_hot(target), both on this rank's classes: no communication.
-        logits, lse, index, mine, valid = ctx.saved_tensors
-        out = (logits - lse.unsqueeze(-1)).exp()
-        out.scatter_add_(-1, index, -mine.unsqueeze(-1).to(out.dtype))
-        return out * grad.masked_fill(~valid, 0.0).unsqueeze(-1), None, None, None  # no 0 * inf: torch's zeros
+        softmax, index, mine, valid = ctx.saved_tensors
+        grad = grad.masked_fill(~valid, 0.0).unsqueeze(-1)  # no 0 * inf where ignored: torch's zeros
+        out = softmax * grad
+        out.scatter_add_(-1, index, -mine.unsqueeze(-1).to(out.dtype) * grad)
+        return out, None, None, None
 
 
 MEAN, SUM = 1, 2
