@@ -10,16 +10,13 @@ apart (the first step of each). Ratios are medians of per-round ratios with 95% 
 
 from __future__ import annotations
 
-import argparse
-import json
 from pathlib import Path
 
 import torch
 
 import autotp
 from bench.config import ModelShape
-from bench.ranks import run_on_ranks
-from bench.runtime import alternate
+from bench.runtime import alternate, two_rank_command
 from bench.stats import paired_ratio, summary, timed
 from examples.gpt import build_gpt
 
@@ -48,11 +45,7 @@ def _measure(rank: int, world: int, rounds: int) -> dict:
 
 def main(argv=None) -> None:
     """Measure, print, write ``bench/results/compiled.json``."""
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--rounds", type=int, default=15, help="timed rounds per variant")
-    args = p.parse_args(argv)
-    r = run_on_ranks(_measure, "cpu", [1, 1], args.rounds)[0]
-    RESULTS.write_text(json.dumps(r, indent=2) + "\n")
+    r = two_rank_command(_measure, __doc__, RESULTS, argv)
     ratio = r["compiled / eager"]
     print(f"eager {r['times']['eager']['median'] * 1e3:.1f} ms, compiled {r['times']['compiled']['median'] * 1e3:.1f} "
           f"ms per step; compiled / eager {ratio['median']:.3f} [{ratio['low']:.3f}, {ratio['high']:.3f}]; "

@@ -14,8 +14,6 @@ order rotated; a step's time is the slower rank's. Ratios are medians of per-rou
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -23,8 +21,7 @@ import torch
 from torch import nn
 
 import autotp
-from bench.ranks import run_on_ranks
-from bench.runtime import alternate
+from bench.runtime import alternate, two_rank_command
 from bench.stats import paired_ratio, summary
 
 LAYERS, HIDDEN, HEADS, VOCAB, BATCH, SEQ = 4, 256, 8, 8192, 4, 128
@@ -111,12 +108,8 @@ def _measure(rank: int, world: int, rounds: int) -> dict:
 
 def main(argv=None) -> int:
     """Measure, print, write ``bench/results/megatron_core.json``."""
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--rounds", type=int, default=15, help="timed rounds per variant")
-    args = p.parse_args(argv)
     _megatron_core()  # fail early, with the install line, when it is missing
-    r = run_on_ranks(_measure, "cpu", [1, 1], args.rounds)[0]
-    RESULTS.write_text(json.dumps(r, indent=2) + "\n")
+    r = two_rank_command(_measure, __doc__, RESULTS, argv)
     ratio, times = r["autotp / megatron-core"], r["times"]
     print(f"megatron-core GPTModel {LAYERS} x {HIDDEN}, vocabulary {VOCAB}, batch {BATCH} x {SEQ}, tp=2: "
           f"autotp {times['autotp']['median'] * 1e3:.1f} ms, megatron-core {times['megatron-core']['median'] * 1e3:.1f}"

@@ -6,13 +6,17 @@ variants take turns, and the order rotates every round, so drift (thermal, other
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from bench import comm
 from bench.config import BenchConfig
+from bench.ranks import run_on_ranks
 from bench.stats import summary, timed
 from bench.torch_tp import fused_colwise_error
 from bench.variants import (TOLERANCE, TP_VARIANTS, Roles, TPGroup, Variant, batch, build_model, build_variant,
@@ -64,6 +68,17 @@ def alternate(steps: dict, rounds: int, warmup: int = 2) -> dict[str, list[float
             if r >= warmup:
                 samples[name].append(float(t.item()))
     return samples
+
+
+def two_rank_command(measure, doc: str, results: Path, argv=None) -> dict:
+    """The command line of a benchmark that alternates variants on 2 gloo CPU ranks: parses ``--rounds``, runs
+    ``measure(rank, world, rounds)`` on both, writes rank 0's result to ``results`` (JSON) and returns it."""
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
+    p.add_argument("--rounds", type=int, default=15, help="timed rounds per variant")
+    args = p.parse_args(argv)
+    result = run_on_ranks(measure, "cpu", [1, 1], args.rounds)[0]
+    results.write_text(json.dumps(result, indent=2) + "\n")
+    return result
 
 
 def check_outputs(variants: dict[str, Variant], model, x, cfg: BenchConfig) -> dict[str, dict]:

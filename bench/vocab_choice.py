@@ -12,8 +12,6 @@ CPU machine (``autotp.planning.choose.CPU``) was set from: a matmul's rate and g
 
 from __future__ import annotations
 
-import argparse
-import json
 import time
 from pathlib import Path
 
@@ -22,8 +20,7 @@ import torch.distributed as dist
 
 import autotp
 from bench.config import ModelShape
-from bench.ranks import run_on_ranks
-from bench.runtime import alternate
+from bench.runtime import alternate, two_rank_command
 from bench.stats import paired_ratio, summary, timed
 from examples.gpt import build_gpt
 
@@ -97,11 +94,7 @@ def table(results: dict) -> str:
 
 def main(argv=None) -> None:
     """Measure, print the table and the calibration, write ``bench/results/vocab_choice.json``."""
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--rounds", type=int, default=15, help="timed rounds per variant")
-    args = p.parse_args(argv)
-    results = run_on_ranks(_measure, "cpu", [1, 1], args.rounds)[0]
-    RESULTS.write_text(json.dumps(results, indent=2) + "\n")
+    results = two_rank_command(_measure, __doc__, RESULTS, argv)
     print(table(results))
     print("calibration:", {k: round(v, 2) for k, v in results["calibration"].items()})
 
