@@ -55,12 +55,14 @@ def default_loss(rank: int, world: int) -> dict:
     pm = autotp.parallelize(ref, tp=world, vocab="split", example_inputs=x)
     with GatherSizes() as in_forward:
         pm(x)
+    with GatherSizes() as in_loss:  # the forward half of step, for a backward of the caller's own
+        assert_close(pm.loss(x, target=y), models.loss_fn(ref(x), y), rtol=1e-5, atol=1e-6)
     with GatherSizes() as in_step:
         pm.step(x, target=y)
     for p in pm.parameters():
         p.grad = None
     error = _train(pm, ref, lambda: pm.step(x, target=y), lambda: models.loss_fn(ref(x), y))
-    return {"forward": in_forward.sizes, "step": in_step.sizes, "error": error}
+    return {"forward": in_forward.sizes, "loss": in_loss.sizes, "step": in_step.sizes, "error": error}
 
 
 def user_loss(rank: int, world: int) -> dict:
