@@ -107,12 +107,12 @@ def _vocab_placements(analysis: Analysis, tp: int, notes: list[str], choices: Ch
     (then the layers kept whole by choice); the reason goes to ``notes``. ``others``: the plan's other split
     parameters."""
     vocab = analysis.vocab
-    layers = tuple(analysis.layer(n) for n in (*vocab.embeddings, *vocab.heads)) if vocab else ()
-    if vocab is None or tp == 1 or choices.vocab is VocabChoice.WHOLE:
-        if vocab is not None and tp > 1:
-            notes.append("embedding and LM head kept whole: vocab='whole' was asked for")
-            return {}, [], layers
+    if vocab is None or tp == 1:
         return {}, [], ()
+    layers = tuple(analysis.layer(n) for n in (*vocab.embeddings, *vocab.heads))
+    if choices.vocab is VocabChoice.WHOLE:
+        notes.append("embedding and LM head kept whole: vocab='whole' was asked for")
+        return {}, [], layers
     if vocab.vocab_size % tp:
         notes.append(f"vocabulary of {vocab.vocab_size} is not divisible by tp={tp}: embedding and LM head not split along it")
         return {}, [], ()

@@ -76,13 +76,12 @@ def default_loss(output, target: torch.Tensor, split: SplitOutputs | None = None
     vocabulary are not gathered: Megatron's vocab-parallel cross-entropy computes the same loss from the
     shards."""
     logits = logits_of(output)
-    flat_logits, flat_target = logits.reshape(-1, logits.shape[-1]), target.reshape(-1)
     gather = split.gather_of(logits) if split is not None else None
     if gather is not None and gather.dim == logits.dim() - 1 and len(gather.segments) == 1 and not gather.blocked:
-        return vocab_parallel_cross_entropy(flat_logits, flat_target, gather.comm)
-    if gather is not None:
-        flat_logits = split.whole(logits).reshape(flat_logits.shape[0], -1)
-    return nn.functional.cross_entropy(flat_logits, flat_target)
+        return vocab_parallel_cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), gather.comm)
+    if gather is not None:  # split some other way: made whole for the plain loss
+        logits = gather.whole(logits)
+    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
 
 
 def user_loss(loss_fn: Callable, output, target: torch.Tensor, split: SplitOutputs | None) -> torch.Tensor:
