@@ -106,3 +106,10 @@ def test_training_never_gathers_the_logits_on_two_ranks():
         assert default["step"] == default["loss"] == [3 * 3 * 10]  # max, sum of exponentials, target logit
         assert own["step"] == [3 * 4 * 12]  # padded HF batch of 4 x 12 (labels shifted inside the model)
         assert max(default["error"], r["user"]["error"], own["error"]) < 1e-5
+
+
+def test_the_default_loss_of_an_output_without_logits_names_the_way_out():
+    from autotp.runtime.outputs import default_loss
+
+    with pytest.raises(autotp.InputError, match=r"output is a dict with no logits; pass loss_fn="):
+        default_loss({"hidden": torch.zeros(2, 3)}, torch.zeros(2, dtype=torch.long))
