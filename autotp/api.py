@@ -56,10 +56,13 @@ def _choice(kind, name: str, value):
         raise InputError(f"{name} must be one of {[c.value for c in kind]}, got {value!r}") from e
 
 
-def choices_of(vocab: str, memory_budget, device) -> Choices:
+def choices_of(vocab: str, memory_budget, device, sequence_parallel: bool = False) -> Choices:
     """What the planner may choose (``vocab``, ``memory_budget``), priced for ranks on ``device`` (None: this
-    process's kind)."""
-    return Choices(_choice(VocabChoice, "vocab", vocab), parse_bytes(memory_budget), machine_for(device))
+    process's kind), and whether it splits the sequence."""
+    if not isinstance(sequence_parallel, bool):
+        raise InputError(f"sequence_parallel must be True or False, got {sequence_parallel!r}")
+    return Choices(_choice(VocabChoice, "vocab", vocab), parse_bytes(memory_budget), machine_for(device),
+                   sequence_parallel)
 
 
 def with_input_note(chosen: Plan, example: ExampleInputs) -> Plan:
@@ -69,7 +72,7 @@ def with_input_note(chosen: Plan, example: ExampleInputs) -> Plan:
 
 def plan(model: nn.Module, tp: int, example_inputs=None, pp: int = 1, balance: str = "both",
          batch: int | None = None, seq: int | None = None, cuts=(), virtual_stages: int = 1, vocab: str = "auto",
-         memory_budget: int | str | None = None) -> Plan:
+         memory_budget: int | str | None = None, sequence_parallel: bool = False) -> Plan:
     """The plan for ``model`` at ``tp`` tensor- and ``pp`` pipeline-parallel ranks, with no process group.
 
     ``example_inputs`` is what the model is captured on: a tensor, a tuple of positional tensors, or a dict of
@@ -80,12 +83,16 @@ def plan(model: nn.Module, tp: int, example_inputs=None, pp: int = 1, balance: s
     ``vocab`` is ``auto`` (split the embedding and LM head along the vocabulary where the cost model finds
     that faster at ``batch``/``seq``, or where whole they would not fit ``memory_budget``: bytes per rank for
     parameters, gradients and AdamW moments, e.g. ``"40GiB"``), ``split`` (always, as Megatron) or ``whole``.
+    ``sequence_parallel`` splits the residual stream between regions along the sequence (Megatron's sequence
+    parallelism: norms, dropout and residual adds per sequence shard; reduce-scatters and all-gathers instead of
+    all-reduces); inputs then need a sequence length that tp divides.
     """
     tp, pp = _check_positive("tp", tp), _check_positive("pp", pp)
     stages = pp * _check_positive("virtual_stages", virtual_stages)
     example = example_inputs_of(model, example_inputs)
     chosen = make_plan(capture(model, example), tp, pp=pp, balance=_choice(Balance, "balance", balance), batch=batch,
-                       seq=seq, cuts=tuple(cuts), stages=stages, choices=choices_of(vocab, memory_budget, None))
+                       seq=seq, cuts=tuple(cuts), stages=stages,
+                       choices=choices_of(vocab, memory_budget, None, sequence_parallel))
     return with_input_note(chosen, example)
 
 
@@ -95,7 +102,7 @@ def parallelize(model: nn.Module, tp: int | None = None, example_inputs=None, pp
                 virtual_stages: int | None = None, timeout: float | timedelta | None = None,
                 checkpoint: str | os.PathLike | None = None, quiet: bool = False, dp: int = 1,
                 dp_mode: str = "fsdp", vocab: str = "auto", memory_budget: int | str | None = None,
-                compile: bool = False):
+                compile: bool = False, sequence_parallel: bool = False):
     """This rank's piece of ``model``, tensor-parallel over ``tp`` ranks, pipelined over ``pp`` and replicated
     over ``dp`` data-parallel replicas (ranks on a (pp, dp, tp) mesh, tp innermost).
 
@@ -118,7 +125,8 @@ def parallelize(model: nn.Module, tp: int | None = None, example_inputs=None, pp
     With ``dp`` > 1 each replica (``pm.dp_rank`` of ``pm.dp_size``) trains on its own slice of the global batch
     and gradients are averaged over the replicas; ``dp_mode`` is ``fsdp`` (FSDP2 ``fully_shard`` over the
     replicas: parameters, gradients and optimizer state sharded) or ``replicate`` (gradient all-reduce).
-    ``vocab`` and ``memory_budget`` are as for ``plan`` (costs at the example inputs' batch and sequence).
+    ``vocab``, ``memory_budget`` and ``sequence_parallel`` are as for ``plan`` (costs at the example inputs' batch
+    and sequence).
     ``compile`` runs the rank's graphs under ``torch.compile`` (tensor parallelism only: pp = dp = 1); the first
     call of each mode (forward, step) compiles, a new input size may compile again.
     """
@@ -151,7 +159,7 @@ def parallelize(model: nn.Module, tp: int | None = None, example_inputs=None, pp
     if plan is not None:
         chosen = verify_plan(captured, check_plan_fits(plan, param_shapes(model), tp, pp, stages))
     else:
-        choices = choices_of(vocab, memory_budget, device_for(group, distributed) or "cpu")
+        choices = choices_of(vocab, memory_budget, device_for(group, distributed) or "cpu", sequence_parallel)
         chosen = with_input_note(make_plan(captured, tp, pp=pp, balance=_choice(Balance, "balance", balance),
                                            cuts=tuple(cuts), stages=stages, choices=choices), example)
     check_same_plan(chosen, group, distributed)

@@ -186,11 +186,11 @@ def build_ranks(captured: Captured, plan: Plan, seed: int = SEED) -> tuple[list[
 
 
 def check(model: nn.Module, tp: int, example_inputs=None, pp: int = 1, plan: Plan | None = None,
-          modules_hook=None, vocab: str = "auto") -> CheckReport:
+          modules_hook=None, vocab: str = "auto", sequence_parallel: bool = False) -> CheckReport:
     """Simulate every rank of ``plan`` (default: autotp's plan at ``tp``) in this process and compare one
     training step with the unsharded model. ``example_inputs`` are as for ``autotp.plan`` (a tensor, a tuple,
     a dict of keyword tensors such as ``input_ids``, ``attention_mask`` and ``labels``, or left out for
-    synthesised token ids); ``vocab`` as for ``autotp.plan`` (``split`` checks the vocabulary split even where
+    synthesised token ids); ``vocab`` and ``sequence_parallel`` as for ``autotp.plan`` (``split`` checks the vocabulary split even where
     the cost model would keep it whole). ``modules_hook(modules, comms)`` may alter the rank modules before they run (the
     tests inject faults this way). The model is not changed."""
     if pp != 1:
@@ -201,7 +201,8 @@ def check(model: nn.Module, tp: int, example_inputs=None, pp: int = 1, plan: Pla
     if plan is not None:
         chosen = verify_plan(captured, check_plan_fits(plan, param_shapes(model), tp))
     else:
-        chosen = with_input_note(make_plan(captured, tp, choices=choices_of(vocab, None, None)), example)
+        chosen = with_input_note(make_plan(captured, tp, choices=choices_of(vocab, None, None, sequence_parallel)),
+                                 example)
     modules, comms = build_ranks(captured, chosen)
     if modules_hook is not None:
         modules_hook(modules, comms)
@@ -286,7 +287,8 @@ def locate(captured: Captured, plan: Plan, modules: list[fx.GraphModule], comms:
     """The first forward operation (in graph order) whose value on some rank differs from the unsharded one,
     replaying the forward of ``modules`` (as they are, faults included) over ``comms``."""
     analysis = Analysis(captured)
-    layouts = analysis.propagate(param_layouts(analysis, target_placements(captured, plan)), plan.tp).layouts
+    layouts = analysis.propagate(param_layouts(analysis, target_placements(captured, plan)), plan.tp,
+                                plan.sequence_parallel).layouts
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(SEED)
         want = _values(captured.module, inputs)

@@ -12,6 +12,7 @@ import functools
 from collections.abc import Mapping
 from typing import Protocol
 
+import sympy
 from torch import fx
 
 from autotp.passes.choices import kept_by_choice
@@ -78,9 +79,18 @@ class Analysis:
         found = {n: kept_by_choice(self.nodes[n], self.projections, heads) for n in self.projections}
         return {n: why for n, why in found.items() if why}
 
-    def propagate(self, layouts: Mapping[str, Shard], tp: int) -> Propagation:
-        """Propagate parameter layouts (keyed by ``get_attr`` target) through the whole graph."""
-        return propagate(self.graph, self.projections, self.embeddings, layouts, tp, self.trainable)
+    def propagate(self, layouts: Mapping[str, Shard], tp: int, sequence_parallel: bool = False) -> Propagation:
+        """Propagate parameter layouts (keyed by ``get_attr`` target) through the whole graph, with the residual
+        stream split along the sequence when ``sequence_parallel``."""
+        sequence = self.sequence_sizes if sequence_parallel else frozenset()
+        return propagate(self.graph, self.projections, self.embeddings, layouts, tp, self.trainable, sequence=sequence)
+
+    @functools.cached_property
+    def sequence_sizes(self) -> frozenset:
+        """The sequence lengths: the dynamic last dim of the ids every embedding looks up (token and position ids)."""
+        found = (sympy.sympify(sizes(self.nodes[e.ids])[-1]) for e in self.embeddings.values()
+                 if sizes(self.nodes[e.ids]))
+        return frozenset(s for s in found if not s.is_Integer)
 
     def param_size(self, target: str, dim: int) -> int:
         """Size of dim ``dim`` of the parameter read by ``get_attr`` target ``target``."""

@@ -13,10 +13,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+import sympy
 from torch import fx
 
-from autotp.passes.graph import ArgPath, grad_nodes, is_tensor, mutated_args, rank, tensor_args
-from autotp.passes.layout import Layout, PlacementKind, Shard
+from autotp.passes.graph import ArgPath, grad_nodes, is_tensor, mutated_args, rank, sizes, tensor_args
+from autotp.passes.layout import Layout, PlacementKind, Shard, static
 from autotp.passes.projections import Embedding, Projection
 from autotp.passes.rules import BLOCK_AWARE, Context, Decision, replicate_all, rule_for
 from autotp.passes.steps import COPY, Operator, Step, gather, scatter
@@ -108,8 +109,9 @@ def _finer(a: tuple[int, ...] | None, b: tuple[int, ...]) -> tuple[int, ...]:
 class _Walker:
     """One propagation run (state for the walk; the result is ``self.result``)."""
 
-    def __init__(self, graph, projections, embeddings, param_layouts, tp, grad, auto_rows, index):
+    def __init__(self, graph, projections, embeddings, param_layouts, tp, grad, auto_rows, index, sequence):
         self.graph = graph
+        self.sequence = sequence
         self.projections = projections
         self.embeddings = embeddings
         self.param_layouts = param_layouts
@@ -188,9 +190,13 @@ class _Walker:
                                       if isinstance(lay, (Shard, tuple))))
         if node.name in self.projections and isinstance(decision.out, Shard):
             origins = frozenset({node.name})
+        if res.reduced.get(node.name) is Operator.REDUCE_SCATTER:
+            origins = frozenset()  # a split along the sequence starts here; no column projection made it
         if origins and decision.out is not None:
             res.origins[node.name] = origins
         for size, what in decision.checks:
+            if static(size) is None:
+                continue  # a split of the sequence: its size is checked when an input arrives
             res.checked.append(size)
             if size % self.ctx.tp:
                 res.violations.append(Violation(node.name, size, what, origins))
@@ -208,13 +214,21 @@ class _Walker:
         if isinstance(table, Shard) and table.dim == 1:  # a per-head table (relative position bias)
             return Decision(Shard(rank(node) - 1, table.segments), wants={(1,): None})
         if isinstance(table, Shard):
-            self.result.reduced[node.name] = Operator.VOCAB_EMBEDDING
-            return Decision(None, wants={(1,): None},
+            out = self.sequence_shard(node)
+            self.result.reduced[node.name] = Operator.REDUCE_SCATTER if out else Operator.VOCAB_EMBEDDING
+            return Decision(out, wants={(1,): None},
                             checks=[(emb.num_embeddings, "vocabulary size")])
         rule = rule_for(node.target)
         if rule not in BLOCK_AWARE and any(isinstance(lay, Shard) and lay.blocks != 1 for _, lay in ins.values()):
             rule = replicate_all  # a rule outside BLOCK_AWARE would drop the blocks of a folded split
-        return rule(node, ins, self.ctx)
+        try:
+            return rule(node, ins, self.ctx)
+        except TypeError:
+            # Rules reason about splits of static sizes; one that cannot compare the dynamic size of a sequence
+            # split (sympy refuses the truth value) takes the safe rule. Anything else is a bug in the rule.
+            if not any(isinstance(lay, Shard) and static(lay.size) is None for _, lay in ins.values()):
+                raise
+            return replicate_all(node, ins, self.ctx)
 
     def role_of(self, proj: Projection, ins: dict) -> Role | None:
         weight = self.param_layouts.get(proj.weight)
@@ -239,9 +253,22 @@ class _Walker:
             out = Shard(rank(node) + proj.feature_axis, role.segments)
             return Decision(out, wants={x_path: COPY},
                             checks=[(s, "output features") for s in role.segments])
-        self.result.reduced[node.name] = Operator.G
-        return Decision(None, wants={x_path: Shard(rank(x) + proj.feature_axis, (proj.in_features,))},
+        out = self.sequence_shard(node)
+        self.result.reduced[node.name] = Operator.REDUCE_SCATTER if out else Operator.G
+        wants = {x_path: Shard(rank(x) + proj.feature_axis, (proj.in_features,))}
+        bias = next(((p, n) for p, n in tensor_args(node) if n.op == "get_attr" and n.target == proj.bias), None)
+        if out is not None and bias is not None and bias[1].name in self.ctx.grad:
+            wants[bias[0]] = COPY  # added after the reduce-scatter, to this rank's tokens: its gradient is a share
+        return Decision(out, wants=wants,
                         checks=[(proj.in_features, "input features")])
+
+    def sequence_shard(self, node: fx.Node) -> Shard | None:
+        """Under sequence parallelism, the split along the sequence that a reduction after ``node`` lands in (its
+        first dim sized like the token ids' sequence); None without sequence parallelism or such a dim."""
+        for dim, size in enumerate(sizes(node)):
+            if sympy.sympify(size) in self.sequence:
+                return Shard(dim, (size,))
+        return None
 
     def convert(self, node: fx.Node, path: ArgPath, source: fx.Node, have: Layout, want) -> None:
         steps = _steps(have, want)
@@ -275,13 +302,18 @@ class GraphIndex:
 
 def propagate(graph: fx.Graph, projections: Mapping[str, Projection], embeddings: Mapping[str, Embedding],
               param_layouts: Mapping[str, Shard], tp: int, trainable: set[str], auto_rows: bool = False,
-              grad: set[str] | None = None, index: GraphIndex | None = None) -> Propagation:
+              grad: set[str] | None = None, index: GraphIndex | None = None,
+              sequence: frozenset = frozenset()) -> Propagation:
     """Propagate the parameter layouts (keyed by ``get_attr`` target) through ``graph``.
 
     With ``auto_rows``, a projection that receives its input split along the features becomes
     row-split, which is how the planner discovers where a column-split region closes; the walk then
     covers only the region. ``grad`` (the nodes gradients flow through) may be passed in when known.
+    ``sequence`` (the sequence sizes, as sympy expressions) turns on sequence parallelism: the reductions after
+    row-split projections and split lookups reduce-scatter along the sequence, and the values after them stay
+    split along it (norms, dropout, residual adds per sequence shard) until a reader needs them whole.
     """
     grad = grad if grad is not None else grad_nodes(graph, trainable)
-    walker = _Walker(graph, projections, embeddings, param_layouts, tp, grad, auto_rows, index or GraphIndex.of(graph))
+    walker = _Walker(graph, projections, embeddings, param_layouts, tp, grad, auto_rows, index or GraphIndex.of(graph),
+                     frozenset(sympy.sympify(s) for s in sequence))
     return walker.run(windowed=auto_rows)

@@ -3,6 +3,8 @@ stack, indexing, repeats, padding. They move a split to where it lands, or see t
 
 from __future__ import annotations
 
+import sys
+
 import torch
 from torch import fx
 
@@ -114,6 +116,9 @@ def slice_(node: fx.Node, ins: Inputs, ctx: Context, x: fx.Node, lay: Shard) -> 
     step = arg_or_default(node, 4, "step", 1)
     if dim != lay.dim:
         return Decision(lay)
+    if static(lay.size) is None:  # split along the sequence: only a slice keeping all of it keeps the split
+        everything = start in (None, 0) and step == 1 and end in (None, sys.maxsize)
+        return Decision(lay) if everything else replicate_all(node, ins, ctx)
     start = 0 if start is None else start
     start, end = (b + lay.size if isinstance(b, int) and b < 0 else b for b in (start, end))  # counted from the end
     if not (isinstance(start, int) and isinstance(step, int) and (end is None or isinstance(end, int))):

@@ -3,7 +3,7 @@
 A ``Step`` is what sharding propagation asks for on an edge (make a split value whole, pass a whole
 value through Megatron's ``f``, keep this rank's slice of a whole value). Every communication the
 rewrite inserts has an ``Operator`` (Megatron's name for it), and ``COMMUNICATION`` is the one table
-from an operator to the collective it runs and the pass it runs in. The planner lists collectives
+from an operator to the collectives it runs and the pass each runs in. The planner lists collectives
 from it, the report and the pictures describe them with it; the rewriter keys its autograd modules
 by the same ``Operator`` (``autotp.rewrite.collectives.IMPLEMENTATIONS``).
 """
@@ -31,6 +31,12 @@ class Operator(str, Enum):
     """Sum the partial lookups of a vocabulary-split embedding: all-reduce forward."""
     MEAN = "mean"
     """Average the ranks' means over their shares of a split dim (a norm's statistic): all-reduce forward."""
+    REDUCE_SCATTER = "reduce_scatter"
+    """Sequence parallelism's ``g``: sum the ranks' partial results and keep this rank's part of the sequence
+    (reduce-scatter forward, all-gather of the gradient backward); after a row-split projection or a split lookup."""
+    GATHER_TO_REGION = "gather_to_region"
+    """A gather, then ``f``, fused (sequence parallelism's way into a column-split region): all-gather forward,
+    reduce-scatter of the gradient backward (half the bytes of ``f``'s all-reduce)."""
     CROSS_ENTROPY = "cross_entropy"
     """Cross-entropy of class-split logits: each rank's max, sum of exponentials and target logit, all-gathered
     forward (Megatron's vocab-parallel cross-entropy; backward local)."""
@@ -41,6 +47,7 @@ class CollectiveOp(str, Enum):
 
     ALL_REDUCE = "all_reduce"
     ALL_GATHER = "all_gather"
+    REDUCE_SCATTER = "reduce_scatter"
 
 
 class Direction(str, Enum):
@@ -60,14 +67,18 @@ class Communication:
     """Listed at the value it converts (a gather), rather than at the value's reader (``f``, a slice)."""
 
 
-COMMUNICATION: dict[Operator, Communication] = {
-    Operator.F: Communication(CollectiveOp.ALL_REDUCE, Direction.BACKWARD, at_source=False),
-    Operator.G: Communication(CollectiveOp.ALL_REDUCE, Direction.FORWARD, at_source=True),
-    Operator.GATHER: Communication(CollectiveOp.ALL_GATHER, Direction.FORWARD, at_source=True),
-    Operator.SCATTER: Communication(CollectiveOp.ALL_GATHER, Direction.BACKWARD, at_source=False),
-    Operator.VOCAB_EMBEDDING: Communication(CollectiveOp.ALL_REDUCE, Direction.FORWARD, at_source=True),
-    Operator.MEAN: Communication(CollectiveOp.ALL_REDUCE, Direction.FORWARD, at_source=True),
-    Operator.CROSS_ENTROPY: Communication(CollectiveOp.ALL_GATHER, Direction.FORWARD, at_source=True),
+COMMUNICATION: dict[Operator, tuple[Communication, ...]] = {
+    Operator.F: (Communication(CollectiveOp.ALL_REDUCE, Direction.BACKWARD, at_source=False),),
+    Operator.G: (Communication(CollectiveOp.ALL_REDUCE, Direction.FORWARD, at_source=True),),
+    Operator.GATHER: (Communication(CollectiveOp.ALL_GATHER, Direction.FORWARD, at_source=True),),
+    Operator.SCATTER: (Communication(CollectiveOp.ALL_GATHER, Direction.BACKWARD, at_source=False),),
+    Operator.VOCAB_EMBEDDING: (Communication(CollectiveOp.ALL_REDUCE, Direction.FORWARD, at_source=True),),
+    Operator.MEAN: (Communication(CollectiveOp.ALL_REDUCE, Direction.FORWARD, at_source=True),),
+    Operator.REDUCE_SCATTER: (Communication(CollectiveOp.REDUCE_SCATTER, Direction.FORWARD, at_source=True),
+                              Communication(CollectiveOp.ALL_GATHER, Direction.BACKWARD, at_source=True)),
+    Operator.GATHER_TO_REGION: (Communication(CollectiveOp.ALL_GATHER, Direction.FORWARD, at_source=True),
+                                Communication(CollectiveOp.REDUCE_SCATTER, Direction.BACKWARD, at_source=True)),
+    Operator.CROSS_ENTROPY: (Communication(CollectiveOp.ALL_GATHER, Direction.FORWARD, at_source=True),),
 }
 
 
@@ -85,7 +96,7 @@ class Step:
             raise ValueError(f"step {self.operator.value} needs a shard iff it gathers or slices, got {self.shard}")
 
 
-CONVERSIONS = frozenset({Operator.F, Operator.GATHER, Operator.SCATTER})
+CONVERSIONS = frozenset({Operator.F, Operator.GATHER, Operator.SCATTER, Operator.GATHER_TO_REGION})
 """The operators that convert a value on an edge (the others reduce a node's own output)."""
 
 COPY = Step(Operator.F)
@@ -100,3 +111,16 @@ def gather(shard: Shard) -> Step:
 def scatter(shard: Shard) -> Step:
     """Keep this rank's part (as ``shard``) of a whole value."""
     return Step(Operator.SCATTER, shard)
+
+
+def fused(steps: tuple[Step, ...]) -> tuple[Step, ...]:
+    """``steps`` as the rewrite runs them: a gather followed by ``f`` becomes one ``GATHER_TO_REGION``, whose
+    backward reduce-scatters the gradient instead of all-reducing it and keeping a slice. Propagation records
+    the two steps apart (the region search looks for gathers); the rewrite and the plan's listing fuse them."""
+    out: list[Step] = []
+    for step in steps:
+        if step == COPY and out and out[-1].operator is Operator.GATHER:
+            out[-1] = Step(Operator.GATHER_TO_REGION, out[-1].shard)
+        else:
+            out.append(step)
+    return tuple(out)

@@ -92,12 +92,15 @@ def parse_bytes(budget: int | float | str | None) -> int | None:
 
 @dataclass(frozen=True)
 class Choices:
-    """What the planner may choose, and by what: the vocabulary's split, the memory budget, the machine."""
+    """What the planner may choose, and by what: the vocabulary's split, the memory budget, the machine; and
+    whether the residual stream is split along the sequence (asked for, never chosen: it trades communication
+    kinds, not amounts, for activation memory)."""
 
     vocab: VocabChoice = VocabChoice.AUTO
     memory_budget: int | None = None
     """Bytes one rank may hold while training (parameters, gradients, AdamW moments); None: no limit."""
     machine: Machine = CPU
+    sequence_parallel: bool = False
 
 
 @dataclass(frozen=True)

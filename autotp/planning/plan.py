@@ -194,6 +194,8 @@ class Plan:
     by_choice: tuple[str, ...] = ()
     """Layers kept whole on purpose because that is cheaper (a transform before the LM head), not for want of a
     way to split them; the notes say why."""
+    sequence_parallel: bool = False
+    """Whether the residual stream between regions is split along the sequence (Megatron's sequence parallelism)."""
 
     def __post_init__(self):
         if not isinstance(self.tp, int) or self.tp < 1:
@@ -210,8 +212,9 @@ class Plan:
 
     def __repr__(self) -> str:
         split = sum(p.is_split for p in self.placements.values())
-        return (f"Plan(model={self.model!r}, tp={self.tp}, pp={self.pp}, {split}/{len(self.placements)} parameters split, "
-                f"{len(self.regions)} regions, {len(self.collectives)} collectives)")
+        sequence = ", sequence parallel" if self.sequence_parallel else ""
+        return (f"Plan(model={self.model!r}, tp={self.tp}, pp={self.pp}{sequence}, {split}/{len(self.placements)} "
+                f"parameters split, {len(self.regions)} regions, {len(self.collectives)} collectives)")
 
     def replace(self, **changes) -> Plan:
         """A new plan with ``changes`` applied (the plan itself never changes)."""
@@ -233,6 +236,7 @@ class Plan:
             "seq": self.seq,
             "stages": [s.to_dict() for s in self.stages],
             "by_choice": list(self.by_choice),
+            "sequence_parallel": self.sequence_parallel,
         }
 
     def to_json(self, indent: int | None = 2) -> str:
@@ -261,6 +265,7 @@ class Plan:
                 seq=data.get("seq", 0),
                 stages=tuple(Stage(**st | {"modules": tuple(st["modules"])}) for st in data.get("stages", [])),
                 by_choice=tuple(data.get("by_choice", [])),
+                sequence_parallel=bool(data.get("sequence_parallel", False)),
             )
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise InputError(f"not a valid autotp plan: {e}") from e

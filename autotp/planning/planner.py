@@ -21,7 +21,7 @@ from autotp.passes.layout import PlacementKind, Shard
 from autotp.passes.propagate import Propagation
 from autotp.passes.random import random_refusal
 from autotp.passes.regions import RegionKind, RegionMatch
-from autotp.passes.steps import COMMUNICATION, Operator
+from autotp.passes.steps import COMMUNICATION, Operator, fused
 from autotp.planning.choose import (Choices, region_cost, regions_kept_whole, training_bytes_per_rank, vocab_cost,
                                     vocab_verdict)
 from autotp.planning.plan import REPLICATED, Collective, Placement, Plan, Region
@@ -165,7 +165,8 @@ def verify_plan(captured: Captured, plan: Plan) -> Plan:
     if plan.tp == 1:
         return plan
     analysis = Analysis(captured)
-    prop = analysis.propagate(param_layouts(analysis, target_placements(captured, plan)), plan.tp)
+    prop = analysis.propagate(param_layouts(analysis, target_placements(captured, plan)), plan.tp,
+                              plan.sequence_parallel)
     if prop.violations:
         v = prop.violations[0]
         raise PlanError(f"the plan cannot run at tp={plan.tp}: at {analysis.module(v.node) or v.node} ({v.what}) a "
@@ -204,21 +205,23 @@ def _communicated_shape(analysis: Analysis, operator: Operator, value: str) -> t
     return _shape(analysis, value)
 
 
-def _collective(analysis: Analysis, operator: Operator, value: str, reader: str, in_step: bool = True) -> Collective:
-    """The collective ``operator`` runs on ``value``, listed at the value or at its ``reader``."""
-    comm = COMMUNICATION[operator]
-    at = value if comm.at_source else reader
-    return Collective(comm.op, comm.direction, operator, analysis.layer(at),
-                      _communicated_shape(analysis, operator, value), in_step=in_step)
+def _collectives_of(analysis: Analysis, operator: Operator, value: str, reader: str,
+                    in_step: bool = True) -> list[Collective]:
+    """The collectives ``operator`` runs on ``value`` (one per pass it communicates in), each listed at the value
+    or at its ``reader``."""
+    shape = _communicated_shape(analysis, operator, value)
+    return [Collective(comm.op, comm.direction, operator, analysis.layer(value if comm.at_source else reader), shape,
+                       in_step=in_step) for comm in COMMUNICATION[operator]]
 
 
 def _collectives(analysis: Analysis, prop: Propagation) -> list[Collective]:
     """The collectives the rewrite will insert, in graph order, for people and cost models."""
     order = {name: i for i, name in enumerate(analysis.nodes)}
-    found = [(order[conv.source], _collective(analysis, step.operator, conv.source, reader, in_step))
-             for conv in prop.conversions.values() for step in conv.steps
-             for reader, in_step in _readers_by_step(analysis, conv)]
-    found += [(order[node], _collective(analysis, operator, node, node)) for node, operator in prop.reduced.items()]
+    found = [(order[conv.source], c) for conv in prop.conversions.values() for step in fused(conv.steps)
+             for reader, in_step in _readers_by_step(analysis, conv)
+             for c in _collectives_of(analysis, step.operator, conv.source, reader, in_step)]
+    found += [(order[node], c) for node, operator in prop.reduced.items()
+              for c in _collectives_of(analysis, operator, node, node)]
     return [c for _, c in sorted(found, key=lambda item: item[0])]
 
 
@@ -294,7 +297,10 @@ def make_plan(captured: Captured, tp: int, pp: int = 1, balance: Balance | str =
     plan_regions = vocab_regions[:1] + plan_regions + vocab_regions[1:]
     if tp == 1:
         by_target = {}  # one rank holds everything: the regions are found, but nothing is split
-    prop = analysis.propagate(param_layouts(analysis, by_target), tp)
+    sequence_parallel = choices.sequence_parallel and tp > 1
+    if sequence_parallel:
+        _check_sequence_parallel(analysis, pp)
+    prop = analysis.propagate(param_layouts(analysis, by_target), tp, sequence_parallel)
     _refuse_inexact(analysis, prop)
     placements = {name: by_target.get(captured.attr_target(captured.aliases[name]), REPLICATED)
                   for name in captured.param_names}
@@ -304,4 +310,17 @@ def make_plan(captured: Captured, tp: int, pp: int = 1, balance: Balance | str =
     return Plan(tp=tp, placements=placements, collectives=tuple(_collectives(analysis, prop)),
                 regions=tuple(plan_regions), notes=tuple(notes), model=captured.model_name, pp=pp,
                 stages=planned_stages, balance=balance, batch=by_name.get("B", 0), seq=by_name.get("T", 0),
-                by_choice=tuple(sorted({*(analysis.layer(n) for n in chosen), *vocab_kept, *regions_kept})))
+                by_choice=tuple(sorted({*(analysis.layer(n) for n in chosen), *vocab_kept, *regions_kept})),
+                sequence_parallel=sequence_parallel)
+
+
+def _check_sequence_parallel(analysis: Analysis, pp: int) -> None:
+    """Sequence parallelism needs a sequence to split: the dynamic length of the ids an embedding looks up."""
+    if pp > 1:
+        raise PlanError("sequence_parallel=True is built for tensor parallelism (pp=1, any dp); pipeline stages "
+                        "would pass sequence shards between them, which autotp does not do yet: use pp=1 or leave "
+                        "sequence_parallel off")
+    if not analysis.sequence_sizes:
+        raise PlanError(f"sequence_parallel=True splits the residual stream along the sequence of the token ids an "
+                        f"embedding looks up, and {analysis.captured.model_name} has no such ids with a dynamic "
+                        "sequence length: leave sequence_parallel off for this model")

@@ -5,6 +5,7 @@
 ``GatherFromTP``: all-gather forward, keep-own-slice backward; when a split value must be whole.
 ``ScatterToTP``: keep-own-slice forward, all-gather backward; when a whole value meets a split one.
 ``OutputGather``: a ``GatherFromTP`` at the model's output, which a training step may defer.
+``ReduceScatterToTP`` and ``GatherToRegion``: sequence parallelism's ``g`` and the gather into a region.
 ``VocabParallelCrossEntropy``: Megatron's cross-entropy over class-split logits (the logits never gathered).
 
 ``IMPLEMENTATIONS`` maps each ``Operator`` (whose wire behaviour ``autotp.passes.steps.COMMUNICATION``
@@ -21,7 +22,7 @@ from torch import nn
 from autotp.passes.layout import Shard
 from autotp.passes.steps import Operator
 from autotp.rewrite.comm import Communicator
-from autotp.rewrite.shards import assemble, assemble_blocks, local_blocks, local_shard
+from autotp.rewrite.shards import assemble, assemble_blocks, local_blocks, local_shard, runtime_segments
 
 
 def _gathered(comm: Communicator, x: torch.Tensor, dim: int, segments: tuple[int, ...],
@@ -29,8 +30,15 @@ def _gathered(comm: Communicator, x: torch.Tensor, dim: int, segments: tuple[int
     return (assemble_blocks if blocked else assemble)(comm.all_gather(x), dim, segments)
 
 
-def _sliced(x: torch.Tensor, dim: int, segments: tuple[int, ...], comm: Communicator, blocked: bool) -> torch.Tensor:
-    return (local_blocks if blocked else local_shard)(x, dim, segments, comm.rank, comm.size)
+def _sliced(x: torch.Tensor, dim: int, segments: tuple[int, ...], comm: Communicator, blocked: bool,
+            rank: int | None = None) -> torch.Tensor:
+    return (local_blocks if blocked else local_shard)(x, dim, segments, comm.rank if rank is None else rank, comm.size)
+
+
+def _reduce_scattered(comm: Communicator, x: torch.Tensor, dim: int, segments: tuple[int, ...],
+                      blocked: bool) -> torch.Tensor:
+    """This rank's part of the sum over ranks of ``x``: every rank sends each peer that peer's part."""
+    return comm.reduce_scatter([_sliced(x, dim, segments, comm, blocked, r) for r in range(comm.size)])
 
 
 class _Copy(torch.autograd.Function):
@@ -78,6 +86,32 @@ class _Scatter(torch.autograd.Function):
         return _gathered(comm, grad, dim, segments, blocked), None, None, None, None
 
 
+class _ReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, segments, comm, blocked):
+        ctx.args = (dim, segments, comm, blocked)
+        return _reduce_scattered(comm, x, dim, segments, blocked)
+
+    @staticmethod
+    def backward(ctx, grad):
+        dim, segments, comm, blocked = ctx.args
+        return _gathered(comm, grad, dim, segments, blocked), None, None, None, None
+
+
+class _GatherToRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, segments, comm, blocked):
+        ctx.args = (dim, segments, comm, blocked)
+        return _gathered(comm, x, dim, segments, blocked)
+
+    @staticmethod
+    def backward(ctx, grad):
+        # The region's readers each hold this rank's share of the whole gradient (f's all-reduce would sum
+        # them); the part this rank keeps is the sum of every rank's share of that part.
+        dim, segments, comm, blocked = ctx.args
+        return _reduce_scattered(comm, grad, dim, segments, blocked), None, None, None, None
+
+
 class _Collective(nn.Module):
     """A communication the rewrite inserted; ``comm`` says over which ranks."""
 
@@ -107,26 +141,41 @@ class MeanFromTP(_Collective):
         return _Reduce.apply(x, self.comm) / self.comm.size
 
 
-class GatherFromTP(_Collective):
+class _OnSplit(_Collective):
+    """A collective about a value split along ``dim`` in ``segments`` (empty: one segment sized at run time)."""
+
+    function: type[torch.autograd.Function]
+
+    def __init__(self, comm: Communicator, dim: int, segments: tuple[int, ...], blocked: bool = False):
+        super().__init__(comm)
+        self.dim, self.segments, self.blocked = dim, tuple(segments), blocked
+
+    def forward(self, x):
+        return self.function.apply(x, self.dim, self.segments, self.comm, self.blocked)
+
+
+class GatherFromTP(_OnSplit):
     """All-gather a value split along ``dim`` (in ``segments``); backward keeps this rank's slice."""
 
-    def __init__(self, comm: Communicator, dim: int, segments: tuple[int, ...], blocked: bool = False):
-        super().__init__(comm)
-        self.dim, self.segments, self.blocked = dim, tuple(segments), blocked
-
-    def forward(self, x):
-        return _Gather.apply(x, self.dim, self.segments, self.comm, self.blocked)
+    function = _Gather
 
 
-class ScatterToTP(_Collective):
+class ScatterToTP(_OnSplit):
     """Keep this rank's slice of a whole value; backward all-gathers the gradient."""
 
-    def __init__(self, comm: Communicator, dim: int, segments: tuple[int, ...], blocked: bool = False):
-        super().__init__(comm)
-        self.dim, self.segments, self.blocked = dim, tuple(segments), blocked
+    function = _Scatter
 
-    def forward(self, x):
-        return _Scatter.apply(x, self.dim, self.segments, self.comm, self.blocked)
+
+class ReduceScatterToTP(_OnSplit):
+    """Sequence parallelism's ``g``: the sum over ranks, of which this rank keeps its part; backward all-gathers."""
+
+    function = _ReduceScatter
+
+
+class GatherToRegion(_OnSplit):
+    """A gather, then ``f``: all-gather forward, reduce-scatter of the gradient backward."""
+
+    function = _GatherToRegion
 
 
 class OutputGather(GatherFromTP):
@@ -206,14 +255,21 @@ class VocabParallelCrossEntropy(_Collective):
         return vocab_parallel_cross_entropy(logits, target, self.comm, reduction, ignore_index)
 
 
+def split_args(shard: Shard) -> tuple:
+    """A split's (dim, segments as torch takes them, blocked) for the modules above."""
+    return shard.dim, runtime_segments(shard.segments), shard.blocks != 1
+
+
 IMPLEMENTATIONS: dict[Operator, Callable[[Communicator, Shard | None], nn.Module]] = {
     Operator.F: lambda comm, shard: CopyToTP(comm),
     Operator.G: lambda comm, shard: ReduceFromTP(comm),
     Operator.VOCAB_EMBEDDING: lambda comm, shard: ReduceFromTP(comm),
     Operator.MEAN: lambda comm, shard: MeanFromTP(comm),
     Operator.CROSS_ENTROPY: lambda comm, shard: VocabParallelCrossEntropy(comm),
-    Operator.GATHER: lambda comm, shard: GatherFromTP(comm, shard.dim, shard.segments, shard.blocks != 1),
-    Operator.SCATTER: lambda comm, shard: ScatterToTP(comm, shard.dim, shard.segments, shard.blocks != 1),
+    Operator.GATHER: lambda comm, shard: GatherFromTP(comm, *split_args(shard)),
+    Operator.SCATTER: lambda comm, shard: ScatterToTP(comm, *split_args(shard)),
+    Operator.REDUCE_SCATTER: lambda comm, shard: ReduceScatterToTP(comm, *split_args(shard)),
+    Operator.GATHER_TO_REGION: lambda comm, shard: GatherToRegion(comm, *split_args(shard)),
 }
 """Operator -> a factory of the module that runs it, given the communicator and (for gathers and slices)
 the split."""

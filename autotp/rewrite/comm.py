@@ -29,6 +29,9 @@ class Communicator(Protocol):
     def all_gather(self, x: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's ``x``, in rank order."""
 
+    def reduce_scatter(self, pieces: list[torch.Tensor]) -> torch.Tensor:
+        """The sum over the ranks of their ``pieces[rank]`` (one piece per rank, all of one shape)."""
+
 
 class TorchComm:
     """Collectives over a torch.distributed group (``None``: the default group, held by name only)."""
@@ -58,6 +61,11 @@ class TorchComm:
         parts = [torch.empty_like(x) for _ in range(self.size)]
         self._run("all_gather", lambda: dist.all_gather(parts, x.contiguous(), group=self.group))
         return parts
+
+    def reduce_scatter(self, pieces: list[torch.Tensor]) -> torch.Tensor:
+        out = torch.empty_like(pieces[self.rank], memory_format=torch.contiguous_format)
+        self._run("reduce_scatter", lambda: dist.reduce_scatter(out, [p.contiguous() for p in pieces], group=self.group))
+        return out
 
     def close(self) -> None:
         """Drop the group reference (a later collective raises ``RankFailure``)."""
@@ -116,3 +124,10 @@ class ThreadComm:
 
     def all_gather(self, x: torch.Tensor) -> list[torch.Tensor]:
         return self._exchange(x)
+
+    def reduce_scatter(self, pieces: list[torch.Tensor]) -> torch.Tensor:
+        parts = self._exchange(torch.stack(pieces))
+        out = parts[0][self.rank].clone()
+        for p in parts[1:]:
+            out += p[self.rank]
+        return out

@@ -10,12 +10,29 @@ from dataclasses import dataclass
 
 import torch
 
-from autotp.passes.layout import Shard
+from autotp.errors import InputError
+from autotp.passes.layout import Shard, static
 from autotp.planning.plan import Placement
 
 
+def runtime_segments(segments: tuple) -> tuple[int, ...]:
+    """``segments`` as sizes torch takes, or ``()`` for a split of one symbolic size (the sequence under sequence
+    parallelism), which the functions here size from the tensor they are given."""
+    return tuple(int(s) for s in segments) if all(static(s) is not None for s in segments) else ()
+
+
+def check_divides(size: int, tp: int, dim: int) -> None:
+    """A split of a size known only at run time (the sequence) needs it to divide by tp: say so, as an input error."""
+    if size % tp:
+        raise InputError(f"sequence_parallel splits dim {dim} (the sequence) over tp={tp} ranks, but this input has "
+                         f"{size} there; pad the sequence to a multiple of {tp} or plan without sequence_parallel")
+
+
 def local_shard(full: torch.Tensor, dim: int, segments: tuple[int, ...], rank: int, tp: int) -> torch.Tensor:
-    """Rank ``rank``'s shard of ``full`` along ``dim``."""
+    """Rank ``rank``'s shard of ``full`` along ``dim`` (``segments`` empty: one segment, the whole dim)."""
+    if not segments:
+        check_divides(full.shape[dim], tp, dim)
+        segments = (full.shape[dim],)
     parts = full.split(list(segments), dim=dim)
     return torch.cat([p.narrow(dim, rank * (p.shape[dim] // tp), p.shape[dim] // tp) for p in parts], dim=dim)
 
@@ -23,6 +40,8 @@ def local_shard(full: torch.Tensor, dim: int, segments: tuple[int, ...], rank: i
 def assemble(shards: list[torch.Tensor], dim: int, segments: tuple[int, ...]) -> torch.Tensor:
     """The full tensor from every rank's shard (in rank order); inverse of ``local_shard``."""
     tp = len(shards)
+    if not segments:
+        return torch.cat(shards, dim=dim)
     local = [s // tp for s in segments]
     pieces = [shard.split(local, dim=dim) for shard in shards]
     return torch.cat([pieces[r][i] for i in range(len(segments)) for r in range(tp)], dim=dim)
@@ -44,7 +63,7 @@ def assemble_blocks(shards: list[torch.Tensor], dim: int, segments: tuple[int, .
 def local_part(full: torch.Tensor, shard: Shard, rank: int, tp: int) -> torch.Tensor:
     """Rank ``rank``'s part of a full value laid out as ``shard`` (repeated over blocks or not)."""
     slicer = local_blocks if shard.blocks != 1 else local_shard
-    return slicer(full, shard.dim, shard.segments, rank, tp)
+    return slicer(full, shard.dim, runtime_segments(shard.segments), rank, tp)
 
 
 def segments_or_whole(segments: tuple[int, ...], size: int) -> tuple[int, ...]:

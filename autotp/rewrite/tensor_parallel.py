@@ -20,10 +20,10 @@ from autotp.passes.analysis import Analysis
 from autotp.passes.graph import DividedBy, arg_or_default, get_arg
 from autotp.passes.projections import Projection
 from autotp.passes.propagate import Conversion, Propagation
-from autotp.passes.steps import Operator
+from autotp.passes.steps import Operator, fused
 from autotp.planning.plan import Plan
 from autotp.planning.planner import param_layouts, target_placements
-from autotp.rewrite.collectives import OutputGather, collective_module, masked_embedding
+from autotp.rewrite.collectives import OutputGather, collective_module, masked_embedding, split_args
 from autotp.rewrite.comm import Communicator
 from autotp.rewrite.graph_edit import STANDS_FOR, copy_graph_module, set_tensor, with_arg
 from autotp.rewrite.random import RankStream, replace_random_ops
@@ -99,7 +99,7 @@ def _output_module(operator: Operator, comm: Communicator, shard) -> nn.Module:
     """The module making a split model output whole: a gather the runtime may defer."""
     if operator is not Operator.GATHER:
         raise InternalError(f"a model output needs {operator.value}, expected a gather")
-    return OutputGather(comm, shard.dim, shard.segments, shard.blocks != 1)
+    return OutputGather(comm, *split_args(shard))
 
 
 class _Surgeon:
@@ -131,7 +131,7 @@ class _Surgeon:
 
     def insert_steps(self, source: str, steps, consumers, module_of) -> None:
         value = self.nodes[source]
-        for step in steps:
+        for step in fused(steps):
             value = self.call_module(module_of(step.operator, self.comm, step.shard), value, (value,))
         for consumer, path in consumers:
             if get_arg(self.nodes[consumer], path) is not self.nodes[source]:
@@ -142,10 +142,11 @@ class _Surgeon:
         """Run ``module`` in place of ``node``'s op, on the same arguments (a parallel version of the op)."""
         node.op, node.target = "call_module", self.add(module)
 
-    def reduce_after(self, node: fx.Node, operator: Operator, bias: fx.Node | None) -> None:
-        """The reduction after ``node`` (Megatron's ``g``); a row-split layer's bias is added once, after it."""
+    def reduce_after(self, node: fx.Node, operator: Operator, bias: fx.Node | None, shard=None) -> None:
+        """The reduction after ``node`` (Megatron's ``g``, or a reduce-scatter onto ``shard``); a row-split layer's
+        bias is added once, after it."""
         users = list(node.users)
-        out = self.call_module(collective_module(operator, self.comm), node, (node,))
+        out = self.call_module(collective_module(operator, self.comm, shard), node, (node,))
         if bias is not None:
             with self.graph.inserting_after(out):
                 out = self.graph.call_function(aten.add.Tensor, (out, bias))
@@ -153,7 +154,7 @@ class _Surgeon:
         for user in users:
             user.replace_input_with(node, out)
 
-    def row(self, node: fx.Node, proj: Projection) -> None:
+    def row(self, node: fx.Node, proj: Projection, reduction: Operator, shard) -> None:
         bias = None
         if node.target is aten.addmm.default:
             bias = node.args[0]
@@ -161,15 +162,15 @@ class _Surgeon:
         elif proj.bias is not None:
             bias = node.args[2]
             node.args = node.args[:2]
-        self.reduce_after(node, Operator.G, bias)
+        self.reduce_after(node, reduction, bias, shard)
 
-    def embedding(self, node: fx.Node, vocab_rows: int) -> None:
+    def embedding(self, node: fx.Node, vocab_rows: int, reduction: Operator, shard) -> None:
         local = vocab_rows // self.tp
         start = self.rank * local
         padding_idx = arg_or_default(node, 2, "padding_idx", -1)  # the planner refused the other options
         node.target = masked_embedding
         node.args, node.kwargs = (node.args[0], node.args[1], start, start + local, padding_idx), {}
-        self.reduce_after(node, Operator.VOCAB_EMBEDDING, None)
+        self.reduce_after(node, reduction, None, shard)
 
     def apply(self, prop: Propagation) -> None:
         for name, path, value in prop.fixes:
@@ -181,13 +182,13 @@ class _Surgeon:
         for conv in prop.conversions.values():
             self.convert(conv)
         for name, reduction in prop.reduced.items():
-            node = self.nodes[name]
-            if reduction is Operator.VOCAB_EMBEDDING:
-                self.embedding(node, self.analysis.embeddings[name].num_embeddings)
+            node, shard = self.nodes[name], prop.layouts.get(name)  # a shard: reduce-scattered onto it
+            if name in self.analysis.embeddings and reduction in (Operator.VOCAB_EMBEDDING, Operator.REDUCE_SCATTER):
+                self.embedding(node, self.analysis.embeddings[name].num_embeddings, reduction, shard)
             elif reduction is Operator.CROSS_ENTROPY:
                 self.replace(node, collective_module(reduction, self.comm))
             elif name in self.analysis.projections:
-                self.row(node, self.analysis.projections[name])
+                self.row(node, self.analysis.projections[name], reduction, shard)
             else:
                 self.reduce_after(node, reduction, None)  # a sum or mean over a split dim
         self.graph.lint()
@@ -202,7 +203,8 @@ def build_graph(captured: Captured, plan: Plan, rank: int, comm: Communicator | 
     layouts = {}
     if plan.tp > 1:
         analysis = analysis or Analysis(captured)
-        prop = analysis.propagate(param_layouts(analysis, target_placements(captured, plan)), plan.tp)
+        prop = analysis.propagate(param_layouts(analysis, target_placements(captured, plan)), plan.tp,
+                                  plan.sequence_parallel)
         _Surgeon(gm, analysis, comm, rank, plan.tp).apply(prop)
         layouts = prop.layouts
     if stream is not None:
