@@ -209,7 +209,7 @@ def _tensor_parallel(model: nn.Module, graphs: dict[bool, Captured], chosen: Pla
         for gm in modules.values():
             gm.to(device)  # NCCL communicates GPU tensors; inputs must then be on this device too
     pm = ParallelModule(modules, chosen, comm, state_names(model, graphs[True], modules.values(), source), stream,
-                        InputSpec.of(graphs[True]), model.training, dp, compile)
+                        InputSpec.of(graphs[True], chosen), model.training, dp, compile)
     pm.model_config = getattr(model, "config", None)
     return pm
 
@@ -235,6 +235,6 @@ def _pipeline_parallel(model: nn.Module, graphs: dict[bool, Captured], chosen: P
         for g in held.values():
             g.to(device)
     pm = PipelineModule(stages, chosen, mesh, names, graphs[True].out_spec, tied, sched, microbatches, comm, stream,
-                        InputSpec.of(graphs[True]), model.training, DataParallel(mesh, dp_mode) if dp > 1 else None)
+                        InputSpec.of(graphs[True], chosen), model.training, DataParallel(mesh, dp_mode) if dp > 1 else None)
     pm.model_config = getattr(model, "config", None)
     return pm

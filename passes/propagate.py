@@ -213,6 +213,10 @@ class _Walker:
         table = self.param_layouts.get(emb.weight) if emb is not None else None
         if isinstance(table, Shard) and table.dim == 1:  # a per-head table (relative position bias)
             return Decision(Shard(rank(node) - 1, table.segments), wants={(1,): None})
+        if emb is not None and table is None and self.sequence:
+            lookup = self.sequence_lookup(node, emb)
+            if lookup is not None:
+                return lookup
         if isinstance(table, Shard):
             out = self.sequence_shard(node)
             self.result.reduced[node.name] = Operator.REDUCE_SCATTER if out else Operator.VOCAB_EMBEDDING
@@ -269,6 +273,20 @@ class _Walker:
             if sympy.sympify(size) in self.sequence:
                 return Shard(dim, (size,))
         return None
+
+    def sequence_lookup(self, node: fx.Node, emb: Embedding) -> Decision | None:
+        """Under sequence parallelism, a whole table's lookup of ids along one sequence (token or position ids, not
+        a [T, T] relative-position grid) looks up only this rank's ids: its output starts split along the
+        sequence with no communication forward, and the table's gradient, a share, is all-reduced (``f``)."""
+        ids = sizes(self.nodes[emb.ids])
+        along = [d for d, size in enumerate(ids) if sympy.sympify(size) in self.sequence]
+        if len(along) != 1:
+            return None
+        wants = {(1,): Shard(along[0], (ids[along[0]],))}
+        weight = node.args[0]
+        if isinstance(weight, fx.Node) and weight.name in self.ctx.grad:
+            wants[(0,)] = COPY
+        return Decision(Shard(along[0], (ids[along[0]],)), wants=wants)
 
     def convert(self, node: fx.Node, path: ArgPath, source: fx.Node, have: Layout, want) -> None:
         steps = _steps(have, want)

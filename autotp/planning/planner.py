@@ -16,12 +16,12 @@ from autotp.capture import Captured
 from autotp.errors import PlanError
 from autotp.options import Balance, VocabChoice
 from autotp.passes.analysis import Analysis
-from autotp.passes.graph import arg_or_default, sizes
+from autotp.passes.graph import arg_or_default, grad_nodes, sizes
 from autotp.passes.layout import PlacementKind, Shard
 from autotp.passes.propagate import Propagation
 from autotp.passes.random import random_refusal
 from autotp.passes.regions import RegionKind, RegionMatch
-from autotp.passes.steps import COMMUNICATION, Operator, fused
+from autotp.passes.steps import COMMUNICATION, Direction, Operator, fused
 from autotp.planning.choose import (Choices, region_cost, regions_kept_whole, training_bytes_per_rank, vocab_cost,
                                     vocab_verdict)
 from autotp.planning.plan import REPLICATED, Collective, Placement, Plan, Region
@@ -205,23 +205,25 @@ def _communicated_shape(analysis: Analysis, operator: Operator, value: str) -> t
     return _shape(analysis, value)
 
 
-def _collectives_of(analysis: Analysis, operator: Operator, value: str, reader: str,
+def _collectives_of(analysis: Analysis, operator: Operator, value: str, reader: str, grad: set[str],
                     in_step: bool = True) -> list[Collective]:
-    """The collectives ``operator`` runs on ``value`` (one per pass it communicates in), each listed at the value
-    or at its ``reader``."""
+    """The collectives ``operator`` runs on ``value`` (one per pass it communicates in, none backward when no
+    gradient flows through ``value``: slices of token ids), each listed at the value or at its ``reader``."""
     shape = _communicated_shape(analysis, operator, value)
     return [Collective(comm.op, comm.direction, operator, analysis.layer(value if comm.at_source else reader), shape,
-                       in_step=in_step) for comm in COMMUNICATION[operator]]
+                       in_step=in_step) for comm in COMMUNICATION[operator]
+            if comm.direction is Direction.FORWARD or value in grad]
 
 
 def _collectives(analysis: Analysis, prop: Propagation) -> list[Collective]:
     """The collectives the rewrite will insert, in graph order, for people and cost models."""
     order = {name: i for i, name in enumerate(analysis.nodes)}
+    grad = grad_nodes(analysis.graph, analysis.trainable)
     found = [(order[conv.source], c) for conv in prop.conversions.values() for step in fused(conv.steps)
              for reader, in_step in _readers_by_step(analysis, conv)
-             for c in _collectives_of(analysis, step.operator, conv.source, reader, in_step)]
+             for c in _collectives_of(analysis, step.operator, conv.source, reader, grad, in_step)]
     found += [(order[node], c) for node, operator in prop.reduced.items()
-              for c in _collectives_of(analysis, operator, node, node)]
+              for c in _collectives_of(analysis, operator, node, node, grad)]
     return [c for _, c in sorted(found, key=lambda item: item[0])]
 
 

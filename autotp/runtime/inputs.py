@@ -10,11 +10,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import sympy
 import torch
 from torch import fx
 
 from autotp.capture import Captured, Signature, name_inputs
 from autotp.errors import InputError
+from autotp.passes.analysis import Analysis
+from autotp.passes.graph import sizes
+from autotp.planning import Plan
 
 
 @dataclass(frozen=True)
@@ -26,13 +30,22 @@ class InputSpec:
     dims: tuple[int, ...]
     signature: Signature
     """The original forward's parameters, which name the inputs of a call."""
+    sequence_dims: tuple[tuple[int, int], ...] = ()
+    """(input, dim) pairs holding a sequence that sequence parallelism splits over ``tp`` ranks."""
+    tp: int = 1
 
     @classmethod
-    def of(cls, captured: Captured) -> InputSpec:
-        """The spec of a captured model's inputs."""
-        values = [n.meta.get("val") for n in captured.graph.find_nodes(op="placeholder")]
+    def of(cls, captured: Captured, plan: Plan | None = None) -> InputSpec:
+        """The spec of a captured model's inputs (under ``plan``: which dims its sequence parallelism splits)."""
+        placeholders = list(captured.graph.find_nodes(op="placeholder"))
+        values = [n.meta.get("val") for n in placeholders]
+        sequence_dims = ()
+        if plan is not None and plan.sequence_parallel:
+            sequence = Analysis(captured).sequence_sizes
+            sequence_dims = tuple((i, d) for i, n in enumerate(placeholders) for d, size in enumerate(sizes(n))
+                                  if sympy.sympify(size) in sequence)
         return cls(captured.input_names, tuple(v.dtype for v in values), tuple(v.dim() for v in values),
-                   captured.signature)
+                   captured.signature, sequence_dims, plan.tp if plan is not None else 1)
 
     def arrange(self, args: tuple, kwargs: dict) -> tuple[torch.Tensor, ...]:
         """The call's inputs in the graph's order; ``InputError`` names the first that is missing, extra or
@@ -49,6 +62,11 @@ class InputSpec:
         flat = tuple(named[name] for name in self.names)
         for name, x, dtype, dims in zip(self.names, flat, self.dtypes, self.dims):
             _check_one(name, x, dtype, dims)
+        for i, dim in self.sequence_dims:
+            if flat[i].shape[dim] % self.tp:
+                raise InputError(f"input {self.names[i]} has a sequence of {flat[i].shape[dim]} (dim {dim}), which "
+                                 f"sequence parallelism splits over tp={self.tp} ranks: pad it to a multiple of "
+                                 f"{self.tp}, or plan without sequence_parallel")
         return flat
 
     def run(self, module: fx.GraphModule, args: tuple, kwargs: dict):

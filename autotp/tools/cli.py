@@ -100,6 +100,8 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="split the embedding and LM head along the vocabulary: auto (where the cost model finds it "
                         "faster at --batch/--seq, or needed to fit --memory-budget; default), split or whole")
     p.add_argument("--memory-budget", metavar="BYTES", help="bytes per rank for training state, e.g. 40GiB")
+    p.add_argument("--sequence-parallel", action="store_true",
+                   help="split the residual stream between regions along the sequence (Megatron's sequence parallelism)")
     p.add_argument("--plan", dest="plan_file", metavar="FILE", help="read this plan (JSON) instead of planning")
     p.add_argument("--expand", action="store_true", help="list every repeated block instead of collapsing them")
 
@@ -177,7 +179,8 @@ def load_and_plan(args) -> Planned:
     if args.plan_file:
         return Planned(model, inputs, _load_plan_file(args.plan_file, params, args.tp), params)
     plan = autotp.plan(model, args.tp, inputs, pp=args.pp, balance=args.balance, batch=args.batch, seq=args.seq,
-                       vocab=args.vocab_split, memory_budget=args.memory_budget)
+                       vocab=args.vocab_split, memory_budget=args.memory_budget,
+                       sequence_parallel=args.sequence_parallel)
     return Planned(model, inputs, plan, params)
 
 

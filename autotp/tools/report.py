@@ -282,6 +282,7 @@ def plan_table(plan: Plan, params: dict[str, ParamInfo], batch: int, seq: int, e
     """
     split = sum(p.is_split for p in plan.placements.values())
     replicas = f", dp={dp} ({dp_mode.value})" if dp > 1 else ""
+    replicas += ", sequence parallel" if plan.sequence_parallel else ""
     lines = [f"autotp plan for {plan.model or 'model'}: tp={plan.tp}, pp={plan.pp}{replicas}; "
              f"{split}/{len(plan.placements)} parameters split; costs at batch {batch}, seq {seq}", ""]
     lines += _module_section(plan, params, expand) + [""]
