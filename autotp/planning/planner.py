@@ -303,6 +303,8 @@ def make_plan(captured: Captured, tp: int, pp: int = 1, balance: Balance | str =
     if sequence_parallel:
         _check_sequence_parallel(analysis, pp)
     prop = analysis.propagate(param_layouts(analysis, by_target), tp, sequence_parallel)
+    if sequence_parallel:
+        notes += _sequence_notes(analysis, prop)
     _refuse_inexact(analysis, prop)
     placements = {name: by_target.get(captured.attr_target(captured.aliases[name]), REPLICATED)
                   for name in captured.param_names}
@@ -314,6 +316,16 @@ def make_plan(captured: Captured, tp: int, pp: int = 1, balance: Balance | str =
                 stages=planned_stages, balance=balance, batch=by_name.get("B", 0), seq=by_name.get("T", 0),
                 by_choice=tuple(sorted({*(analysis.layer(n) for n in chosen), *vocab_kept, *regions_kept})),
                 sequence_parallel=sequence_parallel)
+
+
+def _sequence_notes(analysis: Analysis, prop: Propagation) -> list[str]:
+    """What sequence parallelism leaves all-reduced: rows whose output has no sequence dim (computed on tokens
+    flattened into one dim, as GPT-2's ``Conv1D`` does), whose split would not line up with the sequence's."""
+    kept = sorted({analysis.layer(n) for n, op in prop.reduced.items() if op is Operator.G and n in analysis.projections})
+    if not kept:
+        return []
+    return [f"sequence_parallel: {', '.join(kept)} keep their all-reduce (their output has no sequence dim: tokens "
+            "flattened into one), and their readers on the sequence-split stream slice it per rank"]
 
 
 def _check_sequence_parallel(analysis: Analysis, pp: int) -> None:

@@ -63,9 +63,12 @@ class TorchComm:
         return parts
 
     def reduce_scatter(self, pieces: list[torch.Tensor]) -> torch.Tensor:
-        out = torch.empty_like(pieces[self.rank], memory_format=torch.contiguous_format)
-        self._run("reduce_scatter", lambda: dist.reduce_scatter(out, [p.contiguous() for p in pieces], group=self.group))
-        return out
+        mine = pieces[self.rank]
+        out = mine.new_empty(mine.numel())
+        # Flat, rank r's piece at r's place: the concatenated form, the one gloo takes.
+        whole = torch.cat([p.reshape(-1) for p in pieces])
+        self._run("reduce_scatter", lambda: dist.reduce_scatter_single(out, whole, group=self.group))
+        return out.view(mine.shape)
 
     def close(self) -> None:
         """Drop the group reference (a later collective raises ``RankFailure``)."""

@@ -1,0 +1,68 @@
+"""Per-rank bodies of the sequence-parallelism tests on gloo: padded Hugging Face batches with dropout on train
+exactly with the residual stream split along the sequence, and each rank saves less for backward."""
+
+from __future__ import annotations
+
+import torch
+from torch.testing import assert_close
+
+import autotp
+from bench.memory import SavedActivations
+from examples.gpt import build_gpt
+from tests import models
+from tests.inputs_workers import BUILDERS, CASES, _compare_state, _train_both, padded_batch
+
+
+def padded_training(rank: int, world: int) -> dict:
+    """Llama (left padding) and GPT-2 (right padding, dropout 0.1) by keyword with labels, sequence parallel:
+    outputs, the model's own loss over AdamW steps and every parameter afterwards equal one process's."""
+    out = {}
+    for name, side in CASES:
+        batch = padded_batch(side)
+        torch.manual_seed(0)
+        ref = BUILDERS[name]()
+        pm = autotp.parallelize(ref, tp=world, example_inputs=batch, vocab="split", sequence_parallel=True)
+        label = f"{name} ({side} padding)"
+        pm.eval(), ref.eval()
+        with torch.no_grad():
+            assert_close(pm(**batch).logits, ref(**batch, use_cache=False).logits, rtol=1e-5, atol=1e-6)
+        pm.train(), ref.train()
+        errors = _train_both(pm, ref, batch)
+        errors["params"] = _compare_state(pm, ref, label)
+        out[label] = errors
+    return out
+
+
+def _saved_bytes(pm, x, y) -> int:
+    """Bytes this rank saves for backward in one training step's forward (parameters excluded)."""
+    saved = SavedActivations(list(pm.parameters()))
+    with saved:
+        loss = pm.loss(x, target=y)
+    loss.backward()
+    return saved.bytes
+
+
+def activation_memory(rank: int, world: int) -> dict:
+    """examples.gpt with dropout: the same losses with and without sequence parallelism, the bytes each rank
+    saves for backward, and the error an odd sequence length gets."""
+    torch.manual_seed(0)
+    ref = build_gpt(n_layer=2, n_head=4, n_embd=64, vocab_size=models.VOCAB, block_size=64, dropout=0.1)
+    x, y = models.tokens(2, 32, 1), models.tokens(2, 32, 2)
+    result, losses = {}, {}
+    for sequence_parallel in (False, True):
+        pm = autotp.parallelize(ref, tp=world, example_inputs=x, vocab="split", sequence_parallel=sequence_parallel)
+        pm.manual_seed(7)
+        losses[sequence_parallel] = pm.step(x, target=y)
+        result["sequence parallel" if sequence_parallel else "plain"] = _saved_bytes(pm, x, y)
+    assert_close(losses[True], losses[False], rtol=1e-6, atol=1e-6)
+    try:
+        pm(models.tokens(2, 31, 3))
+        result["odd"] = "no error"
+    except autotp.InputError as e:
+        result["odd"] = str(e)
+    return result
+
+
+def sequence_parallel_on_ranks(rank: int, world: int) -> dict:
+    """Every gloo check of the sequence-parallelism tests in one spawned group."""
+    return {"padded": padded_training(rank, world), "memory": activation_memory(rank, world)}
