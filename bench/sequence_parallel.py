@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 import autotp
+from autotp.passes.steps import CollectiveOp, ring_share
 from bench.comm import count_calls
 from bench.config import ModelShape
 from bench.memory import SavedActivations
@@ -54,12 +55,12 @@ def _measure(rank: int, world: int, rounds: int) -> dict:
     losses = {}
     for mode, pm in pms.items():
         pm.manual_seed(3)
-        losses[mode] = float(pm.loss(x, target=y))
+        losses[mode] = pm.loss(x, target=y).item()
     saved = {mode: _saved_bytes(pm, x, y) for mode, pm in pms.items()}
     comm = {mode: count_calls(lambda pm=pm: (pm.step(x, target=y), _drop_grads(pm))) for mode, pm in pms.items()}
     samples = alternate({mode: (lambda pm=pm: (pm.step(x, target=y), _drop_grads(pm))) for mode, pm in pms.items()},
                         rounds)
-    return {"shape": SHAPE.describe(), "losses": losses, "saved bytes per rank": saved, "collectives": comm,
+    return {"shape": SHAPE.describe(), "tp": world, "losses": losses, "saved bytes per rank": saved, "collectives": comm,
             "times": {m: summary(s) for m, s in samples.items()},
             "sequence parallel / plain": paired_ratio(samples["sequence parallel"], samples["plain"])}
 
@@ -71,11 +72,15 @@ def table(r: dict) -> str:
     saved = r["saved bytes per rank"]
     lines.append(f"| saved for backward per rank | {saved['plain'] / mib:.2f} MiB | "
                  f"{saved['sequence parallel'] / mib:.2f} MiB | {saved['sequence parallel'] / saved['plain']:.3f} |")
-    moved = {m: sum(e["bytes"] for e in c.values()) for m, c in r["collectives"].items()}
     kinds = {m: ", ".join(f"{e['count']} {k}" for k, e in sorted(c.items())) for m, c in r["collectives"].items()}
-    lines.append(f"| collectives per step | {kinds['plain']}: {moved['plain'] / mib:.2f} MiB | "
-                 f"{kinds['sequence parallel']}: {moved['sequence parallel'] / mib:.2f} MiB | "
+    lines.append(f"| collectives per step | {kinds['plain']} | {kinds['sequence parallel']} | |")
+    moved = {m: sum(e["bytes"] for e in c.values()) for m, c in r["collectives"].items()}
+    lines.append(f"| their payloads | {moved['plain'] / mib:.2f} MiB | {moved['sequence parallel'] / mib:.2f} MiB | "
                  f"{moved['sequence parallel'] / moved['plain']:.3f} |")
+    sent = {m: sum(e["bytes"] * ring_share(CollectiveOp(k), r["tp"]) for k, e in c.items())
+            for m, c in r["collectives"].items()}
+    lines.append(f"| bytes each rank sends (ring) | {sent['plain'] / mib:.2f} MiB | "
+                 f"{sent['sequence parallel'] / mib:.2f} MiB | {sent['sequence parallel'] / sent['plain']:.3f} |")
     t, ratio = r["times"], r["sequence parallel / plain"]
     lines.append(f"| step time (median) | {t['plain']['median'] * 1e3:.1f} ms | "
                  f"{t['sequence parallel']['median'] * 1e3:.1f} ms | {ratio['median']:.3f} "

@@ -275,12 +275,14 @@ class _Walker:
         return None
 
     def sequence_lookup(self, node: fx.Node, emb: Embedding) -> Decision | None:
-        """Under sequence parallelism, a whole table's lookup of ids along one sequence (token or position ids, not
+        """Under sequence parallelism, a whole table's lookup of a batch of ids along one sequence (token ids, not
         a [T, T] relative-position grid) looks up only this rank's ids: its output starts split along the
         sequence with no communication forward, and the table's gradient, a share, is all-reduced (``f``)."""
         ids = sizes(self.nodes[emb.ids])
         along = [d for d, size in enumerate(ids) if sympy.sympify(size) in self.sequence]
-        if len(along) != 1:
+        if len(along) != 1 or all(size == 1 for d, size in enumerate(ids) if d != along[0]):
+            # Ids shared by the batch (positions, [1, T]): slicing the small lookup costs less than all-reducing
+            # the table's gradient, so the lookup stays whole and its reader slices it.
             return None
         wants = {(1,): Shard(along[0], (ids[along[0]],))}
         weight = node.args[0]

@@ -50,6 +50,12 @@ class CollectiveOp(str, Enum):
     REDUCE_SCATTER = "reduce_scatter"
 
 
+def ring_share(op: CollectiveOp, tp: int) -> float:
+    """What each rank sends for ``op`` over a ring of ``tp`` ranks, as a fraction of the payload (the collective's
+    whole tensor): an all-reduce is a reduce-scatter and an all-gather, 2(tp-1)/tp; either alone (tp-1)/tp."""
+    return (2 if op is CollectiveOp.ALL_REDUCE else 1) * (tp - 1) / tp
+
+
 class Direction(str, Enum):
     """The pass in which a collective runs."""
 

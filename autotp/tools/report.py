@@ -14,7 +14,7 @@ from torch import nn
 from autotp.capture import tensor_aliases
 from autotp.names import block_numbers, block_of, block_pattern, within_any
 from autotp.options import DataParallelMode
-from autotp.passes.steps import CollectiveOp
+from autotp.passes.steps import CollectiveOp, ring_share
 from autotp.planning import Collective, Placement, Plan
 
 
@@ -85,8 +85,7 @@ def ring_bytes(c: Collective, tp: int, batch: int, seq: int) -> float | None:
     size = collective_bytes(c, batch, seq)
     if size is None:
         return None
-    factor = 2 * (tp - 1) / tp if c.op is CollectiveOp.ALL_REDUCE else (tp - 1) / tp
-    return size * factor
+    return size * ring_share(c.op, tp)
 
 
 def shard_shape(shape: tuple[int, ...], placement: Placement, tp: int) -> tuple[int, ...]:
