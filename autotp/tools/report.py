@@ -14,7 +14,7 @@ from torch import nn
 from autotp.capture import tensor_aliases
 from autotp.names import block_numbers, block_of, block_pattern, within_any
 from autotp.options import DataParallelMode
-from autotp.passes.steps import CollectiveOp, ring_share
+from autotp.passes.steps import ring_share
 from autotp.planning import Collective, Placement, Plan
 
 
