@@ -174,7 +174,8 @@ def _full_param(plan: Plan, name: str, shards: list[torch.Tensor]) -> torch.Tens
     placement = plan.placements.get(name)
     if placement is None or not placement.is_split:
         return shards[0]
-    size = shards[0].shape[placement.dim] * plan.tp
+    shards = shards[::placement.replicas]  # one copy of each chunk
+    size = shards[0].shape[placement.dim] * len(shards)
     return assemble(shards, placement.dim, segments_or_whole(placement.segments, size))
 
 

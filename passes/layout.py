@@ -7,6 +7,7 @@ segment. A plain column split has one segment; a fused QKV projection has three.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from enum import Enum
@@ -26,15 +27,26 @@ class Shard:
     dim: int
     segments: tuple[int, ...]
     blocks: object = 1
+    replicas: int = 1
+    """Ranks holding each chunk: tp // replicas chunks per segment, rank r holding chunk r // replicas (the KV
+    heads of grouped-query attention when tp exceeds them). In the forward the ranks sharing a chunk hold the
+    same values; their gradients are each rank's share, summed where they meet whole values or parameters."""
+    spread: bool = False
+    """With ``replicas``: the dim after ``dim`` is split among the ranks sharing a chunk (rank r holding chunk
+    r % replicas of it), as a KV head expanded over its query heads is, just before they are merged into one."""
 
     @property
     def size(self) -> int:
         """Global size along ``dim`` of one block."""
         return sum(self.segments)
 
+    def chunks(self, tp: int) -> int:
+        """How many chunks each segment is cut into over ``tp`` ranks."""
+        return tp // self.replicas
+
     def moved(self, dim: int) -> Shard:
         """The same split on another dimension index."""
-        return Shard(dim, self.segments, self.blocks)
+        return dataclasses.replace(self, dim=dim)
 
 
 class PlacementKind(str, Enum):
@@ -119,6 +131,8 @@ def map_reshape(in_sizes, out_sizes, shard: Shard, tp: int) -> Shard | None:
     group = _group(in_sizes, out_sizes, shard.dim)
     if group is None:
         return None
+    if shard.replicas != 1:
+        return _shared(in_sizes, out_sizes, shard, group, tp)
     i0, i1, j0, j1 = group
     outer_in = static(math.prod(in_sizes[i0:shard.dim])) if shard.dim > i0 else 1
     inner_in = static(math.prod(in_sizes[shard.dim + 1:i1])) if shard.dim + 1 < i1 else 1
@@ -163,6 +177,20 @@ def _blocked(in_sizes, out_sizes, shard: Shard, group, inner_in: int, tp: int) -
             return Shard(k, run)  # the blocks unfold into the dims before
         if before == 1 and width == sympy.expand(outer * sum(run)):
             return Shard(k, run, blocks=outer)  # the blocks fold into this dim
+    return None
+
+
+def _shared(in_sizes, out_sizes, shard: Shard, group, tp: int) -> Shard | None:
+    """``map_reshape`` of chunks several ranks hold: moved as a plain split over ``shard.chunks(tp)`` ranks would
+    be, or, when the ranks sharing a chunk split the next dim (``spread``), the two dims merged into one that
+    every rank holds its own chunk of (a KV head expanded over its query heads, reshaped to the query heads)."""
+    i0, i1, j0, j1 = group
+    if not shard.spread:
+        plain = map_reshape(in_sizes, out_sizes, dataclasses.replace(shard, replicas=1), shard.chunks(tp))
+        return dataclasses.replace(plain, replicas=shard.replicas) if plain is not None else None
+    merged = _group(in_sizes, out_sizes, shard.dim + 1)
+    if (i1 - i0, j1 - j0) == (2, 1) and merged == group and static(in_sizes[shard.dim + 1]) is not None:
+        return Shard(j0, tuple(s * int(in_sizes[shard.dim + 1]) for s in shard.segments))
     return None
 
 

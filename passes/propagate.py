@@ -19,7 +19,8 @@ from torch import fx
 from autotp.passes.graph import ArgPath, grad_nodes, is_tensor, mutated_args, rank, sizes, tensor_args
 from autotp.passes.layout import Layout, PlacementKind, Shard, static
 from autotp.passes.projections import Embedding, Projection
-from autotp.passes.rules import BLOCK_AWARE, Context, Decision, replicate_all, rule_for
+from autotp.passes.rule_kit import size_checks
+from autotp.passes.rules import BLOCK_AWARE, REPLICA_AWARE, SPREAD_AWARE, Context, Decision, replicate_all, rule_for
 from autotp.passes.steps import COPY, Operator, Step, gather, scatter
 
 
@@ -82,6 +83,7 @@ class Role:
 
     kind: PlacementKind
     segments: tuple[int, ...] = ()
+    replicas: int = 1
 
 
 def _steps(have: Layout, want: Layout | Step) -> tuple[Step, ...]:
@@ -166,7 +168,9 @@ class _Walker:
     def visit(self, node: fx.Node) -> None:
         res = self.result
         if node.op == "get_attr":
-            res.layouts[node.name] = self.param_layouts.get(node.target)
+            lay = res.layouts[node.name] = self.param_layouts.get(node.target)
+            if isinstance(lay, Shard) and lay.replicas != 1 and node.name in self.ctx.grad:
+                res.reduced[node.name] = Operator.SHARED_GRAD  # each holder's gradient is a share
             return
         if node.op == "placeholder":
             res.layouts[node.name] = None
@@ -223,8 +227,12 @@ class _Walker:
             return Decision(out, wants={(1,): None},
                             checks=[(emb.num_embeddings, "vocabulary size")])
         rule = rule_for(node.target)
-        if rule not in BLOCK_AWARE and any(isinstance(lay, Shard) and lay.blocks != 1 for _, lay in ins.values()):
+        shards = [lay for _, lay in ins.values() if isinstance(lay, Shard)]
+        if rule not in BLOCK_AWARE and any(lay.blocks != 1 for lay in shards):
             rule = replicate_all  # a rule outside BLOCK_AWARE would drop the blocks of a folded split
+        if (rule not in REPLICA_AWARE and any(lay.replicas != 1 for lay in shards)
+                or rule not in SPREAD_AWARE and any(lay.spread for lay in shards)):
+            rule = replicate_all  # likewise for chunks several ranks hold
         try:
             return rule(node, ins, self.ctx)
         except TypeError:
@@ -238,7 +246,7 @@ class _Walker:
         weight = self.param_layouts.get(proj.weight)
         if isinstance(weight, Shard):
             if weight.dim == proj.out_dim:
-                return Role(PlacementKind.COLWISE, weight.segments)
+                return Role(PlacementKind.COLWISE, weight.segments, weight.replicas)
             return Role(PlacementKind.ROWWISE)
         x_layout = self.layout(self.graph_node(proj.input))
         features = rank(self.graph_node(proj.input)) + proj.feature_axis
@@ -254,9 +262,8 @@ class _Walker:
         x_path = next(p for p, n in tensor_args(node) if n.name == proj.input)
         x = self.graph_node(proj.input)
         if role.kind is PlacementKind.COLWISE:
-            out = Shard(rank(node) + proj.feature_axis, role.segments)
-            return Decision(out, wants={x_path: COPY},
-                            checks=[(s, "output features") for s in role.segments])
+            out = Shard(rank(node) + proj.feature_axis, role.segments, replicas=role.replicas)
+            return Decision(out, wants={x_path: COPY}, checks=size_checks(out, "output features"))
         out = self.sequence_shard(node)
         self.result.reduced[node.name] = Operator.REDUCE_SCATTER if out else Operator.G
         wants = {x_path: Shard(rank(x) + proj.feature_axis, (proj.in_features,))}

@@ -65,6 +65,8 @@ class RegionMatch:
     """Every size the split must divide; their common divisors are the valid tp values."""
     why: str = ""
     """For a lone row: why its projection closes no column→row region."""
+    shared: tuple[tuple[str, int], ...] = ()
+    """Column projections whose chunks several ranks hold, with how many (K/V when tp exceeds the KV heads)."""
 
 
 def _sibling_groups(projections: dict[str, Projection], skip: set[str]) -> list[list[Projection]]:
@@ -76,8 +78,11 @@ def _sibling_groups(projections: dict[str, Projection], skip: set[str]) -> list[
     return list(groups.values())
 
 
-def _layouts(columns: list[Projection], segments: dict[str, tuple[int, ...]]) -> dict[str, Shard]:
-    return {p.weight: Shard(p.out_dim, segments.get(p.node) or (p.out_features,)) for p in columns}
+def _layouts(columns: list[Projection], segments: dict[str, tuple[int, ...]],
+             shared: dict[str, int] | None = None) -> dict[str, Shard]:
+    shared = shared or {}
+    return {p.weight: Shard(p.out_dim, segments.get(p.node) or (p.out_features,), replicas=shared.get(p.node, 1))
+            for p in columns}
 
 
 def _classify(graph_nodes: dict[str, fx.Node], prop: Propagation) -> RegionKind:
@@ -107,8 +112,8 @@ class _RegionFinder:
         self.set_aside: list[tuple[tuple[str, ...], str]] = []
         """Projections left out of a group's region because they blocked it, and why."""
 
-    def attempt(self, group: list[Projection], tp: int,
-                grow: bool = True) -> tuple[Propagation, list[Projection], dict, dict]:
+    def attempt(self, group: list[Projection], tp: int, grow: bool = True,
+                shared: dict[str, int] | None = None) -> tuple[Propagation, list[Projection], dict, dict]:
         """Propagate with ``group`` column-split; refine until nothing more is learnt.
 
         A split that cuts the output into parts makes the projection fused (segments); a parameter
@@ -122,7 +127,8 @@ class _RegionFinder:
         segments: dict[str, tuple[int, ...]] = {}
         params: dict[str, Shard] = {}
         for _ in range(8):
-            prop = propagate(self.graph, self.projections, self.embeddings, _layouts(columns, segments) | params,
+            prop = propagate(self.graph, self.projections, self.embeddings,
+                             _layouts(columns, segments, shared) | params,
                              tp, self.trainable, auto_rows=True, grad=self.grad,
                              index=self.index)
             learnt = segments | {origin: parts for o, hint in prop.hints.items() if len(o) == 1
@@ -187,12 +193,23 @@ class _RegionFinder:
         return (bool(prop.rows) and not prop.refusals and not prop.steps_of(Operator.GATHER)
                 and not self.heads & set(prop.rows) and (allow_slices or not self._sliced(prop)))
 
+    def _shared(self, columns: list[Projection], failing: set[str], prop: Propagation) -> RegionMatch | None:
+        """The region with the ``failing`` projections (K/V whose heads tp does not divide) split into fewer chunks
+        than ranks, each held by several ranks: the KV head the holders' query heads use (most chunks first)."""
+        for chunks in [c for c in range(self.tp - 1, 1, -1) if self.tp % c == 0]:
+            shared = {p.node: self.tp // chunks for p in columns if p.node in failing}
+            sub, _, segments, params = self.attempt(columns, self.tp, grow=False, shared=shared)
+            if self.closed(sub, allow_slices=False) and not sub.violations and set(sub.rows) == set(prop.rows):
+                return self.match(columns, sub, segments, params, shared=shared)
+        return None
+
     def match(self, columns: list[Projection], prop: Propagation, segments: dict, params: dict,
-              replicated=()) -> RegionMatch:
+              replicated=(), shared: dict[str, int] | None = None) -> RegionMatch:
         sizes = tuple(s for p in columns for s in (segments.get(p.node) or (p.out_features,)))
         return RegionMatch(kind=_classify(self.nodes, prop), columns=tuple(p.node for p in columns),
                            rows=tuple(prop.rows), segments=tuple(segments.get(p.node, ()) for p in columns),
                            replicated=tuple(replicated), params=tuple(params.items()),
+                           shared=tuple((shared or {}).items()),
                            violations=tuple(prop.violations),
                            sizes=sizes + tuple(prop.checked))
 
@@ -248,6 +265,9 @@ class _RegionFinder:
         failing = set().union(*(v.origins for v in prop.violations))
         kept = [p for p in columns if p.node not in failing]
         if kept and len(kept) < len(columns):
+            shared = self._shared(columns, failing, prop)
+            if shared is not None:
+                return shared
             sub, _, sub_segments, sub_params = self.attempt(kept, self.tp, grow=False)
             if self.closed(sub, allow_slices=True) and not sub.violations and set(sub.rows) == set(prop.rows):
                 return self.match(kept, sub, sub_segments, sub_params,

@@ -79,7 +79,7 @@ def replicate_all(node: fx.Node, ins: Inputs, ctx: Context) -> Decision:
 
 
 def join(node: fx.Node, ins: Inputs, ctx: Context, out_dim: int, segments: tuple[int, ...],
-          skip: set = frozenset(), blocks: object = 1) -> dict:
+          skip: set = frozenset(), blocks: object = 1, replicas: int = 1) -> dict:
     """Wanted layouts for replicated inputs meeting a value sharded at output dim ``out_dim``.
 
     A broadcast input (size 1 or absent there) stays whole, through ``f`` if gradients flow to it
@@ -94,7 +94,7 @@ def join(node: fx.Node, ins: Inputs, ctx: Context, out_dim: int, segments: tuple
         if d < 0 or sizes(n)[d] == 1:
             wants[p] = COPY if n.name in ctx.grad else None
         else:
-            wants[p] = Shard(d, segments, blocks)
+            wants[p] = Shard(d, segments, blocks, replicas)
     return wants
 
 
@@ -110,11 +110,15 @@ def aligned(node: fx.Node, ins: Inputs, ctx: Context, sharded) -> Decision:
     """The output split where every sharded input's split lands (aligned from the right, as broadcasting
     aligns dims), the other inputs joined to it; replicated when the inputs disagree."""
     out_rank = rank(node)
-    targets = {(lay.dim + out_rank - rank(n), lay.segments, lay.blocks) for _, n, lay in sharded}
+    targets = {(lay.dim + out_rank - rank(n), lay.segments, lay.blocks, lay.replicas, lay.spread)
+               for _, n, lay in sharded}
     if len(targets) != 1:
         return replicate_all(node, ins, ctx)
-    out_dim, segments, blocks = targets.pop()
-    return Decision(Shard(out_dim, segments, blocks), wants=join(node, ins, ctx, out_dim, segments, blocks=blocks))
+    out_dim, segments, blocks, replicas, spread = targets.pop()
+    if spread:
+        return replicate_all(node, ins, ctx)  # spread chunks are only ever merged by the reshape that follows
+    return Decision(Shard(out_dim, segments, blocks, replicas),
+                    wants=join(node, ins, ctx, out_dim, segments, blocks=blocks, replicas=replicas))
 
 
 def like_first(node: fx.Node, ins: Inputs, ctx: Context) -> Decision:
@@ -129,4 +133,5 @@ def no_output(node: fx.Node, ins: Inputs, ctx: Context) -> Decision:
 
 
 def size_checks(shard: Shard, what: str) -> list[tuple[int, str]]:
-    return [(s, what) for s in shard.segments]
+    """Each segment must divide into the shard's chunks: by tp, or by tp // replicas (checked as s * replicas)."""
+    return [(s * shard.replicas, what) for s in shard.segments]

@@ -45,7 +45,7 @@ from autotp.passes.rules_shape import (
     view_as_complex,
 )
 
-__all__ = ["BLOCK_AWARE", "RULES", "Context", "Decision", "replicate_all", "rule_for"]
+__all__ = ["BLOCK_AWARE", "REPLICA_AWARE", "RULES", "SPREAD_AWARE", "Context", "Decision", "replicate_all", "rule_for"]
 
 aten = torch.ops.aten
 
@@ -90,6 +90,14 @@ for _op in (aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten._to_copy.d
 BLOCK_AWARE = frozenset({reshape, permute, like_first, getitem, pointwise, batched_matmul, baddbmm, along_dim,
                          reduction, no_output})
 """The rules that keep a split repeated over blocks (``Shard.blocks``) meaningful; others see such inputs whole."""
+
+
+REPLICA_AWARE = frozenset({reshape, permute, like_first, getitem, pointwise, slice_, cat, expand, sym_size, no_output,
+                           reduction, along_dim, layer_norm})
+"""The rules that keep chunks several ranks hold (``Shard.replicas``) meaningful; others see such inputs whole.
+Of them, only ``reshape`` merges a spread chunk (``Shard.spread``) and ``like_first`` passes it on."""
+
+SPREAD_AWARE = frozenset({reshape, like_first, no_output})
 
 
 def rule_for(target) -> callable:

@@ -48,7 +48,7 @@ def reduction(node: fx.Node, ins: Inputs, ctx: Context, x: fx.Node, lay: Shard) 
         return replicate_all(node, ins, ctx)
     dims = [norm_dim(d, rank(x)) for d in ([dims] if isinstance(dims, int) else dims)]
     if lay.dim in dims:
-        if node.target in _ACROSS_SHARDS and ctx.tp > 1 and lay.blocks == 1:
+        if node.target in _ACROSS_SHARDS and ctx.tp > 1 and lay.blocks == 1 and lay.replicas == 1:
             return Decision(None, reduce=_ACROSS_SHARDS[node.target])
         return replicate_all(node, ins, ctx)
     keepdim = named_arg(node, "keepdim", False)

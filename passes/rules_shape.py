@@ -3,6 +3,7 @@ stack, indexing, repeats, padding. They move a split to where it lands, or see t
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 import torch
@@ -36,25 +37,37 @@ def reshape(node: fx.Node, ins: Inputs, ctx: Context, x: fx.Node, lay: Shard) ->
         return replicate_all(node, ins, ctx)
     fixes = {}
     shape = node.args[1] if node.target in _SHAPE_ARG_OPS else None
+    chunks = new.chunks(ctx.tp)
     if shape is not None and isinstance(shape[new.dim], int) and shape[new.dim] != -1:
-        fixes[(1, new.dim)] = shape[new.dim] // ctx.tp
+        fixes[(1, new.dim)] = shape[new.dim] // chunks
     elif shape is not None and isinstance(shape[new.dim], fx.Node):
-        fixes[(1, new.dim)] = DividedBy(ctx.tp)  # heads folded into the batch: ``B * H`` computed in the graph
+        fixes[(1, new.dim)] = DividedBy(chunks)  # heads folded into the batch: ``B * H`` computed in the graph
     if node.target is aten.unflatten.int:  # (x, dim, sizes): the sizes replace dim
         index = new.dim - norm_dim(node.args[1], rank(x))
         if 0 <= index < len(node.args[2]) and isinstance(node.args[2][index], int) and node.args[2][index] != -1:
-            fixes[(2, index)] = node.args[2][index] // ctx.tp
+            fixes[(2, index)] = node.args[2][index] // chunks
     shape = ", ".join(str(d) if isinstance(d, int) else "?" for d in sizes(node))
     return Decision(new, fixes=fixes, checks=size_checks(new, f"dim {new.dim} of the reshape to ({shape})"))
 
 
 @on_split_input
 def expand(node: fx.Node, ins: Inputs, ctx: Context, x: fx.Node, lay: Shard) -> Decision:
-    """expand: the sharded dim keeps its size; its entry in the size list becomes the local size."""
-    out_dim = lay.dim + rank(node) - rank(x)
-    size = node.args[1][out_dim]
-    fixes = {(1, out_dim): size // ctx.tp} if isinstance(size, int) and size != -1 else {}
-    return Decision(lay.moved(out_dim), fixes=fixes)
+    """expand: the sharded dim keeps its size; its entry in the size list becomes the local size. A chunk several
+    ranks hold, expanded along the next dim (a KV head repeated for its query heads), is spread over them there."""
+    shape, offset = node.args[1], rank(node) - rank(x)
+    out_dim = lay.dim + offset
+    size, fixes = shape[out_dim], {}
+    if isinstance(size, int) and size != -1:
+        fixes[(1, out_dim)] = size // lay.chunks(ctx.tp)
+    elif isinstance(size, fx.Node):
+        fixes[(1, out_dim)] = DividedBy(lay.chunks(ctx.tp))  # a sequence split: its size is computed
+    out = lay.moved(out_dim)
+    after = out_dim + 1
+    if (lay.replicas != 1 and not lay.spread and after < len(shape) and sizes(x)[after - offset] == 1
+            and isinstance(shape[after], int) and shape[after] > 1 and shape[after] % lay.replicas == 0):
+        fixes[(1, after)] = shape[after] // lay.replicas
+        out = dataclasses.replace(out, spread=True)
+    return Decision(out, fixes=fixes)
 
 
 def permutation(node: fx.Node) -> list[int]:
@@ -116,6 +129,8 @@ def slice_(node: fx.Node, ins: Inputs, ctx: Context, x: fx.Node, lay: Shard) -> 
     step = arg_or_default(node, 4, "step", 1)
     if dim != lay.dim:
         return Decision(lay)
+    if lay.replicas != 1:
+        return replicate_all(node, ins, ctx)
     if static(lay.size) is None:  # split along the sequence: only a slice keeping all of it keeps the split
         everything = start in (None, 0) and step == 1 and end in (None, sys.maxsize)
         return Decision(lay) if everything else replicate_all(node, ins, ctx)
@@ -174,13 +189,13 @@ def cat(node: fx.Node, ins: Inputs, ctx: Context) -> Decision:
         return Decision(None)
     lays = {lay for _, _, lay in sharded}
     dim = norm_dim(arg_or_default(node, 1, "dim", 0), rank(node))
-    if len(sharded) == len(ins) and all(lay.dim == dim and lay.blocks == 1 for lay in lays):
+    if len(sharded) == len(ins) and all(lay.dim == dim and lay.blocks == 1 and lay.replicas == 1 for lay in lays):
         parts = sorted(sharded, key=lambda item: item[0])
         return Decision(Shard(dim, tuple(s for _, _, lay in parts for s in lay.segments)))
     if len(lays) != 1 or dim == next(iter(lays)).dim:
         return replicate_all(node, ins, ctx)
     lay = lays.pop()
-    return Decision(lay, wants=join(node, ins, ctx, lay.dim, lay.segments))
+    return Decision(lay, wants=join(node, ins, ctx, lay.dim, lay.segments, replicas=lay.replicas))
 
 
 def stack(node: fx.Node, ins: Inputs, ctx: Context) -> Decision:

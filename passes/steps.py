@@ -37,6 +37,9 @@ class Operator(str, Enum):
     GATHER_TO_REGION = "gather_to_region"
     """A gather, then ``f``, fused (sequence parallelism's way into a column-split region): all-gather forward,
     reduce-scatter of the gradient backward (half the bytes of ``f``'s all-reduce)."""
+    SHARED_GRAD = "shared_grad"
+    """A parameter chunk several ranks hold (grouped-query attention's KV heads above their count): identity
+    forward; backward, the holders' gradient shares summed (all-gather of the shares)."""
     CROSS_ENTROPY = "cross_entropy"
     """Cross-entropy of class-split logits: each rank's max, sum of exponentials and target logit, all-gathered
     forward (Megatron's vocab-parallel cross-entropy; backward local)."""
@@ -84,6 +87,7 @@ COMMUNICATION: dict[Operator, tuple[Communication, ...]] = {
                               Communication(CollectiveOp.ALL_GATHER, Direction.BACKWARD, at_source=True)),
     Operator.GATHER_TO_REGION: (Communication(CollectiveOp.ALL_GATHER, Direction.FORWARD, at_source=True),
                                 Communication(CollectiveOp.REDUCE_SCATTER, Direction.BACKWARD, at_source=True)),
+    Operator.SHARED_GRAD: (Communication(CollectiveOp.ALL_GATHER, Direction.BACKWARD, at_source=True),),
     Operator.CROSS_ENTROPY: (Communication(CollectiveOp.ALL_GATHER, Direction.FORWARD, at_source=True),),
 }
 
@@ -125,7 +129,7 @@ def fused(steps: tuple[Step, ...]) -> tuple[Step, ...]:
     the two steps apart (the region search looks for gathers); the rewrite and the plan's listing fuse them."""
     out: list[Step] = []
     for step in steps:
-        if step == COPY and out and out[-1].operator is Operator.GATHER:
+        if step == COPY and out and out[-1].operator is Operator.GATHER and out[-1].shard.replicas == 1:
             out[-1] = Step(Operator.GATHER_TO_REGION, out[-1].shard)
         else:
             out.append(step)

@@ -35,18 +35,28 @@ class Placement:
     kind: PlacementKind
     dim: int | None = None
     segments: tuple[int, ...] = ()
+    replicas: int = 1
+    """Ranks holding each chunk: tp // replicas chunks, rank r holding chunk r // replicas (the K/V projections of
+    grouped-query attention when tp exceeds the KV heads: each rank keeps the KV head its query heads use)."""
 
     def __post_init__(self):
         object.__setattr__(self, "kind", PlacementKind(self.kind))
         object.__setattr__(self, "segments", tuple(int(s) for s in self.segments))
         if (self.kind is PlacementKind.REPLICATED) != (self.dim is None):
             raise ValueError(f"placement {self.kind.value!r} needs dim set iff it is split, got dim={self.dim}")
+        if not isinstance(self.replicas, int) or self.replicas < 1:
+            raise ValueError(f"replicas must be a positive integer, got {self.replicas!r}")
 
     def __repr__(self) -> str:
         if self.kind is PlacementKind.REPLICATED:
             return "replicated"
         seg = f", segments={list(self.segments)}" if self.segments else ""
-        return f"{self.kind.value}(dim={self.dim}{seg})"
+        shared = f", replicas={self.replicas}" if self.replicas != 1 else ""
+        return f"{self.kind.value}(dim={self.dim}{seg}{shared})"
+
+    def chunks(self, tp: int) -> int:
+        """How many chunks each segment is cut into over ``tp`` ranks."""
+        return tp // self.replicas
 
     @property
     def is_split(self) -> bool:
@@ -55,7 +65,8 @@ class Placement:
 
     def to_dict(self) -> dict:
         """A JSON-ready dict."""
-        return {"kind": self.kind.value, "dim": self.dim, "segments": list(self.segments)}
+        shared = {"replicas": self.replicas} if self.replicas != 1 else {}
+        return {"kind": self.kind.value, "dim": self.dim, "segments": list(self.segments)} | shared
 
 
 REPLICATED = Placement(PlacementKind.REPLICATED)
@@ -350,6 +361,9 @@ def _split_problem(placement: Placement, shape: tuple, tp: int) -> str | None:
     parts = placement.segments or (size,)
     if sum(parts) != size:
         return f"its segments {list(parts)} do not add up to dim {placement.dim}'s size {size}"
-    if any(p % tp for p in parts):
-        return f"tp={tp} does not divide {'every segment' if placement.segments else 'its size'} {list(parts)}"
+    if tp % placement.replicas:
+        return f"its {placement.replicas} replicas do not divide tp={tp}"
+    chunks = placement.chunks(tp)
+    if any(p % chunks for p in parts):
+        return f"{chunks} chunks do not divide {'every segment' if placement.segments else 'its size'} {list(parts)}"
     return None

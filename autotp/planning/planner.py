@@ -66,11 +66,12 @@ def _valid_tp(regions: list[RegionMatch]) -> list[int]:
 
 def _region_placements(analysis: Analysis, region: RegionMatch) -> dict[str, Placement]:
     out: dict[str, Placement] = {}
+    shared = dict(region.shared)
     for col, segments in zip(region.columns, region.segments):
         p = analysis.projections[col]
-        out[p.weight] = Placement(PlacementKind.COLWISE, p.out_dim, segments)
+        out[p.weight] = Placement(PlacementKind.COLWISE, p.out_dim, segments, shared.get(col, 1))
         if p.bias:
-            out[p.bias] = Placement(PlacementKind.COLWISE, 0, segments)
+            out[p.bias] = Placement(PlacementKind.COLWISE, 0, segments, shared.get(col, 1))
     for row in region.rows:
         out[analysis.projections[row].weight] = Placement(PlacementKind.ROWWISE, analysis.projections[row].in_dim)
     for target, shard in region.params:
@@ -236,7 +237,7 @@ def _readers_by_step(analysis: Analysis, conv) -> list[tuple[str, bool]]:
 
 def param_layouts(analysis: Analysis, placements: Mapping[str, Placement]) -> dict[str, Shard]:
     """The split placements (keyed by ``get_attr`` target) as the layouts propagation takes."""
-    return {t: Shard(p.dim, p.segments or (analysis.param_size(t, p.dim),))
+    return {t: Shard(p.dim, p.segments or (analysis.param_size(t, p.dim),), replicas=p.replicas)
             for t, p in placements.items() if p.is_split}
 
 
@@ -288,6 +289,11 @@ def make_plan(captured: Captured, tp: int, pp: int = 1, balance: Balance | str =
         if region.kind is RegionKind.ROW:
             notes.append(f"{analysis.layer(region.rows[0])} split alone by its input features (its whole input "
                          f"sliced, its output all-reduced), as no column split closes around it: {region.why}")
+        if region.shared:
+            holders = max(n for _, n in region.shared)
+            notes.append(f"{', '.join(analysis.layer(n) for n, _ in region.shared)}: tp={tp} exceeds their heads, so "
+                         f"each rank keeps only the heads its query heads use, {holders} ranks per head, and their "
+                         "gradients are summed over those ranks")
         kept = tuple(analysis.layer(n) for n in region.replicated)
         if kept:
             notes.append(f"{', '.join(kept)} kept replicated: tp={tp} does not divide their heads; "

@@ -6,6 +6,7 @@
 ``ScatterToTP``: keep-own-slice forward, all-gather backward; when a whole value meets a split one.
 ``OutputGather``: a ``GatherFromTP`` at the model's output, which a training step may defer.
 ``ReduceScatterToTP`` and ``GatherToRegion``: sequence parallelism's ``g`` and the gather into a region.
+``GatherShared``, ``ScatterShared``, ``SharedGrad``: the same for chunks several ranks hold (``Shard.replicas``).
 ``VocabParallelCrossEntropy``: Megatron's cross-entropy over class-split logits (the logits never gathered).
 
 ``IMPLEMENTATIONS`` maps each ``Operator`` (whose wire behaviour ``autotp.passes.steps.COMMUNICATION``
@@ -112,6 +113,53 @@ class _GatherToRegion(torch.autograd.Function):
         return _reduce_scattered(comm, grad, dim, segments, blocked), None, None, None, None
 
 
+def _groups(comm: Communicator, parts: list[torch.Tensor], replicas: int) -> list[torch.Tensor]:
+    """One tensor per chunk from every rank's ``parts``: the sum of the shares of the ranks holding it."""
+    return [torch.stack(parts[c * replicas:(c + 1) * replicas]).sum(0) for c in range(comm.size // replicas)]
+
+
+class _GatherShared(torch.autograd.Function):
+    """Gather chunks several ranks hold; backward, the first rank of each chunk's holders keeps its gradient
+    (the others' shares are zero: their sum over the holders is the gradient)."""
+
+    @staticmethod
+    def forward(ctx, x, dim, segments, comm, replicas):
+        ctx.args = (dim, segments, comm, replicas)
+        return assemble(comm.all_gather(x)[::replicas], dim, segments)
+
+    @staticmethod
+    def backward(ctx, grad):
+        dim, segments, comm, replicas = ctx.args
+        mine = local_shard(grad, dim, segments, comm.rank // replicas, comm.size // replicas)
+        return (mine if comm.rank % replicas == 0 else torch.zeros_like(mine)), None, None, None, None
+
+
+class _ScatterShared(torch.autograd.Function):
+    """Keep the chunk this rank shares with others; backward, each chunk's gradient is its holders' shares summed."""
+
+    @staticmethod
+    def forward(ctx, x, dim, segments, comm, replicas):
+        ctx.args = (dim, segments, comm, replicas)
+        return local_shard(x, dim, segments, comm.rank // replicas, comm.size // replicas)
+
+    @staticmethod
+    def backward(ctx, grad):
+        dim, segments, comm, replicas = ctx.args
+        return assemble(_groups(comm, comm.all_gather(grad), replicas), dim, segments), None, None, None, None
+
+
+class _SharedGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm, replicas):
+        ctx.args = (comm, replicas)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        comm, replicas = ctx.args
+        return _groups(comm, comm.all_gather(grad), replicas)[comm.rank // replicas], None, None
+
+
 class _Collective(nn.Module):
     """A communication the rewrite inserted; ``comm`` says over which ranks."""
 
@@ -176,6 +224,42 @@ class GatherToRegion(_OnSplit):
     """A gather, then ``f``: all-gather forward, reduce-scatter of the gradient backward."""
 
     function = _GatherToRegion
+
+
+class _OnShared(_Collective):
+    """A collective about chunks ``replicas`` ranks each hold (``Shard.replicas``)."""
+
+    function: type[torch.autograd.Function]
+
+    def __init__(self, comm: Communicator, dim: int, segments: tuple[int, ...], replicas: int):
+        super().__init__(comm)
+        self.dim, self.segments, self.replicas = dim, tuple(segments), replicas
+
+    def forward(self, x):
+        return self.function.apply(x, self.dim, self.segments, self.comm, self.replicas)
+
+
+class GatherShared(_OnShared):
+    """All-gather chunks several ranks hold, one copy each; backward, one holder keeps each chunk's gradient."""
+
+    function = _GatherShared
+
+
+class ScatterShared(_OnShared):
+    """Keep the chunk this rank shares; backward, the holders' gradient shares summed and all-gathered."""
+
+    function = _ScatterShared
+
+
+class SharedGrad(_Collective):
+    """A parameter chunk several ranks hold: identity forward; backward, the holders' gradient shares summed."""
+
+    def __init__(self, comm: Communicator, replicas: int):
+        super().__init__(comm)
+        self.replicas = replicas
+
+    def forward(self, x):
+        return _SharedGrad.apply(x, self.comm, self.replicas)
 
 
 class OutputGather(GatherFromTP):
@@ -266,8 +350,11 @@ IMPLEMENTATIONS: dict[Operator, Callable[[Communicator, Shard | None], nn.Module
     Operator.VOCAB_EMBEDDING: lambda comm, shard: ReduceFromTP(comm),
     Operator.MEAN: lambda comm, shard: MeanFromTP(comm),
     Operator.CROSS_ENTROPY: lambda comm, shard: VocabParallelCrossEntropy(comm),
-    Operator.GATHER: lambda comm, shard: GatherFromTP(comm, *split_args(shard)),
-    Operator.SCATTER: lambda comm, shard: ScatterToTP(comm, *split_args(shard)),
+    Operator.GATHER: lambda comm, shard: (GatherFromTP(comm, *split_args(shard)) if shard.replicas == 1 else
+                                          GatherShared(comm, shard.dim, shard.segments, shard.replicas)),
+    Operator.SCATTER: lambda comm, shard: (ScatterToTP(comm, *split_args(shard)) if shard.replicas == 1 else
+                                           ScatterShared(comm, shard.dim, shard.segments, shard.replicas)),
+    Operator.SHARED_GRAD: lambda comm, shard: SharedGrad(comm, shard.replicas),
     Operator.REDUCE_SCATTER: lambda comm, shard: ReduceScatterToTP(comm, *split_args(shard)),
     Operator.GATHER_TO_REGION: lambda comm, shard: GatherToRegion(comm, *split_args(shard)),
 }

@@ -63,7 +63,7 @@ def assemble_blocks(shards: list[torch.Tensor], dim: int, segments: tuple[int, .
 def local_part(full: torch.Tensor, shard: Shard, rank: int, tp: int) -> torch.Tensor:
     """Rank ``rank``'s part of a full value laid out as ``shard`` (repeated over blocks or not)."""
     slicer = local_blocks if shard.blocks != 1 else local_shard
-    return slicer(full, shard.dim, runtime_segments(shard.segments), rank, tp)
+    return slicer(full, shard.dim, runtime_segments(shard.segments), rank // shard.replicas, shard.chunks(tp))
 
 
 def segments_or_whole(segments: tuple[int, ...], size: int) -> tuple[int, ...]:
@@ -130,8 +130,9 @@ def part_of(placement: Placement | None, shape: tuple[int, ...], rank: int, tp: 
     if placement is None or not placement.is_split or tp == 1:
         return Part(shape)
     runs, base = [], 0
+    chunks, chunk = placement.chunks(tp), rank // placement.replicas
     for segment in segments_or_whole(placement.segments, shape[placement.dim]):
-        share = segment // tp
-        runs.append((base + rank * share, share))
+        share = segment // chunks
+        runs.append((base + chunk * share, share))
         base += segment
     return Part(shape, placement.dim, tuple(runs))

@@ -189,8 +189,8 @@ class _Surgeon:
                 self.replace(node, collective_module(reduction, self.comm))
             elif name in self.analysis.projections:
                 self.row(node, self.analysis.projections[name], reduction, shard)
-            else:
-                self.reduce_after(node, reduction, None)  # a sum or mean over a split dim
+            else:  # a sum or mean over a split dim, a parameter chunk several ranks hold
+                self.reduce_after(node, reduction, None, shard)
         self.graph.lint()
         self.gm.recompile()
 

@@ -65,7 +65,7 @@ def holding(plan: Plan, tp_rank: int, own: dict[str, torch.Tensor], params: dict
         placement = plan.placements.get(name)
         shape = list(tensor.shape)
         if placement is not None and placement.is_split:
-            shape[placement.dim] *= plan.tp
+            shape[placement.dim] *= placement.chunks(plan.tp)
         tensors[name] = (tensor, part_of(placement, tuple(shape), tp_rank, plan.tp))
     for name, value in extra.items():
         if isinstance(value, torch.Tensor):

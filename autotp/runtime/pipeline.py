@@ -185,7 +185,7 @@ class PipelineModule(Checkpointing, nn.Module):
                     continue
                 seen.add(id(p))
                 first = target not in self._tied or dist.get_rank(self._tied[target]) == 0
-                split = split_param(self.plan, self._names, target)
+                split = split_param(self.plan, self._names, target, self.mesh.tp_rank)
                 pieces.append((local(p.grad), is_counted(split, self.mesh.tp_rank, dp_counts, first)))
         return clip_grad_norm_(pieces, max_norm, norm_type)
 

@@ -108,11 +108,12 @@ def state_names(model: nn.Module, captured: Captured, modules, source: Source | 
     return StateNames(captured.state_keys, captured.aliases, captured.param_name, extra)
 
 
-def split_param(plan: Plan, names: StateNames, target: str) -> bool:
-    """Whether the parameter a rank module holds at ``target`` is split over the tensor-parallel ranks."""
+def split_param(plan: Plan, names: StateNames, target: str, tp_rank: int = 0) -> bool:
+    """Whether the parameter a rank module holds at ``target`` is split over the tensor-parallel ranks and this
+    rank's chunk is its own (of a chunk several ranks hold, only the first holder's counts as its own)."""
     name = names.param_name(target)
     placement = plan.placements.get(names.aliases.get(name, name))
-    return placement is not None and placement.is_split and plan.tp > 1
+    return placement is not None and placement.is_split and plan.tp > 1 and tp_rank % placement.replicas == 0
 
 
 def gather_tp(plan: Plan, name: str, local: torch.Tensor, comm: Communicator | None) -> torch.Tensor:
@@ -120,8 +121,8 @@ def gather_tp(plan: Plan, name: str, local: torch.Tensor, comm: Communicator | N
     placement = plan.placements.get(name)
     if placement is None or not placement.is_split or plan.tp == 1:
         return local.detach().clone()
-    parts = comm.all_gather(local.detach())
-    size = local.shape[placement.dim] * plan.tp
+    parts = comm.all_gather(local.detach())[::placement.replicas]  # one copy of each chunk
+    size = local.shape[placement.dim] * len(parts)
     return assemble(parts, placement.dim, segments_or_whole(placement.segments, size))
 
 
@@ -206,7 +207,8 @@ class ParallelModule(Checkpointing, nn.Module):
         """Clip the gradients as ``torch.nn.utils.clip_grad_norm_`` clips the unsharded model's; returns the
         total norm, the same on every rank (collective: every rank must call it)."""
         tp_rank, dp_counts = self.rank, self._dp.counts() if self._dp is not None else True
-        pieces = [(local(p.grad), is_counted(split_param(self.plan, self._names, target), tp_rank, dp_counts, True))
+        pieces = [(local(p.grad), is_counted(split_param(self.plan, self._names, target, tp_rank), tp_rank, dp_counts,
+                                             True))
                   for target, p in self.module.named_parameters() if p.grad is not None]
         group = self.comm.group if self._dp is None and self.comm is not None else None
         return clip_grad_norm_(pieces, max_norm, norm_type, group, distributed=self.comm is not None)

@@ -130,6 +130,10 @@ def export_styles(plan: Plan, target: Target) -> Export:
         if placement.is_split and param not in members:
             why = f"split parameter {param} is not a weight or bias of the region's modules"
             decided = [(r, {}, why) if _under(styles, _owner(param)) else (r, styles, w) for r, styles, w in decided]
+    shared = {p for p, placement in plan.placements.items() if placement.replicas != 1}
+    decided = [(r, {}, "its K/V heads are shared by several ranks (tp above the KV heads), which no sharding "
+                "style expresses") if shared & {p for m in (*r.columns, *r.rows) for p in module_params(plan, m)}
+               else (r, styles, why) for r, styles, why in decided]
     out = Export()
     for region, styles, why in decided:
         out.styles.update(styles)

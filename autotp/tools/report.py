@@ -92,7 +92,7 @@ def shard_shape(shape: tuple[int, ...], placement: Placement, tp: int) -> tuple[
     """The shape one rank holds."""
     if not placement.is_split:
         return shape
-    return tuple(d // tp if i == placement.dim else d for i, d in enumerate(shape))
+    return tuple(d // placement.chunks(tp) if i == placement.dim else d for i, d in enumerate(shape))
 
 
 def _fmt(shape: tuple[int, ...]) -> str:
@@ -173,7 +173,7 @@ def param_bytes(plan: Plan, params: dict[str, ParamInfo], names=None) -> tuple[f
         size = info.numel * info.itemsize
         whole += size
         placement = plan.placements.get(name)
-        per_rank += size / plan.tp if placement is not None and placement.is_split else size
+        per_rank += size / placement.chunks(plan.tp) if placement is not None and placement.is_split else size
     return per_rank, whole
 
 
