@@ -93,7 +93,7 @@ BLOCK_AWARE = frozenset({reshape, permute, like_first, getitem, pointwise, batch
 
 
 REPLICA_AWARE = frozenset({reshape, permute, like_first, getitem, pointwise, slice_, cat, expand, sym_size, no_output,
-                           reduction, along_dim, layer_norm})
+                           reduction, along_dim, layer_norm, split})
 """The rules that keep chunks several ranks hold (``Shard.replicas``) meaningful; others see such inputs whole.
 Of them, only ``reshape`` merges a spread chunk (``Shard.spread``) and ``like_first`` passes it on."""
 

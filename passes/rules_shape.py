@@ -99,6 +99,8 @@ def split(node: fx.Node, ins: Inputs, ctx: Context) -> Decision:
     if dim != lay.dim:
         moved = lay.moved(lay.dim - 1) if node.target is aten.unbind.int and dim < lay.dim else lay
         return Decision(tuple(moved for _ in range(count)))
+    if lay.replicas != 1:
+        return replicate_all(node, ins, ctx)
     if node.target is aten.unbind.int:
         return _fused_hint(replicate_all(node, ins, ctx), lay)
     parts = tuple(int(v.shape[dim]) for v in meta_val(node))

@@ -56,8 +56,10 @@ def test_tp2_all_models_exact(tp2):
 def test_tp4_all_models_exact(tp4):
     for name in ALL:
         r = tp4[0][name]
-        # Exact accounting, notes or not: K/V kept whole by the GQA fallback are simply not split parameters.
-        assert r["local_params"] == r["total_params"] - 3 * r["split_params"] // 4, name
+        # Exact accounting: a split parameter holds 1/4 on each rank, K/V heads shared by 2 ranks (tp above the
+        # KV heads) 1/2.
+        plain = r["split_params"] - r["shared_params"]
+        assert r["local_params"] == r["total_params"] - 3 * plain // 4 - r["shared_params"] + r["shared_local"], name
         assert r["local_params"] < 0.6 * r["total_params"], f"{name} came out mostly replicated: {r}"
 
 
@@ -68,9 +70,9 @@ def test_collectives_per_block_equal_megatron(tp, tp2, tp4):
         r = results[0][name]
         forward, backward = _expected_counts(r)
         assert r["forward"] == forward, f"{name} tp={tp} forward collectives {r['forward']} != {forward}"
-        # With tp not dividing the KV heads, K and V stay whole and each rank slices its heads; their
-        # gradients are all-gathered back (2 extra all-gathers per block, no extra all-reduce).
-        extra = {"allgather": 2 * r["blocks"]} if r["notes"] and "heads" in r["notes"][0] else {}
+        # With tp above the KV heads, each rank keeps the KV head its query heads use; the gradient shares of
+        # each K/V weight (and bias) are summed over its holders (one all-gather each, no extra all-reduce).
+        extra = {"allgather": r["shared_count"]} if r["shared_count"] else {}
         assert r["backward"] == backward | extra, f"{name} tp={tp} backward {r['backward']} != {backward | extra}"
 
 
@@ -87,9 +89,12 @@ def test_plan_lists_what_runs(tp2):
             assert planned == r[direction], f"{name} {direction}: plan {planned} vs run {r[direction]}"
 
 
-def test_gqa_fallback_keeps_kv_whole_at_tp4(tp4):
+def test_gqa_above_the_kv_heads_shares_them_at_tp4(tp4):
+    """4 query heads, 2 KV heads, tp=4: each rank keeps one KV head (2 ranks per head), not the whole K/V."""
     for name in ("llama", "hf_llama", "hf_mistral", "hf_qwen2"):
-        assert any("kept replicated" in n for n in tp4[0][name]["notes"]), name
+        r = tp4[0][name]
+        assert any("exceeds their heads" in n and "2 ranks per head" in n for n in r["notes"]), name
+        assert r["shared_count"] >= 4 and r["shared_local"] * 2 == r["shared_params"], name
 
 
 def test_world_size_must_equal_tp():

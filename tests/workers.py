@@ -36,7 +36,8 @@ def _full_grad(pm, name: str, grad: torch.Tensor) -> torch.Tensor:
         return grad
     parts = [torch.empty_like(grad) for _ in range(pm.plan.tp)]
     dist.all_gather(parts, grad.contiguous())
-    size = grad.shape[placement.dim] * pm.plan.tp
+    parts = parts[::placement.replicas]  # chunks several ranks hold: their summed gradient, once
+    size = grad.shape[placement.dim] * len(parts)
     return assemble(parts, placement.dim, segments_or_whole(placement.segments, size))
 
 
@@ -75,6 +76,9 @@ def check_model(name: str, tp: int) -> dict:
     ref_loss.backward()
     assert_close(loss, ref_loss, rtol=1e-5, atol=0, msg=lambda m: f"{name} tp={tp} loss: {m}")
     _check_grads(pm, ref, f"{name} tp={tp}")
+    # The global gradient norm counts every element once, chunks several ranks hold included.
+    norm, ref_norm = pm.clip_grad_norm_(1e9), torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e9)
+    assert_close(norm, ref_norm, rtol=1e-5, atol=1e-7, msg=lambda m: f"{name} tp={tp} gradient norm: {m}")
 
     opt, ref_opt = torch.optim.AdamW(pm.parameters(), **ADAM), torch.optim.AdamW(ref.parameters(), **ADAM)
     for step in range(STEPS):
@@ -89,7 +93,12 @@ def check_model(name: str, tp: int) -> dict:
         assert_close(full[key], want, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name} tp={tp} {key} after AdamW: {m}")
 
     split_total = sum(p.numel() for n, p in ref.named_parameters() if pm.plan.placements[n].is_split)
+    shared = {n: p.numel() // pm.plan.placements[n].chunks(tp) for n, p in ref.named_parameters()
+              if pm.plan.placements[n].replicas != 1}
     return {
+        "shared_params": sum(ref.get_parameter(n).numel() for n in shared),
+        "shared_local": sum(shared.values()),
+        "shared_count": len(shared),
         "local_params": sum(p.numel() for p in pm.parameters()),
         "total_params": sum(p.numel() for p in ref.parameters()),
         "split_params": split_total,

@@ -1,0 +1,81 @@
+"""Grouped-query attention with tp above its KV heads: each rank keeps the KV head its query heads use (a chunk
+held by tp / KV-heads ranks), not the whole K/V, and their gradients are summed over the holders; exact."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import autotp
+from autotp.passes.steps import Operator
+from autotp.planning.plan import Placement, Plan
+from autotp.rewrite.shards import part_of
+from tests import gqa_workers, models
+from tests.distributed import run_on_ranks
+
+
+def _llama(heads: int, kv: int, **extra):
+    import transformers
+
+    config = transformers.LlamaConfig(vocab_size=models.VOCAB, hidden_size=64, intermediate_size=128,
+                                      num_hidden_layers=2, num_attention_heads=heads, num_key_value_heads=kv,
+                                      head_dim=64 // heads, **extra)
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config)
+
+
+def _qwen3():
+    import transformers
+
+    config = transformers.Qwen3Config(vocab_size=models.VOCAB, hidden_size=64, intermediate_size=128,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    torch.manual_seed(0)
+    return transformers.Qwen3ForCausalLM(config)
+
+
+def test_a_shared_chunk_is_the_kv_head_of_the_ranks_query_heads():
+    """K of 2 heads x 16 at tp=4: ranks 0 and 1 hold head 0, ranks 2 and 3 head 1."""
+    placement = Placement("colwise", 0, (), replicas=2)
+    assert [part_of(placement, (32, 64), r, 4).runs for r in range(4)] == [((0, 16),), ((0, 16),), ((16, 16),),
+                                                                          ((16, 16),)]
+    assert Plan.from_json(Plan(tp=4, placements={"k": placement}).to_json()).placements["k"] == placement
+    with pytest.raises(autotp.PlanError, match="2 chunks do not divide"):
+        from autotp.planning.plan import check_plan_fits
+        check_plan_fits(Plan(tp=4, placements={"k": placement}), {"k": (31, 64)})
+
+
+@pytest.mark.parametrize("build, tp, holders", [(lambda: _llama(4, 2), 4, 2), (lambda: _llama(8, 2), 8, 4),
+                                                (_qwen3, 4, 2)])
+def test_kv_heads_shared_check_exact(build, tp, holders):
+    """Llama at 2 and 4 ranks per KV head; Qwen3, whose per-head K norm reads the shared chunks."""
+    ids = models.tokens(2, 8, 0)
+    report = autotp.check(build(), tp, ids, vocab="split")
+    assert report.exact, str(report)
+    shared = {n: p for n, p in report.plan.placements.items() if p.replicas != 1}
+    assert {n.rsplit(".", 2)[-2] for n in shared} == {"k_proj", "v_proj"}
+    assert {p.replicas for p in shared.values()} == {holders}
+    assert sum(c.operator is Operator.SHARED_GRAD for c in report.plan.collectives) == len(shared)
+    assert not any("kept replicated" in n for n in report.plan.notes)
+
+
+def test_kv_heads_shared_with_sequence_parallelism_check_exact():
+    report = autotp.check(_llama(4, 2), 4, models.tokens(2, 8, 0), vocab="split", sequence_parallel=True)
+    assert report.exact, str(report)
+    assert any(p.replicas == 2 for p in report.plan.placements.values())
+
+
+def test_exports_leave_shared_kv_heads_out():
+    from autotp.tools.exports import Target, export_styles
+
+    plan = autotp.plan(_llama(4, 2), 4, models.tokens(2, 8, 0))
+    skipped = export_styles(plan, Target.HF).skipped
+    assert any("k_proj" in m and "shared by several ranks" in why for m, why in skipped.items()), skipped
+
+
+def test_shared_kv_heads_train_clip_and_checkpoint_on_four_ranks(tmp_path):
+    results = run_on_ranks(gqa_workers.shared_kv_heads, 4, str(tmp_path))
+    for r in results:
+        assert r["k_proj"] == [16, 64]  # one KV head of 16, not both
+        # Parameters per rank: a quarter of each split one, half of each K/V (not all of it, as before: the
+        # difference is whole_kv_params).
+        assert r["local_params"] == r["planned_params"] and r["whole_kv_params"] > 0, r
