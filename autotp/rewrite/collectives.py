@@ -225,6 +225,10 @@ class GatherToRegion(_OnSplit):
 
     function = _GatherToRegion
 
+    def gathered(self, x):
+        """The gathered value of ``x`` outside autograd (a reader's second gather, in its backward)."""
+        return _gathered(self.comm, x, self.dim, self.segments, self.blocked)
+
 
 class _OnShared(_Collective):
     """A collective about chunks ``replicas`` ranks each hold (``Shard.replicas``)."""

@@ -23,10 +23,11 @@ from autotp.passes.propagate import Conversion, Propagation
 from autotp.passes.steps import Operator, fused
 from autotp.planning.plan import Plan
 from autotp.planning.planner import param_layouts, target_placements
-from autotp.rewrite.collectives import OutputGather, collective_module, masked_embedding, split_args
+from autotp.rewrite.collectives import GatherToRegion, OutputGather, collective_module, masked_embedding, split_args
 from autotp.rewrite.comm import Communicator
 from autotp.rewrite.graph_edit import STANDS_FOR, copy_graph_module, set_tensor, with_arg
 from autotp.rewrite.random import RankStream, replace_random_ops
+from autotp.rewrite.regather import Regather, RegatheredLinear
 from autotp.rewrite.shards import Part, part_of
 
 aten = torch.ops.aten
@@ -137,6 +138,17 @@ class _Surgeon:
             if get_arg(self.nodes[consumer], path) is not self.nodes[source]:
                 raise InternalError(f"node {consumer} no longer reads {source} at argument {path}")
             with_arg(self.nodes[consumer], path, value)
+        if value.op == "call_module" and isinstance(self.gm.get_submodule(value.target), GatherToRegion):
+            self.regather(value, [self.nodes[c] for c, path in consumers if path == (0,)])
+
+    def regather(self, gathered: fx.Node, readers: list[fx.Node]) -> None:
+        """Column projections reading ``gathered`` (``nn.Linear``'s op) save its shard, not it, for backward."""
+        linears = [n for n in readers if n.op == "call_function" and n.target is aten.linear.default
+                   and n.name in self.analysis.projections and not n.kwargs]
+        shared = Regather(self.gm.get_submodule(gathered.target), len(linears))
+        for i, node in enumerate(linears):
+            node.op, node.target = "call_module", self.add(RegatheredLinear(shared, first=i == 0))
+            node.args = (gathered, gathered.args[0], *node.args[1:])
 
     def replace(self, node: fx.Node, module: nn.Module) -> None:
         """Run ``module`` in place of ``node``'s op, on the same arguments (a parallel version of the op)."""

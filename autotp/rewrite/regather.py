@@ -1,0 +1,69 @@
+"""Column projections that keep only this rank's shard of their gathered input for backward.
+
+Under sequence parallelism a column region's input is all-gathered along the sequence (``GatherToRegion``), and
+a projection reading it would save the whole gathered input for its weight gradient. As Megatron does, the
+projections here save the shard instead and all-gather it again in backward: one all-gather more per region
+input, the whole input no longer held between forward and backward. Projections reading the same gathered value
+(Q, K and V) share that second gather.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from autotp.rewrite.collectives import GatherToRegion
+
+
+class Regather:
+    """The second gather of one ``GatherToRegion``'s input, shared by the projections that read its output: the
+    first backward that needs it gathers, the others reuse it, the last one drops it."""
+
+    def __init__(self, gather: GatherToRegion, readers: int):
+        self.gather, self.readers = gather, readers
+        self.cache: dict[int, list] = {}
+
+    def start(self) -> None:
+        """A new forward: whatever a previous one left (a backward that never ran) is dropped."""
+        self.cache.clear()
+
+    def whole(self, shard: torch.Tensor) -> torch.Tensor:
+        """The gathered value of ``shard`` (gathered on the first call for it)."""
+        entry = self.cache.get(id(shard))
+        if entry is None:
+            entry = self.cache[id(shard)] = [self.gather.gathered(shard), self.readers]
+        entry[1] -= 1
+        if entry[1] <= 0:
+            del self.cache[id(shard)]
+        return entry[0]
+
+
+class _RegatheredLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, whole, shard, weight, bias, regather):
+        ctx.save_for_backward(shard, weight)
+        ctx.regather, ctx.has_bias = regather, bias is not None
+        return F.linear(whole, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        shard, weight = ctx.saved_tensors
+        x = ctx.regather.whole(shard)
+        flat = grad.reshape(-1, grad.shape[-1])
+        grad_weight = flat.t() @ x.reshape(-1, x.shape[-1])
+        grad_bias = flat.sum(0) if ctx.has_bias else None
+        return grad @ weight, None, grad_weight, grad_bias, None
+
+
+class RegatheredLinear(nn.Module):
+    """``F.linear(whole, weight, bias)`` of a gathered ``whole``, saving only ``shard`` (its input) for backward."""
+
+    def __init__(self, regather: Regather, first: bool):
+        super().__init__()
+        self.regather, self.first = regather, first
+
+    def forward(self, whole, shard, weight, bias=None):
+        if self.first:
+            self.regather.start()
+        return _RegatheredLinear.apply(whole, shard, weight, bias, self.regather)
