@@ -9,6 +9,7 @@ from autotp.passes import find_embeddings, find_projections
 from autotp.passes.graph import trainable_attrs
 from autotp.passes.regions import find_regions
 from autotp.passes.vocab import find_vocab
+from examples.llama import build_llama
 from tests import models
 
 
@@ -53,11 +54,21 @@ def test_tied_lm_head_is_found():
     assert [name(h) for h in vocab.heads] == ["lm_head"]
 
 
-def test_gqa_with_tp_not_dividing_kv_heads_keeps_kv_whole():
-    _, _, _, search, name = _analyse(models.build("llama"), tp=4)
+def test_gqa_with_tp_above_the_kv_heads_shares_each_among_ranks():
+    _, _, _, search, name = _analyse(models.build("llama"), tp=4)  # 4 query heads, 2 KV heads
     attention = search.regions[0]
-    assert [name(c) for c in attention.columns] == ["layers.0.attention.wq"]
-    assert [name(c) for c in attention.replicated] == ["layers.0.attention.wk", "layers.0.attention.wv"]
+    assert [name(c) for c in attention.columns] == ["layers.0.attention.wq", "layers.0.attention.wk",
+                                                    "layers.0.attention.wv"]
+    assert [(name(c), n) for c, n in attention.shared] == [("layers.0.attention.wk", 2), ("layers.0.attention.wv", 2)]
+    assert not attention.replicated
+
+
+def test_one_kv_head_at_tp4_is_kept_whole():
+    torch.manual_seed(0)
+    _, _, _, search, name = _analyse(build_llama(n_kv_heads=1), tp=4)  # nothing smaller than all of it to share
+    assert not any(r.shared for r in search.regions)
+    split = {name(c) for r in search.regions for c in r.columns}
+    assert not split & {"layers.0.attention.wk", "layers.0.attention.wv"}
 
 
 class _Obfuscated(nn.Module):
