@@ -11,6 +11,8 @@ from bench.memory import SavedActivations
 from examples.gpt import build_gpt
 from tests import models
 from tests.inputs_workers import BUILDERS, CASES, _compare_state, _train_both, padded_batch
+from tests.dp_workers import check_data_parallel
+from tests.workers import ADAM, STEPS
 
 
 def padded_training(rank: int, world: int) -> dict:
@@ -61,6 +63,31 @@ def activation_memory(rank: int, world: int) -> dict:
     except autotp.InputError as e:
         result["odd"] = str(e)
     return result
+
+
+def pipelined(rank: int, world: int) -> dict:
+    """tp=2 x pp=2, sequence parallel: every stage passes its sequence shards on; outputs, losses over AdamW
+    steps and every parameter afterwards equal one process's."""
+    ref = models.build("hf_llama", layers=4)
+    x, y = models.tokens(4, 12, seed=2), models.tokens(4, 12, seed=3)
+    pm = autotp.parallelize(ref, tp=2, pp=world // 2, example_inputs=(models.tokens(2, 16, seed=1),), microbatches=2,
+                            vocab="split", sequence_parallel=True)
+    assert_close(pm(x).logits, ref(x).logits, rtol=1e-5, atol=1e-6)
+    opt, ref_opt = torch.optim.AdamW(pm.parameters(), **ADAM), torch.optim.AdamW(ref.parameters(), **ADAM)
+    for _ in range(STEPS):
+        loss = pm.step(x, target=y, loss_fn=models.loss_fn)
+        ref_loss = models.loss_fn(ref(x), y)
+        ref_loss.backward()
+        assert_close(loss, ref_loss.detach(), rtol=1e-5, atol=0)
+        opt.step(), ref_opt.step()
+        opt.zero_grad(), ref_opt.zero_grad()
+    return {"params": _compare_state(pm, ref, "tp=2 x pp=2 sequence parallel"), "plan": pm.plan.sequence_parallel}
+
+
+def on_four_ranks(rank: int, world: int) -> dict:
+    """Sequence parallelism with the other two axes: pipelined, and with FSDP replicas."""
+    return {"pipelined": pipelined(rank, world),
+            "fsdp": check_data_parallel(2, 2, 1, "fsdp", sequence_parallel=True)}
 
 
 def sequence_parallel_on_ranks(rank: int, world: int) -> dict:

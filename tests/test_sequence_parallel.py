@@ -96,8 +96,6 @@ def test_sequence_parallel_refuses_what_it_cannot_split():
     encoder = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
     with pytest.raises(autotp.PlanError, match="no such ids with a dynamic sequence length"):
         autotp.plan(encoder, 2, torch.randn(2, 8, 64), sequence_parallel=True)
-    with pytest.raises(autotp.PlanError, match=r"pp=1"):
-        autotp.plan(_gpt(), 2, models.tokens(2, 8, 0), pp=2, sequence_parallel=True)
     with pytest.raises(autotp.InputError, match="sequence_parallel must be True or False"):
         autotp.plan(_gpt(), 2, models.tokens(2, 8, 0), sequence_parallel="yes")
 
@@ -112,3 +110,10 @@ def test_sequence_parallel_trains_exactly_and_saves_less_on_two_ranks():
         assert memory["sequence parallel"] < 0.9 * memory["plain"], memory  # norms, dropout masks, residuals: half per rank
         assert "pad it to a multiple of 2" in memory["odd"]
     assert padded_batch("left")["input_ids"].shape[1] % 2 == 0
+
+
+def test_sequence_parallel_with_pipelines_and_replicas_on_four_ranks():
+    """tp=2 x pp=2 (stages pass sequence shards) and dp=2 x tp=2 under FSDP, each against one process."""
+    for rank in run_on_ranks(sequence_workers.on_four_ranks, 4):
+        assert rank["pipelined"]["plan"] and rank["pipelined"]["params"] < 1e-5
+        assert rank["fsdp"]

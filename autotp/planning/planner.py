@@ -307,7 +307,7 @@ def make_plan(captured: Captured, tp: int, pp: int = 1, balance: Balance | str =
         by_target = {}  # one rank holds everything: the regions are found, but nothing is split
     sequence_parallel = choices.sequence_parallel and tp > 1
     if sequence_parallel:
-        _check_sequence_parallel(analysis, pp)
+        _check_sequence_parallel(analysis)
     prop = analysis.propagate(param_layouts(analysis, by_target), tp, sequence_parallel)
     if sequence_parallel:
         notes += _sequence_notes(analysis, prop)
@@ -334,12 +334,8 @@ def _sequence_notes(analysis: Analysis, prop: Propagation) -> list[str]:
             "flattened into one), and their readers on the sequence-split stream slice it per rank"]
 
 
-def _check_sequence_parallel(analysis: Analysis, pp: int) -> None:
+def _check_sequence_parallel(analysis: Analysis) -> None:
     """Sequence parallelism needs a sequence to split: the dynamic length of the ids an embedding looks up."""
-    if pp > 1:
-        raise PlanError("sequence_parallel=True is built for tensor parallelism (pp=1, any dp); pipeline stages "
-                        "would pass sequence shards between them, which autotp does not do yet: use pp=1 or leave "
-                        "sequence_parallel off")
     if not analysis.sequence_sizes:
         raise PlanError(f"sequence_parallel=True splits the residual stream along the sequence of the token ids an "
                         f"embedding looks up, and {analysis.captured.model_name} has no such ids with a dynamic "
