@@ -17,6 +17,7 @@ import threading
 import torch
 from torch import fx, nn
 
+from autotp.errors import InternalError
 from autotp.passes.layout import Layout, Shard
 from autotp.passes.random import RandomKind, attention_dropout, random_kind
 from autotp.rewrite.graph_edit import STANDS_FOR
@@ -67,7 +68,9 @@ def _full_size(x: torch.Tensor, layout: Layout, tp: int) -> list[int]:
     """The unsharded size of a local value ``x`` laid out as ``layout``."""
     size = list(x.shape)
     if isinstance(layout, Shard):
-        size[layout.dim] *= tp
+        if layout.spread:
+            raise InternalError("a random op on a KV head spread over its query heads: autotp merges those first")
+        size[layout.dim] *= layout.chunks(tp)
     return size
 
 
