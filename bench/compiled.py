@@ -17,7 +17,7 @@ import torch
 import autotp
 from bench.config import ModelShape
 from bench.runtime import alternate, two_rank_command
-from bench.stats import paired_ratio, summary, timed
+from bench.stats import paired_ratio, summary, timed, with_interval
 from examples.gpt import build_gpt
 
 SHAPE = ModelShape(n_layer=4, n_head=8, n_embd=256, vocab_size=8192, batch=4, seq=128)
@@ -48,7 +48,7 @@ def main(argv=None) -> None:
     r = two_rank_command(_measure, __doc__, RESULTS, argv)
     ratio = r["compiled / eager"]
     print(f"eager {r['times']['eager']['median'] * 1e3:.1f} ms, compiled {r['times']['compiled']['median'] * 1e3:.1f} "
-          f"ms per step; compiled / eager {ratio['median']:.3f} [{ratio['low']:.3f}, {ratio['high']:.3f}]; "
+          f"ms per step; compiled / eager {with_interval(ratio)}; "
           f"first compiled step (compiling) {r['first compiled step s']:.1f} s")
 
 

@@ -22,7 +22,7 @@ from torch import nn
 
 import autotp
 from bench.runtime import alternate, two_rank_command
-from bench.stats import paired_ratio, summary
+from bench.stats import paired_ratio, summary, with_interval
 
 LAYERS, HIDDEN, HEADS, VOCAB, BATCH, SEQ = 4, 256, 8, 8192, 4, 128
 RESULTS = Path(__file__).parent / "results" / "megatron_core.json"
@@ -113,7 +113,7 @@ def main(argv=None) -> int:
     ratio, times = r["autotp / megatron-core"], r["times"]
     print(f"megatron-core GPTModel {LAYERS} x {HIDDEN}, vocabulary {VOCAB}, batch {BATCH} x {SEQ}, tp=2: "
           f"autotp {times['autotp']['median'] * 1e3:.1f} ms, megatron-core {times['megatron-core']['median'] * 1e3:.1f}"
-          f" ms per step; autotp / megatron-core {ratio['median']:.3f} [{ratio['low']:.3f}, {ratio['high']:.3f}]; "
+          f" ms per step; autotp / megatron-core {with_interval(ratio)}; "
           f"losses {r['losses']}; autotp {r['split']}; parameters per rank {r['params per rank']}")
     return 0
 

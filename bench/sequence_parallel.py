@@ -23,7 +23,7 @@ from bench.comm import count_calls
 from bench.config import ModelShape
 from bench.memory import SavedActivations
 from bench.runtime import alternate, two_rank_command
-from bench.stats import paired_ratio, summary
+from bench.stats import paired_ratio, summary, with_interval
 from examples.gpt import build_gpt
 
 SHAPE = ModelShape(n_layer=4, n_head=8, n_embd=256, vocab_size=8192, batch=4, seq=128)
@@ -83,8 +83,7 @@ def table(r: dict) -> str:
                  f"{sent['sequence parallel'] / mib:.2f} MiB | {sent['sequence parallel'] / sent['plain']:.3f} |")
     t, ratio = r["times"], r["sequence parallel / plain"]
     lines.append(f"| step time (median) | {t['plain']['median'] * 1e3:.1f} ms | "
-                 f"{t['sequence parallel']['median'] * 1e3:.1f} ms | {ratio['median']:.3f} "
-                 f"[{ratio['low']:.3f}, {ratio['high']:.3f}] |")
+                 f"{t['sequence parallel']['median'] * 1e3:.1f} ms | {with_interval(ratio)} |")
     return "\n".join(lines)
 
 

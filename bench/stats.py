@@ -55,6 +55,11 @@ def paired_ratio(a: list[float], b: list[float], resamples: int = 2000, seed: in
             "high": boot[int(0.975 * resamples) - 1]}
 
 
+def with_interval(r: dict) -> str:
+    """A ``paired_ratio`` as ``median [low, high]``."""
+    return f"{r['median']:.3f} [{r['low']:.3f}, {r['high']:.3f}]"
+
+
 def growth_exponent(sizes: list[float], times: list[float]) -> float:
     """Least-squares slope of log(time) on log(size): 1 is linear growth, 2 quadratic."""
     if len(sizes) < 2:

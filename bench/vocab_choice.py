@@ -21,7 +21,7 @@ import torch.distributed as dist
 import autotp
 from bench.config import ModelShape
 from bench.runtime import alternate, two_rank_command
-from bench.stats import paired_ratio, summary, timed
+from bench.stats import paired_ratio, summary, timed, with_interval
 from examples.gpt import build_gpt
 
 SHAPES = {
@@ -87,8 +87,8 @@ def table(results: dict) -> str:
         ms = {c: r["times"][c]["median"] * 1e3 for c in CHOICES}
         ws, ab = r["whole / split"], r["auto / best"]
         lines.append(f"| {label} | {ms['split']:.1f} | {ms['whole']:.1f} | {ms['auto']:.1f} | "
-                     f"{ws['median']:.3f} [{ws['low']:.3f}, {ws['high']:.3f}] | {r['auto chose']} | "
-                     f"{ab['median']:.3f} [{ab['low']:.3f}, {ab['high']:.3f}] |")
+                     f"{with_interval(ws)} | {r['auto chose']} | "
+                     f"{with_interval(ab)} |")
     return "\n".join(lines)
 
 

@@ -63,54 +63,32 @@ class _Reduce(torch.autograd.Function):
         return grad, None
 
 
-class _Gather(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, dim, segments, comm, blocked):
+def _mine(comm: Communicator, x: torch.Tensor, dim: int, segments: tuple[int, ...], blocked: bool) -> torch.Tensor:
+    return _sliced(x, dim, segments, comm, blocked)
+
+
+def _on_split(name: str, forward, backward) -> type[torch.autograd.Function]:
+    """An autograd function on a value split along a dim: ``forward`` and ``backward`` are each one of the
+    operations above (gather, keep this rank's part, reduce-scatter), called as ``op(comm, x, dim, segments,
+    blocked)``."""
+    def run_forward(ctx, x, dim, segments, comm, blocked):
         ctx.args = (dim, segments, comm, blocked)
-        return _gathered(comm, x, dim, segments, blocked)
+        return forward(comm, x, dim, segments, blocked)
 
-    @staticmethod
-    def backward(ctx, grad):
+    def run_backward(ctx, grad):
         dim, segments, comm, blocked = ctx.args
-        return _sliced(grad, dim, segments, comm, blocked), None, None, None, None
+        return backward(comm, grad, dim, segments, blocked), None, None, None, None
+
+    return type(name, (torch.autograd.Function,), {"forward": staticmethod(run_forward),
+                                                    "backward": staticmethod(run_backward)})
 
 
-class _Scatter(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, dim, segments, comm, blocked):
-        ctx.args = (dim, segments, comm, blocked)
-        return _sliced(x, dim, segments, comm, blocked)
-
-    @staticmethod
-    def backward(ctx, grad):
-        dim, segments, comm, blocked = ctx.args
-        return _gathered(comm, grad, dim, segments, blocked), None, None, None, None
-
-
-class _ReduceScatter(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, dim, segments, comm, blocked):
-        ctx.args = (dim, segments, comm, blocked)
-        return _reduce_scattered(comm, x, dim, segments, blocked)
-
-    @staticmethod
-    def backward(ctx, grad):
-        dim, segments, comm, blocked = ctx.args
-        return _gathered(comm, grad, dim, segments, blocked), None, None, None, None
-
-
-class _GatherToRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, dim, segments, comm, blocked):
-        ctx.args = (dim, segments, comm, blocked)
-        return _gathered(comm, x, dim, segments, blocked)
-
-    @staticmethod
-    def backward(ctx, grad):
-        # The region's readers each hold this rank's share of the whole gradient (f's all-reduce would sum
-        # them); the part this rank keeps is the sum of every rank's share of that part.
-        dim, segments, comm, blocked = ctx.args
-        return _reduce_scattered(comm, grad, dim, segments, blocked), None, None, None, None
+_Gather = _on_split("_Gather", _gathered, _mine)
+_Scatter = _on_split("_Scatter", _mine, _gathered)
+_ReduceScatter = _on_split("_ReduceScatter", _reduce_scattered, _gathered)
+# Into a region: its readers each hold this rank's share of the whole gradient (f's all-reduce would sum them);
+# the part this rank keeps is the sum of every rank's share of that part.
+_GatherToRegion = _on_split("_GatherToRegion", _gathered, _reduce_scattered)
 
 
 def _groups(comm: Communicator, parts: list[torch.Tensor], replicas: int) -> list[torch.Tensor]:
