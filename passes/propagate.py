@@ -234,13 +234,19 @@ class _Walker:
                 or rule not in SPREAD_AWARE and any(lay.spread for lay in shards)):
             rule = replicate_all  # likewise for chunks several ranks hold
         try:
-            return rule(node, ins, self.ctx)
+            decision = rule(node, ins, self.ctx)
         except TypeError:
             # Rules reason about splits of static sizes; one that cannot compare the dynamic size of a sequence
             # split (sympy refuses the truth value) takes the safe rule. Anything else is a bug in the rule.
             if not any(isinstance(lay, Shard) and static(lay.size) is None for _, lay in ins.values()):
                 raise
             return replicate_all(node, ins, self.ctx)
+        outs = decision.out if isinstance(decision.out, tuple) else (decision.out,)
+        if any(isinstance(o, Shard) and len(o.segments) > 1 and static(o.size) is None for o in outs):
+            # Sequence shards side by side (a cat along the sequence): each rank's chunk of every part has a size
+            # known only at run time, which no collective could find from the tensor: keep it whole.
+            return replicate_all(node, ins, self.ctx)
+        return decision
 
     def role_of(self, proj: Projection, ins: dict) -> Role | None:
         weight = self.param_layouts.get(proj.weight)

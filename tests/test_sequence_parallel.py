@@ -84,6 +84,29 @@ def test_sequence_parallel_checks_exact(name, tp, vocab):
     assert report.plan.sequence_parallel
 
 
+class TwoStreams(torch.nn.Module):
+    """Two streams concatenated along the sequence (as ProphetNet's main and predicting streams are)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.head = torch.nn.Embedding(models.VOCAB, 64), torch.nn.Linear(64, models.VOCAB)
+        self.up, self.down = torch.nn.Linear(64, 128), torch.nn.Linear(128, 64)
+        self.up2, self.down2 = torch.nn.Linear(64, 128), torch.nn.Linear(128, 64)
+
+    def forward(self, ids):
+        h = self.embed(ids)
+        h = h + self.down(torch.relu(self.up(h)))
+        both = torch.cat([h, 0.5 * h], dim=1)
+        return self.head(both + self.down2(torch.relu(self.up2(both))))
+
+
+def test_sequence_shards_side_by_side_stay_exact():
+    """A cat of two sequence-split values along the sequence is kept whole (each part's size is dynamic)."""
+    torch.manual_seed(0)
+    report = autotp.check(TwoStreams(), 2, models.tokens(2, 8, 0), vocab="split", sequence_parallel=True)
+    assert report.exact, str(report)
+
+
 def test_flattened_rows_keep_their_all_reduce_with_a_note():
     torch.manual_seed(0)
     plan = autotp.plan(models.BUILDERS["hf_gpt2"](), 2, models.tokens(2, 8, 0), vocab="split",

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from autotp.errors import InputError
+from autotp.errors import InputError, InternalError
 from autotp.passes.layout import Shard, static
 from autotp.planning.plan import Placement
 
@@ -18,7 +18,12 @@ from autotp.planning.plan import Placement
 def runtime_segments(segments: tuple) -> tuple[int, ...]:
     """``segments`` as sizes torch takes, or ``()`` for a split of one symbolic size (the sequence under sequence
     parallelism), which the functions here size from the tensor they are given."""
-    return tuple(int(s) for s in segments) if all(static(s) is not None for s in segments) else ()
+    if all(static(s) is not None for s in segments):
+        return tuple(int(s) for s in segments)
+    if len(segments) > 1:
+        raise InternalError(f"a split of several parts of dynamic sizes {list(segments)} reached the rewrite; "
+                            "propagation keeps such values whole")
+    return ()
 
 
 def check_divides(size: int, tp: int, dim: int) -> None:

@@ -137,8 +137,8 @@ def entries(only: set[str] | None = None, extra: tuple[str, ...] = ()) -> list[E
     return [e for e in out if only is None or e.name in only]
 
 
-def run_entry(entry: Entry, tp: int, limit_s: int = 300) -> Result:
-    """Build, plan and check one entry at ``tp`` (at most ``limit_s`` seconds)."""
+def run_entry(entry: Entry, tp: int, limit_s: int = 300, sequence_parallel: bool = False) -> Result:
+    """Build, plan and check one entry at ``tp`` (at most ``limit_s`` seconds), with sequence parallelism if asked."""
     start = time.perf_counter()
     try:
         torch.manual_seed(0)
@@ -150,7 +150,8 @@ def run_entry(entry: Entry, tp: int, limit_s: int = 300) -> Result:
         return Result(Status.NOT_BUILDABLE, notes=[_line(e)], seconds=time.perf_counter() - start)
     try:
         with _TimeLimit(limit_s):
-            report = check(model, tp, inputs, vocab="split")  # coverage: can it split, exactly
+            # coverage: can it split, exactly
+            report = check(model, tp, inputs, vocab="split", sequence_parallel=sequence_parallel)
             used = {name: p.numel() for name, p in model.named_parameters() if name in report.read}
     except AutotpError as e:
         status = Status.CRASH if type(e).__name__ == "InternalError" else Status.REFUSED
@@ -216,13 +217,14 @@ class _TimeLimit:
         return False
 
 
-def sweep(chosen: list[Entry], tps=(2, 4), progress=sys.stderr) -> dict[str, dict[int, Result]]:
+def sweep(chosen: list[Entry], tps=(2, 4), progress=sys.stderr,
+          sequence_parallel: bool = False) -> dict[str, dict[int, Result]]:
     """Every entry at every tp, printing one progress line per run."""
     out: dict[str, dict[int, Result]] = {}
     for i, entry in enumerate(chosen, 1):
         out[entry.name] = {}
         for tp in tps:
-            result = run_entry(entry, tp)
+            result = run_entry(entry, tp, sequence_parallel=sequence_parallel)
             out[entry.name][tp] = result
             print(f"[{i}/{len(chosen)}] {entry.name} tp={tp}: {result.status.value} ({result.seconds:.1f} s)",
                   file=progress, flush=True)
@@ -233,7 +235,8 @@ def _cell(result: Result | None) -> str:
     return result.status.value if result is not None else "-"
 
 
-def coverage_table(results: dict[str, dict[int, Result]], families: dict[str, str], tps=(2, 4)) -> str:
+def coverage_table(results: dict[str, dict[int, Result]], families: dict[str, str], tps=(2, 4),
+                   sequence_parallel: bool = False) -> str:
     """``docs/COVERAGE.md``: counts at the top, then one row per model type."""
     first = {name: runs[tps[0]] for name, runs in results.items()}
     causal = [n for n in results if families[n] == "causal-lm"]
@@ -242,7 +245,8 @@ def coverage_table(results: dict[str, dict[int, Result]], families: dict[str, st
     exact_causal = sum(first[n].status is Status.EXACT for n in buildable)
     lines = ["# Coverage", "",
              f"Every model autotp's zoo builds (`autotp zoo`), checked in one process with `autotp.check` at "
-             f"tp={' and tp='.join(map(str, tps))}: one training step (dropout on) compared with the unsharded model, "
+             f"tp={' and tp='.join(map(str, tps))}{' with sequence parallelism' if sequence_parallel else ''}: "
+             "one training step (dropout on) compared with the unsharded model, "
              "output, loss, every gradient and every parameter after an SGD step.", "",
              f"- {len(results)} entries; at tp={tps[0]}: " + ", ".join(f"{n} {s.value}" for s, n in counts.items() if n),
              f"- causal-LM types: {len(causal)}, of which {len(buildable)} build tiny; {exact_causal} of those "
@@ -273,11 +277,12 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--tp", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--file", action="append", default=[], metavar="FILE.py:FACTORY", help="extra models")
     parser.add_argument("-o", "--output", default="docs/COVERAGE.md", help="the table (- for stdout)")
+    parser.add_argument("--sequence-parallel", action="store_true", help="check with sequence_parallel=True")
     args = parser.parse_args(argv)
     chosen = entries(set(args.only.split(",")) if args.only else None, tuple(args.file))
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    results = sweep(chosen, tuple(args.tp))
-    table = coverage_table(results, {e.name: e.family for e in chosen}, tuple(args.tp))
+    results = sweep(chosen, tuple(args.tp), sequence_parallel=args.sequence_parallel)
+    table = coverage_table(results, {e.name: e.family for e in chosen}, tuple(args.tp), args.sequence_parallel)
     if args.output == "-":
         print(table)
     else:
