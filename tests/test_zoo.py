@@ -42,3 +42,13 @@ def test_coverage_table_lists_every_causal_lm_type():
     assert not missing, f"docs/COVERAGE.md lacks {missing[:10]}: run `autotp zoo`"
     statuses = re.findall(r"^\| `[^`]+` \| [^|]+ \| ([^|]+) \|", table, flags=re.M)
     assert set(s.strip() for s in statuses) <= {s.value for s in zoo.Status}
+
+
+def test_a_sample_with_sequence_parallelism_is_never_silently_wrong():
+    """ProphetNet concatenates its streams along the sequence: it was the one wrong row of the sweep with
+    ``--sequence-parallel`` before such values were kept whole."""
+    chosen = zoo.entries({"prophetnet", "phi", "nn.TransformerEncoder"})
+    results = zoo.sweep(chosen, tps=(2,), sequence_parallel=True)
+    for name, runs in results.items():
+        assert runs[2].status not in (zoo.Status.MISMATCH, zoo.Status.CRASH), f"{name}: {runs[2].notes}"
+    assert results["nn.TransformerEncoder"][2].status is zoo.Status.REFUSED  # no token ids: nothing to split along
