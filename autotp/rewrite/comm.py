@@ -9,6 +9,7 @@ a process group, the checker a ``ThreadComm`` that runs every simulated rank in 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -31,6 +32,10 @@ class Communicator(Protocol):
 
     def reduce_scatter(self, pieces: list[torch.Tensor]) -> torch.Tensor:
         """The sum over the ranks of their ``pieces[rank]`` (one piece per rank, all of one shape)."""
+
+    def all_reduce_started(self, x: torch.Tensor) -> Callable[[], torch.Tensor]:
+        """``all_reduce(x)`` begun: returns the function that waits for it and gives the sum, so that work in
+        between overlaps the communication."""
 
 
 class TorchComm:
@@ -61,6 +66,15 @@ class TorchComm:
         parts = [torch.empty_like(x) for _ in range(self.size)]
         self._run("all_gather", lambda: dist.all_gather(parts, x.contiguous(), group=self.group))
         return parts
+
+    def all_reduce_started(self, x: torch.Tensor) -> Callable[[], torch.Tensor]:
+        out = x.contiguous().clone()
+        work = self._run("all_reduce", lambda: dist.all_reduce(out, group=self.group, async_op=True))
+
+        def finish() -> torch.Tensor:
+            self._run("all_reduce", work.wait)
+            return out
+        return finish
 
     def reduce_scatter(self, pieces: list[torch.Tensor]) -> torch.Tensor:
         mine = pieces[self.rank]
@@ -127,6 +141,10 @@ class ThreadComm:
 
     def all_gather(self, x: torch.Tensor) -> list[torch.Tensor]:
         return self._exchange(x)
+
+    def all_reduce_started(self, x: torch.Tensor) -> Callable[[], torch.Tensor]:
+        out = self.all_reduce(x)  # threads exchange at once; the faults injected into all_reduce apply
+        return lambda: out
 
     def reduce_scatter(self, pieces: list[torch.Tensor]) -> torch.Tensor:
         parts = self._exchange(torch.stack(pieces))

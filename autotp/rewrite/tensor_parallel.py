@@ -20,14 +20,14 @@ from autotp.passes.analysis import Analysis
 from autotp.passes.graph import DividedBy, arg_or_default, get_arg
 from autotp.passes.projections import Projection
 from autotp.passes.propagate import Conversion, Propagation
-from autotp.passes.steps import Operator, fused
+from autotp.passes.steps import COPY, Operator, fused
 from autotp.planning.plan import Plan
 from autotp.planning.planner import param_layouts, target_placements
 from autotp.rewrite.collectives import GatherToRegion, OutputGather, collective_module, masked_embedding, split_args
 from autotp.rewrite.comm import Communicator
 from autotp.rewrite.graph_edit import STANDS_FOR, copy_graph_module, set_tensor, with_arg
 from autotp.rewrite.random import RankStream, replace_random_ops
-from autotp.rewrite.regather import Regather, RegatheredLinear
+from autotp.rewrite.columns import OverlappedColumnLinear, Regather, RegatheredLinear
 from autotp.rewrite.shards import Part, part_of
 
 aten = torch.ops.aten
@@ -125,6 +125,8 @@ class _Surgeon:
 
     def convert(self, conv: Conversion) -> None:
         inside, outputs = conv.by_reader(self.graph.output_node().name)
+        if inside and fused(conv.steps) == (COPY,) and len(inside) == 1 and self.overlap(inside[0]):
+            return
         if inside:
             self.insert_steps(conv.source, conv.steps, inside, collective_module)
         if outputs:  # a model output's own gather, which a training step may defer
@@ -141,10 +143,22 @@ class _Surgeon:
         if value.op == "call_module" and isinstance(self.gm.get_submodule(value.target), GatherToRegion):
             self.regather(value, [self.nodes[c] for c, path in consumers if path == (0,)])
 
+    def _linear(self, node: fx.Node) -> bool:
+        """A projection as ``nn.Linear`` runs it (``aten.linear`` with its operands by position)."""
+        return (node.op == "call_function" and node.target is aten.linear.default and not node.kwargs
+                and node.name in self.analysis.projections)
+
+    def overlap(self, reader: tuple[str, tuple]) -> bool:
+        """Fuse ``f`` into the one projection reading its value (``OverlappedColumnLinear``), if it is one."""
+        node, path = self.nodes[reader[0]], reader[1]
+        if path != (0,) or not self._linear(node):
+            return False
+        node.op, node.target = "call_module", self.add(OverlappedColumnLinear(self.comm))
+        return True
+
     def regather(self, gathered: fx.Node, readers: list[fx.Node]) -> None:
         """Column projections reading ``gathered`` (``nn.Linear``'s op) save its shard, not it, for backward."""
-        linears = [n for n in readers if n.op == "call_function" and n.target is aten.linear.default
-                   and n.name in self.analysis.projections and not n.kwargs]
+        linears = [n for n in readers if self._linear(n)]
         shared = Regather(self.gm.get_submodule(gathered.target), len(linears))
         for i, node in enumerate(linears):
             node.op, node.target = "call_module", self.add(RegatheredLinear(shared, first=i == 0))

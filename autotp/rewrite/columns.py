@@ -1,10 +1,14 @@
-"""Column projections that keep only this rank's shard of their gathered input for backward.
+"""Column projections with their communication fused in, as Megatron's column-parallel linear has it.
 
-Under sequence parallelism a column region's input is all-gathered along the sequence (``GatherToRegion``), and
-a projection reading it would save the whole gathered input for its weight gradient. As Megatron does, the
-projections here save the shard instead and all-gather it again in backward: one all-gather more per region
+``RegatheredLinear``: under sequence parallelism a column region's input is all-gathered along the sequence
+(``GatherToRegion``), and a projection reading it would save the whole gathered input for its weight gradient.
+As Megatron does, it saves the shard instead and all-gathers it again in backward: one all-gather more per region
 input, the whole input no longer held between forward and backward. Projections reading the same gathered value
 (Q, K and V) share that second gather.
+
+``OverlappedColumnLinear``: a projection that alone reads its input through ``f`` starts ``f``'s all-reduce of
+the input gradient, computes its weight gradient meanwhile, and only then waits (Megatron's asynchronous
+gradient all-reduce), instead of all-reducing after both.
 """
 
 from __future__ import annotations
@@ -67,3 +71,31 @@ class RegatheredLinear(nn.Module):
         if self.first:
             self.regather.start()
         return _RegatheredLinear.apply(whole, shard, weight, bias, self.regather)
+
+
+class _OverlappedColumn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, comm):
+        ctx.save_for_backward(x, weight)
+        ctx.comm, ctx.has_bias = comm, bias is not None
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        finish = ctx.comm.all_reduce_started(grad @ weight) if ctx.needs_input_grad[0] else None
+        flat = grad.reshape(-1, grad.shape[-1])
+        grad_weight = flat.t() @ x.reshape(-1, x.shape[-1]) if ctx.needs_input_grad[1] else None
+        grad_bias = flat.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return (finish() if finish is not None else None), grad_weight, grad_bias, None
+
+
+class OverlappedColumnLinear(nn.Module):
+    """``F.linear(f(x), weight, bias)`` with ``f``'s gradient all-reduce overlapping the weight gradient."""
+
+    def __init__(self, comm):
+        super().__init__()
+        self.comm = comm
+
+    def forward(self, x, weight, bias=None):
+        return _OverlappedColumn.apply(x, weight, bias, self.comm)
