@@ -13,6 +13,7 @@ from torch.testing import assert_close
 from autotp.planning import make_plan
 from autotp.rewrite import rewrite
 from autotp.rewrite.collectives import CopyToTP, ReduceFromTP
+from autotp.rewrite.columns import OverlappedColumnLinear
 from autotp.rewrite.shards import local_shard
 from tests.graphs import MLP, Heads, captured
 
@@ -45,14 +46,53 @@ def test_mlp_ranks_hold_their_slices_and_sum_to_the_original():
     assert_close(total, model(x))
 
 
+class TwoReaders(nn.Module):
+    """Two column projections reading one input (gate and up), closed by one row."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate, self.up, self.down = nn.Linear(8, 16, bias=False), nn.Linear(8, 16, bias=False), nn.Linear(16, 8)
+
+    def forward(self, x):
+        return self.down(torch.relu(self.gate(x)) * self.up(x))
+
+
+class Written(nn.Module):
+    """Projections written as ``x @ W.t()`` (as megatron-core's layers trace)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w_up, self.w_down = nn.Parameter(torch.randn(16, 8) * 0.1), nn.Parameter(torch.randn(8, 16) * 0.1)
+
+    def forward(self, x):
+        return torch.relu(x @ self.w_up.t()) @ self.w_down.t()
+
+
+def _kinds(gm) -> list[type]:
+    return [type(m) for _, m in gm.named_children() if m.__class__.__module__.startswith("autotp")]
+
+
 def test_collectives_are_inserted_as_megatrons_f_and_g():
-    _, _, (gm, _) = _ranks(MLP(), torch.randn(2, 3, 8))
-    kinds = [type(m) for _, m in gm.named_children() if m.__class__.__module__.startswith("autotp")]
-    assert kinds.count(CopyToTP) == 1 and kinds.count(ReduceFromTP) == 1
+    """``f`` before the column projections (fused into the one projection that alone reads through it, which
+    overlaps its gradient all-reduce with the weight gradient), ``g`` after the row."""
+    for model in (MLP(), Written()):
+        _, _, (gm, _) = _ranks(model, torch.randn(2, 3, 8))
+        assert _kinds(gm).count(OverlappedColumnLinear) == 1 and _kinds(gm).count(ReduceFromTP) == 1
+        assert CopyToTP not in _kinds(gm)
+    _, _, (gm, _) = _ranks(TwoReaders(), torch.randn(2, 3, 8))
+    assert _kinds(gm).count(CopyToTP) == 1 and OverlappedColumnLinear not in _kinds(gm)  # one f for both
     order = [n.target for n in gm.graph.nodes if n.op in ("call_module", "call_function")]
     f_at = next(i for i, n in enumerate(gm.graph.nodes) if n.op == "call_module" and "copytotp" in n.target)
     linear_at = next(i for i, n in enumerate(gm.graph.nodes) if n.target is aten.linear.default)
     assert f_at < linear_at, order
+
+
+def test_overlapped_columns_train_exactly():
+    import autotp
+
+    for model in (MLP(bias=True), Written(), TwoReaders()):
+        report = autotp.check(model, 2, torch.randn(2, 3, 8))
+        assert report.exact, f"{type(model).__name__}: {report}"
 
 
 def test_row_bias_is_added_once_after_the_reduction():

@@ -34,8 +34,8 @@ class Communicator(Protocol):
         """The sum over the ranks of their ``pieces[rank]`` (one piece per rank, all of one shape)."""
 
     def all_reduce_started(self, x: torch.Tensor) -> Callable[[], torch.Tensor]:
-        """``all_reduce(x)`` begun: returns the function that waits for it and gives the sum, so that work in
-        between overlaps the communication."""
+        """``all_reduce(x)`` begun, in place when ``x`` is contiguous (pass a tensor nothing else reads): returns
+        the function that waits for it and gives the sum, so that work in between overlaps the communication."""
 
 
 class TorchComm:
@@ -68,7 +68,7 @@ class TorchComm:
         return parts
 
     def all_reduce_started(self, x: torch.Tensor) -> Callable[[], torch.Tensor]:
-        out = x.contiguous().clone()
+        out = x.contiguous()
         work = self._run("all_reduce", lambda: dist.all_reduce(out, group=self.group, async_op=True))
 
         def finish() -> torch.Tensor:

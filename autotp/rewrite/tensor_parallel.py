@@ -103,6 +103,14 @@ def _output_module(operator: Operator, comm: Communicator, shard) -> nn.Module:
     return OutputGather(comm, *split_args(shard))
 
 
+def _matmul_by_transposed(node: fx.Node) -> bool:
+    """``x @ W.t()``: a linear without a bias, written out."""
+    if node.op != "call_function" or node.target is not aten.matmul.default or len(node.args) != 2 or node.kwargs:
+        return False
+    right = node.args[1]
+    return isinstance(right, fx.Node) and right.op == "call_function" and right.target is aten.t.default
+
+
 class _Surgeon:
     """Applies one propagation result to one rank's graph."""
 
@@ -149,11 +157,18 @@ class _Surgeon:
                 and node.name in self.analysis.projections)
 
     def overlap(self, reader: tuple[str, tuple]) -> bool:
-        """Fuse ``f`` into the one projection reading its value (``OverlappedColumnLinear``), if it is one."""
+        """Fuse ``f`` into the one projection reading its value (``OverlappedColumnLinear``), if it is one: a
+        linear, or ``x @ W.t()`` (megatron-core's own layers, traced)."""
         node, path = self.nodes[reader[0]], reader[1]
-        if path != (0,) or not self._linear(node):
+        if path != (0,):
             return False
-        node.op, node.target = "call_module", self.add(OverlappedColumnLinear(self.comm))
+        if self._linear(node):
+            args = node.args
+        elif _matmul_by_transposed(node) and node.name in self.analysis.projections:
+            args = (node.args[0], node.args[1].args[0])
+        else:
+            return False
+        node.op, node.target, node.args = "call_module", self.add(OverlappedColumnLinear(self.comm)), args
         return True
 
     def regather(self, gathered: fx.Node, readers: list[fx.Node]) -> None:
