@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch.testing import assert_close
+from torch.distributed.tensor.debug import CommDebugMode
 
 import autotp
 from tests import models
@@ -62,7 +63,8 @@ def default_loss(rank: int, world: int) -> dict:
     for p in pm.parameters():
         p.grad = None
     error = _train(pm, ref, lambda: pm.step(x, target=y), lambda: models.loss_fn(ref(x), y))
-    return {"forward": in_forward.sizes, "loss": in_loss.sizes, "step": in_step.sizes, "error": error}
+    return {"forward": in_forward.sizes, "loss": in_loss.sizes, "step": in_step.sizes, "error": error,
+            "overwritable": [g.overwritable for g in pm._output_gathers]}
 
 
 def user_loss(rank: int, world: int) -> dict:
@@ -93,6 +95,48 @@ def own_loss(rank: int, world: int) -> dict:
     return {"step": in_step.sizes, "error": error}
 
 
+class SequenceFirstLM(torch.nn.Module):
+    """megatron-core's layout: the hidden state as (sequence, batch, hidden), the logits returned as
+    ``transpose(0, 1).contiguous()``; with ``also_read`` the logits also feed a second output through ``tanh``
+    (an op that saves its result, so the loss may not overwrite the logits)."""
+
+    def __init__(self, also_read: bool = False):
+        super().__init__()
+        self.also_read = also_read
+        self.embed = torch.nn.Embedding(models.VOCAB, 32)
+        self.up, self.down = torch.nn.Linear(32, 64), torch.nn.Linear(64, 32)
+        self.head = torch.nn.Linear(32, models.VOCAB, bias=False)
+
+    def forward(self, ids):
+        h = self.embed(ids).transpose(0, 1)
+        h = h + self.down(torch.relu(self.up(h)))
+        logits = self.head(h)
+        out = logits.transpose(0, 1).contiguous()
+        return (out, logits.tanh()) if self.also_read else out
+
+
+def overwritten_logits(rank: int, world: int) -> dict:
+    """The default loss overwrites the split logits only where nothing else reads them, and trains exactly both
+    ways; ``forward`` still returns the logits whole."""
+    x, y = models.tokens(3, 10, 5), models.tokens(3, 10, 6)
+    result = {}
+    for also_read in (False, True):
+        torch.manual_seed(0)
+        ref = SequenceFirstLM(also_read)
+        pm = autotp.parallelize(ref, tp=world, vocab="split", example_inputs=x)
+        for got, want in zip(torch.utils._pytree.tree_leaves(pm(x)), torch.utils._pytree.tree_leaves(ref(x))):
+            assert_close(got, want, rtol=1e-5, atol=1e-6)
+        with CommDebugMode():  # a debugging mode of the user's: module hooks and a dispatch mode
+            assert_close(pm.step(x, target=y), models.loss_fn(torch.utils._pytree.tree_leaves(ref(x))[0], y),
+                         rtol=1e-5, atol=1e-6)
+        pm.zero_grad(set_to_none=True)
+        error = _train(pm, ref, lambda: pm.step(x, target=y),
+                       lambda: models.loss_fn(torch.utils._pytree.tree_leaves(ref(x))[0], y))
+        result[str(also_read)] = {"overwritable": [g.overwritable for g in pm._output_gathers], "error": error}
+    return result
+
+
 def loss_parallel_on_ranks(rank: int, world: int) -> dict:
     """Every gloo check of the loss-parallel tests in one spawned group."""
-    return {"default": default_loss(rank, world), "user": user_loss(rank, world), "own": own_loss(rank, world)}
+    return {"default": default_loss(rank, world), "user": user_loss(rank, world), "own": own_loss(rank, world),
+            "overwritten": overwritten_logits(rank, world)}

@@ -106,6 +106,27 @@ def test_training_never_gathers_the_logits_on_two_ranks():
         assert default["step"] == default["loss"] == [3 * 3 * 10]  # max, sum of exponentials, target logit
         assert own["step"] == [3 * 4 * 12]  # padded HF batch of 4 x 12 (labels shifted inside the model)
         assert max(default["error"], r["user"]["error"], own["error"]) < 1e-5
+        assert default["overwritable"] == [True, True]  # the head's own output, read by nothing else
+        alone, also_read = r["overwritten"]["False"], r["overwritten"]["True"]
+        assert alone["overwritable"] == [True, True]  # train and eval graphs: the loss may overwrite the logits
+        assert not any(also_read["overwritable"])  # tanh saves them for its backward
+        assert max(alone["error"], also_read["error"]) < 1e-5
+
+
+def test_the_vocab_parallel_loss_refuses_a_second_backward():
+    """Its backward writes the gradient into the saved softmax (as Megatron's does): a second backward of the
+    same graph is refused rather than computed from the overwritten softmax."""
+    logits = torch.randn(4, 8, dtype=torch.float64)
+
+    def twice(comm):
+        mine = logits[:, comm.rank * 4:(comm.rank + 1) * 4].clone().requires_grad_()
+        loss = vocab_parallel_cross_entropy(mine, torch.tensor([0, 5, 7, 2]), comm)
+        loss.backward(retain_graph=True)
+        with pytest.raises(autotp.InputError, match="backward ran twice"):
+            loss.backward()
+        return True
+
+    assert _on_threads(2, twice) == [True, True]
 
 
 def test_the_default_loss_of_an_output_without_logits_names_the_way_out():

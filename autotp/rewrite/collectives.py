@@ -20,6 +20,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from autotp.errors import InputError
 from autotp.passes.layout import Shard
 from autotp.passes.steps import Operator
 from autotp.rewrite.comm import Communicator
@@ -250,6 +251,8 @@ class OutputGather(GatherFromTP):
     gather, which the step runs only if its loss needs the whole value."""
 
     deferred: list | None = None
+    overwritable: bool = False
+    """Set by the rewrite where the split value is the loss's to overwrite (``rewrite.output_values``)."""
 
     def forward(self, x):
         if self.deferred is None:
@@ -266,7 +269,7 @@ class _CrossEntropy(torch.autograd.Function):
     """Per-token cross-entropy over logits split along the last dim (the classes), zero where ignored."""
 
     @staticmethod
-    def forward(ctx, logits, target, comm, ignore_index):
+    def forward(ctx, logits, target, comm, ignore_index, overwrite):
         local = logits.shape[-1]
         offset = target - comm.rank * local
         valid = target != ignore_index
@@ -274,7 +277,10 @@ class _CrossEntropy(torch.autograd.Function):
         index = offset.clamp(0, local - 1).unsqueeze(-1)
         picked = logits.gather(-1, index).squeeze(-1).masked_fill(~mine, 0.0)
         top = logits.amax(-1)
-        exp = (logits - top.unsqueeze(-1)).exp_()
+        # Megatron overwrites its logits here; autotp only where the rewrite found that nothing else reads them.
+        # Through a detached alias: the softmax saved below is then this Function's own tensor, not its input (a
+        # view of another Function's output, which autograd would refuse to give back once overwritten).
+        exp = (logits.detach().sub_(top.unsqueeze(-1)) if overwrite else logits - top.unsqueeze(-1)).exp_()
         total = exp.sum(-1)
         # One all-gather of each rank's (max, sum of exponentials, target logit) gives every rank the whole
         # log-sum-exp: Megatron's three all-reduces in one collective.
@@ -283,16 +289,23 @@ class _CrossEntropy(torch.autograd.Function):
         lse = highest + (totals * (tops - highest).exp()).sum(0).log()
         softmax = exp.mul_((top - lse).exp().unsqueeze(-1))  # exp(x - top) * exp(top - lse), in place
         ctx.save_for_backward(softmax, index, mine, valid)
+        ctx.spent = False
         return (lse - picks.sum(0)).masked_fill(~valid, 0.0)
 
     @staticmethod
     def backward(ctx, grad):
         # d loss / d logits = softmax - one_hot(target), both on this rank's classes: no communication.
+        # Computed in the saved softmax's own memory, as Megatron does: a B×T×V/tp buffer less per step.
+        if ctx.spent:
+            raise InputError("the vocab-parallel cross-entropy's backward ran twice (backward(retain_graph=True) "
+                             "again): it reuses its saved softmax for the gradient, as Megatron's does; run a "
+                             "new forward for each backward, or pass loss_fn= (the logits are then gathered)")
+        ctx.spent = True
         softmax, index, mine, valid = ctx.saved_tensors
         grad = grad.masked_fill(~valid, 0.0).unsqueeze(-1)  # no 0 * inf where ignored: torch's zeros
-        out = softmax * grad
+        out = softmax.mul_(grad)
         out.scatter_add_(-1, index, -mine.unsqueeze(-1).to(out.dtype) * grad)
-        return out, None, None, None
+        return out, None, None, None, None
 
 
 MEAN, SUM = 1, 2
@@ -300,13 +313,15 @@ MEAN, SUM = 1, 2
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, comm: Communicator,
-                                 reduction: int = MEAN, ignore_index: int = -100) -> torch.Tensor:
+                                 reduction: int = MEAN, ignore_index: int = -100, overwrite: bool = False
+                                 ) -> torch.Tensor:
     """``F.cross_entropy(logits, target)`` of logits whose class dim (dim 1, or 0 when 1-d) is split evenly
     over ``comm``'s ranks, in rank order, computed without gathering them: Megatron's vocab-parallel
-    cross-entropy. The mean is over the targets that are not ``ignore_index``, as torch's."""
+    cross-entropy. The mean is over the targets that are not ``ignore_index``, as torch's. ``overwrite``: the
+    logits are the loss's to overwrite (nothing else reads them, no backward needs them), saving a buffer."""
     if logits.dim() >= 2:
         logits = logits.movedim(1, -1)
-    losses = _CrossEntropy.apply(logits, target, comm, ignore_index)
+    losses = _CrossEntropy.apply(logits, target, comm, ignore_index, overwrite)
     if reduction == SUM:
         return losses.sum()
     if reduction == MEAN:

@@ -20,6 +20,13 @@ from torch.nn import functional as F
 from autotp.rewrite.collectives import GatherToRegion
 
 
+def flat_grad(grad: torch.Tensor) -> torch.Tensor:
+    """An output gradient as a (tokens, features) matrix, copied at most once: a gradient that arrives
+    transposed (logits returned as ``transpose(0, 1).contiguous()``) would otherwise be copied by each matmul
+    that reads it."""
+    return grad.contiguous().view(-1, grad.shape[-1])
+
+
 class Regather:
     """The second gather of one ``GatherToRegion``'s input, shared by the projections that read its output: the
     first backward that needs it gathers, the others reuse it, the last one drops it."""
@@ -54,10 +61,10 @@ class _RegatheredLinear(torch.autograd.Function):
     def backward(ctx, grad):
         shard, weight = ctx.saved_tensors
         x = ctx.regather.whole(shard)
-        flat = grad.reshape(-1, grad.shape[-1])
+        flat = flat_grad(grad)
         grad_weight = flat.t() @ x.reshape(-1, x.shape[-1])
         grad_bias = flat.sum(0) if ctx.has_bias else None
-        return grad @ weight, None, grad_weight, grad_bias, None
+        return (flat @ weight).view(*grad.shape[:-1], -1), None, grad_weight, grad_bias, None
 
 
 class RegatheredLinear(nn.Module):
@@ -83,8 +90,9 @@ class _OverlappedColumn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
-        finish = ctx.comm.all_reduce_started(grad @ weight) if ctx.needs_input_grad[0] else None
-        flat = grad.reshape(-1, grad.shape[-1])
+        flat = flat_grad(grad)
+        finish = (ctx.comm.all_reduce_started((flat @ weight).view(*grad.shape[:-1], -1))
+                  if ctx.needs_input_grad[0] else None)
         grad_weight = flat.t() @ x.reshape(-1, x.shape[-1]) if ctx.needs_input_grad[1] else None
         grad_bias = flat.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return (finish() if finish is not None else None), grad_weight, grad_bias, None

@@ -28,6 +28,7 @@ from autotp.rewrite.comm import Communicator
 from autotp.rewrite.graph_edit import STANDS_FOR, copy_graph_module, set_tensor, with_arg
 from autotp.rewrite.random import RankStream, replace_random_ops
 from autotp.rewrite.columns import OverlappedColumnLinear, Regather, RegatheredLinear
+from autotp.rewrite.output_values import layout_copy, overwritable
 from autotp.rewrite.shards import Part, part_of
 
 aten = torch.ops.aten
@@ -138,7 +139,20 @@ class _Surgeon:
         if inside:
             self.insert_steps(conv.source, conv.steps, inside, collective_module)
         if outputs:  # a model output's own gather, which a training step may defer
-            self.insert_steps(conv.source, conv.steps, outputs, _output_module)
+            self.insert_steps(self.uncopied(conv.source, outputs), conv.steps, outputs, _output_module)
+
+    def uncopied(self, source: str, outputs) -> str:
+        """The value a split model output copies (``logits.transpose(0, 1).contiguous()``), read by the output's
+        gather instead: the gather makes a new whole tensor anyway, and a training step that defers it computes
+        the loss on the shards without a B×T×V/tp copy forward and another backward."""
+        node = self.nodes[source]
+        if not layout_copy(node) or set(node.users) != {self.graph.output_node()}:
+            return source
+        copied = node.args[0]
+        for consumer, path in outputs:
+            with_arg(self.nodes[consumer], path, copied)
+        self.graph.erase_node(node)
+        return copied.name
 
     def insert_steps(self, source: str, steps, consumers, module_of) -> None:
         value = self.nodes[source]
@@ -232,6 +246,9 @@ class _Surgeon:
                 self.row(node, self.analysis.projections[name], reduction, shard)
             else:  # a sum or mean over a split dim, a parameter chunk several ranks hold
                 self.reduce_after(node, reduction, None, shard)
+        for node in self.graph.nodes:
+            if node.op == "call_module" and isinstance(self.gm.get_submodule(node.target), OutputGather):
+                self.gm.get_submodule(node.target).overwritable = overwritable(node, self.gm)
         self.graph.lint()
         self.gm.recompile()
 

@@ -78,7 +78,13 @@ def default_loss(output, target: torch.Tensor, split: SplitOutputs | None = None
     logits = logits_of(output)
     gather = split.gather_of(logits) if split is not None else None
     if gather is not None and gather.dim == logits.dim() - 1 and len(gather.segments) == 1 and not gather.blocked:
-        return vocab_parallel_cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), gather.comm)
+        if target.numel() != logits.shape[:-1].numel():
+            raise InputError(f"the default loss takes one target class per logits row: logits of shape "
+                             f"{tuple(logits.shape)} need {logits.shape[:-1].numel()} targets, got a target of "
+                             f"shape {tuple(target.shape)}")
+        # Classes last, in whatever layout the model left them (no B×T×V/tp copy to flatten them).
+        return vocab_parallel_cross_entropy(logits.movedim(-1, 1), target.reshape(logits.shape[:-1]), gather.comm,
+                                            overwrite=gather.overwritable)
     if gather is not None:  # split some other way: made whole for the plain loss
         logits = gather.whole(logits)
     return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))

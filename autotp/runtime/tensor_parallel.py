@@ -148,6 +148,8 @@ class ParallelModule(Checkpointing, nn.Module):
         self._output_gathers = output_gathers([self.module, self.eval_module])
         # A plain dict, so the compiled wrappers are not submodules (their parameters are the graphs').
         self._compiled = {mode: torch.compile(gm) for mode, gm in graphs.items()} if compile else None
+        for gather in self._output_gathers if compile else ():
+            gather.overwritable = False  # a compiled graph may keep its outputs for its own backward
         self.train(training)
         close_at_exit(self)
 
