@@ -9,7 +9,6 @@ is off in every config.
 
 from __future__ import annotations
 
-import inspect
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -20,6 +19,7 @@ from torch.testing import assert_close
 from torch.utils._pytree import tree_leaves
 
 import autotp
+from autotp.capture import model_kwargs
 from tests import models
 
 SEED = 0
@@ -188,7 +188,7 @@ def _call(module: nn.Module, inputs, **extra):
 
 def _no_cache(model: nn.Module) -> dict:
     """What the reference is called with: no KV cache, as autotp calls the model it captures."""
-    return {"use_cache": False} if "use_cache" in inspect.signature(model.forward).parameters else {}
+    return model_kwargs(model)
 
 
 def _loss(output, target: torch.Tensor) -> torch.Tensor:

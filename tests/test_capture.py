@@ -68,3 +68,23 @@ def test_tied_weights_are_read_once_under_their_first_name():
     targets = [n.target for n in cap.graph.find_nodes(op="get_attr")]
     assert "model.transformer.wte.weight" in targets and "model.lm_head.weight" not in targets
     assert cap.aliases["lm_head.weight"] == "transformer.wte.weight"
+
+
+class _KeywordsOnlyLM(torch.nn.Module):
+    """A forward that takes ``use_cache`` only through ``**kwargs`` and returns a cache unless told not to."""
+
+    def __init__(self):
+        super().__init__()
+        self.config = type("Config", (), {"use_cache": True})()
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, x, **kwargs):
+        out = self.proj(x)
+        return out if kwargs.get("use_cache") is False else (out, object())  # a cache torch.export cannot return
+
+
+def test_a_forward_taking_use_cache_through_kwargs_is_captured_without_its_cache():
+    model = _KeywordsOnlyLM()
+    captured = capture(model, (torch.randn(2, 3, 8),))
+    assert [n.op for n in captured.graph.nodes].count("output") == 1
+    assert model.config.use_cache is True  # the user's model untouched

@@ -103,8 +103,12 @@ class Captured:
 
 def model_kwargs(model: nn.Module) -> dict:
     """Keyword arguments autotp passes to the model's forward (capture and comparisons alike): no KV cache,
-    which makes a Hugging Face model traceable."""
-    return {"use_cache": False} if "use_cache" in Signature.of(model).keywords else {}
+    which makes a Hugging Face model traceable. A forward that takes ``use_cache`` only through ``**kwargs``
+    gets it when its config has one (such models pass their keyword arguments down to the decoder)."""
+    signature = Signature.of(model)
+    config_has_it = hasattr(getattr(model, "config", None), "use_cache")
+    takes_it = "use_cache" in signature.keywords or (signature.var_keyword and config_has_it)
+    return {"use_cache": False} if takes_it else {}
 
 
 def _user_frame(exc: BaseException) -> str:
