@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import sympy
+import torch
 from torch import fx
 
 from autotp.passes.graph import ArgPath, grad_nodes, is_tensor, mutated_args, rank, sizes, tensor_args
@@ -22,6 +23,8 @@ from autotp.passes.projections import Embedding, Projection
 from autotp.passes.rule_kit import size_checks
 from autotp.passes.rules import BLOCK_AWARE, REPLICA_AWARE, SPREAD_AWARE, Context, Decision, replicate_all, rule_for
 from autotp.passes.steps import COPY, Operator, Step, gather, scatter
+
+aten = torch.ops.aten
 
 
 @dataclass
@@ -185,7 +188,8 @@ class _Walker:
         for path, want in decision.wants.items():
             if path in written and _steps(ins[path][1], want):
                 res.refusals.append((node.name, f"{node.target} writes in place to a value split across ranks"))
-            self.convert(node, path, ins[path][0], ins[path][1], want)
+            if not self.split_broadcast(ins[path][0], ins[path][1], want):
+                self.convert(node, path, ins[path][0], ins[path][1], want)
         res.layouts[node.name] = decision.out
         if decision.reduce is not None:
             res.reduced[node.name] = decision.reduce
@@ -302,6 +306,25 @@ class _Walker:
         if isinstance(weight, fx.Node) and weight.name in self.ctx.grad:
             wants[(0,)] = COPY
         return Decision(Shard(along[0], (ids[along[0]],)), wants=wants)
+
+    def split_broadcast(self, source: fx.Node, have: Layout, want) -> bool:
+        """Make a whole ``expand`` that only this consumer reads, wanted split along a dim it broadcast from size
+        1, expand to this rank's part instead (its input whole, through ``f``), rather than slice it: a key part
+        shared by every head (low-rank attention's rotary key) then costs an all-reduce of its small gradient, not
+        an all-gather of the expanded one."""
+        if not (have is None and isinstance(want, Shard) and want.blocks == 1 and want.replicas == 1
+                and source.op == "call_function" and source.target is aten.expand.default and len(source.users) == 1):
+            return False
+        x, shape = source.args[0], source.args[1]
+        d = want.dim - (rank(source) - rank(x))
+        if d < 0 or sizes(x)[d] != 1 or not isinstance(shape[want.dim], int) or shape[want.dim] != want.size:
+            return False
+        if self.layout(x) is not None:
+            return False
+        self.result.layouts[source.name] = want
+        self.result.fixes.append((source.name, (1, want.dim), want.size // want.chunks(self.ctx.tp)))
+        self.convert(source, (0,), x, None, COPY if x.name in self.ctx.grad else None)
+        return True
 
     def convert(self, node: fx.Node, path: ArgPath, source: fx.Node, have: Layout, want) -> None:
         steps = _steps(have, want)

@@ -275,6 +275,14 @@ class _RegionFinder:
         return full
 
 
+def _widens(region: RegionMatch, projections: dict[str, Projection]) -> bool:
+    """Whether the region all-reduces a wider value than the one it splits: a narrow down-projection split by
+    columns and the up-projection after it by rows (low-rank attention's ``q_a`` then ``q_b``). Splitting the
+    up-projection by columns instead, in the region after it (heads, to the output projection), costs less."""
+    return bool(region.columns) and (max(projections[r].out_features for r in region.rows)
+                                     > sum(projections[c].out_features for c in region.columns))
+
+
 def _scaled(hint: tuple[int, ...], proj: Projection) -> tuple[int, ...] | None:
     """A hint's segments in the projection's output features (a hint may be in other units, such as one per
     fused part), or None when they do not scale to them."""
@@ -302,18 +310,32 @@ def find_regions(graph: fx.Graph, projections: dict[str, Projection], embeddings
     claimed = finder.claimed = set(skip)
     finder.heads = set(skip)
     search = RegionSearch([], [])
-    for group in _sibling_groups(projections, claimed):
+    widening: list[list[Projection]] = []
+
+    def search_group(group: list[Projection], last: bool) -> None:
         group = [p for p in group if p.node not in claimed]
         if not group:
-            continue
+            return
         region = finder.find(group)
-        search.unmatched += finder.set_aside
-        finder.set_aside = []
+        set_aside, finder.set_aside = finder.set_aside, []
+        if not isinstance(region, str) and _widens(region, projections):
+            if not last:  # tried again once the others are placed
+                widening.append(group)
+                return
+            if claimed & {*region.rows, *region.columns}:
+                region = ("its column-to-row region would all-reduce a wider value than the one it splits, and "
+                          "the projections that widen it are split by columns in the region after it")
+        search.unmatched += set_aside
         if isinstance(region, str):
             search.unmatched.append((tuple(p.node for p in group), region))
         else:
             search.regions.append(region)
             claimed.update(region.rows, region.columns)
+
+    for group in _sibling_groups(projections, claimed):
+        search_group(group, last=False)
+    for group in widening:
+        search_group(group, last=True)
     # A group tried alone may have been split later with the region that reaches it (K/V of cross-attention).
     search.unmatched = [(nodes, why) for nodes, why in search.unmatched if not claimed.issuperset(nodes)]
     # What is left and only reads and writes whole values is split alone, by its input features, unless it is

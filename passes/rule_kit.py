@@ -59,7 +59,8 @@ def multi_output(node: fx.Node) -> bool:
 
 
 def on_split_input(rule):
-    """For a rule about its first input split along one dim: a whole first input gives a whole output.
+    """For a rule about its first input split along one dim: a whole first input gives a whole output, from
+    whole inputs (``dst.copy_(src)`` into a whole ``dst`` gathers a split ``src`` first).
 
     The wrapped rule is called as ``rule(node, ins, ctx, x, layout)`` with the first input and its Shard.
     """
@@ -67,7 +68,7 @@ def on_split_input(rule):
     def checked(node: fx.Node, ins: Inputs, ctx: Context) -> Decision:
         x, lay = ins[(0,)]
         if not isinstance(lay, Shard):
-            return Decision(None)
+            return replicate_all(node, ins, ctx)
         return rule(node, ins, ctx, x, lay)
     return checked
 

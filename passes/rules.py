@@ -30,6 +30,7 @@ from autotp.passes.rules_shape import (
     expand,
     gather,
     getitem,
+    new_filled,
     index,
     pad,
     permute,
@@ -77,6 +78,8 @@ RULES = {
     aten.where.ScalarOther: pointwise, aten.where.ScalarSelf: pointwise, aten.where.Scalar: pointwise,
     aten.masked_fill.Tensor: pointwise,
     aten._assert_tensor_metadata.default: no_output,
+    aten.new_empty.default: new_filled, aten.new_zeros.default: new_filled, aten.new_ones.default: new_filled,
+    aten.new_full.default: new_filled,
 }
 
 

@@ -293,3 +293,19 @@ def view_as(node: fx.Node, ins: Inputs, ctx: Context) -> Decision:
     if new is None:
         return replicate_all(node, ins, ctx)
     return Decision(new, wants={(1,): new}, checks=size_checks(new, "dims of view_as"))
+
+
+def new_filled(node: fx.Node, ins: Inputs, ctx: Context) -> Decision:
+    """``x.new_empty(size)`` (and new_zeros/ones/full): a fresh tensor of a given size that reads only ``x``'s
+    dtype and device. When ``x`` is split and the new tensor has its shape along the split dim (keys made by
+    filling a ``new_empty`` like the value heads, as low-rank attention does), each rank makes its own part:
+    the size constant there becomes the local size. Otherwise it is made whole; ``x`` never needs gathering."""
+    x, lay = ins[(0,)]
+    shape = node.args[1]
+    if not isinstance(lay, Shard) or lay.blocks != 1 or lay.replicas != 1 or len(shape) != rank(x):
+        return Decision(None)
+    size = shape[lay.dim]
+    if not isinstance(size, int) or size != lay.size:
+        return Decision(None)
+    return Decision(lay, fixes={(1, lay.dim): size // lay.chunks(ctx.tp)},
+                    checks=size_checks(lay, f"dim {lay.dim} of the new tensor"))

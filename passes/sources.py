@@ -19,7 +19,18 @@ from autotp.passes.layout import Shard, broadcast_dim, map_reshape
 from autotp.passes.projections import Embedding, Projection
 from autotp.passes.rule_kit import like_first, pointwise
 from autotp.passes.rules import rule_for
-from autotp.passes.rules_shape import expand, gather, gathers_within, index, permutation, permute, reshape, select, slice_
+from autotp.passes.rules_shape import (
+    expand,
+    gather,
+    gathers_within,
+    index,
+    new_filled,
+    permutation,
+    permute,
+    reshape,
+    select,
+    slice_,
+)
 
 _MAX_DEPTH = 16
 
@@ -67,6 +78,8 @@ def _input_shard(node: fx.Node, source: fx.Node, shard: Shard, tp: int) -> Shard
         return shard if arg_or_default(node, 1, "dim", 0) % rank(source) != shard.dim else None
     if rule is gather:  # a per-bucket table picked per position: the split dim stays
         return shard if source is node.args[0] and gathers_within(node, shard) else None
+    if rule is new_filled:  # a tensor made like the value heads, then filled: made split like them
+        return shard if source is node.args[0] and len(node.args[1]) == rank(source) else None
     if rule is select:  # the selected dim is gone from the output
         return shard.moved(shard.dim + (node.args[1] % rank(source) <= shard.dim))
     return None

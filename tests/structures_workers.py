@@ -62,6 +62,15 @@ def gptj() -> nn.Module:
                n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
 
 
+def deepseek_v3() -> nn.Module:
+    """Low-rank attention (DeepSeek's MLA: down-projection, norm, up-projection per head; a rotary key part shared
+    by the heads) and, in its second layer, routed experts with a shared one."""
+    return _hf("DeepseekV3Config", "DeepseekV3ForCausalLM", **(_DECODER | dict(num_key_value_heads=4)), head_dim=16,
+               kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16,
+               n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, n_shared_experts=1,
+               first_k_dense_replace=1, n_group=1, topk_group=1)
+
+
 def bart() -> nn.Module:
     """An encoder-decoder with cross-attention (K/V projections of the encoder's output)."""
     return _hf("BartConfig", "BartForConditionalGeneration", vocab_size=VOCAB, d_model=64, encoder_layers=2,
@@ -160,6 +169,8 @@ CASES = {
     "gptj (interleaved rotary, parallel block)": Case(gptj, _ids, _layers(
         "attn.q_proj.weight", "attn.k_proj.weight", "attn.out_proj.weight", "mlp.fc_in.weight", "mlp.fc_out.weight",
         stem="transformer.h")),
+    "deepseek_v3 (low-rank attention)": Case(deepseek_v3, _ids, _layers(
+        "self_attn.q_b_proj.weight", "self_attn.kv_b_proj.weight", "self_attn.o_proj.weight")),
     "bart (cross-attention)": Case(bart, _seq2seq, (
         *_layers("encoder_attn.q_proj.weight", "encoder_attn.k_proj.weight", "encoder_attn.v_proj.weight",
                  "encoder_attn.out_proj.weight", stem="model.decoder.layers"),

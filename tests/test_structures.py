@@ -1,6 +1,7 @@
 """One tiny model of each structure autotp splits, trained on 2 gloo ranks against the unsharded model.
 
-Mixture-of-experts (a 3-D expert bank), QK-norm across all heads, interleaved rotary with a parallel block,
+Mixture-of-experts (a 3-D expert bank), low-rank attention (DeepSeek's MLA) with routed and shared experts,
+QK-norm across all heads, interleaved rotary with a parallel block,
 encoder-decoders (cross-attention; per-head relative position bias), ``nn.TransformerEncoder``, einsum attention
 with a per-head bias picked by ``gather`` and a projection split alone by its input features, and a Mamba
 mixer (its depthwise conv1d, scan parameters and time-step projection split by channel).

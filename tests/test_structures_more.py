@@ -7,6 +7,7 @@ that the structure's parameters are split.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from tests.test_structures_unit import HD, B, D, H, T, _check, _model, _split, _x
@@ -177,3 +178,56 @@ class InPlaceMaskedScores(nn.Module):
 def test_an_in_place_op_on_a_split_value_splits_as_its_functional_form():
     report = _check(_model(InPlaceMaskedScores), _x(B, T, D))
     _split(report, "qkv.weight", "o.weight")
+
+
+class LowRankAttention(nn.Module):
+    """DeepSeek's multi-head latent attention: Q and K/V pass through narrow latents (a down-projection, a norm,
+    an up-projection per head); a rotary key part shared by every head is expanded over them, and the keys are
+    filled into a ``new_empty`` by slices."""
+
+    LATENT = 8
+
+    def __init__(self):
+        super().__init__()
+        self.q_a, self.q_norm = nn.Linear(D, self.LATENT), nn.RMSNorm(self.LATENT)
+        self.q_b = nn.Linear(self.LATENT, H * 2 * HD)
+        self.kv_a, self.kv_norm = nn.Linear(D, self.LATENT + HD), nn.RMSNorm(self.LATENT)
+        self.kv_b = nn.Linear(self.LATENT, H * 2 * HD)  # per head: its own key part, then its value
+        self.o = nn.Linear(H * HD, D)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q = self.q_b(self.q_norm(self.q_a(x))).view(b, t, H, 2 * HD).transpose(1, 2)
+        latent, shared = self.kv_a(x).split([self.LATENT, HD], -1)
+        own, v = self.kv_b(self.kv_norm(latent)).view(b, t, H, 2 * HD).transpose(1, 2).split([HD, HD], -1)
+        k = own.new_empty(b, H, t, 2 * HD)
+        k[..., :HD] = own
+        k[..., HD:] = shared.view(b, 1, t, HD).expand(-1, H, -1, -1)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(y.transpose(1, 2).reshape(b, t, H * HD))
+
+
+def test_low_rank_attention_splits_its_up_projections_by_heads():
+    report = _check(_model(LowRankAttention), _x(B, T, D))
+    kinds = {name: p.kind.value for name, p in report.plan.placements.items()}
+    assert kinds["q_b.weight"] == kinds["kv_b.weight"] == "colwise", kinds  # not the narrow latents
+    assert kinds["o.weight"] == "rowwise", kinds
+    _split(report, "q_a.weight", "kv_a.weight")  # the down-projections split alone, by their input
+
+
+class CopyIntoWhole(nn.Module):
+    """A split value copied into a whole buffer: the buffer stays whole, so the value is gathered first."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(D, 2 * D), nn.Linear(2 * D, D)
+
+    def forward(self, x):
+        h = self.up(x)
+        buffer = torch.zeros(*x.shape[:-1], 3 * D)
+        buffer[..., D:] = h
+        return self.down(h) + buffer.sum(-1, keepdim=True)
+
+
+def test_a_split_value_copied_into_a_whole_buffer_is_exact():
+    _check(_model(CopyIntoWhole), _x(B, T, D))

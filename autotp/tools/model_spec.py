@@ -256,6 +256,25 @@ def _check_keys(config, overrides: dict, where: str) -> None:
         raise InputError(f"--set {unknown[0]}: the {where} config has no field {unknown[0]!r}{hint}")
 
 
+SMALL_LOW_RANK = {"kv_lora_rank": 32, "q_lora_rank": 48, "qk_rope_head_dim": 16, "qk_nope_head_dim": 16,
+                  "v_head_dim": 16, "qk_head_dim": 32}
+"""The sizes of a low-rank (DeepSeek MLA) attention in the small config."""
+
+
+def _small_low_rank(fields: dict, small: dict) -> dict:
+    """Small low-rank attention sizes for a config that has them (``kv_lora_rank``), else nothing."""
+    if not fields.get("kv_lora_rank"):
+        return {}
+    out = {k: v for k, v in SMALL_LOW_RANK.items() if fields.get(k) is not None}
+    # head_dim means one of the low-rank sizes (the rotary part, or the whole query head): keep it that one.
+    same = [k for k in ("qk_rope_head_dim", "qk_head_dim", "v_head_dim") if k in out and fields[k] == fields.get("head_dim")]
+    if same and "head_dim" in small:
+        out["head_dim"] = out[same[0]]
+    if "num_key_value_heads" in small:  # keys and values are made per query head: as many KV heads as heads
+        out["num_key_value_heads"] = small["num_attention_heads"]
+    return out
+
+
 def hf_config(spec: ModelSpec):
     """The transformers config a ``hf:`` spec names, small defaults and ``--set`` values applied."""
     transformers = _hf()
@@ -275,6 +294,7 @@ def _hf_config(transformers, spec: ModelSpec):
         _check_keys(default, overrides, spec.target)
         fields = default.to_dict()
         small = {k: v for k, v in SMALL_HF.items() if k in fields}
+        small |= _small_low_rank(fields, small)
         vocab = overrides.get("vocab_size", small.get("vocab_size"))
         # Special token ids of the full vocabulary (a padding index, say) would not fit the small one.
         small |= {k: None for k in ("pad_token_id", "bos_token_id", "eos_token_id")
