@@ -6,6 +6,8 @@ from __future__ import annotations
 import torch
 from torch import fx
 
+from autotp.passes.graph import arg_or_default, sizes
+from autotp.passes.layout import static
 from autotp.passes.projections import Projection
 from autotp.passes.vocab import feeds_only_heads
 
@@ -22,13 +24,19 @@ _ROUTER_DEPTH = 6
 
 
 def routes(node: fx.Node) -> bool:
-    """Whether ``node``'s output reaches a top-k within a few ops: a router's logits."""
+    """Whether ``node``'s output reaches, within a few ops, a top-k among a fixed number of choices: a router's
+    logits. A top-k along the sequence (a sparse-attention indexer picking keys) is not routing."""
     frontier = [node]
     for _ in range(_ROUTER_DEPTH):
         frontier = [u for n in frontier for u in n.users]
-        if any(u.target in _ROUTING for u in frontier):
+        if any(u.target in _ROUTING and _among_constant(u) for u in frontier):
             return True
     return False
+
+
+def _among_constant(topk: fx.Node) -> bool:
+    """Whether a top-k chooses along a dim of constant size (experts, groups), not a dynamic one (positions)."""
+    return static(sizes(topk.args[0])[arg_or_default(topk, 2, "dim", -1)]) is not None
 
 
 def kept_by_choice(node: fx.Node, projections: dict[str, Projection], heads: tuple[str, ...]) -> str | None:

@@ -323,8 +323,9 @@ def find_regions(graph: fx.Graph, projections: dict[str, Projection], embeddings
                 widening.append(group)
                 return
             if claimed & {*region.rows, *region.columns}:
-                region = ("its column-to-row region would all-reduce a wider value than the one it splits, and "
-                          "the projections that widen it are split by columns in the region after it")
+                set_aside = []  # what blocked parts of this group no longer matters: the group as a whole is out
+                region = ("the only region it closes all-reduces a wider value than the one it splits (the "
+                          "up-projections after it are split by columns instead)")
         search.unmatched += set_aside
         if isinstance(region, str):
             search.unmatched.append((tuple(p.node for p in group), region))

@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import autotp
+
 from tests.test_structures_unit import HD, B, D, H, T, _check, _model, _split, _x
 
 
@@ -231,3 +233,38 @@ class CopyIntoWhole(nn.Module):
 
 def test_a_split_value_copied_into_a_whole_buffer_is_exact():
     _check(_model(CopyIntoWhole), _x(B, T, D))
+
+
+class NoGradIndexer(nn.Module):
+    """A sparse-attention indexer (DeepSeek V3.2): under ``torch.no_grad()``, per-head scores of its own
+    projections, weighted and summed over the heads, pick the keys each query may attend to (a top-k mask)."""
+
+    def __init__(self):
+        super().__init__()
+        self.index_q, self.index_k, self.index_w = nn.Linear(D, H * HD), nn.Linear(D, HD), nn.Linear(D, H)
+        self.q, self.k, self.v, self.o = (nn.Linear(D, D) for _ in range(4))
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        with torch.no_grad():
+            xi = F.rms_norm(x, (D,))
+            q = self.index_q(xi).view(b, t, H, HD)
+            scores = torch.matmul(q, self.index_k(xi).unsqueeze(1).transpose(-1, -2)).relu()  # [b, t, H, t]
+            index = torch.matmul(self.index_w(xi).unsqueeze(-2), scores).squeeze(-2)  # summed over heads
+            keep = index.topk(t // 2, dim=-1).indices
+            mask = torch.full((b, t, t), float("-inf")).scatter(-1, keep, 0.0)
+            scale = index.amax(-1, keepdim=True).sigmoid()  # differentiable in index_*, were gradients on
+        y = F.scaled_dot_product_attention(*(p(x).view(b, t, H, HD).transpose(1, 2) for p in (self.q, self.k, self.v)),
+                                           attn_mask=mask.unsqueeze(1))
+        return self.o(y.transpose(1, 2).reshape(b, t, D)) * scale
+
+
+def test_a_no_grad_part_reading_parameters_is_split_and_stays_without_gradients():
+    model = _model(NoGradIndexer)
+    report = _check(model, _x(B, T, D))
+    _split(report, "index_q.weight", "index_w.weight", "q.weight", "o.weight")
+    pm = autotp.parallelize(model, tp=1, example_inputs=_x(B, T, D))
+    pm(_x(B, T, D)).sum().backward()
+    grads = {name: p.grad for name, p in pm.named_parameters()}
+    assert all(grads[name] is None for name in grads if "index_" in name), grads.keys()
+    assert all(grads[name] is not None for name in grads if "index_" not in name), grads

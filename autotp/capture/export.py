@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx, nn
 
+from autotp.capture.grad_modes import inline_no_grad
 from autotp.capture.inputs import ExampleInputs, Signature, example_inputs_of, require_module
 from autotp.capture.torch_private import applied_functions, is_guard_call, mutated_args, output_spec, plain_sizes
 from autotp.errors import CaptureError, InputError
@@ -307,6 +308,7 @@ def capture(model: nn.Module, example_inputs, training: bool | None = None) -> C
         ) from err
     signature = Signature.of(model)
     _check_inputs_read(gm, example, signature)
+    inline_no_grad(gm)
     aliases = tensor_aliases(model)
     _merge_tied_reads(gm, aliases)
     _meta_devices_to_cpu(gm)
