@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import networkx as nx
+import torch
 from torch import fx
 
 from autotp.passes.graph import grad_nodes, is_tensor, rank
@@ -63,6 +64,7 @@ def find_cuts(graph: fx.Graph, trainable: set[str]) -> list[Cut]:
     computed = {n for n in grad_nodes(graph, trainable) if nodes[n].op == "call_function"}
     last_use = {n: max((position[u] for u in flow.successors(n)), default=position[n]) for n in computed}
     remaining = len(computed)
+    without_grad = _inside_no_grad(graph)
     live: set[str] = set()
     cuts: list[Cut] = []
     for i, name in enumerate(order):
@@ -70,13 +72,27 @@ def find_cuts(graph: fx.Graph, trainable: set[str]) -> list[Cut]:
             live.add(name)
             remaining -= 1
         live = {v for v in live if last_use[v] > i}
-        if remaining and len(live) == 1:
+        if remaining and len(live) == 1 and name not in without_grad:
             (value,) = live
             node = nodes[value]
-            if is_tensor(node) and rank(node) >= 2 and (not cuts or cuts[-1].value != value):
+            if (is_tensor(node) and rank(node) >= 2 and value not in without_grad
+                    and (not cuts or cuts[-1].value != value)):
                 cuts.append(Cut(value, i))
     weighted = [position[n] for n in param_users(graph, trainable)]
     return _first_of_runs(cuts, weighted)
+
+
+def _inside_no_grad(graph: fx.Graph) -> set[str]:
+    """Nodes after which gradients are off (between ``_set_grad_enabled(False)`` and the call restoring the
+    mode, as capture inlines a no-grad part): a stage ending there would leave them off for the next, and a
+    value made there carries no gradient back across a stage boundary."""
+    inside, depth = set(), 0
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target is torch._C._set_grad_enabled:
+            depth += 1 if node.args[0] is False else -1
+        if depth > 0:
+            inside.add(node.name)
+    return inside
 
 
 def unit_index(cuts: list[Cut], position: int) -> int:

@@ -55,3 +55,29 @@ def test_stages_hold_only_their_own_blocks():
     second = {k for k, _ in graphs[1].named_parameters()}
     assert not any(".h.3." in k for k in first) and not any(".h.0." in k for k in second)
     assert not any(is_guard_call(n) for g in graphs for n in g.graph.nodes)
+
+
+class _NoGradMiddle(torch.nn.Module):
+    """Three blocks, the middle one run without gradients: the graph narrows to one value inside it too."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.middle, self.last = (torch.nn.Linear(8, 8) for _ in range(3))
+
+    def forward(self, x):
+        h = self.first(x).relu()
+        with torch.no_grad():
+            h = self.middle(h).relu() * 2
+        return self.last(h + x)
+
+
+def test_no_cut_falls_where_gradients_are_off():
+    from autotp.passes.cuts import find_cuts
+
+    cap = captured(_NoGradMiddle(), torch.randn(2, 3, 8))
+    nodes = list(cap.graph.nodes)
+    switches = [i for i, n in enumerate(nodes) if n.target is torch._C._set_grad_enabled]
+    assert len(switches) == 2, cap.graph  # the middle block was inlined between the two
+    cuts = find_cuts(cap.graph, {n.target for n in nodes if n.op == "get_attr"})
+    inside = {n.name for n in nodes[switches[0]:switches[1]]}
+    assert cuts and not [c for c in cuts if switches[0] <= c.position < switches[1] or c.value in inside], cuts
