@@ -237,32 +237,38 @@ def test_a_split_value_copied_into_a_whole_buffer_is_exact():
 
 class NoGradIndexer(nn.Module):
     """A sparse-attention indexer (DeepSeek V3.2): under ``torch.no_grad()``, per-head scores of its own
-    projections, weighted and summed over the heads, pick the keys each query may attend to (a top-k mask)."""
+    projections, weighted and summed over the heads, pick the keys each query may attend to (a top-k mask).
+    As in dots3, it casts its input to the dtype it has: that returns the same tensor, which torch.export then
+    hands out of the no-grad part for every later reader (the per-head gate)."""
 
     def __init__(self):
         super().__init__()
         self.index_q, self.index_k, self.index_w = nn.Linear(D, H * HD), nn.Linear(D, HD), nn.Linear(D, H)
         self.q, self.k, self.v, self.o = (nn.Linear(D, D) for _ in range(4))
+        self.gate, self.norm = nn.Linear(D, H), nn.RMSNorm(D)
 
     def forward(self, x):
         b, t, _ = x.shape
+        h = self.norm(x)  # its weight's gradient comes through every reader of h
         with torch.no_grad():
-            xi = F.rms_norm(x, (D,))
+            xi = F.rms_norm(h, (D,))
             q = self.index_q(xi).view(b, t, H, HD)
             scores = torch.matmul(q, self.index_k(xi).unsqueeze(1).transpose(-1, -2)).relu()  # [b, t, H, t]
-            index = torch.matmul(self.index_w(xi).unsqueeze(-2), scores).squeeze(-2)  # summed over heads
+            weights = self.index_w(h.to(torch.float32))
+            index = torch.matmul(weights.unsqueeze(-2), scores).squeeze(-2)  # summed over heads
             keep = index.topk(t // 2, dim=-1).indices
             mask = torch.full((b, t, t), float("-inf")).scatter(-1, keep, 0.0)
             scale = index.amax(-1, keepdim=True).sigmoid()  # differentiable in index_*, were gradients on
-        y = F.scaled_dot_product_attention(*(p(x).view(b, t, H, HD).transpose(1, 2) for p in (self.q, self.k, self.v)),
+        y = F.scaled_dot_product_attention(*(p(h).view(b, t, H, HD).transpose(1, 2) for p in (self.q, self.k, self.v)),
                                            attn_mask=mask.unsqueeze(1))
+        y = y * self.gate(h).sigmoid().transpose(1, 2).unsqueeze(-1)
         return self.o(y.transpose(1, 2).reshape(b, t, D)) * scale
 
 
 def test_a_no_grad_part_reading_parameters_is_split_and_stays_without_gradients():
     model = _model(NoGradIndexer)
     report = _check(model, _x(B, T, D))
-    _split(report, "index_q.weight", "index_w.weight", "q.weight", "o.weight")
+    _split(report, "index_q.weight", "index_w.weight", "q.weight", "gate.weight", "o.weight")
     pm = autotp.parallelize(model, tp=1, example_inputs=_x(B, T, D))
     pm(_x(B, T, D)).sum().backward()
     grads = {name: p.grad for name, p in pm.named_parameters()}

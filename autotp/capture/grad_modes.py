@@ -15,6 +15,8 @@ import operator
 import torch
 from torch import fx
 
+from autotp.passes.graph import named_arg
+
 _WRAP = getattr(torch.ops.higher_order, "wrap_with_set_grad_enabled", None)
 
 
@@ -66,6 +68,8 @@ def _inline(gm: fx.GraphModule, node: fx.Node) -> None:
                 setattr(gm, name, getattr(body, inner.target))
                 env[inner] = graph.get_attr(name)
                 env[inner].meta = dict(inner.meta)
+            elif _returns_its_input(inner):  # the same tensor, gradient and all: read the input itself
+                env[inner] = env[inner.args[0]]
             else:
                 copied = graph.node_copy(inner, lambda a: env[a])
                 if stack is not None and not copied.meta.get("nn_module_stack"):
@@ -76,6 +80,27 @@ def _inline(gm: fx.GraphModule, node: fx.Node) -> None:
         user.replace_all_uses_with(outputs[user.args[1]])
         graph.erase_node(user)
     graph.erase_node(node)
+
+
+_CASTS = (torch.ops.aten.to.dtype, torch.ops.aten.to.dtype_layout, torch.ops.aten.to.device, torch.ops.aten.type_as.default,
+          torch.ops.aten.contiguous.default)
+
+
+def _returns_its_input(node: fx.Node) -> bool:
+    """A cast to the dtype and device its input has (or ``contiguous`` of a contiguous one): it returns ``x``
+    itself, which still carries its gradient even under no_grad (torch.export may hand such a value out of the
+    part, for use outside it)."""
+    if node.op != "call_function" or node.target not in _CASTS or named_arg(node, "copy", False):
+        return False
+    if named_arg(node, "memory_format", None) not in (None, torch.preserve_format, torch.contiguous_format):
+        return False
+    source = node.args[0]
+    before, after = (getattr(n, "meta", {}).get("val") for n in (source, node))
+    if not (isinstance(before, torch.Tensor) and isinstance(after, torch.Tensor)):
+        return False
+    if node.target is torch.ops.aten.contiguous.default:
+        return before.is_contiguous() and node.kwargs.get("memory_format", torch.contiguous_format) is torch.contiguous_format
+    return before.dtype == after.dtype and before.device == after.device
 
 
 def _fresh_attr(gm: fx.GraphModule, base: str) -> str:

@@ -29,6 +29,7 @@ from autotp.capture.inputs import EXAMPLE_BATCH, EXAMPLE_SEQ, synthesise, vocab_
 from autotp.tools.model_spec import build_model, parse_spec
 
 TINY_MOE = {"num_local_experts": 4, "num_experts": 4, "n_routed_experts": 4, "num_experts_per_tok": 2,
+            "num_experts_per_token": 2,
             "moe_intermediate_size": 64, "n_shared_experts": 1, "num_shared_experts": 1}
 """Mixture-of-experts fields of a tiny config (4 experts, top-2), set where the architecture has them."""
 
