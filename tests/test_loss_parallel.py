@@ -134,3 +134,19 @@ def test_the_default_loss_of_an_output_without_logits_names_the_way_out():
 
     with pytest.raises(autotp.InputError, match=r"output is a dict with no logits; pass loss_fn="):
         default_loss({"hidden": torch.zeros(2, 3)}, torch.zeros(2, dtype=torch.long))
+
+
+def test_the_default_loss_names_a_target_that_does_not_fit_the_logits():
+    from autotp.rewrite.collectives import OutputGather
+    from autotp.runtime.outputs import SplitOutputs, default_loss
+
+    def mismatched(comm):
+        logits = torch.randn(2, 3, 4)  # this rank's half of 8 classes
+        split = SplitOutputs()
+        split.recorded.append((logits, OutputGather(comm, 2, (8,))))
+        with pytest.raises(autotp.InputError, match=r"logits of shape \(2, 3, 4\) need 6 targets, got a target of "
+                                                    r"shape \(2, 4\)"):
+            default_loss(logits, torch.zeros(2, 4, dtype=torch.long), split)
+        return True
+
+    assert _on_threads(2, mismatched) == [True, True]
