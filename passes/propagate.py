@@ -317,9 +317,7 @@ class _Walker:
             return False
         x, shape = source.args[0], source.args[1]
         d = want.dim - (rank(source) - rank(x))
-        if d < 0 or sizes(x)[d] != 1 or not isinstance(shape[want.dim], int) or shape[want.dim] != want.size:
-            return False
-        if self.layout(x) is not None:
+        if d < 0 or sizes(x)[d] != 1 or shape[want.dim] != want.size or self.layout(x) is not None:
             return False
         self.result.layouts[source.name] = want
         self.result.fixes.append((source.name, (1, want.dim), want.size // want.chunks(self.ctx.tp)))

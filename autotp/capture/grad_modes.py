@@ -82,30 +82,30 @@ def _inline(gm: fx.GraphModule, node: fx.Node) -> None:
     graph.erase_node(node)
 
 
-_CASTS = (torch.ops.aten.to.dtype, torch.ops.aten.to.dtype_layout, torch.ops.aten.to.device, torch.ops.aten.type_as.default,
-          torch.ops.aten.contiguous.default)
+_RETURNING_SELF = (torch.ops.aten.to.dtype, torch.ops.aten.to.dtype_layout, torch.ops.aten.to.device,
+                   torch.ops.aten.type_as.default, torch.ops.aten.contiguous.default)
 
 
 def _returns_its_input(node: fx.Node) -> bool:
     """A cast to the dtype and device its input has (or ``contiguous`` of a contiguous one): it returns ``x``
     itself, which still carries its gradient even under no_grad (torch.export may hand such a value out of the
     part, for use outside it)."""
-    if node.op != "call_function" or node.target not in _CASTS or named_arg(node, "copy", False):
+    if node.op != "call_function" or node.target not in _RETURNING_SELF or named_arg(node, "copy", False):
         return False
-    if named_arg(node, "memory_format", None) not in (None, torch.preserve_format, torch.contiguous_format):
-        return False
-    source = node.args[0]
-    before, after = (getattr(n, "meta", {}).get("val") for n in (source, node))
+    before, after = node.args[0].meta.get("val"), node.meta.get("val")
     if not (isinstance(before, torch.Tensor) and isinstance(after, torch.Tensor)):
         return False
+    layout = named_arg(node, "memory_format", None)
     if node.target is torch.ops.aten.contiguous.default:
-        return before.is_contiguous() and node.kwargs.get("memory_format", torch.contiguous_format) is torch.contiguous_format
-    return before.dtype == after.dtype and before.device == after.device
+        return before.is_contiguous(memory_format=layout or torch.contiguous_format)
+    return (layout in (None, torch.preserve_format) and before.dtype == after.dtype
+            and before.device == after.device)
 
 
 def _fresh_attr(gm: fx.GraphModule, base: str) -> str:
-    name, i = base.replace(".", "_"), 0
+    base = base.replace(".", "_")
+    name, i = base, 0
     while hasattr(gm, name):
         i += 1
-        name = f"{base.replace('.', '_')}_{i}"
+        name = f"{base}_{i}"
     return name

@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 from torch import fx
 
+from autotp.rewrite.columns import OverlappedColumnLinear, RegatheredLinear
+
 aten = torch.ops.aten
 
 ALIASING_VIEWS = frozenset({aten.transpose.int, aten.permute.default, aten.view.default, aten.t.default,
@@ -23,7 +25,7 @@ FRESH_WITHOUT_SAVING = frozenset({aten.linear.default, aten.matmul.default, aten
                                   aten.bmm.default, aten.einsum.default})
 """Ops whose result is a new tensor that their own backward does not read (a projection saves its operands)."""
 
-SAVING_NO_OUTPUT_MODULES = ("OverlappedColumnLinear", "RegatheredLinear")
+SAVING_NO_OUTPUT_MODULES = (OverlappedColumnLinear, RegatheredLinear)
 """autotp's fused projections (``rewrite.columns``): they, too, save only their operands."""
 
 
@@ -40,7 +42,7 @@ def layout_copy(node: fx.Node) -> bool:
 def _fresh(node: fx.Node, gm: fx.GraphModule) -> bool:
     if node.op == "call_function":
         return node.target in FRESH_WITHOUT_SAVING
-    return node.op == "call_module" and type(gm.get_submodule(node.target)).__name__ in SAVING_NO_OUTPUT_MODULES
+    return node.op == "call_module" and isinstance(gm.get_submodule(node.target), SAVING_NO_OUTPUT_MODULES)
 
 
 def overwritable(gather: fx.Node, gm: fx.GraphModule) -> bool:
