@@ -14,7 +14,6 @@ from torch import nn
 from autotp.capture import Captured, ExampleInputs, capture, example_inputs_of
 from autotp.errors import InputError
 from autotp.options import Balance, DataParallelMode, Schedule, VocabChoice
-from autotp.passes.analysis import Analysis
 from autotp.planning import Plan, check_plan_fits, make_plan
 from autotp.planning.choose import Choices, machine_for, parse_bytes
 from autotp.planning.planner import verify_plan
@@ -223,9 +222,8 @@ def _pipeline_parallel(model: nn.Module, graphs: dict[bool, Captured], chosen: P
     source = source or from_first_rank(model, None, True)
     stages: dict[bool, dict[int, torch.fx.GraphModule]] = {}
     for mode, captured in graphs.items():
-        analysis = Analysis(captured)
-        gm = build_graph(captured, chosen, mesh.tp_rank, comm, analysis, stream)
-        every = split_stages(gm, analysis, chosen, list(range(len(chosen.stages))))
+        gm = build_graph(captured, chosen, mesh.tp_rank, comm, stream)
+        every = split_stages(gm, captured.analysis, chosen, list(range(len(chosen.stages))))
         if mode:
             names, tied = state_names(model, captured, every, source), tied_groups(every, mesh)
         stages[mode] = {i: g for i, g in enumerate(every) if i % chosen.pp == mesh.pp_rank}

@@ -22,14 +22,14 @@ from autotp.api import choices_of, param_shapes, with_input_note
 from autotp.capture import Captured, capture, example_inputs_of, model_kwargs
 from autotp.errors import AutotpError, InputError, InternalError
 from autotp.passes.analysis import Analysis
-from autotp.passes.layout import Shard
+from autotp.passes.placement import Shard, full_tensor
 from autotp.planning import Plan, check_plan_fits, make_plan
-from autotp.planning.planner import param_layouts, target_placements, verify_plan
+from autotp.planning.planner import verify_plan
 from autotp.rewrite import rewrite
 from autotp.rewrite.comm import ThreadComm
 from autotp.rewrite.graph_edit import STANDS_FOR
 from autotp.rewrite.random import RankStream
-from autotp.rewrite.shards import assemble, local_part, segments_or_whole
+from autotp.rewrite.shards import local_part
 
 SEED = 1234
 LR = 0.1
@@ -170,15 +170,6 @@ def close(got: torch.Tensor, want: torch.Tensor) -> bool:
     return torch.allclose(got, want, rtol=RTOL, atol=ATOL + SCALE_TOL * scale, equal_nan=True)
 
 
-def _full_param(plan: Plan, name: str, shards: list[torch.Tensor]) -> torch.Tensor:
-    placement = plan.placements.get(name)
-    if placement is None or not placement.is_split:
-        return shards[0]
-    shards = shards[::placement.replicas]  # one copy of each chunk
-    size = shards[0].shape[placement.dim] * len(shards)
-    return assemble(shards, placement.dim, segments_or_whole(placement.segments, size))
-
-
 def build_ranks(captured: Captured, plan: Plan, seed: int = SEED) -> tuple[list[fx.GraphModule], list[ThreadComm]]:
     """Every tensor-parallel rank's module for ``plan``, its collectives joined through threads."""
     comms = ThreadComm.group(plan.tp)
@@ -261,10 +252,10 @@ def _compare_step(compare: _Compare, plan: Plan, captured: Captured, reference: 
             continue
         grads = [rank[name].grad if rank[name].grad is not None else torch.zeros_like(rank[name]) for rank in per_rank]
         want = ref_param.grad if ref_param.grad is not None else torch.zeros_like(ref_param)
-        if not compare("gradient", f"{name}", _full_param(plan, name, grads), want):
+        if not compare("gradient", f"{name}", full_tensor(plan.placements.get(name), grads), want):
             continue
         after = [rank[name].detach() - LR * g for rank, g in zip(per_rank, grads)]
-        compare("parameter after a step", name, _full_param(plan, name, after), ref_param.detach() - LR * want)
+        compare("parameter after a step", name, full_tensor(plan.placements.get(name), after), ref_param.detach() - LR * want)
 
 
 def _values(module: fx.GraphModule, inputs: tuple) -> dict[str, torch.Tensor]:
@@ -287,9 +278,8 @@ def locate(captured: Captured, plan: Plan, modules: list[fx.GraphModule], comms:
            inputs: tuple) -> Mismatch | None:
     """The first forward operation (in graph order) whose value on some rank differs from the unsharded one,
     replaying the forward of ``modules`` (as they are, faults included) over ``comms``."""
-    analysis = Analysis(captured)
-    layouts = analysis.propagate(param_layouts(analysis, target_placements(captured, plan)), plan.tp,
-                                plan.sequence_parallel).layouts
+    analysis = captured.analysis
+    layouts = analysis.propagate_placements(plan.placements, plan.tp, plan.sequence_parallel).layouts
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(SEED)
         want = _values(captured.module, inputs)

@@ -1,8 +1,12 @@
 """The passes' results for one captured model, read-only, shared by the planner and the rewriter.
 
-``Analysis`` runs the structural passes once (projections, embeddings, the vocabulary) and answers
-questions about them by name. It takes any captured model that offers the few attributes of
-``CapturedModel`` (``autotp.capture.Captured`` does), so the passes do not depend on capture.
+``Analysis`` runs the structural passes once (projections, embeddings, the vocabulary), each through
+``run_pass`` (one signature: the graph and the results so far in, a result out; a pass that fails is named
+with the passes that ran before it), and answers questions about them by name. A captured model holds one
+``Analysis`` (``Captured.analysis``), and the propagation of a set of placements is computed once per
+analysis (``propagate_placements``): the planner, the rewriter of every rank and the checker share it.
+It takes any captured model that offers the few attributes of ``CapturedModel`` (``autotp.capture.Captured``
+does), so the passes do not depend on capture.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from torch import fx
 
 from autotp.passes.choices import kept_by_choice
 from autotp.passes.graph import sizes, trainable_attrs
-from autotp.passes.layout import Shard
+from autotp.passes.placement import Placement, Shard
 from autotp.passes.projections import find_embeddings, find_projections
 from autotp.passes.propagate import Propagation, propagate
 from autotp.passes.regions import RegionSearch, find_regions
@@ -36,6 +40,29 @@ class CapturedModel(Protocol):
     def param_name(self, target: str) -> str:
         """The original parameter name of a ``get_attr`` target."""
 
+    def attr_target(self, param_name: str) -> str:
+        """The ``get_attr`` target of an original parameter name."""
+
+    aliases: Mapping[str, str]
+    """Every tied name -> the name its tensor is read under."""
+
+
+class PassFailed(RuntimeError):
+    """A structural pass raised: names it and the passes that ran before it (an autotp bug, or a graph shape no
+    pass expected)."""
+
+
+def run_pass(name: str, run, done: list[str]):
+    """Run pass ``name`` (``run()``: its result), recording it in ``done``; a failure names the pass and the
+    passes before it."""
+    try:
+        result = run()
+    except Exception as e:
+        before = ", ".join(done) or "none"
+        raise PassFailed(f"pass {name!r} failed (passes run before it: {before}): {type(e).__name__}: {e}") from e
+    done.append(name)
+    return result
+
 
 class Analysis:
     """The passes' results for one captured model (read-only)."""
@@ -44,10 +71,13 @@ class Analysis:
         self.captured = captured
         self.graph = captured.module.graph
         self.nodes = {n.name: n for n in self.graph.nodes}
-        self.projections = find_projections(self.graph)
-        self.embeddings = find_embeddings(self.graph)
-        self.trainable = trainable_attrs(captured.module)
-        self.vocab: VocabMatch | None = find_vocab(self.graph, self.projections, self.embeddings)
+        self.passes_run: list[str] = []
+        self.projections = run_pass("projections", lambda: find_projections(self.graph), self.passes_run)
+        self.embeddings = run_pass("embeddings", lambda: find_embeddings(self.graph), self.passes_run)
+        self.trainable = run_pass("trainable", lambda: trainable_attrs(captured.module), self.passes_run)
+        self.vocab: VocabMatch | None = run_pass(
+            "vocabulary", lambda: find_vocab(self.graph, self.projections, self.embeddings), self.passes_run)
+        self._propagations: dict[tuple, Propagation] = {}
 
     def module(self, node_name: str) -> str:
         """The original module name of a node."""
@@ -78,6 +108,23 @@ class Analysis:
         heads = self.vocab.heads if self.vocab else ()
         found = {n: kept_by_choice(self.nodes[n], self.projections, heads) for n in self.projections}
         return {n: why for n, why in found.items() if why}
+
+    def propagate_placements(self, placements: Mapping[str, Placement], tp: int,
+                             sequence_parallel: bool = False) -> Propagation:
+        """The propagation of parameter ``placements`` (keyed by original name, tied names included), computed
+        once per distinct placements, ``tp`` and ``sequence_parallel``: read-only, shared by every reader."""
+        key = (frozenset(placements.items()), tp, sequence_parallel)
+        if key not in self._propagations:
+            self._propagations[key] = run_pass(
+                "propagation", lambda: self.propagate(self.param_layouts(placements), tp, sequence_parallel),
+                list(self.passes_run))
+        return self._propagations[key]
+
+    def param_layouts(self, placements: Mapping[str, Placement]) -> dict[str, Shard]:
+        """The split ``placements`` (keyed by original name) as the layouts propagation takes (keyed by the
+        ``get_attr`` target each parameter is read through)."""
+        by_target = {self.captured.attr_target(self.captured.aliases.get(n, n)): p for n, p in placements.items()}
+        return {t: p.layout(self.param_size(t, p.dim)) for t, p in by_target.items() if p.is_split}
 
     def propagate(self, layouts: Mapping[str, Shard], tp: int, sequence_parallel: bool = False) -> Propagation:
         """Propagate parameter layouts (keyed by ``get_attr`` target) through the whole graph, with the residual

@@ -7,7 +7,7 @@ import torch
 from torch import fx
 
 from autotp.passes.graph import arg_or_default, sizes
-from autotp.passes.layout import static
+from autotp.passes.reshapes import static
 from autotp.passes.projections import Projection
 from autotp.passes.vocab import feeds_only_heads
 

@@ -15,7 +15,7 @@ import torch
 from torch import fx
 
 from autotp.passes.graph import arg_or_default, tensor_args
-from autotp.passes.layout import Layout, Shard
+from autotp.passes.placement import Layout, Shard
 
 aten = torch.ops.aten
 

@@ -16,7 +16,7 @@ import torch
 from torch import fx
 
 from autotp.passes.graph import grad_nodes
-from autotp.passes.layout import Shard
+from autotp.passes.placement import Shard
 from autotp.passes.projections import Projection
 from autotp.passes.propagate import GraphIndex, Propagation, Violation, propagate
 from autotp.passes.sources import SourceGraph, trace

@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from torch import fx
 
 from autotp.passes.graph import ArgPath, is_tensor, meta_val, rank, sizes
-from autotp.passes.layout import Layout, Shard, broadcast_dim
+from autotp.passes.placement import Layout, Shard
+from autotp.passes.reshapes import broadcast_dim
 from autotp.passes.steps import COPY, Operator, Step
 
 

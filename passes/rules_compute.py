@@ -7,7 +7,8 @@ import torch
 from torch import fx
 
 from autotp.passes.graph import arg_or_default, named_arg, rank, sizes
-from autotp.passes.layout import Shard, static
+from autotp.passes.placement import Shard
+from autotp.passes.reshapes import static
 from autotp.passes.rule_kit import (
     Context,
     Decision,

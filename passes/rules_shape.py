@@ -10,7 +10,8 @@ import torch
 from torch import fx
 
 from autotp.passes.graph import DividedBy, arg_or_default, meta_val, rank, sizes
-from autotp.passes.layout import Shard, map_reshape, static
+from autotp.passes.placement import Shard
+from autotp.passes.reshapes import map_reshape, static
 from autotp.passes.rule_kit import (
     Context,
     Decision,

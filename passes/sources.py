@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from torch import fx
 
 from autotp.passes.graph import arg_or_default, rank, sizes
-from autotp.passes.layout import Shard, broadcast_dim, map_reshape
+from autotp.passes.placement import Shard
+from autotp.passes.reshapes import broadcast_dim, map_reshape
 from autotp.passes.projections import Embedding, Projection
 from autotp.passes.rule_kit import like_first, pointwise
 from autotp.passes.rules import rule_for

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-from autotp.passes.layout import Shard
+from autotp.passes.placement import Shard
 
 
 class Operator(str, Enum):

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from autotp.planning.plan import Placement
-from autotp.rewrite.shards import local_shard, part_of
+from autotp.passes.placement import local_shard, part_of
 from autotp.runtime import dcp
 from autotp.runtime.progress import Progress
 from tests import checkpoint_workers

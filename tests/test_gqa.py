@@ -9,7 +9,7 @@ import torch
 import autotp
 from autotp.passes.steps import Operator
 from autotp.planning.plan import Placement, Plan
-from autotp.rewrite.shards import part_of
+from autotp.passes.placement import part_of
 from tests import gqa_workers, models
 from tests.distributed import run_on_ranks
 

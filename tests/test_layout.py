@@ -3,8 +3,9 @@
 import sympy
 import torch
 
-from autotp.passes.layout import Shard, map_reshape
-from autotp.rewrite.shards import assemble, assemble_blocks, local_blocks, local_shard
+from autotp.passes.placement import Shard, assemble, assemble_blocks, local_blocks, local_shard
+
+from autotp.passes.reshapes import map_reshape
 
 B, T = sympy.symbols("B T")
 

@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import torch
 
-from autotp.passes.analysis import Analysis
-from autotp.passes.layout import Shard
+from autotp.passes.placement import Shard
 from autotp.passes.propagate import propagate
 from autotp.passes.steps import COPY, Operator, gather
 from tests.graphs import MLP, Heads, captured
 
 
 def _propagate(cap, column_weights: dict[str, Shard], tp=2, auto_rows=False):
-    analysis = Analysis(cap)
+    analysis = cap.analysis
     layouts = {cap.attr_target(n): lay for n, lay in column_weights.items()}
     return analysis, propagate(cap.graph, analysis.projections, analysis.embeddings, layouts, tp, analysis.trainable,
                                auto_rows=auto_rows)

@@ -14,7 +14,7 @@ from autotp.planning import make_plan
 from autotp.rewrite import rewrite
 from autotp.rewrite.collectives import CopyToTP, ReduceFromTP
 from autotp.rewrite.columns import OverlappedColumnLinear
-from autotp.rewrite.shards import local_shard
+from autotp.passes.placement import local_shard
 from tests.graphs import MLP, Heads, captured
 
 aten = torch.ops.aten

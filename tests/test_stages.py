@@ -6,7 +6,6 @@ import torch
 from torch.testing import assert_close
 
 from autotp.capture.torch_private import is_guard_call
-from autotp.passes.analysis import Analysis
 from autotp.planning import make_plan
 from autotp.rewrite import build_graph, materialise, split_stages
 from autotp.rewrite.stages import HIDDEN
@@ -19,8 +18,8 @@ def _stages(pp: int):
     model, ids = models.build("gpt", layers=4), models.tokens(2, 16, 0)
     cap = captured(model, ids)
     plan = make_plan(cap, 1, pp=pp, stages=pp)
-    analysis = Analysis(cap)
-    graphs = split_stages(build_graph(cap, plan, 0, None, analysis), analysis, plan, list(range(pp)))
+    analysis = cap.analysis
+    graphs = split_stages(build_graph(cap, plan, 0, None), analysis, plan, list(range(pp)))
     for g in graphs:
         materialise(g, cap, plan, 0)
     return model, ids, plan, graphs

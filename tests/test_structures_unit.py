@@ -14,7 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import autotp
-from autotp.passes.layout import PlacementKind, Shard, map_reshape
+from autotp.passes.placement import PlacementKind, Shard
+from autotp.passes.reshapes import map_reshape
 from autotp.passes.projections import find_projections
 from tests.graphs import captured
 

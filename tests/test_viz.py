@@ -8,9 +8,8 @@ import pytest
 
 import autotp
 from autotp.capture import capture
-from autotp.planning import Collective, Stage
+from autotp.planning import Collective, PlacementKind, Stage
 from autotp.tools.report import collapse_names, collective_bytes, human_bytes, module_rows, param_infos, plan_table
-from autotp.planning import PlacementKind
 from autotp.tools.viz import (
     Box,
     PictureFormat,

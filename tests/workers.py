@@ -15,7 +15,7 @@ from torch.testing import assert_close
 from torch.utils._pytree import tree_leaves
 
 import autotp
-from autotp.rewrite.shards import assemble, segments_or_whole
+from autotp.passes.placement import full_tensor
 from tests import models
 
 # Adam divides by sqrt(v) + eps: on gradients that are zero up to rounding (the key bias has an exactly
@@ -36,9 +36,7 @@ def _full_grad(pm, name: str, grad: torch.Tensor) -> torch.Tensor:
         return grad
     parts = [torch.empty_like(grad) for _ in range(pm.plan.tp)]
     dist.all_gather(parts, grad.contiguous())
-    parts = parts[::placement.replicas]  # chunks several ranks hold: their summed gradient, once
-    size = grad.shape[placement.dim] * len(parts)
-    return assemble(parts, placement.dim, segments_or_whole(placement.segments, size))
+    return full_tensor(placement, parts)  # chunks several ranks hold: their summed gradient, once
 
 
 def _check_grads(pm, ref: torch.nn.Module, label: str) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import functools
 import logging
 import os
 import traceback
@@ -21,6 +22,7 @@ from autotp.capture.grad_modes import inline_no_grad
 from autotp.capture.inputs import ExampleInputs, Signature, example_inputs_of, require_module
 from autotp.capture.torch_private import applied_functions, is_guard_call, mutated_args, output_spec, plain_sizes
 from autotp.errors import CaptureError, InputError
+from autotp.passes.analysis import Analysis
 from autotp.passes.graph import MUTATES_META, SHAPE_META
 
 _WRAPPER_PREFIX = "model."
@@ -74,6 +76,12 @@ class Captured:
     def graph(self) -> fx.Graph:
         """The captured graph."""
         return self.module.graph
+
+    @functools.cached_property
+    def analysis(self) -> Analysis:
+        """The passes' results for this capture, made once and shared by the planner, the rewriter of every rank,
+        the checker and the runtime's input checks (the graph is never edited after capture)."""
+        return Analysis(self)
 
     @property
     def out_spec(self):

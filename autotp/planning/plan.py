@@ -16,60 +16,11 @@ import sympy
 
 from autotp.errors import InputError, PlanError
 from autotp.options import Balance
-from autotp.passes.layout import PlacementKind
+from autotp.passes.placement import REPLICATED, Placement, PlacementKind
 from autotp.passes.regions import RegionKind
 from autotp.passes.steps import CollectiveOp, Direction, Operator
 
 SCHEMA_VERSION = 1
-
-
-@dataclass(frozen=True)
-class Placement:
-    """One parameter's placement: ``kind``, the split storage ``dim``, and fused ``segments``.
-
-    ``segments`` is empty for a plain split. A fused projection (say one weight holding Q, K and V)
-    lists the global sizes of its parts along ``dim``: each part is split across the ranks on its
-    own, so every rank holds its share of Q, of K and of V.
-    """
-
-    kind: PlacementKind
-    dim: int | None = None
-    segments: tuple[int, ...] = ()
-    replicas: int = 1
-    """Ranks holding each chunk: tp // replicas chunks, rank r holding chunk r // replicas (the K/V projections of
-    grouped-query attention when tp exceeds the KV heads: each rank keeps the KV head its query heads use)."""
-
-    def __post_init__(self):
-        object.__setattr__(self, "kind", PlacementKind(self.kind))
-        object.__setattr__(self, "segments", tuple(int(s) for s in self.segments))
-        if (self.kind is PlacementKind.REPLICATED) != (self.dim is None):
-            raise ValueError(f"placement {self.kind.value!r} needs dim set iff it is split, got dim={self.dim}")
-        if not isinstance(self.replicas, int) or self.replicas < 1:
-            raise ValueError(f"replicas must be a positive integer, got {self.replicas!r}")
-
-    def __repr__(self) -> str:
-        if self.kind is PlacementKind.REPLICATED:
-            return "replicated"
-        seg = f", segments={list(self.segments)}" if self.segments else ""
-        shared = f", replicas={self.replicas}" if self.replicas != 1 else ""
-        return f"{self.kind.value}(dim={self.dim}{seg}{shared})"
-
-    def chunks(self, tp: int) -> int:
-        """How many chunks each segment is cut into over ``tp`` ranks."""
-        return tp // self.replicas
-
-    @property
-    def is_split(self) -> bool:
-        """Whether each rank holds only a slice of this parameter."""
-        return self.kind is not PlacementKind.REPLICATED
-
-    def to_dict(self) -> dict:
-        """A JSON-ready dict."""
-        shared = {"replicas": self.replicas} if self.replicas != 1 else {}
-        return {"kind": self.kind.value, "dim": self.dim, "segments": list(self.segments)} | shared
-
-
-REPLICATED = Placement(PlacementKind.REPLICATED)
 
 
 class FrozenMap(Mapping):

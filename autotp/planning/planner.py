@@ -17,7 +17,7 @@ from autotp.errors import PlanError
 from autotp.options import Balance, VocabChoice
 from autotp.passes.analysis import Analysis
 from autotp.passes.graph import arg_or_default, grad_nodes, sizes
-from autotp.passes.layout import PlacementKind, Shard
+from autotp.passes.placement import PlacementKind
 from autotp.passes.propagate import Propagation
 from autotp.passes.random import random_refusal
 from autotp.passes.regions import RegionKind, RegionMatch
@@ -153,7 +153,7 @@ def _vocab_blocker(analysis: Analysis, placements: dict[str, Placement], tp: int
         for index, name in _UNSPLITTABLE_EMBEDDING.items():
             if arg_or_default(node, index, name, False):
                 return f"{analysis.layer(e)} uses {name}=True, which a vocabulary split cannot honour"
-    prop = analysis.propagate(param_layouts(analysis, placements), tp)
+    prop = analysis.propagate_placements(_named(analysis, placements), tp)
     if prop.refusals:
         node, why = prop.refusals[0]
         return f"{why} (at {analysis.module(node) or node}; e.g. an embedding's max_norm renormalises its rows)"
@@ -165,9 +165,8 @@ def verify_plan(captured: Captured, plan: Plan) -> Plan:
     splits divides by tp, and nothing it splits needs what the rewrite cannot do. ``PlanError`` otherwise."""
     if plan.tp == 1:
         return plan
-    analysis = Analysis(captured)
-    prop = analysis.propagate(param_layouts(analysis, target_placements(captured, plan)), plan.tp,
-                              plan.sequence_parallel)
+    analysis = captured.analysis
+    prop = analysis.propagate_placements(plan.placements, plan.tp, plan.sequence_parallel)
     if prop.violations:
         v = prop.violations[0]
         raise PlanError(f"the plan cannot run at tp={plan.tp}: at {analysis.module(v.node) or v.node} ({v.what}) a "
@@ -235,15 +234,9 @@ def _readers_by_step(analysis: Analysis, conv) -> list[tuple[str, bool]]:
     return [*([(inside[0][0], True)] if inside else []), *([(outputs[0][0], False)] if outputs else [])]
 
 
-def param_layouts(analysis: Analysis, placements: Mapping[str, Placement]) -> dict[str, Shard]:
-    """The split placements (keyed by ``get_attr`` target) as the layouts propagation takes."""
-    return {t: Shard(p.dim, p.segments or (analysis.param_size(t, p.dim),), replicas=p.replicas)
-            for t, p in placements.items() if p.is_split}
-
-
-def target_placements(captured: Captured, plan: Plan) -> dict[str, Placement]:
-    """The plan's placements keyed by the ``get_attr`` target each parameter is read through."""
-    return {captured.attr_target(captured.aliases.get(name, name)): p for name, p in plan.placements.items()}
+def _named(analysis: Analysis, by_target: Mapping[str, Placement]) -> dict[str, Placement]:
+    """Placements keyed by ``get_attr`` target (as the planner builds them) keyed by original name instead."""
+    return {analysis.captured.param_name(t): p for t, p in by_target.items()}
 
 
 def cost_sizes(captured: Captured, batch: int | None, seq: int | None) -> dict[str, int]:
@@ -266,7 +259,7 @@ def make_plan(captured: Captured, tp: int, pp: int = 1, balance: Balance | str =
     modules at which a stage must start. ``choices``: whether the vocabulary is split (default: as the cost
     model finds faster at ``batch`` and ``seq`` within the memory budget).
     """
-    analysis = Analysis(captured)
+    analysis = captured.analysis
     search = analysis.regions(tp)
     regions = search.regions
     valid = _valid_tp(regions)
@@ -308,7 +301,7 @@ def make_plan(captured: Captured, tp: int, pp: int = 1, balance: Balance | str =
     sequence_parallel = choices.sequence_parallel and tp > 1
     if sequence_parallel:
         _check_sequence_parallel(analysis)
-    prop = analysis.propagate(param_layouts(analysis, by_target), tp, sequence_parallel)
+    prop = analysis.propagate_placements(_named(analysis, by_target), tp, sequence_parallel)
     if sequence_parallel:
         notes += _sequence_notes(analysis, prop)
     _refuse_inexact(analysis, prop)

@@ -13,7 +13,7 @@ from autotp.names import within_any
 from autotp.options import Balance
 from autotp.passes.costs import costs, evaluate, tensor_bytes
 from autotp.passes.cuts import Cut, find_cuts, module_starts, param_users, unit_index
-from autotp.passes.layout import Shard
+from autotp.passes.placement import Shard
 from autotp.planning.balance import balanced_split
 from autotp.planning.plan import Stage
 

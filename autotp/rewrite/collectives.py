@@ -21,10 +21,10 @@ import torch
 from torch import nn
 
 from autotp.errors import InputError
-from autotp.passes.layout import Shard
+from autotp.passes.placement import Shard, assemble, assemble_blocks, local_shard
 from autotp.passes.steps import Operator
 from autotp.rewrite.comm import Communicator
-from autotp.rewrite.shards import assemble, assemble_blocks, local_blocks, local_shard, runtime_segments
+from autotp.rewrite.shards import local_value, runtime_segments
 
 
 def _gathered(comm: Communicator, x: torch.Tensor, dim: int, segments: tuple[int, ...],
@@ -34,7 +34,7 @@ def _gathered(comm: Communicator, x: torch.Tensor, dim: int, segments: tuple[int
 
 def _sliced(x: torch.Tensor, dim: int, segments: tuple[int, ...], comm: Communicator, blocked: bool,
             rank: int | None = None) -> torch.Tensor:
-    return (local_blocks if blocked else local_shard)(x, dim, segments, comm.rank if rank is None else rank, comm.size)
+    return local_value(x, dim, segments, comm.rank if rank is None else rank, comm.size, blocked)
 
 
 def _reduce_scattered(comm: Communicator, x: torch.Tensor, dim: int, segments: tuple[int, ...],

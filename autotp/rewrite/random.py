@@ -18,7 +18,7 @@ import torch
 from torch import fx, nn
 
 from autotp.errors import InternalError
-from autotp.passes.layout import Layout, Shard
+from autotp.passes.placement import Layout, Shard
 from autotp.passes.random import RandomKind, attention_dropout, random_kind
 from autotp.rewrite.graph_edit import STANDS_FOR
 from autotp.rewrite.shards import local_part

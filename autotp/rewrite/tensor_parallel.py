@@ -22,14 +22,13 @@ from autotp.passes.projections import Projection
 from autotp.passes.propagate import Conversion, Propagation
 from autotp.passes.steps import COPY, Operator, fused
 from autotp.planning.plan import Plan
-from autotp.planning.planner import param_layouts, target_placements
 from autotp.rewrite.collectives import GatherToRegion, OutputGather, collective_module, masked_embedding, split_args
 from autotp.rewrite.comm import Communicator
 from autotp.rewrite.graph_edit import STANDS_FOR, copy_graph_module, set_tensor, with_arg
 from autotp.rewrite.random import RankStream, replace_random_ops
 from autotp.rewrite.columns import OverlappedColumnLinear, Regather, RegatheredLinear
 from autotp.rewrite.output_values import layout_copy, overwritable
-from autotp.rewrite.shards import Part, part_of
+from autotp.passes.placement import Part, part_of
 
 aten = torch.ops.aten
 
@@ -254,15 +253,14 @@ class _Surgeon:
 
 
 def build_graph(captured: Captured, plan: Plan, rank: int, comm: Communicator | None,
-                analysis: Analysis | None = None, stream: RankStream | None = None) -> fx.GraphModule:
+                stream: RankStream | None = None) -> fx.GraphModule:
     """This tensor-parallel rank's graph (fixed shapes, collectives over ``comm``, random ops drawing from
     ``stream``); its attributes still point at the model's tensors."""
     gm = copy_graph_module(captured.module)
     layouts = {}
     if plan.tp > 1:
-        analysis = analysis or Analysis(captured)
-        prop = analysis.propagate(param_layouts(analysis, target_placements(captured, plan)), plan.tp,
-                                  plan.sequence_parallel)
+        analysis = captured.analysis
+        prop = analysis.propagate_placements(plan.placements, plan.tp, plan.sequence_parallel)
         _Surgeon(gm, analysis, comm, rank, plan.tp).apply(prop)
         layouts = prop.layouts
     if stream is not None:

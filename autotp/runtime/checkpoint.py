@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from autotp.errors import InputError
 from autotp.planning.plan import Plan
-from autotp.rewrite.shards import Part, part_of
+from autotp.passes.placement import Part, part_of
 from autotp.runtime import dcp
 from autotp.runtime.data_parallel import dp_shard, gathered, local
 from autotp.runtime.sources import HF_INDEX, HF_SINGLE, MODEL_PREFIX, DcpReader, open_reader, read_into

@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from autotp.errors import InputError
-from autotp.rewrite.shards import Part
+from autotp.passes.placement import Part
 
 
 @dataclass

@@ -41,7 +41,7 @@ class InputSpec:
         values = [n.meta.get("val") for n in placeholders]
         sequence_dims = ()
         if plan is not None and plan.sequence_parallel:
-            sequence = Analysis(captured).sequence_sizes
+            sequence = captured.analysis.sequence_sizes
             sequence_dims = tuple((i, d) for i, n in enumerate(placeholders) for d, size in enumerate(sizes(n))
                                   if sympy.sympify(size) in sequence)
         return cls(captured.input_names, tuple(v.dtype for v in values), tuple(v.dim() for v in values),

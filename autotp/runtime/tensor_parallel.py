@@ -17,7 +17,7 @@ from autotp.errors import InputError
 from autotp.planning.plan import Plan
 from autotp.rewrite.comm import Communicator
 from autotp.rewrite.random import RankStream
-from autotp.rewrite.shards import Part, assemble, segments_or_whole
+from autotp.passes.placement import Part, full_tensor
 from autotp.rewrite.tensor_parallel import Source, Want, own_tensors
 from autotp.runtime.checkpoint import Checkpointing, Holding, holding
 from autotp.runtime.data_parallel import DataParallel, gathered, local
@@ -121,9 +121,7 @@ def gather_tp(plan: Plan, name: str, local: torch.Tensor, comm: Communicator | N
     placement = plan.placements.get(name)
     if placement is None or not placement.is_split or plan.tp == 1:
         return local.detach().clone()
-    parts = comm.all_gather(local.detach())[::placement.replicas]  # one copy of each chunk
-    size = local.shape[placement.dim] * len(parts)
-    return assemble(parts, placement.dim, segments_or_whole(placement.segments, size))
+    return full_tensor(placement, comm.all_gather(local.detach()))
 
 
 class ParallelModule(Checkpointing, nn.Module):

@@ -1,76 +1,15 @@
-"""How a tensor is laid out across tensor-parallel ranks, and how reshapes move that layout.
-
-A value is either replicated (``None``: every rank holds all of it) or a ``Shard``: along one dim,
-each of its ``segments`` is cut into ``tp`` contiguous chunks and rank r holds chunk r of every
-segment. A plain column split has one segment; a fused QKV projection has three.
-"""
+"""How reshapes move a split: where a ``Shard`` (``passes.placement``) lands when its value is viewed in
+another shape, with the shape algebra (prefix products, reshape groups) that decides it."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
 from dataclasses import dataclass
-from enum import Enum
 
 import sympy
 
-
-@dataclass(frozen=True)
-class Shard:
-    """Sharded along ``dim``; ``segments`` are the global sizes of the independently split parts.
-
-    ``blocks`` (1, or a symbolic size such as the batch) says the dim holds that many consecutive
-    copies of the segments, each split alike: heads folded into the batch (``[B*H, T, d]``, as
-    ``nn.MultiheadAttention`` lays them out) are ``Shard(0, (H,), blocks=B)``.
-    """
-
-    dim: int
-    segments: tuple[int, ...]
-    blocks: object = 1
-    replicas: int = 1
-    """Ranks holding each chunk: tp // replicas chunks per segment, rank r holding chunk r // replicas (the KV
-    heads of grouped-query attention when tp exceeds them). In the forward the ranks sharing a chunk hold the
-    same values; their gradients are each rank's share, summed where they meet whole values or parameters."""
-    spread: bool = False
-    """With ``replicas``: the dim after ``dim`` is split among the ranks sharing a chunk (rank r holding chunk
-    r % replicas of it), as a KV head expanded over its query heads is, just before they are merged into one."""
-
-    @property
-    def size(self) -> int:
-        """Global size along ``dim`` of one block."""
-        return sum(self.segments)
-
-    def chunks(self, tp: int) -> int:
-        """How many chunks each segment is cut into over ``tp`` ranks."""
-        return tp // self.replicas
-
-    def moved(self, dim: int) -> Shard:
-        """The same split on another dimension index."""
-        return dataclasses.replace(self, dim=dim)
-
-
-class PlacementKind(str, Enum):
-    """How one parameter is laid out across the tensor-parallel ranks (the one vocabulary of split kinds)."""
-
-    COLWISE = "colwise"
-    """Split along the layer's output features (Megatron's column-parallel linear)."""
-    ROWWISE = "rowwise"
-    """Split along the layer's input features (Megatron's row-parallel linear)."""
-    VOCAB = "vocab"
-    """Split along the vocabulary (embedding rows, or the LM head's output rows)."""
-    REPLICATED = "replicated"
-    """A full copy on every rank."""
-
-    @property
-    def word(self) -> str:
-        """The word tables and pictures use: column, row, vocab, replicated."""
-        return _WORDS[self]
-
-
-_WORDS = {PlacementKind.COLWISE: "column", PlacementKind.ROWWISE: "row", PlacementKind.VOCAB: "vocab",
-          PlacementKind.REPLICATED: "replicated"}
-
-Layout = Shard | None | tuple  # tuple: one layout per output of a multi-output op
+from autotp.passes.placement import Shard
 
 
 def static(size) -> int | None:
