@@ -13,13 +13,22 @@ them and ``tools`` (CLI, model building, report, exports, pictures) reading plan
 
 from autotp.api import parallelize, plan
 from autotp.checker import CheckReport, check
-from autotp.errors import AutotpError, CaptureError, InputError, InternalError, PlanError, RankFailure, RuntimeSetupError
+from autotp.errors import (
+    AutotpError,
+    CaptureError,
+    InputError,
+    InternalError,
+    PlanError,
+    RankFailure,
+    RuntimeSetupError,
+)
+from autotp.options import Options
 from autotp.planning import Collective, Placement, PlacementKind, Plan, Region
-from autotp.runtime import ParallelModule
-from autotp.runtime.sources import empty_weights
+from autotp.runtime import ParallelModule, PipelineModule
+from autotp.runtime.readers import empty_weights
 
 __all__ = [
-    "AutotpError", "CaptureError", "CheckReport", "Collective", "InputError", "InternalError", "ParallelModule",
-    "Placement", "PlacementKind", "Plan", "PlanError", "RankFailure", "Region", "RuntimeSetupError", "check",
-    "empty_weights", "parallelize", "plan",
+    "AutotpError", "CaptureError", "CheckReport", "Collective", "InputError", "InternalError", "Options",
+    "ParallelModule", "PipelineModule", "Placement", "PlacementKind", "Plan", "PlanError", "RankFailure", "Region",
+    "RuntimeSetupError", "check", "empty_weights", "parallelize", "plan",
 ]

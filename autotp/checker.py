@@ -18,18 +18,18 @@ import torch
 from torch import fx, nn
 from torch.utils._pytree import tree_leaves, tree_map
 
-from autotp.api import choices_of, param_shapes, with_input_note
+from autotp.api import param_shapes, required_tp, with_input_note
 from autotp.capture import Captured, capture, example_inputs_of, model_kwargs
 from autotp.errors import AutotpError, InputError, InternalError
-from autotp.passes.analysis import Analysis
+from autotp.options import Options
 from autotp.passes.placement import Shard, full_tensor
 from autotp.planning import Plan, check_plan_fits, make_plan
 from autotp.planning.planner import verify_plan
 from autotp.rewrite import rewrite
 from autotp.rewrite.comm import ThreadComm
 from autotp.rewrite.graph_edit import STANDS_FOR
-from autotp.rewrite.random import RankStream
 from autotp.rewrite.shards import local_part
+from autotp.rewrite.streams import RankStream
 
 SEED = 1234
 LR = 0.1
@@ -177,24 +177,27 @@ def build_ranks(captured: Captured, plan: Plan, seed: int = SEED) -> tuple[list[
     return modules, comms
 
 
-def check(model: nn.Module, tp: int, example_inputs=None, pp: int = 1, plan: Plan | None = None,
-          modules_hook=None, vocab: str = "auto", sequence_parallel: bool = False) -> CheckReport:
+def check(model: nn.Module, tp: int | None = None, example_inputs=None, *, plan: Plan | None = None,
+          modules_hook=None, options: Options | None = None, **settings) -> CheckReport:
     """Simulate every rank of ``plan`` (default: autotp's plan at ``tp``) in this process and compare one
     training step with the unsharded model. ``example_inputs`` are as for ``autotp.plan`` (a tensor, a tuple,
     a dict of keyword tensors such as ``input_ids``, ``attention_mask`` and ``labels``, or left out for
-    synthesised token ids); ``vocab`` and ``sequence_parallel`` as for ``autotp.plan`` (``split`` checks the vocabulary split even where
-    the cost model would keep it whole). ``modules_hook(modules, comms)`` may alter the rank modules before they run (the
-    tests inject faults this way). The model is not changed."""
-    if pp != 1:
+    synthesised token ids); ``settings`` (``vocab``, ``sequence_parallel``, ...) are ``autotp.Options`` fields, as
+    for ``autotp.plan`` (``vocab="split"`` checks the vocabulary split even where the cost model would keep it
+    whole). ``modules_hook(modules, comms)`` may alter the rank modules before they run (the tests inject faults
+    this way). The model is not changed."""
+    if tp is None and plan is not None and isinstance(plan, Plan):
+        tp = plan.tp
+    chosen_options = Options.build(options, tp=required_tp(tp, options), **settings)
+    if chosen_options.pp != 1:
         raise InputError("the one-process checker simulates tensor parallelism (pp=1); pipeline stages are "
                          "checked by the multi-process tests, which run the same stage splitter")
     example = example_inputs_of(model, example_inputs)
     captured = capture(model, example, training=True)
     if plan is not None:
-        chosen = verify_plan(captured, check_plan_fits(plan, param_shapes(model), tp))
+        chosen = verify_plan(captured, check_plan_fits(plan, param_shapes(model), chosen_options.tp))
     else:
-        chosen = with_input_note(make_plan(captured, tp, choices=choices_of(vocab, None, None, sequence_parallel)),
-                                 example)
+        chosen = with_input_note(make_plan(captured, chosen_options), example)
     modules, comms = build_ranks(captured, chosen)
     if modules_hook is not None:
         modules_hook(modules, comms)

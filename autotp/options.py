@@ -1,8 +1,14 @@
-"""Typed choices shared by the library, the CLI and the pictures (one definition each)."""
+"""Typed settings shared by the library, the CLI and the pictures (one definition each): the enum choices and
+``Options``, the one value holding every setting of a parallel layout."""
 
 from __future__ import annotations
 
+import dataclasses
+import re
+from dataclasses import dataclass
 from enum import Enum
+
+from autotp.errors import InputError
 
 
 class Balance(str, Enum):
@@ -37,8 +43,176 @@ class VocabChoice(str, Enum):
     """Whether the token embedding and LM head are split along the vocabulary."""
 
     AUTO = "auto"
-    """As the cost model finds faster, within the memory budget (``autotp.planning.choose``)."""
+    """As the cost model finds faster, within the memory budget (``autotp.planning.pricing``)."""
     SPLIT = "split"
     """Always (Megatron's choice)."""
     WHOLE = "whole"
     """Never: every rank holds both tables whole."""
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(budget: int | float | str | None) -> int | None:
+    """A memory budget in bytes: a number, or a string such as ``"40GiB"`` or ``"500 MB"``; None: no budget."""
+    if budget is None:
+        return None
+    if isinstance(budget, (int, float)) and not isinstance(budget, bool) and budget > 0:
+        return int(budget)
+    match = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", budget) if isinstance(budget, str) else None
+    if match is None or match.group(2).lower() not in _UNITS:
+        raise InputError(f"memory_budget must be a positive number of bytes or a size such as '40GiB' or '500MB', "
+                         f"got {budget!r}")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+_MEANING = {"tp": "the number of tensor-parallel ranks", "pp": "the number of pipeline stages' ranks",
+            "virtual_stages": "pipeline stages per rank", "microbatches": "microbatches per step",
+            "dp": "the number of data-parallel replicas", "batch": "the batch size costs are evaluated at",
+            "seq": "the sequence length costs are evaluated at"}
+
+
+def _positive(name: str, value, optional: bool = False) -> int | None:
+    if optional and value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise InputError(f"{name} must be a positive integer ({_MEANING[name]}), got {value!r}")
+    return value
+
+
+def _member(kind: type[Enum], name: str, value):
+    """``value`` as a member of the enum ``kind``, or an ``InputError`` listing the choices."""
+    try:
+        return kind(value)
+    except ValueError as e:
+        raise InputError(f"{name} must be one of {[c.value for c in kind]}, got {value!r}") from e
+
+
+def _flag(name: str, value) -> bool:
+    if not isinstance(value, bool):
+        raise InputError(f"{name} must be True or False, got {value!r}")
+    return value
+
+
+def _shown(value):
+    return value.value if isinstance(value, Enum) else value
+
+
+@dataclass(frozen=True, repr=False)
+class Options:
+    """Every setting of a parallel layout, validated once: ``parallelize``, ``plan``, ``check`` and the CLI
+    build one (their keyword arguments are a convenience for it) and pass it down; a plan records the options
+    it was made with. ``Options(tp=2, vocab="split")``; ``options.replace(pp=2)`` gives a new one.
+    A bad value raises ``InputError`` naming the setting and what it takes."""
+
+    tp: int = 1
+    """Tensor-parallel ranks."""
+    pp: int = 1
+    """Pipeline-parallel ranks."""
+    dp: int = 1
+    """Data-parallel replicas (a runtime layout: the plan is the same for any dp)."""
+    dp_mode: DataParallelMode = DataParallelMode.FSDP
+    """How the replicas hold the model."""
+    virtual_stages: int | None = None
+    """Pipeline stages per rank (None: 2 for the interleaved schedule, else 1)."""
+    microbatches: int | None = None
+    """Microbatches per pipelined step (None: one per stage)."""
+    schedule: Schedule = Schedule.ONE_F_ONE_B
+    """The pipeline schedule."""
+    balance: Balance = Balance.BOTH
+    """What the stage split balances."""
+    cuts: tuple[str, ...] = ()
+    """Modules at which a pipeline stage must start."""
+    batch: int | None = None
+    """Batch size the costs are evaluated at (None: the example's)."""
+    seq: int | None = None
+    """Sequence length the costs are evaluated at (None: the example's)."""
+    vocab: VocabChoice = VocabChoice.AUTO
+    """Whether the embedding and LM head are split along the vocabulary."""
+    memory_budget: int | None = None
+    """Bytes per rank for parameters, gradients and AdamW moments (a number or ``"40GiB"``); None: no limit."""
+    sequence_parallel: bool = False
+    """Split the residual stream between regions along the sequence (Megatron's sequence parallelism)."""
+    compile: bool = False
+    """Run the rank graphs under ``torch.compile`` (tensor parallelism only)."""
+
+    def __post_init__(self):
+        for name in ("tp", "pp", "dp"):
+            _positive(name, getattr(self, name))
+        for name in ("virtual_stages", "microbatches", "batch", "seq"):
+            _positive(name, getattr(self, name), optional=True)
+        for name, kind in (("dp_mode", DataParallelMode), ("schedule", Schedule), ("balance", Balance),
+                           ("vocab", VocabChoice)):
+            object.__setattr__(self, name, _member(kind, name, getattr(self, name)))
+        for name in ("sequence_parallel", "compile"):
+            _flag(name, getattr(self, name))
+        if isinstance(self.cuts, str) or not all(isinstance(c, str) for c in self.cuts):
+            raise InputError(f"cuts must be a list of module names, got {self.cuts!r}")
+        object.__setattr__(self, "cuts", tuple(self.cuts))
+        object.__setattr__(self, "memory_budget", parse_bytes(self.memory_budget))
+        if self.pp > 1 and self.schedule is not Schedule.GPIPE and self.step_microbatches < self.stages:
+            raise InputError(f"schedule {self.schedule.value} needs at least {self.stages} microbatches (one per "
+                             f"stage) to fill the pipeline, got microbatches={self.microbatches}; raise microbatches "
+                             "or use schedule='gpipe'")
+        if self.compile and (self.pp > 1 or self.dp > 1):
+            raise InputError(f"compile=True runs tensor-parallel graphs (pp=1, dp=1) under torch.compile; with "
+                             f"pp={self.pp} and dp={self.dp} the pipeline schedule and FSDP's hooks wrap them: leave "
+                             "compile off there")
+
+    @classmethod
+    def build(cls, base: Options | None = None, **settings) -> Options:
+        """``base`` (default: the defaults) with ``settings`` applied; a name that is no setting is refused,
+        with the list of settings; a setting given as None keeps ``base``'s."""
+        if base is not None and not isinstance(base, Options):
+            raise InputError(f"options must be an autotp.Options, got {type(base).__name__}")
+        unknown = sorted(set(settings) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise InputError(f"unknown setting(s) {', '.join(unknown)}; the settings are: "
+                             f"{', '.join(f.name for f in dataclasses.fields(cls))}")
+        given = {k: v for k, v in settings.items() if v is not None}
+        return dataclasses.replace(base, **given) if base is not None else cls(**given)
+
+    def __repr__(self) -> str:
+        changed = [f"{f.name}={_shown(getattr(self, f.name))!r}" for f in dataclasses.fields(self)
+                   if getattr(self, f.name) != f.default]
+        return f"Options({', '.join(changed)})"
+
+    def replace(self, **changes) -> Options:
+        """A new value with ``changes`` applied (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def stages_per_rank(self) -> int:
+        """Pipeline stages each pipeline rank holds."""
+        default = 2 if self.schedule is Schedule.INTERLEAVED_1F1B else 1
+        return self.virtual_stages or default
+
+    @property
+    def stages(self) -> int:
+        """Pipeline stages in all (pp × stages per rank)."""
+        return self.pp * self.stages_per_rank
+
+    @property
+    def step_microbatches(self) -> int:
+        """Microbatches per pipelined step (default: one per stage)."""
+        return self.microbatches or self.stages
+
+    def to_dict(self) -> dict:
+        """A JSON-ready dict (enums as their values)."""
+        out = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            out[f.name] = value.value if isinstance(value, Enum) else list(value) if isinstance(value, tuple) else value
+        return out
+
+    @classmethod
+    def from_dict(cls, data) -> Options:
+        """Options from ``to_dict``'s output (a plan file's, which may be hand-edited: every value is validated,
+        an unknown name refused)."""
+        if not isinstance(data, dict):
+            raise InputError(f"options must be a JSON object, got {type(data).__name__}")
+        unknown = sorted(set(data) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise InputError(f"unknown option(s) {', '.join(map(str, unknown))}")
+        return cls(**data)

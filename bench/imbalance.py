@@ -13,11 +13,12 @@ import torch
 
 from autotp.capture import capture
 from autotp.names import block_of
-from autotp.options import Balance
+from autotp.options import Balance, Options
 from autotp.planning import make_plan
 from bench.config import BenchConfig
 from bench.pp_variants import even_cuts
 from examples.gpt import build_gpt
+
 
 def blocks_per_stage(modules_per_stage: list[list[str]]) -> list[float]:
     """Transformer blocks each stage holds; a block split across two stages counts half in each."""
@@ -43,10 +44,10 @@ def _describe(plan) -> dict:
 
 def plans_for(captured, n_layer: int, pp: int) -> dict[str, dict]:
     """The even split and the planner's split for every balance criterion, at tp=1 and ``pp`` stages."""
-    even = make_plan(captured, 1, pp=pp, cuts=tuple(even_cuts(n_layer, pp)), stages=pp)
+    even = make_plan(captured, Options(pp=pp, cuts=tuple(even_cuts(n_layer, pp))))
     out = {"even": _describe(even)}
     for balance in Balance:
-        out[balance.value] = _describe(make_plan(captured, 1, pp=pp, balance=balance, stages=pp))
+        out[balance.value] = _describe(make_plan(captured, Options(pp=pp, balance=balance)))
     return out
 
 

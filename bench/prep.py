@@ -14,7 +14,7 @@ import gc
 import torch
 
 from autotp.capture import capture
-from autotp.passes.analysis import Analysis
+from autotp.options import Options
 from autotp.planning import make_plan
 from autotp.rewrite import rewrite
 from bench.config import BenchConfig, ModelShape
@@ -42,7 +42,7 @@ def prepare_once(model, x, tp: int) -> dict[str, float]:
     captured = held["captured"]
     t["analysis"] = timed(lambda: held.update(analysis=captured.analysis))
     t["regions"] = timed(lambda: held["analysis"].regions(tp))
-    t["make_plan"] = timed(lambda: held.update(plan=make_plan(captured, tp)))
+    t["make_plan"] = timed(lambda: held.update(plan=make_plan(captured, Options(tp=tp))))
     plan = held["plan"]
     layouts = held["analysis"].param_layouts(plan.placements)
     t["propagate"] = timed(lambda: held["analysis"].propagate(layouts, tp))  # uncached: what one propagation costs

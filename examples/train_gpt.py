@@ -41,7 +41,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--microbatches", type=int, default=None, help="default: one per stage")
     p.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved1f1b"])
     p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--vocab-split", default="auto", choices=["auto", "split", "whole"],
+    p.add_argument("--vocab", default="auto", choices=["auto", "split", "whole"],
                    help="split the embedding and head along the vocabulary (auto: as the cost model finds faster)")
     p.add_argument("--compile", action="store_true", help="run the rank graphs under torch.compile (pp=1, dp=1)")
     return p.parse_args()
@@ -90,7 +90,7 @@ def main() -> None:
     stream = batches(data, args.batch, args.seq, seed=1)
     x, y = next(stream)
     pm = autotp.parallelize(model, tp=args.tp, pp=args.pp, dp=args.dp, dp_mode=args.dp_mode, example_inputs=(x,),
-                            microbatches=args.microbatches, schedule=args.schedule, vocab=args.vocab_split,
+                            microbatches=args.microbatches, schedule=args.schedule, vocab=args.vocab,
                             compile=args.compile)
     rows = slice(pm.dp_rank * args.batch // pm.dp_size, (pm.dp_rank + 1) * args.batch // pm.dp_size)
     if rank == 0:

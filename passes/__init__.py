@@ -6,7 +6,12 @@ here imports the rest of autotp: passes import only passes and third-party libra
 
 from autotp.passes.analysis import Analysis
 from autotp.passes.placement import PlacementKind, Shard
-from autotp.passes.projections import Embedding, Projection, find_embeddings, find_projections
+from autotp.passes.projections import (
+           Embedding,
+           Projection,
+           find_embeddings,
+           find_projections,
+)
 from autotp.passes.propagate import Propagation, propagate
 from autotp.passes.regions import RegionKind
 from autotp.passes.steps import COMMUNICATION, CollectiveOp, Direction, Operator, Step

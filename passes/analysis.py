@@ -12,13 +12,10 @@ does), so the passes do not depend on capture.
 from __future__ import annotations
 
 import functools
-
 from collections.abc import Mapping
 from typing import Protocol
 
 import sympy
-from torch import fx
-
 from autotp.passes.choices import kept_by_choice
 from autotp.passes.graph import sizes, trainable_attrs
 from autotp.passes.placement import Placement, Shard
@@ -26,6 +23,7 @@ from autotp.passes.projections import find_embeddings, find_projections
 from autotp.passes.propagate import Propagation, propagate
 from autotp.passes.regions import RegionSearch, find_regions
 from autotp.passes.vocab import VocabMatch, find_vocab
+from torch import fx
 
 
 class CapturedModel(Protocol):

@@ -4,12 +4,11 @@ also judges (a transform right before the vocabulary head, a mixture-of-experts 
 from __future__ import annotations
 
 import torch
-from torch import fx
-
 from autotp.passes.graph import arg_or_default, sizes
-from autotp.passes.reshapes import static
 from autotp.passes.projections import Projection
+from autotp.passes.reshapes import static
 from autotp.passes.vocab import feeds_only_heads
+from torch import fx
 
 aten = torch.ops.aten
 

@@ -10,12 +10,14 @@
 Along the split dim each segment is cut into ``tp // replicas`` contiguous chunks and rank r holds chunk
 ``r // replicas`` of every segment: for a fused QKV weight, its share of Q, of K and of V, side by side.
 ``local_shard`` takes a rank's slice of a full tensor and ``full_tensor`` puts every rank's back together;
-every layer (the rewriter, the runtime, the checker, the tests) calls these and no other.
+every layer (the rewriter, the runtime, the checker, the tests) calls these and no other. A rank's tensors
+come from a ``Source`` asked for ``Want``s (a tensor and the ``Part`` the rank holds of it).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 
@@ -248,3 +250,24 @@ def full_tensor(placement: Placement | None, shards: list[torch.Tensor]) -> torc
     chunks = shards[::placement.replicas]
     size = chunks[0].shape[placement.dim] * len(chunks)
     return assemble(chunks, placement.dim, segments_or_whole(placement.segments, size))
+
+
+@dataclass(frozen=True)
+class Want:
+    """One tensor a rank's module needs: the model's tensor (possibly on the meta device) under its first name,
+    and the part of it this rank holds."""
+
+    name: str
+    tensor: torch.Tensor
+    part: Part
+
+
+Source = Callable[[list[Want]], list[torch.Tensor]]
+"""Gives the rank's tensor (a new one, of ``want.part.local_shape``) for every want, in order: the model's own
+tensors (``own_tensors``), the first rank's copy (``runtime.process.from_first_rank``) or a checkpoint's slices
+(``runtime.readers``). Asked once for everything a set of modules needs, so a source can batch its reads."""
+
+
+def own_tensors(wants: list[Want]) -> list[torch.Tensor]:
+    """The default source: each rank's part cut from the model's own tensors."""
+    return [w.part.take(w.tensor.detach()) for w in wants]

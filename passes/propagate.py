@@ -15,15 +15,30 @@ from dataclasses import dataclass, field
 
 import sympy
 import torch
-from torch import fx
-
-from autotp.passes.graph import ArgPath, grad_nodes, is_tensor, mutated_args, rank, sizes, tensor_args
+from autotp.passes.graph import (
+    ArgPath,
+    grad_nodes,
+    is_tensor,
+    mutated_args,
+    rank,
+    sizes,
+    tensor_args,
+)
 from autotp.passes.placement import Layout, PlacementKind, Shard
-from autotp.passes.reshapes import static
 from autotp.passes.projections import Embedding, Projection
+from autotp.passes.reshapes import static
 from autotp.passes.rule_kit import size_checks
-from autotp.passes.rules import BLOCK_AWARE, REPLICA_AWARE, SPREAD_AWARE, Context, Decision, replicate_all, rule_for
+from autotp.passes.rules import (
+    BLOCK_AWARE,
+    REPLICA_AWARE,
+    SPREAD_AWARE,
+    Context,
+    Decision,
+    replicate_all,
+    rule_for,
+)
 from autotp.passes.steps import COPY, Operator, Step, gather, scatter
+from torch import fx
 
 aten = torch.ops.aten
 

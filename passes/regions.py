@@ -13,14 +13,13 @@ from dataclasses import dataclass
 from enum import Enum
 
 import torch
-from torch import fx
-
 from autotp.passes.graph import grad_nodes
+from autotp.passes.origins import SourceGraph, trace
 from autotp.passes.placement import Shard
 from autotp.passes.projections import Projection
 from autotp.passes.propagate import GraphIndex, Propagation, Violation, propagate
-from autotp.passes.sources import SourceGraph, trace
 from autotp.passes.steps import Operator
+from torch import fx
 
 aten = torch.ops.aten
 _ATTENTION_OPS = {aten.scaled_dot_product_attention.default, aten.softmax.int, aten._softmax.default}

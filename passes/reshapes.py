@@ -5,10 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass
 
 import sympy
-
 from autotp.passes.placement import Shard
 
 

@@ -11,12 +11,11 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, field
 
-from torch import fx
-
 from autotp.passes.graph import ArgPath, is_tensor, meta_val, rank, sizes
 from autotp.passes.placement import Layout, Shard
 from autotp.passes.reshapes import broadcast_dim
 from autotp.passes.steps import COPY, Operator, Step
+from torch import fx
 
 
 @dataclass

@@ -4,8 +4,6 @@ attention, convolutions, norms. Each keeps a split where the computation is per 
 from __future__ import annotations
 
 import torch
-from torch import fx
-
 from autotp.passes.graph import arg_or_default, named_arg, rank, sizes
 from autotp.passes.placement import Shard
 from autotp.passes.reshapes import static
@@ -24,6 +22,7 @@ from autotp.passes.rule_kit import (
     size_checks,
 )
 from autotp.passes.steps import COPY, Operator
+from torch import fx
 
 aten = torch.ops.aten
 

@@ -7,8 +7,6 @@ import dataclasses
 import sys
 
 import torch
-from torch import fx
-
 from autotp.passes.graph import DividedBy, arg_or_default, meta_val, rank, sizes
 from autotp.passes.placement import Shard
 from autotp.passes.reshapes import map_reshape, static
@@ -23,6 +21,7 @@ from autotp.passes.rule_kit import (
     sharded_inputs,
     size_checks,
 )
+from torch import fx
 
 aten = torch.ops.aten
 

@@ -142,10 +142,19 @@ def _dcp_keys(path: Path) -> list[str]:
 
 
 
-def dp_checkpoints(rank: int, world: int, path: str) -> list[str]:
+def state_error(full: dict, want: dict) -> float:
+    """The largest difference between two state dicts beyond a 1e-5 relative tolerance (inf if their keys differ)."""
+    if set(full) != set(want):
+        return float("inf")
+    excess = [((full[k].double() - v.double()).abs() - 1e-5 * v.double().abs()).max() for k, v in want.items()
+              if isinstance(v, torch.Tensor) and v.numel()]
+    return float(max(excess).clamp(min=0)) if excess else 0.0
+
+
+def dp_checkpoints(rank: int, world: int, path: str) -> dict[str, float]:
     """On 4 ranks: dp=2 x tp=2 fsdp replicas train 2 AdamW steps on their halves of the batch and save (DCP with
     the optimizer, and a safetensors export); replicate replicas, fsdp replicas and a tp=4 module each load it,
-    equal one process after 2 steps, and after one more step equal it after 3."""
+    and go on one more step. Returns each state's error against one process after the same steps."""
     folder = Path(path)
     x, y = models.tokens(8, 12, 5), models.tokens(8, 12, 6)
     ref = llama()
@@ -167,20 +176,18 @@ def dp_checkpoints(rank: int, world: int, path: str) -> list[str]:
     saver.save(folder / "dcp", optimizer=opt)
     saver.save(folder / "hf", format="safetensors")
     after_two = {k: v.clone() for k, v in ref.state_dict().items()}
-    _same_state(saver.full_state_dict(), after_two, "fsdp dp=2 trained")
+    errors = {"fsdp dp=2 trained": state_error(saver.full_state_dict(), after_two)}
     ref_step()
-    done = []
     for label, layout in [("replicate", dict(tp=2, dp=2, dp_mode="replicate")), ("fsdp", dict(tp=2, dp=2)),
                           ("tp=4", dict(tp=4))]:
         pm = autotp.parallelize(llama(), example_inputs=x[:2], vocab="split", quiet=True, **layout)
         pm_opt = torch.optim.AdamW(pm.parameters(), **ADAM)
         pm.load(folder / "dcp", optimizer=pm_opt, quiet=True)
-        _same_state(pm.full_state_dict(), after_two, f"{label} loaded")
+        errors[f"{label} loaded"] = state_error(pm.full_state_dict(), after_two)
         step(pm, pm_opt)
-        _same_state(pm.full_state_dict(), ref.state_dict(), f"{label} after a resumed step")
-        done.append(label)
+        errors[f"{label} after a resumed step"] = state_error(pm.full_state_dict(), ref.state_dict())
     import transformers
 
     exported = transformers.LlamaForCausalLM.from_pretrained(folder / "hf").state_dict()
-    _same_state(exported, after_two, "exported at dp=2")
-    return [*done, "export"]
+    errors["exported at dp=2, loaded by from_pretrained"] = state_error(exported, after_two)
+    return errors

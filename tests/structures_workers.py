@@ -15,7 +15,6 @@ from typing import Callable
 
 import torch
 from torch import nn
-from torch.testing import assert_close
 from torch.utils._pytree import tree_leaves
 
 import autotp
@@ -217,24 +216,26 @@ def _split_names(plan: autotp.Plan) -> list[str]:
     return sorted(name for name, placement in plan.placements.items() if placement.is_split)
 
 
+def _error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """The largest difference beyond the relative tolerance (0.0 when ``got`` is within TOL of ``want``)."""
+    excess = (got.double() - want.double()).abs() - TOL["rtol"] * want.double().abs()
+    return float(excess.max().clamp(min=0)) if excess.numel() else 0.0
+
+
 def check_case(label: str, case: Case, world: int) -> dict:
     """Shard one model over ``world`` ranks and compare it with the unsharded original: outputs, the loss of
-    STEPS AdamW steps and every parameter afterwards. Returns the largest errors and the split names."""
+    STEPS AdamW steps and every parameter afterwards. Returns the measurements the test asserts on: errors beyond
+    the relative tolerance (outputs, each step's loss, parameters), what was split and what had to be."""
     start = time.perf_counter()
     torch.manual_seed(SEED)
     ref = case.build()
     example = case.inputs(2, case.example_seq, 1)
     pm = autotp.parallelize(ref, tp=world, example_inputs=example)
-    split = _split_names(pm.plan)
-    kept = [name for name in case.must_split if not pm.plan.placements[name].is_split]
-    assert not kept, f"{label}: {kept} kept whole; split: {split}; notes: {pm.plan.notes}"
     extra = _no_cache(ref)
 
     batches = [case.inputs(3, case.seq, seed) for seed in range(2, 2 + STEPS)]  # not the example's sizes
-    got, want = _call(pm, batches[0]), _call(ref, batches[0], **extra)
-    assert len(tree_leaves(got)) == len(tree_leaves(want)), f"{label}: outputs differ in structure"
-    for g, w in zip(tree_leaves(got), tree_leaves(want)):
-        assert_close(g, w, **TOL, msg=lambda m: f"{label} output (split: {split}): {m}")
+    got, want = tree_leaves(_call(pm, batches[0])), tree_leaves(_call(ref, batches[0], **extra))
+    outputs = [_error(g, w) for g, w in zip(got, want)] if len(got) == len(want) else [float("inf")]
 
     opt, ref_opt = torch.optim.AdamW(pm.parameters(), **ADAM), torch.optim.AdamW(ref.parameters(), **ADAM)
     losses = []
@@ -243,17 +244,14 @@ def check_case(label: str, case: Case, world: int) -> dict:
         loss = _step(pm, batch, target)
         ref_loss = _loss(_call(ref, batch, **extra), target)
         ref_loss.backward()
-        assert_close(loss, ref_loss.detach(), **TOL, msg=lambda m: f"{label} loss of step {step}: {m}")
-        losses.append(float((loss - ref_loss.detach()).abs()))
+        losses.append(_error(loss, ref_loss.detach()))
         opt.step(), ref_opt.step()
         opt.zero_grad(), ref_opt.zero_grad()
 
-    full, worst = pm.full_state_dict(), 0.0
-    assert set(full) == set(ref.state_dict()), f"{label}: full_state_dict keys differ from the model's"
-    for key, value in ref.state_dict().items():
-        assert_close(full[key], value, **TOL, msg=lambda m: f"{label} {key} after {STEPS} AdamW steps: {m}")
-        worst = max(worst, float((full[key].double() - value.double()).abs().max()))
-    return {"loss": max(losses), "params": worst, "split": split, "seconds": time.perf_counter() - start}
+    full = pm.full_state_dict()
+    params = {key: _error(full[key], value) for key, value in ref.state_dict().items() if key in full}
+    return {"output": max(outputs), "losses": losses, "params": params, "missing_keys": sorted(set(ref.state_dict()) - set(full)),
+            "split": _split_names(pm.plan), "must_split": list(case.must_split), "seconds": time.perf_counter() - start}
 
 
 def _step(pm, batch, target: torch.Tensor) -> torch.Tensor:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 import autotp
-from autotp.planning.choose import CPU, GPU, VocabCost, machine_for, parse_bytes, vocab_verdict
+from autotp.options import parse_bytes
+from autotp.planning.pricing import CPU, GPU, VocabCost, machine_for, vocab_verdict
 from examples.gpt import build_gpt
 from tests import models
 

@@ -12,10 +12,16 @@ import pytest
 import torch
 
 import autotp
+from autotp.capture.examples import vocab_size
 from autotp.tools import cli
 from autotp.tools.exports import to_hf_tp_plan
-from autotp.capture.inputs import vocab_size
-from autotp.tools.model_spec import SMALL_HF, SpecKind, build_model, parse_overrides, parse_spec
+from autotp.tools.model_spec import (
+    SMALL_HF,
+    SpecKind,
+    build_model,
+    parse_overrides,
+    parse_spec,
+)
 from tests.distributed import run_on_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -27,7 +33,7 @@ def _commands(out: Path) -> dict[str, list[str]]:
     return {
         "gpt_json": ["plan", GPT, "--tp", "2", "--format", "json", "-o", str(out / "gpt.json")],
         "llama_json": ["plan", "hf:llama", "--tp", "2", "--format", "json", "-o", str(out / "llama.json")],
-        "svg": ["viz", GPT, "--tp", "2", "--vocab-split", "split", "-o", str(out / "gpt.svg")],
+        "svg": ["viz", GPT, "--tp", "2", "--vocab", "split", "-o", str(out / "gpt.svg")],
         "bad_spec": ["plan", "not-a-spec", "--tp", "2"],
     }
 
@@ -57,7 +63,7 @@ def _args(argv):
 
 def test_table_lists_split_modules_collectives_and_totals(capsys, monkeypatch):
     monkeypatch.chdir(ROOT)
-    assert cli.main(["plan", GPT, "--tp", "2", "--batch", "4", "--seq", "16", "--vocab-split", "split"]) == 0
+    assert cli.main(["plan", GPT, "--tp", "2", "--batch", "4", "--seq", "16", "--vocab", "split"]) == 0
     text = capsys.readouterr().out
     assert "transformer.h.[0-1].mlp.c_fc (x2)     column  [256, 64] + [256]  [128, 64] + [128]" in text
     assert "transformer.wte                       vocab   [128, 64]          [64, 64]" in text
@@ -116,7 +122,7 @@ def test_svg_parses_and_names_every_split_module(runs):
     results, out = runs
     assert _ok(results["svg"]).stdout.strip() == f"wrote {out / 'gpt.svg'}"
     text = " ".join(ET.parse(out / "gpt.svg").getroot().itertext())
-    planned = cli.load_and_plan(_args(["plan", GPT, "--tp", "2", "--vocab-split", "split"]))
+    planned = cli.load_and_plan(_args(["plan", GPT, "--tp", "2", "--vocab", "split"]))
     split = [r.name for r in module_rows(planned.plan, param_infos(planned.model)) if r.kind != "replicated"]
     assert len(split) == 10 and all(name in text for name in split)
     assert "vocab-split" in text and "all-reduce (g, forward)" in text
@@ -206,7 +212,7 @@ def test_internal_errors_are_reported_as_autotp_bugs(capsys, monkeypatch):
 
 def test_plan_file_is_read_and_checked(capsys, monkeypatch, tmp_path):
     monkeypatch.chdir(ROOT)
-    assert cli.main(["plan", GPT, "--tp", "2", "--vocab-split", "split", "--format", "json", "-o",
+    assert cli.main(["plan", GPT, "--tp", "2", "--vocab", "split", "--format", "json", "-o",
                      str(tmp_path / "p.json")]) == 0
     assert cli.main(["plan", GPT, "--plan", str(tmp_path / "p.json"), "--format", "hf"]) == 0
     assert json.loads(capsys.readouterr().out)["lm_head"] == "colwise_gather_output"

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from autotp.passes.placement import Placement, part_of
+from autotp.passes.steps import Operator
 
 import autotp
-from autotp.passes.steps import Operator
-from autotp.planning.plan import Placement, Plan
-from autotp.passes.placement import part_of
+from autotp.planning.plan import Plan
 from tests import gqa_workers, models
 from tests.distributed import run_on_ranks
 

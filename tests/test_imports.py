@@ -103,3 +103,36 @@ def test_the_checker_sees_a_back_edge(tmp_path):
     assert _imports(bad) == {"autotp.planning.planner", "autotp.planning.planner.make_plan", "autotp.runtime"}
     assert _layer("autotp.planning.planner") > _layer("autotp.passes.rules")
     assert _layer("autotp.tools.viz.model") == len(LAYERS) - 1
+
+
+RUNTIME_MAY_USE_FROM_REWRITE = ("autotp.rewrite.comm", "autotp.rewrite.streams", "autotp.rewrite.collectives")
+"""The rewrite objects a running module holds: its communicators (and the collectives its outputs and loss run
+through) and its random stream. Everything else the runtime needs of a rank's tensors (placements, parts, weight
+sources) lives in ``autotp.passes.placement``."""
+
+
+def test_the_rewriter_reads_plans_not_the_planner():
+    modules = _module_files()
+    wrong = [f"{m} imports {t}" for m, path in modules.items() if m.startswith("autotp.rewrite")
+             for t in map(lambda i: _known(i, modules), _imports(path)) if t == "autotp.planning.planner"]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_runtime_takes_only_communication_and_random_streams_from_the_rewrite():
+    modules = _module_files()
+    wrong = [f"{m} imports {t}" for m, path in modules.items() if m.startswith("autotp.runtime")
+             for t in map(lambda i: _known(i, modules), _imports(path))
+             if t and t.startswith("autotp.rewrite") and t not in RUNTIME_MAY_USE_FROM_REWRITE]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_no_module_name_is_used_twice():
+    """A file name says one thing: no two modules of the package share their last name (``sources.py`` once meant
+    three things in three layers)."""
+    modules = _module_files()
+    last: dict[str, list[str]] = {}
+    for name, path in modules.items():
+        if path.name != "__init__.py":
+            last.setdefault(path.stem, []).append(name)
+    twice = {stem: names for stem, names in last.items() if len(names) > 1}
+    assert not twice, twice

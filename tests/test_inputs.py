@@ -8,7 +8,7 @@ from torch import nn
 
 import autotp
 from autotp.capture import Signature, synthesise
-from autotp.runtime.inputs import InputSpec
+from autotp.runtime.input_spec import InputSpec
 from autotp.tools.model_spec import example_inputs as cli_example_inputs
 from tests import inputs_workers, models
 from tests.distributed import run_on_ranks

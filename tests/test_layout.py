@@ -2,9 +2,13 @@
 
 import sympy
 import torch
-
-from autotp.passes.placement import Shard, assemble, assemble_blocks, local_blocks, local_shard
-
+from autotp.passes.placement import (
+    Shard,
+    assemble,
+    assemble_blocks,
+    local_blocks,
+    local_shard,
+)
 from autotp.passes.reshapes import map_reshape
 
 B, T = sympy.symbols("B T")

@@ -14,8 +14,6 @@ from examples.gpt import build_gpt
 from tests import models, pipeline_workers
 from tests.distributed import run_on_ranks
 
-MODELS = ["gpt", "llama", "hf_llama", "hf_gpt2"]
-SCHEDULES = ["gpipe", "1f1b"]
 CONFIGS = {
     (1, 2): [["gpt", "gpipe"], ["llama", "1f1b"], ["hf_llama", "1f1b"], ["hf_gpt2", "gpipe"]],
     (2, 2): [["gpt", "1f1b"], ["llama", "gpipe"], ["hf_llama", "gpipe"], ["hf_gpt2", "1f1b"]],
@@ -24,13 +22,10 @@ CONFIGS = {
 """Every model with both schedules over the first two layouts, a sample at pp=4 (one spawn per layout)."""
 
 
-def test_every_model_and_schedule_is_covered():
-    assert {tuple(c) for cs in list(CONFIGS.values())[:2] for c in cs} == {(m, s) for m in MODELS for s in SCHEDULES}
-
-
 @pytest.mark.parametrize("tp, pp", list(CONFIGS))
 def test_pipeline_trains_like_the_original(tp, pp):
     results = run_on_ranks(pipeline_workers.check_pipelines, tp * pp, tp, CONFIGS[(tp, pp)])
+    assert sorted(results[0]) == sorted(f"{name}/{schedule}" for name, schedule in CONFIGS[(tp, pp)]), "not every case ran"
     for key, r in results[0].items():
         assert len(r["stages"]) == pp, key
         # Each rank holds about total/(tp·pp): its stage's shards (plus small replicated norms and, on the

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import torch
-
 from autotp.passes.placement import Shard
 from autotp.passes.propagate import propagate
 from autotp.passes.steps import COPY, Operator, gather
+
 from tests.graphs import MLP, Heads, captured
 
 

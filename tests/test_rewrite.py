@@ -7,14 +7,15 @@ ranks' outputs then add up to the original model's (the real all-reduce is teste
 from __future__ import annotations
 
 import torch
+from autotp.passes.placement import local_shard
 from torch import nn
 from torch.testing import assert_close
 
+from autotp.options import Options
 from autotp.planning import make_plan
 from autotp.rewrite import rewrite
 from autotp.rewrite.collectives import CopyToTP, ReduceFromTP
 from autotp.rewrite.columns import OverlappedColumnLinear
-from autotp.passes.placement import local_shard
 from tests.graphs import MLP, Heads, captured
 
 aten = torch.ops.aten
@@ -22,7 +23,7 @@ aten = torch.ops.aten
 
 def _ranks(model, x, tp=2):
     cap = captured(model, x)
-    plan = make_plan(cap, tp)
+    plan = make_plan(cap, Options(tp=tp))
     return cap, plan, [rewrite(cap, plan, rank, comm=None) for rank in range(tp)]
 
 
@@ -130,6 +131,7 @@ def test_the_users_model_is_not_touched():
 def test_every_operator_has_a_description_and_an_implementation():
     """One table describes each collective (planner, report, pictures); one runs it (rewriter)."""
     from autotp.passes.steps import COMMUNICATION, Operator
+
     from autotp.rewrite.collectives import IMPLEMENTATIONS
 
     assert set(COMMUNICATION) == set(Operator) == set(IMPLEMENTATIONS)

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import torch
-
 from autotp.passes.graph import grad_nodes
 from autotp.passes.placement import Shard
 from autotp.passes.rules import Context, replicate_all, rule_for
 from autotp.passes.steps import COPY
+
 from tests.graphs import captured, node
 
 aten = torch.ops.aten

@@ -6,9 +6,10 @@ import torch
 from torch.testing import assert_close
 
 from autotp.capture.torch_private import is_guard_call
+from autotp.options import Options
 from autotp.planning import make_plan
 from autotp.rewrite import build_graph, materialise, split_stages
-from autotp.rewrite.stages import HIDDEN
+from autotp.rewrite.stage_graphs import HIDDEN
 from tests import models
 from tests.graphs import captured
 
@@ -17,7 +18,7 @@ def _stages(pp: int):
     torch.manual_seed(0)
     model, ids = models.build("gpt", layers=4), models.tokens(2, 16, 0)
     cap = captured(model, ids)
-    plan = make_plan(cap, 1, pp=pp, stages=pp)
+    plan = make_plan(cap, Options(pp=pp))
     analysis = cap.analysis
     graphs = split_stages(build_graph(cap, plan, 0, None), analysis, plan, list(range(pp)))
     for g in graphs:

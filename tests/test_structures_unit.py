@@ -11,12 +11,12 @@ import pytest
 import sympy
 import torch
 import torch.nn.functional as F
+from autotp.passes.placement import PlacementKind, Shard
+from autotp.passes.projections import find_projections
+from autotp.passes.reshapes import map_reshape
 from torch import nn
 
 import autotp
-from autotp.passes.placement import PlacementKind, Shard
-from autotp.passes.reshapes import map_reshape
-from autotp.passes.projections import find_projections
 from tests.graphs import captured
 
 B, T, D, H = 2, 6, 16, 4  # batch, sequence, model width, heads

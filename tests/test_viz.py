@@ -9,7 +9,14 @@ import pytest
 import autotp
 from autotp.capture import capture
 from autotp.planning import Collective, PlacementKind, Stage
-from autotp.tools.report import collapse_names, collective_bytes, human_bytes, module_rows, param_infos, plan_table
+from autotp.tools.report import (
+    collapse_names,
+    collective_bytes,
+    human_bytes,
+    module_rows,
+    param_infos,
+    plan_table,
+)
 from autotp.tools.viz import (
     Box,
     PictureFormat,

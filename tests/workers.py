@@ -10,12 +10,12 @@ import copy
 
 import torch
 import torch.distributed as dist
+from autotp.passes.placement import full_tensor
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.testing import assert_close
 from torch.utils._pytree import tree_leaves
 
 import autotp
-from autotp.passes.placement import full_tensor
 from tests import models
 
 # Adam divides by sqrt(v) + eps: on gradients that are zero up to rounding (the key bias has an exactly

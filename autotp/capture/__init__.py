@@ -4,8 +4,15 @@ The first stage of autotp; ``inputs`` names, orders and synthesises the inputs a
 ``torch_private`` holds every private torch API autotp relies on.
 """
 
+from autotp.capture.examples import (
+           ExampleInputs,
+           Signature,
+           example_inputs_of,
+           name_inputs,
+           synthesise,
+           vocab_size,
+)
 from autotp.capture.export import Captured, capture, model_kwargs, tensor_aliases
-from autotp.capture.inputs import ExampleInputs, Signature, example_inputs_of, name_inputs, synthesise, vocab_size
 
 __all__ = ["Captured", "ExampleInputs", "Signature", "capture", "example_inputs_of", "model_kwargs", "name_inputs",
            "synthesise", "tensor_aliases", "vocab_size"]

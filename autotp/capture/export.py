@@ -18,9 +18,20 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx, nn
 
+from autotp.capture.examples import (
+    ExampleInputs,
+    Signature,
+    example_inputs_of,
+    require_module,
+)
 from autotp.capture.grad_modes import inline_no_grad
-from autotp.capture.inputs import ExampleInputs, Signature, example_inputs_of, require_module
-from autotp.capture.torch_private import applied_functions, is_guard_call, mutated_args, output_spec, plain_sizes
+from autotp.capture.torch_private import (
+    applied_functions,
+    is_guard_call,
+    mutated_args,
+    output_spec,
+    plain_sizes,
+)
 from autotp.errors import CaptureError, InputError
 from autotp.passes.analysis import Analysis
 from autotp.passes.graph import MUTATES_META, SHAPE_META

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 import sympy
 
 from autotp.errors import InputError, PlanError
-from autotp.options import Balance
-from autotp.passes.placement import REPLICATED, Placement, PlacementKind
+from autotp.options import Balance, Options
+from autotp.passes.placement import Placement, PlacementKind
 from autotp.passes.regions import RegionKind
 from autotp.passes.steps import CollectiveOp, Direction, Operator
 
@@ -158,6 +158,8 @@ class Plan:
     way to split them; the notes say why."""
     sequence_parallel: bool = False
     """Whether the residual stream between regions is split along the sequence (Megatron's sequence parallelism)."""
+    options: Options | None = None
+    """The options the plan was made with (None: a plan made by hand, or before plans recorded them)."""
 
     def __post_init__(self):
         if not isinstance(self.tp, int) or self.tp < 1:
@@ -199,6 +201,7 @@ class Plan:
             "stages": [s.to_dict() for s in self.stages],
             "by_choice": list(self.by_choice),
             "sequence_parallel": self.sequence_parallel,
+            "options": self.options.to_dict() if self.options is not None else None,
         }
 
     def to_json(self, indent: int | None = 2) -> str:
@@ -228,6 +231,7 @@ class Plan:
                 stages=tuple(Stage(**st | {"modules": tuple(st["modules"])}) for st in data.get("stages", [])),
                 by_choice=tuple(data.get("by_choice", [])),
                 sequence_parallel=bool(data.get("sequence_parallel", False)),
+                options=Options.from_dict(data["options"]) if data.get("options") is not None else None,
             )
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise InputError(f"not a valid autotp plan: {e}") from e
@@ -300,6 +304,24 @@ def check_plan_fits(plan: Plan, shapes: Mapping[str, tuple], tp: int | None = No
             raise PlanError(f"{source} splits {name} (shape {list(shapes[name])}) as {placement!r}, but {why}; "
                             "fix that placement or re-plan with autotp.plan")
     return plan
+
+
+_REGION_SIDES = {"columns": (PlacementKind.COLWISE, PlacementKind.VOCAB), "rows": (PlacementKind.ROWWISE,)}
+
+
+def check_regions_agree(plan: Plan, source: str = "the plan") -> None:
+    """A plan's ``regions`` report its placements, they do not set them: every layer a region lists as a column
+    (or the vocabulary) must have its weight placed so, every row rowwise. ``PlanError`` naming the first that
+    disagrees (a hand edit of one side only)."""
+    for region in plan.regions:
+        for side, kinds in _REGION_SIDES.items():
+            for layer in getattr(region, side):
+                placement = plan.placements.get(f"{layer}.weight", plan.placements.get(layer))
+                if placement is not None and placement.kind not in kinds:
+                    raise PlanError(
+                        f"{source} lists {layer} among the {side} of its {region.kind.value} region, but places its "
+                        f"weight as {placement!r}: regions report the placements and must agree with them; fix the "
+                        "placement, fix or delete that region, or re-plan with autotp.plan")
 
 
 def _split_problem(placement: Placement, shape: tuple, tp: int) -> str | None:

@@ -14,18 +14,25 @@ import sympy
 
 from autotp.capture import Captured
 from autotp.errors import PlanError
-from autotp.options import Balance, VocabChoice
+from autotp.options import Options, VocabChoice
 from autotp.passes.analysis import Analysis
 from autotp.passes.graph import arg_or_default, grad_nodes, sizes
-from autotp.passes.placement import PlacementKind
+from autotp.passes.placement import REPLICATED, Placement, PlacementKind
 from autotp.passes.propagate import Propagation
-from autotp.passes.random import random_refusal
+from autotp.passes.random_ops import random_refusal
 from autotp.passes.regions import RegionKind, RegionMatch
 from autotp.passes.steps import COMMUNICATION, Direction, Operator, fused
-from autotp.planning.choose import (Choices, region_cost, regions_kept_whole, training_bytes_per_rank, vocab_cost,
-                                    vocab_verdict)
-from autotp.planning.plan import REPLICATED, Collective, Placement, Plan, Region
-from autotp.planning.stages import plan_stages
+from autotp.planning.plan import Collective, Plan, Region, check_regions_agree
+from autotp.planning.pricing import (
+    CPU,
+    Machine,
+    region_cost,
+    regions_kept_whole,
+    training_bytes_per_rank,
+    vocab_cost,
+    vocab_verdict,
+)
+from autotp.planning.stage_split import plan_stages
 
 
 def _divisibility_error(analysis: Analysis, region: RegionMatch, tp: int, valid: list[int]) -> PlanError:
@@ -81,37 +88,38 @@ def _region_placements(analysis: Analysis, region: RegionMatch) -> dict[str, Pla
 
 
 def _choose_regions(analysis: Analysis, regions: list[RegionMatch], tp: int, values: dict[str, int],
-                    choices: Choices, notes: list[str]) -> tuple[list[RegionMatch], tuple[str, ...]]:
+                    options: Options, machine: Machine, notes: list[str]) -> tuple[list[RegionMatch], tuple[str, ...]]:
     """The regions to split, and the layers of those the cost model keeps whole within the memory budget."""
-    if choices.memory_budget is None or tp == 1:
+    if options.memory_budget is None or tp == 1:
         return regions, ()
     everything = {}
     for region in regions:
         everything |= _region_placements(analysis, region)
-    costs = [region_cost(analysis, r, tp, values, choices.machine) for r in regions]
-    kept = regions_kept_whole(costs, training_bytes_per_rank(analysis, everything, tp), choices.memory_budget)
+    costs = [region_cost(analysis, r, tp, values, machine) for r in regions]
+    kept = regions_kept_whole(costs, training_bytes_per_rank(analysis, everything, tp), options.memory_budget)
     if not kept:
         return regions, ()
     layers = tuple(analysis.layer(n) for c in kept for n in (*c.region.columns, *c.region.rows))
     saved = sum(c.gain for c in kept)
-    notes.append(f"{len(kept)} of {len(regions)} regions kept whole by the cost model ({choices.machine.name}, at the "
-                 f"plan's batch and sequence; within the memory budget of {choices.memory_budget / 2**20:.4g} MiB): "
+    notes.append(f"{len(kept)} of {len(regions)} regions kept whole by the cost model ({machine.name}, at the "
+                 f"plan's batch and sequence; within the memory budget of {options.memory_budget / 2**20:.4g} MiB): "
                  f"their splits would cost more communication than the compute they save, {saved * 1e3:.3g} ms per "
                  f"step in all ({', '.join(layers[:4])}{', ...' if len(layers) > 4 else ''})")
     whole = {id(c.region) for c in kept}
     return [r for r in regions if id(r) not in whole], layers
 
 
-def _vocab_placements(analysis: Analysis, tp: int, notes: list[str], choices: Choices, values: dict[str, int],
-                      others: dict[str, Placement]) -> tuple[dict[str, Placement], list[Region], tuple[str, ...]]:
+def _vocab_placements(analysis: Analysis, tp: int, notes: list[str], options: Options, machine: Machine,
+                      values: dict[str, int], others: dict[str, Placement]) -> tuple[dict[str, Placement], list[Region], tuple[str, ...]]:
     """The vocabulary split (placements and regions), unless it cannot be exact or ``choices`` keep it whole
-    (then the layers kept whole by choice); the reason goes to ``notes``. ``others``: the plan's other split
+    (then the layers kept whole by choice, as ``options`` ask or the cost model on ``machine`` finds); the reason
+    goes to ``notes``. ``others``: the plan's other split
     parameters."""
     vocab = analysis.vocab
     if vocab is None or tp == 1:
         return {}, [], ()
     layers = tuple(analysis.layer(n) for n in (*vocab.embeddings, *vocab.heads))
-    if choices.vocab is VocabChoice.WHOLE:
+    if options.vocab is VocabChoice.WHOLE:
         notes.append("embedding and LM head kept whole: vocab='whole' was asked for")
         return {}, [], layers
     if vocab.vocab_size % tp:
@@ -127,11 +135,11 @@ def _vocab_placements(analysis: Analysis, tp: int, notes: list[str], choices: Ch
     if blocker:
         notes.append(f"embedding and LM head replicated: {blocker}")
         return {}, [], ()
-    if choices.vocab is VocabChoice.AUTO:
-        cost = vocab_cost(analysis, tp, values, choices.machine)
-        whole, why = vocab_verdict(cost, training_bytes_per_rank(analysis, others | out, tp), choices.memory_budget)
+    if options.vocab is VocabChoice.AUTO:
+        cost = vocab_cost(analysis, tp, values, machine)
+        whole, why = vocab_verdict(cost, training_bytes_per_rank(analysis, others | out, tp), options.memory_budget)
         verdict = "kept whole" if whole else "split"
-        notes.append(f"vocabulary of {vocab.vocab_size} {verdict} by the cost model ({choices.machine.name}, at the "
+        notes.append(f"vocabulary of {vocab.vocab_size} {verdict} by the cost model ({machine.name}, at the "
                      f"plan's batch and sequence): {why}; vocab='split' or 'whole' overrides it")
         if whole:
             return {}, [], layers
@@ -162,7 +170,10 @@ def _vocab_blocker(analysis: Analysis, placements: dict[str, Placement], tp: int
 
 def verify_plan(captured: Captured, plan: Plan) -> Plan:
     """Re-check a plan made elsewhere (a file, a hand edit) the way the planner checks its own: every size it
-    splits divides by tp, and nothing it splits needs what the rewrite cannot do. ``PlanError`` otherwise."""
+    splits divides by tp, nothing it splits needs what the rewrite cannot do, and its regions agree with its
+    placements (``PlanError`` otherwise). Returns the plan to apply: its collectives, which only report what the
+    placements imply, recomputed from them (with a note when the given list differed)."""
+    check_regions_agree(plan)
     if plan.tp == 1:
         return plan
     analysis = captured.analysis
@@ -173,7 +184,12 @@ def verify_plan(captured: Captured, plan: Plan) -> Plan:
                         f"size of {v.size} would be split, which tp={plan.tp} does not divide; fix the placements "
                         "of the layers before it or re-plan with autotp.plan")
     _refuse_inexact(analysis, prop)
-    return plan
+    collectives = tuple(_collectives(analysis, prop))
+    if collectives == plan.collectives:
+        return plan
+    note = (f"collectives recomputed from the placements: the plan listed {len(plan.collectives)}, its placements "
+            f"imply {len(collectives)} (the list only reports them; edit placements instead)")
+    return plan.replace(collectives=collectives, notes=(*plan.notes, note))
 
 
 def _refuse_inexact(analysis: Analysis, prop: Propagation) -> None:
@@ -249,16 +265,11 @@ def cost_sizes(captured: Captured, batch: int | None, seq: int | None) -> dict[s
     return sizes
 
 
-def make_plan(captured: Captured, tp: int, pp: int = 1, balance: Balance | str = Balance.BOTH,
-              batch: int | None = None, seq: int | None = None, cuts=(), stages: int | None = None,
-              choices: Choices = Choices()) -> Plan:
-    """Plan Megatron-style tensor parallelism over ``tp`` ranks and ``pp`` pipeline ranks.
-
-    ``stages`` (default ``pp``) is the number of pipeline stages: more than pp for interleaved schedules.
-    Stage costs are evaluated at ``batch`` and ``seq`` (default: the example's sizes). ``cuts`` names
-    modules at which a stage must start. ``choices``: whether the vocabulary is split (default: as the cost
-    model finds faster at ``batch`` and ``seq`` within the memory budget).
-    """
+def make_plan(captured: Captured, options: Options = Options(), machine: Machine = CPU) -> Plan:
+    """Plan Megatron-style tensor parallelism over ``options.tp`` ranks and ``options.pp`` pipeline ranks
+    (``options.stages`` stages in all), costs priced on ``machine`` at ``options.batch``/``seq`` (default: the
+    example's sizes). The plan records ``options``."""
+    tp = options.tp
     analysis = captured.analysis
     search = analysis.regions(tp)
     regions = search.regions
@@ -272,11 +283,11 @@ def make_plan(captured: Captured, tp: int, pp: int = 1, balance: Balance | str =
                      "(not for gradient reversal or straight-through estimators)")
     by_target: dict[str, Placement] = {}
     plan_regions: list[Region] = []
-    sizes = cost_sizes(captured, batch, seq)
+    sizes = cost_sizes(captured, options.batch, options.seq)
     for region in regions:
         if region.violations:
             raise _divisibility_error(analysis, region, tp, valid)
-    regions, regions_kept = _choose_regions(analysis, regions, tp, sizes, choices, notes)
+    regions, regions_kept = _choose_regions(analysis, regions, tp, sizes, options, machine, notes)
     for region in regions:
         by_target |= _region_placements(analysis, region)
         if region.kind is RegionKind.ROW:
@@ -293,28 +304,27 @@ def make_plan(captured: Captured, tp: int, pp: int = 1, balance: Balance | str =
                          "each rank selects the heads it needs")
         plan_regions.append(Region(region.kind, tuple(analysis.layer(c) for c in region.columns),
                                    tuple(analysis.layer(r) for r in region.rows), kept))
-    vocab_placements, vocab_regions, vocab_kept = _vocab_placements(analysis, tp, notes, choices, sizes, by_target)
+    vocab_placements, vocab_regions, vocab_kept = _vocab_placements(analysis, tp, notes, options, machine, sizes, by_target)
     by_target |= vocab_placements
     plan_regions = vocab_regions[:1] + plan_regions + vocab_regions[1:]
     if tp == 1:
         by_target = {}  # one rank holds everything: the regions are found, but nothing is split
-    sequence_parallel = choices.sequence_parallel and tp > 1
+    sequence_parallel = options.sequence_parallel and tp > 1
     if sequence_parallel:
         _check_sequence_parallel(analysis)
-    prop = analysis.propagate_placements(_named(analysis, by_target), tp, sequence_parallel)
+    placements = {name: by_target.get(captured.attr_target(captured.aliases[name]), REPLICATED)
+                  for name in captured.param_names}
+    prop = analysis.propagate_placements(placements, tp, sequence_parallel)
     if sequence_parallel:
         notes += _sequence_notes(analysis, prop)
     _refuse_inexact(analysis, prop)
-    placements = {name: by_target.get(captured.attr_target(captured.aliases[name]), REPLICATED)
-                  for name in captured.param_names}
-    balance = Balance(balance)
-    planned_stages = plan_stages(analysis, prop, tp, stages or pp, balance, sizes, cuts)
+    planned_stages = plan_stages(analysis, prop, tp, options.stages, options.balance, sizes, options.cuts)
     by_name = {captured.dim_names.get(k, k): v for k, v in sizes.items()}
     return Plan(tp=tp, placements=placements, collectives=tuple(_collectives(analysis, prop)),
-                regions=tuple(plan_regions), notes=tuple(notes), model=captured.model_name, pp=pp,
-                stages=planned_stages, balance=balance, batch=by_name.get("B", 0), seq=by_name.get("T", 0),
+                regions=tuple(plan_regions), notes=tuple(notes), model=captured.model_name, pp=options.pp,
+                stages=planned_stages, balance=options.balance, batch=by_name.get("B", 0), seq=by_name.get("T", 0),
                 by_choice=tuple(sorted({*(analysis.layer(n) for n in chosen), *vocab_kept, *regions_kept})),
-                sequence_parallel=sequence_parallel)
+                sequence_parallel=sequence_parallel, options=options)
 
 
 def _sequence_notes(analysis: Analysis, prop: Propagation) -> list[str]:

@@ -1,11 +1,12 @@
-"""The rewrite: the only code that changes graphs. Per-rank GraphModules from a captured model and a plan.
+"""The rewrite: the only code that changes graphs after capture. Per-rank GraphModules from a captured model
+and a plan.
 
-``tensor_parallel`` shards parameters, fixes shape constants and inserts collectives (``collectives``);
-``stages`` cuts a rank's graph into pipeline stages; ``shards`` slices and reassembles tensors.
+``rank_graph`` shards parameters, fixes shape constants and inserts collectives (``collectives``);
+``stage_graphs`` cuts a rank's graph into pipeline stages; ``random_draws`` makes random ops draw the unsharded
+model's values from a rank's ``streams.RankStream``; ``shards`` slices values whose split is sized at run time.
 """
 
-from autotp.rewrite.stages import split_stages
-from autotp.rewrite.tensor_parallel import Source, Want, build_graph, materialise, materialise_all, own_tensors, rewrite
+from autotp.rewrite.rank_graph import build_graph, materialise, materialise_all, rewrite
+from autotp.rewrite.stage_graphs import split_stages
 
-__all__ = ["Source", "Want", "build_graph", "materialise", "materialise_all", "own_tensors", "rewrite",
-           "split_stages"]
+__all__ = ["build_graph", "materialise", "materialise_all", "rewrite", "split_stages"]

@@ -2,10 +2,18 @@
 
 from autotp.runtime.data_parallel import DataParallel
 from autotp.runtime.mesh import Mesh
-from autotp.runtime.pipeline import PipelineModule, tied_groups
-from autotp.runtime.process import check_same_plan, check_world, device_for, ensure_process_group
 from autotp.runtime.outputs import default_loss
-from autotp.runtime.tensor_parallel import ParallelModule, StateNames, gather_tp, state_names
+from autotp.runtime.parallel_base import ParallelBase, RankParts
+from autotp.runtime.pipeline import PipelineModule, tied_groups
+from autotp.runtime.process import (
+           check_same_plan,
+           check_world,
+           device_for,
+           ensure_process_group,
+)
+from autotp.runtime.state import StateNames, gather_tp, state_names
+from autotp.runtime.tensor_module import ParallelModule
 
-__all__ = ["DataParallel", "Mesh", "ParallelModule", "PipelineModule", "StateNames", "check_same_plan", "check_world",
-           "default_loss", "device_for", "ensure_process_group", "gather_tp", "state_names", "tied_groups"]
+__all__ = ["DataParallel", "Mesh", "ParallelBase", "ParallelModule", "PipelineModule", "RankParts", "StateNames",
+           "check_same_plan", "check_world", "default_loss", "device_for", "ensure_process_group", "gather_tp",
+           "state_names", "tied_groups"]

@@ -22,11 +22,18 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from autotp.errors import InputError
-from autotp.planning.plan import Plan
 from autotp.passes.placement import Part, part_of
+from autotp.planning.plan import Plan
 from autotp.runtime import dcp
 from autotp.runtime.data_parallel import dp_shard, gathered, local
-from autotp.runtime.sources import HF_INDEX, HF_SINGLE, MODEL_PREFIX, DcpReader, open_reader, read_into
+from autotp.runtime.readers import (
+    HF_INDEX,
+    HF_SINGLE,
+    MODEL_PREFIX,
+    DcpReader,
+    open_reader,
+    read_into,
+)
 
 OPTIMIZER_STATE = "optimizer.state."
 OPTIMIZER_GROUPS = "optimizer.param_groups."

@@ -93,3 +93,40 @@ def default_loss(output, target: torch.Tensor, split: SplitOutputs | None = None
 def user_loss(loss_fn: Callable, output, target: torch.Tensor, split: SplitOutputs | None) -> torch.Tensor:
     """``loss_fn`` on the output as the model returns it: every split output gathered first."""
     return loss_fn(split.whole(output) if split is not None else output, target)
+
+
+def model_loss(output) -> torch.Tensor | None:
+    """The loss the model computed itself (a Hugging Face model given ``labels``: ``output.loss``), or None."""
+    if isinstance(output, dict):
+        return output.get("loss")
+    return getattr(output, "loss", None)
+
+
+def step_loss(output, target: torch.Tensor | None, loss_fn: Callable | None,
+              split: SplitOutputs | None = None) -> torch.Tensor:
+    """The loss ``step`` trains on: ``loss_fn`` (default: cross-entropy) against ``target`` when given, else the
+    model's own (computed from ``labels`` inside the model). ``split``: the outputs the step left split."""
+    if target is not None:
+        if loss_fn is None:
+            return checked_loss(default_loss(output, target, split))
+        return checked_loss(user_loss(loss_fn, output, target, split))
+    if loss_fn is not None:
+        raise InputError("loss_fn is called as loss_fn(output, target), but no target= was given; pass target=")
+    loss = model_loss(output)
+    if loss is None:
+        raise InputError("step needs a loss: pass target= (with the default cross-entropy or your loss_fn), or "
+                         "labels= to a model that computes its own loss (a Hugging Face model's output.loss); "
+                         "this model's output has no loss")
+    return checked_loss(loss)
+
+
+def checked_loss(loss) -> torch.Tensor:
+    """A loss function's result, which must be a scalar tensor with a gradient to follow."""
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+        got = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise InputError(f"loss_fn must return a scalar tensor (e.g. a mean), got {got}; reduce it with .mean() or "
+                         ".sum() inside loss_fn")
+    if not loss.requires_grad:
+        raise InputError("loss_fn returned a tensor with no gradient history (made with .item(), .detach() or "
+                         "torch.no_grad?); compute it from the model's output with torch operations")
+    return loss

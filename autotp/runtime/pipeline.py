@@ -15,22 +15,20 @@ from itertools import product
 import torch
 import torch.distributed as dist
 from torch import fx, nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+)
 from torch.utils._pytree import tree_unflatten
 
 from autotp.errors import InputError
 from autotp.options import Schedule
-from autotp.planning.plan import Plan
-from autotp.rewrite.comm import Communicator
-from autotp.rewrite.random import RankStream
-from autotp.runtime.data_parallel import DataParallel, check_unshared, gathered, local, unsharded
-from autotp.runtime.grad_norm import clip_grad_norm_, is_counted
-from autotp.runtime.inputs import InputSpec
+from autotp.runtime.data_parallel import DataParallel, check_unshared, local, unsharded
 from autotp.runtime.mesh import Mesh, global_rank
-from autotp.runtime.process import close_at_exit
-from autotp.runtime.checkpoint import Checkpointing, Holding, holding
-from autotp.runtime.outputs import SplitOutputs, deferred, output_gathers
-from autotp.runtime.tensor_parallel import StateNames, gather_tp, split_param, step_loss
+from autotp.runtime.outputs import SplitOutputs, deferred, output_gathers, step_loss
+from autotp.runtime.parallel_base import ParallelBase, RankParts
 
 
 def tied_groups(stage_graphs: list[fx.GraphModule], mesh: Mesh) -> dict[str, object]:
@@ -70,7 +68,7 @@ def _refuse_own_loss(target, kwargs: dict) -> None:
                          "loss_fn(output, target) per microbatch; default loss_fn: cross-entropy of the logits)")
 
 
-class PipelineModule(Checkpointing, nn.Module):
+class PipelineModule(ParallelBase):
     """This rank's stages of a tensor- and pipeline-parallel model.
 
     ``step`` trains through the schedule on the train-mode stages; ``forward`` runs the train- or eval-mode
@@ -79,17 +77,15 @@ class PipelineModule(Checkpointing, nn.Module):
     the other stages' ranks, so the masks differ from a single process's.
     """
 
-    def __init__(self, stages: dict[bool, dict[int, fx.GraphModule]], plan: Plan, mesh: Mesh, names: StateNames,
-                 out_spec, tied: dict[str, object], schedule: Schedule, microbatches: int, comm: Communicator,
-                 stream: RankStream, inputs: InputSpec, training: bool, dp: DataParallel | None = None):
-        super().__init__()
+    def __init__(self, parts: RankParts, stages: dict[bool, dict[int, fx.GraphModule]], mesh: Mesh, out_spec,
+                 tied: dict[str, object]):
+        super().__init__(parts)
         self.stages = nn.ModuleDict({str(i): m for i, m in stages[True].items()})
         self.eval_stages = nn.ModuleDict({str(i): m for i, m in stages[False].items()})
-        self.plan, self.mesh, self._names, self._out_spec, self._tied = plan, mesh, names, out_spec, tied
-        self.comm, self._stream, self._inputs, self._dp = comm, stream, inputs, dp
-        self.schedule, self.microbatches = Schedule(schedule), microbatches
-        self.num_stages = len(plan.stages)
-        self._units = _fsdp_units(stages, dp)
+        self.mesh, self._out_spec, self._tied = mesh, out_spec, tied
+        self.schedule, self.microbatches = parts.options.schedule, parts.options.step_microbatches
+        self.num_stages = len(self.plan.stages)
+        self._units = _fsdp_units(stages, self._dp)
         """Stage index -> its FSDP unit (not a registered child: the schedule always runs the train graph)."""
         self._pipeline_stages = [PipelineStage(self._units.get(i, m), i, self.num_stages, mesh.device,
                                                group=mesh.pp_group) for i, m in stages[True].items()]
@@ -98,18 +94,24 @@ class PipelineModule(Checkpointing, nn.Module):
         self._output_gathers = output_gathers(self.stages.values())
         self._split: SplitOutputs | None = None
         """The outputs the running step left split (its last stage's output gathers are deferred)."""
-        self.train(training)
-        close_at_exit(self)
+        self._start(parts.training)
 
-    @property
-    def dp_rank(self) -> int:
-        """This replica's index among the data-parallel replicas: feed it slice ``dp_rank`` of the global batch."""
-        return self.mesh.dp_rank
+    def rank_modules(self) -> list[fx.GraphModule]:
+        """The train-mode stages this rank holds (the eval-mode ones share their tensors)."""
+        return list(self.stages.values())
 
-    @property
-    def dp_size(self) -> int:
-        """The number of data-parallel replicas (1 without data parallelism)."""
-        return self.mesh.dp
+    def _is_first_holder(self, target: str) -> bool:
+        # A weight several stages read (tied embedding and head) counts once, on the first rank holding it.
+        return target not in self._tied or dist.get_rank(self._tied[target]) == 0
+
+    def _collect_stages(self, mine: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        everyone: list = [None] * self.mesh.pp
+        dist.all_gather_object(everyone, {n: t.cpu() for n, t in mine.items()}, group=self.mesh.pp_group)
+        full: dict[str, torch.Tensor] = {}
+        for part in everyone:
+            for name, tensor in part.items():
+                full.setdefault(name, tensor)
+        return full
 
     @property
     def holds_first(self) -> bool:
@@ -159,8 +161,7 @@ class PipelineModule(Checkpointing, nn.Module):
                 self._schedule = self._make_schedule()
             self._schedule.step(*args, **kwargs)
         self._split = None
-        if self._dp is not None:
-            self._dp.average_gradients(self.parameters())
+        self.average_gradients()
         self._sum_tied_grads()
         loss = torch.stack(losses).mean().detach() if self.holds_last else torch.zeros((), device=self.mesh.device)
         dist.broadcast(loss, src=self.mesh.rank_of(self.num_stages - 1), group=self.mesh.pp_group)
@@ -173,25 +174,6 @@ class PipelineModule(Checkpointing, nn.Module):
             if grad is None:
                 grad = held[target].grad = torch.zeros_like(held[target])
             dist.all_reduce(local(grad), group=group)  # the holders' FSDP shards line up: same dp rank
-
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Clip the gradients as ``torch.nn.utils.clip_grad_norm_`` clips the unsharded model's; returns the
-        total norm, the same on every rank (collective: every rank must call it, after ``step``)."""
-        dp_counts = self._dp.counts() if self._dp is not None else True
-        pieces, seen = [], set()
-        for module in self.stages.values():
-            for target, p in module.named_parameters():
-                if p.grad is None or id(p) in seen:
-                    continue
-                seen.add(id(p))
-                first = target not in self._tied or dist.get_rank(self._tied[target]) == 0
-                split = split_param(self.plan, self._names, target, self.mesh.tp_rank)
-                pieces.append((local(p.grad), is_counted(split, self.mesh.tp_rank, dp_counts, first)))
-        return clip_grad_norm_(pieces, max_norm, norm_type)
-
-    def manual_seed(self, seed: int) -> None:
-        """Restart this rank's random stream at ``seed`` (call it with the same seed on every rank)."""
-        self._stream.manual_seed(seed)
 
     @torch.no_grad()
     def forward(self, *inputs, **kwargs):
@@ -231,31 +213,6 @@ class PipelineModule(Checkpointing, nn.Module):
         hidden = torch.empty(tuple(shape.tolist()), dtype=meta.dtype, device=self.mesh.device)
         dist.recv(hidden, src=self.mesh.rank_of(from_stage))
         return hidden
-
-    def local_state_dict(self) -> dict[str, torch.Tensor]:
-        """This rank's tensors (its stages' tp shards, whole over dp) under the original names; collective over
-        dp under fsdp."""
-        out: dict[str, torch.Tensor] = {}
-        for module in self.stages.values():
-            out |= {name: gathered(t) for name, t in self._names.local(module).items()}
-        return out
-
-    def _holding(self) -> Holding:
-        params = {k: p for module in self.stages.values() for k, p in self._names.params(module).items()}
-        own = {name: t for module in self.stages.values() for name, t in self._names.local(module).items()}
-        return holding(self.plan, self.mesh.tp_rank, own, params, self._names.extra_state,
-                       self._names.aliases, None, True)
-
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Full tensors under the original keys, gathered across tp and pp, on every rank (collective)."""
-        mine = {n: gather_tp(self.plan, n, t, self.comm).cpu() for n, t in self.local_state_dict().items()}
-        everyone: list = [None] * self.mesh.pp
-        dist.all_gather_object(everyone, mine, group=self.mesh.pp_group)
-        full: dict[str, torch.Tensor] = {}
-        for part in everyone:
-            for name, tensor in part.items():
-                full.setdefault(name, tensor)
-        return self._names.complete(full)
 
     def close(self) -> None:
         """Release the process groups this module holds (done at exit); it cannot communicate afterwards."""

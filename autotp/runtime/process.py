@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 
 from autotp.errors import RuntimeSetupError
+from autotp.passes.placement import Source, Want
 from autotp.planning.plan import Plan
-from autotp.rewrite.tensor_parallel import Source, Want
 
 DEFAULT_TIMEOUT = timedelta(minutes=10)
 """How long a collective waits for the other ranks when autotp creates the group (torch's own default is

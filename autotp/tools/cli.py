@@ -29,10 +29,15 @@ from torch import nn
 import autotp
 from autotp.capture import capture
 from autotp.errors import AutotpError, InputError, InternalError
-from autotp.tools.exports import Target, export_styles, to_hf_tp_plan, torch_plan_source
-from autotp.tools.model_spec import build_model, example_inputs, parse_overrides, parse_spec
 from autotp.options import Balance, DataParallelMode, VocabChoice
 from autotp.planning import Plan, check_plan_fits
+from autotp.tools.exports import Target, export_styles, to_hf_tp_plan, torch_plan_source
+from autotp.tools.model_spec import (
+    build_model,
+    example_inputs,
+    parse_overrides,
+    parse_spec,
+)
 from autotp.tools.report import ParamInfo, param_infos, per_rank_param_bytes, plan_table
 from autotp.tools.viz import (
     PictureFormat,
@@ -95,8 +100,8 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="what the stage split balances (default both)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="NAME=VALUE",
                    help="factory keyword argument or HF config field; repeatable")
-    p.add_argument("--vocab", type=_positive, help="vocabulary of the example token ids (default: the model's)")
-    p.add_argument("--vocab-split", choices=[c.value for c in VocabChoice], default=VocabChoice.AUTO.value,
+    p.add_argument("--vocab-size", type=_positive, help="vocabulary of the example token ids (default: the model's)")
+    p.add_argument("--vocab", choices=[c.value for c in VocabChoice], default=VocabChoice.AUTO.value,
                    help="split the embedding and LM head along the vocabulary: auto (where the cost model finds it "
                         "faster at --batch/--seq, or needed to fit --memory-budget; default), split or whole")
     p.add_argument("--memory-budget", metavar="BYTES", help="bytes per rank for training state, e.g. 40GiB")
@@ -161,9 +166,9 @@ def run_check(args) -> int:
     if args.tp is None and not args.plan_file:
         raise InputError("--tp is required (the number of tensor-parallel ranks), e.g. --tp 2")
     model = build_model(spec, weights=True)
-    inputs = example_inputs(model, args.vocab)
+    inputs = example_inputs(model, args.vocab_size)
     plan = _load_plan_file(args.plan_file, param_infos(model), args.tp) if args.plan_file else None
-    report = autotp.check(model, args.tp or plan.tp, inputs, pp=args.pp, plan=plan)
+    report = autotp.check(model, args.tp or plan.tp, inputs, plan=plan, options=options_of(args, plan))
     print(report)
     return 0 if report.exact else EXIT_MISMATCH
 
@@ -174,14 +179,20 @@ def load_and_plan(args) -> Planned:
     if args.tp is None and not args.plan_file:
         raise InputError("--tp is required (the number of tensor-parallel ranks), e.g. --tp 2")
     model = build_model(spec)
-    inputs = example_inputs(model, args.vocab)
+    inputs = example_inputs(model, args.vocab_size)
     params = param_infos(model)
     if args.plan_file:
         return Planned(model, inputs, _load_plan_file(args.plan_file, params, args.tp), params)
-    plan = autotp.plan(model, args.tp, inputs, pp=args.pp, balance=args.balance, batch=args.batch, seq=args.seq,
-                       vocab=args.vocab_split, memory_budget=args.memory_budget,
-                       sequence_parallel=args.sequence_parallel)
-    return Planned(model, inputs, plan, params)
+    return Planned(model, inputs, autotp.plan(model, example_inputs=inputs, options=options_of(args)), params)
+
+
+def options_of(args, plan: Plan | None = None) -> autotp.Options:
+    """The settings the command line gives, as the one options value the library takes (with ``--plan``, the
+    plan's tp)."""
+    tp = args.tp or (plan.tp if plan is not None else None)
+    return autotp.Options.build(tp=tp, pp=args.pp, balance=args.balance, batch=args.batch, seq=args.seq,
+                                vocab=args.vocab, memory_budget=args.memory_budget,
+                                sequence_parallel=args.sequence_parallel)
 
 
 def _table(planned: Planned, args) -> str:

@@ -32,7 +32,7 @@ from torch import nn
 
 # The example sizes and the vocabulary guess live with capture (autotp.plan synthesises the same ids);
 # they are imported here too because the zoo reads them from this module.
-from autotp.capture.inputs import synthesise
+from autotp.capture.examples import synthesise
 from autotp.errors import InputError
 
 SPEC_FORMS = "path/to/file.py:factory, package.module:factory, hf:<model_type> or hf:path/to/config.json"
@@ -362,5 +362,5 @@ def build_model(spec: ModelSpec, weights: bool = False) -> nn.Module:
 
 def example_inputs(model: nn.Module, vocab: int | None = None) -> tuple[torch.Tensor]:
     """Token ids to capture ``model`` with, on the device its parameters live on (meta for ``hf:``): the ids
-    ``autotp.plan`` synthesises when given no inputs (``--vocab`` overrides the model's vocabulary)."""
+    ``autotp.plan`` synthesises when given no inputs (``--vocab-size`` overrides the model's vocabulary)."""
     return synthesise(model, vocab).flat

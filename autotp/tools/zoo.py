@@ -22,10 +22,10 @@ import torch
 from torch import nn
 
 from autotp.capture import model_kwargs
+from autotp.capture.examples import EXAMPLE_BATCH, EXAMPLE_SEQ, synthesise, vocab_size
 from autotp.checker import check
 from autotp.errors import AutotpError
 from autotp.names import within
-from autotp.capture.inputs import EXAMPLE_BATCH, EXAMPLE_SEQ, synthesise, vocab_size
 from autotp.tools.model_spec import build_model, parse_spec
 
 TINY_MOE = {"num_local_experts": 4, "num_experts": 4, "n_routed_experts": 4, "num_experts_per_tok": 2,

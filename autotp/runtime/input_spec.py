@@ -16,7 +16,6 @@ from torch import fx
 
 from autotp.capture import Captured, Signature, name_inputs
 from autotp.errors import InputError
-from autotp.passes.analysis import Analysis
 from autotp.passes.graph import sizes
 from autotp.planning import Plan
 

@@ -4,7 +4,7 @@ A random op draws from a generator; for the sharded model to compute exactly wha
 every rank must draw what the unsharded op draws (then keep its slice of a split value). That is
 possible when the draw depends only on the output's size (a dropout mask, ``rand_like``) or when
 every input the draw reads is whole on every rank. This module only classifies; the rewriter
-(``autotp.rewrite.random``) does the drawing.
+(``autotp.rewrite.random_draws``) does the drawing.
 """
 
 from __future__ import annotations
@@ -12,10 +12,9 @@ from __future__ import annotations
 from enum import Enum
 
 import torch
-from torch import fx
-
 from autotp.passes.graph import arg_or_default, tensor_args
 from autotp.passes.placement import Layout, Shard
+from torch import fx
 
 aten = torch.ops.aten
 

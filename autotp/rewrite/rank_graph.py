@@ -8,8 +8,6 @@ that sharding propagation asked for, as modules calling Megatron's autograd oper
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 from torch import fx, nn
@@ -18,40 +16,31 @@ from autotp.capture import Captured
 from autotp.errors import InternalError
 from autotp.passes.analysis import Analysis
 from autotp.passes.graph import DividedBy, arg_or_default, get_arg
+from autotp.passes.placement import Source, Want, own_tensors, part_of
 from autotp.passes.projections import Projection
 from autotp.passes.propagate import Conversion, Propagation
 from autotp.passes.steps import COPY, Operator, fused
 from autotp.planning.plan import Plan
-from autotp.rewrite.collectives import GatherToRegion, OutputGather, collective_module, masked_embedding, split_args
-from autotp.rewrite.comm import Communicator
-from autotp.rewrite.graph_edit import STANDS_FOR, copy_graph_module, set_tensor, with_arg
-from autotp.rewrite.random import RankStream, replace_random_ops
+from autotp.rewrite.collectives import (
+    GatherToRegion,
+    OutputGather,
+    collective_module,
+    masked_embedding,
+    split_args,
+)
 from autotp.rewrite.columns import OverlappedColumnLinear, Regather, RegatheredLinear
+from autotp.rewrite.comm import Communicator
+from autotp.rewrite.graph_edit import (
+    STANDS_FOR,
+    copy_graph_module,
+    set_tensor,
+    with_arg,
+)
 from autotp.rewrite.output_values import layout_copy, overwritable
-from autotp.passes.placement import Part, part_of
+from autotp.rewrite.random_draws import replace_random_ops
+from autotp.rewrite.streams import RankStream
 
 aten = torch.ops.aten
-
-
-@dataclass(frozen=True)
-class Want:
-    """One tensor a rank's module needs: the model's tensor (possibly on the meta device) under its first name,
-    and the part of it this rank holds."""
-
-    name: str
-    tensor: torch.Tensor
-    part: Part
-
-
-Source = Callable[[list[Want]], list[torch.Tensor]]
-"""Gives the rank's tensor (a new one, of ``want.part.local_shape``) for every want, in order: the model's own
-tensors (``own_tensors``), the first rank's copy (``runtime.process.from_first_rank``) or a checkpoint's slices
-(``runtime.sources``). Asked once for everything a set of modules needs, so a source can batch its reads."""
-
-
-def own_tensors(wants: list[Want]) -> list[torch.Tensor]:
-    """The default source: each rank's part cut from the model's own tensors."""
-    return [w.part.take(w.tensor.detach()) for w in wants]
 
 
 def _wants(modules, plan: Plan, rank: int, made: dict[int, torch.Tensor]) -> dict[int, Want]:

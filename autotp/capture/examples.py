@@ -166,7 +166,7 @@ def vocab_size(model: nn.Module) -> int:
     if embeddings:
         return max(embeddings)
     raise InputError(f"cannot guess the inputs of {type(model).__name__}: it has no config.vocab_size and no "
-                     f"nn.Embedding to draw token ids from; pass {FORMS} (on the command line: --vocab N)")
+                     f"nn.Embedding to draw token ids from; pass {FORMS} (on the command line: --vocab-size N)")
 
 
 def synthesise(model: nn.Module, vocab: int | None = None) -> ExampleInputs:

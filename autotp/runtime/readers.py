@@ -21,8 +21,7 @@ from torch import nn
 
 from autotp.capture.export import tensor_aliases
 from autotp.errors import InputError
-from autotp.passes.placement import Part
-from autotp.rewrite.tensor_parallel import Source, Want
+from autotp.passes.placement import Part, Source, Want
 from autotp.runtime import dcp
 from autotp.runtime.progress import Progress
 

@@ -18,13 +18,10 @@ memory budget.
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass
 
 import torch
 
-from autotp.errors import InputError
-from autotp.options import VocabChoice
 from autotp.passes.analysis import Analysis
 from autotp.passes.costs import evaluate, node_cost
 from autotp.passes.graph import sizes
@@ -71,36 +68,6 @@ def machine_for(device: torch.device | str | None) -> Machine:
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     return GPU if torch.device(device).type == "cuda" else CPU
-
-
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
-def parse_bytes(budget: int | float | str | None) -> int | None:
-    """A memory budget in bytes: a number, or a string such as ``"40GiB"`` or ``"500 MB"``; None: no budget."""
-    if budget is None:
-        return None
-    if isinstance(budget, (int, float)) and not isinstance(budget, bool) and budget > 0:
-        return int(budget)
-    match = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", budget) if isinstance(budget, str) else None
-    if match is None or match.group(2).lower() not in _UNITS:
-        raise InputError(f"memory_budget must be a positive number of bytes or a size such as '40GiB' or '500MB', "
-                         f"got {budget!r}")
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
-
-
-@dataclass(frozen=True)
-class Choices:
-    """What the planner may choose, and by what: the vocabulary's split, the memory budget, the machine; and
-    whether the residual stream is split along the sequence (asked for, never chosen: it trades communication
-    kinds, not amounts, for activation memory)."""
-
-    vocab: VocabChoice = VocabChoice.AUTO
-    memory_budget: int | None = None
-    """Bytes one rank may hold while training (parameters, gradients, AdamW moments); None: no limit."""
-    machine: Machine = CPU
-    sequence_parallel: bool = False
 
 
 @dataclass(frozen=True)

@@ -12,12 +12,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from torch import fx
-
 from autotp.passes.graph import arg_or_default, rank, sizes
 from autotp.passes.placement import Shard
-from autotp.passes.reshapes import broadcast_dim, map_reshape
 from autotp.passes.projections import Embedding, Projection
+from autotp.passes.reshapes import broadcast_dim, map_reshape
 from autotp.passes.rule_kit import like_first, pointwise
 from autotp.passes.rules import rule_for
 from autotp.passes.rules_shape import (
@@ -32,6 +30,7 @@ from autotp.passes.rules_shape import (
     select,
     slice_,
 )
+from torch import fx
 
 _MAX_DEPTH = 16
 

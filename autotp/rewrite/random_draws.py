@@ -1,6 +1,6 @@
 """Random ops made exact: every rank draws what the unsharded model draws, then keeps its slice.
 
-Each rank's random ops draw from one stream (``RankStream``), seeded the same on every rank: a value
+Each rank's random ops draw from one stream (``rewrite.streams.RankStream``), seeded the same on every rank: a value
 kept whole gets the same draw on every rank whatever the ranks' global generators hold, and a split
 value gets this rank's slice of the full-size draw. The draws run torch's own ops on torch's
 generator, with the stream's state swapped in for the duration, so a single process seeded with the
@@ -10,58 +10,19 @@ internal dropout both consume one generator draw per call).
 
 from __future__ import annotations
 
-import contextlib
 import math
-import threading
 
 import torch
 from torch import fx, nn
 
 from autotp.errors import InternalError
 from autotp.passes.placement import Layout, Shard
-from autotp.passes.random import RandomKind, attention_dropout, random_kind
+from autotp.passes.random_ops import RandomKind, attention_dropout, random_kind
 from autotp.rewrite.graph_edit import STANDS_FOR
 from autotp.rewrite.shards import local_part
+from autotp.rewrite.streams import RankStream
 
 aten = torch.ops.aten
-
-
-def _default_generator(device: torch.device) -> torch.Generator:
-    if device.type == "cuda":
-        return torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()]
-    return torch.default_generator
-
-
-class RankStream:
-    """The random stream of one rank's modules: the same seed on every rank of a model."""
-
-    _swap = threading.Lock()
-    """The default generators are process-wide: one swap at a time (the checker runs ranks as threads)."""
-
-    def __init__(self, seed: int):
-        self.manual_seed(seed)
-
-    def manual_seed(self, seed: int) -> None:
-        """Restart the stream at ``seed`` (what ``torch.manual_seed(seed)`` does to a single process)."""
-        self.seed = int(seed)
-        self._states: dict[str, torch.Tensor] = {}
-
-    @contextlib.contextmanager
-    def drawing(self, device: torch.device):
-        """Run the body with torch's generator for ``device`` in this stream's state, then put it back."""
-        generator = _default_generator(device)
-        with self._swap:
-            saved = generator.get_state()
-            state = self._states.get(str(device))
-            if state is None:
-                generator.manual_seed(self.seed)
-            else:
-                generator.set_state(state)
-            try:
-                yield
-            finally:
-                self._states[str(device)] = generator.get_state()
-                generator.set_state(saved)
 
 
 def _full_size(x: torch.Tensor, layout: Layout, tp: int) -> list[int]:

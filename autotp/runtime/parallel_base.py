@@ -1,0 +1,166 @@
+"""What every parallel module offers, in one place: the plan and options, the loss and training step's
+contract, gradient averaging and clipping, seeds, data-parallel coordinates, state dicts and checkpoints.
+
+A kind of parallel module (tensor-parallel ``ParallelModule``, ``PipelineModule``, and later generation)
+subclasses ``ParallelBase`` and adds only what differs: how it runs its graphs (``forward``, ``step``), which
+modules it holds (``rank_modules``), the group its norms and gathers span, and how full tensors are collected
+across its stages.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import fx, nn
+
+from autotp.errors import InputError
+from autotp.options import Options
+from autotp.planning.plan import Plan
+from autotp.rewrite.comm import Communicator
+from autotp.rewrite.streams import RankStream
+from autotp.runtime.checkpoint import Checkpointing, Holding, holding
+from autotp.runtime.data_parallel import DataParallel, gathered, local
+from autotp.runtime.grad_norm import clip_grad_norm_, is_counted
+from autotp.runtime.input_spec import InputSpec
+from autotp.runtime.process import close_at_exit
+from autotp.runtime.state import StateNames, gather_tp, split_param
+
+
+@dataclass(frozen=True)
+class RankParts:
+    """What any parallel module is made of, besides its graphs: the plan and options it runs, its tensor-parallel
+    communicator and random stream, how it takes inputs and names its state, its data-parallel replicas, and
+    the original model's ``config`` (written beside a safetensors export)."""
+
+    plan: Plan
+    options: Options
+    comm: Communicator | None
+    """The tensor-parallel group (None: one process, no communication)."""
+    stream: RankStream
+    inputs: InputSpec
+    names: StateNames
+    dp: DataParallel | None = None
+    model_config: object = None
+    training: bool = True
+    """The original model's mode, which the module starts in."""
+
+
+class ParallelBase(Checkpointing, nn.Module):
+    """The part of a parallel module every kind shares (see the module docstring)."""
+
+    def __init__(self, parts: RankParts):
+        super().__init__()
+        self.plan, self.options, self.comm = parts.plan, parts.options, parts.comm
+        self.model_config = parts.model_config
+        self._stream, self._inputs, self._names, self._dp = parts.stream, parts.inputs, parts.names, parts.dp
+
+    def _start(self, training: bool) -> None:
+        """Finish construction: set the mode, and close the module's process groups at exit."""
+        self.train(training)
+        close_at_exit(self)
+
+    # What a kind says about itself.
+    def rank_modules(self) -> list[fx.GraphModule]:
+        """The train-mode graphs this rank holds (their parameters are the module's)."""
+        raise NotImplementedError
+
+    @property
+    def tp_rank(self) -> int:
+        """This rank's index among the tensor-parallel ranks."""
+        return self.comm.rank if self.comm is not None else 0
+
+    def _norm_group(self):
+        """The group a gradient norm is summed over (None: the whole world)."""
+        return None
+
+    def _is_first_holder(self, target: str) -> bool:
+        """Whether this rank counts a parameter read by several of the model's stages (tied weights)."""
+        return True
+
+    def _collect_stages(self, mine: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Full tensors of every stage, from this rank's stages' full tensors (identity without pipelines)."""
+        return mine
+
+    # What every kind offers.
+    @property
+    def dp_rank(self) -> int:
+        """This replica's index among the data-parallel replicas: feed it slice ``dp_rank`` of the global batch."""
+        return self._dp.rank if self._dp is not None else 0
+
+    @property
+    def dp_size(self) -> int:
+        """The number of data-parallel replicas (1 without data parallelism)."""
+        return self._dp.size if self._dp is not None else 1
+
+    def step(self, *inputs, target: torch.Tensor | None = None, loss_fn: Callable | None = None,
+             **kwargs) -> torch.Tensor:
+        """Forward and backward on the inputs (positional or keyword, as the model takes them); returns the
+        (detached) loss, and the gradients land in ``parameters()``, averaged over data-parallel replicas."""
+        raise NotImplementedError
+
+    def loss(self, *inputs, target: torch.Tensor | None = None, loss_fn: Callable | None = None,
+             **kwargs) -> torch.Tensor:
+        """The forward half of ``step``: the loss it trains on, with its graph, for a backward of your own."""
+        raise InputError(f"{type(self).__name__} runs forward and backward together (a pipeline schedule "
+                         "interleaves them over microbatches): use pm.step, or pp=1 for pm.loss")
+
+    def average_gradients(self) -> None:
+        """Average the gradients over the data-parallel replicas, after a backward of your own under
+        ``dp_mode='replicate'`` (``step`` does it; under fsdp, FSDP's hooks do it during backward)."""
+        if self._dp is not None:
+            self._dp.average_gradients(self.parameters())
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the gradients as ``torch.nn.utils.clip_grad_norm_`` clips the unsharded model's; returns the
+        total norm, the same on every rank (collective: every rank must call it, after ``step``)."""
+        dp_counts = self._dp.counts() if self._dp is not None else True
+        pieces, seen = [], set()
+        for module in self.rank_modules():
+            for target, p in module.named_parameters():
+                if p.grad is None or id(p) in seen:
+                    continue
+                seen.add(id(p))
+                split = split_param(self.plan, self._names, target, self.tp_rank)
+                counted = is_counted(split, self.tp_rank, dp_counts, self._is_first_holder(target))
+                pieces.append((local(p.grad), counted))
+        return clip_grad_norm_(pieces, max_norm, norm_type, self._norm_group(), distributed=self.comm is not None)
+
+    def manual_seed(self, seed: int) -> None:
+        """Restart the random stream of dropout and every other random op at ``seed`` on this rank (call it with
+        the same seed on every rank): without pipelines the masks are then those a single process draws after
+        ``torch.manual_seed(seed)``."""
+        self._stream.manual_seed(seed)
+
+    def local_state_dict(self) -> dict[str, torch.Tensor]:
+        """This rank's tensors (tensor-parallel shards for split parameters, whole over data-parallel replicas)
+        under the original names; collective over dp under fsdp."""
+        return {name: gathered(t) for module in self.rank_modules() for name, t in self._names.local(module).items()}
+
+    def _holding(self) -> Holding:
+        own = {n: t for module in self.rank_modules() for n, t in self._names.local(module).items()}
+        params = {n: p for module in self.rank_modules() for n, p in self._names.params(module).items()}
+        group = self._checkpoint_group()
+        return holding(self.plan, self.tp_rank, own, params, self._names.extra_state, self._names.aliases, group,
+                       self.comm is not None)
+
+    def _checkpoint_group(self):
+        """The group a checkpoint's collectives span (None: the whole world)."""
+        return None
+
+    def full_state_dict(self) -> dict[str, object]:
+        """Full tensors under the original model's state-dict keys, on every rank.
+
+        A collective call: every rank must make it (a rank calling it alone fails once the group's timeout
+        passes, with ``RankFailure``).
+        """
+        mine = {name: gather_tp(self.plan, name, t, self.comm) for name, t in self.local_state_dict().items()}
+        return self._names.complete(self._collect_stages(mine))
+
+    def close(self) -> None:
+        """Release the process groups this module holds (done at exit); it cannot communicate afterwards."""
+        if self.comm is not None and hasattr(self.comm, "close"):
+            self.comm.close()
+        if self._dp is not None:
+            self._dp.mesh.close()

@@ -1,0 +1,88 @@
+"""The tensor-parallel module a user trains: one rank's rewritten train- and eval-mode graphs (which share one set
+of shards), run eagerly, under FSDP or under ``torch.compile``. What it shares with every parallel module is in
+``parallel_base``; the state-dict bookkeeping in ``state``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import fx, nn
+
+from autotp.runtime.outputs import deferred, output_gathers, step_loss
+from autotp.runtime.parallel_base import ParallelBase, RankParts
+
+
+class ParallelModule(ParallelBase):
+    """This rank's piece of a tensor-parallel model; computes what the original model computes.
+
+    It holds the model's train-mode and eval-mode graphs (sharing one set of shards): ``train()`` and
+    ``eval()`` switch dropout and any other mode-dependent op exactly as on the original model.
+    With data parallelism, ``comm`` is the tensor-parallel group and this module is one replica;
+    under fsdp both graphs run through one FSDP unit (``fsdp_unit``) that shards their parameters over dp.
+    """
+
+    def __init__(self, parts: RankParts, graphs: dict[bool, fx.GraphModule]):
+        super().__init__(parts)
+        self.module, self.eval_module = graphs[True], graphs[False]
+        self.fsdp_unit = self._dp.wrap(self.module, self.eval_module) if self._dp is not None else None
+        self._output_gathers = output_gathers([self.module, self.eval_module])
+        # A plain dict, so the compiled wrappers are not submodules (their parameters are the graphs').
+        compiled = parts.options.compile
+        self._compiled = {mode: torch.compile(gm) for mode, gm in graphs.items()} if compiled else None
+        for gather in self._output_gathers if compiled else ():
+            gather.overwritable = False  # a compiled graph may keep its outputs for its own backward
+        self._start(parts.training)
+
+    @property
+    def rank(self) -> int:
+        """This rank's index among the tensor-parallel ranks."""
+        return self.tp_rank
+
+    def rank_modules(self) -> list[fx.GraphModule]:
+        """The train-mode graph (the eval-mode graph shares its tensors)."""
+        return [self.module]
+
+    def _norm_group(self):
+        # Without replicas the norm is over the tensor-parallel group alone; with them, over the world.
+        return self.comm.group if self._dp is None and self.comm is not None else None
+
+    def _checkpoint_group(self):
+        # Over the tp group alone, or the whole world when data-parallel replicas hold the same chunks.
+        return self.comm.group if self.comm is not None and self.dp_size == 1 else None
+
+    def _graph(self) -> nn.Module:
+        if self.fsdp_unit is not None:
+            return self.fsdp_unit  # FSDP's hooks unshard before, and reduce-scatter gradients after, either graph
+        if self._compiled is not None:
+            return self._compiled[self.training]
+        return self.module if self.training else self.eval_module
+
+    def forward(self, *inputs, **kwargs):
+        """The original model's output, identical on every rank."""
+        return self._inputs.run(self._graph(), inputs, kwargs)
+
+    def step(self, *inputs, target: torch.Tensor | None = None, loss_fn: Callable | None = None,
+             **kwargs) -> torch.Tensor:
+        """Forward and backward on the inputs (positional or keyword, as the model takes them); returns the
+        (detached) loss. Gradients land in ``parameters()``.
+
+        The loss is ``loss_fn(output, target)`` (default: cross-entropy of the logits) when ``target`` is
+        given; else the model's own (``output.loss``, which a Hugging Face model computes when the inputs
+        include ``labels=``; the model must have been captured with labels among its example inputs).
+        With data parallelism each replica passes its own slice of the global batch and gets its own slice's
+        loss; the gradients are averaged over the replicas, so one optimizer step equals a single process's on
+        the whole batch (for a mean-reduced loss over equal slices).
+        """
+        loss = self.loss(*inputs, target=target, loss_fn=loss_fn, **kwargs)
+        loss.backward()
+        self.average_gradients()
+        return loss.detach()
+
+    def loss(self, *inputs, target: torch.Tensor | None = None, loss_fn: Callable | None = None,
+             **kwargs) -> torch.Tensor:
+        """The forward half of ``step``: the loss it trains on (same arguments), with its graph, for a backward
+        of your own. Split outputs are not gathered for it: the default cross-entropy and a model's own loss
+        are computed on the vocabulary-split logits; a ``loss_fn`` gets the outputs whole."""
+        with deferred(self._output_gathers) as split:
+            return step_loss(self(*inputs, **kwargs), target, loss_fn, split)
