@@ -19,6 +19,8 @@ from autotp.options import Balance
 from autotp.passes.layout import PlacementKind
 from autotp.passes.regions import RegionKind
 from autotp.passes.steps import CollectiveOp, Direction, Operator
+from autotp.planning.plan_file import check_plan_data
+from autotp.planning.shape_expr import parse_size
 
 SCHEMA_VERSION = 1
 
@@ -41,7 +43,9 @@ class Placement:
 
     def __post_init__(self):
         object.__setattr__(self, "kind", PlacementKind(self.kind))
-        object.__setattr__(self, "segments", tuple(int(s) for s in self.segments))
+        object.__setattr__(self, "segments", tuple(_whole("segments", s, 1) for s in self.segments))
+        if self.dim is not None:
+            object.__setattr__(self, "dim", _whole("dim", self.dim, 0))
         if (self.kind is PlacementKind.REPLICATED) != (self.dim is None):
             raise ValueError(f"placement {self.kind.value!r} needs dim set iff it is split, got dim={self.dim}")
         if not isinstance(self.replicas, int) or self.replicas < 1:
@@ -67,6 +71,13 @@ class Placement:
         """A JSON-ready dict."""
         shared = {"replicas": self.replicas} if self.replicas != 1 else {}
         return {"kind": self.kind.value, "dim": self.dim, "segments": list(self.segments)} | shared
+
+
+def _whole(field: str, value, least: int) -> int:
+    """``value`` as an int (sympy and numpy integers are ints too; floats, strings and bools are not)."""
+    if isinstance(value, bool) or not hasattr(value, "__index__") or int(value) < least:
+        raise ValueError(f"placement {field} must hold whole numbers of at least {least}, got {value!r}")
+    return int(value)
 
 
 REPLICATED = Placement(PlacementKind.REPLICATED)
@@ -127,7 +138,7 @@ class Collective:
         values = {"B": batch, "T": seq}
         count = 1
         for dim in self.shape:
-            count *= int(sympy.sympify(dim).subs({sympy.Symbol(k): v for k, v in values.items()}))
+            count *= int(parse_size(dim).subs({sympy.Symbol(k): v for k, v in values.items()}))
         return count * self.itemsize
 
     def to_dict(self) -> dict:
@@ -262,6 +273,7 @@ class Plan:
         version = data.get("schema_version")
         if version != SCHEMA_VERSION:
             raise InputError(f"plan schema_version is {version!r}; this autotp reads version {SCHEMA_VERSION}")
+        check_plan_data(data)  # every field's type and range, named; sizes parsed, never evaluated
         try:
             return cls(
                 tp=data["tp"],
