@@ -13,13 +13,14 @@ them and ``tools`` (CLI, model building, report, exports, pictures) reading plan
 
 from autotp.api import parallelize, plan
 from autotp.checker import CheckReport, check
-from autotp.errors import AutotpError, CaptureError, InputError, InternalError, PlanError, RankFailure, RuntimeSetupError
+from autotp.errors import (AutotpError, CaptureError, CheckpointError, InputError, InternalError, PlanError, RankFailure,
+                           RuntimeSetupError)
 from autotp.planning import Collective, Placement, PlacementKind, Plan, Region
 from autotp.runtime import ParallelModule
 from autotp.runtime.sources import empty_weights
 
 __all__ = [
-    "AutotpError", "CaptureError", "CheckReport", "Collective", "InputError", "InternalError", "ParallelModule",
-    "Placement", "PlacementKind", "Plan", "PlanError", "RankFailure", "Region", "RuntimeSetupError", "check",
+    "AutotpError", "CaptureError", "CheckpointError", "CheckReport", "Collective", "InputError", "InternalError",
+    "ParallelModule", "Placement", "PlacementKind", "Plan", "PlanError", "RankFailure", "Region", "RuntimeSetupError", "check",
     "empty_weights", "parallelize", "plan",
 ]
