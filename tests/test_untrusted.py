@@ -290,8 +290,12 @@ def test_a_truncated_shard_fails_every_rank(faults):
     # Unverified, the rank that reads the short file fails and tells the other, which refuses too.
     messages = [r["truncated_unverified"] for r in faults[0]]
     assert all(m.startswith("CheckpointError: ") for m in messages), messages
-    assert any("failed on 1 other rank(s), so no rank goes on" in m for m in messages) or all(
-        "reading the checkpoint" in m for m in messages), messages
+    assert all("reading the checkpoint" in m and "failed" in m and "load an earlier checkpoint" in m
+               for m in messages), messages
+    # Where only one rank's read fails, the other is told and refuses too, naming it.
+    assert [r["one_rank_fails"] for r in faults[0]] == [
+        "CheckpointError: loading a checkpoint failed on 1 other rank(s), so no rank goes on: rank 1: "
+        "CheckpointError: rank 1 read a short file", "CheckpointError: rank 1 read a short file"]
 
 
 def test_a_deleted_shard_is_named(faults):

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 import autotp
+from autotp.runtime.manifest import agree
 from examples.gpt import build_gpt
 from tests import models
 
@@ -100,8 +101,9 @@ def faults(rank: int, world: int, path: str) -> dict:
     pm.save(folder / "export", format="safetensors")
     before = pm.full_state_dict()
     train(pm, opt, steps[2:])
+    uninterrupted = pm.full_state_dict()  # a collective: every rank gathers
     if rank == 0:
-        torch.save(pm.full_state_dict(), folder / "uninterrupted.pt")
+        torch.save(uninterrupted, folder / "uninterrupted.pt")
 
     # A bigger model's checkpoints (hidden 128, vocabulary 256), loaded into hidden 64 / vocabulary 128.
     big = autotp.parallelize(gpt(n_embd=128, vocab_size=256), tp=2, example_inputs=example(), quiet=True)
@@ -119,7 +121,7 @@ def faults(rank: int, world: int, path: str) -> dict:
                              _copy(folder / "export", folder / "flipped_st")(),
                              _flip(folder / "flipped_st" / "model.safetensors"),
                              _copy(folder / "resume", folder / "truncated")(),
-                             os.truncate(_shard(folder / "truncated", 0), _shard(folder / "truncated", 0).stat().st_size // 2),
+                             os.truncate(_shard(folder / "truncated", 0), 1000),  # into its first tensors
                              _copy(folder / "resume", folder / "deleted")(), _shard(folder / "deleted", 1).unlink()))
     out["flipped_dcp"] = _error(lambda: pm.load(folder / "flipped", quiet=True))
     out["flipped_st"] = _error(lambda: pm.load(folder / "flipped_st", quiet=True))
@@ -127,6 +129,11 @@ def faults(rank: int, world: int, path: str) -> dict:
     out["truncated_unverified"] = _error(lambda: pm.load(folder / "truncated", quiet=True, verify=False))
     out["deleted"] = _error(lambda: pm.load(folder / "deleted", quiet=True))
     out["deleted_unverified"] = _error(lambda: pm.load(folder / "deleted", quiet=True, verify=False))
+
+    def rank_one_fails():
+        if rank == 1:
+            raise autotp.CheckpointError("rank 1 read a short file")
+    out["one_rank_fails"] = _error(lambda: agree(rank_one_fails, None, True, "loading a checkpoint"))
 
     # Saves that did not finish: only the partial folder exists; DCP shards written in place without .metadata.
     _on_first(rank, lambda: (_copy(folder / "resume", folder / "unfinished.autotp-partial")(),

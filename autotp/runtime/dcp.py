@@ -185,6 +185,6 @@ def _cause(error: Exception, path) -> Exception:
     cause = next((f for f in failures if isinstance(f, BaseException)), error)
     if isinstance(cause, AutotpError):
         return cause
-    text = str(cause).strip().splitlines()[0] if str(cause).strip() else ""
+    text = str(cause).strip().splitlines()[0] if str(cause).strip() else "a file ended early"
     return CheckpointError(f"reading the checkpoint {str(path)!r} failed: {type(cause).__name__}: {text}; its files "
                            "are damaged or incomplete: load an earlier checkpoint")

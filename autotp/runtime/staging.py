@@ -111,7 +111,8 @@ def resolve(path: str | os.PathLike) -> Path:
     p = Path(path)
     if p.name.endswith(PARTIAL):
         raise CheckpointError(f"{p} holds a save that did not finish (autotp writes a checkpoint there and renames it "
-                              f"into place once complete); load {p.name[:-len(PARTIAL)]} or an earlier checkpoint")
+                              f"into place once complete); load {p.with_name(p.name[:-len(PARTIAL)])} or an earlier "
+                              "checkpoint")
     if not p.exists():
         previous = sibling(p, PREVIOUS)
         if (previous / manifest.MANIFEST).is_file():
