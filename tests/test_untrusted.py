@@ -76,6 +76,15 @@ def test_plan_fields_of_the_wrong_type_are_named(gpt_plan, edit, message):
     assert "\n" not in str(caught.value)
 
 
+def test_check_refuses_negative_segments_in_one_line(gpt_plan, tmp_path, capsys):
+    name = next(n for n, p in gpt_plan["placements"].items() if len(p["segments"]) == 3)
+    path = tmp_path / "negative.json"
+    path.write_text(json.dumps(_edited(gpt_plan, lambda p: p["placements"][name].update(segments=[-64, 192, 64]))))
+    assert cli.main(["check", GPT, "--tp", "2", "--plan", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and f"placements['{name}'].segments[0] must be at least 1, got -64" in err, err
+
+
 def test_a_placement_built_in_code_refuses_bad_numbers():
     with pytest.raises(ValueError, match="segments must hold whole numbers of at least 1"):
         autotp.Plan(tp=2, placements={"w": autotp.planning.plan.Placement("colwise", 0, (-4, 12))})

@@ -85,7 +85,8 @@ class SafeFileSystemReader(FileSystemReader):
         """The checkpoint's metadata, unpickled with only DCP's metadata classes admitted."""
         metadata = load_metadata(self._get_metadata_path(kwargs.get("rank")))
         for index, info in (metadata.storage_data or {}).items():
-            inside(self.path, getattr(info, "relative_path", None), f"{self.path}/.metadata (for {index.fqn})")
+            where = f"{self.path}/.metadata (for {getattr(index, 'fqn', index)})"
+            inside(self.path, getattr(info, "relative_path", None), where)
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id  # as torch's reader does
