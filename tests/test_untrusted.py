@@ -207,6 +207,29 @@ def test_hf_index_pointing_outside_the_folder_is_refused(solo, tmp_path):
             autotp.parallelize(w.gpt(), tp=1, example_inputs=w.example(), checkpoint=hf, quiet=True)
 
 
+def test_one_error_lists_shapes_dtypes_and_missing_tensors():
+    import torch
+
+    from autotp.runtime.matching import Expected, match
+
+    expected = [Expected("w", ("w",), (4, 4), torch.float32, True),
+                Expected("steps", ("steps",), (1,), torch.int64, True),
+                Expected("b", ("b",), (4,), torch.float32, True),
+                Expected("tied", ("tied", "head"), (4,), torch.float32, True),
+                Expected("mask", ("mask",), (4,), torch.bool, False)]  # not required: a missing one is fine
+    shapes = {"w": (8, 4), "steps": (1,), "head": (4,)}
+    dtypes = {"w": "BF16", "steps": "F32", "head": torch.bfloat16}  # bfloat16 into float32 is a cast, not a mismatch
+    with pytest.raises(autotp.CheckpointError) as caught:
+        match(expected, shapes, dtypes, "checkpoint 'x'", strict=True)
+    assert str(caught.value) == (
+        "checkpoint 'x' does not fit the model: 1 tensor(s) of another shape: w [8, 4] (the model's: [4, 4]); "
+        "1 tensor(s) of another kind of dtype: steps float32 (the model's: int64); 1 tensor(s) of the model missing: "
+        "b. Build the model from the checkpoint's config, or pass this model's checkpoint. Pass strict=False to keep "
+        "the model's own values for the missing tensors.")
+    fine = {"w": (4, 4), "steps": (1,), "head": (4,)}
+    assert match(expected, fine, {"steps": "I64"}, "x", strict=False) == {"w": "w", "steps": "steps", "tied": "head"}
+
+
 # ---- Saves: atomic, and a save never deletes what is not a checkpoint ------------------------------------------
 
 def test_a_swap_interrupted_between_its_renames_loads_the_previous_checkpoint(solo, tmp_path, monkeypatch):

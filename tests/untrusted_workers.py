@@ -33,6 +33,7 @@ def gpt(seed: int = 0, **sizes) -> torch.nn.Module:
 
 
 def example() -> tuple[torch.Tensor]:
+    """The example token ids every module of these tests is captured with."""
     return (models.tokens(2, 8, seed=1),)
 
 
@@ -42,6 +43,7 @@ def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def train(pm, opt, steps) -> None:
+    """One AdamW step per batch (default cross-entropy)."""
     for x, y in steps:
         pm.step(x, target=y)
         opt.step()
@@ -64,10 +66,6 @@ def _on_first(rank: int, action) -> None:
     dist.barrier()
 
 
-def _copy(src: Path, dst: Path):
-    return lambda: shutil.copytree(src, dst)
-
-
 def _flip(path: Path) -> None:
     """Invert one byte in the middle of ``path``."""
     data = bytearray(path.read_bytes())
@@ -75,19 +73,25 @@ def _flip(path: Path) -> None:
     path.write_bytes(bytes(data))
 
 
-def _without(src: Path, dst: Path, name: str):
-    """A copy of the safetensors file ``src`` lacking tensor ``name``, written to ``dst``."""
-    def write():
-        from safetensors.torch import load_file, save_file
-
-        tensors = load_file(str(src))
-        del tensors[name]
-        save_file(tensors, str(dst))
-    return write
-
-
 def _shard(folder: Path, rank: int) -> Path:
     return folder / f"__{rank}_0.distcp"
+
+
+def _damaged_copies(folder: Path) -> None:
+    """Copies of the ``resume`` checkpoint and the ``export`` damaged as the tests name them (rank 0 makes them)."""
+    from safetensors.torch import load_file, save_file
+
+    for name in ("flipped", "truncated", "deleted", "unfinished.autotp-partial", "in_place"):
+        shutil.copytree(folder / "resume", folder / name)
+    shutil.copytree(folder / "export", folder / "flipped_st")
+    _flip(_shard(folder / "flipped", 1))
+    _flip(folder / "flipped_st" / "model.safetensors")
+    os.truncate(_shard(folder / "truncated", 0), 1000)  # into its first tensors
+    _shard(folder / "deleted", 1).unlink()
+    (folder / "in_place" / ".metadata").unlink()  # as a save writing in place and killed before its last file
+    tensors = load_file(str(folder / "export" / "model.safetensors"))
+    del tensors[MISSING]
+    save_file(tensors, str(folder / "lacking.safetensors"))
 
 
 def faults(rank: int, world: int, path: str) -> dict:
@@ -117,12 +121,7 @@ def faults(rank: int, world: int, path: str) -> dict:
         gpt(), tp=2, example_inputs=example(), checkpoint=folder / "big_st" / "model.safetensors", quiet=True))
 
     # Damaged files: a flipped byte (DCP shard and safetensors export), a truncated shard, a deleted one.
-    _on_first(rank, lambda: (_copy(folder / "resume", folder / "flipped")(), _flip(_shard(folder / "flipped", 1)),
-                             _copy(folder / "export", folder / "flipped_st")(),
-                             _flip(folder / "flipped_st" / "model.safetensors"),
-                             _copy(folder / "resume", folder / "truncated")(),
-                             os.truncate(_shard(folder / "truncated", 0), 1000),  # into its first tensors
-                             _copy(folder / "resume", folder / "deleted")(), _shard(folder / "deleted", 1).unlink()))
+    _on_first(rank, lambda: _damaged_copies(folder))
     out["flipped_dcp"] = _error(lambda: pm.load(folder / "flipped", quiet=True))
     out["flipped_st"] = _error(lambda: pm.load(folder / "flipped_st", quiet=True))
     out["truncated"] = _error(lambda: pm.load(folder / "truncated", quiet=True))
@@ -136,15 +135,12 @@ def faults(rank: int, world: int, path: str) -> dict:
     out["one_rank_fails"] = _error(lambda: agree(rank_one_fails, None, True, "loading a checkpoint"))
 
     # Saves that did not finish: only the partial folder exists; DCP shards written in place without .metadata.
-    _on_first(rank, lambda: (_copy(folder / "resume", folder / "unfinished.autotp-partial")(),
-                             _copy(folder / "resume", folder / "in_place")(), (folder / "in_place" / ".metadata").unlink()))
     out["unfinished"] = _error(lambda: pm.load(folder / "unfinished", quiet=True))
     out["unfinished_partial"] = _error(lambda: autotp.parallelize(gpt(), tp=2, example_inputs=example(), quiet=True,
                                                                   checkpoint=folder / "unfinished.autotp-partial"))
     out["in_place"] = _error(lambda: pm.load(folder / "in_place", quiet=True))
 
     # A real model given a checkpoint lacking a parameter: refused unless strict=False (it then keeps its own).
-    _on_first(rank, _without(folder / "export" / "model.safetensors", folder / "lacking.safetensors", MISSING))
     lacking = folder / "lacking.safetensors"
     out["missing_parallelize"] = _error(lambda: autotp.parallelize(gpt(seed=5), tp=2, example_inputs=example(),
                                                                    checkpoint=lacking, quiet=True))

@@ -100,7 +100,8 @@ def match(expected: list[Expected], shapes: dict[str, tuple], dtypes: dict[str, 
 
 def _no_values(wants: list[Expected]) -> str:
     """The meta tensors a checkpoint lacks, buffers apart, with what to do about them."""
-    kinds = [("buffer(s)", [w.name for w in wants if w.buffer]), ("parameter(s)", [w.name for w in wants if not w.buffer])]
+    kinds = [("buffer(s)", [w.name for w in wants if w.buffer]),
+             ("parameter(s)", [w.name for w in wants if not w.buffer])]
     listing = "; ".join(f"{len(names)} {kind}: {_listing(names)}" for kind, names in kinds if names)
     return (f"the model has tensors on the meta device (no values) that it does not hold: {listing}. Buffers computed "
             "at construction (rotary inv_freq, masks) are not saved in checkpoints: build the model under "

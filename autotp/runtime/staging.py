@@ -72,17 +72,25 @@ def _sync_folder(folder: Path) -> None:
         os.close(fd)
 
 
+def _remove(path: Path) -> None:
+    """Delete a checkpoint folder (a link to one: the link alone, never what it points to)."""
+    if path.is_symlink() or path.is_file():
+        path.unlink()
+    else:
+        shutil.rmtree(path)
+
+
 def _swap(partial: Path, target: Path) -> None:
     """Put the complete ``partial`` at ``target``, keeping the old checkpoint until the new one is in place."""
     previous = sibling(target, PREVIOUS)
     if target.exists():
-        if previous.exists():  # left by a swap that was interrupted after its second rename: target is complete
-            shutil.rmtree(previous)
+        if previous.exists() or previous.is_symlink():  # left by a swap stopped after its second rename
+            _remove(previous)
         os.rename(target, previous)
     os.rename(partial, target)
     _sync_folder(target.parent)
-    if previous.exists():
-        shutil.rmtree(previous)
+    if previous.exists() or previous.is_symlink():
+        _remove(previous)
 
 
 def write_atomically(path: str | os.PathLike, write: Callable[[Path], None], group, distributed: bool,
