@@ -16,6 +16,7 @@ from autotp.checker import CheckReport, check
 from autotp.errors import (
     AutotpError,
     CaptureError,
+    CheckpointError,
     InputError,
     InternalError,
     PlanError,
@@ -28,7 +29,7 @@ from autotp.runtime import ParallelModule, PipelineModule
 from autotp.runtime.readers import empty_weights
 
 __all__ = [
-    "AutotpError", "CaptureError", "CheckReport", "Collective", "InputError", "InternalError", "Options",
-    "ParallelModule", "PipelineModule", "Placement", "PlacementKind", "Plan", "PlanError", "RankFailure", "Region",
-    "RuntimeSetupError", "check", "empty_weights", "parallelize", "plan",
+    "AutotpError", "CaptureError", "CheckReport", "CheckpointError", "Collective", "InputError", "InternalError",
+    "Options", "ParallelModule", "PipelineModule", "Placement", "PlacementKind", "Plan", "PlanError", "RankFailure",
+    "Region", "RuntimeSetupError", "check", "empty_weights", "parallelize", "plan",
 ]

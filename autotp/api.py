@@ -63,7 +63,8 @@ def plan(model: nn.Module, tp: int | None = None, example_inputs=None, *, option
 
 def parallelize(model: nn.Module, tp: int | None = None, example_inputs=None, *, plan: Plan | None = None,
                 group=None, timeout: float | timedelta | None = None, checkpoint: str | os.PathLike | None = None,
-                quiet: bool = False, options: Options | None = None, **settings):
+                quiet: bool = False, strict: bool = True, verify: bool = True, options: Options | None = None,
+                **settings):
     """This rank's piece of ``model``, tensor-parallel over ``tp`` ranks, pipelined over ``pp`` and replicated
     over ``dp`` data-parallel replicas (ranks on a (pp, dp, tp) mesh, tp innermost).
 
@@ -86,6 +87,9 @@ def parallelize(model: nn.Module, tp: int | None = None, example_inputs=None, *,
     wrote at any layout), every rank reads only its own slices of the weights from it, and the model may be on
     the meta device (built under ``autotp.empty_weights()``, accelerate's ``init_empty_weights()`` or
     ``torch.device("meta")``): it never exists whole. The first rank draws a progress bar unless ``quiet``.
+    The checkpoint's files are checked against the manifest ``pm.save`` wrote (``verify=False`` skips that), and its
+    tensors against the model: one ``CheckpointError`` lists every tensor of another shape or kind of dtype and,
+    unless ``strict=False``, every parameter or saved buffer it lacks (meta tensors must be there regardless).
     With ``dp`` > 1 each replica (``pm.dp_rank`` of ``pm.dp_size``) trains on its own slice of the global batch
     and gradients are averaged over the replicas.
     """
@@ -101,7 +105,8 @@ def parallelize(model: nn.Module, tp: int | None = None, example_inputs=None, *,
     check_world(group, distributed, tp, pp, dp)
     source = None
     if checkpoint is not None:  # checked against the model now, before anything is captured
-        source = checkpoint_source(checkpoint, model, first_rank(group, distributed) and not quiet)
+        source = checkpoint_source(checkpoint, model, first_rank(group, distributed) and not quiet, strict, verify,
+                                   group, distributed)
     graphs = {mode: capture(model, example, training=mode) for mode in (True, False)}
     captured = graphs[True]
     if plan is not None:

@@ -17,6 +17,11 @@ class PlanError(AutotpError):
     """No exact plan exists for the requested setting (say, tp does not divide the heads)."""
 
 
+class CheckpointError(InputError):
+    """A checkpoint or another file cannot be used as it is: it would run code, names paths outside its folder, is
+    incomplete or damaged, or does not match the model (shapes, dtypes, missing tensors)."""
+
+
 class RuntimeSetupError(AutotpError):
     """The distributed environment does not fit the plan (world size, mismatched plans, ...)."""
 

@@ -100,7 +100,9 @@ class Placement:
 
     def __post_init__(self):
         object.__setattr__(self, "kind", PlacementKind(self.kind))
-        object.__setattr__(self, "segments", tuple(int(s) for s in self.segments))
+        object.__setattr__(self, "segments", tuple(_whole("segments", s, 1) for s in self.segments))
+        if self.dim is not None:
+            object.__setattr__(self, "dim", _whole("dim", self.dim, 0))
         if (self.kind is PlacementKind.REPLICATED) != (self.dim is None):
             raise ValueError(f"placement {self.kind.value!r} needs dim set iff it is split, got dim={self.dim}")
         if not isinstance(self.replicas, int) or self.replicas < 1:
@@ -143,6 +145,14 @@ class Placement:
         """A JSON-ready dict."""
         shared = {"replicas": self.replicas} if self.replicas != 1 else {}
         return {"kind": self.kind.value, "dim": self.dim, "segments": list(self.segments)} | shared
+
+
+def _whole(field: str, value, least: int) -> int:
+    """``value`` as an int (sympy and numpy integers are ints too; floats, strings and bools are not): a plan file's
+    ``dim: 0.0`` or ``"0"`` is refused, not truncated."""
+    if isinstance(value, bool) or not hasattr(value, "__index__") or int(value) < least:
+        raise ValueError(f"placement {field} must hold whole numbers of at least {least}, got {value!r}")
+    return int(value)
 
 
 REPLICATED = Placement(PlacementKind.REPLICATED)

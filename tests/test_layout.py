@@ -1,4 +1,4 @@
-"""Shape algebra of shards (passes/layout.py) and shard slicing (autotp/shards.py)."""
+"""Shape algebra of shards (passes/reshapes.py) and shard slicing (passes/placement.py)."""
 
 import sympy
 import torch

@@ -6,14 +6,7 @@ tensor parallelism; ``stage_split`` and ``balance`` split the model into balance
 """
 
 from autotp.passes.placement import REPLICATED, Placement, PlacementKind
-from autotp.planning.plan import (
-           Collective,
-           FrozenMap,
-           Plan,
-           Region,
-           Stage,
-           check_plan_fits,
-)
+from autotp.planning.plan import Collective, FrozenMap, Plan, Region, Stage, check_plan_fits
 from autotp.planning.planner import make_plan
 
 __all__ = ["REPLICATED", "Collective", "FrozenMap", "Placement", "PlacementKind", "Plan", "Region", "Stage",

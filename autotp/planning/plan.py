@@ -19,6 +19,8 @@ from autotp.options import Balance, Options
 from autotp.passes.placement import Placement, PlacementKind
 from autotp.passes.regions import RegionKind
 from autotp.passes.steps import CollectiveOp, Direction, Operator
+from autotp.planning.plan_file import check_plan_data
+from autotp.planning.shape_expr import parse_size
 
 SCHEMA_VERSION = 1
 
@@ -78,7 +80,7 @@ class Collective:
         values = {"B": batch, "T": seq}
         count = 1
         for dim in self.shape:
-            count *= int(sympy.sympify(dim).subs({sympy.Symbol(k): v for k, v in values.items()}))
+            count *= int(parse_size(dim).subs({sympy.Symbol(k): v for k, v in values.items()}))
         return count * self.itemsize
 
     def to_dict(self) -> dict:
@@ -216,6 +218,7 @@ class Plan:
         version = data.get("schema_version")
         if version != SCHEMA_VERSION:
             raise InputError(f"plan schema_version is {version!r}; this autotp reads version {SCHEMA_VERSION}")
+        check_plan_data(data)  # every field's type and range, named; sizes parsed, never evaluated
         try:
             return cls(
                 tp=data["tp"],

@@ -26,14 +26,10 @@ from autotp.passes.placement import Part, part_of
 from autotp.planning.plan import Plan
 from autotp.runtime import dcp
 from autotp.runtime.data_parallel import dp_shard, gathered, local
-from autotp.runtime.readers import (
-    HF_INDEX,
-    HF_SINGLE,
-    MODEL_PREFIX,
-    DcpReader,
-    open_reader,
-    read_into,
-)
+from autotp.runtime.manifest import agree
+from autotp.runtime.matching import Expected, match
+from autotp.runtime.readers import HF_INDEX, HF_SINGLE, MODEL_PREFIX, DcpReader, open_reader, read_into
+from autotp.runtime.staging import write_atomically
 
 OPTIMIZER_STATE = "optimizer.state."
 OPTIMIZER_GROUPS = "optimizer.param_groups."
@@ -91,7 +87,12 @@ def save(held: Holding, path: str | os.PathLike, optimizer: torch.optim.Optimize
     state: dict[str, object] = {MODEL_PREFIX + n: dcp.Sharded.of(t.detach(), p) for n, (t, p) in held.tensors.items()}
     if optimizer is not None:
         state |= optimizer_state(optimizer, held)
-    dcp.save(state, path, held.group, held.distributed)
+    write_atomically(path, lambda folder: dcp.save(state, folder, held.group, held.distributed), held.group,
+                     held.distributed, _first(held))
+
+
+def _first(held: Holding) -> bool:
+    return not held.distributed or dist.get_rank(held.group) == 0
 
 
 def _param_names(optimizer: torch.optim.Optimizer, held: Holding) -> list[str]:
@@ -129,20 +130,29 @@ def optimizer_state(optimizer: torch.optim.Optimizer, held: Holding) -> dict[str
     return out
 
 
-def load(held: Holding, path: str | os.PathLike, optimizer: torch.optim.Optimizer | None, show: bool) -> None:
-    """Fill ``held``'s tensors (and ``optimizer``'s state) from the checkpoint at ``path``; no collective."""
-    reader = open_reader(path)
-    found, missing = {}, []
-    for name, (tensor, _) in held.tensors.items():
-        names = [n for n, kept in held.aliases.items() if kept == name] or [name]
-        hit = next((n for n in names if n in reader.shapes), None)
-        if hit is not None:
-            found[name] = hit
-        elif name in held.params:
-            missing.append(name)
-    if missing:
-        raise InputError(f"checkpoint {str(path)!r} lacks {len(missing)} parameter(s) of this module: "
-                         f"{', '.join(missing[:6])}; pass a checkpoint of this model")
+def load(held: Holding, path: str | os.PathLike, optimizer: torch.optim.Optimizer | None, show: bool,
+         strict: bool = True, verify: bool = True, persistent: set[str] | None = None) -> None:
+    """Fill ``held``'s tensors (and ``optimizer``'s state) from the checkpoint at ``path``; collective over
+    ``held.group`` (files verified on their manifest when ``verify``, and a failure on any rank fails every rank).
+
+    Every tensor found must have the full shape and kind of dtype of the module's; parameters, and the buffers
+    among ``persistent`` (the original state dict's keys), must be there unless not ``strict``."""
+    reader = open_reader(path, held.group, held.distributed, verify)
+    agree(lambda: _fill(held, reader, optimizer, show, strict, persistent), held.group, held.distributed,
+          f"loading the checkpoint {str(path)!r}")
+
+
+def _fill(held: Holding, reader, optimizer, show: bool, strict: bool, persistent: set[str] | None) -> None:
+    """``load``'s reading, on one rank: checked against the module first, then read in place."""
+    path = reader.path
+    names_of = {}
+    for alias, kept in held.aliases.items():
+        names_of.setdefault(kept, []).append(alias)
+    expected = [Expected(name, tuple(names_of.get(name, [name])), part.shape, tensor.dtype,
+                         required=name in held.params or persistent is None
+                         or any(n in persistent for n in names_of.get(name, [name])))
+                for name, (tensor, part) in held.tensors.items()]
+    found = match(expected, reader.shapes, reader.dtypes, f"checkpoint {str(path)!r}", strict)
     items = [(found[name], part, tensor.detach()) for name, (tensor, part) in held.tensors.items() if name in found]
     read_into(reader, items, f"loading {Path(path).name}", show)  # in place: no second copy of the shards
     with torch.no_grad():
@@ -243,12 +253,6 @@ def _split_files(tensors: dict[str, torch.Tensor], max_bytes: int) -> list[list[
     return files
 
 
-def barrier(held: Holding) -> None:
-    """Wait for every rank (so files written by the first rank exist when ``save`` returns anywhere)."""
-    if held.distributed:
-        dist.barrier(group=held.group)
-
-
 class Checkpointing:
     """``save`` and ``load`` for the parallel modules, which provide ``_holding()`` and ``full_state_dict()``."""
 
@@ -268,6 +272,9 @@ class Checkpointing:
         and written by the first rank in Hugging Face's layout (``model.safetensors``, or files of at most
         ``max_shard_bytes`` with ``model.safetensors.index.json``, and the model's ``config.json``), which
         ``from_pretrained(path)`` loads; model only.
+
+        Either is written beside ``path`` and renamed into place once every rank has finished, with a manifest of
+        each file's size and checksum: a checkpoint already at ``path`` survives a crash during the save.
         """
         held = self._holding()
         if _format(format) == "dcp":
@@ -276,15 +283,21 @@ class Checkpointing:
         if optimizer is not None:
             raise InputError("format='safetensors' exports the model only; save optimizer state with format='dcp'")
         full = self.full_state_dict()  # collective: every rank gathers
-        first = not held.distributed or dist.get_rank(held.group) == 0
-        export_safetensors(full, held.aliases, path, self.model_config, first, max_shard_bytes)
-        barrier(held)
+        first = _first(held)
+        write_atomically(path, lambda folder: export_safetensors(full, held.aliases, folder, self.model_config, first,
+                                                                 max_shard_bytes), held.group, held.distributed, first)
 
     def load(self, path: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None,
-             quiet: bool = False) -> None:
+             quiet: bool = False, strict: bool = True, verify: bool = True) -> None:
         """Load the model's tensors (and ``optimizer``'s state, from a DCP checkpoint) from ``path``: a directory
         ``save`` wrote at any layout, a ``.safetensors`` file or a Hugging Face directory. Each rank reads only
-        its own slices; the first rank draws a progress bar unless ``quiet``."""
+        its own slices; the first rank draws a progress bar unless ``quiet``. A collective call, made by every rank.
+
+        Every tensor must have the model's shape and kind of dtype, and every parameter and saved buffer must be
+        in the checkpoint unless ``strict=False`` (they then keep their values); one ``CheckpointError`` lists
+        every mismatch. With ``verify`` the files are first checked against the manifest ``save`` wrote (sizes
+        and checksums, the work shared by the ranks); a failure on any rank fails every rank."""
         held = self._holding()
-        first = not held.distributed or dist.get_rank(held.group) == 0
-        load(held, path, optimizer, show=first and not quiet)
+        names = getattr(self, "_names", None)  # the original state dict's keys: which buffers a checkpoint holds
+        persistent = set(names.state_keys) if names is not None else None
+        load(held, path, optimizer, _first(held) and not quiet, strict, verify, persistent)

@@ -42,8 +42,9 @@ from torch.distributed.checkpoint.planner_helpers import (
     create_read_items_for_chunk_list,
 )
 
-from autotp.errors import InputError
+from autotp.errors import AutotpError, CheckpointError
 from autotp.passes.placement import Part
+from autotp.runtime.safe_pickle import SafeFileSystemReader, load_object
 
 
 @dataclass
@@ -133,7 +134,7 @@ class ShardedLoadPlanner(DefaultLoadPlanner):
         return value.at(index.offset)
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
-        self.state_dict[read_item.dest_index.fqn] = torch.load(value, weights_only=False)
+        self.state_dict[read_item.dest_index.fqn] = load_object(value, read_item.dest_index.fqn)
 
     def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
         if self.on_read is not None:
@@ -143,10 +144,10 @@ class ShardedLoadPlanner(DefaultLoadPlanner):
 def read_metadata(path: str | os.PathLike) -> Metadata:
     """The metadata of the DCP checkpoint at ``path`` (names, full sizes, dtypes, chunks)."""
     try:
-        return dcp.FileSystemReader(path).read_metadata()
-    except (OSError, EOFError, ValueError) as e:
-        raise InputError(f"{path} is not a readable torch.distributed.checkpoint directory (its .metadata file "
-                         f"could not be read: {e}); pass a checkpoint pm.save wrote") from e
+        return SafeFileSystemReader(path).read_metadata()
+    except OSError as e:
+        raise CheckpointError(f"{path} is not a readable torch.distributed.checkpoint directory (its .metadata file "
+                              f"could not be read: {e}); pass a checkpoint pm.save wrote") from e
 
 
 def tensor_metadata(metadata: Metadata) -> dict[str, TensorStorageMetadata]:
@@ -170,6 +171,25 @@ def load(state: dict[str, object], path: str | os.PathLike, on_read: Callable[[i
     """
     if not state:
         return
-    with warnings.catch_warnings():  # DCP warns that no_dist means one process: that is meant here
-        warnings.simplefilter("ignore", UserWarning)
-        dcp.load(state, storage_reader=dcp.FileSystemReader(path), planner=ShardedLoadPlanner(on_read), no_dist=True)
+    try:
+        with warnings.catch_warnings():  # DCP warns that no_dist means one process: that is meant here
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(state, storage_reader=SafeFileSystemReader(path), planner=ShardedLoadPlanner(on_read),
+                     no_dist=True)
+    except dcp.CheckpointException as e:
+        raise _cause(e, path) from e
+    except (OSError, RuntimeError, ValueError, EOFError) as e:  # a file missing, short or unreadable
+        raise CheckpointError(f"reading the checkpoint {str(path)!r} failed: {type(e).__name__}: {e}; its files "
+                              "are damaged or incomplete: load an earlier checkpoint") from e
+
+
+def _cause(error: Exception, path) -> Exception:
+    """The error to raise for DCP's ``CheckpointException``, which wraps each rank's failure: autotp's own
+    error as it is, anything else as a ``CheckpointError`` naming the cause."""
+    failures = [f[0] if isinstance(f, tuple) else f for f in getattr(error, "failures", {}).values()]
+    cause = next((f for f in failures if isinstance(f, BaseException)), error)
+    if isinstance(cause, AutotpError):
+        return cause
+    text = str(cause).strip().splitlines()[0] if str(cause).strip() else "a file ended early"
+    return CheckpointError(f"reading the checkpoint {str(path)!r} failed: {type(cause).__name__}: {text}; its files "
+                           "are damaged or incomplete: load an earlier checkpoint")

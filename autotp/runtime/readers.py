@@ -20,10 +20,13 @@ import torch
 from torch import nn
 
 from autotp.capture.export import tensor_aliases
-from autotp.errors import InputError
+from autotp.errors import CheckpointError, InputError
 from autotp.passes.placement import Part, Source, Want
-from autotp.runtime import dcp
+from autotp.runtime import dcp, staging
+from autotp.runtime.manifest import agree
+from autotp.runtime.matching import Expected, match
 from autotp.runtime.progress import Progress
+from autotp.runtime.safe_pickle import inside
 
 MODEL_PREFIX = "model."
 """DCP keys of model tensors start with this (optimizer state with ``optimizer.``), as torch's apps name them."""
@@ -76,17 +79,22 @@ class SafetensorsReader:
         if kind is Kind.SAFETENSORS:
             files = [self.path]
         elif (self.path / HF_INDEX).is_file():
-            weight_map = json.loads((self.path / HF_INDEX).read_text(encoding="utf-8"))["weight_map"]
-            self.files = {name: self.path / file for name, file in weight_map.items()}
+            self.files = _index_files(self.path)
             files = sorted(set(self.files.values()))
         else:
             files = [self.path / HF_SINGLE]
         self.shapes: dict[str, tuple[int, ...]] = {}
+        self.dtypes: dict[str, str] = {}
         for file in files:
-            with _safe_open(file) as f:
-                for name in f.keys():
-                    self.files[name] = file
-                    self.shapes[name] = tuple(f.get_slice(name).get_shape())
+            try:
+                with _safe_open(file) as f:
+                    for name in f.keys():
+                        view = f.get_slice(name)
+                        self.files[name] = file
+                        self.shapes[name], self.dtypes[name] = tuple(view.get_shape()), view.get_dtype()
+            except (OSError, ValueError, RuntimeError) as e:  # safetensors' own errors are these kinds too
+                raise CheckpointError(f"{file} is not a readable .safetensors file ({type(e).__name__}: {e}); it is "
+                                      "damaged or incomplete") from e
 
     def read(self, items: list[tuple[str, Part, torch.dtype]], progress: Progress) -> list[torch.Tensor]:
         """Each named tensor's ``part``, as ``dtype``."""
@@ -113,6 +121,18 @@ class SafetensorsReader:
             progress.advance(dest.numel() * dest.element_size())
 
 
+def _index_files(folder: Path) -> dict[str, Path]:
+    """Tensor name -> file, from a sharded Hugging Face directory's index; every file inside ``folder``."""
+    where = folder / HF_INDEX
+    try:
+        weight_map = json.loads(where.read_text(encoding="utf-8")).get("weight_map")
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError) as e:
+        raise CheckpointError(f"{where} is not a readable index ({e}); it is damaged") from e
+    if not isinstance(weight_map, dict):
+        raise CheckpointError(f"{where} has no weight_map object (tensor name -> file); it is damaged")
+    return {name: inside(folder, file, f"{where} (for {name})") for name, file in weight_map.items()}
+
+
 class DcpReader:
     """Model tensors by name from a DCP directory (keys ``model.<name>``)."""
 
@@ -121,6 +141,7 @@ class DcpReader:
         tensors = dcp.tensor_metadata(dcp.read_metadata(path))
         self.meta = {k[len(MODEL_PREFIX):]: md for k, md in tensors.items() if k.startswith(MODEL_PREFIX)}
         self.shapes = {name: tuple(md.size) for name, md in self.meta.items()}
+        self.dtypes = {name: md.properties.dtype for name, md in self.meta.items()}
 
     def read(self, items: list[tuple[str, Part, torch.dtype]], progress: Progress) -> list[torch.Tensor]:
         """Each named tensor's ``part``, as ``dtype``."""
@@ -136,10 +157,23 @@ class DcpReader:
         progress.advance(0, tensors=len(items))
 
 
-def open_reader(path: str | os.PathLike) -> SafetensorsReader | DcpReader:
-    """A reader for the checkpoint at ``path``, whatever its kind."""
-    kind = kind_of(path)
-    return DcpReader(path) if kind is Kind.DCP else SafetensorsReader(path, kind)
+def open_reader(path: str | os.PathLike, group=None, distributed: bool = False,
+                verify: bool = True) -> SafetensorsReader | DcpReader:
+    """A reader for the checkpoint at ``path``, whatever its kind; with ``verify``, its files are first checked
+    against the manifest a save wrote. A collective over ``group`` when ``distributed`` (call it on every rank):
+    a failure on any rank fails every rank. A save that did not finish is named as such, and nothing is
+    unpickled before the files are checked."""
+    where = f"opening the checkpoint {str(path)!r}"
+    path, kind = agree(lambda: _located(path), group, distributed, where)
+    if verify:
+        staging.verify(path, group, distributed)
+    return agree(lambda: DcpReader(path) if kind is Kind.DCP else SafetensorsReader(path, kind), group,
+                 distributed, where)
+
+
+def _located(path: str | os.PathLike) -> tuple[Path, Kind]:
+    found = staging.resolve(path)
+    return found, kind_of(found)
 
 
 @contextlib.contextmanager
@@ -173,47 +207,35 @@ def _groups(model: nn.Module) -> dict[str, list[str]]:
     return groups
 
 
-def check_covers(model: nn.Module, shapes: dict[str, tuple[int, ...]], where: str) -> dict[str, str]:
+def expected_tensors(model: nn.Module) -> list[Expected]:
+    """What a checkpoint of ``model`` should hold: every tensor (by first name, with all its names), its shape and
+    dtype; parameters and the buffers its state dict holds are required, meta tensors are needed regardless."""
+    tensors = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers(remove_duplicate=False))
+    params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+    persistent = set(model.state_dict(keep_vars=True))
+    return [Expected(first, tuple(names), tuple(tensors[first].shape), tensors[first].dtype,
+                     required=any(n in params or n in persistent for n in names), meta=tensors[first].is_meta,
+                     buffer=first not in params)
+            for first, names in _groups(model).items()]
+
+
+def check_covers(model: nn.Module, reader, where: str, strict: bool = True) -> dict[str, str]:
     """Each of the model's tensors (by first name) -> the name the checkpoint holds it under.
 
-    Every tensor on the meta device must be in the checkpoint, and every tensor found must have the model's
-    shape; either failure is an ``InputError`` naming the tensors and what to change.
-    """
-    groups = _groups(model)
-    tensors = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers(remove_duplicate=False))
-    found, missing, wrong = {}, [], []
-    for first, names in groups.items():
-        name = next((n for n in names if n in shapes), None)
-        tensor = tensors[first]
-        if name is None:
-            if tensor.is_meta:
-                missing.append(first)
-            continue
-        if tuple(shapes[name]) != tuple(tensor.shape):
-            wrong.append(f"{name} {list(shapes[name])} (the model's: {list(tensor.shape)})")
-        found[first] = name
-    if wrong:
-        raise InputError(f"{len(wrong)} tensor(s) in {where} have another shape than the model's: "
-                         f"{', '.join(wrong[:5])}; build the model from the checkpoint's config")
-    if missing:
-        buffers = {n for n, _ in model.named_buffers(remove_duplicate=False)}
-        kinds = [("buffer(s)", [n for n in missing if n in buffers]),
-                 ("parameter(s)", [n for n in missing if n not in buffers])]
-        listing = "; ".join(f"{len(names)} {kind}: {', '.join(names[:6])}{' ...' if len(names) > 6 else ''}"
-                            for kind, names in kinds if names)
-        raise InputError(
-            f"the model has tensors on the meta device (no values) that {where} does not hold: {listing}. "
-            "Buffers computed at construction (rotary inv_freq, masks) are not saved in checkpoints: build the model "
-            "under autotp.empty_weights() or accelerate's init_empty_weights() (both keep buffers real), or give "
-            "these tensors values before parallelize; parameters must be in the checkpoint (check its names)")
-    return found
+    Every tensor found must have the model's shape and kind of dtype, every tensor on the meta device must be in
+    the checkpoint, and (``strict``) every parameter and saved buffer too; one ``CheckpointError`` lists every
+    mismatch."""
+    return match(expected_tensors(model), reader.shapes, reader.dtypes, where, strict)
 
 
-def checkpoint_source(path: str | os.PathLike, model: nn.Module, show: bool) -> Source:
-    """A tensor source reading each rank's slices from the checkpoint at ``path`` (checked against ``model``
-    first); tensors the checkpoint lacks come from the model itself. ``show`` draws a progress bar."""
-    reader = open_reader(path)
-    found = check_covers(model, reader.shapes, f"checkpoint {str(path)!r}")
+def checkpoint_source(path: str | os.PathLike, model: nn.Module, show: bool, strict: bool = True,
+                      verify: bool = True, group=None, distributed: bool = False) -> Source:
+    """A tensor source reading each rank's slices from the checkpoint at ``path`` (its files verified against
+    its manifest and its tensors checked against ``model`` first, agreed over ``group``: call it on every rank);
+    tensors the checkpoint lacks come from the model itself. ``show`` draws a progress bar."""
+    reader = open_reader(path, group, distributed, verify)
+    found = agree(lambda: check_covers(model, reader, f"checkpoint {str(path)!r}", strict), group, distributed,
+                  f"checking the checkpoint {str(path)!r}")
     return lambda wants: read_wants(reader, found, wants, f"loading {Path(path).name}", show)
 
 
