@@ -9,6 +9,7 @@ import os
 from datetime import timedelta
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from autotp.capture import Captured, ExampleInputs, capture, example_inputs_of
@@ -34,6 +35,7 @@ from autotp.runtime import (
     tied_groups,
 )
 from autotp.runtime.inputs import InputSpec
+from autotp.runtime.peers import as_timedelta, bound_groups, group_timeout
 from autotp.runtime.process import first_rank, from_first_rank, shared_seed
 from autotp.runtime.sources import checkpoint_source
 
@@ -149,6 +151,8 @@ def parallelize(model: nn.Module, tp: int | None = None, example_inputs=None, pp
     if checkpoint is None:
         _check_materialised(model)
     distributed = ensure_process_group(tp * pp * dp, timeout)
+    if distributed and timeout is not None:  # a group the caller made keeps its own timeout unless told
+        bound_groups([group or dist.group.WORLD], as_timedelta(timeout))
     check_world(group, distributed, tp, pp, dp)
     source = None
     if checkpoint is not None:  # checked against the model now, before anything is captured
@@ -192,7 +196,8 @@ def _data_parallel(dp: int, tp: int, mode: DataParallelMode) -> DataParallel | N
     """Tensor parallelism's replicas on a (1, dp, tp) mesh over the default group; None for dp=1 (as before)."""
     if dp == 1:
         return None
-    return DataParallel(Mesh(1, tp, device_for(None, True) or torch.device("cpu"), dp=dp), mode)
+    return DataParallel(Mesh(1, tp, device_for(None, True) or torch.device("cpu"), dp=dp, timeout=group_timeout()),
+                        mode)
 
 
 def _tensor_parallel(model: nn.Module, graphs: dict[bool, Captured], chosen: Plan, group,
@@ -218,7 +223,7 @@ def _pipeline_parallel(model: nn.Module, graphs: dict[bool, Captured], chosen: P
                        microbatches: int, source: Source | None, dp: int = 1,
                        dp_mode: DataParallelMode = DataParallelMode.FSDP) -> PipelineModule:
     device = device_for(None, True) or torch.device("cpu")
-    mesh = Mesh(chosen.pp, chosen.tp, device, dp=dp)
+    mesh = Mesh(chosen.pp, chosen.tp, device, dp=dp, timeout=group_timeout())
     comm, stream = TorchComm(mesh.tp_group), RankStream(shared_seed(None, True))
     source = source or from_first_rank(model, None, True)
     stages: dict[bool, dict[int, torch.fx.GraphModule]] = {}

@@ -19,10 +19,12 @@ from autotp.rewrite.comm import Communicator
 from autotp.rewrite.random import RankStream
 from autotp.rewrite.shards import Part, assemble, segments_or_whole
 from autotp.rewrite.tensor_parallel import Source, Want, own_tensors
+from autotp.runtime.batch_agreement import check_same_inputs
 from autotp.runtime.checkpoint import Checkpointing, Holding, holding
 from autotp.runtime.data_parallel import DataParallel, gathered, local
 from autotp.runtime.grad_norm import clip_grad_norm_, is_counted
 from autotp.runtime.inputs import InputSpec
+from autotp.runtime.peers import guarded
 from autotp.runtime.outputs import SplitOutputs, default_loss, deferred, output_gathers, user_loss
 from autotp.runtime.process import close_at_exit
 
@@ -172,7 +174,14 @@ class ParallelModule(Checkpointing, nn.Module):
 
     def forward(self, *inputs, **kwargs):
         """The original model's output, identical on every rank."""
-        return self._inputs.run(self._graph(), inputs, kwargs)
+        return self._run(inputs, kwargs, None)
+
+    def _run(self, inputs: tuple, kwargs: dict, target: torch.Tensor | None):
+        # The tp ranks must hold one batch (and target): checked in one small all-gather before the graph runs.
+        def agree(flat):
+            check_same_inputs((*self._inputs.names, "target"), (*flat, target), self.comm)
+        with guarded("forward"):
+            return self._inputs.run(self._graph(), inputs, kwargs, agree)
 
     def step(self, *inputs, target: torch.Tensor | None = None, loss_fn: Callable | None = None,
              **kwargs) -> torch.Tensor:
@@ -186,9 +195,10 @@ class ParallelModule(Checkpointing, nn.Module):
         loss; the gradients are averaged over the replicas, so one optimizer step equals a single process's on
         the whole batch (for a mean-reduced loss over equal slices).
         """
-        loss = self.loss(*inputs, target=target, loss_fn=loss_fn, **kwargs)
-        loss.backward()
-        self.average_gradients()
+        with guarded("step"):
+            loss = self.loss(*inputs, target=target, loss_fn=loss_fn, **kwargs)
+            loss.backward()
+            self.average_gradients()
         return loss.detach()
 
     def loss(self, *inputs, target: torch.Tensor | None = None, loss_fn: Callable | None = None,
@@ -197,7 +207,7 @@ class ParallelModule(Checkpointing, nn.Module):
         of your own. Split outputs are not gathered for it: the default cross-entropy and a model's own loss
         are computed on the vocabulary-split logits; a ``loss_fn`` gets the outputs whole."""
         with deferred(self._output_gathers) as split:
-            return step_loss(self(*inputs, **kwargs), target, loss_fn, split)
+            return step_loss(self._run(inputs, kwargs, target), target, loss_fn, split)
 
     def average_gradients(self) -> None:
         """Average the gradients over the data-parallel replicas, after a backward of your own under
