@@ -19,6 +19,7 @@ from torch import fx, nn
 
 from autotp.capture.grad_modes import inline_no_grad
 from autotp.capture.inputs import ExampleInputs, Signature, example_inputs_of, require_module
+from autotp.capture.meta_buffers import buffers_on_meta, put_back
 from autotp.capture.torch_private import applied_functions, is_guard_call, mutated_args, output_spec, plain_sizes
 from autotp.errors import CaptureError, InputError
 from autotp.passes.graph import MUTATES_META, SHAPE_META
@@ -290,8 +291,10 @@ def capture(model: nn.Module, example_inputs, training: bool | None = None) -> C
     errors, functions = [], set()
     for dynamic in (True, False):
         try:
-            with _quiet_torch_logs(), _in_mode(model, training), applied_functions(functions):
+            with _quiet_torch_logs(), _in_mode(model, training), applied_functions(functions), \
+                    buffers_on_meta(model) as copies:
                 gm = _export(wrapper, inputs, dynamic)
+                put_back(gm, copies)
             break
         except Exception as e:  # torch.export raises many unrelated types; all mean "could not capture"
             errors.append((dynamic, e))
