@@ -257,6 +257,16 @@ def _check_inputs_read(gm: fx.GraphModule, example: ExampleInputs, signature: Si
                              f"the forward's inputs are {', '.join(sorted(signature.keywords))}")
 
 
+def _refuse_float_ids(example: ExampleInputs, err: Exception) -> None:
+    """Floating-point example inputs where an embedding wanted token ids: a mistake in the inputs, said in one
+    line (the export's own chain of errors is long and its advice, to make the forward traceable, is wrong)."""
+    floats = [name for name, x in zip(example.names, example.flat) if x.is_floating_point()]
+    if floats and "'indices'" in str(err):
+        raise InputError(f"example input {floats[0]} is a {example.flat[example.names.index(floats[0])].dtype} "
+                         "tensor, but the model looks it up in an embedding, which takes integer token ids: pass "
+                         "torch.long ids (ids.long())") from None
+
+
 def _strip(target: str) -> str:
     return target[len(_WRAPPER_PREFIX):] if target.startswith(_WRAPPER_PREFIX) else target
 
@@ -300,6 +310,7 @@ def capture(model: nn.Module, example_inputs, training: bool | None = None) -> C
             errors.append((dynamic, e))
     else:
         _, err = errors[-1]
+        _refuse_float_ids(example, err)
         first_line = (str(err).strip().splitlines() or [type(err).__name__])[0]
         made = (" No example_inputs were given, so the model ran on synthesised token ids, which it may not take; "
                 "pass its inputs as example_inputs." if example.synthesised else "")

@@ -7,7 +7,6 @@ anything unmatched replicated, and lists the collectives the rewrite will insert
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 
 import sympy
@@ -24,12 +23,14 @@ from autotp.passes.regions import RegionKind, RegionMatch
 from autotp.passes.steps import COMMUNICATION, Direction, Operator, fused
 from autotp.planning.choose import (Choices, region_cost, regions_kept_whole, training_bytes_per_rank, vocab_cost,
                                     vocab_verdict)
+from autotp.planning.consistency import check_biases_follow_weights
 from autotp.planning.plan import REPLICATED, Collective, Placement, Plan, Region
 from autotp.planning.stages import plan_stages
 
 
 def _divisibility_error(analysis: Analysis, region: RegionMatch, tp: int, valid: list[int]) -> PlanError:
-    v = region.violations[0]
+    # Blame the heads first: a width that tp does not divide follows from heads it does not divide.
+    v = min(region.violations, key=lambda v: not v.what.startswith("dim"))
     layers = ", ".join(dict.fromkeys(analysis.layer(c) for c in region.columns))
     where = analysis.module(v.node) or v.node
     if v.what.startswith("dim"):
@@ -59,9 +60,12 @@ def _unmatched_note(analysis: Analysis, nodes: tuple[str, ...], why: str, chosen
     return f"{layers} kept replicated: {why}"
 
 
-def _valid_tp(regions: list[RegionMatch]) -> list[int]:
-    g = math.gcd(*(s for r in regions for s in r.sizes)) if regions else 1
-    return [t for t in range(1, g + 1) if g % t == 0]
+def _valid_tp(analysis: Analysis, regions: list[RegionMatch]) -> list[int]:
+    """Every tp at which each region splits. The sizes one tp checks are not those another does (past the KV
+    heads, ranks share K/V instead of splitting them), so each candidate (a divisor of a size checked here)
+    is searched again; only on the error path."""
+    candidates = sorted({t for s in {s for r in regions for s in r.sizes} for t in range(1, s + 1) if s % t == 0})
+    return [t for t in candidates if not any(r.violations for r in analysis.regions(t).regions)]
 
 
 def _region_placements(analysis: Analysis, region: RegionMatch) -> dict[str, Placement]:
@@ -166,8 +170,9 @@ def verify_plan(captured: Captured, plan: Plan) -> Plan:
     if plan.tp == 1:
         return plan
     analysis = Analysis(captured)
-    prop = analysis.propagate(param_layouts(analysis, target_placements(captured, plan)), plan.tp,
-                              plan.sequence_parallel)
+    placements = target_placements(captured, plan)
+    check_biases_follow_weights(analysis, placements)
+    prop = analysis.propagate(param_layouts(analysis, placements), plan.tp, plan.sequence_parallel)
     if prop.violations:
         v = prop.violations[0]
         raise PlanError(f"the plan cannot run at tp={plan.tp}: at {analysis.module(v.node) or v.node} ({v.what}) a "
@@ -269,7 +274,6 @@ def make_plan(captured: Captured, tp: int, pp: int = 1, balance: Balance | str =
     analysis = Analysis(captured)
     search = analysis.regions(tp)
     regions = search.regions
-    valid = _valid_tp(regions)
     chosen = _chosen_whole(analysis, search.unmatched)
     notes: list[str] = [_unmatched_note(analysis, nodes, why, chosen) for nodes, why in search.unmatched]
     if captured.custom_functions:
@@ -282,7 +286,7 @@ def make_plan(captured: Captured, tp: int, pp: int = 1, balance: Balance | str =
     sizes = cost_sizes(captured, batch, seq)
     for region in regions:
         if region.violations:
-            raise _divisibility_error(analysis, region, tp, valid)
+            raise _divisibility_error(analysis, region, tp, _valid_tp(analysis, regions))
     regions, regions_kept = _choose_regions(analysis, regions, tp, sizes, choices, notes)
     for region in regions:
         by_target |= _region_placements(analysis, region)
