@@ -12,6 +12,7 @@ mixture trained on, and different batch sizes are named before any collective wh
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from autotp.errors import InputError
 from autotp.rewrite.comm import Communicator
@@ -31,7 +32,8 @@ def fingerprint(x: torch.Tensor) -> int:
         flat = flat.view(torch.uint8) if flat.is_complex() else flat.view(_BITS[flat.element_size()])
     values = flat.to(torch.int64)
     weights = torch.arange(1, values.numel() + 1, dtype=torch.int64, device=values.device) * _MULTIPLIER
-    return int((values * weights).sum()) ^ values.numel()
+    digest = int((values * weights).sum()) ^ values.numel()
+    return max(digest, -(2 ** 63) + 1)  # -2**63 has no negation in int64, which _agree relies on
 
 
 def _row(x: torch.Tensor | None) -> list[int]:
@@ -54,6 +56,9 @@ def check_same_inputs(names: tuple[str, ...], tensors: tuple, comm: Communicator
     if comm is None or comm.size == 1:
         return
     rows = torch.tensor([_row(t) for t in tensors], dtype=torch.int64).reshape(-1)
+    group = getattr(comm, "group", False)
+    if group is not False and _agree(rows, group):
+        return  # the common case: one all-reduce of a few integers, as cheap as a broadcast's latency
     everyone = [r.reshape(len(tensors), _WIDTH).tolist() for r in comm.all_gather(rows)]
     for i, name in enumerate(names):
         first = everyone[0][i]
@@ -69,6 +74,14 @@ def check_same_inputs(names: tuple[str, ...], tensors: tuple, comm: Communicator
                              "group's first rank (same shape, other data: a data loader seeded or sharded per "
                              "rank?); every rank of a tensor-parallel group must be given the same batch: seed "
                              "and shard the data loader by data-parallel rank (pm.dp_rank), not by global rank")
+
+
+def _agree(rows: torch.Tensor, group) -> bool:
+    """Whether every rank of ``group`` holds ``rows``: the element-wise maximum of ``rows`` and of ``-rows`` over
+    the group (one all-reduce) are each other's negation exactly when all are equal."""
+    both = torch.cat([rows, -rows])
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+    return bool(torch.equal(both[:len(rows)], -both[len(rows):]))
 
 
 def check_token_ids(names: tuple[str, ...], tensors: tuple, vocab: tuple[tuple[int, int, str], ...]) -> None:
