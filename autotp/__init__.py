@@ -11,8 +11,8 @@ the top-level ``passes/`` folder) → ``planning`` → ``rewrite`` → ``runtime
 them and ``tools`` (CLI, model building, report, exports, pictures) reading plans.
 """
 
-from autotp.api import parallelize, plan
-from autotp.checker import CheckReport, check
+import importlib
+
 from autotp.errors import (
     AutotpError,
     CaptureError,
@@ -24,9 +24,24 @@ from autotp.errors import (
     RuntimeSetupError,
 )
 from autotp.options import Options
-from autotp.planning import Collective, Placement, PlacementKind, Plan, Region
-from autotp.runtime import ParallelModule, PipelineModule
-from autotp.runtime.readers import empty_weights
+
+_LAZY = {
+    "parallelize": "autotp.api", "plan": "autotp.api", "CheckReport": "autotp.checker", "check": "autotp.checker",
+    "Collective": "autotp.planning", "Placement": "autotp.planning", "PlacementKind": "autotp.planning",
+    "Plan": "autotp.planning", "Region": "autotp.planning", "ParallelModule": "autotp.runtime",
+    "PipelineModule": "autotp.runtime", "empty_weights": "autotp.runtime.meta_init",
+}
+"""Names imported on first use: ``autotp --help`` and ``import autotp.errors`` must not pay for torch."""
+
+
+def __getattr__(name: str):
+    """The public name ``name``, imported from its module on first use (PEP 562)."""
+    if name not in _LAZY:
+        raise AttributeError(f"module 'autotp' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name]), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "AutotpError", "CaptureError", "CheckReport", "CheckpointError", "Collective", "InputError", "InternalError",

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from autotp.capture import ExampleInputs, capture, example_inputs_of
@@ -36,6 +37,7 @@ from autotp.runtime import (
     tied_groups,
 )
 from autotp.runtime.input_spec import InputSpec
+from autotp.runtime.peers import as_timedelta, bound_groups, group_timeout
 from autotp.runtime.process import first_rank, from_first_rank, shared_seed
 from autotp.runtime.readers import checkpoint_source
 
@@ -102,6 +104,8 @@ def parallelize(model: nn.Module, tp: int | None = None, example_inputs=None, *,
         _check_materialised(model)
     tp, pp, dp = chosen_options.tp, chosen_options.pp, chosen_options.dp
     distributed = ensure_process_group(tp * pp * dp, timeout)
+    if distributed and timeout is not None:  # a group the caller made keeps its own timeout unless told
+        bound_groups([group or dist.group.WORLD], as_timedelta(timeout))
     check_world(group, distributed, tp, pp, dp)
     source = None
     if checkpoint is not None:  # checked against the model now, before anything is captured
@@ -171,7 +175,8 @@ def _data_parallel(options: Options, mesh: Mesh | None = None) -> DataParallel |
     """The data-parallel replicas (on ``mesh``, else a (1, dp, tp) mesh over the default group); None for dp=1."""
     if options.dp == 1:
         return None
-    mesh = mesh or Mesh(1, options.tp, device_for(None, True) or torch.device("cpu"), dp=options.dp)
+    mesh = mesh or Mesh(1, options.tp, device_for(None, True) or torch.device("cpu"), dp=options.dp,
+                        timeout=group_timeout())
     return DataParallel(mesh, options.dp_mode)
 
 
@@ -201,7 +206,7 @@ def _tensor_parallel(built: Built, group, distributed: bool) -> ParallelModule:
 def _pipeline_parallel(built: Built) -> PipelineModule:
     plan, graphs = built.plan, built.graphs
     device = device_for(None, True) or torch.device("cpu")
-    mesh = Mesh(plan.pp, plan.tp, device, dp=built.options.dp)
+    mesh = Mesh(plan.pp, plan.tp, device, dp=built.options.dp, timeout=group_timeout())
     comm, stream = TorchComm(mesh.tp_group), RankStream(shared_seed(None, True))
     source = built.source or from_first_rank(built.model, None, True)
     stages: dict[bool, dict[int, torch.fx.GraphModule]] = {}

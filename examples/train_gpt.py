@@ -55,6 +55,13 @@ def encode(text: str, tp: int) -> tuple[torch.Tensor, int]:
     return ids, (len(chars) + multiple - 1) // multiple * multiple
 
 
+def build_model(tp: int = 2, seq: int = 64):
+    """The GPT this script trains (at its default --tp and --seq): ``autotp plan examples/train_gpt.py:build_model``
+    plans the same model."""
+    _, vocab = encode(TEXT.read_text(), tp)
+    return build_gpt(n_layer=4, n_head=4, n_embd=128, vocab_size=vocab, block_size=seq)
+
+
 def batches(data: torch.Tensor, batch: int, seq: int, seed: int):
     """Random windows of the text and the same windows shifted by one (the next characters)."""
     gen = torch.Generator().manual_seed(seed)
@@ -84,9 +91,9 @@ def main() -> None:
     torch.set_num_threads(1)
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     rank = dist.get_rank()
-    data, vocab = encode(TEXT.read_text(), args.tp)
+    data, _ = encode(TEXT.read_text(), args.tp)
     torch.manual_seed(0)
-    model = build_gpt(n_layer=4, n_head=4, n_embd=128, vocab_size=vocab, block_size=args.seq)
+    model = build_model(args.tp, args.seq)
     stream = batches(data, args.batch, args.seq, seed=1)
     x, y = next(stream)
     pm = autotp.parallelize(model, tp=args.tp, pp=args.pp, dp=args.dp, dp_mode=args.dp_mode, example_inputs=(x,),

@@ -87,11 +87,28 @@ class Analysis:
         found = self.projections.get(node_name) or self.embeddings.get(node_name)
         module = self.module(node_name)
         if found is None:
-            return module or node_name
+            return module or self._nameless(node_name)
         param = self.captured.param_name(found.weight)
         parent, _, short = param.rpartition(".")
         bare = short != "weight" and parent == module
         return param if bare or not module else module
+
+    def _nameless(self, node_name: str) -> str:
+        """A node outside every module (a top-level slice, a parameter read): the parameter it reads, else the
+        module that first reads it (``before lm_head``); graph-node names mean nothing to people."""
+        node = self.nodes[node_name]
+        if node.op == "get_attr":
+            return self.captured.param_name(node.target)
+        seen, frontier = set(), list(node.users)
+        while frontier:
+            user = frontier.pop(0)
+            if user.name in seen:
+                continue
+            seen.add(user.name)
+            if self.module(user.name):
+                return f"before {self.module(user.name)}"
+            frontier.extend(user.users)
+        return "the model's output"
 
     def regions(self, tp: int) -> RegionSearch:
         """Column→row regions for ``tp`` (LM heads are planned separately)."""

@@ -25,13 +25,8 @@ from autotp.capture.examples import (
     require_module,
 )
 from autotp.capture.grad_modes import inline_no_grad
-from autotp.capture.torch_private import (
-    applied_functions,
-    is_guard_call,
-    mutated_args,
-    output_spec,
-    plain_sizes,
-)
+from autotp.capture.meta_buffers import buffers_on_meta, put_back
+from autotp.capture.torch_private import applied_functions, is_guard_call, mutated_args, output_spec, plain_sizes
 from autotp.errors import CaptureError, InputError
 from autotp.passes.analysis import Analysis
 from autotp.passes.graph import MUTATES_META, SHAPE_META
@@ -275,6 +270,16 @@ def _check_inputs_read(gm: fx.GraphModule, example: ExampleInputs, signature: Si
                              f"the forward's inputs are {', '.join(sorted(signature.keywords))}")
 
 
+def _refuse_float_ids(example: ExampleInputs, err: Exception) -> None:
+    """Floating-point example inputs where an embedding wanted token ids: a mistake in the inputs, said in one
+    line (the export's own chain of errors is long and its advice, to make the forward traceable, is wrong)."""
+    floats = [name for name, x in zip(example.names, example.flat) if x.is_floating_point()]
+    if floats and "'indices'" in str(err):
+        raise InputError(f"example input {floats[0]} is a {example.flat[example.names.index(floats[0])].dtype} "
+                         "tensor, but the model looks it up in an embedding, which takes integer token ids: pass "
+                         "torch.long ids (ids.long())") from None
+
+
 def _strip(target: str) -> str:
     return target[len(_WRAPPER_PREFIX):] if target.startswith(_WRAPPER_PREFIX) else target
 
@@ -309,13 +314,16 @@ def capture(model: nn.Module, example_inputs, training: bool | None = None) -> C
     errors, functions = [], set()
     for dynamic in (True, False):
         try:
-            with _quiet_torch_logs(), _in_mode(model, training), applied_functions(functions):
+            with _quiet_torch_logs(), _in_mode(model, training), applied_functions(functions), \
+                    buffers_on_meta(model) as copies:
                 gm = _export(wrapper, inputs, dynamic)
+                put_back(gm, copies)
             break
         except Exception as e:  # torch.export raises many unrelated types; all mean "could not capture"
             errors.append((dynamic, e))
     else:
         _, err = errors[-1]
+        _refuse_float_ids(example, err)
         first_line = (str(err).strip().splitlines() or [type(err).__name__])[0]
         made = (" No example_inputs were given, so the model ran on synthesised token ids, which it may not take; "
                 "pass its inputs as example_inputs." if example.synthesised else "")

@@ -7,7 +7,6 @@ anything unmatched replicated, and lists the collectives the rewrite will insert
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 
 import sympy
@@ -22,6 +21,7 @@ from autotp.passes.propagate import Propagation
 from autotp.passes.random_ops import random_refusal
 from autotp.passes.regions import RegionKind, RegionMatch
 from autotp.passes.steps import COMMUNICATION, Direction, Operator, fused
+from autotp.planning.consistency import check_biases_follow_weights
 from autotp.planning.plan import Collective, Plan, Region, check_regions_agree
 from autotp.planning.pricing import (
     CPU,
@@ -36,7 +36,8 @@ from autotp.planning.stage_split import plan_stages
 
 
 def _divisibility_error(analysis: Analysis, region: RegionMatch, tp: int, valid: list[int]) -> PlanError:
-    v = region.violations[0]
+    # Blame the heads first: a width that tp does not divide follows from heads it does not divide.
+    v = min(region.violations, key=lambda v: not v.what.startswith("dim"))
     layers = ", ".join(dict.fromkeys(analysis.layer(c) for c in region.columns))
     where = analysis.module(v.node) or v.node
     if v.what.startswith("dim"):
@@ -66,9 +67,12 @@ def _unmatched_note(analysis: Analysis, nodes: tuple[str, ...], why: str, chosen
     return f"{layers} kept replicated: {why}"
 
 
-def _valid_tp(regions: list[RegionMatch]) -> list[int]:
-    g = math.gcd(*(s for r in regions for s in r.sizes)) if regions else 1
-    return [t for t in range(1, g + 1) if g % t == 0]
+def _valid_tp(analysis: Analysis, regions: list[RegionMatch]) -> list[int]:
+    """Every tp at which each region splits. The sizes one tp checks are not those another does (past the KV
+    heads, ranks share K/V instead of splitting them), so each candidate (a divisor of a size checked here)
+    is searched again; only on the error path."""
+    candidates = sorted({t for s in {s for r in regions for s in r.sizes} for t in range(1, s + 1) if s % t == 0})
+    return [t for t in candidates if not any(r.violations for r in analysis.regions(t).regions)]
 
 
 def _region_placements(analysis: Analysis, region: RegionMatch) -> dict[str, Placement]:
@@ -177,6 +181,7 @@ def verify_plan(captured: Captured, plan: Plan) -> Plan:
     if plan.tp == 1:
         return plan
     analysis = captured.analysis
+    check_biases_follow_weights(analysis, _by_target(analysis, plan.placements))
     prop = analysis.propagate_placements(plan.placements, plan.tp, plan.sequence_parallel)
     if prop.violations:
         v = prop.violations[0]
@@ -250,6 +255,12 @@ def _readers_by_step(analysis: Analysis, conv) -> list[tuple[str, bool]]:
     return [*([(inside[0][0], True)] if inside else []), *([(outputs[0][0], False)] if outputs else [])]
 
 
+def _by_target(analysis: Analysis, by_name: Mapping[str, Placement]) -> dict[str, Placement]:
+    """Placements keyed by original name keyed by the ``get_attr`` target each parameter is read through."""
+    captured = analysis.captured
+    return {captured.attr_target(captured.aliases.get(n, n)): p for n, p in by_name.items()}
+
+
 def _named(analysis: Analysis, by_target: Mapping[str, Placement]) -> dict[str, Placement]:
     """Placements keyed by ``get_attr`` target (as the planner builds them) keyed by original name instead."""
     return {analysis.captured.param_name(t): p for t, p in by_target.items()}
@@ -273,7 +284,6 @@ def make_plan(captured: Captured, options: Options = Options(), machine: Machine
     analysis = captured.analysis
     search = analysis.regions(tp)
     regions = search.regions
-    valid = _valid_tp(regions)
     chosen = _chosen_whole(analysis, search.unmatched)
     notes: list[str] = [_unmatched_note(analysis, nodes, why, chosen) for nodes, why in search.unmatched]
     if captured.custom_functions:
@@ -286,7 +296,7 @@ def make_plan(captured: Captured, options: Options = Options(), machine: Machine
     sizes = cost_sizes(captured, options.batch, options.seq)
     for region in regions:
         if region.violations:
-            raise _divisibility_error(analysis, region, tp, valid)
+            raise _divisibility_error(analysis, region, tp, _valid_tp(analysis, regions))
     regions, regions_kept = _choose_regions(analysis, regions, tp, sizes, options, machine, notes)
     for region in regions:
         by_target |= _region_placements(analysis, region)

@@ -17,7 +17,9 @@ from torch import fx
 from autotp.capture import Captured, Signature, name_inputs
 from autotp.errors import InputError
 from autotp.passes.graph import sizes
+from autotp.passes.projections import find_embeddings
 from autotp.planning import Plan
+from autotp.runtime.batch_agreement import check_token_ids
 
 
 @dataclass(frozen=True)
@@ -32,6 +34,10 @@ class InputSpec:
     sequence_dims: tuple[tuple[int, int], ...] = ()
     """(input, dim) pairs holding a sequence that sequence parallelism splits over ``tp`` ranks."""
     tp: int = 1
+    vocab: tuple[tuple[int, int, str], ...] = ()
+    """(input, table rows, table name) for each input read as token ids by an embedding table."""
+    sizes: tuple[tuple[str, ...], ...] = ()
+    """Each input's sizes as captured (a symbol's name where dynamic): inputs sharing a symbol must agree."""
 
     @classmethod
     def of(cls, captured: Captured, plan: Plan | None = None) -> InputSpec:
@@ -44,7 +50,9 @@ class InputSpec:
             sequence_dims = tuple((i, d) for i, n in enumerate(placeholders) for d, size in enumerate(sizes(n))
                                   if sympy.sympify(size) in sequence)
         return cls(captured.input_names, tuple(v.dtype for v in values), tuple(v.dim() for v in values),
-                   captured.signature, sequence_dims, plan.tp if plan is not None else 1)
+                   captured.signature, sequence_dims, plan.tp if plan is not None else 1,
+                   token_tables(captured.graph, placeholders),
+                   tuple(tuple(str(s) for s in sizes(n)) for n in placeholders))
 
     def arrange(self, args: tuple, kwargs: dict) -> tuple[torch.Tensor, ...]:
         """The call's inputs in the graph's order; ``InputError`` names the first that is missing, extra or
@@ -61,6 +69,8 @@ class InputSpec:
         flat = tuple(named[name] for name in self.names)
         for name, x, dtype, dims in zip(self.names, flat, self.dtypes, self.dims):
             _check_one(name, x, dtype, dims)
+        _check_sizes(self.names, flat, self.sizes)
+        check_token_ids(self.names, flat, self.vocab)
         for i, dim in self.sequence_dims:
             if flat[i].shape[dim] % self.tp:
                 raise InputError(f"input {self.names[i]} has a sequence of {flat[i].shape[dim]} (dim {dim}), which "
@@ -68,9 +78,12 @@ class InputSpec:
                                  f"{self.tp}, or plan without sequence_parallel")
         return flat
 
-    def run(self, module: fx.GraphModule, args: tuple, kwargs: dict):
-        """``module`` on the call's inputs, after checking them; a failed capture guard becomes an ``InputError``."""
+    def run(self, module: fx.GraphModule, args: tuple, kwargs: dict, agree=None):
+        """``module`` on the call's inputs, after checking them (and ``agree(inputs)``, the check across ranks);
+        a failed capture guard becomes an ``InputError``."""
         flat = self.arrange(args, kwargs)
+        if agree is not None:
+            agree(flat)
         try:
             return module(*flat)
         except AssertionError as e:
@@ -99,3 +112,38 @@ def _check_one(name: str, x, dtype: torch.dtype, dims: int) -> None:
                          f"{dims}-d {dtype} one (token ids are integers); pass inputs like example_inputs")
     if x.is_meta:
         raise InputError(f"input {name} is on the meta device (it has no values); pass real tensors")
+    if x.numel() == 0:
+        raise InputError(f"input {name} is empty (shape {tuple(x.shape)}): a batch of no rows or tokens has nothing "
+                         "to compute; skip it, or pass at least one row")
+
+
+def _check_sizes(names: tuple[str, ...], flat: tuple, captured: tuple[tuple[str, ...], ...]) -> None:
+    """Inputs captured with one size symbol (an attention mask and its ids share the sequence) must agree."""
+    seen: dict[str, tuple[str, int, int]] = {}
+    for name, x, dims in zip(names, flat, captured):
+        for d, symbol in enumerate(dims):
+            if symbol.isdigit():
+                continue
+            first = seen.setdefault(symbol, (name, d, x.shape[d]))
+            if x.shape[d] != first[2]:
+                raise InputError(f"input {name} has {x.shape[d]} at dim {d} but {first[0]} has {first[2]} at dim "
+                                 f"{first[1]}: the model was captured with both the same size (the batch or the "
+                                 "sequence); pass inputs of matching shapes (an attention_mask as long as its ids)")
+
+
+_VIEWS = {torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default,
+          torch.ops.aten.unsqueeze.default, torch.ops.aten.flatten.using_ints}
+
+
+def token_tables(graph: fx.Graph, placeholders: list[fx.Node]) -> tuple[tuple[int, int, str], ...]:
+    """(input index, rows, table name) for each input an embedding table reads as ids (through reshapes)."""
+    index = {n: i for i, n in enumerate(placeholders)}
+    nodes = {n.name: n for n in graph.nodes}
+    found = {}
+    for embedding in find_embeddings(graph).values():
+        ids = nodes[embedding.ids]
+        while ids.op == "call_function" and ids.target in _VIEWS:
+            ids = ids.args[0]
+        if ids in index:
+            found.setdefault(index[ids], (index[ids], embedding.num_embeddings, embedding.weight))
+    return tuple(found.values())

@@ -7,7 +7,10 @@ outermost. Global rank = (pp_rank · dp + dp_rank) · tp + tp_rank.
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 AXES = ("pp", "dp", "tp")
@@ -22,10 +25,11 @@ def global_rank(pp_rank: int, dp_rank: int, tp_rank: int, dp: int, tp: int) -> i
 class Mesh:
     """This rank's place in the (pp × dp × tp) grid and the groups along each axis."""
 
-    def __init__(self, pp: int, tp: int, device: torch.device, dp: int = 1):
+    def __init__(self, pp: int, tp: int, device: torch.device, dp: int = 1, timeout: timedelta | None = None):
         self.pp, self.dp, self.tp = pp, dp, tp
         self.device = device
-        self.mesh = init_device_mesh(device.type, (pp, dp, tp), mesh_dim_names=AXES)
+        self.mesh = init_device_mesh(device.type, (pp, dp, tp), mesh_dim_names=AXES,
+                                     backend_override=_with_timeout(device, timeout))
         self.tp_group, self.pp_group = self.mesh.get_group("tp"), self.mesh.get_group("pp")
         self.dp_group = self.mesh.get_group("dp")
         self.pp_rank, self.tp_rank = self.mesh.get_local_rank("pp"), self.mesh.get_local_rank("tp")
@@ -43,3 +47,16 @@ class Mesh:
     def rank_of(self, stage: int) -> int:
         """Global rank holding pipeline ``stage`` in this rank's (dp, tp) column."""
         return global_rank(stage % self.pp, self.dp_rank, self.tp_rank, self.dp, self.tp)
+
+
+def _with_timeout(device: torch.device, timeout: timedelta | None):
+    """Each axis's group made with ``timeout``: a group's point-to-point waits (a pipeline's sends and receives)
+    keep the timeout it was made with, and torch would make the mesh's with its own default (30 minutes)."""
+    if timeout is None:
+        return None
+    if device.type == "cuda":
+        options, backend = dist.ProcessGroupNCCL.Options(), "nccl"
+    else:
+        options, backend = dist.ProcessGroupGloo._Options(), "gloo"
+    options._timeout = timeout
+    return {axis: (backend, options) for axis in AXES}

@@ -27,8 +27,10 @@ from autotp.errors import InputError
 from autotp.options import Schedule
 from autotp.runtime.data_parallel import DataParallel, check_unshared, local, unsharded
 from autotp.runtime.mesh import Mesh, global_rank
+from autotp.runtime.batch_agreement import check_same_inputs
 from autotp.runtime.outputs import SplitOutputs, deferred, output_gathers, step_loss
 from autotp.runtime.parallel_base import ParallelBase, RankParts
+from autotp.runtime.peers import group_timeout, guarded
 
 
 def tied_groups(stage_graphs: list[fx.GraphModule], mesh: Mesh) -> dict[str, object]:
@@ -49,7 +51,7 @@ def tied_groups(stage_graphs: list[fx.GraphModule], mesh: Mesh) -> dict[str, obj
             continue  # one rank holds every copy: they are one shared tensor already
         for dp_rank, tp_rank in product(range(mesh.dp), range(mesh.tp)):
             ranks = sorted(global_rank(p, dp_rank, tp_rank, mesh.dp, mesh.tp) for p in holders)
-            group = dist.new_group(ranks)
+            group = dist.new_group(ranks, timeout=group_timeout())
             if dist.get_rank() in ranks:
                 groups[target] = group
     return groups
@@ -149,8 +151,13 @@ class PipelineModule(ParallelBase):
         parallelism each replica passes its own slice and gets its slice's loss; gradients are averaged over
         the replicas.
         """
+        with guarded("step"):
+            return self._step(inputs, kwargs, target, loss_fn)
+
+    def _step(self, inputs: tuple, kwargs: dict, target, loss_fn) -> torch.Tensor:
         _refuse_own_loss(target, kwargs)
         inputs = self._inputs.arrange(inputs, kwargs)
+        check_same_inputs((*self._inputs.names, "target"), (*inputs, target), self.comm)
         self._check_batch(inputs)
         self._loss_fn = loss_fn
         losses: list[torch.Tensor] = []
@@ -178,7 +185,12 @@ class PipelineModule(ParallelBase):
     @torch.no_grad()
     def forward(self, *inputs, **kwargs):
         """The model's output (without autograd history), on every rank; runs the stages in turn."""
+        with guarded("forward"):
+            return self._forward(inputs, kwargs)
+
+    def _forward(self, inputs: tuple, kwargs: dict):
         inputs = self._inputs.arrange(inputs, kwargs)
+        check_same_inputs(self._inputs.names, inputs, self.comm)
         stages = self.stages if self.training else self.eval_stages
         hidden = None
         outputs = None
@@ -202,16 +214,17 @@ class PipelineModule(ParallelBase):
         dst = self.mesh.rank_of(to_stage)
         if dst == dist.get_rank():
             return
-        dist.send(torch.tensor(hidden.shape, dtype=torch.long, device=hidden.device), dst=dst)
-        dist.send(hidden.contiguous(), dst=dst)
+        # Over the pp group, made with parallelize's timeout (the default group may be the caller's).
+        dist.send(torch.tensor(hidden.shape, dtype=torch.long, device=hidden.device), dst=dst, group=self.mesh.pp_group)
+        dist.send(hidden.contiguous(), dst=dst, group=self.mesh.pp_group)
 
     def _recv(self, from_stage: int, to_stage: int) -> torch.Tensor:
         module = self.stages[str(to_stage)]  # the train and eval stages take the same hidden state
         meta = next(iter(module.graph.find_nodes(op="placeholder"))).meta["val"]
         shape = torch.empty(meta.dim(), dtype=torch.long, device=self.mesh.device)
-        dist.recv(shape, src=self.mesh.rank_of(from_stage))
+        dist.recv(shape, src=self.mesh.rank_of(from_stage), group=self.mesh.pp_group)
         hidden = torch.empty(tuple(shape.tolist()), dtype=meta.dtype, device=self.mesh.device)
-        dist.recv(hidden, src=self.mesh.rank_of(from_stage))
+        dist.recv(hidden, src=self.mesh.rank_of(from_stage), group=self.mesh.pp_group)
         return hidden
 
     def close(self) -> None:

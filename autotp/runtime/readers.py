@@ -10,7 +10,6 @@ must be in the checkpoint, which is checked before anything is read.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 from enum import Enum
@@ -174,29 +173,6 @@ def open_reader(path: str | os.PathLike, group=None, distributed: bool = False,
 def _located(path: str | os.PathLike) -> tuple[Path, Kind]:
     found = staging.resolve(path)
     return found, kind_of(found)
-
-
-@contextlib.contextmanager
-def empty_weights():
-    """Build models with their parameters on the meta device and their buffers real (accelerate's
-    ``init_empty_weights()``, without the dependency): ``with autotp.empty_weights(): model = Model(config)``.
-
-    Each parameter is made as usual and moved to meta as it is registered, so at most one parameter exists at a
-    time; buffers computed at construction (rotary ``inv_freq``, masks), which checkpoints do not hold, keep their
-    values. Tied parameters stay tied.
-    """
-    register = nn.Module.register_parameter
-
-    def on_meta(module: nn.Module, name: str, param) -> None:
-        register(module, name, param)
-        if param is not None and not param.is_meta:  # a meta one is a tie to a parameter moved already
-            module._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
-
-    nn.Module.register_parameter = on_meta
-    try:
-        yield
-    finally:
-        nn.Module.register_parameter = register
 
 
 def _groups(model: nn.Module) -> dict[str, list[str]]:

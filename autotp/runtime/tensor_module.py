@@ -9,8 +9,10 @@ from collections.abc import Callable
 import torch
 from torch import fx, nn
 
+from autotp.runtime.batch_agreement import check_same_inputs
 from autotp.runtime.outputs import deferred, output_gathers, step_loss
 from autotp.runtime.parallel_base import ParallelBase, RankParts
+from autotp.runtime.peers import guarded
 
 
 class ParallelModule(ParallelBase):
@@ -60,7 +62,14 @@ class ParallelModule(ParallelBase):
 
     def forward(self, *inputs, **kwargs):
         """The original model's output, identical on every rank."""
-        return self._inputs.run(self._graph(), inputs, kwargs)
+        return self._run(inputs, kwargs, None)
+
+    def _run(self, inputs: tuple, kwargs: dict, target: torch.Tensor | None):
+        # The tp ranks must hold one batch (and target): checked in one small collective before the graph runs.
+        def agree(flat):
+            check_same_inputs((*self._inputs.names, "target"), (*flat, target), self.comm)
+        with guarded("forward"):
+            return self._inputs.run(self._graph(), inputs, kwargs, agree)
 
     def step(self, *inputs, target: torch.Tensor | None = None, loss_fn: Callable | None = None,
              **kwargs) -> torch.Tensor:
@@ -74,9 +83,10 @@ class ParallelModule(ParallelBase):
         loss; the gradients are averaged over the replicas, so one optimizer step equals a single process's on
         the whole batch (for a mean-reduced loss over equal slices).
         """
-        loss = self.loss(*inputs, target=target, loss_fn=loss_fn, **kwargs)
-        loss.backward()
-        self.average_gradients()
+        with guarded("step"):
+            loss = self.loss(*inputs, target=target, loss_fn=loss_fn, **kwargs)
+            loss.backward()
+            self.average_gradients()
         return loss.detach()
 
     def loss(self, *inputs, target: torch.Tensor | None = None, loss_fn: Callable | None = None,
@@ -85,4 +95,4 @@ class ParallelModule(ParallelBase):
         of your own. Split outputs are not gathered for it: the default cross-entropy and a model's own loss
         are computed on the vocabulary-split logits; a ``loss_fn`` gets the outputs whole."""
         with deferred(self._output_gathers) as split:
-            return step_loss(self(*inputs, **kwargs), target, loss_fn, split)
+            return step_loss(self._run(inputs, kwargs, target), target, loss_fn, split)

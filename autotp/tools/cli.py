@@ -23,34 +23,16 @@ import warnings
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from torch import nn
-
-import autotp
-from autotp.capture import capture
 from autotp.errors import AutotpError, InputError, InternalError
-from autotp.options import Balance, DataParallelMode, VocabChoice
-from autotp.planning import Plan, check_plan_fits
-from autotp.tools.exports import Target, export_styles, to_hf_tp_plan, torch_plan_source
-from autotp.tools.model_spec import (
-    build_model,
-    example_inputs,
-    parse_overrides,
-    parse_spec,
-)
-from autotp.tools.report import ParamInfo, param_infos, per_rank_param_bytes, plan_table
-from autotp.tools.viz import (
-    PictureFormat,
-    Schedule,
-    draw_graph,
-    draw_timeline,
-    format_for,
-    save,
-    simulate,
-    stage_costs,
-    to_dot,
-    viz_graph,
-)
+from autotp.options import Balance, DataParallelMode, Options, Schedule, VocabChoice
+
+if TYPE_CHECKING:  # torch and everything built on it load only when a command runs: --help answers at once
+    from torch import nn
+
+    from autotp.planning import Plan
+    from autotp.tools.report import ParamInfo
 
 EXIT_USAGE = 2
 EXIT_BUG = 1
@@ -152,6 +134,8 @@ class Planned:
 
 
 def _load_plan_file(path: str, params: dict[str, ParamInfo], tp: int | None) -> Plan:
+    from autotp.planning import Plan, check_plan_fits
+
     try:
         text = Path(path).read_text(encoding="utf-8")
     except OSError as e:
@@ -162,6 +146,10 @@ def _load_plan_file(path: str, params: dict[str, ParamInfo], tp: int | None) -> 
 
 def run_check(args) -> int:
     """``autotp check``: the one-process checker; prints one line (or the mismatch and where it starts)."""
+    import autotp
+    from autotp.tools.model_spec import build_model, example_inputs, parse_overrides, parse_spec
+    from autotp.tools.report import param_infos
+
     spec = parse_spec(args.model, parse_overrides(args.overrides))
     if args.tp is None and not args.plan_file:
         raise InputError("--tp is required (the number of tensor-parallel ranks), e.g. --tp 2")
@@ -175,6 +163,10 @@ def run_check(args) -> int:
 
 def load_and_plan(args) -> Planned:
     """Build MODEL, make its example inputs, and plan it (or read ``--plan``)."""
+    import autotp
+    from autotp.tools.model_spec import build_model, example_inputs, parse_overrides, parse_spec
+    from autotp.tools.report import param_infos
+
     spec = parse_spec(args.model, parse_overrides(args.overrides))
     if args.tp is None and not args.plan_file:
         raise InputError("--tp is required (the number of tensor-parallel ranks), e.g. --tp 2")
@@ -186,16 +178,18 @@ def load_and_plan(args) -> Planned:
     return Planned(model, inputs, autotp.plan(model, example_inputs=inputs, options=options_of(args)), params)
 
 
-def options_of(args, plan: Plan | None = None) -> autotp.Options:
+def options_of(args, plan: Plan | None = None) -> Options:
     """The settings the command line gives, as the one options value the library takes (with ``--plan``, the
     plan's tp)."""
     tp = args.tp or (plan.tp if plan is not None else None)
-    return autotp.Options.build(tp=tp, pp=args.pp, balance=args.balance, batch=args.batch, seq=args.seq,
-                                vocab=args.vocab, memory_budget=args.memory_budget,
-                                sequence_parallel=args.sequence_parallel)
+    return Options.build(tp=tp, pp=args.pp, balance=args.balance, batch=args.batch, seq=args.seq,
+                         vocab=args.vocab, memory_budget=args.memory_budget,
+                         sequence_parallel=args.sequence_parallel)
 
 
 def _table(planned: Planned, args) -> str:
+    from autotp.tools.report import plan_table
+
     return plan_table(planned.plan, planned.params, args.batch, args.seq, expand=args.expand,
                       dp=getattr(args, "dp", 1), dp_mode=DataParallelMode(getattr(args, "dp_mode", "fsdp")))
 
@@ -217,6 +211,8 @@ def _text_format(chosen: str | None, output: str | None) -> TextFormat:
 
 def run_plan(args) -> int:
     """``autotp plan``: print or write the table, the plan JSON, or an HF/torch plan."""
+    from autotp.tools.exports import Target, export_styles, to_hf_tp_plan, torch_plan_source
+
     planned = load_and_plan(args)
     plan, fmt = planned.plan, _text_format(args.format, args.output)
     if fmt is TextFormat.JSON:
@@ -232,7 +228,13 @@ def run_plan(args) -> int:
     else:
         text = _table(planned, args)
     _emit(text, args.output)
+    if args.output:  # on stderr: stdout stays what was asked for
+        print(f"autotp: wrote {args.output}: {_WRITTEN[fmt]} (tp={plan.tp}, pp={plan.pp})", file=sys.stderr)
     return 0
+
+
+_WRITTEN = {TextFormat.TABLE: "the plan table", TextFormat.JSON: "the plan file; autotp.Plan.from_json or --plan "
+            "reads it", TextFormat.HF: "a Hugging Face tp_plan", TextFormat.TORCH: "a torch parallelize_module plan"}
 
 
 def _stage_scale(plan: Plan, batch: int, seq: int) -> float:
@@ -241,6 +243,10 @@ def _stage_scale(plan: Plan, batch: int, seq: int) -> float:
 
 
 def _draw_timeline(planned: Planned, args, fmt) -> None:
+    from autotp.tools.report import per_rank_param_bytes
+    from autotp.tools.viz import PictureFormat, draw_timeline, save, simulate, stage_costs
+    from autotp.tools.viz import Schedule as TimelineSchedule
+
     if fmt is PictureFormat.DOT:
         raise InputError("a timeline is a chart, not a graph: write it as .svg, .png or .html")
     plan = planned.plan
@@ -248,13 +254,16 @@ def _draw_timeline(planned: Planned, args, fmt) -> None:
     costs = stage_costs(plan.stages, per_rank_param_bytes(plan, planned.params) / itemsize, args.batch, args.seq,
                         _stage_scale(plan, args.batch, args.seq))
     micro = args.microbatches or max(4, 2 * len(costs))
-    timeline = simulate([gflop / micro for _, gflop in costs], micro, Schedule(args.schedule))
+    timeline = simulate([gflop / micro for _, gflop in costs], micro, TimelineSchedule(args.schedule))
     title = f"{plan.model or 'model'} · tp={plan.tp} · pp={plan.pp} · batch {args.batch}, seq {args.seq}"
     save(draw_timeline(timeline, [label for label, _ in costs], title), args.output, fmt, title,
          text=_table(planned, args))
 
 
 def _draw_graph(planned: Planned, args, fmt) -> None:
+    from autotp.capture import capture
+    from autotp.tools.viz import PictureFormat, draw_graph, save, to_dot, viz_graph
+
     vg = viz_graph(capture(planned.model, planned.inputs), planned.plan, planned.params, args.batch, args.seq,
                    collapse=not args.expand)
     if fmt is PictureFormat.DOT:
@@ -266,6 +275,8 @@ def _draw_graph(planned: Planned, args, fmt) -> None:
 
 def run_viz(args) -> int:
     """``autotp viz``: draw the plan's graph, or with ``--schedule`` its pipeline timeline."""
+    from autotp.tools.viz import format_for
+
     fmt = format_for(args.output, args.format)  # before any work: a bad name fails fast
     planned = load_and_plan(args)
     (_draw_timeline if args.schedule else _draw_graph)(planned, args, fmt)

@@ -250,7 +250,7 @@ def _stage_section(plan: Plan, params: dict[str, ParamInfo]) -> list[str]:
     if len(plan.stages) == 1:
         return [f"Pipeline stages (pp={plan.pp}):", *_table(header, body)]
     imb = plan.imbalance()
-    return [f"Pipeline stages (pp={plan.pp}, balanced for {plan.balance}):", *_table(header, body),
+    return [f"Pipeline stages (pp={plan.pp}, balanced for {getattr(plan.balance, 'value', plan.balance)}):", *_table(header, body),
             f"imbalance (max/mean): compute {imb['compute']:.3f}, params {imb['params']:.3f}"]
 
 

@@ -1,0 +1,102 @@
+"""One batch per tensor-parallel group: every rank of a group must be given the same inputs.
+
+Megatron broadcasts tensor-parallel rank 0's batch to its group, so the ranks cannot differ. autotp lets
+each rank pass its inputs (as ``model(x)`` does) and checks instead: each rank reduces every input (and a
+step's target) to its shape and a 64-bit fingerprint of its bytes, and one all-gather of those few integers
+over the group tells every rank whether they agree. That is one small collective per call, where Megatron's
+broadcast sends the whole batch; a mismatch is an ``InputError`` on every rank of the group, never a
+mixture trained on, and different batch sizes are named before any collective whose shapes would differ
+(gloo aborts the process on those).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from autotp.errors import InputError
+from autotp.rewrite.comm import Communicator
+
+_MAX_DIMS = 6
+"""Dims recorded per tensor; inputs with more are compared by their first ``_MAX_DIMS`` and the fingerprint."""
+_WIDTH = _MAX_DIMS + 2  # dims, the sizes, the fingerprint
+_MULTIPLIER = 0x9E3779B97F4A7C15 - (1 << 64)  # the golden-ratio constant as an int64 (wraps like the sums)
+_BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def fingerprint(x: torch.Tensor) -> int:
+    """A 64-bit digest of ``x``'s values in order: equal tensors give equal digests, and a shuffled or reseeded
+    batch a different one (a weighted sum of the values' bits, weights distinct per position)."""
+    flat = x.detach().contiguous().reshape(-1)
+    if flat.is_floating_point() or flat.is_complex():
+        flat = flat.view(torch.uint8) if flat.is_complex() else flat.view(_BITS[flat.element_size()])
+    values = flat.to(torch.int64)
+    weights = torch.arange(1, values.numel() + 1, dtype=torch.int64, device=values.device) * _MULTIPLIER
+    digest = int((values * weights).sum()) ^ values.numel()
+    return max(digest, -(2 ** 63) + 1)  # -2**63 has no negation in int64, which _agree relies on
+
+
+def _row(x: torch.Tensor | None) -> list[int]:
+    if x is None:
+        return [-1] + [0] * (_WIDTH - 1)
+    shape = list(x.shape[:_MAX_DIMS])
+    return [x.dim()] + shape + [0] * (_MAX_DIMS - len(shape)) + [fingerprint(x)]
+
+
+def _shape(row: list[int]) -> str:
+    return "none" if row[0] < 0 else str(tuple(row[1:1 + min(row[0], _MAX_DIMS)]))
+
+
+def check_same_inputs(names: tuple[str, ...], tensors: tuple, comm: Communicator | None) -> None:
+    """Refuse inputs that differ between the ranks of ``comm``'s group (collective: every rank calls it).
+
+    ``names`` name ``tensors`` (None entries: absent on this rank). ``InputError`` on every rank names the
+    first input whose shape, else whose values, differ, and the ranks holding each.
+    """
+    if comm is None or comm.size == 1:
+        return
+    rows = torch.tensor([_row(t) for t in tensors], dtype=torch.int64).reshape(-1)
+    group = getattr(comm, "group", False)
+    if group is not False and _agree(rows, group):
+        return  # the common case: one all-reduce of a few integers, as cheap as a broadcast's latency
+    everyone = [r.reshape(len(tensors), _WIDTH).tolist() for r in comm.all_gather(rows)]
+    for i, name in enumerate(names):
+        first = everyone[0][i]
+        shapes = {_shape(rank[i]) for rank in everyone}
+        if len(shapes) > 1:
+            listed = ", ".join(f"rank {r}: {_shape(rank[i])}" for r, rank in enumerate(everyone))
+            raise InputError(f"{name} has different shapes on the tensor-parallel ranks ({listed}); every rank of "
+                             "a tensor-parallel group must be given the same batch: split the global batch by "
+                             "data-parallel rank (pm.dp_rank), not by global rank")
+        differ = [r for r, rank in enumerate(everyone) if rank[i] != first]
+        if differ:
+            raise InputError(f"{name} holds different values on tensor-parallel ranks {differ} than on their "
+                             "group's first rank (same shape, other data: a data loader seeded or sharded per "
+                             "rank?); every rank of a tensor-parallel group must be given the same batch: seed "
+                             "and shard the data loader by data-parallel rank (pm.dp_rank), not by global rank")
+
+
+def _agree(rows: torch.Tensor, group) -> bool:
+    """Whether every rank of ``group`` holds ``rows``: the element-wise maximum of ``rows`` and of ``-rows`` over
+    the group (one all-reduce) are each other's negation exactly when all are equal."""
+    both = torch.cat([rows, -rows])
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+    return bool(torch.equal(both[:len(rows)], -both[len(rows):]))
+
+
+def check_token_ids(names: tuple[str, ...], tensors: tuple, vocab: tuple[tuple[int, int, str], ...]) -> None:
+    """Refuse token ids outside their embedding's table: ``vocab`` holds (input index, table rows, table name).
+
+    The unsharded model raises an index error there; a vocabulary-split table would silently give finite
+    outputs (each rank masks the ids outside its shard), so the ids are checked before anything runs.
+    """
+    for index, rows, table in vocab:
+        ids = tensors[index]
+        if ids.numel() == 0:
+            continue
+        low, high = int(ids.min()), int(ids.max())
+        if low < 0 or high >= rows:
+            bad = low if low < 0 else high
+            raise InputError(f"{names[index]} holds token id {bad}, outside the vocabulary of {rows} ({table} has "
+                             f"{rows} rows): token ids must lie in [0, {rows}); check the tokenizer matches the "
+                             "model's vocab_size")

@@ -1,0 +1,159 @@
+"""Failures across ranks: bounded by the group's timeout, and named after the rank that failed.
+
+A rank that raises, hangs or dies leaves its peers blocked in a collective or a pipeline send; gloo ends
+that wait after the group's timeout with an error that names only the rank that noticed. Two records in
+the c10d store (the one every rank already reaches) let the peers name the culprit instead:
+
+- ``autotp/calls/<rank>``: how many parallel calls (``step``, ``forward``, ...) the rank has begun. Every
+  rank makes the same calls in the same order, so a rank whose count is behind stopped or hangs before the
+  call its peers are blocked in.
+- ``autotp/failed/<rank>``: the first line of the error a rank raised itself inside such a call.
+
+Groups autotp creates (the mesh's, the tied weights') are given the default group's timeout: torch's
+``new_group`` would give them its own default of 30 minutes, so a pipeline outlived a smaller ``timeout=``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable
+from datetime import timedelta
+
+import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
+
+from autotp.errors import AutotpError, RankFailure
+
+_PREFIX = "autotp/"
+_calls = 0
+"""Parallel calls this process has begun (the store's ``calls`` key): process-wide, as every rank's calls
+line up whichever module makes them."""
+_depth = 0
+
+
+def group_timeout() -> timedelta | None:
+    """The default group's timeout (as ``parallelize(timeout=)`` or ``init_process_group`` set it), or None
+    without a group."""
+    if _store() is None:
+        return None
+    for device in dist.group.WORLD._device_types:
+        options = getattr(dist.group.WORLD._get_backend(device), "options", None)
+        if options is not None:
+            return options._timeout
+    return None
+
+
+def as_timedelta(seconds: float | timedelta) -> timedelta:
+    """``seconds`` as a timedelta (a timedelta passes unchanged)."""
+    return seconds if isinstance(seconds, timedelta) else timedelta(seconds=float(seconds))
+
+
+def bound_groups(groups: Iterable, timeout: timedelta | None = None) -> None:
+    """Give each process group (None entries skipped) ``timeout``, default the default group's, so that a
+    peer that hangs stops this rank within it in every group autotp uses."""
+    timeout = timeout or group_timeout()
+    if timeout is None:
+        return
+    for group in groups:
+        if group is not None and not c10d._rank_not_in_group(group):
+            c10d._set_pg_timeout(timeout, group)
+
+
+def _store():
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    try:
+        return c10d._get_default_store()
+    except (RuntimeError, ValueError):  # a group made from a store the caller no longer exposes
+        return None
+
+
+@contextlib.contextmanager
+def guarded(what: str):
+    """Run one parallel call (``what``: "step", "forward", ...) so that a failure is named across ranks.
+
+    A failure this rank meets in communication becomes ``RankFailure`` naming the peer that stopped, when the
+    store tells; an error of this rank's own is recorded for its peers, then raised unchanged. Nested calls
+    (``step`` running ``forward``) count once.
+    """
+    global _calls, _depth
+    store = _store()
+    if store is None or _depth:
+        _depth += 1
+        try:
+            yield
+        finally:
+            _depth -= 1
+        return
+    _calls += 1
+    _depth += 1
+    rank = dist.get_rank()
+    try:
+        _set(store, f"calls/{rank}", str(_calls))
+        yield
+    except Exception as e:
+        if not _is_peer_failure(e):
+            _set(store, f"failed/{rank}", f"{type(e).__name__}: {_first_line(e)}")
+            raise
+        raise RankFailure(f"rank {rank}: {what} #{_calls} could not finish: {culprit(store, rank, _calls)} "
+                          f"(this rank saw: {_first_line(e)})") from e
+    finally:
+        _depth -= 1
+
+
+def _is_peer_failure(e: BaseException) -> bool:
+    """Whether ``e`` is what a peer's failure looks like from here: autotp's ``RankFailure``, gloo's errors
+    (raw in torch's pipeline schedules), and the schedules' wrappers around them."""
+    if isinstance(e, RankFailure):
+        return True
+    if isinstance(e, AutotpError):
+        return False
+    seen = e
+    while seen is not None:
+        text = str(seen).lower()
+        if isinstance(seen, dist.DistError) or any(w in text for w in ("gloo", "connection", "timed out")):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+def culprit(store, rank: int, calls: int) -> str:
+    """Which peer failed, as far as the store tells: one that recorded its own error, else one whose call count
+    is behind ``calls``; else a sentence saying it could not be told."""
+    world = dist.get_world_size()
+    peers = [r for r in range(world) if r != rank]
+    failed = [(r, _get(store, f"failed/{r}")) for r in peers]
+    failed = [(r, message) for r, message in failed if message is not None]
+    if failed:
+        return "; ".join(f"rank {r} failed: {message}" for r, message in failed)
+    behind = []
+    for r in peers:
+        seen = _get(store, f"calls/{r}")
+        if seen is None or int(seen) < calls:
+            behind.append(f"rank {r} (it began {seen or 0} of these calls)")
+    if behind:
+        return (f"{', '.join(behind)} stopped or hangs before call #{calls}: look at that rank's own output; "
+                "timeouts: parallelize(timeout=...)")
+    return ("another rank stopped or did not answer within the group's timeout (every rank began this call, so "
+            "which one could not be told: look for an error on the others)")
+
+
+def _set(store, key: str, value: str) -> None:
+    try:
+        store.set(_PREFIX + key, value)
+    except (RuntimeError, dist.DistError):  # the store's host (rank 0) is gone: nothing left to tell
+        pass
+
+
+def _get(store, key: str) -> str | None:
+    """The key's value, or None if it is not set (never waits for it)."""
+    try:
+        if not store.check([_PREFIX + key]):
+            return None
+        return store.get(_PREFIX + key).decode()
+    except (RuntimeError, dist.DistError):
+        return None
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]

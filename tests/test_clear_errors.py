@@ -1,0 +1,76 @@
+"""Bad inputs and hand-edited plans each give one clear autotp error (issue 22, "Other crashes and unclear
+errors"): a swapped MLP's bias, the true list of valid tp, float token ids, a short attention mask, an empty
+batch."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import autotp
+from autotp.tools import cli
+from tests import inputs_workers, models
+
+GPT = "examples/gpt.py:build_gpt"
+FC, PROJ = "transformer.h.0.mlp.c_fc", "transformer.h.0.mlp.c_proj"
+
+
+def _swapped(plan: autotp.Plan, biases: bool) -> autotp.Plan:
+    """``plan`` with the first MLP's projections swapped (first rowwise, second colwise); ``biases``: theirs too."""
+    data = json.loads(plan.to_json())
+    placements = data["placements"]
+    placements[FC + ".weight"], placements[PROJ + ".weight"] = placements[PROJ + ".weight"], placements[FC + ".weight"]
+    if biases:
+        placements[PROJ + ".bias"], placements[FC + ".bias"] = placements[FC + ".bias"], placements[PROJ + ".bias"]
+    return autotp.Plan.from_json(json.dumps(data))
+
+
+def test_an_mlp_swapped_by_hand_is_refused_at_plan_check_or_exact(tmp_path, capsys):
+    model, x = models.build("gpt"), models.tokens(2, 16, 0)
+    plan = autotp.plan(model, tp=2, example_inputs=(x,))
+    with pytest.raises(autotp.PlanError, match=rf"the plan splits {FC}.weight rowwise \(dim 1\) but its bias "
+                                               rf"{FC}.bias colwise \(dim 0\): a bias is split as its weight's "
+                                               r"outputs are \(here: replicated\)"):
+        autotp.check(model, tp=2, example_inputs=(x,), plan=_swapped(plan, biases=False))
+    assert autotp.check(model, tp=2, example_inputs=(x,), plan=_swapped(plan, biases=True)).exact
+    # The command line says it in one line, as the user's mistake (exit 2), not as an internal error.
+    path = tmp_path / "swapped.json"
+    path.write_text(_swapped(plan, biases=False).to_json())
+    assert cli.main(["check", GPT, "--plan", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("autotp: error: the plan splits") and err.count("\n") == 1, err
+
+
+def test_valid_tp_values_are_the_true_list_and_heads_are_blamed():
+    """4 query heads and 2 KV heads: tp=4 works (each KV head shared by two ranks), so it is listed."""
+    torch.manual_seed(0)
+    model = inputs_workers.hf_llama()
+    assert autotp.plan(model, tp=4, example_inputs=(models.tokens(2, 8, 0),)).tp == 4
+    with pytest.raises(autotp.PlanError) as err:
+        autotp.plan(model, tp=3, example_inputs=(models.tokens(2, 8, 0),))
+    text = str(err.value)
+    assert "Valid tp values for this model: 1, 2, 4." in text, text
+    assert "(the attention heads)" in text, text
+
+
+def test_float_token_ids_in_example_inputs_are_one_input_error():
+    with pytest.raises(autotp.InputError) as err:
+        autotp.plan(models.build("gpt"), tp=2, example_inputs=(models.tokens(2, 16, 0).float(),))
+    assert str(err.value) == ("example input idx is a torch.float32 tensor, but the model looks it up in an "
+                              "embedding, which takes integer token ids: pass torch.long ids (ids.long())")
+    assert err.value.__cause__ is None and err.value.__suppress_context__
+
+
+def test_a_short_attention_mask_and_an_empty_batch_say_so():
+    torch.manual_seed(0)
+    batch = inputs_workers.padded_batch("right")
+    pm = autotp.parallelize(inputs_workers.hf_llama(), tp=1, example_inputs=batch)
+    short = dict(batch, attention_mask=batch["attention_mask"][:, :-2])
+    with pytest.raises(autotp.InputError, match=r"input attention_mask has 10 at dim 1 but input_ids has 12 at dim 1: "
+                                                r"the model was captured with both the same size"):
+        pm(**short)
+    empty = {k: v[:0] for k, v in batch.items()}
+    with pytest.raises(autotp.InputError, match=r"input input_ids is empty \(shape \(0, 12\)\): a batch of no rows"):
+        pm.step(**empty)

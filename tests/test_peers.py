@@ -1,0 +1,46 @@
+"""Peers and inputs: one batch per tensor-parallel group, and every failure bounded and named (gloo ranks)."""
+
+from __future__ import annotations
+
+from tests import peers_workers
+from tests.distributed import run_on_ranks
+
+TIMEOUT = 5.0
+"""parallelize(timeout=) in the failure scenarios: small, so the tests are short."""
+
+
+def test_one_batch_per_tensor_parallel_group_and_ids_in_the_vocabulary():
+    """Different batches, batch sizes or targets on the two tp ranks, out-of-range ids with the vocabulary split
+    and an empty batch: each an InputError on every rank, after which the group still computes exactly."""
+    for rank in run_on_ranks(peers_workers.inputs_on_ranks, 2):
+        assert rank["exact"] < 1e-5 and rank["after"] < 1e-5
+        assert rank["values"].startswith("InputError: idx holds different values on tensor-parallel ranks [1]")
+        assert "by data-parallel rank (pm.dp_rank)" in rank["values"]
+        assert rank["batch"].startswith("InputError: idx has different shapes on the tensor-parallel ranks "
+                                        "(rank 0: (2, 16), rank 1: (4, 16))")
+        assert rank["target"].startswith("InputError: target holds different values")
+        assert rank["high"].startswith(f"InputError: idx holds token id {128}, outside the vocabulary of 128")
+        assert rank["negative"].startswith("InputError: idx holds token id -")
+        assert "must lie in [0, 128)" in rank["negative"]
+        assert rank["empty"].startswith("InputError: input idx is empty (shape (0, 16))")
+
+
+def test_a_hung_killed_or_failing_rank_stops_its_peers_within_the_timeout_naming_it():
+    """pp=2 and tp=2: the last rank sleeps, is killed, or raises on its own; the other exits within the timeout
+    (the group's own is 300 s: parallelize's timeout= bounds it, pipeline groups included) with RankFailure
+    naming rank 1."""
+    scenarios = [({"tp": 1, "pp": 2}, "hang", 2), ({"tp": 2}, "hang", 2),
+                 ({"tp": 1, "pp": 2}, "kill", 2), ({"tp": 2}, "kill", 2), ({"tp": 2}, "raise", 2)]
+    results = peers_workers.spawn_worlds(scenarios, TIMEOUT)
+    for (layout, mode, _), ranks in zip(scenarios, results):
+        label = f"{layout} {mode}"
+        healthy, failed = ranks
+        assert healthy is not None, label
+        assert healthy["error"].startswith("RankFailure: rank 0: step #2 could not finish: rank 1"), (label, healthy)
+        assert healthy["seconds"] < 4 * TIMEOUT, (label, healthy)  # generous: bounded, not timed
+        if mode == "raise":
+            assert "rank 1 failed: InputError: idx holds token id" in healthy["error"], label
+            assert failed["error"].startswith("InputError: idx holds token id"), label
+        else:
+            assert "rank 1 (it began 1 of these calls) stopped or hangs before call #2" in healthy["error"], label
+            assert failed is None, label
