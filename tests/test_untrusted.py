@@ -231,6 +231,16 @@ def test_one_error_lists_shapes_dtypes_and_missing_tensors():
     assert match(expected, fine, {"steps": "I64"}, "x", strict=False) == {"w": "w", "steps": "steps", "tied": "head"}
 
 
+def test_a_manifest_naming_a_file_outside_is_refused(solo, tmp_path):
+    pm, _, _ = solo
+    folder = _fresh(solo, "dcp", tmp_path)
+    manifest = json.loads((folder / "autotp-manifest.json").read_text())
+    manifest["files"]["../../etc/passwd"] = {"size": 1, "crc32": "00000000"}
+    (folder / "autotp-manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(autotp.CheckpointError, match=r"names '\.\./\.\./etc/passwd', a path outside the checkpoint"):
+        pm.load(folder, quiet=True)
+
+
 # ---- Saves: atomic, and a save never deletes what is not a checkpoint ------------------------------------------
 
 def test_a_swap_interrupted_between_its_renames_loads_the_previous_checkpoint(solo, tmp_path, monkeypatch):
