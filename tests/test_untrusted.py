@@ -66,6 +66,8 @@ def test_a_plan_size_that_is_python_never_runs(gpt_plan, tmp_path, capsys):
     (lambda p, n: p["placements"][n].update(segments=[-64, 256]),
      r"placements\['{n}'\]\.segments\[0\] must be at least 1, got -64"),
     (lambda p, n: p.update(tp="2"), r"field plan\.tp must be a whole number, got '2' \(str\)"),
+    (lambda p, n: p["placements"][n].update(kind="colwise", dim=None),
+     r"placements\['{n}'\]\.dim must be a whole number for a colwise placement, got None"),
     (lambda p, n: p["collectives"][0].update(itemsize=4.5), r"collectives\[0\]\.itemsize must be a whole number"),
     (lambda p, n: p.update(sequence_paralel=True), r"plan\.sequence_paralel is not a field here"),
 ])

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from autotp.errors import CheckpointError
 from autotp.runtime import manifest
+from autotp.runtime.manifest import agree
 
 PARTIAL = ".autotp-partial"
 PREVIOUS = ".autotp-previous"
@@ -105,12 +106,12 @@ def write_atomically(path: str | os.PathLike, write: Callable[[Path], None], gro
             shutil.rmtree(partial)
         partial.mkdir(parents=True)
     _barrier(group, distributed)
-    write(partial)
-    _barrier(group, distributed)  # every rank's files are written before they are listed
+    # Each step is agreed (a collective): a failure on one rank (a full disk under the first rank's export) fails
+    # every rank instead of leaving the others waiting. The agreement after ``write`` also means every rank's
+    # files are written before they are listed, and the last one that no rank returns before the swap.
+    agree(lambda: write(partial), group, distributed, f"saving {target}")
     manifest.record(partial, group, distributed, first)
-    if first:
-        _swap(partial, target)
-    _barrier(group, distributed)  # no rank returns before the checkpoint is in place
+    agree(lambda: _swap(partial, target) if first else None, group, distributed, f"saving {target}")
 
 
 def resolve(path: str | os.PathLike) -> Path:
