@@ -137,8 +137,11 @@ def resolve(path: str | os.PathLike) -> Path:
 
 
 def verify(path: Path, group, distributed: bool) -> bool:
-    """Check the files of the checkpoint at ``path`` against its manifest (a single file: against its folder's
-    manifest, that file alone); collective over ``group``. Returns whether a manifest was found."""
+    """Check the files a load of the checkpoint at ``path`` reads against its manifest: every file of a DCP
+    folder, the tensors and index of a safetensors export (its ``config.json`` is the user's to edit), or the
+    single file named; collective over ``group``. Returns whether a manifest was found."""
     if path.is_file():
-        return manifest.verify(path.parent, group, distributed, only={path.name})
-    return manifest.verify(path, group, distributed)
+        return manifest.verify(path.parent, group, distributed, only=lambda name: name == path.name)
+    if (path / ".metadata").is_file():
+        return manifest.verify(path, group, distributed)
+    return manifest.verify(path, group, distributed, only=lambda name: name.endswith((".safetensors", ".index.json")))
