@@ -16,8 +16,6 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
-import torch.distributed as dist
-
 from autotp.errors import CheckpointError
 from autotp.runtime import manifest
 from autotp.runtime.manifest import agree
@@ -33,11 +31,6 @@ tokenizer) belongs to someone, and a save there is refused rather than deleting 
 def sibling(target: Path, suffix: str) -> Path:
     """``target`` with ``suffix`` added to its name (the partial or previous copy of a checkpoint)."""
     return target.with_name(target.name + suffix)
-
-
-def _barrier(group, distributed: bool) -> None:
-    if distributed:
-        dist.barrier(group=group)
 
 
 def _check_replaceable(target: Path) -> None:
@@ -94,6 +87,13 @@ def _swap(partial: Path, target: Path) -> None:
         _remove(previous)
 
 
+def _fresh(partial: Path) -> None:
+    """An empty ``partial`` folder (what an earlier save that did not finish left there is removed)."""
+    if partial.exists() or partial.is_symlink():
+        _remove(partial)
+    partial.mkdir(parents=True)
+
+
 def write_atomically(path: str | os.PathLike, write: Callable[[Path], None], group, distributed: bool,
                      first: bool) -> None:
     """Run ``write(folder)`` (every rank; collective or the first rank's alone) into a fresh partial folder,
@@ -101,14 +101,11 @@ def write_atomically(path: str | os.PathLike, write: Callable[[Path], None], gro
     target = Path(os.path.abspath(path))
     _check_replaceable(target)  # on every rank, before anything is written: all refuse alike
     partial = sibling(target, PARTIAL)
-    if first:
-        if partial.exists():  # what an earlier save that did not finish left
-            shutil.rmtree(partial)
-        partial.mkdir(parents=True)
-    _barrier(group, distributed)
     # Each step is agreed (a collective): a failure on one rank (a full disk under the first rank's export) fails
-    # every rank instead of leaving the others waiting. The agreement after ``write`` also means every rank's
-    # files are written before they are listed, and the last one that no rank returns before the swap.
+    # every rank instead of leaving the others waiting. The agreements also order the steps: the folder exists
+    # before anyone writes, every rank's files are written before they are listed, and no rank returns before
+    # the swap.
+    agree(lambda: _fresh(partial) if first else None, group, distributed, f"saving {target}")
     agree(lambda: write(partial), group, distributed, f"saving {target}")
     manifest.record(partial, group, distributed, first)
     agree(lambda: _swap(partial, target) if first else None, group, distributed, f"saving {target}")
