@@ -66,6 +66,8 @@ def test_a_plan_size_that_is_python_never_runs(gpt_plan, tmp_path, capsys):
     (lambda p, n: p["placements"][n].update(segments=[-64, 256]),
      r"placements\['{n}'\]\.segments\[0\] must be at least 1, got -64"),
     (lambda p, n: p.update(tp="2"), r"field plan\.tp must be a whole number, got '2' \(str\)"),
+    (lambda p, n: p["placements"][n].update(kind="colwise", dim=None),
+     r"placements\['{n}'\]\.dim must be a whole number for a colwise placement, got None"),
     (lambda p, n: p["collectives"][0].update(itemsize=4.5), r"collectives\[0\]\.itemsize must be a whole number"),
     (lambda p, n: p.update(sequence_paralel=True), r"plan\.sequence_paralel is not a field here"),
 ])
@@ -184,7 +186,8 @@ def test_optimizer_state_payload_never_runs(solo, tmp_path):
     state[key] = dict(state[key], lr=_Touch(marker))  # what torch.load(weights_only=False) would run
     dcp.save(state, tmp_path / "hostile", None, False)
     with pytest.raises(autotp.CheckpointError, match=rf"the checkpoint's {key} holds objects other than numbers, "
-                                                     "strings, containers and tensors; refused"):
+                                                     r"strings, containers and tensors \((io|builtins)\.open is not "
+                                                     r"allowed\); refused"):
         pm.load(tmp_path / "hostile", optimizer=opt, quiet=True)
     assert not marker.exists()
 
@@ -228,6 +231,16 @@ def test_one_error_lists_shapes_dtypes_and_missing_tensors():
         "the model's own values for the missing tensors.")
     fine = {"w": (4, 4), "steps": (1,), "head": (4,)}
     assert match(expected, fine, {"steps": "I64"}, "x", strict=False) == {"w": "w", "steps": "steps", "tied": "head"}
+
+
+def test_a_manifest_naming_a_file_outside_is_refused(solo, tmp_path):
+    pm, _, _ = solo
+    folder = _fresh(solo, "dcp", tmp_path)
+    manifest = json.loads((folder / "autotp-manifest.json").read_text())
+    manifest["files"]["../../etc/passwd"] = {"size": 1, "crc32": "00000000"}
+    (folder / "autotp-manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(autotp.CheckpointError, match=r"names '\.\./\.\./etc/passwd', a path outside the checkpoint"):
+        pm.load(folder, quiet=True)
 
 
 # ---- Saves: atomic, and a save never deletes what is not a checkpoint ------------------------------------------

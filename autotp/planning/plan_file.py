@@ -121,6 +121,10 @@ def _placements(where: str, value) -> None:
         raise _Bad(where, f"must be a JSON object of parameter name -> placement, got {_describe(value)}")
     for name, placement in value.items():
         _object(f"{where}[{name!r}]", placement, _PLACEMENT, ("kind",))
+        split, dim = placement["kind"] != PlacementKind.REPLICATED.value, placement.get("dim")
+        if split == (dim is None):
+            raise _Bad(f"{where}[{name!r}].dim", f"must be {'a whole number' if split else 'null'} for a "
+                                                  f"{placement['kind']} placement, got {_describe(dim)}")
 
 
 _PLAN = {"schema_version": lambda w, v: None, "model": _str, "tp": lambda w, v: _int(w, v, 1),

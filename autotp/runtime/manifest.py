@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 
 import torch.distributed as dist
@@ -121,14 +122,14 @@ def gather(value, group, distributed: bool) -> list:
     return out
 
 
-def verify(folder: str | os.PathLike, group, distributed: bool, only: set[str] | None = None) -> bool:
-    """Check the files the manifest in ``folder`` lists (``only`` those, if given) against it, each file on one
-    rank of ``group``; a collective when ``distributed``. Every rank raises the same ``CheckpointError`` naming
-    every file that is missing or differs. Returns whether there was a manifest to check."""
+def verify(folder: str | os.PathLike, group, distributed: bool, only: Callable[[str], bool] | None = None) -> bool:
+    """Check the files the manifest in ``folder`` lists (those ``only`` accepts, if given) against it, each file on
+    one rank of ``group``; a collective when ``distributed``. Every rank raises the same ``CheckpointError``
+    naming every file that is missing or differs. Returns whether there was a manifest to check."""
     files = read(folder)
     if files is None:
         return False
-    names = sorted(n for n in files if only is None or n in only)
+    names = sorted(n for n in files if only is None or only(n))
     rank, size = rank_and_size(group, distributed)
     found = [p for mine in gather(problems(folder, files, names[rank::size]), group, distributed) for p in mine]
     if found:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import re
 from pathlib import Path
 
 import torch
@@ -99,5 +100,8 @@ def load_object(value: io.BytesIO, name: str):
     try:
         return torch.load(value, weights_only=True)
     except pickle.UnpicklingError as e:
+        # torch's message advises weights_only=False; say only what was refused (its "Unsupported global" line).
+        found = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))
+        what = f"{found.group(1)} is not allowed" if found else str(e).strip().splitlines()[-1]
         raise CheckpointError(f"the checkpoint's {name} holds objects other than numbers, strings, containers and "
-                              f"tensors; refused, as loading them could run code ({str(e).splitlines()[0]})") from e
+                              f"tensors ({what}); refused, as loading them could run code") from e

@@ -16,10 +16,9 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
-import torch.distributed as dist
-
 from autotp.errors import CheckpointError
 from autotp.runtime import manifest
+from autotp.runtime.manifest import agree
 
 PARTIAL = ".autotp-partial"
 PREVIOUS = ".autotp-previous"
@@ -32,11 +31,6 @@ tokenizer) belongs to someone, and a save there is refused rather than deleting 
 def sibling(target: Path, suffix: str) -> Path:
     """``target`` with ``suffix`` added to its name (the partial or previous copy of a checkpoint)."""
     return target.with_name(target.name + suffix)
-
-
-def _barrier(group, distributed: bool) -> None:
-    if distributed:
-        dist.barrier(group=group)
 
 
 def _check_replaceable(target: Path) -> None:
@@ -93,6 +87,13 @@ def _swap(partial: Path, target: Path) -> None:
         _remove(previous)
 
 
+def _fresh(partial: Path) -> None:
+    """An empty ``partial`` folder (what an earlier save that did not finish left there is removed)."""
+    if partial.exists() or partial.is_symlink():
+        _remove(partial)
+    partial.mkdir(parents=True)
+
+
 def write_atomically(path: str | os.PathLike, write: Callable[[Path], None], group, distributed: bool,
                      first: bool) -> None:
     """Run ``write(folder)`` (every rank; collective or the first rank's alone) into a fresh partial folder,
@@ -100,17 +101,14 @@ def write_atomically(path: str | os.PathLike, write: Callable[[Path], None], gro
     target = Path(os.path.abspath(path))
     _check_replaceable(target)  # on every rank, before anything is written: all refuse alike
     partial = sibling(target, PARTIAL)
-    if first:
-        if partial.exists():  # what an earlier save that did not finish left
-            shutil.rmtree(partial)
-        partial.mkdir(parents=True)
-    _barrier(group, distributed)
-    write(partial)
-    _barrier(group, distributed)  # every rank's files are written before they are listed
+    # Each step is agreed (a collective): a failure on one rank (a full disk under the first rank's export) fails
+    # every rank instead of leaving the others waiting. The agreements also order the steps: the folder exists
+    # before anyone writes, every rank's files are written before they are listed, and no rank returns before
+    # the swap.
+    agree(lambda: _fresh(partial) if first else None, group, distributed, f"saving {target}")
+    agree(lambda: write(partial), group, distributed, f"saving {target}")
     manifest.record(partial, group, distributed, first)
-    if first:
-        _swap(partial, target)
-    _barrier(group, distributed)  # no rank returns before the checkpoint is in place
+    agree(lambda: _swap(partial, target) if first else None, group, distributed, f"saving {target}")
 
 
 def resolve(path: str | os.PathLike) -> Path:
@@ -136,8 +134,11 @@ def resolve(path: str | os.PathLike) -> Path:
 
 
 def verify(path: Path, group, distributed: bool) -> bool:
-    """Check the files of the checkpoint at ``path`` against its manifest (a single file: against its folder's
-    manifest, that file alone); collective over ``group``. Returns whether a manifest was found."""
+    """Check the files a load of the checkpoint at ``path`` reads against its manifest: every file of a DCP
+    folder, the tensors and index of a safetensors export (its ``config.json`` is the user's to edit), or the
+    single file named; collective over ``group``. Returns whether a manifest was found."""
     if path.is_file():
-        return manifest.verify(path.parent, group, distributed, only={path.name})
-    return manifest.verify(path, group, distributed)
+        return manifest.verify(path.parent, group, distributed, only=lambda name: name == path.name)
+    if (path / ".metadata").is_file():
+        return manifest.verify(path, group, distributed)
+    return manifest.verify(path, group, distributed, only=lambda name: name.endswith((".safetensors", ".index.json")))
