@@ -33,6 +33,7 @@ from autotp.runtime import (
     state_names,
     tied_groups,
 )
+from autotp.runtime.generation import Generation
 from autotp.runtime.inputs import InputSpec
 from autotp.runtime.process import first_rank, from_first_rank, shared_seed
 from autotp.runtime.sources import checkpoint_source
@@ -211,6 +212,7 @@ def _tensor_parallel(model: nn.Module, graphs: dict[bool, Captured], chosen: Pla
     pm = ParallelModule(modules, chosen, comm, state_names(model, graphs[True], modules.values(), source), stream,
                         InputSpec.of(graphs[True], chosen), model.training, dp, compile)
     pm.model_config = getattr(model, "config", None)
+    pm.generation = Generation(model)
     return pm
 
 

@@ -79,11 +79,13 @@ class Analysis:
         found = {n: kept_by_choice(self.nodes[n], self.projections, heads) for n in self.projections}
         return {n: why for n, why in found.items() if why}
 
-    def propagate(self, layouts: Mapping[str, Shard], tp: int, sequence_parallel: bool = False) -> Propagation:
+    def propagate(self, layouts: Mapping[str, Shard], tp: int, sequence_parallel: bool = False,
+                  inputs: Mapping[str, Shard] | None = None) -> Propagation:
         """Propagate parameter layouts (keyed by ``get_attr`` target) through the whole graph, with the residual
-        stream split along the sequence when ``sequence_parallel``."""
+        stream split along the sequence when ``sequence_parallel``; ``inputs``: placeholders given split."""
         sequence = self.sequence_sizes if sequence_parallel else frozenset()
-        return propagate(self.graph, self.projections, self.embeddings, layouts, tp, self.trainable, sequence=sequence)
+        return propagate(self.graph, self.projections, self.embeddings, layouts, tp, self.trainable, sequence=sequence,
+                         inputs=inputs)
 
     @functools.cached_property
     def sequence_sizes(self) -> frozenset:

@@ -18,7 +18,7 @@ from torch import fx, nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 from torch.utils._pytree import tree_unflatten
 
-from autotp.errors import InputError
+from autotp.errors import InputError, PlanError
 from autotp.options import Schedule
 from autotp.planning.plan import Plan
 from autotp.rewrite.comm import Communicator
@@ -192,6 +192,12 @@ class PipelineModule(Checkpointing, nn.Module):
     def manual_seed(self, seed: int) -> None:
         """Restart this rank's random stream at ``seed`` (call it with the same seed on every rank)."""
         self._stream.manual_seed(seed)
+
+    def generate(self, *args, **kwargs):
+        """Refused: generation runs tensor-parallel graphs with a KV cache split over tp, not pipeline stages."""
+        raise PlanError(f"generate needs pp=1: this module's plan cuts the model into {self.plan.pp} pipeline stages, "
+                        "and a decode step would pass one token through every stage in turn; parallelize the "
+                        f"model again with pp=1 (tp={self.plan.tp * self.plan.pp} fits the same ranks) to generate")
 
     @torch.no_grad()
     def forward(self, *inputs, **kwargs):

@@ -150,6 +150,8 @@ class ParallelModule(Checkpointing, nn.Module):
         self._compiled = {mode: torch.compile(gm) for mode, gm in graphs.items()} if compile else None
         for gather in self._output_gathers if compile else ():
             gather.overwritable = False  # a compiled graph may keep its outputs for its own backward
+        self.generation = None
+        """``runtime.generation.Generation``, set by ``parallelize``: what ``generate`` needs of the model."""
         self.train(training)
         close_at_exit(self)
 
@@ -218,8 +220,28 @@ class ParallelModule(Checkpointing, nn.Module):
     def manual_seed(self, seed: int) -> None:
         """Restart the random stream of dropout and every other random op at ``seed`` on this rank (call it with
         the same seed on every rank): the masks are then those a single process draws after
-        ``torch.manual_seed(seed)``."""
+        ``torch.manual_seed(seed)``, and so are ``generate``'s samples."""
         self._stream.manual_seed(seed)
+        if self.generation is not None:
+            self.generation.manual_seed(seed)
+
+    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
+                 max_new_tokens: int | None = None, do_sample: bool | None = None, temperature: float | None = None,
+                 top_k: int | None = None, top_p: float | None = None, eos_token_id=None,
+                 pad_token_id: int | None = None) -> torch.Tensor:
+        """What ``model.generate`` returns (the prompts followed by the new tokens), on every rank (collective).
+
+        Arguments are Hugging Face's; unset ones come from the model's ``generation_config``, then transformers'
+        defaults. Prompts are left-padded, ``attention_mask`` 0 on the padding. A model with a KV cache decodes
+        with each rank holding its split of the cache (``runtime.generation``); one without re-runs the sequence
+        for every token. Runs under ``torch.inference_mode()`` on the current weights, in eval mode.
+        """
+        if self.generation is None:
+            raise InputError("this parallel module was built without its model's structure; build it with "
+                             "autotp.parallelize to generate")
+        given = {"max_new_tokens": max_new_tokens, "do_sample": do_sample, "temperature": temperature,
+                 "top_k": top_k, "top_p": top_p, "eos_token_id": eos_token_id, "pad_token_id": pad_token_id}
+        return self.generation.generate(self, input_ids, attention_mask, given)
 
     def local_state_dict(self) -> dict[str, torch.Tensor]:
         """This rank's tensors (tensor-parallel shards for split parameters, whole over data-parallel
