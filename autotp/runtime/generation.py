@@ -14,6 +14,8 @@ continues the same sequences whatever the floating point does.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import fx, nn
 
@@ -60,7 +62,7 @@ class CachedGenerator:
                    for t, lay in zip(whole, self.layouts))
         return mine, sum(t.numel() * t.element_size() for t in whole)
 
-    def run(self, ids: torch.Tensor, mask: torch.Tensor, s: Settings, pick) -> torch.Tensor:
+    def run(self, ids: torch.Tensor, mask: torch.Tensor, s: Settings, pick, seen: list | None = None) -> torch.Tensor:
         """The generated sequences (prompt and new tokens, as ``model.generate`` returns them)."""
         batch, prompt = ids.shape
         length = prompt + s.max_new_tokens
@@ -70,7 +72,7 @@ class CachedGenerator:
         positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)  # as transformers numbers padding
         graph = self.steps["prefill" if prompt > 1 else "decode"]
         logits = graph(*step_inputs(ids, full, positions, 0, cache))
-        return _loop(ids, logits[:, -1], s, pick, lambda tokens, t: self._decode(tokens, full, cache, t))
+        return _loop(ids, logits[:, -1], s, pick, lambda tokens, t: self._decode(tokens, full, cache, t), seen)
 
     def _decode(self, tokens: torch.Tensor, full: torch.Tensor, cache, t: int) -> torch.Tensor:
         full[:, t] = 1  # transformers extends the mask with ones, finished sequences too
@@ -89,13 +91,25 @@ def _share(gm: fx.GraphModule, captured: Captured, tensors: dict) -> None:
         set_tensor(gm, target, tensors[name])
 
 
-def _loop(ids: torch.Tensor, last: torch.Tensor, s: Settings, pick, step) -> torch.Tensor:
-    """transformers' decoding loop: choose, pad finished sequences, stop at EOS or ``max_new_tokens``."""
+@dataclass
+class GenerateOutput:
+    """What ``generate(..., return_dict_in_generate=True, output_logits=True)`` returns, as transformers names it."""
+
+    sequences: torch.Tensor
+    logits: tuple[torch.Tensor, ...] | None = None
+    """Each step's logits ``[batch, vocab]`` before any processing (with ``output_logits``)."""
+
+
+def _loop(ids: torch.Tensor, last: torch.Tensor, s: Settings, pick, step, seen: list | None = None) -> torch.Tensor:
+    """transformers' decoding loop: choose, pad finished sequences, stop at EOS or ``max_new_tokens``; ``seen``
+    collects each step's logits."""
     unfinished = torch.ones(ids.shape[0], dtype=torch.bool, device=ids.device)
     eos = torch.tensor(s.eos, dtype=ids.dtype, device=ids.device) if s.eos else None
     out = [ids]
     prompt = ids.shape[1]
     for i in range(s.max_new_tokens):
+        if seen is not None:
+            seen.append(last.clone())
         tokens = pick(last)
         if eos is not None:
             tokens = torch.where(unfinished, tokens, torch.full_like(tokens, s.pad))
@@ -107,7 +121,8 @@ def _loop(ids: torch.Tensor, last: torch.Tensor, s: Settings, pick, step) -> tor
     return torch.cat(out, dim=1)
 
 
-def rerun(forward, takes_mask: bool, ids: torch.Tensor, mask: torch.Tensor, s: Settings, pick) -> torch.Tensor:
+def rerun(forward, takes_mask: bool, ids: torch.Tensor, mask: torch.Tensor, s: Settings, pick,
+          seen: list | None = None) -> torch.Tensor:
     """Generation by re-running the whole sequence for every token (a model with no cache)."""
     if not takes_mask and not bool(mask.all()):
         raise InputError("this model was captured without an attention_mask, so it cannot skip padding: pass "
@@ -126,7 +141,7 @@ def rerun(forward, takes_mask: bool, ids: torch.Tensor, mask: torch.Tensor, s: S
         state["mask"] = torch.cat([state["mask"], torch.ones_like(state["mask"][:, :1])], dim=1)
         return logits_of()
 
-    return _loop(ids, logits_of(), s, pick, step)
+    return _loop(ids, logits_of(), s, pick, step, seen)
 
 
 def picker(s: Settings, generator: torch.Generator | None, comm: Communicator | None):
@@ -175,17 +190,21 @@ class Generation:
         if pm.fsdp_unit is not None:
             raise InputError("generate runs the tensor-parallel graphs on whole parameters; under dp_mode='fsdp' "
                              "they are sharded over the replicas: use dp_mode='replicate' (or dp=1) to generate")
+        as_dict, output_logits = given.pop("return_dict_in_generate"), given.pop("output_logits")
         settings = resolve(self.config, given)
         ids, mask = prompt_of(input_ids, attention_mask)
         pick = picker(settings, self.generator, pm.comm)
+        seen = [] if output_logits else None
         with torch.inference_mode():
             if self.no_cache:
                 spec = pm._inputs
-                return rerun(lambda x, **kw: spec.run(pm.eval_module, (x,), kw), _accepts_mask(spec),
-                             ids, mask, settings, pick)
-            if self.cached is None:
-                self.cached = CachedGenerator(self._model, pm.plan, pm.rank, pm.comm, _tensors(pm))
-            return self.cached.run(ids, mask, settings, pick)
+                out = rerun(lambda x, **kw: spec.run(pm.eval_module, (x,), kw), _accepts_mask(spec),
+                            ids, mask, settings, pick, seen)
+            else:
+                if self.cached is None:
+                    self.cached = CachedGenerator(self._model, pm.plan, pm.rank, pm.comm, _tensors(pm))
+                out = self.cached.run(ids, mask, settings, pick, seen)
+        return GenerateOutput(out, tuple(seen) if seen is not None else None) if as_dict else out
 
 
 def _accepts_mask(spec) -> bool:

@@ -228,19 +228,23 @@ class ParallelModule(Checkpointing, nn.Module):
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
                  max_new_tokens: int | None = None, do_sample: bool | None = None, temperature: float | None = None,
                  top_k: int | None = None, top_p: float | None = None, eos_token_id=None,
-                 pad_token_id: int | None = None) -> torch.Tensor:
+                 pad_token_id: int | None = None, return_dict_in_generate: bool = False,
+                 output_logits: bool = False):
         """What ``model.generate`` returns (the prompts followed by the new tokens), on every rank (collective).
 
         Arguments are Hugging Face's; unset ones come from the model's ``generation_config``, then transformers'
         defaults. Prompts are left-padded, ``attention_mask`` 0 on the padding. A model with a KV cache decodes
         with each rank holding its split of the cache (``runtime.generation``); one without re-runs the sequence
-        for every token. Runs under ``torch.inference_mode()`` on the current weights, in eval mode.
+        for every token. Runs under ``torch.inference_mode()`` on the current weights, in eval mode. With
+        ``return_dict_in_generate`` it returns an object with ``sequences`` (and each step's ``logits`` with
+        ``output_logits``), as transformers does.
         """
         if self.generation is None:
             raise InputError("this parallel module was built without its model's structure; build it with "
                              "autotp.parallelize to generate")
         given = {"max_new_tokens": max_new_tokens, "do_sample": do_sample, "temperature": temperature,
-                 "top_k": top_k, "top_p": top_p, "eos_token_id": eos_token_id, "pad_token_id": pad_token_id}
+                 "top_k": top_k, "top_p": top_p, "eos_token_id": eos_token_id, "pad_token_id": pad_token_id,
+                 "return_dict_in_generate": return_dict_in_generate, "output_logits": output_logits}
         return self.generation.generate(self, input_ids, attention_mask, given)
 
     def local_state_dict(self) -> dict[str, torch.Tensor]:

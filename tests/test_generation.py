@@ -1,0 +1,89 @@
+"""Generation: the sharded KV cache's layout, the sampling settings, and gloo runs at tp 2 and 4 against
+``model.generate`` (tests/generation_workers.py)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import autotp
+from autotp.planning.plan import Plan
+from autotp.runtime.generation import prompt_of
+from autotp.runtime.pipeline import PipelineModule
+from autotp.runtime.sampling import Settings, process, resolve
+from tests import generation_workers
+from tests.distributed import run_on_ranks
+
+transformers = pytest.importorskip("transformers")
+
+
+def _check(results: list[dict], kinds) -> None:
+    for rank, result in enumerate(results):
+        for kind in kinds:
+            r = result[kind]
+            assert r["greedy"], (rank, kind, r)
+            assert r["steps"] == r["ref_steps"], (rank, kind, r)
+            assert r["logit_diff"] < 1e-4, (rank, kind, r)
+            assert r["sampled"] and r["same_on_ranks"], (rank, kind, r)
+
+
+def test_generation_at_two_ranks_equals_model_generate():
+    results = run_on_ranks(generation_workers.generation_at_two, 2)
+    _check(results, ("llama", "mistral", "gemma2", "mixtral", "gpt2"))
+    for result in results:
+        for kind in ("llama", "mistral", "mixtral", "gpt2"):
+            mine, whole = result[kind]["cache_bytes"]
+            assert 2 * mine == whole, (kind, mine, whole)  # each rank holds half the KV heads
+        gpt = result["gpt"]
+        assert gpt["greedy"] and gpt["sampled"] and gpt["same_on_ranks"], gpt
+        assert "re-runs the whole sequence" in gpt["note"]
+        assert result["training"]["after"], result["training"]
+
+
+def test_generation_at_four_ranks_above_the_kv_heads():
+    results = run_on_ranks(generation_workers.generation_at_four, 4)
+    _check(results, ("llama", "gpt2"))
+    for result in results:
+        mine, whole = result["llama"]["cache_bytes"]
+        assert result["llama"]["replicas"] == [2] and 2 * mine == whole, result["llama"]  # one KV head of two
+        mine, whole = result["gpt2"]["cache_bytes"]
+        assert 4 * mine == whole
+
+
+def test_sampling_processing_is_transformers():
+    from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    scores = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+    s = Settings(5, True, 0.7, 10, 0.8, (), None)
+    ref = scores
+    for warper in (TemperatureLogitsWarper(0.7), TopKLogitsWarper(10), TopPLogitsWarper(0.8)):
+        ref = warper(None, ref)
+    assert torch.equal(process(scores, s), ref)
+
+
+def test_settings_come_from_the_generation_config_then_defaults():
+    config = transformers.GenerationConfig(max_new_tokens=7, top_k=5, eos_token_id=[3, 4])
+    s = resolve(config, {"top_k": None, "temperature": 0.5})
+    assert (s.max_new_tokens, s.top_k, s.temperature, s.top_p, s.eos, s.pad) == (7, 5, 0.5, 1.0, (3, 4), 3)
+    assert resolve(None, {}).max_new_tokens == 20 and not resolve(None, {}).do_sample
+
+
+def test_bad_settings_say_what_to_change():
+    with pytest.raises(autotp.InputError, match="num_beams"):
+        resolve(transformers.GenerationConfig(num_beams=4), {})
+    with pytest.raises(autotp.InputError, match="max_new_tokens must be a positive integer"):
+        resolve(None, {"max_new_tokens": 0})
+    with pytest.raises(autotp.InputError, match="top_p"):
+        resolve(None, {"top_p": 1.5})
+    with pytest.raises(autotp.InputError, match="pad on the left"):
+        prompt_of(torch.ones(2, 3, dtype=torch.long), torch.tensor([[1, 1, 0], [1, 1, 1]]))
+    with pytest.raises(autotp.InputError, match="2-D integer tensor"):
+        prompt_of(torch.ones(3), None)
+
+
+def test_pipelines_refuse_generation():
+    fake = SimpleNamespace(plan=Plan(tp=2, pp=2))
+    with pytest.raises(autotp.PlanError, match="generate needs pp=1"):
+        PipelineModule.generate(fake, torch.ones(1, 2, dtype=torch.long))
