@@ -87,3 +87,13 @@ def test_pipelines_refuse_generation():
     fake = SimpleNamespace(plan=Plan(tp=2, pp=2))
     with pytest.raises(autotp.PlanError, match="generate needs pp=1"):
         PipelineModule.generate(fake, torch.ones(1, 2, dtype=torch.long))
+
+
+def test_the_generate_command_prints_tokens_and_speed(capsys):
+    from autotp.tools.cli import main
+
+    assert main(["generate", "examples/gpt.py:build_gpt", "--tp", "1", "--max-new-tokens", "3", "--batch", "2"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines[0].split()) == 3 and "tokens/s at tp=1, batch 2, with re-running" in lines[-1]
+    assert main(["generate", "hf:llama", "--tp", "1", "--ids", "1,x"]) != 0
+    assert "--ids must be comma-separated integers" in capsys.readouterr().err

@@ -30,6 +30,7 @@ import autotp
 from autotp.capture import capture
 from autotp.errors import AutotpError, InputError, InternalError
 from autotp.tools.exports import Target, export_styles, to_hf_tp_plan, torch_plan_source
+from autotp.tools.generate_cli import add_parser as add_generate_parser, run_generate
 from autotp.tools.model_spec import build_model, example_inputs, parse_overrides, parse_spec
 from autotp.options import Balance, DataParallelMode, VocabChoice
 from autotp.planning import Plan, check_plan_fits
@@ -108,7 +109,8 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``autotp`` (errors raise ``UsageError`` instead of exiting)."""
-    parser = _Parser(prog="autotp", description="Read, draw and benchmark autotp's tensor/pipeline-parallel plans.")
+    parser = _Parser(prog="autotp", description="Read, draw and benchmark autotp's tensor/pipeline-parallel plans; "
+                                                "generate with them.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     plan = sub.add_parser("plan", help="print the plan as a table, JSON, or an HF/torch plan")
     _common(plan)
@@ -129,6 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     check = sub.add_parser("check", help="simulate every rank in this process and compare one training step with "
                                          "the unsharded model (exit 0 exact, 1 mismatch)")
     _common(check)
+    add_generate_parser(sub)
     sub.add_parser("zoo", help="check every transformers model type (and more); writes docs/COVERAGE.md",
                    add_help=False)
     sub.add_parser("bench", help="run the benchmarks (bench/ in the repository; arguments pass through)",
@@ -298,7 +301,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # library warnings would bury the one line that matters
-            return {"plan": run_plan, "viz": run_viz, "check": run_check}[args.command](args)
+            return {"plan": run_plan, "viz": run_viz, "check": run_check,
+                    "generate": run_generate}[args.command](args)
     except InternalError as e:  # not the user's mistake: say so, and keep the traceback for the report
         traceback.print_exc(file=sys.stderr)
         print(f"autotp: {e}", file=sys.stderr)
