@@ -97,3 +97,21 @@ def test_the_generate_command_prints_tokens_and_speed(capsys):
     assert len(lines[0].split()) == 3 and "tokens/s at tp=1, batch 2, with re-running" in lines[-1]
     assert main(["generate", "hf:llama", "--tp", "1", "--ids", "1,x"]) != 0
     assert "--ids must be comma-separated integers" in capsys.readouterr().err
+
+
+def test_the_cache_is_split_as_the_kv_heads_written_into_it():
+    """Planned without processes: at tp=2 each rank holds one of Llama's 2 KV heads; at tp=4 (above them) the
+    head its query heads use, shared by 2 ranks; the prefill and decode steps agree."""
+    from autotp.capture.kv_cache import cache_shape, capture_steps
+    from autotp.rewrite.cache_layout import cache_layouts, local_shape
+
+    model = generation_workers._small("llama", 2).eval()
+    steps = capture_steps(model, cache_shape(model))
+    ids = torch.zeros(2, 6, dtype=torch.long)
+    for tp, replicas in ((2, 1), (4, 2)):
+        plan = autotp.plan(model, tp, (ids,))
+        layouts = {kind: list(cache_layouts(g, plan, 4).values()) for kind, g in steps.items()}
+        assert layouts["prefill"] == layouts["decode"] and len(layouts["decode"]) == 4  # K and V of 2 layers
+        for lay in layouts["decode"]:
+            assert (lay.dim, lay.segments, lay.replicas) == (1, (2,), replicas)
+            assert local_shape((3, 2, 16, 16), lay, tp) == (3, 1, 16, 16)
