@@ -38,7 +38,7 @@ def test_generation_at_two_ranks_equals_model_generate():
             assert 2 * mine == whole, (kind, mine, whole)  # each rank holds half the KV heads
         gpt = result["gpt"]
         assert gpt["greedy"] and gpt["sampled"] and gpt["same_on_ranks"], gpt
-        assert "re-runs the whole sequence" in gpt["note"]
+        assert "re-runs the whole sequence" in gpt["note"] and gpt["plan_note"]
         assert result["training"]["after"], result["training"]
 
 
@@ -115,3 +115,18 @@ def test_the_cache_is_split_as_the_kv_heads_written_into_it():
         for lay in layouts["decode"]:
             assert (lay.dim, lay.segments, lay.replicas) == (1, (2,), replicas)
             assert local_shape((3, 2, 16, 16), lay, tp) == (3, 1, 16, 16)
+
+
+def test_a_meta_model_loaded_from_a_checkpoint_generates(tmp_path):
+    """Weights only in a .safetensors file, the model on the meta device: the cache's shapes and the steps are
+    captured on meta, and the steps read the loaded weights (one process, tp=1)."""
+    from safetensors.torch import save_file
+
+    model = generation_workers._small("llama", 2).eval()
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(tmp_path / "w.safetensors"))
+    with autotp.empty_weights():
+        bare = generation_workers._small("llama", 2).eval()
+    ids, mask = generation_workers._prompts()
+    pm = autotp.parallelize(bare, tp=1, example_inputs=(ids,), checkpoint=tmp_path / "w.safetensors", quiet=True)
+    ref = model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False)
+    assert torch.equal(pm.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False), ref)

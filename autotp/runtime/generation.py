@@ -14,6 +14,7 @@ continues the same sequences whatever the floating point does.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -21,7 +22,7 @@ from torch import fx, nn
 
 from autotp.capture import Captured
 from autotp.capture.kv_cache import CacheShape, cache_shape, capture_steps, step_inputs, why_no_cache
-from autotp.errors import InputError, InternalError
+from autotp.errors import CaptureError, InputError, InternalError
 from autotp.planning.plan import Plan
 from autotp.rewrite.cache_layout import build_step_graph, cache_layouts, local_shape
 from autotp.rewrite.comm import Communicator
@@ -195,16 +196,27 @@ class Generation:
         ids, mask = prompt_of(input_ids, attention_mask)
         pick = picker(settings, self.generator, pm.comm)
         seen = [] if output_logits else None
+        if not self.no_cache:
+            self._build(pm)
         with torch.inference_mode():
             if self.no_cache:
                 spec = pm._inputs
                 out = rerun(lambda x, **kw: spec.run(pm.eval_module, (x,), kw), _accepts_mask(spec),
                             ids, mask, settings, pick, seen)
             else:
-                if self.cached is None:
-                    self.cached = CachedGenerator(self._model, pm.plan, pm.rank, pm.comm, _tensors(pm))
                 out = self.cached.run(ids, mask, settings, pick, seen)
         return GenerateOutput(out, tuple(seen) if seen is not None else None) if as_dict else out
+
+    def _build(self, pm) -> None:
+        """The cached steps, once; a model whose cached step cannot be captured re-runs instead, saying why."""
+        if self.cached is not None:
+            return
+        try:
+            self.cached = CachedGenerator(self._model, pm.plan, pm.rank, pm.comm, _tensors(pm))
+        except CaptureError as e:
+            self.no_cache = (f"its forward could not be captured with a KV cache as graph inputs ({e}); generate "
+                             "re-runs the whole sequence for every token (exact, slower)")
+            warnings.warn(f"autotp generate: {self.no_cache}", stacklevel=3)
 
 
 def _accepts_mask(spec) -> bool:
