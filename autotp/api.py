@@ -213,8 +213,6 @@ def _tensor_parallel(model: nn.Module, graphs: dict[bool, Captured], chosen: Pla
                         InputSpec.of(graphs[True], chosen), model.training, dp, compile)
     pm.model_config = getattr(model, "config", None)
     pm.generation = Generation(model)
-    if pm.generation.no_cache:  # after the ranks compared plans: a note, the same on every rank
-        pm.plan = chosen.replace(notes=(*chosen.notes, f"generate: {pm.generation.no_cache}"))
     return pm
 
 

@@ -38,7 +38,7 @@ def test_generation_at_two_ranks_equals_model_generate():
             assert 2 * mine == whole, (kind, mine, whole)  # each rank holds half the KV heads
         gpt = result["gpt"]
         assert gpt["greedy"] and gpt["sampled"] and gpt["same_on_ranks"], gpt
-        assert "re-runs the whole sequence" in gpt["note"] and gpt["plan_note"]
+        assert "re-runs the whole sequence" in gpt["note"]
         assert result["training"]["after"], result["training"]
 
 

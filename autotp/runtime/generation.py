@@ -181,6 +181,7 @@ class Generation:
         self.no_cache = why_no_cache(model)
         self.generator: torch.Generator | None = None
         self.cached: CachedGenerator | None = None
+        self.warned = False
 
     def manual_seed(self, seed: int) -> None:
         """Draw samples from ``seed`` on: the tokens one process samples after ``torch.manual_seed(seed)``."""
@@ -198,6 +199,9 @@ class Generation:
         seen = [] if output_logits else None
         if not self.no_cache:
             self._build(pm)
+        elif not self.warned:  # once per module: what it costs, and what to add
+            warnings.warn(f"autotp generate: {self.no_cache}", stacklevel=3)
+            self.warned = True
         with torch.inference_mode():
             if self.no_cache:
                 spec = pm._inputs
@@ -217,6 +221,7 @@ class Generation:
             self.no_cache = (f"its forward could not be captured with a KV cache as graph inputs ({e}); generate "
                              "re-runs the whole sequence for every token (exact, slower)")
             warnings.warn(f"autotp generate: {self.no_cache}", stacklevel=3)
+            self.warned = True
 
 
 def _accepts_mask(spec) -> bool:
