@@ -1,6 +1,6 @@
 """Generation: autotp at tp=2 (two processes, one thread each) against ``model.generate`` in one process.
 
-    python -m bench.generation [--rounds 5] [--new 32] [--prompt 64]
+    python -m bench.generation [--rounds 5] [--new 32] [--prompt 64] [--vocab split]
 
 A Llama of about 400 MB in float32 (hidden 1024, 6 layers, 16 query and 4 KV heads, MLP 2816, vocabulary 16000,
 random weights: decoding one token reads every weight once, as in real serving). For batch 1 and 8, each side
@@ -65,7 +65,7 @@ def paired(rank: int, world: int, args) -> dict:
 
     model = build()
     model.generation_config.eos_token_id = None  # every sequence runs all the new tokens on both sides
-    pm = autotp.parallelize(model, tp=world, example_inputs=(_prompts(1, 8),), quiet=True)
+    pm = autotp.parallelize(model, tp=world, example_inputs=(_prompts(1, 8),), vocab=args.vocab, quiet=True)
 
     def single(ids, max_new_tokens):
         with torch.inference_mode():
@@ -120,6 +120,10 @@ def main(argv=None) -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--new", type=int, default=32, help="new tokens per generate")
     parser.add_argument("--prompt", type=int, default=64, help="prompt length")
+    # A decode step reads the LM head for every token: split, each rank reads half of it (the cost model's
+    # default prices a training step at the example's shape, and keeps this one whole).
+    parser.add_argument("--vocab", default="split", choices=["split", "whole", "auto"],
+                        help="the plan's vocabulary choice (default split)")
     args = parser.parse_args(argv)
     found = ranks.run_on_ranks(paired, "cpu", [1, 1], args)[0]
     report = {"args": vars(args), "rounds": {b: found[str(b)] for b in BATCHES}, "rows": []}
