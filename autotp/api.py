@@ -21,6 +21,7 @@ from autotp.planning import Plan, check_plan_fits, make_plan
 from autotp.planning.planner import verify_plan
 from autotp.planning.pricing import machine_for
 from autotp.rewrite import build_graph, materialise_all, split_stages
+from autotp.rewrite.cache_layout import build_cache_steps
 from autotp.rewrite.comm import TorchComm
 from autotp.rewrite.streams import RankStream
 from autotp.runtime import (
@@ -36,6 +37,7 @@ from autotp.runtime import (
     state_names,
     tied_groups,
 )
+from autotp.runtime.generation import Generation
 from autotp.runtime.input_spec import InputSpec
 from autotp.runtime.peers import as_timedelta, bound_groups, group_timeout
 from autotp.runtime.process import first_rank, from_first_rank, shared_seed
@@ -200,7 +202,8 @@ def _tensor_parallel(built: Built, group, distributed: bool) -> ParallelModule:
         for gm in modules.values():
             gm.to(device)  # NCCL communicates GPU tensors; inputs must then be on this device too
     names = state_names(built.model, graphs[True], modules.values(), source)
-    return ParallelModule(_parts(built, comm, stream, names, dp), modules)
+    generation = Generation(built.model, build_cache_steps)
+    return ParallelModule(_parts(built, comm, stream, names, dp), modules, generation)
 
 
 def _pipeline_parallel(built: Built) -> PipelineModule:

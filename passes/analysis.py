@@ -124,14 +124,15 @@ class Analysis:
         found = {n: kept_by_choice(self.nodes[n], self.projections, heads) for n in self.projections}
         return {n: why for n, why in found.items() if why}
 
-    def propagate_placements(self, placements: Mapping[str, Placement], tp: int,
-                             sequence_parallel: bool = False) -> Propagation:
+    def propagate_placements(self, placements: Mapping[str, Placement], tp: int, sequence_parallel: bool = False,
+                             inputs: Mapping[str, Shard] | None = None) -> Propagation:
         """The propagation of parameter ``placements`` (keyed by original name, tied names included), computed
-        once per distinct placements, ``tp`` and ``sequence_parallel``: read-only, shared by every reader."""
-        key = (frozenset(placements.items()), tp, sequence_parallel)
+        once per distinct placements, ``tp``, ``sequence_parallel`` and split ``inputs`` (placeholder name ->
+        Shard: a KV cache): read-only, shared by every reader."""
+        key = (frozenset(placements.items()), tp, sequence_parallel, frozenset((inputs or {}).items()))
         if key not in self._propagations:
             self._propagations[key] = run_pass(
-                "propagation", lambda: self.propagate(self.param_layouts(placements), tp, sequence_parallel),
+                "propagation", lambda: self.propagate(self.param_layouts(placements), tp, sequence_parallel, inputs),
                 list(self.passes_run))
         return self._propagations[key]
 
@@ -141,11 +142,13 @@ class Analysis:
         by_target = {self.captured.attr_target(self.captured.aliases.get(n, n)): p for n, p in placements.items()}
         return {t: p.layout(self.param_size(t, p.dim)) for t, p in by_target.items() if p.is_split}
 
-    def propagate(self, layouts: Mapping[str, Shard], tp: int, sequence_parallel: bool = False) -> Propagation:
+    def propagate(self, layouts: Mapping[str, Shard], tp: int, sequence_parallel: bool = False,
+                  inputs: Mapping[str, Shard] | None = None) -> Propagation:
         """Propagate parameter layouts (keyed by ``get_attr`` target) through the whole graph, with the residual
-        stream split along the sequence when ``sequence_parallel``."""
+        stream split along the sequence when ``sequence_parallel``; ``inputs``: placeholders given split."""
         sequence = self.sequence_sizes if sequence_parallel else frozenset()
-        return propagate(self.graph, self.projections, self.embeddings, layouts, tp, self.trainable, sequence=sequence)
+        return propagate(self.graph, self.projections, self.embeddings, layouts, tp, self.trainable, sequence=sequence,
+                         inputs=inputs)
 
     @functools.cached_property
     def sequence_sizes(self) -> frozenset:

@@ -216,6 +216,15 @@ class Part:
         return torch.cat([full.narrow(self.dim, start, length) for start, length in self.runs], dim=self.dim)
 
 
+def local_shape(shape: tuple[int, ...], shard: Shard | None, tp: int) -> tuple[int, ...]:
+    """A rank's shape of a whole ``shape`` split as ``shard`` (None: whole)."""
+    if shard is None:
+        return tuple(shape)
+    out = list(shape)
+    out[shard.dim] = sum(s // shard.chunks(tp) for s in shard.segments)
+    return tuple(out)
+
+
 def segments_or_whole(segments: tuple[int, ...], size: int) -> tuple[int, ...]:
     """``segments``, or the whole dim as one segment when the split is plain."""
     return tuple(segments) if segments else (size,)

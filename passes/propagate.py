@@ -130,8 +130,10 @@ def _finer(a: tuple[int, ...] | None, b: tuple[int, ...]) -> tuple[int, ...]:
 class _Walker:
     """One propagation run (state for the walk; the result is ``self.result``)."""
 
-    def __init__(self, graph, projections, embeddings, param_layouts, tp, grad, auto_rows, index, sequence):
+    def __init__(self, graph, projections, embeddings, param_layouts, tp, grad, auto_rows, index, sequence,
+                 inputs=None):
         self.graph = graph
+        self.inputs = inputs or {}
         self.sequence = sequence
         self.projections = projections
         self.embeddings = embeddings
@@ -192,7 +194,7 @@ class _Walker:
                 res.reduced[node.name] = Operator.SHARED_GRAD  # each holder's gradient is a share
             return
         if node.op == "placeholder":
-            res.layouts[node.name] = None
+            res.layouts[node.name] = self.inputs.get(node.name)  # state passed in split (a KV cache), else whole
             return
         ins = {p: (n, self.layout(n)) for p, n in tensor_args(node)
                if is_tensor(n) or isinstance(self.layout(n), tuple)}
@@ -373,7 +375,7 @@ class GraphIndex:
 def propagate(graph: fx.Graph, projections: Mapping[str, Projection], embeddings: Mapping[str, Embedding],
               param_layouts: Mapping[str, Shard], tp: int, trainable: set[str], auto_rows: bool = False,
               grad: set[str] | None = None, index: GraphIndex | None = None,
-              sequence: frozenset = frozenset()) -> Propagation:
+              sequence: frozenset = frozenset(), inputs: Mapping[str, Shard] | None = None) -> Propagation:
     """Propagate the parameter layouts (keyed by ``get_attr`` target) through ``graph``.
 
     With ``auto_rows``, a projection that receives its input split along the features becomes
@@ -382,8 +384,10 @@ def propagate(graph: fx.Graph, projections: Mapping[str, Projection], embeddings
     ``sequence`` (the sequence sizes, as sympy expressions) turns on sequence parallelism: the reductions after
     row-split projections and split lookups reduce-scatter along the sequence, and the values after them stay
     split along it (norms, dropout, residual adds per sequence shard) until a reader needs them whole.
+    ``inputs`` (placeholder name -> Shard) are graph inputs each rank is given already split: a KV cache's tensors,
+    placed like the K/V heads written into them.
     """
     grad = grad if grad is not None else grad_nodes(graph, trainable)
     walker = _Walker(graph, projections, embeddings, param_layouts, tp, grad, auto_rows, index or GraphIndex.of(graph),
-                     frozenset(sympy.sympify(s) for s in sequence))
+                     frozenset(sympy.sympify(s) for s in sequence), inputs)
     return walker.run(windowed=auto_rows)

@@ -30,6 +30,7 @@ from autotp.passes.rules_shape import (
     expand,
     gather,
     getitem,
+    index_copy,
     new_filled,
     index,
     pad,
@@ -80,6 +81,7 @@ RULES = {
     aten._assert_tensor_metadata.default: no_output,
     aten.new_empty.default: new_filled, aten.new_zeros.default: new_filled, aten.new_ones.default: new_filled,
     aten.new_full.default: new_filled,
+    aten.index_copy.default: index_copy,
 }
 
 
@@ -96,7 +98,7 @@ BLOCK_AWARE = frozenset({reshape, permute, like_first, getitem, pointwise, batch
 
 
 REPLICA_AWARE = frozenset({reshape, permute, like_first, getitem, pointwise, slice_, cat, expand, sym_size, no_output,
-                           reduction, along_dim, layer_norm, split})
+                           reduction, along_dim, layer_norm, split, index_copy})
 """The rules that keep chunks several ranks hold (``Shard.replicas``) meaningful; others see such inputs whole.
 Of them, only ``reshape`` merges a spread chunk (``Shard.spread``) and ``like_first`` passes it on."""
 

@@ -309,3 +309,19 @@ def new_filled(node: fx.Node, ins: Inputs, ctx: Context) -> Decision:
         return Decision(None)
     return Decision(lay, fixes={(1, lay.dim): size // lay.chunks(ctx.tp)},
                     checks=size_checks(lay, f"dim {lay.dim} of the new tensor"))
+
+
+def index_copy(node: fx.Node, ins: Inputs, ctx: Context) -> Decision:
+    """``x.index_copy(dim, index, src)`` (a static KV cache written at the new tokens' positions) split along any
+    dim but ``dim``: each rank writes its part of ``src`` into its part of ``x`` (a cache placed like the K/V heads
+    written into it); the positions are whole."""
+    if (2,) in ins and isinstance(ins[(2,)][1], Shard):
+        return replicate_all(node, ins, ctx)
+    dim = norm_dim(node.args[1], rank(node))
+    lays = {lay for p, _, lay in sharded_inputs(ins) if p in ((0,), (3,))}
+    if not lays:
+        return Decision(None)
+    lay = lays.pop()
+    if lays or lay.dim == dim or lay.spread or rank(ins[(0,)][0]) != rank(ins[(3,)][0]):
+        return replicate_all(node, ins, ctx)
+    return Decision(lay, wants={p: lay for p in ((0,), (3,)) if ins[p][1] != lay})

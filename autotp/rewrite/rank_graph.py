@@ -242,14 +242,15 @@ class _Surgeon:
 
 
 def build_graph(captured: Captured, plan: Plan, rank: int, comm: Communicator | None,
-                stream: RankStream | None = None) -> fx.GraphModule:
+                stream: RankStream | None = None, inputs=None) -> fx.GraphModule:
     """This tensor-parallel rank's graph (fixed shapes, collectives over ``comm``, random ops drawing from
-    ``stream``); its attributes still point at the model's tensors."""
+    ``stream``); its attributes still point at the model's tensors. ``inputs`` (placeholder name -> Shard): inputs
+    the rank is given split (a KV cache)."""
     gm = copy_graph_module(captured.module)
     layouts = {}
     if plan.tp > 1:
         analysis = captured.analysis
-        prop = analysis.propagate_placements(plan.placements, plan.tp, plan.sequence_parallel)
+        prop = analysis.propagate_placements(plan.placements, plan.tp, plan.sequence_parallel, inputs)
         _Surgeon(gm, analysis, comm, rank, plan.tp).apply(prop)
         layouts = prop.layouts
     if stream is not None:

@@ -23,7 +23,7 @@ from torch.distributed.pipelining import (
 )
 from torch.utils._pytree import tree_unflatten
 
-from autotp.errors import InputError
+from autotp.errors import InputError, PlanError
 from autotp.options import Schedule
 from autotp.runtime.data_parallel import DataParallel, check_unshared, local, unsharded
 from autotp.runtime.mesh import Mesh, global_rank
@@ -181,6 +181,12 @@ class PipelineModule(ParallelBase):
             if grad is None:
                 grad = held[target].grad = torch.zeros_like(held[target])
             dist.all_reduce(local(grad), group=group)  # the holders' FSDP shards line up: same dp rank
+
+    def generate(self, *args, **kwargs):
+        """Refused: generation runs tensor-parallel graphs with a KV cache split over tp, not pipeline stages."""
+        raise PlanError(f"generate needs pp=1: this module's plan cuts the model into {self.plan.pp} pipeline stages, "
+                        "and a decode step would pass one token through every stage in turn; parallelize the "
+                        f"model again with pp=1 (tp={self.plan.tp * self.plan.pp} fits the same ranks) to generate")
 
     @torch.no_grad()
     def forward(self, *inputs, **kwargs):

@@ -9,7 +9,9 @@ from collections.abc import Callable
 import torch
 from torch import fx, nn
 
+from autotp.errors import InputError
 from autotp.runtime.batch_agreement import check_same_inputs
+from autotp.runtime.generation import Generation
 from autotp.runtime.outputs import deferred, output_gathers, step_loss
 from autotp.runtime.parallel_base import ParallelBase, RankParts
 from autotp.runtime.peers import guarded
@@ -24,8 +26,10 @@ class ParallelModule(ParallelBase):
     under fsdp both graphs run through one FSDP unit (``fsdp_unit``) that shards their parameters over dp.
     """
 
-    def __init__(self, parts: RankParts, graphs: dict[bool, fx.GraphModule]):
+    def __init__(self, parts: RankParts, graphs: dict[bool, fx.GraphModule], generation: Generation | None = None):
         super().__init__(parts)
+        self.generation = generation
+        """What ``generate`` needs of the model (``runtime.generation``); None: this module cannot generate."""
         self.module, self.eval_module = graphs[True], graphs[False]
         self.fsdp_unit = self._dp.wrap(self.module, self.eval_module) if self._dp is not None else None
         self._output_gathers = output_gathers([self.module, self.eval_module])
@@ -88,6 +92,36 @@ class ParallelModule(ParallelBase):
             loss.backward()
             self.average_gradients()
         return loss.detach()
+
+    def manual_seed(self, seed: int) -> None:
+        """Restart the random stream of dropout and every other random op at ``seed`` on this rank (call it with
+        the same seed on every rank): the masks are then those a single process draws after
+        ``torch.manual_seed(seed)``, and so are ``generate``'s samples."""
+        super().manual_seed(seed)
+        if self.generation is not None:
+            self.generation.manual_seed(seed)
+
+    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
+                 max_new_tokens: int | None = None, do_sample: bool | None = None, temperature: float | None = None,
+                 top_k: int | None = None, top_p: float | None = None, eos_token_id=None,
+                 pad_token_id: int | None = None, return_dict_in_generate: bool = False,
+                 output_logits: bool = False):
+        """What ``model.generate`` returns (the prompts followed by the new tokens), on every rank (collective).
+
+        Arguments are Hugging Face's; unset ones come from the model's ``generation_config``, then transformers'
+        defaults. Prompts are left-padded, ``attention_mask`` 0 on the padding. A model with a KV cache decodes
+        with each rank holding its split of the cache (``runtime.generation``); one without re-runs the sequence
+        for every token. Runs under ``torch.inference_mode()`` on the current weights, in eval mode. With
+        ``return_dict_in_generate`` it returns an object with ``sequences`` (and each step's ``logits`` with
+        ``output_logits``), as transformers does.
+        """
+        if self.generation is None:
+            raise InputError("this parallel module was built without its model's structure; build it with "
+                             "autotp.parallelize to generate")
+        given = {"max_new_tokens": max_new_tokens, "do_sample": do_sample, "temperature": temperature,
+                 "top_k": top_k, "top_p": top_p, "eos_token_id": eos_token_id, "pad_token_id": pad_token_id,
+                 "return_dict_in_generate": return_dict_in_generate, "output_logits": output_logits}
+        return self.generation.generate(self, input_ids, attention_mask, given)
 
     def loss(self, *inputs, target: torch.Tensor | None = None, loss_fn: Callable | None = None,
              **kwargs) -> torch.Tensor:

@@ -28,6 +28,8 @@ from typing import TYPE_CHECKING
 from autotp.errors import AutotpError, InputError, InternalError
 from autotp.options import Balance, DataParallelMode, Options, Schedule, VocabChoice
 
+from autotp.tools.generate_cli import add_parser as add_generate_parser
+
 if TYPE_CHECKING:  # torch and everything built on it load only when a command runs: --help answers at once
     from torch import nn
 
@@ -93,9 +95,16 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--expand", action="store_true", help="list every repeated block instead of collapsing them")
 
 
+def _run_generate(args) -> int:
+    from autotp.tools.generate_cli import run_generate
+
+    return run_generate(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``autotp`` (errors raise ``UsageError`` instead of exiting)."""
-    parser = _Parser(prog="autotp", description="Read, draw and benchmark autotp's tensor/pipeline-parallel plans.")
+    parser = _Parser(prog="autotp", description="Read, draw and benchmark autotp's tensor/pipeline-parallel plans; "
+                                                "generate with them.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     plan = sub.add_parser("plan", help="print the plan as a table, JSON, or an HF/torch plan")
     _common(plan)
@@ -116,6 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
     check = sub.add_parser("check", help="simulate every rank in this process and compare one training step with "
                                          "the unsharded model (exit 0 exact, 1 mismatch)")
     _common(check)
+    add_generate_parser(sub)
     sub.add_parser("zoo", help="check every transformers model type (and more); writes docs/COVERAGE.md",
                    add_help=False)
     sub.add_parser("bench", help="run the benchmarks (bench/ in the repository; arguments pass through)",
@@ -320,7 +330,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # library warnings would bury the one line that matters
-            return {"plan": run_plan, "viz": run_viz, "check": run_check}[args.command](args)
+            return {"plan": run_plan, "viz": run_viz, "check": run_check,
+                    "generate": _run_generate}[args.command](args)
     except InternalError as e:  # not the user's mistake: say so, and keep the traceback for the report
         traceback.print_exc(file=sys.stderr)
         print(f"autotp: {e}", file=sys.stderr)

@@ -1,0 +1,220 @@
+"""Generation on a tensor-parallel module: ``pm.generate`` with a sharded KV cache, or by re-running.
+
+A model with a cache (a transformers decoder) gets two more rank graphs, captured once on first use: a prefill
+step (the prompt) and a one-token decode step, each taking the cache tensors as inputs and writing the new keys and
+values into them in place (``capture.kv_cache``). Each rank holds only its split of the cache
+(``rewrite.cache_layout``) and the graphs read the training module's own tensors, so generation between training
+steps uses the current weights with no copy. A model without a cache re-runs its eval graph on the whole sequence
+for every token (exact, slower), and says so.
+
+The loop is Hugging Face's: left-padded prompts get positions from the attention mask's cumulative sum, finished
+sequences are filled with ``pad_token_id``, and sampled tokens are taken from the first rank so that every rank
+continues the same sequences whatever the floating point does.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from autotp.capture import Captured
+from autotp.capture.kv_cache import step_inputs, why_no_cache
+from autotp.errors import CaptureError, InputError
+from autotp.passes.placement import local_shape
+from autotp.rewrite.comm import Communicator
+from autotp.runtime.sampling import Settings, choose, resolve
+
+BuildSteps = Callable
+"""``rewrite.cache_layout.build_cache_steps(model, plan, rank, comm, tensors) -> CacheSteps`` (its ``shape``,
+``layouts`` and ``steps``), given by ``autotp.api``: the runtime runs graphs, building them is the rewrite's."""
+
+
+class CachedGenerator:
+    """A rank's prefill and decode graphs over its split of the KV cache (built by the rewrite's
+    ``cache_layout.build_cache_steps``, reading a parallel module's tensors)."""
+
+    def __init__(self, built, tp: int):
+        self.shape, self.layouts, self.steps, self.tp = built.shape, built.layouts, built.steps, tp
+
+    def cache(self, batch: int, length: int, device) -> list[torch.Tensor]:
+        """This rank's empty cache tensors (its split of each) for ``batch`` sequences of ``length`` tokens."""
+        whole = self.shape.tensors(batch, length, "meta")
+        return [torch.zeros(local_shape(tuple(t.shape), lay, self.tp), dtype=t.dtype, device=device)
+                for t, lay in zip(whole, self.layouts)]
+
+    def cache_bytes(self, batch: int, length: int) -> tuple[int, int]:
+        """(this rank's cache bytes, the whole cache's bytes) for ``batch`` x ``length``."""
+        whole = self.shape.tensors(batch, length, "meta")
+        mine = sum(torch.Size(local_shape(tuple(t.shape), lay, self.tp)).numel() * t.element_size()
+                   for t, lay in zip(whole, self.layouts))
+        return mine, sum(t.numel() * t.element_size() for t in whole)
+
+    def run(self, ids: torch.Tensor, mask: torch.Tensor, s: Settings, pick, seen: list | None = None) -> torch.Tensor:
+        """The generated sequences (prompt and new tokens, as ``model.generate`` returns them)."""
+        batch, prompt = ids.shape
+        length = prompt + s.max_new_tokens
+        full = torch.zeros(batch, length, dtype=mask.dtype, device=mask.device)
+        full[:, :prompt] = mask
+        cache = self.cache(batch, length, ids.device)
+        positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)  # as transformers numbers padding
+        graph = self.steps["prefill" if prompt > 1 else "decode"]
+        logits = graph(*step_inputs(ids, full, positions, 0, cache))
+        return _loop(ids, logits[:, -1], s, pick, lambda tokens, t: self._decode(tokens, full, cache, t), seen)
+
+    def _decode(self, tokens: torch.Tensor, full: torch.Tensor, cache, t: int) -> torch.Tensor:
+        full[:, t] = 1  # transformers extends the mask with ones, finished sequences too
+        positions = full[:, :t + 1].long().sum(-1, keepdim=True) - 1  # the last position + 1, as transformers
+        return self.steps["decode"](*step_inputs(tokens[:, None], full, positions, t, cache))[:, -1]
+
+
+@dataclass
+class GenerateOutput:
+    """What ``generate(..., return_dict_in_generate=True, output_logits=True)`` returns, as transformers names it."""
+
+    sequences: torch.Tensor
+    logits: tuple[torch.Tensor, ...] | None = None
+    """Each step's logits ``[batch, vocab]`` before any processing (with ``output_logits``)."""
+
+
+def _loop(ids: torch.Tensor, last: torch.Tensor, s: Settings, pick, step, seen: list | None = None) -> torch.Tensor:
+    """transformers' decoding loop: choose, pad finished sequences, stop at EOS or ``max_new_tokens``; ``seen``
+    collects each step's logits."""
+    unfinished = torch.ones(ids.shape[0], dtype=torch.bool, device=ids.device)
+    eos = torch.tensor(s.eos, dtype=ids.dtype, device=ids.device) if s.eos else None
+    out = [ids]
+    prompt = ids.shape[1]
+    for i in range(s.max_new_tokens):
+        if seen is not None:
+            seen.append(last.clone())
+        tokens = pick(last)
+        if eos is not None:
+            tokens = torch.where(unfinished, tokens, torch.full_like(tokens, s.pad))
+            unfinished &= ~torch.isin(tokens, eos)
+        out.append(tokens[:, None])
+        if i + 1 == s.max_new_tokens or not bool(unfinished.any()):
+            break
+        last = step(tokens, prompt + i)
+    return torch.cat(out, dim=1)
+
+
+def rerun(forward, takes_mask: bool, ids: torch.Tensor, mask: torch.Tensor, s: Settings, pick,
+          seen: list | None = None) -> torch.Tensor:
+    """Generation by re-running the whole sequence for every token (a model with no cache)."""
+    if not takes_mask and not bool(mask.all()):
+        raise InputError("this model was captured without an attention_mask, so it cannot skip padding: pass "
+                         "prompts of one length (no padding), or capture it with attention_mask among example_inputs")
+    state = {"ids": ids, "mask": mask}
+
+    def logits_of() -> torch.Tensor:
+        kwargs = {"attention_mask": state["mask"]} if takes_mask else {}
+        out = forward(state["ids"], **kwargs)
+        logits = getattr(out, "logits", out)
+        logits = logits[0] if isinstance(logits, (tuple, list)) else logits
+        return logits[:, -1]
+
+    def step(tokens: torch.Tensor, t: int) -> torch.Tensor:
+        state["ids"] = torch.cat([state["ids"], tokens[:, None]], dim=1)
+        state["mask"] = torch.cat([state["mask"], torch.ones_like(state["mask"][:, :1])], dim=1)
+        return logits_of()
+
+    return _loop(ids, logits_of(), s, pick, step, seen)
+
+
+def picker(s: Settings, generator: torch.Generator | None, comm: Communicator | None):
+    """The function choosing next tokens: argmax, or a draw taken from the first rank (ranks agree always)."""
+    def pick(last: torch.Tensor) -> torch.Tensor:
+        tokens = choose(last, s, generator)
+        if s.do_sample and comm is not None and comm.size > 1:
+            tokens = comm.all_gather(tokens)[0].to(tokens.dtype)
+        return tokens
+    return pick
+
+
+def prompt_of(input_ids, attention_mask) -> tuple[torch.Tensor, torch.Tensor]:
+    """The prompt ids and their mask, checked (2-D integer ids, a mask of the same shape, left padding)."""
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.is_floating_point():
+        got = f"shape {tuple(input_ids.shape)}" if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
+        raise InputError(f"input_ids must be a 2-D integer tensor [batch, prompt length], got {got}")
+    if attention_mask is None:
+        return input_ids, torch.ones_like(input_ids)
+    if not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != input_ids.shape:
+        got = tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else type(attention_mask).__name__
+        raise InputError(f"attention_mask must have input_ids' shape {tuple(input_ids.shape)}, got {got}")
+    if not bool(attention_mask[:, -1].all()):
+        raise InputError("attention_mask has padding at the end of a prompt; generation continues each prompt "
+                         "from its last token, so pad on the left (tokenizer.padding_side = 'left')")
+    return input_ids, attention_mask.to(torch.long)
+
+
+class Generation:
+    """What ``ParallelModule.generate`` needs besides the rank graphs: the model's structure (captured again for the
+    generation steps, its weights never copied), its generation_config, and the random stream of sampling."""
+
+    def __init__(self, model: nn.Module, build_steps: BuildSteps):
+        self._model = model  # a plain attribute of a plain object: never a submodule of the parallel module
+        self._build_steps = build_steps
+        self.config = getattr(model, "generation_config", None)
+        self.no_cache = why_no_cache(model)
+        self.generator: torch.Generator | None = None
+        self.cached: CachedGenerator | None = None
+        self.warned = False
+
+    def manual_seed(self, seed: int) -> None:
+        """Draw samples from ``seed`` on: the tokens one process samples after ``torch.manual_seed(seed)``."""
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def generate(self, pm, input_ids, attention_mask, given: dict) -> torch.Tensor:
+        """``pm.generate``: see ``ParallelModule.generate``."""
+        if pm.fsdp_unit is not None:
+            raise InputError("generate runs the tensor-parallel graphs on whole parameters; under dp_mode='fsdp' "
+                             "they are sharded over the replicas: use dp_mode='replicate' (or dp=1) to generate")
+        as_dict, output_logits = given.pop("return_dict_in_generate"), given.pop("output_logits")
+        settings = resolve(self.config, given)
+        ids, mask = prompt_of(input_ids, attention_mask)
+        pick = picker(settings, self.generator, pm.comm)
+        seen = [] if output_logits else None
+        if not self.no_cache:
+            self._build(pm)
+        elif not self.warned:  # once per module: what it costs, and what to add
+            warnings.warn(f"autotp generate: {self.no_cache}", stacklevel=3)
+            self.warned = True
+        with torch.inference_mode():
+            if self.no_cache:
+                spec = pm._inputs
+                out = rerun(lambda x, **kw: spec.run(pm.eval_module, (x,), kw), _accepts_mask(spec),
+                            ids, mask, settings, pick, seen)
+            else:
+                out = self.cached.run(ids, mask, settings, pick, seen)
+        return GenerateOutput(out, tuple(seen) if seen is not None else None) if as_dict else out
+
+    def _build(self, pm) -> None:
+        """The cached steps, once; a model whose cached step cannot be captured re-runs instead, saying why."""
+        if self.cached is not None:
+            return
+        try:
+            built = self._build_steps(self._model, pm.plan, pm.rank, pm.comm, _tensors(pm))
+            self.cached = CachedGenerator(built, pm.plan.tp)
+        except CaptureError as e:
+            self.no_cache = (f"its forward could not be captured with a KV cache as graph inputs ({e}); generate "
+                             "re-runs the whole sequence for every token (exact, slower)")
+            warnings.warn(f"autotp generate: {self.no_cache}", stacklevel=3)
+            self.warned = True
+
+
+def _accepts_mask(spec) -> bool:
+    """Whether the parallel module was captured with an attention_mask input."""
+    return "attention_mask" in getattr(spec, "names", ())
+
+
+def _tensors(pm) -> dict[str, torch.Tensor]:
+    """The parallel module's tensors (this rank's shards) under the original names."""
+    out = {}
+    for gm in (pm.module, pm.eval_module):
+        for target, t in [*gm.named_parameters(remove_duplicate=False), *gm.named_buffers(remove_duplicate=False)]:
+            if not target.startswith("autotp_"):
+                out.setdefault(Captured.param_name(target), t)
+    return out

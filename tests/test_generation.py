@@ -1,0 +1,132 @@
+"""Generation: the sharded KV cache's layout, the sampling settings, and gloo runs at tp 2 and 4 against
+``model.generate`` (tests/generation_workers.py)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import autotp
+from autotp.planning.plan import Plan
+from autotp.runtime.generation import prompt_of
+from autotp.runtime.pipeline import PipelineModule
+from autotp.runtime.sampling import Settings, process, resolve
+from tests import generation_workers
+from tests.distributed import run_on_ranks
+
+transformers = pytest.importorskip("transformers")
+
+
+def _check(results: list[dict], kinds) -> None:
+    for rank, result in enumerate(results):
+        for kind in kinds:
+            r = result[kind]
+            assert r["greedy"], (rank, kind, r)
+            assert r["steps"] == r["ref_steps"], (rank, kind, r)
+            assert r["logit_diff"] < 1e-4, (rank, kind, r)
+            assert r["sampled"] and r["same_on_ranks"], (rank, kind, r)
+
+
+def test_generation_at_two_ranks_equals_model_generate():
+    results = run_on_ranks(generation_workers.generation_at_two, 2)
+    _check(results, ("llama", "mistral", "gemma2", "mixtral", "gpt2"))
+    for result in results:
+        for kind in ("llama", "mistral", "mixtral", "gpt2"):
+            mine, whole = result[kind]["cache_bytes"]
+            assert 2 * mine == whole, (kind, mine, whole)  # each rank holds half the KV heads
+        gpt = result["gpt"]
+        assert gpt["greedy"] and gpt["sampled"] and gpt["same_on_ranks"], gpt
+        assert "re-runs the whole sequence" in gpt["note"]
+        assert result["training"]["after"], result["training"]
+
+
+def test_generation_at_four_ranks_above_the_kv_heads():
+    results = run_on_ranks(generation_workers.generation_at_four, 4)
+    _check(results, ("llama", "gpt2"))
+    for result in results:
+        mine, whole = result["llama"]["cache_bytes"]
+        assert result["llama"]["replicas"] == [2] and 2 * mine == whole, result["llama"]  # one KV head of two
+        mine, whole = result["gpt2"]["cache_bytes"]
+        assert 4 * mine == whole
+
+
+def test_sampling_processing_is_transformers():
+    from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    scores = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+    s = Settings(5, True, 0.7, 10, 0.8, (), None)
+    ref = scores
+    for warper in (TemperatureLogitsWarper(0.7), TopKLogitsWarper(10), TopPLogitsWarper(0.8)):
+        ref = warper(None, ref)
+    assert torch.equal(process(scores, s), ref)
+
+
+def test_settings_come_from_the_generation_config_then_defaults():
+    config = transformers.GenerationConfig(max_new_tokens=7, top_k=5, eos_token_id=[3, 4])
+    s = resolve(config, {"top_k": None, "temperature": 0.5})
+    assert (s.max_new_tokens, s.top_k, s.temperature, s.top_p, s.eos, s.pad) == (7, 5, 0.5, 1.0, (3, 4), 3)
+    assert resolve(None, {}).max_new_tokens == 20 and not resolve(None, {}).do_sample
+
+
+def test_bad_settings_say_what_to_change():
+    with pytest.raises(autotp.InputError, match="num_beams"):
+        resolve(transformers.GenerationConfig(num_beams=4), {})
+    with pytest.raises(autotp.InputError, match="max_new_tokens must be a positive integer"):
+        resolve(None, {"max_new_tokens": 0})
+    with pytest.raises(autotp.InputError, match="top_p"):
+        resolve(None, {"top_p": 1.5})
+    with pytest.raises(autotp.InputError, match="pad on the left"):
+        prompt_of(torch.ones(2, 3, dtype=torch.long), torch.tensor([[1, 1, 0], [1, 1, 1]]))
+    with pytest.raises(autotp.InputError, match="2-D integer tensor"):
+        prompt_of(torch.ones(3), None)
+
+
+def test_pipelines_refuse_generation():
+    fake = SimpleNamespace(plan=Plan(tp=2, pp=2))
+    with pytest.raises(autotp.PlanError, match="generate needs pp=1"):
+        PipelineModule.generate(fake, torch.ones(1, 2, dtype=torch.long))
+
+
+def test_the_generate_command_prints_tokens_and_speed(capsys):
+    from autotp.tools.cli import main
+
+    assert main(["generate", "examples/gpt.py:build_gpt", "--tp", "1", "--max-new-tokens", "3", "--batch", "2"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines[0].split()) == 3 and "tokens/s at tp=1, batch 2, with re-running" in lines[-1]
+    assert main(["generate", "hf:llama", "--tp", "1", "--ids", "1,x"]) != 0
+    assert "--ids must be comma-separated integers" in capsys.readouterr().err
+
+
+def test_the_cache_is_split_as_the_kv_heads_written_into_it():
+    """Planned without processes: at tp=2 each rank holds one of Llama's 2 KV heads; at tp=4 (above them) the
+    head its query heads use, shared by 2 ranks; the prefill and decode steps agree."""
+    from autotp.capture.kv_cache import cache_shape, capture_steps
+    from autotp.rewrite.cache_layout import cache_layouts, local_shape
+
+    model = generation_workers._small("llama", 2).eval()
+    steps = capture_steps(model, cache_shape(model))
+    ids = torch.zeros(2, 6, dtype=torch.long)
+    for tp, replicas in ((2, 1), (4, 2)):
+        plan = autotp.plan(model, tp, (ids,))
+        layouts = {kind: list(cache_layouts(g, plan, 4).values()) for kind, g in steps.items()}
+        assert layouts["prefill"] == layouts["decode"] and len(layouts["decode"]) == 4  # K and V of 2 layers
+        for lay in layouts["decode"]:
+            assert (lay.dim, lay.segments, lay.replicas) == (1, (2,), replicas)
+            assert local_shape((3, 2, 16, 16), lay, tp) == (3, 1, 16, 16)
+
+
+def test_a_meta_model_loaded_from_a_checkpoint_generates(tmp_path):
+    """Weights only in a .safetensors file, the model on the meta device: the cache's shapes and the steps are
+    captured on meta, and the steps read the loaded weights (one process, tp=1)."""
+    from safetensors.torch import save_file
+
+    model = generation_workers._small("llama", 2).eval()
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(tmp_path / "w.safetensors"))
+    with autotp.empty_weights():
+        bare = generation_workers._small("llama", 2).eval()
+    ids, mask = generation_workers._prompts()
+    pm = autotp.parallelize(bare, tp=1, example_inputs=(ids,), checkpoint=tmp_path / "w.safetensors", quiet=True)
+    ref = model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False)
+    assert torch.equal(pm.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False), ref)
