@@ -177,8 +177,8 @@ def verify_plan(captured: Captured, plan: Plan) -> Plan:
     splits divides by tp, nothing it splits needs what the rewrite cannot do, and its regions agree with its
     placements (``PlanError`` otherwise). Returns the plan to apply: its collectives, which only report what the
     placements imply, recomputed from them (with a note when the given list differed)."""
-    check_regions_agree(plan)
     if plan.tp == 1:
+        check_regions_agree(plan)
         return plan
     analysis = captured.analysis
     check_biases_follow_weights(analysis, _by_target(analysis, plan.placements))
@@ -189,6 +189,7 @@ def verify_plan(captured: Captured, plan: Plan) -> Plan:
                         f"size of {v.size} would be split, which tp={plan.tp} does not divide; fix the placements "
                         "of the layers before it or re-plan with autotp.plan")
     _refuse_inexact(analysis, prop)
+    check_regions_agree(plan)  # after the placements' own checks: a report that disagrees matters less
     collectives = tuple(_collectives(analysis, prop))
     if collectives == plan.collectives:
         return plan
