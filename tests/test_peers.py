@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
+from autotp.runtime.peers import EXIT_HUNG
 from tests import peers_workers
 from tests.distributed import run_on_ranks
 
+ROOT = Path(__file__).resolve().parent.parent
 TIMEOUT = 5.0
 """parallelize(timeout=) in the failure scenarios: small, so the tests are short."""
 
@@ -44,3 +50,17 @@ def test_a_hung_killed_or_failing_rank_stops_its_peers_within_the_timeout_naming
         else:
             assert "rank 1 (it began 1 of these calls) stopped or hangs before call #2" in healthy["error"], label
             assert failed is None, label
+
+
+def test_under_torchrun_the_hung_rank_is_the_root_cause():
+    """Rank 1 hangs; rank 0 names it, rank 1's watchdog records its failure and exits first, so torchrun's
+    "Root Cause (first observed failure)" is rank 1, not the healthy rank that noticed."""
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                          "--monitor-interval", "0.1", str(ROOT / "tests" / "peers_torchrun.py")],
+                         capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert run.returncode != 0
+    report = run.stderr + run.stdout
+    root = report[report.index("Root Cause (first observed failure)"):]
+    assert "rank      : 1 (local_rank: 1)" in root.splitlines()[4], root
+    assert "rank 1 did not answer its peers within the timeout" in root, root
+    assert f"exitcode  : {EXIT_HUNG}" in root, root
