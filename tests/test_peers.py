@@ -16,14 +16,18 @@ TIMEOUT = 5.0
 
 
 def test_one_batch_per_tensor_parallel_group_and_ids_in_the_vocabulary():
-    """Different batches, batch sizes or targets on the two tp ranks, out-of-range ids with the vocabulary split
-    and an empty batch: each an InputError on every rank, after which the group still computes exactly."""
+    """Different batches, batch sizes or targets on the two tp ranks (and on two pp ranks), out-of-range ids with
+    the vocabulary split and an empty batch: each an InputError on every rank, after which the group still
+    computes exactly."""
     for rank in run_on_ranks(peers_workers.inputs_on_ranks, 2):
         assert rank["exact"] < 1e-5 and rank["after"] < 1e-5
-        assert rank["values"].startswith("InputError: idx holds different values on tensor-parallel ranks [1]")
+        assert rank["values"].startswith("InputError: idx holds different values on ranks [1] of one model replica")
         assert "by data-parallel rank (pm.dp_rank)" in rank["values"]
-        assert rank["batch"].startswith("InputError: idx has different shapes on the tensor-parallel ranks "
+        assert rank["batch"].startswith("InputError: idx has different shapes on the ranks of one model replica "
                                         "(rank 0: (2, 16), rank 1: (4, 16))")
+        assert rank["pp_batch"] == rank["batch"], rank["pp_batch"]
+        assert rank["pp_target"].startswith("InputError: target holds different values on ranks [1]")
+        assert rank["pp_after"] < 1e-5
         assert rank["target"].startswith("InputError: target holds different values")
         assert rank["high"].startswith(f"InputError: idx holds token id {128}, outside the vocabulary of 128")
         assert rank["negative"].startswith("InputError: idx holds token id -")
