@@ -7,7 +7,7 @@ the c10d store (the one every rank already reaches) let the peers name the culpr
 - ``autotp/calls/<rank>``: how many parallel calls (``step``, ``forward``, ...) the rank has begun. Every
   rank makes the same calls in the same order, so a rank whose count is behind stopped or hangs before the
   call its peers are blocked in.
-- ``autotp/failed/<rank>``: the first line of the error a rank raised itself inside such a call.
+- ``autotp/failed/<rank>``: the call number and the first line of the error a rank raised itself in it.
 - ``autotp/blamed/<rank>``: set by a peer that found the rank behind; the rank's watchdog thread then records
   the failure (torchrun's error file) and exits first, so that torchrun's root cause is the hung rank.
 
@@ -101,7 +101,8 @@ def guarded(what: str):
         yield
     except Exception as e:
         if not _is_peer_failure(e):
-            _set(store, f"failed/{rank}", f"{type(e).__name__}: {_first_line(e)}")
+            # Tagged with the call: a failure every rank raised and got past must not be blamed for a later one.
+            _set(store, f"failed/{rank}", f"{_calls} {type(e).__name__}: {_first_line(e)}")
             raise
         told, behind = culprit(store, rank, _calls)
         failure = RankFailure(f"rank {rank}: {what} #{_calls} could not finish: {told} "
@@ -134,8 +135,8 @@ def culprit(store, rank: int, calls: int) -> tuple[str, list[int]]:
     told."""
     world = dist.get_world_size()
     peers = [r for r in range(world) if r != rank]
-    failed = [(r, _get(store, f"failed/{r}")) for r in peers]
-    failed = [(r, message) for r, message in failed if message is not None]
+    failed = [(r, (_get(store, f"failed/{r}") or "").partition(" ")) for r in peers]
+    failed = [(r, message) for r, (call, _, message) in failed if call == str(calls)]
     if failed:
         return "; ".join(f"rank {r} failed: {message}" for r, message in failed), []
     behind, said = [], []
