@@ -26,13 +26,16 @@ SHAPES = [(8, 64), (16, 256)]
 """(batch, sequence) of the token ids (and the target)."""
 
 
-def _median_ms(call, repeats: int) -> float:
-    times = []
+def _interleaved_ms(calls: dict, repeats: int) -> dict[str, float]:
+    """Each call's median time (ms), the calls taken in turn each round so that load from other processes
+    (a shared machine) falls on all of them alike."""
+    times: dict[str, list[float]] = {name: [] for name in calls}
     for _ in range(repeats):
-        start = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times)
+        for name, call in calls.items():
+            start = time.perf_counter()
+            call()
+            times[name].append(time.perf_counter() - start)
+    return {name: 1e3 * statistics.median(t) for name, t in times.items()}
 
 
 def measure(rank: int, world: int) -> dict:
@@ -58,12 +61,11 @@ def measure(rank: int, world: int) -> dict:
             with guarded("bench"):
                 pass
 
-        out[f"{batch}x{seq}"] = {
-            "step": _median_ms(lambda: pm.step(x, target=y), 10),
-            "check": _median_ms(lambda: check_same_inputs(("idx", "target"), (x, y), pm.comm), 200),
-            "record": _median_ms(record, 200),
-            "megatron_broadcast": _median_ms(broadcast, 200),
-        }
+        out[f"{batch}x{seq}"] = _interleaved_ms({
+            "check": lambda: check_same_inputs(("idx", "target"), (x, y), pm.comm),
+            "record": record,
+            "megatron_broadcast": broadcast,
+        }, 300) | _interleaved_ms({"step": lambda: pm.step(x, target=y)}, 10)
     return out
 
 

@@ -33,7 +33,7 @@ def _error(call) -> str:
 
 def inputs_on_ranks(rank: int, world: int) -> dict:
     """tp=2 with the vocabulary split: equal batches are exact; differing ones, sizes, targets, out-of-range ids
-    and an empty batch are refused on every rank, and the group still works afterwards."""
+    and an empty batch are refused on every rank, and the group still works afterwards; then pp=2 alike."""
     model = models.build("gpt")
     x, y = models.tokens(4, 16, 1), models.tokens(4, 16, 2)
     pm = autotp.parallelize(model, tp=world, example_inputs=(x,), vocab="split", quiet=True)
@@ -45,6 +45,11 @@ def inputs_on_ranks(rank: int, world: int) -> dict:
     out["negative"] = _error(lambda: pm(x - 200))
     out["empty"] = _error(lambda: pm.step(x[:0], target=y[:0]))
     out["after"] = float((pm(x) - model(x)).detach().abs().max())  # every refusal left the group in step
+    # pp=2: the first stage reads the inputs, the last the target; both ranks must hold the same batch.
+    piped = autotp.parallelize(model, tp=1, pp=world, example_inputs=(x,), quiet=True)
+    out["pp_batch"] = _error(lambda: piped.step(models.tokens(2 + 2 * rank, 16, 1), target=y[:2 + 2 * rank]))
+    out["pp_target"] = _error(lambda: piped.step(x, target=models.tokens(4, 16, 20 + rank)))
+    out["pp_after"] = float((piped(x) - model(x)).detach().abs().max())
     return out
 
 

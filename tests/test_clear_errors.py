@@ -74,3 +74,24 @@ def test_a_short_attention_mask_and_an_empty_batch_say_so():
     empty = {k: v[:0] for k, v in batch.items()}
     with pytest.raises(autotp.InputError, match=r"input input_ids is empty \(shape \(0, 12\)\): a batch of no rows"):
         pm.step(**empty)
+
+
+class _LearnedPositions(torch.nn.Module):
+    """A learned position table read as ``pos[:T]``, exactly as long as the example's sequence."""
+
+    def __init__(self, positions: int = 16):
+        super().__init__()
+        self.tok, self.pos = torch.nn.Embedding(models.VOCAB, 64), torch.nn.Parameter(torch.randn(positions, 64) * 0.02)
+        self.norm, self.fc, self.proj = torch.nn.LayerNorm(64), torch.nn.Linear(64, 256), torch.nn.Linear(256, 64)
+        self.head = torch.nn.Linear(64, models.VOCAB)
+
+    def forward(self, ids):
+        x = self.tok(ids) + self.pos[:ids.shape[1]]
+        return self.head(x + self.proj(torch.relu(self.fc(self.norm(x)))))
+
+
+def test_sequence_parallel_with_a_full_context_example_is_exact():
+    torch.manual_seed(0)
+    report = autotp.check(_LearnedPositions(16), tp=2, example_inputs=(models.tokens(2, 16, 0),),
+                          sequence_parallel=True)
+    assert report.exact, str(report)

@@ -2,23 +2,33 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
+from autotp.runtime.peers import EXIT_HUNG
 from tests import peers_workers
 from tests.distributed import run_on_ranks
 
+ROOT = Path(__file__).resolve().parent.parent
 TIMEOUT = 20.0
 """parallelize(timeout=) in the failure scenarios: short, so the tests are, yet long enough that ranks capturing
 at different speeds on a loaded 2-core machine (ten processes start at once) still meet within it."""
 
 
 def test_one_batch_per_tensor_parallel_group_and_ids_in_the_vocabulary():
-    """Different batches, batch sizes or targets on the two tp ranks, out-of-range ids with the vocabulary split
-    and an empty batch: each an InputError on every rank, after which the group still computes exactly."""
+    """Different batches, batch sizes or targets on the two tp ranks (and on two pp ranks), out-of-range ids with
+    the vocabulary split and an empty batch: each an InputError on every rank, after which the group still
+    computes exactly."""
     for rank in run_on_ranks(peers_workers.inputs_on_ranks, 2):
         assert rank["exact"] < 1e-5 and rank["after"] < 1e-5
-        assert rank["values"].startswith("InputError: idx holds different values on tensor-parallel ranks [1]")
+        assert rank["values"].startswith("InputError: idx holds different values on ranks [1] of one model replica")
         assert "by data-parallel rank (pm.dp_rank)" in rank["values"]
-        assert rank["batch"].startswith("InputError: idx has different shapes on the tensor-parallel ranks "
+        assert rank["batch"].startswith("InputError: idx has different shapes on the ranks of one model replica "
                                         "(rank 0: (2, 16), rank 1: (4, 16))")
+        assert rank["pp_batch"] == rank["batch"], rank["pp_batch"]
+        assert rank["pp_target"].startswith("InputError: target holds different values on ranks [1]")
+        assert rank["pp_after"] < 1e-5
         assert rank["target"].startswith("InputError: target holds different values")
         assert rank["high"].startswith(f"InputError: idx holds token id {128}, outside the vocabulary of 128")
         assert rank["negative"].startswith("InputError: idx holds token id -")
@@ -45,3 +55,17 @@ def test_a_hung_killed_or_failing_rank_stops_its_peers_within_the_timeout_naming
         else:
             assert "rank 1 (it began 1 of these calls) stopped or hangs before call #2" in healthy["error"], label
             assert failed is None, label
+
+
+def test_under_torchrun_the_hung_rank_is_the_root_cause():
+    """Rank 1 hangs; rank 0 names it, rank 1's watchdog records its failure and exits first, so torchrun's
+    "Root Cause (first observed failure)" is rank 1, not the healthy rank that noticed."""
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                          "--monitor-interval", "0.1", str(ROOT / "tests" / "peers_torchrun.py")],
+                         capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert run.returncode != 0
+    report = run.stderr + run.stdout
+    root = report[report.index("Root Cause (first observed failure)"):]
+    assert "rank      : 1 (local_rank: 1)" in root.splitlines()[4], root
+    assert "rank 1 did not answer its peers within the timeout" in root, root
+    assert f"exitcode  : {EXIT_HUNG}" in root, root

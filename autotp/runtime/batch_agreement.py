@@ -65,15 +65,15 @@ def check_same_inputs(names: tuple[str, ...], tensors: tuple, comm: Communicator
         shapes = {_shape(rank[i]) for rank in everyone}
         if len(shapes) > 1:
             listed = ", ".join(f"rank {r}: {_shape(rank[i])}" for r, rank in enumerate(everyone))
-            raise InputError(f"{name} has different shapes on the tensor-parallel ranks ({listed}); every rank of "
-                             "a tensor-parallel group must be given the same batch: split the global batch by "
-                             "data-parallel rank (pm.dp_rank), not by global rank")
+            raise InputError(f"{name} has different shapes on the ranks of one model replica ({listed}); every "
+                             "tensor- and pipeline-parallel rank of a replica must be given the same batch: split the "
+                             "global batch by data-parallel rank (pm.dp_rank), not by global rank")
         differ = [r for r, rank in enumerate(everyone) if rank[i] != first]
         if differ:
-            raise InputError(f"{name} holds different values on tensor-parallel ranks {differ} than on their "
-                             "group's first rank (same shape, other data: a data loader seeded or sharded per "
-                             "rank?); every rank of a tensor-parallel group must be given the same batch: seed "
-                             "and shard the data loader by data-parallel rank (pm.dp_rank), not by global rank")
+            raise InputError(f"{name} holds different values on ranks {differ} of one model replica than on its "
+                             "first rank (same shape, other data: a data loader seeded or sharded per rank?); every "
+                             "tensor- and pipeline-parallel rank of a replica must be given the same batch: seed and "
+                             "shard the data loader by data-parallel rank (pm.dp_rank), not by global rank")
 
 
 def _agree(rows: torch.Tensor, group) -> bool:

@@ -7,7 +7,9 @@ the c10d store (the one every rank already reaches) let the peers name the culpr
 - ``autotp/calls/<rank>``: how many parallel calls (``step``, ``forward``, ...) the rank has begun. Every
   rank makes the same calls in the same order, so a rank whose count is behind stopped or hangs before the
   call its peers are blocked in.
-- ``autotp/failed/<rank>``: the first line of the error a rank raised itself inside such a call.
+- ``autotp/failed/<rank>``: the call number and the first line of the error a rank raised itself in it.
+- ``autotp/blamed/<rank>``: set by a peer that found the rank behind; the rank's watchdog thread then records
+  the failure (torchrun's error file) and exits first, so that torchrun's root cause is the hung rank.
 
 Groups autotp creates (the mesh's, the tied weights') are given the default group's timeout: torch's
 ``new_group`` would give them its own default of 30 minutes, so a pipeline outlived a smaller ``timeout=``.
@@ -16,6 +18,11 @@ Groups autotp creates (the mesh's, the tied weights') are given the default grou
 from __future__ import annotations
 
 import contextlib
+import json
+import os
+import sys
+import threading
+import time
 from collections.abc import Iterable
 from datetime import timedelta
 
@@ -88,15 +95,20 @@ def guarded(what: str):
     _calls += 1
     _depth += 1
     rank = dist.get_rank()
+    _start_watchdog()
     try:
         _set(store, f"calls/{rank}", str(_calls))
         yield
     except Exception as e:
         if not _is_peer_failure(e):
-            _set(store, f"failed/{rank}", f"{type(e).__name__}: {_first_line(e)}")
+            # Tagged with the call: a failure every rank raised and got past must not be blamed for a later one.
+            _set(store, f"failed/{rank}", f"{_calls} {type(e).__name__}: {_first_line(e)}")
             raise
-        raise RankFailure(f"rank {rank}: {what} #{_calls} could not finish: {culprit(store, rank, _calls)} "
-                          f"(this rank saw: {_first_line(e)})") from e
+        told, behind = culprit(store, rank, _calls)
+        failure = RankFailure(f"rank {rank}: {what} #{_calls} could not finish: {told} "
+                              f"(this rank saw: {_first_line(e)})")
+        _blame(store, behind, failure)
+        raise failure from e
     finally:
         _depth -= 1
 
@@ -117,25 +129,97 @@ def _is_peer_failure(e: BaseException) -> bool:
     return False
 
 
-def culprit(store, rank: int, calls: int) -> str:
+def culprit(store, rank: int, calls: int) -> tuple[str, list[int]]:
     """Which peer failed, as far as the store tells: one that recorded its own error, else one whose call count
-    is behind ``calls``; else a sentence saying it could not be told."""
+    is behind ``calls`` (also returned: those ranks, stopped or hung); else a sentence saying it could not be
+    told."""
     world = dist.get_world_size()
     peers = [r for r in range(world) if r != rank]
-    failed = [(r, _get(store, f"failed/{r}")) for r in peers]
-    failed = [(r, message) for r, message in failed if message is not None]
+    failed = [(r, (_get(store, f"failed/{r}") or "").partition(" ")) for r in peers]
+    failed = [(r, message) for r, (call, _, message) in failed if call == str(calls)]
     if failed:
-        return "; ".join(f"rank {r} failed: {message}" for r, message in failed)
-    behind = []
+        return "; ".join(f"rank {r} failed: {message}" for r, message in failed), []
+    behind, said = [], []
     for r in peers:
         seen = _get(store, f"calls/{r}")
         if seen is None or int(seen) < calls:
-            behind.append(f"rank {r} (it began {seen or 0} of these calls)")
+            behind.append(r)
+            said.append(f"rank {r} (it began {seen or 0} of these calls)")
     if behind:
-        return (f"{', '.join(behind)} stopped or hangs before call #{calls}: look at that rank's own output; "
-                "timeouts: parallelize(timeout=...)")
+        return (f"{', '.join(said)} stopped or hangs before call #{calls}: look at that rank's own output; "
+                "timeouts: parallelize(timeout=...)"), behind
     return ("another rank stopped or did not answer within the group's timeout (every rank began this call, so "
-            "which one could not be told: look for an error on the others)")
+            "which one could not be told: look for an error on the others)"), []
+
+
+_GRACE = 3.0
+"""Seconds a rank that named hung peers waits for them to exit first (see ``_blame``)."""
+_POLL = 1.0
+"""Seconds between the watchdog's looks at whether a peer named this rank as hung."""
+_watchdog = None
+
+
+def _blame(store, ranks: list[int], failure: RankFailure) -> None:
+    """Tell ``ranks`` (behind: hung, or dead) that they stopped the others, and give a hung one ``_GRACE``
+    seconds to exit first: torchrun reports the failure with the earliest time (whole seconds) as the root
+    cause, which must be the hung rank, not the healthy one that noticed."""
+    if not ranks:
+        return
+    for r in ranks:
+        _set(store, f"blamed/{r}", str(failure))
+    deadline = time.monotonic() + _GRACE
+    while time.monotonic() < deadline:
+        if all(_get(store, f"gone/{r}") is not None for r in ranks):
+            time.sleep(1.1)  # a later second than the hung rank's error file
+            return
+        time.sleep(0.1)
+
+
+def _start_watchdog() -> None:
+    """Once per process: a daemon thread that ends this process when a peer names it as hung (its error
+    recorded for torchrun first, see ``_blame``). A rank stuck in Python (a sleep, a data loader) is reached;
+    one stuck in C++ holding the GIL is not, and torchrun then stops it itself."""
+    global _watchdog
+    if _watchdog is not None:
+        return
+    _watchdog = threading.Thread(target=_watch, name="autotp-peers", daemon=True)
+    _watchdog.start()
+
+
+def _watch() -> None:
+    while True:
+        time.sleep(_POLL)
+        try:
+            store = _store()
+            rank = dist.get_rank() if store is not None else -1
+            blamed = _get(store, f"blamed/{rank}") if store is not None else None
+        except (RuntimeError, ValueError):  # the group went away between two looks: look again later
+            continue
+        if blamed is None:
+            continue
+        hung = RankFailure(f"rank {rank} did not answer its peers within the timeout (hung?); a peer reported: "
+                           f"{blamed}")
+        _record_for_torchrun(hung)
+        print(f"autotp: {hung}", file=sys.stderr, flush=True)
+        _set(store, f"gone/{rank}", "1")
+        os._exit(EXIT_HUNG)
+
+
+def _record_for_torchrun(failure: RankFailure) -> None:
+    """``failure`` in torchrun's error file (when torchrun set one), as ``@record`` writes it; the message as the
+    traceback, which torchrun prints with the root cause (this thread has no traceback worth showing)."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    message = f"{type(failure).__name__}: {failure}"
+    data = {"message": {"message": message, "extraInfo": {"py_callstack": message,
+                                                          "timestamp": str(int(time.time()))}}}
+    with open(path, "w") as f:
+        json.dump(data, f)
+
+
+EXIT_HUNG = 75
+"""The exit code of a rank ended by its watchdog because its peers found it hung."""
 
 
 def _set(store, key: str, value: str) -> None:

@@ -25,6 +25,7 @@ from torch.utils._pytree import tree_unflatten
 
 from autotp.errors import InputError, PlanError
 from autotp.options import Schedule
+from autotp.rewrite.comm import TorchComm
 from autotp.runtime.data_parallel import DataParallel, check_unshared, local, unsharded
 from autotp.runtime.mesh import Mesh, global_rank
 from autotp.runtime.batch_agreement import check_same_inputs
@@ -96,6 +97,9 @@ class PipelineModule(ParallelBase):
         self._output_gathers = output_gathers(self.stages.values())
         self._split: SplitOutputs | None = None
         """The outputs the running step left split (its last stage's output gathers are deferred)."""
+        # Every rank of a replica (its tp and pp ranks) must be given one batch: the first stage reads the inputs,
+        # the last the target. Without replicas that is the whole world; with them, the tp group is checked.
+        self._replica = TorchComm(None) if mesh.dp == 1 else self.comm
         self._start(parts.training)
 
     def rank_modules(self) -> list[fx.GraphModule]:
@@ -157,7 +161,7 @@ class PipelineModule(ParallelBase):
     def _step(self, inputs: tuple, kwargs: dict, target, loss_fn) -> torch.Tensor:
         _refuse_own_loss(target, kwargs)
         inputs = self._inputs.arrange(inputs, kwargs)
-        check_same_inputs((*self._inputs.names, "target"), (*inputs, target), self.comm)
+        check_same_inputs((*self._inputs.names, "target"), (*inputs, target), self._replica)
         self._check_batch(inputs)
         self._loss_fn = loss_fn
         losses: list[torch.Tensor] = []
@@ -196,7 +200,7 @@ class PipelineModule(ParallelBase):
 
     def _forward(self, inputs: tuple, kwargs: dict):
         inputs = self._inputs.arrange(inputs, kwargs)
-        check_same_inputs(self._inputs.names, inputs, self.comm)
+        check_same_inputs(self._inputs.names, inputs, self._replica)
         stages = self.stages if self.training else self.eval_stages
         hidden = None
         outputs = None
