@@ -105,9 +105,12 @@ class Captured:
 def model_kwargs(model: nn.Module) -> dict:
     """Keyword arguments autotp passes to the model's forward (capture and comparisons alike): no KV cache,
     which makes a Hugging Face model traceable. A forward that takes ``use_cache`` only through ``**kwargs``
-    gets it when its config has one (such models pass their keyword arguments down to the decoder)."""
+    gets it when its config (or its text sub-config) has one (such models pass their keyword arguments down to the decoder)."""
     signature = Signature.of(model)
-    config_has_it = hasattr(getattr(model, "config", None), "use_cache")
+    config = getattr(model, "config", None)
+    # a multimodal config keeps use_cache in its text sub-config, which its forward passes the kwargs down to
+    text = getattr(config, "get_text_config", None)
+    config_has_it = hasattr(config, "use_cache") or (callable(text) and hasattr(text(), "use_cache"))
     takes_it = "use_cache" in signature.keywords or (signature.var_keyword and config_has_it)
     return {"use_cache": False} if takes_it else {}
 
