@@ -44,11 +44,12 @@ TINY_EXTRA = {
     "mamba_d_head": 16, "mamba_headdim": 16, "mamba_n_groups": 1, "ssm_state_size": 16, "chunk_size": 16,
     "time_step_rank": 8, "conv_kernel": 4,
     # vision towers: few small patches
-    "image_size": 32, "patch_size": 8, "num_channels": 3,
+    "image_size": 32, "patch_size": 8, "num_channels": 3, "window_size": 4,
     # audio front ends
     "num_mel_bins": 16, "max_source_positions": 32,
-    # hashed n-gram vocabularies
-    "encoder_hash_byte_group_vocab": 128,
+    # other vocabularies and latent arrays
+    "encoder_hash_byte_group_vocab": 128, "entity_vocab_size": 128, "entity_emb_size": 64, "num_latents": 32,
+    "d_latents": 64,
 }
 """Fields besides ``SMALL_HF``'s that size a model, shrunk where the architecture has them."""
 
@@ -73,6 +74,35 @@ def _fit_list(values: list, layers: int) -> list:
     return [values[i] for i in sorted(chosen)]
 
 
+def _is_stage_list(name: str, value) -> bool:
+    """Per-stage sizes of a hierarchical model (Swin's ``depths`` and ``num_heads``, a ResNet's
+    ``hidden_sizes``): a short list of positive ints."""
+    return isinstance(value, list) and 1 < len(value) <= 8 and all(
+        isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value) and _stage_kind(name) is not None
+
+
+def _stage_kind(name: str) -> str | None:
+    if "depth" in name or name in ("num_layers", "layers"):
+        return "depth"
+    if "heads" in name:
+        return "heads"
+    if name.endswith(("hidden_sizes", "embed_dims", "embed_dim", "dims", "channels", "widths", "hidden_size")):
+        return "width"
+    return None
+
+
+def _small_stages(name: str, values: list) -> list:
+    """Stages kept, each small: at most two blocks deep, widths a quarter (at least 16), heads rounded up to a
+    power of two (so that tp divides them and the widths, multiples of 16 times the stage's scale, split
+    into heads of equal size)."""
+    kind = _stage_kind(name)
+    if kind == "depth":
+        return [min(v, 2) for v in values]
+    if kind == "heads":
+        return [1 << (v - 1).bit_length() for v in values]
+    return [v if v <= 64 else max(16, v // 4) for v in values]
+
+
 def _is_layer_indices(values: list, depth: int) -> bool:
     return bool(values) and all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < depth for v in values) \
         and values == sorted(set(values))
@@ -81,11 +111,18 @@ def _is_layer_indices(values: list, depth: int) -> bool:
 def shrink(fields: dict, sub_configs: dict | None = None, mixed: bool = True) -> dict:
     """The small values of a config's fields (only those it has), its sub-configs shrunk too. ``mixed``: per-layer
     lists keep one layer of each kind; else their first layers."""
-    depth = _depth(fields)
+    staged = any(_is_stage_list(k, v) and _stage_kind(k) == "depth" for k, v in fields.items())
+    depth = None if staged else _depth(fields)  # a hierarchical model's layer count counts its stages
     small = {k: v for k, v in (SMALL_HF | TINY_EXTRA).items() if k in fields and _shrinks(fields[k], v)}
     small |= _small_low_rank(fields, small)
     for name, value in fields.items():
-        if isinstance(value, list) and depth and len(value) == depth and depth > LAYERS:
+        if _is_stage_list(name, value):
+            small[name] = _small_stages(name, value)
+        elif name == "out_indices" and isinstance(value, list) and depth and depth > LAYERS:
+            small[name] = [v for v in value if isinstance(v, int) and 0 <= v < LAYERS] or [LAYERS - 1]
+        elif name == "out_features" and isinstance(value, list) and depth and depth > LAYERS:
+            small[name] = None  # a backbone's outputs named after layers that no longer exist: its last
+        elif isinstance(value, list) and depth and len(value) == depth and depth > LAYERS:
             small[name] = _fit_list(value, LAYERS) if mixed else value[:LAYERS]
         elif isinstance(value, list) and depth and _is_layer_indices(value, depth) and depth > LAYERS:
             kept = [v for v in value if v < LAYERS] or [LAYERS - 1]
@@ -118,22 +155,38 @@ def _shrinks(old, new) -> bool:
 
 TYPE_OVERRIDES = {
     "mamba2": {"num_heads": 8},  # hidden_size * expand must equal num_heads * head_dim
-    "reformer": {"is_decoder": True},  # its LM head model asserts it
     "xmod": {"default_language": "en_XX"},  # its forward asks for a language adapter
+    # every stage's resolution at least the window (16, 8, 4, 2 patches across): the relative-position tables
+    # are made for the configured window
+    **{t: {"image_size": 64, "patch_size": 4, "window_size": 2}
+       for t in ("swin", "swinv2", "donut-swin", "maskformer-swin")},
+    "esm": {"pad_token_id": 1, "mask_token_id": 32},  # its default config has no padding id, which it needs
+    # the axial position table factors the hidden size and the sequence (32 tokens), chunks divide it
+    "reformer": {"axial_pos_embds_dim": [32, 32], "axial_pos_shape": [4, 8], "local_attn_chunk_length": 16,
+                 "lsh_attn_chunk_length": 16},
     # its default text config fails its own validation (per-layer inputs and MoE must be off)
     "gemma4_assistant": {"text_config": {"hidden_size_per_layer_input": 0, "vocab_size_per_layer_input": 0,
                                          "enable_moe_block": False, "use_double_wide_mlp": False}},
 }
 """Sizes that one architecture ties together in a way no general rule reads (its validation says which)."""
 
-_REQUIRED = re.compile(r"\b(\w+) must (?:be|equal) (-?\d+|True|False|None)\b")
-"""A validation message that states the one value a field may take (``hidden_size_per_layer_input must be
-0, got 256``)."""
+_REQUIREMENTS = (
+    # hidden_size_per_layer_input must be 0, got 256
+    re.compile(r"`?(?:config\.)?(?P<field>[\w.]+)`? must (?:be|equal) (?P<value>-?\d+|True|False|None)\b"),
+    # `num_key_value_heads` (2) must equal `num_attention_heads` (4)
+    re.compile(r"`?(?:config\.)?(?P<field>[\w.]+)`? \(-?\d+\) must (?:equal|match) `?[\w.]+`? \((?P<value>-?\d+)\)"),
+    # make sure that `is_decoder=True`
+    re.compile(r"`(?:config\.)?(?P<field>\w+)=(?P<value>True|False|-?\d+)`"),
+)
+"""Messages (of a config's validation, or of a model refusing its config) that state the one value a field
+may take."""
 
 
-def tiny_config(model_type: str, overrides: dict | None = None):
-    """The tiny config of ``model_type``, ``overrides`` applied last; transformers validates it. Where the
-    validation names the one value a field must take, the field takes it and the config is made again."""
+def tiny_model(model_type: str, build, overrides: dict | None = None):
+    """``build(config)`` on the tiny config of ``model_type`` (``overrides`` applied last). Where the config's
+    validation, or the model built from it, names the one value a field must take, the field takes it and
+    both are made again; some architectures validate only the kinds of layers their first layers have, so a
+    config with one layer of each kind falls back to the first layers'."""
     import transformers
 
     fixed = TYPE_OVERRIDES.get(model_type, {})
@@ -142,24 +195,30 @@ def tiny_config(model_type: str, overrides: dict | None = None):
     except Exception:  # a default config that fails its own validation: with the fixes the table knows
         default = transformers.AutoConfig.for_model(model_type, **fixed)
     error = None
-    for mixed in (True, False):  # some architectures validate only the kinds of layers their first layers have
-        small = _merged(shrink(default.to_dict(), getattr(type(default), "sub_configs", None), mixed), fixed)
+    for mixed in (True, False):
+        small = _merged(_merged(shrink(default.to_dict(), getattr(type(default), "sub_configs", None), mixed), fixed),
+                        overrides or {})
         try:
-            return _validated(transformers, model_type, _merged(small, overrides or {}))
+            return _repaired(lambda: build(transformers.AutoConfig.for_model(model_type, **small)), small)
         except Exception as e:  # transformers and huggingface_hub raise many types for values a config rejects
             error = error or e
     raise error
 
 
-def _validated(transformers, model_type: str, small: dict):
-    """The config made from ``small``, fields its validation requires set as it says."""
+def tiny_config(model_type: str, overrides: dict | None = None):
+    """The tiny config of ``model_type`` (as ``tiny_model`` makes it, without building a model)."""
+    return tiny_model(model_type, lambda config: config, overrides)
+
+
+def _repaired(make, small: dict):
+    """``make()``, with the fields its errors require set in ``small`` and tried again (a few times)."""
     for _ in range(8):
         try:
-            return transformers.AutoConfig.for_model(model_type, **small)
-        except Exception as e:  # transformers and huggingface_hub raise many types for values a config rejects
+            return make()
+        except Exception as e:  # any type: the message is what is read
             if not _apply_required(small, _messages(e)):
                 raise
-    return transformers.AutoConfig.for_model(model_type, **small)
+    return make()
 
 
 def _merged(base: dict, extra: dict) -> dict:
@@ -180,22 +239,26 @@ def _messages(e: BaseException) -> str:
 
 
 def _apply_required(small: dict, message: str) -> bool:
-    """Set the field a validation message requires (in the config or the sub-config that has it)."""
-    match = _REQUIRED.search(message)
-    if not match:
+    """Set the field a message requires, in the sub-config its dotted name or its presence points to (else the
+    config itself); False if no message states one, or the field already has that value."""
+    for pattern in _REQUIREMENTS:
+        match = pattern.search(message)
+        if match:
+            break
+    else:
         return False
-    name, text = match.groups()
-    value = {"True": True, "False": False, "None": None}.get(text, None if text in ("True", "False", "None")
-                                                              else int(text) if text.lstrip("-").isdigit() else text)
-    if text == "None":
-        value = None
-    targets = [small] + [v for v in small.values() if isinstance(v, dict) and name in v]
-    changed = False
-    for target in targets:
-        if (name in target or target is small and not targets[1:]) and target.get(name, object()) != value:
-            target[name] = value
-            changed = True
-    return changed
+    *path, name = match["field"].split(".")
+    text = match["value"]
+    value = {"True": True, "False": False, "None": None}[text] if text in ("True", "False", "None") else int(text)
+    target = small
+    for part in path:
+        target = target.setdefault(part, {}) if isinstance(target.get(part, {}), dict) else {}
+    if not path:
+        target = next((v for v in small.values() if isinstance(v, dict) and name in v), small)
+    if name in target and target[name] == value:
+        return False
+    target[name] = value
+    return True
 
 
 @contextlib.contextmanager

@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -149,9 +150,10 @@ class _TimeLimit:
         return False
 
 
-def sweep(chosen: list[Entry], tps=(2, 4), progress=sys.stderr,
-          sequence_parallel: bool = False) -> dict[str, dict[int, Result]]:
-    """Every entry at every tp, printing one progress line per run."""
+def sweep(chosen: list[Entry], tps=(2, 4), progress=sys.stderr, sequence_parallel: bool = False,
+          on_result: Callable[[str, dict[int, Result]], None] | None = None) -> dict[str, dict[int, Result]]:
+    """Every entry at every tp, printing one progress line per run; ``on_result(name, runs)`` after each
+    entry (to save as it goes: a long sweep stopped early keeps what it did)."""
     out: dict[str, dict[int, Result]] = {}
     for i, entry in enumerate(chosen, 1):
         out[entry.name] = {}
@@ -160,6 +162,8 @@ def sweep(chosen: list[Entry], tps=(2, 4), progress=sys.stderr,
             out[entry.name][tp] = result
             print(f"[{i}/{len(chosen)}] {entry.name} tp={tp}: {result.status.value} ({result.seconds:.1f} s)",
                   file=progress, flush=True)
+        if on_result is not None:
+            on_result(entry.name, out[entry.name])
     return out
 
 
@@ -179,17 +183,28 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--load", nargs="+", default=[], metavar="FILE.json",
                         help="write the table from saved results instead of sweeping (later files win)")
     parser.add_argument("--sequence-parallel", action="store_true", help="check with sequence_parallel=True")
+    parser.add_argument("--shard", default="", metavar="I/N", help="every N-th entry from the I-th (parallel sweeps)")
+    parser.add_argument("--resume", action="store_true", help="skip the entries already in the --save file")
     args = parser.parse_args(argv)
     if args.load:
         results, families = load_results(args.load)
     else:
         chosen = entries(set(args.only.split(",")) if args.only else None, tuple(args.file),
                          set(args.family.split(",")) if args.family else None)
+        first, _, count = args.shard.partition("/")
+        chosen = chosen[int(first)::int(count)] if count else chosen
+        resuming = args.save and args.resume and Path(args.save).exists()
+        done, families = load_results([args.save]) if resuming else ({}, {})
+        families |= {e.name: e.family for e in chosen}
+        chosen = [e for e in chosen if e.name not in done]
         torch.set_num_threads(max(1, torch.get_num_threads()))
-        results = sweep(chosen, tuple(args.tp), sequence_parallel=args.sequence_parallel)
-        families = {e.name: e.family for e in chosen}
-        if args.save:
-            save_results(args.save, results, families)
+
+        def save(name, runs):
+            done[name] = runs
+            save_results(args.save, done, families)
+
+        results = done | sweep(chosen, tuple(args.tp), sequence_parallel=args.sequence_parallel,
+                               on_result=save if args.save else None)
     table = coverage_table(results, families, tuple(args.tp), args.sequence_parallel)
     if args.output == "-":
         print(table)

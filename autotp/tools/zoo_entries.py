@@ -1,7 +1,7 @@
 """The zoo's population: every model class of transformers' task mappings people train or run, grouped by
 task, diffusers' transformers and timm's ViT family when those are installed, torch's own, and the examples.
 
-Each group names the transformers mapping it reads, the auto class that builds it and the inputs it is fed.
+Each group names the transformers mapping it reads (whose classes build its models) and the inputs it is fed.
 Type names appear only in the tables here (the zoo's builder), never in autotp's logic.
 """
 
@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from autotp.capture.inputs import EXAMPLE_BATCH, EXAMPLE_SEQ, synthesise
-from autotp.tools.tiny import MAX_PARAMS, quiet, tiny_config
+from autotp.tools.tiny import MAX_PARAMS, quiet, tiny_model
 from autotp.tools.zoo_stubs import refresh_transformers_checks, torchvision_stub
 
 
@@ -36,7 +36,6 @@ class Group:
 
     family: str
     mapping: str
-    auto: str
     inputs: Callable[[nn.Module], tuple | dict]
     suffix: str = ""
     """Appended to the type in the entry's name (causal LMs keep the bare type)."""
@@ -65,71 +64,88 @@ def _vision(config):
     return getattr(config, "vision_config", None) or getattr(config, "backbone_config", None) or config
 
 
-def pixel_values(model: nn.Module) -> dict:
-    """Random images of the config's size and channels."""
+def pixel_values(model: nn.Module) -> dict | tuple:
+    """Random images of the config's size (square, or height and width) and channels; token ids for a model
+    whose main input is token ids (an image GPT, a vision-language classifier)."""
+    if getattr(model, "main_input_name", "") == "input_ids":
+        return token_ids(model)
     config = _vision(model.config)
     size = getattr(config, "image_size", 32)
-    size = size[0] if isinstance(size, (list, tuple)) else size
-    return {"pixel_values": _seeded(EXAMPLE_BATCH, getattr(config, "num_channels", 3), size, size)}
+    height, width = (size[0], size[-1]) if isinstance(size, (list, tuple)) else (size, size)
+    return {"pixel_values": _seeded(EXAMPLE_BATCH, getattr(config, "num_channels", 3), height, width)}
 
 
-def audio_values(model: nn.Module) -> dict:
-    """A quarter second of random 16 kHz audio (a dozen frames after a wav2vec2-style front end)."""
-    return {"input_values": _seeded(EXAMPLE_BATCH, 4000)}
+def _features(model: nn.Module, frames: int = 64) -> torch.Tensor:
+    """Random audio features as the config sizes them: (batch, mel bins, twice the source positions) for a
+    Whisper-style encoder, else (batch, frames, features)."""
+    config = model.config
+    mel = getattr(config, "num_mel_bins", None)
+    if mel is not None and getattr(config, "max_source_positions", None):
+        return _seeded(EXAMPLE_BATCH, mel, 2 * config.max_source_positions)
+    features = mel or getattr(config, "input_feat_per_channel", None) or getattr(config, "feature_size", None) or 80
+    return _seeded(EXAMPLE_BATCH, frames, features * getattr(config, "input_channels", 1))
+
+
+def audio_inputs(model: nn.Module) -> dict:
+    """Audio under the model's main input: a quarter second of 16 kHz samples (a dozen frames after a
+    wav2vec2-style front end), or features."""
+    name = getattr(model, "main_input_name", "input_values")
+    return {name: _seeded(EXAMPLE_BATCH, 4000) if name == "input_values" else _features(model)}
 
 
 def speech_seq2seq_inputs(model: nn.Module) -> dict:
-    """Audio features as the model's main input names them, and decoder ids."""
-    config = model.config
-    (ids,) = synthesise(model).flat
-    decoder = ids[:, :8]
+    """Audio under the model's main input, and decoder ids; a speech LM whose main input is token ids is fed
+    text only."""
     name = getattr(model, "main_input_name", "input_features")
-    if name == "input_values":
-        return {"input_values": _seeded(EXAMPLE_BATCH, 4000), "decoder_input_ids": decoder}
-    mel = getattr(config, "num_mel_bins", None)
-    if mel is not None and getattr(config, "max_source_positions", None):
-        return {name: _seeded(EXAMPLE_BATCH, mel, 2 * config.max_source_positions), "decoder_input_ids": decoder}
-    features = getattr(config, "input_feat_per_channel", None) or getattr(config, "feature_size", None) or mel or 80
-    channels = getattr(config, "input_channels", 1)
-    return {name: _seeded(EXAMPLE_BATCH, 64, features * channels), "decoder_input_ids": decoder}
+    (ids,) = synthesise(model).flat
+    if name == "input_ids":
+        return {"input_ids": ids} | ({"decoder_input_ids": ids[:, :8]} if model.config.is_encoder_decoder else {})
+    return audio_inputs(model) | {"decoder_input_ids": ids[:, :8]}
 
 
 GROUPS = (
-    Group("causal-lm", "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "AutoModelForCausalLM", token_ids),
-    Group("masked-lm", "MODEL_FOR_MASKED_LM_MAPPING_NAMES", "AutoModelForMaskedLM", token_ids, ":mlm"),
-    Group("seq2seq-lm", "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES", "AutoModelForSeq2SeqLM", seq2seq_inputs,
+    Group("causal-lm", "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", token_ids),
+    Group("masked-lm", "MODEL_FOR_MASKED_LM_MAPPING_NAMES", token_ids, ":mlm"),
+    Group("seq2seq-lm", "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES", seq2seq_inputs,
           ":seq2seq"),
-    Group("sequence-classification", "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES",
-          "AutoModelForSequenceClassification", token_ids, ":cls", new_trunks_only=True),
-    Group("token-classification", "MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES", "AutoModelForTokenClassification",
+    Group("sequence-classification", "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES", token_ids, ":cls", new_trunks_only=True),
+    Group("token-classification", "MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES",
           token_ids, ":tokens", new_trunks_only=True),
-    Group("image-classification", "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES", "AutoModelForImageClassification",
+    Group("image-classification", "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES",
           pixel_values, ":image"),
-    Group("backbone", "MODEL_FOR_BACKBONE_MAPPING_NAMES", "AutoBackbone", pixel_values, ":backbone"),
-    Group("speech-seq2seq", "MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES", "AutoModelForSpeechSeq2Seq",
+    Group("backbone", "MODEL_FOR_BACKBONE_MAPPING_NAMES", pixel_values, ":backbone"),
+    Group("speech-seq2seq", "MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES",
           speech_seq2seq_inputs, ":speech"),
-    Group("ctc", "MODEL_FOR_CTC_MAPPING_NAMES", "AutoModelForCTC", audio_values, ":ctc"),
-    Group("image-text-to-text", "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES", "AutoModelForImageTextToText",
+    Group("ctc", "MODEL_FOR_CTC_MAPPING_NAMES", audio_inputs, ":ctc"),
+    Group("image-text-to-text", "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES",
           token_ids, ":vlm"),
 )
 """The task groups, in the order of the coverage table. Vision-language models are fed text only: their
 vision tower is built but not reached, and not counted in the split fraction."""
 
 
-def _hf_build(model_type: str, auto: str) -> Callable[[], nn.Module]:
+def _hf_build(model_type: str, class_names: str | tuple[str, ...]) -> Callable[[], nn.Module]:
     def build() -> nn.Module:
         import transformers
 
-        with quiet():
-            config = tiny_config(model_type)
-            cls = getattr(transformers, auto)
+        # the mapping's own class (the first where it lists several): an auto class picks among several by
+        # the config's architectures, which a fresh config does not name
+        cls = getattr(transformers, class_names if isinstance(class_names, str) else class_names[0])
+
+        def on_meta(config):
             with torch.device("meta"):
-                count = sum(p.numel() for p in cls.from_config(config).parameters())
+                cls(config)
+            return config
+
+        with quiet():
+            config = tiny_model(model_type, on_meta)  # on the meta device: no memory, and errors read as they come
+            with torch.device("meta"):
+                count = sum(p.numel() for p in cls(config).parameters())
             if count > MAX_PARAMS:
                 raise ValueError(f"the tiny config still has {count / 1e6:.0f}M parameters in parts whose sizes no "
                                  "config field sets; not built")
             torch.manual_seed(0)
-            return cls.from_config(config)
+            return cls(config)
 
     return build
 
@@ -142,10 +158,9 @@ def hf_entries() -> list[Entry]:
 
     out, seen = [], set()
     for group in GROUPS:
-        types = list(getattr(modeling_auto, group.mapping, {}))
-        if group.new_trunks_only:
-            types = [t for t in types if t not in seen]
-        out += [Entry(t + group.suffix, group.family, _hf_build(t, group.auto), group.inputs) for t in types]
+        mapping = getattr(modeling_auto, group.mapping, {})
+        types = [t for t in mapping if not (group.new_trunks_only and t in seen)]
+        out += [Entry(t + group.suffix, group.family, _hf_build(t, mapping[t]), group.inputs) for t in types]
         if group.family in ("causal-lm", "masked-lm", "seq2seq-lm"):
             seen |= set(types)
     return out
