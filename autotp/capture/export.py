@@ -18,6 +18,7 @@ import torch
 from torch import fx, nn
 
 from autotp.capture.grad_modes import inline_no_grad
+from autotp.capture.guards import export_taking_example_branches, training_branch_hint
 from autotp.capture.inputs import ExampleInputs, Signature, example_inputs_of, require_module
 from autotp.capture.torch_private import applied_functions, is_guard_call, mutated_args, output_spec, plain_sizes
 from autotp.errors import CaptureError, InputError
@@ -69,6 +70,9 @@ class Captured:
     """The name of each graph input (the forward parameter it binds to), in placeholder order."""
     signature: Signature | None = None
     """What the model's forward accepts, to name the inputs of a later call."""
+    assumptions: tuple[str, ...] = ()
+    """Branches on tensor values taken as the example took them (the model's code and where it is); each is a
+    runtime assertion in the graph, so an input that would take another branch raises."""
 
     @property
     def graph(self) -> fx.Graph:
@@ -148,10 +152,14 @@ def _quiet_torch_logs():
 
 def _export(wrapper: nn.Module, inputs: tuple, dynamic: bool) -> fx.GraphModule:
     """One torch.export attempt; with ``dynamic`` every input dimension is Dim.AUTO."""
-    # The wrapper takes *args, so the per-input specs are nested in one tuple for ``args``.
-    shapes = (tuple({d: torch.export.Dim.AUTO for d in range(x.dim())} for x in inputs),) if dynamic else None
-    program = torch.export.export(wrapper, inputs, strict=False, dynamic_shapes=shapes)
+    program = torch.export.export(wrapper, inputs, strict=False, dynamic_shapes=_dynamic_shapes(inputs) if dynamic else None)
     return program.module()
+
+
+def _dynamic_shapes(inputs: tuple) -> tuple:
+    """Dim.AUTO on every input dimension; the wrapper takes *args, so the per-input specs are nested in one
+    tuple for ``args``."""
+    return (tuple({d: torch.export.Dim.AUTO for d in range(x.dim())} for x in inputs),)
 
 
 def _dim_names(gm: fx.GraphModule) -> dict[str, str]:
@@ -290,7 +298,7 @@ def capture(model: nn.Module, example_inputs, training: bool | None = None) -> C
     example = example_inputs_of(model, example_inputs)
     inputs = example.flat
     wrapper = _CaptureWrapper(model, example, model_kwargs(model))
-    errors, functions = [], set()
+    errors, functions, assumptions = [], set(), ()
     for dynamic in (True, False):
         try:
             with _quiet_torch_logs(), _in_mode(model, training), applied_functions(functions):
@@ -299,6 +307,14 @@ def capture(model: nn.Module, example_inputs, training: bool | None = None) -> C
         except Exception as e:  # torch.export raises many unrelated types; all mean "could not capture"
             errors.append((dynamic, e))
     else:
+        try:  # branches on tensor values: taken as the example takes them, kept as runtime assertions
+            with _quiet_torch_logs(), _in_mode(model, training), applied_functions(functions):
+                gm, assumptions = export_taking_example_branches(wrapper, inputs, _dynamic_shapes(inputs))
+        except CaptureError:
+            raise
+        except Exception:  # the fallback failed too: report the plain capture's error
+            gm = None
+    if gm is None:
         _, err = errors[-1]
         first_line = (str(err).strip().splitlines() or [type(err).__name__])[0]
         made = (" No example_inputs were given, so the model ran on synthesised token ids, which it may not take; "
@@ -308,6 +324,7 @@ def capture(model: nn.Module, example_inputs, training: bool | None = None) -> C
             f"with static shapes; the static attempt said: {type(err).__name__}: {first_line} (at {_user_frame(err)}). "
             "Make the forward traceable (no data-dependent Python control flow on tensor values, no .item()), "
             f"or pass example_inputs the forward accepts (a tuple of positional tensors or a dict of keyword ones).{made}"
+            f"{training_branch_hint(err)}"
         ) from err
     signature = Signature.of(model)
     _check_inputs_read(gm, example, signature)
@@ -320,4 +337,4 @@ def capture(model: nn.Module, example_inputs, training: bool | None = None) -> C
                     aliases=aliases, dim_names=_dim_names(gm), example_sizes=_example_sizes(gm, inputs),
                     param_names=tuple(n for n, _ in model.named_parameters(remove_duplicate=False)),
                     training=model.training if training is None else training, input_names=example.names,
-                    signature=signature, custom_functions=tuple(sorted(functions)))
+                    signature=signature, custom_functions=tuple(sorted(functions)), assumptions=assumptions)
