@@ -25,8 +25,15 @@ from autotp.capture.examples import (
     require_module,
 )
 from autotp.capture.grad_modes import inline_no_grad
+from autotp.capture.guards import export_taking_example_branches, training_branch_hint
 from autotp.capture.meta_buffers import buffers_on_meta, put_back
-from autotp.capture.torch_private import applied_functions, is_guard_call, mutated_args, output_spec, plain_sizes
+from autotp.capture.torch_private import (
+    applied_functions,
+    is_guard_call,
+    mutated_args,
+    output_spec,
+    plain_sizes,
+)
 from autotp.errors import CaptureError, InputError
 from autotp.passes.analysis import Analysis
 from autotp.passes.graph import MUTATES_META, SHAPE_META
@@ -77,6 +84,9 @@ class Captured:
     """The name of each graph input (the forward parameter it binds to), in placeholder order."""
     signature: Signature | None = None
     """What the model's forward accepts, to name the inputs of a later call."""
+    assumptions: tuple[str, ...] = ()
+    """Branches on tensor values taken as the example took them (the model's code and where it is); each is a
+    runtime assertion in the graph, so an input that would take another branch raises."""
 
     @property
     def graph(self) -> fx.Graph:
@@ -119,9 +129,12 @@ class Captured:
 def model_kwargs(model: nn.Module) -> dict:
     """Keyword arguments autotp passes to the model's forward (capture and comparisons alike): no KV cache,
     which makes a Hugging Face model traceable. A forward that takes ``use_cache`` only through ``**kwargs``
-    gets it when its config has one (such models pass their keyword arguments down to the decoder)."""
+    gets it when its config (or its text sub-config) has one (such models pass their keyword arguments down to the decoder)."""
     signature = Signature.of(model)
-    config_has_it = hasattr(getattr(model, "config", None), "use_cache")
+    config = getattr(model, "config", None)
+    # a multimodal config keeps use_cache in its text sub-config, which its forward passes the kwargs down to
+    text = getattr(config, "get_text_config", None)
+    config_has_it = hasattr(config, "use_cache") or (callable(text) and hasattr(text(), "use_cache"))
     takes_it = "use_cache" in signature.keywords or (signature.var_keyword and config_has_it)
     return {"use_cache": False} if takes_it else {}
 
@@ -159,10 +172,14 @@ def _quiet_torch_logs():
 
 def _export(wrapper: nn.Module, inputs: tuple, dynamic: bool) -> fx.GraphModule:
     """One torch.export attempt; with ``dynamic`` every input dimension is Dim.AUTO."""
-    # The wrapper takes *args, so the per-input specs are nested in one tuple for ``args``.
-    shapes = (tuple({d: torch.export.Dim.AUTO for d in range(x.dim())} for x in inputs),) if dynamic else None
-    program = torch.export.export(wrapper, inputs, strict=False, dynamic_shapes=shapes)
+    program = torch.export.export(wrapper, inputs, strict=False, dynamic_shapes=_dynamic_shapes(inputs) if dynamic else None)
     return program.module()
+
+
+def _dynamic_shapes(inputs: tuple) -> tuple:
+    """Dim.AUTO on every input dimension; the wrapper takes *args, so the per-input specs are nested in one
+    tuple for ``args``."""
+    return (tuple({d: torch.export.Dim.AUTO for d in range(x.dim())} for x in inputs),)
 
 
 def _dim_names(gm: fx.GraphModule) -> dict[str, str]:
@@ -311,7 +328,7 @@ def capture(model: nn.Module, example_inputs, training: bool | None = None) -> C
     example = example_inputs_of(model, example_inputs)
     inputs = example.flat
     wrapper = _CaptureWrapper(model, example, model_kwargs(model))
-    errors, functions = [], set()
+    errors, functions, assumptions = [], set(), ()
     for dynamic in (True, False):
         try:
             with _quiet_torch_logs(), _in_mode(model, training), applied_functions(functions), \
@@ -322,6 +339,14 @@ def capture(model: nn.Module, example_inputs, training: bool | None = None) -> C
         except Exception as e:  # torch.export raises many unrelated types; all mean "could not capture"
             errors.append((dynamic, e))
     else:
+        try:  # branches on tensor values: taken as the example takes them, kept as runtime assertions
+            with _quiet_torch_logs(), _in_mode(model, training), applied_functions(functions):
+                gm, assumptions = export_taking_example_branches(wrapper, inputs, _dynamic_shapes(inputs))
+        except CaptureError:
+            raise
+        except Exception:  # the fallback failed too: report the plain capture's error
+            gm = None
+    if gm is None:
         _, err = errors[-1]
         _refuse_float_ids(example, err)
         first_line = (str(err).strip().splitlines() or [type(err).__name__])[0]
@@ -332,6 +357,7 @@ def capture(model: nn.Module, example_inputs, training: bool | None = None) -> C
             f"with static shapes; the static attempt said: {type(err).__name__}: {first_line} (at {_user_frame(err)}). "
             "Make the forward traceable (no data-dependent Python control flow on tensor values, no .item()), "
             f"or pass example_inputs the forward accepts (a tuple of positional tensors or a dict of keyword ones).{made}"
+            f"{training_branch_hint(err)}"
         ) from err
     signature = Signature.of(model)
     _check_inputs_read(gm, example, signature)
@@ -344,4 +370,4 @@ def capture(model: nn.Module, example_inputs, training: bool | None = None) -> C
                     aliases=aliases, dim_names=_dim_names(gm), example_sizes=_example_sizes(gm, inputs),
                     param_names=tuple(n for n, _ in model.named_parameters(remove_duplicate=False)),
                     training=model.training if training is None else training, input_names=example.names,
-                    signature=signature, custom_functions=tuple(sorted(functions)))
+                    signature=signature, custom_functions=tuple(sorted(functions)), assumptions=assumptions)

@@ -15,7 +15,12 @@ import torch
 from torch import fx, nn
 
 from autotp.capture import Captured
-from autotp.capture.kv_cache import FIRST_CACHE_INPUT, CacheShape, cache_shape, capture_steps
+from autotp.capture.kv_cache import (
+    FIRST_CACHE_INPUT,
+    CacheShape,
+    cache_shape,
+    capture_steps,
+)
 from autotp.errors import InternalError
 from autotp.passes.placement import Shard
 from autotp.planning.plan import Plan

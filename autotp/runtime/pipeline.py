@@ -26,9 +26,9 @@ from torch.utils._pytree import tree_unflatten
 from autotp.errors import InputError, PlanError
 from autotp.options import Schedule
 from autotp.rewrite.comm import TorchComm
+from autotp.runtime.batch_agreement import check_same_inputs
 from autotp.runtime.data_parallel import DataParallel, check_unshared, local, unsharded
 from autotp.runtime.mesh import Mesh, global_rank
-from autotp.runtime.batch_agreement import check_same_inputs
 from autotp.runtime.outputs import SplitOutputs, deferred, output_gathers, step_loss
 from autotp.runtime.parallel_base import ParallelBase, RankParts
 from autotp.runtime.peers import group_timeout, guarded

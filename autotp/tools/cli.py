@@ -27,7 +27,6 @@ from typing import TYPE_CHECKING
 
 from autotp.errors import AutotpError, InputError, InternalError
 from autotp.options import Balance, DataParallelMode, Options, Schedule, VocabChoice
-
 from autotp.tools.generate_cli import add_parser as add_generate_parser
 
 if TYPE_CHECKING:  # torch and everything built on it load only when a command runs: --help answers at once
@@ -157,7 +156,12 @@ def _load_plan_file(path: str, params: dict[str, ParamInfo], tp: int | None) -> 
 def run_check(args) -> int:
     """``autotp check``: the one-process checker; prints one line (or the mismatch and where it starts)."""
     import autotp
-    from autotp.tools.model_spec import build_model, example_inputs, parse_overrides, parse_spec
+    from autotp.tools.model_spec import (
+        build_model,
+        example_inputs,
+        parse_overrides,
+        parse_spec,
+    )
     from autotp.tools.report import param_infos
 
     spec = parse_spec(args.model, parse_overrides(args.overrides))
@@ -174,7 +178,12 @@ def run_check(args) -> int:
 def load_and_plan(args) -> Planned:
     """Build MODEL, make its example inputs, and plan it (or read ``--plan``)."""
     import autotp
-    from autotp.tools.model_spec import build_model, example_inputs, parse_overrides, parse_spec
+    from autotp.tools.model_spec import (
+        build_model,
+        example_inputs,
+        parse_overrides,
+        parse_spec,
+    )
     from autotp.tools.report import param_infos
 
     spec = parse_spec(args.model, parse_overrides(args.overrides))
@@ -221,7 +230,12 @@ def _text_format(chosen: str | None, output: str | None) -> TextFormat:
 
 def run_plan(args) -> int:
     """``autotp plan``: print or write the table, the plan JSON, or an HF/torch plan."""
-    from autotp.tools.exports import Target, export_styles, to_hf_tp_plan, torch_plan_source
+    from autotp.tools.exports import (
+        Target,
+        export_styles,
+        to_hf_tp_plan,
+        torch_plan_source,
+    )
 
     planned = load_and_plan(args)
     plan, fmt = planned.plan, _text_format(args.format, args.output)
@@ -254,7 +268,13 @@ def _stage_scale(plan: Plan, batch: int, seq: int) -> float:
 
 def _draw_timeline(planned: Planned, args, fmt) -> None:
     from autotp.tools.report import per_rank_param_bytes
-    from autotp.tools.viz import PictureFormat, draw_timeline, save, simulate, stage_costs
+    from autotp.tools.viz import (
+        PictureFormat,
+        draw_timeline,
+        save,
+        simulate,
+        stage_costs,
+    )
     from autotp.tools.viz import Schedule as TimelineSchedule
 
     if fmt is PictureFormat.DOT:

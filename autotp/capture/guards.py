@@ -1,0 +1,167 @@
+"""Capture fallbacks for data-dependent branches in a model's own Python.
+
+Some forwards decide a branch on tensor values: a validation (``if labels.max() >= vocab_size: raise``), a
+mask inspected to see whether it is causal (``nn.Transformer``), chunk sizes read from a tensor. torch.export
+cannot trace such a branch symbolically. Where plain capture fails, ``export_taking_example_branches`` captures
+again with ``torch.export.draft_export``, which decides each such branch by the example's real values and
+keeps the decision in the graph as a runtime assertion (``aten._assert_scalar``): the parallel module takes the
+same branch, and raises if an input would take another.
+
+A branch decided by random numbers (LayerDrop's ``torch.rand([]) < layerdrop``) or by the host's random
+generators (SpecAugment's numpy masks) is different: the example's draw would be frozen into every step. Such
+captures are refused, with the setting that switches the randomness off, read from the model's own source
+(the ``if`` around the failing line, or the line itself, names ``config.<setting>``).
+"""
+
+from __future__ import annotations
+
+import ast
+import linecache
+import os
+import random
+import re
+import traceback
+from functools import lru_cache
+
+import torch
+from torch import fx
+
+from autotp.errors import CaptureError
+
+aten = torch.ops.aten
+
+RANDOM_OPS = frozenset(getattr(aten, name) for name in (
+    "rand", "rand_like", "randn", "randn_like", "randint", "randint_like", "randperm", "bernoulli", "uniform",
+    "normal", "multinomial", "exponential", "geometric", "log_normal", "cauchy") if hasattr(aten, name))
+"""Packets of ops whose values are random draws (each overload is matched by its packet)."""
+
+SCALAR_READS = frozenset({aten.item.default, aten._local_scalar_dense.default})
+"""Ops that turn a tensor value into a Python scalar: a branch on their result is data-dependent."""
+
+_SETTING = re.compile(r"config\.(\w+)")
+
+
+def _packet(node: fx.Node):
+    return getattr(node.target, "overloadpacket", None)
+
+
+def _ancestors(node: fx.Node) -> set[fx.Node]:
+    seen, stack = set(), [node]
+    while stack:
+        for parent in stack.pop().all_input_nodes:
+            if parent not in seen:
+                seen.add(parent)
+                stack.append(parent)
+    return seen
+
+
+def _source_line(node: fx.Node) -> tuple[str, int, str]:
+    """The model's source line a node was traced from: (file, line, code)."""
+    trace = node.meta.get("stack_trace") or ""
+    found = re.findall(r'File "([^"]+)", line (\d+), in \w+\n\s*(.*)', trace)
+    if not found:
+        return "", 0, ""
+    file, line, code = found[-1]
+    return file, int(line), code.strip()
+
+
+def export_taking_example_branches(wrapper: torch.nn.Module, inputs: tuple, dynamic_shapes):
+    """Capture with every data-dependent branch taken as the example takes it, each kept as a runtime assertion
+    in the graph. Returns the module and one line per assumption (the model's code and where it is); raises
+    ``CaptureError`` naming the setting to change where a branch depends on random numbers."""
+    host = _host_rng_states()
+    program = torch.export.draft_export(wrapper, inputs, strict=False, dynamic_shapes=dynamic_shapes)
+    if _host_rng_states() != host:
+        raise CaptureError(_random_message("the forward draws from numpy's or Python's random generator, "
+                                           "which a captured graph cannot replay", []))
+    other = [f for f in program._report.failures if f.failure_type.name not in ("DATA_DEPENDENT_ERROR", "GUARD_ADDED")]
+    if other:
+        raise RuntimeError(f"draft export reported {other[0].failure_type.name}")
+    gm = program.module()
+    assumptions = []
+    for node in gm.graph.find_nodes(op="call_function", target=aten._assert_scalar.default):
+        inputs_of = _ancestors(node)
+        if not any(n.target in SCALAR_READS for n in inputs_of):
+            continue  # a check on input sizes, not on values
+        file, line, code = _source_line(node)
+        if any(_packet(n) in RANDOM_OPS for n in inputs_of):
+            raise CaptureError(_random_message(f"a branch at {os.path.basename(file)}:{line} (`{code}`) depends on "
+                                               "random numbers", [(file, line)]))
+        assumptions.append(f"`{code}` ({os.path.basename(file)}:{line})")
+    return gm, tuple(dict.fromkeys(assumptions))
+
+
+def _host_rng_states() -> tuple:
+    try:
+        import numpy
+
+        state = numpy.random.get_state()[1].tobytes()
+    except ImportError:
+        state = b""
+    return state, random.getstate()
+
+
+def _random_message(what: str, places: list[tuple[str, int]]) -> str:
+    settings = _settings_at(places)
+    change = (f"set {' or '.join(f'{s}=0' for s in settings)} in the model's config (a training-time "
+              "augmentation or layer drop), or capture in eval mode" if settings else
+              "make the branch independent of random values, or capture in eval mode")
+    return f"cannot capture the model in training mode: {what}, so every step would repeat the example's draw; {change}"
+
+
+def training_branch_hint(error: BaseException) -> str:
+    """For a capture failure inside a branch the model's own code guards by a config setting (``if
+    self.config.mask_time_prob > 0 and self.training:``), one sentence naming the setting; else ''."""
+    torch_dir = os.path.dirname(torch.__file__)
+    places = [(f.filename, f.lineno) for f in traceback.extract_tb(error.__traceback__)
+              if not f.filename.startswith((torch_dir, os.path.dirname(os.path.dirname(__file__))))]
+    settings = _settings_at(places, only_training=True)
+    if not settings:
+        return ""
+    return (f" It failed in a branch the model takes only in training with {', '.join(settings)} set "
+            f"(data-dependent, as augmentation is): set {' and '.join(f'{s}=0' for s in settings)} in the model's "
+            "config, or capture in eval mode.")
+
+
+def _settings_at(places: list[tuple[str, int]], only_training: bool = False) -> list[str]:
+    """Config settings named by the innermost ``if`` test (or the line itself) around each place, innermost
+    place first; with ``only_training``, only tests that also read ``training``."""
+    out: list[str] = []
+    for file, line in reversed(places):
+        for test in _enclosing_tests(file, line):
+            if only_training and "training" not in test:
+                continue
+            out += [s for s in _SETTING.findall(test) if s not in out]
+        if out:
+            break
+    return out
+
+
+def _enclosing_tests(file: str, line: int) -> list[str]:
+    """The source of the line itself and of each ``if``/conditional test whose body holds ``line``, innermost first."""
+    tree = _parsed(file)
+    code = linecache.getline(file, line).strip()
+    if tree is None:
+        return [code]
+    tests = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.If, ast.IfExp)) and node.lineno <= line <= (node.end_lineno or node.lineno):
+            tests.append((node.lineno, ast.get_source_segment(_source(file), node.test) or ""))
+    return [code] + [t for _, t in sorted(tests, reverse=True)]
+
+
+@lru_cache(maxsize=64)
+def _source(file: str) -> str:
+    try:
+        with open(file, encoding="utf-8") as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+@lru_cache(maxsize=64)
+def _parsed(file: str):
+    try:
+        return ast.parse(_source(file))
+    except SyntaxError:
+        return None

@@ -1,0 +1,274 @@
+"""Tiny configs of transformers architectures, for the zoo: the same architecture at a size that builds in
+seconds and checks in one process.
+
+The default config of a model type is shrunk field by field (widths, depths, heads, vocabularies, experts),
+then its own derived fields are made to agree: per-layer lists (``layer_types``, ``attention_layers``) follow
+the new layer count, indices of layers (``hybrid_layer_ids``) drop the layers that no longer exist, and the
+sub-configs of multimodal models (``text_config``, ``vision_config``, ``audio_config``...) shrink by the same
+rules. The config class validates the result itself; a config that still will not build or stays large says
+why in its own words.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+
+from autotp.tools.model_spec import SMALL_HF, _small_low_rank
+
+LAYERS = 2
+"""Layers of a tiny model: two, so a pattern of layer kinds (sliding and full attention, mixer and
+attention) keeps one of each where the architecture has two kinds."""
+
+DEPTH_FIELDS = ("num_hidden_layers", "num_layers", "n_layer", "n_layers", "encoder_layers", "decoder_layers",
+                "num_decoder_layers", "num_encoder_layers", "depth", "num_hidden_layers_per_stage")
+"""Fields that count layers (per-layer lists have this many entries)."""
+
+TINY_EXTRA = {
+    # widths and depths under other names
+    "dim": 64, "embed_dim": 64, "hidden_dim": 128, "ffn_hidden_size": 128, "d_inner": 128, "inner_dim": 128,
+    "n_inner": 128, "n_positions": 512, "encoder_ffn_dim": 128, "decoder_ffn_dim": 128, "text_hidden_size": 64,
+    "projection_dim": 64, "proj_dim": 64, "projector_hidden_size": 64, "vision_hidden_size": 64,
+    "n_layers": 2, "num_encoder_layers": 2, "num_global_layers": 1, "num_local_layers": 1,
+    "depth": 2, "emb_dim": 64, "word_embed_proj_dim": 64, "embedding_size": 64, "qk_head_dim": 32,
+    # mixture of experts: 4 experts, top-2
+    "num_local_experts": 4, "num_experts": 4, "n_routed_experts": 4, "num_experts_per_tok": 2,
+    "num_experts_per_token": 2, "moe_intermediate_size": 64, "n_shared_experts": 1, "num_shared_experts": 1,
+    "shared_expert_intermediate_size": 64, "moe_num_experts": 4, "moe_k": 2, "moe_topk": 2, "top_k": 2,
+    "expert_intermediate_size": 64, "moe_ffn_hidden_size": 64, "n_group": 1, "topk_group": 1,
+    "num_expert_group": 1, "num_group": 1,
+    # per-layer inputs and vocabularies besides the main one
+    "hidden_size_per_layer_input": 16, "vocab_size_per_layer_input": 128,
+    # state-space mixers
+    "state_size": 16, "d_state": 16, "n_groups": 1, "mamba_d_state": 16, "mamba_n_heads": 8,
+    "mamba_d_head": 16, "mamba_headdim": 16, "mamba_n_groups": 1, "ssm_state_size": 16, "chunk_size": 16,
+    "time_step_rank": 8, "conv_kernel": 4,
+    # vision towers: few small patches
+    "image_size": 32, "patch_size": 8, "num_channels": 3, "window_size": 4,
+    # audio front ends
+    "num_mel_bins": 16, "max_source_positions": 32,
+    # other vocabularies and latent arrays
+    "encoder_hash_byte_group_vocab": 128, "entity_vocab_size": 128, "entity_emb_size": 64, "num_latents": 32,
+    "d_latents": 64,
+}
+"""Fields besides ``SMALL_HF``'s that size a model, shrunk where the architecture has them."""
+
+MAX_PARAMS = 20_000_000
+"""A tiny config must stay tiny: one that does not is not built (its size hides under fields no rule knows)."""
+
+
+def _depth(fields: dict) -> int | None:
+    """The layer count of a config (its first depth field), before shrinking."""
+    for name in DEPTH_FIELDS:
+        if isinstance(fields.get(name), int) and fields[name] > 0:
+            return fields[name]
+    return None
+
+
+def _fit_list(values: list, layers: int) -> list:
+    """A per-layer list cut to ``layers`` entries, each kind of entry kept where there is room: the first
+    layer of every kind, in order, then the first layers again."""
+    firsts = sorted({repr(v): i for i, v in reversed(list(enumerate(values)))}.values())
+    chosen = firsts[:layers]
+    chosen += [i for i in range(len(values)) if i not in chosen][: layers - len(chosen)]
+    return [values[i] for i in sorted(chosen)]
+
+
+def _is_stage_list(name: str, value) -> bool:
+    """Per-stage sizes of a hierarchical model (Swin's ``depths`` and ``num_heads``, a ResNet's
+    ``hidden_sizes``): a short list of positive ints."""
+    return isinstance(value, list) and 1 < len(value) <= 8 and all(
+        isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value) and _stage_kind(name) is not None
+
+
+def _stage_kind(name: str) -> str | None:
+    if "depth" in name or name in ("num_layers", "layers"):
+        return "depth"
+    if "heads" in name:
+        return "heads"
+    if name.endswith(("hidden_sizes", "embed_dims", "embed_dim", "dims", "channels", "widths", "hidden_size")):
+        return "width"
+    return None
+
+
+def _small_stages(name: str, values: list) -> list:
+    """Stages kept, each small: at most two blocks deep, widths a quarter (at least 16), heads rounded up to a
+    power of two (so that tp divides them and the widths, multiples of 16 times the stage's scale, split
+    into heads of equal size)."""
+    kind = _stage_kind(name)
+    if kind == "depth":
+        return [min(v, 2) for v in values]
+    if kind == "heads":
+        return [1 << (v - 1).bit_length() for v in values]
+    return [v if v <= 64 else max(16, v // 4) for v in values]
+
+
+def _is_layer_indices(values: list, depth: int) -> bool:
+    return bool(values) and all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < depth for v in values) \
+        and values == sorted(set(values))
+
+
+def shrink(fields: dict, sub_configs: dict | None = None, mixed: bool = True) -> dict:
+    """The small values of a config's fields (only those it has), its sub-configs shrunk too. ``mixed``: per-layer
+    lists keep one layer of each kind; else their first layers."""
+    staged = any(_is_stage_list(k, v) and _stage_kind(k) == "depth" for k, v in fields.items())
+    depth = None if staged else _depth(fields)  # a hierarchical model's layer count counts its stages
+    small = {k: v for k, v in (SMALL_HF | TINY_EXTRA).items() if k in fields and _shrinks(fields[k], v)}
+    small |= _small_low_rank(fields, small)
+    for name, value in fields.items():
+        if _is_stage_list(name, value):
+            small[name] = _small_stages(name, value)
+        elif name == "out_indices" and isinstance(value, list) and depth and depth > LAYERS:
+            small[name] = [v for v in value if isinstance(v, int) and 0 <= v < LAYERS] or [LAYERS - 1]
+        elif name == "out_features" and isinstance(value, list) and depth and depth > LAYERS:
+            small[name] = None  # a backbone's outputs named after layers that no longer exist: its last
+        elif isinstance(value, list) and depth and len(value) == depth and depth > LAYERS:
+            small[name] = _fit_list(value, LAYERS) if mixed else value[:LAYERS]
+        elif isinstance(value, list) and depth and _is_layer_indices(value, depth) and depth > LAYERS:
+            kept = [v for v in value if v < LAYERS] or [LAYERS - 1]
+            small[name] = kept
+        elif isinstance(value, dict) and (name in (sub_configs or {}) or "model_type" in value):
+            small[name] = value | shrink(value, mixed=mixed)
+        elif isinstance(value, dict) and depth and value and all(str(k).isdigit() for k in value):
+            small[name] = {k: v for k, v in value.items() if int(k) < LAYERS}  # settings keyed by layer index
+        elif isinstance(value, dict) and value and all(isinstance(v, dict) for v in value.values()) \
+                and any("head_dim" in v or "hidden_size" in v for v in value.values()):
+            small[name] = {k: v | shrink(v) for k, v in value.items()}  # settings per kind of layer
+        elif isinstance(value, int) and not isinstance(value, bool) and name.startswith("num_kv_shared"):
+            small[name] = 0  # layers that reuse an earlier layer's keys and values: none of two layers
+    vocab = small.get("vocab_size", fields.get("vocab_size"))
+    if isinstance(vocab, int):  # special token ids of the full vocabulary would not fit the small one
+        ids = [k for k in sorted(fields) if k.endswith(("_token_id", "_token_index", "_token_ids"))]
+        small |= {k: vocab - 1 - i for i, k in enumerate(ids) if isinstance(fields[k], int) and fields[k] >= vocab}
+    return small
+
+
+def _shrinks(old, new) -> bool:
+    """Whether a small value replaces a default: sizes only shrink, numbers replace numbers, and a size left
+    unset (None: derived from others, such as ``head_dim``) is set."""
+    if old is None:
+        return True
+    if isinstance(old, bool) or not isinstance(old, int):
+        return False
+    return new <= old and old != 0  # 0 switches a part off (no per-layer inputs): it stays off
+
+
+TYPE_OVERRIDES = {
+    "mamba2": {"num_heads": 8},  # hidden_size * expand must equal num_heads * head_dim
+    "xmod": {"default_language": "en_XX"},  # its forward asks for a language adapter
+    # every stage's resolution at least the window (16, 8, 4, 2 patches across): the relative-position tables
+    # are made for the configured window
+    **{t: {"image_size": 64, "patch_size": 4, "window_size": 2}
+       for t in ("swin", "swinv2", "donut-swin", "maskformer-swin")},
+    "esm": {"pad_token_id": 1, "mask_token_id": 32},  # its default config has no padding id, which it needs
+    # the axial position table factors the hidden size and the sequence (32 tokens), chunks divide it
+    "reformer": {"axial_pos_embds_dim": [32, 32], "axial_pos_shape": [4, 8], "local_attn_chunk_length": 16,
+                 "lsh_attn_chunk_length": 16},
+    # its default text config fails its own validation (per-layer inputs and MoE must be off)
+    "gemma4_assistant": {"text_config": {"hidden_size_per_layer_input": 0, "vocab_size_per_layer_input": 0,
+                                         "enable_moe_block": False, "use_double_wide_mlp": False}},
+}
+"""Sizes that one architecture ties together in a way no general rule reads (its validation says which)."""
+
+_REQUIREMENTS = (
+    # hidden_size_per_layer_input must be 0, got 256
+    re.compile(r"`?(?:config\.)?(?P<field>[\w.]+)`? must (?:be|equal) (?P<value>-?\d+|True|False|None)\b"),
+    # `num_key_value_heads` (2) must equal `num_attention_heads` (4)
+    re.compile(r"`?(?:config\.)?(?P<field>[\w.]+)`? \(-?\d+\) must (?:equal|match) `?[\w.]+`? \((?P<value>-?\d+)\)"),
+    # make sure that `is_decoder=True`
+    re.compile(r"`(?:config\.)?(?P<field>\w+)=(?P<value>True|False|-?\d+)`"),
+)
+"""Messages (of a config's validation, or of a model refusing its config) that state the one value a field
+may take."""
+
+
+def tiny_model(model_type: str, build, overrides: dict | None = None):
+    """``build(config)`` on the tiny config of ``model_type`` (``overrides`` applied last). Where the config's
+    validation, or the model built from it, names the one value a field must take, the field takes it and
+    both are made again; some architectures validate only the kinds of layers their first layers have, so a
+    config with one layer of each kind falls back to the first layers'."""
+    import transformers
+
+    fixed = TYPE_OVERRIDES.get(model_type, {})
+    try:
+        default = transformers.AutoConfig.for_model(model_type)
+    except Exception:  # a default config that fails its own validation: with the fixes the table knows
+        default = transformers.AutoConfig.for_model(model_type, **fixed)
+    error = None
+    for mixed in (True, False):
+        small = _merged(_merged(shrink(default.to_dict(), getattr(type(default), "sub_configs", None), mixed), fixed),
+                        overrides or {})
+        try:
+            return _repaired(lambda: build(transformers.AutoConfig.for_model(model_type, **small)), small)
+        except Exception as e:  # transformers and huggingface_hub raise many types for values a config rejects
+            error = error or e
+    raise error
+
+
+def tiny_config(model_type: str, overrides: dict | None = None):
+    """The tiny config of ``model_type`` (as ``tiny_model`` makes it, without building a model)."""
+    return tiny_model(model_type, lambda config: config, overrides)
+
+
+def _repaired(make, small: dict):
+    """``make()``, with the fields its errors require set in ``small`` and tried again (a few times)."""
+    for _ in range(8):
+        try:
+            return make()
+        except Exception as e:  # any type: the message is what is read
+            if not _apply_required(small, _messages(e)):
+                raise
+    return make()
+
+
+def _merged(base: dict, extra: dict) -> dict:
+    """``base`` with ``extra``'s values, sub-config dicts merged key by key."""
+    out = dict(base)
+    for key, value in extra.items():
+        both = isinstance(value, dict) and isinstance(out.get(key), dict)
+        out[key] = _merged(out[key], value) if both else value
+    return out
+
+
+def _messages(e: BaseException) -> str:
+    out = []
+    while e is not None:
+        out.append(str(e))
+        e = e.__cause__
+    return " ".join(out)
+
+
+def _apply_required(small: dict, message: str) -> bool:
+    """Set the field a message requires, in the sub-config its dotted name or its presence points to (else the
+    config itself); False if no message states one, or the field already has that value."""
+    for pattern in _REQUIREMENTS:
+        match = pattern.search(message)
+        if match:
+            break
+    else:
+        return False
+    *path, name = match["field"].split(".")
+    text = match["value"]
+    value = {"True": True, "False": False, "None": None}[text] if text in ("True", "False", "None") else int(text)
+    target = small
+    for part in path:
+        target = target.setdefault(part, {}) if isinstance(target.get(part, {}), dict) else {}
+    if not path:
+        target = next((v for v in small.values() if isinstance(v, dict) and name in v), small)
+    if name in target and target[name] == value:
+        return False
+    target[name] = value
+    return True
+
+
+@contextlib.contextmanager
+def quiet():
+    """transformers quiet while tiny models are built (their warnings concern full-size checkpoints)."""
+    import transformers
+
+    previous = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        transformers.logging.set_verbosity(previous)

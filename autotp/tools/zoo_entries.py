@@ -1,0 +1,219 @@
+"""The zoo's population: every model class of transformers' task mappings people train or run, grouped by
+task, diffusers' transformers and timm's ViT family when those are installed, torch's own, and the examples.
+
+Each group names the transformers mapping it reads (whose classes build its models) and the inputs it is fed.
+Type names appear only in the tables here (the zoo's builder), never in autotp's logic.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from autotp.capture.examples import EXAMPLE_BATCH, EXAMPLE_SEQ, synthesise
+from autotp.tools.tiny import MAX_PARAMS, quiet, tiny_model
+from autotp.tools.zoo_stubs import refresh_transformers_checks, torchvision_stub
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One model of the zoo: how to build it and what to feed it (a tuple of positional tensors or a dict
+    of keyword ones)."""
+
+    name: str
+    family: str
+    build: Callable[[], nn.Module]
+    inputs: Callable[[nn.Module], tuple | dict]
+
+
+@dataclass(frozen=True)
+class Group:
+    """A task: the transformers mapping that lists its model types, and how its models are built and fed."""
+
+    family: str
+    mapping: str
+    inputs: Callable[[nn.Module], tuple | dict]
+    suffix: str = ""
+    """Appended to the type in the entry's name (causal LMs keep the bare type)."""
+    new_trunks_only: bool = False
+    """List only types whose trunk no earlier group checks (a classification head on a checked trunk adds a
+    2-wide matrix, never split, and no structure)."""
+
+
+def token_ids(model: nn.Module) -> tuple:
+    """The token ids ``autotp.plan`` synthesises when given none."""
+    return synthesise(model).flat
+
+
+def seq2seq_inputs(model: nn.Module) -> dict:
+    """Token ids, their mask, and decoder ids half as long."""
+    (ids,) = token_ids(model)
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "decoder_input_ids": ids[:, : EXAMPLE_SEQ // 2]}
+
+
+def _seeded(*shape) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(0))
+
+
+def _vision(config):
+    """The config that holds the image geometry (the vision sub-config of a two-tower model)."""
+    return getattr(config, "vision_config", None) or getattr(config, "backbone_config", None) or config
+
+
+def pixel_values(model: nn.Module) -> dict | tuple:
+    """Random images of the config's size (square, or height and width) and channels; token ids for a model
+    whose main input is token ids (an image GPT, a vision-language classifier)."""
+    if getattr(model, "main_input_name", "") == "input_ids":
+        return token_ids(model)
+    config = _vision(model.config)
+    size = getattr(config, "image_size", 32)
+    height, width = (size[0], size[-1]) if isinstance(size, (list, tuple)) else (size, size)
+    return {"pixel_values": _seeded(EXAMPLE_BATCH, getattr(config, "num_channels", 3), height, width)}
+
+
+def _features(model: nn.Module, frames: int = 64) -> torch.Tensor:
+    """Random audio features as the config sizes them: (batch, mel bins, twice the source positions) for a
+    Whisper-style encoder, else (batch, frames, features)."""
+    config = model.config
+    mel = getattr(config, "num_mel_bins", None)
+    if mel is not None and getattr(config, "max_source_positions", None):
+        return _seeded(EXAMPLE_BATCH, mel, 2 * config.max_source_positions)
+    features = mel or getattr(config, "input_feat_per_channel", None) or getattr(config, "feature_size", None) or 80
+    return _seeded(EXAMPLE_BATCH, frames, features * getattr(config, "input_channels", 1))
+
+
+def audio_inputs(model: nn.Module) -> dict:
+    """Audio under the model's main input: a quarter second of 16 kHz samples (a dozen frames after a
+    wav2vec2-style front end), or features."""
+    name = getattr(model, "main_input_name", "input_values")
+    return {name: _seeded(EXAMPLE_BATCH, 4000) if name == "input_values" else _features(model)}
+
+
+def speech_seq2seq_inputs(model: nn.Module) -> dict:
+    """Audio under the model's main input, and decoder ids; a speech LM whose main input is token ids is fed
+    text only."""
+    name = getattr(model, "main_input_name", "input_features")
+    (ids,) = synthesise(model).flat
+    if name == "input_ids":
+        return {"input_ids": ids} | ({"decoder_input_ids": ids[:, :8]} if model.config.is_encoder_decoder else {})
+    return audio_inputs(model) | {"decoder_input_ids": ids[:, :8]}
+
+
+GROUPS = (
+    Group("causal-lm", "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", token_ids),
+    Group("masked-lm", "MODEL_FOR_MASKED_LM_MAPPING_NAMES", token_ids, ":mlm"),
+    Group("seq2seq-lm", "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES", seq2seq_inputs,
+          ":seq2seq"),
+    Group("sequence-classification", "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES", token_ids, ":cls", new_trunks_only=True),
+    Group("token-classification", "MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES",
+          token_ids, ":tokens", new_trunks_only=True),
+    Group("image-classification", "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES",
+          pixel_values, ":image"),
+    Group("backbone", "MODEL_FOR_BACKBONE_MAPPING_NAMES", pixel_values, ":backbone"),
+    Group("speech-seq2seq", "MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES",
+          speech_seq2seq_inputs, ":speech"),
+    Group("ctc", "MODEL_FOR_CTC_MAPPING_NAMES", audio_inputs, ":ctc"),
+    Group("image-text-to-text", "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES",
+          token_ids, ":vlm"),
+)
+"""The task groups, in the order of the coverage table. Vision-language models are fed text only: their
+vision tower is built but not reached, and not counted in the split fraction."""
+
+
+def _hf_build(model_type: str, class_names: str | tuple[str, ...]) -> Callable[[], nn.Module]:
+    def build() -> nn.Module:
+        import transformers
+
+        # the mapping's own class (the first where it lists several): an auto class picks among several by
+        # the config's architectures, which a fresh config does not name
+        cls = getattr(transformers, class_names if isinstance(class_names, str) else class_names[0])
+
+        def on_meta(config):
+            with torch.device("meta"):
+                cls(config)
+            return config
+
+        with quiet():
+            config = tiny_model(model_type, on_meta)  # on the meta device: no memory, and errors read as they come
+            with torch.device("meta"):
+                count = sum(p.numel() for p in cls(config).parameters())
+            if count > MAX_PARAMS:
+                raise ValueError(f"the tiny config still has {count / 1e6:.0f}M parameters in parts whose sizes no "
+                                 "config field sets; not built")
+            torch.manual_seed(0)
+            return cls(config)
+
+    return build
+
+
+def hf_entries() -> list[Entry]:
+    """One entry per (task group, model type) of the installed transformers."""
+    torchvision_stub()  # transformers' timm-backed vision towers import timm, which imports torchvision
+    refresh_transformers_checks()
+    from transformers.models.auto import modeling_auto
+
+    out, seen = [], set()
+    for group in GROUPS:
+        mapping = getattr(modeling_auto, group.mapping, {})
+        types = [t for t in mapping if not (group.new_trunks_only and t in seen)]
+        out += [Entry(t + group.suffix, group.family, _hf_build(t, mapping[t]), group.inputs) for t in types]
+        if group.family in ("causal-lm", "masked-lm", "seq2seq-lm"):
+            seen |= set(types)
+    return out
+
+
+def torch_entries() -> list[Entry]:
+    """torch's own encoder stack and encoder-decoder (the latter fed a causal mask, as its users pass one)."""
+    def encoder():
+        layer = nn.TransformerEncoderLayer(64, 4, 128, dropout=0.1, batch_first=True)
+        return nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+
+    def transformer():
+        return nn.Transformer(64, 4, 2, 2, 128, dropout=0.1, batch_first=True)
+
+    def hidden(_model):
+        return (_seeded(EXAMPLE_BATCH, EXAMPLE_SEQ, 64),)
+
+    def pair(_model):
+        tgt = EXAMPLE_SEQ // 2
+        return {"src": _seeded(EXAMPLE_BATCH, EXAMPLE_SEQ, 64), "tgt": _seeded(EXAMPLE_BATCH, tgt, 64),
+                "tgt_mask": nn.Transformer.generate_square_subsequent_mask(tgt)}
+
+    return [Entry("nn.TransformerEncoder", "torch", encoder, hidden), Entry("nn.Transformer", "torch", transformer, pair)]
+
+
+TIMM_VITS = ("vit_base_patch16_224", "deit_base_distilled_patch16_224", "vit_base_patch16_clip_224",
+             "vit_base_patch16_siglip_224", "vit_base_patch16_reg4_gap_256", "eva02_base_patch14_224",
+             "vit_relpos_base_patch16_224", "beit_base_patch16_224")
+"""timm's ViT family: plain, distilled, CLIP and SigLIP towers, registers, EVA-02 (rotary, SwiGLU),
+relative positions, BEiT."""
+
+
+def timm_entries() -> list[Entry]:
+    """timm's ViT family at a tiny size, when timm is installed."""
+    if importlib.util.find_spec("timm") is None:
+        return []
+
+    def build(name: str) -> nn.Module:
+        torchvision_stub()
+        import timm
+
+        return timm.create_model(name, pretrained=False, img_size=32, patch_size=8, depth=2, embed_dim=64,
+                                 num_heads=4, num_classes=16)
+
+    def images(_model):
+        return (_seeded(EXAMPLE_BATCH, 3, 32, 32),)
+
+    return [Entry(f"timm:{n}", "timm", lambda n=n: build(n), images) for n in TIMM_VITS]
+
+
+def example_entries(extra: tuple[str, ...] = ()) -> list[Entry]:
+    """The repository's examples, and any ``file.py:factory`` given."""
+    from autotp.tools.model_spec import build_model, parse_spec
+
+    return [Entry(spec, "example", lambda spec=spec: build_model(parse_spec(spec)), token_ids)
+            for spec in ("examples/gpt.py:build_gpt", "examples/llama.py:build_llama", *extra)]
