@@ -312,19 +312,19 @@ def check_plan_fits(plan: Plan, shapes: Mapping[str, tuple], tp: int | None = No
 _REGION_SIDES = {"columns": (PlacementKind.COLWISE, PlacementKind.VOCAB), "rows": (PlacementKind.ROWWISE,)}
 
 
-def check_regions_agree(plan: Plan, source: str = "the plan") -> None:
-    """A plan's ``regions`` report its placements, they do not set them: every layer a region lists as a column
-    (or the vocabulary) must have its weight placed so, every row rowwise. ``PlanError`` naming the first that
-    disagrees (a hand edit of one side only)."""
+def disagreeing_regions(plan: Plan) -> list[str]:
+    """The plan's regions that its placements contradict, each with why: a layer listed as a column (or the
+    vocabulary) whose weight is not placed so, or a row whose weight is not rowwise. Regions report placements;
+    after a hand edit of the placements they may no longer describe them."""
+    found = []
     for region in plan.regions:
         for side, kinds in _REGION_SIDES.items():
             for layer in getattr(region, side):
                 placement = plan.placements.get(f"{layer}.weight", plan.placements.get(layer))
                 if placement is not None and placement.kind not in kinds:
-                    raise PlanError(
-                        f"{source} lists {layer} among the {side} of its {region.kind.value} region, but places its "
-                        f"weight as {placement!r}: regions report the placements and must agree with them; fix the "
-                        "placement, fix or delete that region, or re-plan with autotp.plan")
+                    found.append(f"the {region.kind.value} region listing {layer} among its {side} (its weight is "
+                                 f"{placement!r})")
+    return found
 
 
 def _split_problem(placement: Placement, shape: tuple, tp: int) -> str | None:

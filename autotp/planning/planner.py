@@ -22,7 +22,7 @@ from autotp.passes.random_ops import random_refusal
 from autotp.passes.regions import RegionKind, RegionMatch
 from autotp.passes.steps import COMMUNICATION, Direction, Operator, fused
 from autotp.planning.consistency import check_biases_follow_weights
-from autotp.planning.plan import Collective, Plan, Region, check_regions_agree
+from autotp.planning.plan import Collective, Plan, Region, disagreeing_regions
 from autotp.planning.pricing import (
     CPU,
     Machine,
@@ -175,11 +175,10 @@ def _vocab_blocker(analysis: Analysis, placements: dict[str, Placement], tp: int
 def verify_plan(captured: Captured, plan: Plan) -> Plan:
     """Re-check a plan made elsewhere (a file, a hand edit) the way the planner checks its own: every size it
     splits divides by tp, nothing it splits needs what the rewrite cannot do, and its regions agree with its
-    placements (``PlanError`` otherwise). Returns the plan to apply: its collectives, which only report what the
-    placements imply, recomputed from them (with a note when the given list differed)."""
+    placements (``PlanError`` otherwise). Returns the plan to apply, its report-only fields brought in line with its
+    placements: collectives recomputed from them, regions they contradict dropped, each change said in a note."""
     if plan.tp == 1:
-        check_regions_agree(plan)
-        return plan
+        return _reported(plan, plan.collectives)
     analysis = captured.analysis
     check_biases_follow_weights(analysis, _by_target(analysis, plan.placements))
     prop = analysis.propagate_placements(plan.placements, plan.tp, plan.sequence_parallel)
@@ -189,13 +188,25 @@ def verify_plan(captured: Captured, plan: Plan) -> Plan:
                         f"size of {v.size} would be split, which tp={plan.tp} does not divide; fix the placements "
                         "of the layers before it or re-plan with autotp.plan")
     _refuse_inexact(analysis, prop)
-    check_regions_agree(plan)  # after the placements' own checks: a report that disagrees matters less
-    collectives = tuple(_collectives(analysis, prop))
-    if collectives == plan.collectives:
+    return _reported(plan, tuple(_collectives(analysis, prop)))
+
+
+def _reported(plan: Plan, collectives: tuple[Collective, ...]) -> Plan:
+    """``plan`` with its report-only fields matching its placements: ``collectives`` (what they imply), and only
+    the regions they do not contradict; a note says what changed (never silently: a plan file's reports may have
+    been edited, or gone stale when its placements were)."""
+    stale = disagreeing_regions(plan)
+    notes = list(plan.notes)
+    if collectives != plan.collectives:
+        notes.append(f"collectives recomputed from the placements: the plan listed {len(plan.collectives)}, its "
+                     f"placements imply {len(collectives)} (the list only reports them; edit placements instead)")
+    if stale:
+        notes.append(f"regions dropped, as the placements contradict them (regions only report placements): "
+                     f"{'; '.join(stale)}")
+    if not stale and collectives == plan.collectives:
         return plan
-    note = (f"collectives recomputed from the placements: the plan listed {len(plan.collectives)}, its placements "
-            f"imply {len(collectives)} (the list only reports them; edit placements instead)")
-    return plan.replace(collectives=collectives, notes=(*plan.notes, note))
+    kept = tuple(r for r in plan.regions if not disagreeing_regions(plan.replace(regions=(r,))))
+    return plan.replace(collectives=collectives, regions=kept, notes=tuple(notes))
 
 
 def _refuse_inexact(analysis: Analysis, prop: Propagation) -> None:
