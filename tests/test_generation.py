@@ -103,7 +103,8 @@ def test_the_cache_is_split_as_the_kv_heads_written_into_it():
     """Planned without processes: at tp=2 each rank holds one of Llama's 2 KV heads; at tp=4 (above them) the
     head its query heads use, shared by 2 ranks; the prefill and decode steps agree."""
     from autotp.capture.kv_cache import cache_shape, capture_steps
-    from autotp.rewrite.cache_layout import cache_layouts, local_shape
+    from autotp.passes.placement import local_shape
+    from autotp.rewrite.cache_layout import cache_layouts
 
     model = generation_workers._small("llama", 2).eval()
     steps = capture_steps(model, cache_shape(model))
