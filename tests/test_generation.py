@@ -130,3 +130,20 @@ def test_a_meta_model_loaded_from_a_checkpoint_generates(tmp_path):
     pm = autotp.parallelize(bare, tp=1, example_inputs=(ids,), checkpoint=tmp_path / "w.safetensors", quiet=True)
     ref = model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False)
     assert torch.equal(pm.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False), ref)
+
+
+def test_recurrent_cache_layers_and_no_cache_re_run_and_say_why():
+    """A structure decides, not a name: recurrent cache layers (a hybrid), or a forward with no cache at all."""
+    from autotp.capture.kv_cache import why_no_cache
+
+    class Hybrid(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.config = transformers.Qwen3NextConfig(num_hidden_layers=4, hidden_size=64, vocab_size=64)
+
+        def forward(self, input_ids, position_ids=None, past_key_values=None):
+            return input_ids
+
+    assert "linear_attention" in why_no_cache(Hybrid()) and "re-runs" in why_no_cache(Hybrid())
+    assert "takes no past_key_values" in why_no_cache(generation_workers.build_gpt())
+    assert why_no_cache(generation_workers._small("llama", 2)) == ""
