@@ -147,3 +147,20 @@ def test_recurrent_cache_layers_and_no_cache_re_run_and_say_why():
     assert "linear_attention" in why_no_cache(Hybrid()) and "re-runs" in why_no_cache(Hybrid())
     assert "takes no past_key_values" in why_no_cache(generation_workers.build_gpt())
     assert why_no_cache(generation_workers._small("llama", 2)) == ""
+
+
+def test_the_parallel_module_keeps_no_copy_of_the_users_weights():
+    """Generation keeps the model's structure on the meta device: the user's weights are freed when dropped, and
+    the steps, captured later, read the parallel module's tensors."""
+    import gc
+    import weakref
+
+    model = generation_workers._small("llama", 2).eval()
+    ids, mask = generation_workers._prompts()
+    ref = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
+    pm = autotp.parallelize(model, tp=1, example_inputs=(ids,), quiet=True)
+    weight = weakref.ref(model.model.embed_tokens.weight)
+    del model
+    gc.collect()
+    assert weight() is None
+    assert torch.equal(pm.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False), ref)

@@ -14,6 +14,7 @@ continues the same sequences whatever the floating point does.
 
 from __future__ import annotations
 
+import copy
 import warnings
 from dataclasses import dataclass
 
@@ -176,9 +177,11 @@ class Generation:
     generation steps, its weights never copied), its generation_config, and the random stream of sampling."""
 
     def __init__(self, model: nn.Module):
-        self._model = model  # a plain attribute of a plain object: never a submodule of the parallel module
-        self.config = getattr(model, "generation_config", None)
+        self.config = copy.deepcopy(getattr(model, "generation_config", None))
         self.no_cache = why_no_cache(model)
+        # The structure only, its tensors on the meta device: the parallel module must not keep the user's weights
+        # alive (the generation steps read the module's own shards).
+        self._model = skeleton(model) if not self.no_cache else None
         self.generator: torch.Generator | None = None
         self.cached: CachedGenerator | None = None
         self.warned = False
@@ -222,6 +225,16 @@ class Generation:
                              "re-runs the whole sequence for every token (exact, slower)")
             warnings.warn(f"autotp generate: {self.no_cache}", stacklevel=3)
             self.warned = True
+
+
+def skeleton(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` whose parameters and buffers are on the meta device (no data copied): what capture
+    needs of it."""
+    memo = {}
+    for t in [*model.parameters(), *model.buffers()]:
+        meta = torch.empty_like(t, device="meta")
+        memo[id(t)] = nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else meta
+    return copy.deepcopy(model, memo)
 
 
 def _accepts_mask(spec) -> bool:
