@@ -150,17 +150,24 @@ def test_recurrent_cache_layers_and_no_cache_re_run_and_say_why():
 
 
 def test_the_parallel_module_keeps_no_copy_of_the_users_weights():
-    """Generation keeps the model's structure on the meta device: the user's weights are freed when dropped, and
-    the steps, captured later, read the parallel module's tensors."""
+    """The user's weights are freed when dropped after the first generate (which captures the steps from the
+    model); dropped before it, generate says what to do."""
     import gc
     import weakref
 
-    model = generation_workers._small("llama", 2).eval()
     ids, mask = generation_workers._prompts()
-    ref = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
-    pm = autotp.parallelize(model, tp=1, example_inputs=(ids,), quiet=True)
-    weight = weakref.ref(model.model.embed_tokens.weight)
-    del model
-    gc.collect()
-    assert weight() is None
-    assert torch.equal(pm.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False), ref)
+    for first in (True, False):
+        model = generation_workers._small("llama", 2).eval()
+        ref = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
+        pm = autotp.parallelize(model, tp=1, example_inputs=(ids,), quiet=True)
+        if first:
+            pm.generate(ids, max_new_tokens=1)
+        weight = weakref.ref(model.model.embed_tokens.weight)
+        del model
+        gc.collect()
+        assert weight() is None
+        if first:
+            assert torch.equal(pm.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False), ref)
+        else:
+            with pytest.raises(autotp.InputError, match="call pm.generate once"):
+                pm.generate(ids, max_new_tokens=1)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import warnings
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -179,9 +180,11 @@ class Generation:
     def __init__(self, model: nn.Module):
         self.config = copy.deepcopy(getattr(model, "generation_config", None))
         self.no_cache = why_no_cache(model)
-        # The structure only, its tensors on the meta device: the parallel module must not keep the user's weights
-        # alive (the generation steps read the module's own shards).
-        self._model = skeleton(model) if not self.no_cache else None
+        # The parallel module must not keep the user's weights alive (the steps read its own shards): a model with
+        # weights is held weakly until the first generate captures its steps; one on the meta device costs nothing.
+        meta = all(t.is_meta for t in model.parameters())
+        self._held = model if meta and not self.no_cache else None
+        self._model = weakref.ref(model)
         self.generator: torch.Generator | None = None
         self.cached: CachedGenerator | None = None
         self.warned = False
@@ -218,23 +221,19 @@ class Generation:
         """The cached steps, once; a model whose cached step cannot be captured re-runs instead, saying why."""
         if self.cached is not None:
             return
+        model = self._held or self._model()
+        if model is None:
+            raise InputError("generate captures its prefill and decode steps from the model on its first call, and "
+                             "the model passed to parallelize has been freed since; call pm.generate once (e.g. "
+                             "max_new_tokens=1) before dropping the model, or keep it")
         try:
-            self.cached = CachedGenerator(self._model, pm.plan, pm.rank, pm.comm, _tensors(pm))
+            self.cached = CachedGenerator(model, pm.plan, pm.rank, pm.comm, _tensors(pm))
+            self._held = None
         except CaptureError as e:
             self.no_cache = (f"its forward could not be captured with a KV cache as graph inputs ({e}); generate "
                              "re-runs the whole sequence for every token (exact, slower)")
             warnings.warn(f"autotp generate: {self.no_cache}", stacklevel=3)
             self.warned = True
-
-
-def skeleton(model: nn.Module) -> nn.Module:
-    """A copy of ``model`` whose parameters and buffers are on the meta device (no data copied): what capture
-    needs of it."""
-    memo = {}
-    for t in [*model.parameters(), *model.buffers()]:
-        meta = torch.empty_like(t, device="meta")
-        memo[id(t)] = nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else meta
-    return copy.deepcopy(model, memo)
 
 
 def _accepts_mask(spec) -> bool:
