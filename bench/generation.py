@@ -111,7 +111,8 @@ def _summary(rounds: list[dict], batch: int) -> dict:
             "decode_tp2": median(b["decode_tokens_per_s"] for b in tp),
             "decode_ratio": median(b["decode_tokens_per_s"] / a["decode_tokens_per_s"] for a, b in zip(one, tp)),
             "decode_ratio_best": max(b["decode_tokens_per_s"] for b in tp) / max(a["decode_tokens_per_s"] for a in one),
-            "prefill_single_s": median(a["prefill_s"] for a in one), "prefill_tp2_s": median(b["prefill_s"] for b in tp),
+            "prefill_single_s": median(a["prefill_s"] for a in one),
+            "prefill_tp2_s": median(b["prefill_s"] for b in tp),
             "prefill_ratio": median(a["prefill_s"] / b["prefill_s"] for a, b in zip(one, tp))}
 
 
