@@ -131,3 +131,44 @@ def test_a_meta_model_loaded_from_a_checkpoint_generates(tmp_path):
     pm = autotp.parallelize(bare, tp=1, example_inputs=(ids,), checkpoint=tmp_path / "w.safetensors", quiet=True)
     ref = model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False)
     assert torch.equal(pm.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False), ref)
+
+
+def test_recurrent_cache_layers_and_no_cache_re_run_and_say_why():
+    """A structure decides, not a name: recurrent cache layers (a hybrid), or a forward with no cache at all."""
+    from autotp.capture.kv_cache import why_no_cache
+
+    class Hybrid(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.config = transformers.Qwen3NextConfig(num_hidden_layers=4, hidden_size=64, vocab_size=64)
+
+        def forward(self, input_ids, position_ids=None, past_key_values=None):
+            return input_ids
+
+    assert "linear_attention" in why_no_cache(Hybrid()) and "re-runs" in why_no_cache(Hybrid())
+    assert "takes no past_key_values" in why_no_cache(generation_workers.build_gpt())
+    assert why_no_cache(generation_workers._small("llama", 2)) == ""
+
+
+def test_the_parallel_module_keeps_no_copy_of_the_users_weights():
+    """The user's weights are freed when dropped after the first generate (which captures the steps from the
+    model); dropped before it, generate says what to do."""
+    import gc
+    import weakref
+
+    ids, mask = generation_workers._prompts()
+    for first in (True, False):
+        model = generation_workers._small("llama", 2).eval()
+        ref = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
+        pm = autotp.parallelize(model, tp=1, example_inputs=(ids,), quiet=True)
+        if first:
+            pm.generate(ids, max_new_tokens=1)
+        weight = weakref.ref(model.model.embed_tokens.weight)
+        del model
+        gc.collect()
+        assert weight() is None
+        if first:
+            assert torch.equal(pm.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False), ref)
+        else:
+            with pytest.raises(autotp.InputError, match="call pm.generate once"):
+                pm.generate(ids, max_new_tokens=1)

@@ -22,6 +22,7 @@ from torch import nn
 from autotp.capture.export import Captured, capture
 from autotp.capture.examples import Signature
 from autotp.capture.torch_private import is_guard_call
+from autotp.errors import CaptureError
 
 #: Layer kinds whose cache is a plain key/value store readable under a position mask (transformers' names).
 _SUPPORTED_LAYERS = ("full_attention", "sliding_attention")
@@ -154,8 +155,13 @@ def cache_shape(model: nn.Module) -> CacheShape:
     device for a model without weights)."""
     device = next(iter(model.parameters())).device
     ids = torch.zeros(1, 1, dtype=torch.long, device=device)
-    with torch.no_grad():
-        out = model(input_ids=ids, use_cache=True)
+    try:
+        with torch.no_grad():
+            out = model(input_ids=ids, use_cache=True)
+    except Exception as e:  # models raise many types (a kernel refusing the meta device): no cache graph
+        first = (str(e).strip().splitlines() or [""])[0]
+        raise CaptureError(f"{type(model).__name__} did not run one token with its own cache on {device} to size "
+                           f"the cache ({type(e).__name__}: {first})") from e
     layers = []
     for layer in out.past_key_values.layers:
         k, v = layer.keys, layer.values

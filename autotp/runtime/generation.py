@@ -14,7 +14,9 @@ continues the same sequences whatever the floating point does.
 
 from __future__ import annotations
 
+import copy
 import warnings
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -155,10 +157,14 @@ class Generation:
     generation steps, its weights never copied), its generation_config, and the random stream of sampling."""
 
     def __init__(self, model: nn.Module, build_steps: BuildSteps):
-        self._model = model  # a plain attribute of a plain object: never a submodule of the parallel module
         self._build_steps = build_steps
-        self.config = getattr(model, "generation_config", None)
+        self.config = copy.deepcopy(getattr(model, "generation_config", None))
         self.no_cache = why_no_cache(model)
+        # The parallel module must not keep the user's weights alive (the steps read its own shards): a model with
+        # weights is held weakly until the first generate captures its steps; one on the meta device costs nothing.
+        meta = all(t.is_meta for t in model.parameters())
+        self._held = model if meta and not self.no_cache else None
+        self._model = weakref.ref(model)
         self.generator: torch.Generator | None = None
         self.cached: CachedGenerator | None = None
         self.warned = False
@@ -195,9 +201,15 @@ class Generation:
         """The cached steps, once; a model whose cached step cannot be captured re-runs instead, saying why."""
         if self.cached is not None:
             return
+        model = self._held or self._model()
+        if model is None:
+            raise InputError("generate captures its prefill and decode steps from the model on its first call, and "
+                             "the model passed to parallelize has been freed since; call pm.generate once (e.g. "
+                             "max_new_tokens=1) before dropping the model, or keep it")
         try:
-            built = self._build_steps(self._model, pm.plan, pm.rank, pm.comm, _tensors(pm))
+            built = self._build_steps(model, pm.plan, pm.rank, pm.comm, _tensors(pm))
             self.cached = CachedGenerator(built, pm.plan.tp)
+            self._held = None
         except CaptureError as e:
             self.no_cache = (f"its forward could not be captured with a KV cache as graph inputs ({e}); generate "
                              "re-runs the whole sequence for every token (exact, slower)")
