@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import operator
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
@@ -41,7 +42,15 @@ class Placement:
 
     def __post_init__(self):
         object.__setattr__(self, "kind", PlacementKind(self.kind))
-        object.__setattr__(self, "segments", tuple(int(s) for s in self.segments))
+        segments = tuple(_whole_number(s) for s in self.segments)
+        if any(s is None or s < 1 for s in segments):
+            raise ValueError(f"segments must be positive integer sizes, got {list(self.segments)!r}")
+        object.__setattr__(self, "segments", segments)
+        if self.dim is not None:
+            dim = _whole_number(self.dim)
+            if dim is None or dim < 0:
+                raise ValueError(f"dim must be a non-negative integer (a parameter's dimension), got {self.dim!r}")
+            object.__setattr__(self, "dim", dim)
         if (self.kind is PlacementKind.REPLICATED) != (self.dim is None):
             raise ValueError(f"placement {self.kind.value!r} needs dim set iff it is split, got dim={self.dim}")
         if not isinstance(self.replicas, int) or self.replicas < 1:
@@ -67,6 +76,17 @@ class Placement:
         """A JSON-ready dict."""
         shared = {"replicas": self.replicas} if self.replicas != 1 else {}
         return {"kind": self.kind.value, "dim": self.dim, "segments": list(self.segments)} | shared
+
+
+def _whole_number(value) -> int | None:
+    """``value`` as an int if it is an integer type (int, numpy's, sympy's), else None: plan files give ``0.0``
+    or ``"0"`` by mistake, and ``True`` is an int to Python."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
 
 
 REPLICATED = Placement(PlacementKind.REPLICATED)
