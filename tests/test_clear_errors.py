@@ -95,3 +95,23 @@ def test_sequence_parallel_with_a_full_context_example_is_exact():
     report = autotp.check(_LearnedPositions(16), tp=2, example_inputs=(models.tokens(2, 16, 0),),
                           sequence_parallel=True)
     assert report.exact, str(report)
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("dim", 0.0, f"field plan.placements['{FC}.weight'].dim must be a whole number, got 0.0 (float)"),
+    ("dim", "0", f"field plan.placements['{FC}.weight'].dim must be a whole number, got '0' (str)"),
+    ("segments", [-64, 320], f"field plan.placements['{FC}.weight'].segments[0] must be at least 1, got -64"),
+])
+def test_hand_edited_placement_values_are_one_line(field, value, message, tmp_path, capsys):
+    plan = autotp.plan(models.build("gpt"), tp=2, example_inputs=(models.tokens(2, 16, 0),))
+    data = json.loads(plan.to_json())
+    data["placements"][FC + ".weight"][field] = value
+    text = json.dumps(data)
+    with pytest.raises(autotp.InputError) as err:
+        autotp.Plan.from_json(text)
+    assert str(err.value).startswith(f"not a valid autotp plan: {message}")
+    path = tmp_path / "edited.json"
+    path.write_text(text)
+    assert cli.main(["check", GPT, "--plan", str(path)]) == 2
+    out = capsys.readouterr().err
+    assert out.startswith("autotp: error: ") and out.count("\n") == 1 and message in out, out

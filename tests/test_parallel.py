@@ -24,9 +24,11 @@ def _expected_counts(result: dict) -> tuple[dict, dict]:
     """Megatron's minimum: per block one all-reduce after attention and one after the MLP (forward,
     Megatron's g) and one before each (backward, f); plus the vocabulary-split embedding's all-reduce
     and the LM head's f and output all-gather. A projection split alone (BERT's pooler: no column split closes
-    around it) adds its output's all-reduce forward and its input gradient's all-gather backward."""
+    around it) adds its output's all-reduce forward and its input gradient's all-gather backward. Each call
+    also checks that the tp ranks hold one batch: one all-reduce of a few integers (where Megatron's data path
+    broadcasts the batch), counted here with the forward's."""
     blocks, lone = result["blocks"], result["lone_rows"]
-    forward = {"allreduce": 2 * blocks + result["vocab_split"] + lone}
+    forward = {"allreduce": 2 * blocks + result["vocab_split"] + lone + 1}
     backward = {"allreduce": 2 * blocks + result["head_split"]}
     if result["head_split"]:
         forward["allgather"] = 1
@@ -81,7 +83,8 @@ def test_plan_lists_what_runs(tp2):
     for name in ALL:
         r = tp2[0][name]
         for direction in ("forward", "backward"):
-            planned: dict[str, int] = {}
+            # The plan lists the model's collectives; each call adds the one-batch check's all-reduce.
+            planned: dict[str, int] = {"allreduce": 1} if direction == "forward" else {}
             for op, d in r["planned"]:
                 if d == direction:
                     key = op.replace("_", "")

@@ -1,8 +1,8 @@
 """Failures across ranks: bounded by the group's timeout, and named after the rank that failed.
 
 A rank that raises, hangs or dies leaves its peers blocked in a collective or a pipeline send; gloo ends
-that wait after the group's timeout with an error that names only the rank that noticed. Two records in
-the c10d store (the one every rank already reaches) let the peers name the culprit instead:
+that wait after the group's timeout with an error that names only the rank that noticed. Records in the
+c10d store (the one every rank already reaches) let the peers name the culprit instead:
 
 - ``autotp/calls/<rank>``: how many parallel calls (``step``, ``forward``, ...) the rank has begun. Every
   rank makes the same calls in the same order, so a rank whose count is behind stopped or hangs before the
@@ -11,8 +11,11 @@ the c10d store (the one every rank already reaches) let the peers name the culpr
 - ``autotp/blamed/<rank>``: set by a peer that found the rank behind; the rank's watchdog thread then records
   the failure (torchrun's error file) and exits first, so that torchrun's root cause is the hung rank.
 
-Groups autotp creates (the mesh's, the tied weights') are given the default group's timeout: torch's
-``new_group`` would give them its own default of 30 minutes, so a pipeline outlived a smaller ``timeout=``.
+Groups autotp creates (the mesh's, the tied weights') are made with the default group's timeout
+(``group_timeout``; ``parallelize(timeout=)`` sets it with ``bound_groups``): torch's ``new_group`` would
+give them its own default of 30 minutes, and a group's sends and receives keep the timeout it was made
+with, so a pipeline outlived a smaller ``timeout=``. The torch internals read here (``_set_pg_timeout``,
+a backend's ``options._timeout``, ``_get_default_store``) are private; a torch that renames them fails here.
 """
 
 from __future__ import annotations
