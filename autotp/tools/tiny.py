@@ -118,8 +118,9 @@ def shrink(fields: dict, sub_configs: dict | None = None, mixed: bool = True) ->
     small = {k: v for k, v in (SMALL_HF | TINY_EXTRA).items() if k in fields and _shrinks(fields[k], v)}
     small |= _small_low_rank(fields, small)
     for name, value in fields.items():
-        if name in TINY_EXTRA and isinstance(value, list) and value and all(isinstance(v, int) for v in value):
-            small[name] = [min(v, TINY_EXTRA[name]) for v in value][:LAYERS] if depth else value  # per layer
+        if name in TINY_EXTRA and isinstance(value, list) and depth and len(value) == depth \
+                and all(isinstance(v, int) for v in value):
+            small[name] = [min(v, TINY_EXTRA[name]) for v in value][:LAYERS]  # a size given per layer
         elif _is_stage_list(name, value):
             small[name] = _small_stages(name, value)
         elif name == "out_indices" and isinstance(value, list) and depth and depth > LAYERS:
