@@ -10,14 +10,21 @@ import pytest
 from autotp.tools import zoo
 
 ROOT = Path(__file__).resolve().parents[1]
-SAMPLE = ["llama", "gpt2", "opt", "qwen2", "mistral", "gemma", "phi", "bert", "t5:seq2seq", "nn.TransformerEncoder"]
-"""A CI sample: decoder families (learned positions, padding rows, GQA), an encoder, an encoder-decoder, torch."""
+SAMPLE = ["llama", "gpt2", "gemma3", "bert:mlm", "t5:seq2seq", "vit:image", "dinov2:backbone", "whisper:speech",
+          "llava:vlm", "nn.TransformerEncoder", "examples/gpt.py:build_gpt"]
+"""A CI sample of every task group: decoders (learned positions, a multimodal config's text model), an encoder,
+an encoder-decoder, a vision tower and a backbone, a speech encoder-decoder, a vision-language model fed
+text, torch's own, an example; diffusers' and timm's when installed (they are the ``[zoo]`` extra)."""
+OPTIONAL = {"diffusers": "diffusers:DiTTransformer2DModel", "timm": "timm:vit_base_patch16_224"}
 
 
 @pytest.fixture(scope="module")
 def sample():
-    chosen = zoo.entries(set(SAMPLE))
-    assert {e.name for e in chosen} == set(SAMPLE)
+    import importlib.util
+
+    names = set(SAMPLE) | {name for package, name in OPTIONAL.items() if importlib.util.find_spec(package)}
+    chosen = zoo.entries(names)
+    assert {e.name for e in chosen} == names
     return zoo.sweep(chosen, tps=(2,))
 
 
@@ -29,7 +36,7 @@ def test_sample_is_never_silently_wrong(sample):
 
 
 def test_sample_splits_the_decoders(sample):
-    for name in ("llama", "qwen2", "mistral"):
+    for name in ("llama", "gemma3"):
         assert sample[name][2].status is zoo.Status.EXACT, (name, sample[name][2].notes)
 
 
@@ -40,8 +47,30 @@ def test_coverage_table_lists_every_causal_lm_type():
     listed = set(re.findall(r"^\| `([^`]+)` \|", table, flags=re.M))
     missing = sorted(set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES) - listed)
     assert not missing, f"docs/COVERAGE.md lacks {missing[:10]}: run `autotp zoo`"
-    statuses = re.findall(r"^\| `[^`]+` \| [^|]+ \| ([^|]+) \|", table, flags=re.M)
-    assert set(s.strip() for s in statuses) <= {s.value for s in zoo.Status}
+    statuses = re.findall(r"^\| `[^`]+` \| ([^|]+) \|", table, flags=re.M)
+    assert statuses and set(s.strip() for s in statuses) <= {s.value for s in zoo.Status}
+    for group in ("causal-lm", "masked-lm", "seq2seq-lm", "image-classification", "ctc", "image-text-to-text"):
+        assert f"## {group}" in table, f"docs/COVERAGE.md has no {group} group"
+
+
+def test_every_task_group_has_entries():
+    families = {e.family for e in zoo.entries()}
+    assert {"causal-lm", "masked-lm", "seq2seq-lm", "sequence-classification", "token-classification",
+            "image-classification", "backbone", "speech-seq2seq", "ctc", "image-text-to-text", "torch",
+            "example"} <= families
+
+
+def test_saved_results_make_the_same_table(tmp_path):
+    from autotp.tools.zoo_table import coverage_table, load_results, save_results
+
+    results = {"a": {2: zoo.Result(zoo.Status.EXACT, 1.0)}, "b:mlm": {2: zoo.Result(zoo.Status.NOT_BUILDABLE,
+                                                                                   notes=["ValueError: x"])}}
+    families = {"a": "causal-lm", "b:mlm": "masked-lm"}
+    save_results(tmp_path / "r.json", results, families)
+    loaded, loaded_families = load_results([tmp_path / "r.json"])
+    table = coverage_table(loaded, loaded_families, tps=(2,))
+    assert table == coverage_table(results, families, tps=(2,))
+    assert "| causal-lm | 1 | 1 exact — 1/1 (100%) of the buildable exact |" in table
 
 
 def test_a_sample_with_sequence_parallelism_is_never_silently_wrong():

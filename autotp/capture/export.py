@@ -320,7 +320,7 @@ def capture(model: nn.Module, example_inputs, training: bool | None = None) -> C
     """Capture ``model`` on ``example_inputs`` with torch.export (dynamic sizes, then static).
 
     ``example_inputs`` is a tensor, a tuple of positional tensors, a dict of keyword tensors, an
-    ``ExampleInputs``, or None (token ids are synthesised; see ``capture.inputs``). ``training`` captures the
+    ``ExampleInputs``, or None (token ids are synthesised; see ``capture.examples``). ``training`` captures the
     graph the model runs in train (True) or eval (False) mode; None, the mode it is in. The model is left as
     it was: a wrapper passes ``use_cache=False`` to models that take it, and the modules' modes are restored.
     """
@@ -344,10 +344,11 @@ def capture(model: nn.Module, example_inputs, training: bool | None = None) -> C
                 gm, assumptions = export_taking_example_branches(wrapper, inputs, _dynamic_shapes(inputs))
         except CaptureError:
             raise
-        except Exception:  # the fallback failed too: report the plain capture's error
-            gm = None
+        except Exception as e:  # the fallback failed too: report the plain capture's error, and the fallback's
+            gm, errors = None, errors + [(None, e)]
     if gm is None:
-        _, err = errors[-1]
+        fallback = next((e for dynamic, e in errors if dynamic is None), None)
+        _, err = [(d, e) for d, e in errors if d is not None][-1]
         _refuse_float_ids(example, err)
         first_line = (str(err).strip().splitlines() or [type(err).__name__])[0]
         made = (" No example_inputs were given, so the model ran on synthesised token ids, which it may not take; "
@@ -358,6 +359,8 @@ def capture(model: nn.Module, example_inputs, training: bool | None = None) -> C
             "Make the forward traceable (no data-dependent Python control flow on tensor values, no .item()), "
             f"or pass example_inputs the forward accepts (a tuple of positional tensors or a dict of keyword ones).{made}"
             f"{training_branch_hint(err)}"
+            + (f" (Capturing the branches the example takes failed too: {type(fallback).__name__}: "
+               f"{(str(fallback).strip().splitlines() or [''])[0][:200]})" if fallback is not None else "")
         ) from err
     signature = Signature.of(model)
     _check_inputs_read(gm, example, signature)

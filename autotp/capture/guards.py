@@ -138,16 +138,26 @@ def _settings_at(places: list[tuple[str, int]], only_training: bool = False) -> 
 
 
 def _enclosing_tests(file: str, line: int) -> list[str]:
-    """The source of the line itself and of each ``if``/conditional test whose body holds ``line``, innermost first."""
+    """The source of the line itself, of the assignments in its function to the names it reads (``skip =
+    self.training and rand < self.config.layerdrop`` for ``if not skip:``), and of each ``if``/conditional test
+    whose body holds ``line``, innermost first."""
     tree = _parsed(file)
     code = linecache.getline(file, line).strip()
     if tree is None:
         return [code]
-    tests = []
+    source = _source(file)
+    tests, function = [], None
     for node in ast.walk(tree):
-        if isinstance(node, (ast.If, ast.IfExp)) and node.lineno <= line <= (node.end_lineno or node.lineno):
-            tests.append((node.lineno, ast.get_source_segment(_source(file), node.test) or ""))
-    return [code] + [t for _, t in sorted(tests, reverse=True)]
+        spans = node.lineno <= line <= (node.end_lineno or node.lineno) if hasattr(node, "lineno") else False
+        if isinstance(node, (ast.If, ast.IfExp)) and spans:
+            tests.append((node.lineno, ast.get_source_segment(source, node.test) or ""))
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and spans:
+            function = node if function is None or node.lineno > function.lineno else function
+    read = set(re.findall(r"\b\w+\b", code))
+    feeding = [ast.get_source_segment(source, a) or "" for a in ast.walk(function or tree)
+               if isinstance(a, ast.Assign) and a.lineno < line
+               and any(isinstance(t, ast.Name) and t.id in read for t in a.targets)] if function else []
+    return [code] + feeding + [t for _, t in sorted(tests, reverse=True)]
 
 
 @lru_cache(maxsize=64)

@@ -47,6 +47,8 @@ TINY_EXTRA = {
     "image_size": 32, "patch_size": 8, "num_channels": 3, "window_size": 4,
     # audio front ends
     "num_mel_bins": 16, "max_source_positions": 32,
+    # windows of local attention (the example's 32 tokens hold two)
+    "attention_window": 16,
     # other vocabularies and latent arrays
     "encoder_hash_byte_group_vocab": 128, "entity_vocab_size": 128, "entity_emb_size": 64, "num_latents": 32,
     "d_latents": 64,
@@ -116,7 +118,10 @@ def shrink(fields: dict, sub_configs: dict | None = None, mixed: bool = True) ->
     small = {k: v for k, v in (SMALL_HF | TINY_EXTRA).items() if k in fields and _shrinks(fields[k], v)}
     small |= _small_low_rank(fields, small)
     for name, value in fields.items():
-        if _is_stage_list(name, value):
+        if name in TINY_EXTRA and isinstance(value, list) and depth and len(value) == depth \
+                and all(isinstance(v, int) for v in value):
+            small[name] = [min(v, TINY_EXTRA[name]) for v in value][:LAYERS]  # a size given per layer
+        elif _is_stage_list(name, value):
             small[name] = _small_stages(name, value)
         elif name == "out_indices" and isinstance(value, list) and depth and depth > LAYERS:
             small[name] = [v for v in value if isinstance(v, int) and 0 <= v < LAYERS] or [LAYERS - 1]

@@ -52,6 +52,8 @@ class Status(str, Enum):
     """A clear autotp error (capture or plan), not a wrong answer."""
     NOT_BUILDABLE = "not buildable"
     """The tiny config or its model cannot be built."""
+    TIMEOUT = "timeout"
+    """Did not finish within the sweep's time limit per entry (slow planning, not a wrong answer)."""
     MISMATCH = "MISMATCH"
     """The checker found a difference: a bug in autotp."""
     CRASH = "CRASH"
@@ -76,7 +78,7 @@ def entries(only: set[str] | None = None, extra: tuple[str, ...] = (), families:
     return [e for e in out if (only is None or e.name in only) and (families is None or e.family in families)]
 
 
-def run_entry(entry: Entry, tp: int, limit_s: int = 300, sequence_parallel: bool = False) -> Result:
+def run_entry(entry: Entry, tp: int, limit_s: int = 240, sequence_parallel: bool = False) -> Result:
     """Build, plan and check one entry at ``tp`` (at most ``limit_s`` seconds), with sequence parallelism if asked."""
     start = time.perf_counter()
     try:
@@ -95,6 +97,8 @@ def run_entry(entry: Entry, tp: int, limit_s: int = 300, sequence_parallel: bool
     except AutotpError as e:
         status = Status.CRASH if type(e).__name__ == "InternalError" else Status.REFUSED
         return Result(status, notes=[_line(e)], seconds=time.perf_counter() - start)
+    except TimeoutError as e:
+        return Result(Status.TIMEOUT, notes=[_line(e)], seconds=time.perf_counter() - start)
     except Exception as e:  # a raw error out of autotp is a bug: report it as one
         return Result(Status.CRASH, notes=[_line(e)], seconds=time.perf_counter() - start)
     return _verdict(report, model, used, time.perf_counter() - start)
@@ -148,10 +152,11 @@ class _TimeLimit:
         def expire(*_):
             raise TimeoutError(f"took more than {self.seconds} s")
         self.previous = signal.signal(signal.SIGALRM, expire)
-        signal.alarm(self.seconds)
+        # then again every 5 s: code that catches every exception (a fallback path) may swallow the first
+        signal.setitimer(signal.ITIMER_REAL, self.seconds, 5)
 
     def __exit__(self, *exc):
-        signal.alarm(0)
+        signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, self.previous)
         return False
 
@@ -171,6 +176,15 @@ def sweep(chosen: list[Entry], tps=(2, 4), progress=sys.stderr, sequence_paralle
         if on_result is not None:
             on_result(entry.name, out[entry.name])
     return out
+
+
+def _round_robin(chosen: list[Entry]) -> list[Entry]:
+    """The entries one group after another in turn (the first of each group, then the second ...)."""
+    groups: dict[str, list[Entry]] = {}
+    for entry in chosen:
+        groups.setdefault(entry.family, []).append(entry)
+    longest = max((len(g) for g in groups.values()), default=0)
+    return [g[i] for i in range(longest) for g in groups.values() if i < len(g)]
 
 
 def main(argv: list[str]) -> int:
@@ -197,6 +211,7 @@ def main(argv: list[str]) -> int:
     else:
         chosen = entries(set(args.only.split(",")) if args.only else None, tuple(args.file),
                          set(args.family.split(",")) if args.family else None)
+        chosen = _round_robin(chosen)  # a sweep stopped early has checked some of every group
         first, _, count = args.shard.partition("/")
         chosen = chosen[int(first)::int(count)] if count else chosen
         resuming = args.save and args.resume and Path(args.save).exists()

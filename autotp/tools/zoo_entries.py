@@ -50,8 +50,11 @@ def token_ids(model: nn.Module) -> tuple:
 
 
 def seq2seq_inputs(model: nn.Module) -> dict:
-    """Token ids, their mask, and decoder ids half as long."""
+    """Token ids, their mask, and decoder ids half as long (token ids alone for a decoder-only model the
+    mapping lists, such as a speech LM fed text)."""
     (ids,) = token_ids(model)
+    if not getattr(model.config, "is_encoder_decoder", False):
+        return {"input_ids": ids}
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "decoder_input_ids": ids[:, : EXAMPLE_SEQ // 2]}
 
 

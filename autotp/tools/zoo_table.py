@@ -7,7 +7,8 @@ import json
 
 from autotp.tools.zoo import Result, Status
 
-COUNTED = (Status.EXACT, Status.PARTIAL, Status.REFUSED, Status.NOT_BUILDABLE, Status.MISMATCH, Status.CRASH)
+COUNTED = (Status.EXACT, Status.PARTIAL, Status.REFUSED, Status.NOT_BUILDABLE, Status.TIMEOUT, Status.MISMATCH,
+           Status.CRASH)
 
 DEFINITIONS = (
     "- `exact`: exact and every matrix the forward uses (at least 64x64; position and token-type tables, which "

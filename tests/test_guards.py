@@ -1,0 +1,67 @@
+"""Capture fallbacks for branches on tensor values (autotp/capture/guards.py), checked with ``autotp.check``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from autotp.capture import capture
+from autotp.checker import check
+from autotp.errors import CaptureError
+
+ASSERT = torch.ops.aten._assert_scalar.default
+
+
+def _seeded(*shape) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(0))
+
+
+def test_a_mask_inspected_by_value_is_captured_with_a_runtime_check():
+    """``nn.Transformer`` compares ``tgt_mask`` with a causal mask (``_detect_is_causal_mask``): the branch the
+    example takes is captured, and an input that would take the other raises instead of computing it wrong."""
+    torch.manual_seed(0)
+    model = nn.Transformer(32, 4, 1, 1, 64, dropout=0.0, batch_first=True)
+    tgt = 8
+    inputs = {"src": _seeded(2, 16, 32), "tgt": _seeded(2, tgt, 32),
+              "tgt_mask": nn.Transformer.generate_square_subsequent_mask(tgt)}
+    captured = capture(model, inputs, training=True)
+    assert any("_detect_is_causal_mask" in line for line in captured.assumptions), captured.assumptions
+    modules = []
+    report = check(model, 2, inputs, modules_hook=lambda ranks, comms: modules.extend(ranks))
+    assert report.exact, report.mismatch
+    assert len(modules) == 2 and all(any(n.target is ASSERT for n in m.graph.nodes) for m in modules)
+    with pytest.raises(RuntimeError, match="assertion"):
+        captured.module(inputs["src"], inputs["tgt"], torch.zeros(tgt, tgt))
+
+
+def _wav2vec2(**settings):
+    transformers = pytest.importorskip("transformers")
+    from autotp.tools.tiny import tiny_config
+
+    torch.manual_seed(0)
+    return transformers.Wav2Vec2ForCTC(tiny_config("wav2vec2", settings))
+
+
+AUDIO = {"input_values": _seeded(2, 4000)}
+
+
+def test_wav2vec2_with_default_settings_names_the_setting_to_change():
+    """SpecAugment draws its masks from numpy in training mode: refused, naming the setting."""
+    with pytest.raises(CaptureError, match="mask_time_prob=0"):
+        check(_wav2vec2(), 2, AUDIO)
+
+
+def test_layer_drop_is_refused_with_its_setting():
+    """LayerDrop decides on ``torch.rand([]) < layerdrop``: a branch on a random draw is refused."""
+    with pytest.raises(CaptureError, match="layerdrop=0"):
+        capture(_wav2vec2(mask_time_prob=0.0), AUDIO, training=True)
+
+
+def test_wav2vec2_with_its_label_check_is_exact():
+    """The CTC loss checks ``labels.max() >= vocab_size``: captured as the example takes it, checked at run time."""
+    model = _wav2vec2(mask_time_prob=0.0, layerdrop=0.0)
+    inputs = AUDIO | {"labels": torch.randint(1, model.config.vocab_size, (2, 5), generator=torch.Generator().manual_seed(1))}
+    assert any("labels" in line for line in capture(model, inputs, training=True).assumptions)
+    report = check(model, 2, inputs)
+    assert report.exact, report.mismatch

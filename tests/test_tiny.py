@@ -1,0 +1,45 @@
+"""The zoo's tiny-config builder (autotp/tools/tiny.py): configs only, no model built, so these are fast."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from autotp.tools.tiny import LAYERS, tiny_config  # noqa: E402
+
+
+def test_per_layer_lists_follow_the_layer_count_and_keep_each_kind():
+    config = tiny_config("gpt_neo")
+    assert config.num_layers == LAYERS and len(config.attention_layers) == LAYERS
+    assert set(config.attention_layers) == {"global", "local"}
+
+
+def test_sub_configs_of_a_multimodal_model_shrink_too():
+    config = tiny_config("gemma3")
+    text, vision = config.text_config, config.vision_config
+    assert (text.hidden_size, text.num_hidden_layers, vision.hidden_size, vision.num_hidden_layers) == (64, 2, 64, 2)
+    assert len(text.layer_types) == 2 and set(text.layer_types) == {"sliding_attention", "full_attention"}
+
+
+def test_settings_keyed_by_layer_drop_the_layers_that_no_longer_exist():
+    config = tiny_config("gemma4_text")  # its defaults set layers 5, 11, 17, 23 and 29 apart
+    assert len(config.layer_types) == LAYERS
+    assert all(int(k) < LAYERS for k in config.to_dict().get("per_layer_config") or {})
+
+
+def test_a_value_the_validation_requires_is_taken_from_its_message():
+    """gemma4_assistant's validation says ``hidden_size_per_layer_input must be 0``."""
+    assert tiny_config("gemma4_assistant").text_config.hidden_size_per_layer_input == 0
+
+
+def test_stages_of_a_hierarchical_model_shrink_and_keep_heads_dividing_widths():
+    config = tiny_config("swin")
+    assert len(config.depths) == 4 and max(config.depths) <= 2
+    widths = [config.embed_dim * 2 ** i for i in range(len(config.depths))]
+    assert all(w % h == 0 and h % 2 == 0 for w, h in zip(widths, config.num_heads))
+
+
+def test_layer_indices_keep_only_layers_that_exist():
+    config = tiny_config("zamba2")
+    assert all(i < LAYERS for i in getattr(config, "hybrid_layer_ids", []) or [])
