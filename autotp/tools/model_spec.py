@@ -233,7 +233,7 @@ def _hf():
 
 
 @contextlib.contextmanager
-def _quiet_transformers(transformers):
+def quiet_transformers(transformers):
     """Config and init warnings would bury our one-line errors: quiet transformers while building, then
     restore its verbosity."""
     previous = transformers.logging.get_verbosity()
@@ -278,7 +278,7 @@ def _small_low_rank(fields: dict, small: dict) -> dict:
 def hf_config(spec: ModelSpec):
     """The transformers config a ``hf:`` spec names, small defaults and ``--set`` values applied."""
     transformers = _hf()
-    with _quiet_transformers(transformers):
+    with quiet_transformers(transformers):
         return _hf_config(transformers, spec)
 
 
@@ -332,7 +332,7 @@ def _hf_model(spec: ModelSpec, weights: bool) -> nn.Module:
     causal = config.model_type in transformers.models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
     auto = transformers.AutoModelForCausalLM if causal else transformers.AutoModel
     try:
-        with torch.device("cpu" if weights else "meta"), _quiet_transformers(transformers):
+        with torch.device("cpu" if weights else "meta"), quiet_transformers(transformers):
             return auto.from_config(config)
     except Exception as e:  # transformers raises many types for configs it cannot build
         raise InputError(f"transformers cannot build {spec} from its config: {type(e).__name__}: {_first_line(e)}; "

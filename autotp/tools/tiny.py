@@ -11,7 +11,6 @@ why in its own words.
 
 from __future__ import annotations
 
-import contextlib
 import re
 
 from autotp.tools.model_spec import SMALL_HF, _small_low_rank
@@ -266,14 +265,10 @@ def _apply_required(small: dict, message: str) -> bool:
     return True
 
 
-@contextlib.contextmanager
 def quiet():
     """transformers quiet while tiny models are built (their warnings concern full-size checkpoints)."""
     import transformers
 
-    previous = transformers.logging.get_verbosity()
-    transformers.logging.set_verbosity_error()
-    try:
-        yield
-    finally:
-        transformers.logging.set_verbosity(previous)
+    from autotp.tools.model_spec import quiet_transformers
+
+    return quiet_transformers(transformers)
