@@ -81,8 +81,8 @@ def test_plan_lists_what_runs(tp2):
     for name in ALL:
         r = tp2[0][name]
         for direction in ("forward", "backward"):
-            # The plan lists the model's collectives; each call adds the one-batch check's all-reduce.
-            planned: dict[str, int] = {"allreduce": 1} if direction == "forward" else {}
+            # The plan lists the model's collectives; each call adds the one-batch check's all-gather.
+            planned: dict[str, int] = {"allgather": 1} if direction == "forward" else {}
             for op, d in r["planned"]:
                 if d == direction:
                     key = op.replace("_", "")
