@@ -20,6 +20,7 @@ a backend's ``options._timeout``, ``_get_default_store``) are private; a torch t
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
@@ -160,6 +161,9 @@ _GRACE = 3.0
 _POLL = 1.0
 """Seconds between the watchdog's looks at whether a peer named this rank as hung."""
 _watchdog = None
+_stopping = threading.Event()
+"""Set at exit: the watchdog stops before the process groups and their store are torn down (a thread inside a
+store call while its C++ client is destroyed aborts the process)."""
 
 
 def _blame(store, ranks: list[int], failure: RankFailure) -> None:
@@ -187,11 +191,17 @@ def _start_watchdog() -> None:
         return
     _watchdog = threading.Thread(target=_watch, name="autotp-peers", daemon=True)
     _watchdog.start()
+    atexit.register(_stop_watchdog)  # registered after the groups' closers, so it runs before them
+
+
+def _stop_watchdog() -> None:
+    _stopping.set()
+    if _watchdog is not None:
+        _watchdog.join(timeout=5 * _POLL)
 
 
 def _watch() -> None:
-    while True:
-        time.sleep(_POLL)
+    while not _stopping.wait(_POLL):
         try:
             store = _store()
             rank = dist.get_rank() if store is not None else -1
