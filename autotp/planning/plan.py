@@ -312,18 +312,17 @@ def check_plan_fits(plan: Plan, shapes: Mapping[str, tuple], tp: int | None = No
 _REGION_SIDES = {"columns": (PlacementKind.COLWISE, PlacementKind.VOCAB), "rows": (PlacementKind.ROWWISE,)}
 
 
-def disagreeing_regions(plan: Plan) -> list[str]:
-    """The plan's regions that its placements contradict, each with why: a layer listed as a column (or the
-    vocabulary) whose weight is not placed so, or a row whose weight is not rowwise. Regions report placements;
-    after a hand edit of the placements they may no longer describe them."""
+def region_contradictions(region: Region, placements: Mapping[str, Placement]) -> list[str]:
+    """Why ``placements`` contradict ``region`` (empty: they agree): a layer listed as a column (or the vocabulary)
+    whose weight is not placed so, or a row whose weight is not rowwise. Regions report placements; after a hand
+    edit of the placements they may no longer describe them."""
     found = []
-    for region in plan.regions:
-        for side, kinds in _REGION_SIDES.items():
-            for layer in getattr(region, side):
-                placement = plan.placements.get(f"{layer}.weight", plan.placements.get(layer))
-                if placement is not None and placement.kind not in kinds:
-                    found.append(f"the {region.kind.value} region listing {layer} among its {side} (its weight is "
-                                 f"{placement!r})")
+    for side, kinds in _REGION_SIDES.items():
+        for layer in getattr(region, side):
+            placement = placements.get(f"{layer}.weight", placements.get(layer))
+            if placement is not None and placement.kind not in kinds:
+                found.append(f"the {region.kind.value} region listing {layer} among its {side} (its weight is "
+                             f"{placement!r})")
     return found
 
 

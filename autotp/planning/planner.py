@@ -22,7 +22,7 @@ from autotp.passes.random_ops import random_refusal
 from autotp.passes.regions import RegionKind, RegionMatch
 from autotp.passes.steps import COMMUNICATION, Direction, Operator, fused
 from autotp.planning.consistency import check_biases_follow_weights
-from autotp.planning.plan import Collective, Plan, Region, disagreeing_regions
+from autotp.planning.plan import Collective, Plan, Region, region_contradictions
 from autotp.planning.pricing import (
     CPU,
     Machine,
@@ -195,7 +195,8 @@ def _reported(plan: Plan, collectives: tuple[Collective, ...]) -> Plan:
     """``plan`` with its report-only fields matching its placements: ``collectives`` (what they imply), and only
     the regions they do not contradict; a note says what changed (never silently: a plan file's reports may have
     been edited, or gone stale when its placements were)."""
-    stale = disagreeing_regions(plan)
+    why = {r: region_contradictions(r, plan.placements) for r in plan.regions}
+    stale = [w for found in why.values() for w in found]
     notes = list(plan.notes)
     if collectives != plan.collectives:
         notes.append(f"collectives recomputed from the placements: the plan listed {len(plan.collectives)}, its "
@@ -205,7 +206,7 @@ def _reported(plan: Plan, collectives: tuple[Collective, ...]) -> Plan:
                      f"{'; '.join(stale)}")
     if not stale and collectives == plan.collectives:
         return plan
-    kept = tuple(r for r in plan.regions if not disagreeing_regions(plan.replace(regions=(r,))))
+    kept = tuple(r for r in plan.regions if not why[r])
     return plan.replace(collectives=collectives, regions=kept, notes=tuple(notes))
 
 
