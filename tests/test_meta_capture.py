@@ -60,3 +60,28 @@ def test_a_meta_model_with_a_causal_mask_buffer_captures_and_computes_exactly(tm
     pm = autotp.parallelize(meta, tp=1, example_inputs=(x,), checkpoint=tmp_path / "w.safetensors", quiet=True)
     torch.testing.assert_close(pm(x), real(x), rtol=0, atol=1e-6)
     assert not meta.causal.is_meta  # the model's buffer was put back
+
+
+class FilledWeights(nn.Module):
+    """Weights made with values (``randn * std``, ``ones``) too large for any host, and a large filled buffer."""
+
+    def __init__(self, derived_buffer: bool = False):
+        super().__init__()
+        self.experts = nn.Parameter(torch.randn(256, 2 ** 16, 2 ** 16) * 0.02)  # 4 TiB
+        self.norm = nn.Parameter(torch.ones(2 ** 28))  # 1 GiB
+        self.register_buffer("table", torch.full((2 ** 27,), 3.0))  # large, made by one call: remade real
+        if derived_buffer:
+            self.register_buffer("mask", torch.tril(torch.ones(2 ** 14, 2 ** 14)))
+
+
+def test_empty_weights_never_allocates_large_filled_weights_and_remakes_large_buffers():
+    with empty_weights():
+        model = FilledWeights()
+    assert model.experts.is_meta and model.norm.is_meta
+    assert not model.table.is_meta and model.table.shape == (2 ** 27,) and float(model.table[-1]) == 3.0
+
+
+def test_a_buffer_computed_from_a_large_meta_tensor_is_refused_by_name():
+    with pytest.raises(autotp.InputError, match=r"buffer FilledWeights.mask \(16384, 16384\) is on meta"):
+        with empty_weights():
+            FilledWeights(derived_buffer=True)
