@@ -337,6 +337,10 @@ def test_a_truncated_shard_fails_every_rank(faults):
     assert all(m.startswith("CheckpointError: ") for m in messages), messages
     assert all("reading the checkpoint" in m and "failed" in m and "load an earlier checkpoint" in m
                for m in messages), messages
+    # So does parallelize(checkpoint=) unverified: its reads are agreed over the ranks as pm.load's are.
+    messages = [r["truncated_unverified_parallelize"] for r in faults[0]]
+    assert all(m.startswith("CheckpointError: ") for m in messages), messages
+    assert all("reading the checkpoint" in m and "load an earlier checkpoint" in m for m in messages), messages
     # Where only one rank's read fails, the other is told and refuses too, naming it.
     assert [r["one_rank_fails"] for r in faults[0]] == [
         "CheckpointError: loading a checkpoint failed on 1 other rank(s), so no rank goes on: rank 1: "

@@ -126,6 +126,8 @@ def faults(rank: int, world: int, path: str) -> dict:
     out["flipped_st"] = _error(lambda: pm.load(folder / "flipped_st", quiet=True))
     out["truncated"] = _error(lambda: pm.load(folder / "truncated", quiet=True))
     out["truncated_unverified"] = _error(lambda: pm.load(folder / "truncated", quiet=True, verify=False))
+    out["truncated_unverified_parallelize"] = _error(lambda: autotp.parallelize(
+        gpt(), tp=2, example_inputs=example(), checkpoint=folder / "truncated", quiet=True, verify=False))
     out["deleted"] = _error(lambda: pm.load(folder / "deleted", quiet=True))
     out["deleted_unverified"] = _error(lambda: pm.load(folder / "deleted", quiet=True, verify=False))
 

@@ -212,7 +212,9 @@ def checkpoint_source(path: str | os.PathLike, model: nn.Module, show: bool, str
     reader = open_reader(path, group, distributed, verify)
     found = agree(lambda: check_covers(model, reader, f"checkpoint {str(path)!r}", strict), group, distributed,
                   f"checking the checkpoint {str(path)!r}")
-    return lambda wants: read_wants(reader, found, wants, f"loading {Path(path).name}", show)
+    # Agreed too: unverified, a damaged file can fail one rank's reads alone, and its peers must not go on.
+    return lambda wants: agree(lambda: read_wants(reader, found, wants, f"loading {Path(path).name}", show), group,
+                               distributed, f"reading the checkpoint {str(path)!r}")
 
 
 def read_wants(reader, found: dict[str, str], wants: list[Want], label: str, show: bool) -> list[torch.Tensor]:
