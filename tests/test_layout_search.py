@@ -90,10 +90,10 @@ def test_the_prediction_adds_its_parts():
     assert pipe.memory == 4 * 1e6 * 4 + 1e6 / 8 * 4  # 1F1B: pp microbatches in flight of 8
     gpipe = predict(_profile(), Layout(1, 4, 1, schedule="gpipe", microbatches=8), [0, 1, 2, 3], h100, None)
     assert gpipe.memory == 4 * 1e6 * 4 + 1e6  # GPipe holds all 8
-    tp = predict(_profile(tp=2, collectives=((CollectiveOp.ALL_REDUCE, 1e6),)), Layout(2, 1, 1), [0], h100, None)
+    tp = predict(_profile(tp=2, collectives=((CollectiveOp.ALL_REDUCE, 1e6, 0),)), Layout(2, 1, 1), [0], h100, None)
     assert tp.tp_comm == pytest.approx(h100.node.all_reduce(1e6, 2))
     # tp=16 spans two nodes of 8: its all-reduces cross InfiniBand.
-    wide = predict(_profile(tp=16, collectives=((CollectiveOp.ALL_REDUCE, 1e6),)), Layout(16, 1, 1), [0], h100, None)
+    wide = predict(_profile(tp=16, collectives=((CollectiveOp.ALL_REDUCE, 1e6, 0),)), Layout(16, 1, 1), [0], h100, None)
     assert wide.tp_comm == pytest.approx(h100.network.all_reduce(1e6, 16))
     replicated = predict(_profile(), Layout(1, 1, 4, dp_mode="replicate"), [0], h100, None)
     assert replicated.dp_comm == pytest.approx(h100.node.all_reduce(16e6, 4))

@@ -40,8 +40,8 @@ class Profile:
     """Activation bytes per tensor-parallel rank, per unit."""
     boundaries: tuple[float, ...]
     """Bytes of the value live at each cut (between unit i and i+1)."""
-    collectives: tuple[tuple[CollectiveOp, float], ...]
-    """The tensor-parallel collectives of one training step: (op, bytes for the global batch)."""
+    collectives: tuple[tuple[CollectiveOp, float, int], ...]
+    """The tensor-parallel collectives of one training step: (op, bytes for the global batch, unit)."""
     itemsize: int
     """Bytes per parameter element."""
     vocab_split: bool
@@ -117,13 +117,15 @@ def stage_bounds(starts: list[int], units: int) -> list[tuple[int, int]]:
     return list(zip(starts, ends))
 
 
-def _tp_time(profile: Profile, link: Machine, share: float, calls: int) -> float:
-    """Seconds of the step's tensor-parallel collectives over ``share`` of the global batch, each run in
-    ``calls`` calls (one per microbatch): the latency per call, the bytes once."""
+def _tp_time(profile: Profile, link: Machine, share: float, calls: int, units: range) -> float:
+    """Seconds of the tensor-parallel collectives of ``units`` in one step over ``share`` of the global batch,
+    each run in ``calls`` calls (one per microbatch): the latency per call, the bytes once."""
     if profile.tp == 1:
         return 0.0
     total = 0.0
-    for op, nbytes in profile.collectives:
+    for op, nbytes, unit in profile.collectives:
+        if unit not in units:
+            continue
         price = link.all_reduce if op is CollectiveOp.ALL_REDUCE else link.all_gather
         total += calls * link.latency + price(nbytes * share, profile.tp) - link.latency
     return total
@@ -163,17 +165,14 @@ def predict(profile: Profile, layout: Layout, starts: list[int], cluster: Cluste
     ``s`` on pipeline rank ``s % pp``), on ``cluster``, against ``budget`` bytes per device (None: the cluster's)."""
     tp, pp, dp, m, v = layout.tp, layout.pp, layout.dp, layout.microbatches, layout.virtual_stages
     stages = stage_bounds(starts, len(profile.compute))
-    total_flops = sum(profile.compute) or 1.0
     tp_link, dp_link, pp_link = cluster.link(tp, 1), cluster.link(dp, tp), cluster.link(pp, tp * dp)
-    tp_total = _tp_time(profile, tp_link, 1 / dp, m)
     busy, param_bytes, act_bytes = [0.0] * pp, [0.0] * pp, [0.0] * pp
     comm = [0.0] * pp
     for s, (a, b) in enumerate(stages):
         flops = sum(profile.compute[a:b])
         rank = s % pp
         busy[rank] += cluster.node.compute(3 * flops / dp)
-        # A stage's collectives are taken in proportion to its compute (they are per block, as its FLOPs are).
-        comm[rank] += tp_total * flops / total_flops
+        comm[rank] += _tp_time(profile, tp_link, 1 / dp, m, range(a, b))
         param_bytes[rank] += sum(profile.params[a:b]) * profile.itemsize
         act_bytes[rank] += sum(profile.activations[a:b]) / dp
     fullest = max(range(pp), key=lambda r: busy[r] + comm[r])

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from autotp.capture import Captured
 from autotp.errors import InputError, PlanError
-from autotp.options import DataParallelMode, Options, Schedule
+from autotp.options import Balance, DataParallelMode, Options, Schedule
 from autotp.passes.costs import tensor_bytes
 from autotp.passes.cuts import find_cuts
 from autotp.passes.placement import PlacementKind
@@ -59,7 +59,11 @@ def profile_of(captured: Captured, options: Options, cluster: Cluster) -> Profil
     prop = analysis.propagate_placements(plan.placements, plan.tp, plan.sequence_parallel)
     units = build_units(analysis, prop, plan.tp, sizes)
     boundaries = tuple(tensor_bytes(analysis.nodes[c.value], sizes) for c in units.cuts)
-    collectives = tuple((c.op, float(c.nbytes(plan.batch or 1, plan.seq or 1))) for c in plan.collectives if c.in_step)
+    unit_of_layer: dict[str, int] = {}
+    for name, unit in units.unit_of.items():  # a collective is listed at a layer: the unit of its first node
+        unit_of_layer.setdefault(analysis.layer(name), unit)
+    collectives = tuple((c.op, float(c.nbytes(plan.batch or 1, plan.seq or 1)), unit_of_layer.get(c.module, 0))
+                        for c in plan.collectives if c.in_step)
     itemsize = next((p.element_size() for p in captured.module.parameters()), 4)
     vocab = any(p.kind is PlacementKind.VOCAB for p in plan.placements.values())
     return Profile(plan.tp, plan.sequence_parallel, tuple(units.compute), tuple(units.rank_params),
@@ -111,33 +115,45 @@ def layouts(profile: Profile, world: int, batch: int, fixed: Mapping) -> Iterato
 
 
 def search_layouts(captured: Captured, world: int, options: Options, fixed: Mapping, cluster: Cluster,
-                   budget: int | None = None) -> Search:
+                   budget: int | None = None, profiles: list[Profile] | None = None) -> Search:
     """Price every layout of ``world`` devices (``fixed``: the settings the caller gave) and rank them; the chosen
-    one is the fastest whose memory fits ``budget`` (default: ``options.memory_budget``, else the cluster's)."""
+    one is the fastest whose memory fits ``budget`` (default: ``options.memory_budget``, else the cluster's).
+    ``profiles`` (default: planned here, one per tp dividing ``world``) may be given to price many worlds."""
     analysis = captured.analysis
-    budget = budget if budget is not None else options.memory_budget
+    if profiles is None:
+        profiles = _profiles(captured, world, options, fixed, cluster)
     batch = options.batch or cost_sizes(captured, None, None).get(_batch_symbol(captured), 1)
-    forced, starts = None, {}
-    predictions = []
-    for profile in _profiles(captured, world, options, fixed, cluster):
-        for layout in layouts(profile, world, batch, fixed):
-            key = (profile.tp, profile.sequence_parallel, layout.pp * layout.virtual_stages)
-            if key not in starts:
-                if forced is None:  # the cut candidates are the graph's, the same at every tp
-                    forced = forced_units(analysis, find_cuts(analysis.graph, analysis.trainable), options.cuts)
-                starts[key] = balanced_split(profile.compute, profile.params, key[2], options.balance, forced)
-            predictions.append(predict(profile, layout, starts[key], cluster, budget))
-    if not predictions:
+    # The cut candidates are the graph's, the same at every tp.
+    forced = forced_units(analysis, find_cuts(analysis.graph, analysis.trainable), options.cuts) if options.cuts else []
+    found = rank_layouts(profiles, world, batch, fixed, cluster, budget if budget is not None else
+                         options.memory_budget, options.balance, forced)
+    if not found:
         raise PlanError(f"no layout of {world} devices suits {captured.model_name} with {dict(fixed) or 'nothing'} "
                         f"fixed: tp must divide its heads and widths, pp at most its blocks, dp the batch of {batch}; "
                         "fix fewer settings or use another number of devices")
-    order = ranked(predictions)
-    if not order[0].fits:
-        least = min(order, key=lambda p: p.memory)
-        raise PlanError(f"no layout of {world} devices fits {captured.model_name} in {_mib(budget or cluster.device_memory)} "
-                        f"per device: the least memory is {least.layout.label()} at {_mib(least.memory)}; use more "
-                        "devices, a larger memory_budget or a smaller batch")
-    return Search(tuple(order), options.replace(**order[0].layout.settings()), world)
+    if not found[0].fits:
+        least = min(found, key=lambda p: p.memory)
+        limit = budget if budget is not None else options.memory_budget or cluster.device_memory
+        raise PlanError(f"no layout of {world} devices fits {captured.model_name} in {_mib(limit)} per device: the "
+                        f"least memory is {least.layout.label()} at {_mib(least.memory)}; use more devices, a larger "
+                        "memory_budget or a smaller batch")
+    return Search(tuple(found), options.replace(**found[0].layout.settings()), world)
+
+
+def rank_layouts(profiles: list[Profile], world: int, batch: int, fixed: Mapping, cluster: Cluster,
+                 budget: int | None, balance: Balance = Balance.BOTH, forced=()) -> list[Prediction]:
+    """Every layout of ``world`` devices the profiles and ``fixed`` allow, priced and ranked (a pure function: the
+    stages are the planner's balanced split of each profile's units)."""
+    starts, predictions = {}, []
+    for profile in profiles:
+        if world % profile.tp:
+            continue
+        for layout in layouts(profile, world, batch, fixed):
+            key = (id(profile), layout.pp * layout.virtual_stages)
+            if key not in starts:
+                starts[key] = balanced_split(profile.compute, profile.params, key[1], balance, forced)
+            predictions.append(predict(profile, layout, starts[key], cluster, budget))
+    return ranked(predictions)
 
 
 def _batch_symbol(captured: Captured) -> str:

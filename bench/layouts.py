@@ -1,0 +1,185 @@
+"""Every layout of 4 processes, measured next to the planner's prediction.
+
+    python -m bench.layouts [--steps 5] [--models deep-narrow,wide-shallow,moe]
+
+For each model (a deep-narrow GPT, a wide-shallow GPT, a small Mixtral mixture of experts), the layout search
+(``autotp.planning.layout_search``) prices every valid layout of 4 devices on this CPU machine (tp, pp, dp, dp
+mode, schedule, microbatches, sequence parallelism); then 4 gloo ranks (one thread each) run every one of them,
+``pm.step`` on each replica's slice of the global batch followed by AdamW, and record the median step time
+(``pm.step`` only, a barrier before each) and the peak memory of the fullest rank: its parameters and AdamW
+moments, plus the rise of its resident set (VmHWM, reset before the timed steps) over what it held before them.
+Reported: Spearman's rank correlation of predicted and measured step time (and memory), and the chosen layout's
+measured time against the best measured. Writes ``bench/results/layouts.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import autotp
+from autotp.capture import capture, example_inputs_of
+from autotp.options import Options
+from autotp.planning.layout_search import search_layouts
+from autotp.planning.machines import CLUSTERS
+from bench.ranks import run_on_ranks
+from examples.gpt import build_gpt
+
+WORLD, BATCH, SEQ, VOCAB = 4, 8, 32, 256
+RESULTS = Path(__file__).parent / "results" / "layouts.json"
+
+
+def _mixtral():
+    import transformers
+
+    config = transformers.MixtralConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                                        num_attention_heads=4, num_key_value_heads=4, num_local_experts=4,
+                                        num_experts_per_tok=2, max_position_embeddings=64)
+    return transformers.MixtralForCausalLM(config)
+
+
+MODELS = {
+    "deep-narrow": lambda: build_gpt(n_layer=8, n_head=4, n_embd=64, vocab_size=VOCAB, block_size=SEQ),
+    "wide-shallow": lambda: build_gpt(n_layer=2, n_head=8, n_embd=384, vocab_size=VOCAB, block_size=SEQ),
+    "moe": _mixtral,
+}
+"""Three shapes: many thin blocks (pipelines have room), few wide ones (tensor parallelism has work to divide),
+and experts (parameters large against their compute)."""
+
+
+def _batch(seed: int) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(seed))
+
+
+def _model(name: str):
+    torch.manual_seed(0)
+    return MODELS[name]()
+
+
+def predictions(name: str) -> list:
+    """Every layout of WORLD devices for model ``name``, priced on this CPU machine, best first."""
+    model = _model(name)
+    captured = capture(model, example_inputs_of(model, (_batch(1),)))
+    return list(search_layouts(captured, WORLD, Options(), {}, CLUSTERS["cpu"]).ranked)
+
+
+def _status(field: str) -> int:
+    """A field of /proc/self/status in bytes (VmRSS, VmHWM)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def _state_bytes(pm) -> int:
+    """This rank's parameters and AdamW's two moments (its local shards under fsdp)."""
+    local = [p.to_local() if hasattr(p, "to_local") else p for p in pm.parameters()]
+    return 3 * sum(p.numel() * p.element_size() for p in local)
+
+
+def _measure(pm, steps: int) -> dict:
+    """Median ``pm.step`` seconds over ``steps`` steps after two warm-up ones, and the peak memory."""
+    x, y = _batch(2), _batch(3)
+    rows = slice(pm.dp_rank * BATCH // pm.dp_size, (pm.dp_rank + 1) * BATCH // pm.dp_size)
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-4)
+    times = []
+    for i in range(2 + steps):
+        if i == 2:  # the moments exist now; the rise over this resident set is the step's own memory
+            Path("/proc/self/clear_refs").write_text("5")
+            before = _status("VmRSS")
+        dist.barrier()
+        start = time.perf_counter()
+        pm.step(x[rows], target=y[rows])
+        times.append(time.perf_counter() - start)
+        opt.step()
+        opt.zero_grad()
+    return {"time": statistics.median(times[2:]), "memory": _state_bytes(pm) + max(0, _status("VmHWM") - before)}
+
+
+def measure_all(rank: int, world: int, name: str, layouts: list[dict], steps: int) -> list:
+    """On each rank: parallelize model ``name`` at every layout and measure it; the slowest rank's time and the
+    fullest rank's memory per layout (on rank 0)."""
+    out = []
+    for settings in layouts:
+        pm = autotp.parallelize(_model(name), example_inputs=(_batch(1),), **settings)
+        mine = _measure(pm, steps)
+        everyone = [None] * world
+        dist.all_gather_object(everyone, mine)
+        out.append({"time": max(r["time"] for r in everyone), "memory": max(r["memory"] for r in everyone)})
+        del pm
+    return out
+
+
+def spearman(a: list[float], b: list[float]) -> float:
+    """Spearman's rank correlation (ties take their mean rank)."""
+    def ranks(v):
+        order = sorted(range(len(v)), key=lambda i: v[i])
+        out = [0.0] * len(v)
+        i = 0
+        while i < len(order):
+            j = i
+            while j + 1 < len(order) and v[order[j + 1]] == v[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                out[order[k]] = (i + j) / 2
+            i = j + 1
+        return out
+    ra, rb = ranks(a), ranks(b)
+    ma, mb = statistics.mean(ra), statistics.mean(rb)
+    cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb))
+    return cov / (sum((x - ma) ** 2 for x in ra) * sum((y - mb) ** 2 for y in rb)) ** 0.5
+
+
+def _settings(p) -> dict:
+    return {k: getattr(v, "value", v) for k, v in p.layout.settings().items()}
+
+
+def run_model(name: str, steps: int) -> dict:
+    """Predict, measure and compare every layout of model ``name``."""
+    ranked = predictions(name)
+    measured = run_on_ranks(measure_all, "cpu", [1] * WORLD, name, [_settings(p) for p in ranked], steps)[0]
+    rows = [{"layout": p.layout.label(), "predicted ms": p.step_time * 1e3, "measured ms": m["time"] * 1e3,
+             "predicted MiB": p.memory / 2**20, "measured MiB": m["memory"] / 2**20, "fits": p.fits}
+            for p, m in zip(ranked, measured)]
+    best = min(rows, key=lambda r: r["measured ms"])
+    return {"rows": rows, "chosen": rows[0]["layout"], "best measured": best["layout"],
+            "chosen / best measured": rows[0]["measured ms"] / best["measured ms"],
+            "spearman time": spearman([r["predicted ms"] for r in rows], [r["measured ms"] for r in rows]),
+            "spearman memory": spearman([r["predicted MiB"] for r in rows], [r["measured MiB"] for r in rows])}
+
+
+def report(name: str, result: dict) -> str:
+    """The table of one model's layouts, best predicted first, and its summary line."""
+    lines = [f"{name}: chosen {result['chosen']} at {result['chosen / best measured']:.3f}x the best measured "
+             f"({result['best measured']}); Spearman time {result['spearman time']:.3f}, memory "
+             f"{result['spearman memory']:.3f}",
+             f"  {'layout':<34}{'pred ms':>9}{'meas ms':>9}{'pred MiB':>10}{'meas MiB':>10}"]
+    for r in result["rows"]:
+        lines.append(f"  {r['layout']:<34}{r['predicted ms']:>9.2f}{r['measured ms']:>9.2f}"
+                     f"{r['predicted MiB']:>10.2f}{r['measured MiB']:>10.2f}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Measure the models asked for, print their tables, and write the results."""
+    p = argparse.ArgumentParser(prog="python -m bench.layouts", description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--models", default=",".join(MODELS))
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    results = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+    for name in args.models.split(","):
+        results[name] = run_model(name, args.steps)
+        print(report(name, results[name]), flush=True)
+        RESULTS.write_text(json.dumps(results, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
