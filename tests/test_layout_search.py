@@ -146,3 +146,21 @@ def test_cli_prints_the_ranked_layouts(capsys):
 def test_the_chosen_layout_trains_like_one_process():
     chosen = run_on_ranks(layout_workers.check_chosen_layouts, 4)[0]
     assert set(chosen) == {"free", "tp=2"} and chosen["tp=2"].startswith("tp2 "), chosen
+
+
+def test_bench_helpers():
+    from bench.layouts import spearman
+    from bench.layouts_at_scale import deepen
+
+    assert spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+    assert spearman([1, 1, 2], [5, 5, 6]) == pytest.approx(1.0)
+    # 3 layers: embedding, (attention, MLP) x 3, norm, head -> 5 layers repeat the middle layer's two units.
+    three = _profile(compute=(0, 1, 2, 3, 4, 5, 6, 7, 8), params=(9,) * 9, activations=(1,) * 9,
+                     boundaries=tuple(range(8)), collectives=((CollectiveOp.ALL_REDUCE, 1.0, 1),
+                                                              (CollectiveOp.ALL_REDUCE, 2.0, 3),
+                                                              (CollectiveOp.ALL_GATHER, 3.0, 7)))
+    five = deepen(three, 5)
+    assert five.compute == (0, 1, 2, 3, 4, 3, 4, 3, 4, 5, 6, 7, 8)
+    assert five.boundaries == (0, 1, 2, 3, 4, 3, 4, 3, 4, 5, 6, 7)
+    assert [c[2] for c in five.collectives] == [1, 3, 5, 7, 11]
