@@ -112,6 +112,8 @@ def measure_all(rank: int, world: int, name: str, layouts: list[dict], steps: in
         everyone = [None] * world
         dist.all_gather_object(everyone, mine)
         out.append({"time": max(r["time"] for r in everyone), "memory": max(r["memory"] for r in everyone)})
+        if rank == 0:
+            print(f"  {name} {len(out)}/{len(layouts)} {settings}: {out[-1]['time'] * 1e3:.1f} ms", flush=True)
         del pm
     return out
 
@@ -147,6 +149,20 @@ def run_model(name: str, steps: int) -> dict:
     rows = [{"layout": p.layout.label(), "predicted ms": p.step_time * 1e3, "measured ms": m["time"] * 1e3,
              "predicted MiB": p.memory / 2**20, "measured MiB": m["memory"] / 2**20, "fits": p.fits}
             for p, m in zip(ranked, measured)]
+    return _summary(rows)
+
+
+def repredicted(name: str, result: dict) -> dict:
+    """``result``'s measurements against predictions made now (after a change to the cost model; the rows keep
+    what was measured): the same summary as ``run_model``'s."""
+    now = {p.layout.label(): p for p in predictions(name)}
+    rows = [r | {"predicted ms": now[r["layout"]].step_time * 1e3, "predicted MiB": now[r["layout"]].memory / 2**20,
+                 "fits": now[r["layout"]].fits} for r in result["rows"] if r["layout"] in now]
+    rows.sort(key=lambda r: (not r["fits"], r["predicted ms"]))
+    return _summary(rows)
+
+
+def _summary(rows: list[dict]) -> dict:
     best = min(rows, key=lambda r: r["measured ms"])
     return {"rows": rows, "chosen": rows[0]["layout"], "best measured": best["layout"],
             "chosen / best measured": rows[0]["measured ms"] / best["measured ms"],
@@ -171,11 +187,15 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.layouts", description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--models", default=",".join(MODELS))
+    p.add_argument("--repredict", action="store_true",
+                   help="measure nothing: compare the stored measurements with the current predictions")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     results = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
     for name in args.models.split(","):
-        results[name] = run_model(name, args.steps)
+        if args.repredict and name not in results:
+            continue
+        results[name] = repredicted(name, results[name]) if args.repredict else run_model(name, args.steps)
         print(report(name, results[name]), flush=True)
         RESULTS.write_text(json.dumps(results, indent=2) + "\n")
     return 0

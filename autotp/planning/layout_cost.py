@@ -2,7 +2,8 @@
 ``Profile`` at one tp (its units' compute, parameters, activations and collectives, from the analysis' costs) and a
 ``machines.Cluster``; no torch here, so a layout for 1024 devices is priced in microseconds.
 
-Step time = the fullest pipeline rank's compute (forward and backward: 3x the forward FLOPs) and tensor-parallel
+Step time = the fullest pipeline rank's compute (forward and backward: 3x the forward FLOPs, and 3x its ops per
+microbatch at the machine's fixed cost per op) and tensor-parallel
 collectives over its share of the batch, + the pipeline bubble ((pp-1)/(v*m) of that, every schedule: GPipe and
 1F1B idle alike, interleaving divides it by the v stages per rank), + point-to-point sends of the stage
 boundaries, + the data-parallel gradient collectives. Nothing is taken to overlap (autotp's runtime overlaps
@@ -46,6 +47,8 @@ class Profile:
     """Bytes per parameter element."""
     vocab_split: bool
     """Whether the plan at this tp splits the vocabulary (the cost model's choice under vocab='auto')."""
+    ops: tuple[float, ...] = ()
+    """Ops per unit in one forward (each costs the machine's ``op_overhead`` per microbatch; empty: none)."""
 
 
 @dataclass(frozen=True)
@@ -171,7 +174,8 @@ def predict(profile: Profile, layout: Layout, starts: list[int], cluster: Cluste
     for s, (a, b) in enumerate(stages):
         flops = sum(profile.compute[a:b])
         rank = s % pp
-        busy[rank] += cluster.node.compute(3 * flops / dp)
+        # Backward runs about two ops per forward op, once per microbatch.
+        busy[rank] += cluster.node.compute(3 * flops / dp, 3 * m * sum(profile.ops[a:b]))
         comm[rank] += _tp_time(profile, tp_link, 1 / dp, m, range(a, b))
         param_bytes[rank] += sum(profile.params[a:b]) * profile.itemsize
         act_bytes[rank] += sum(profile.activations[a:b]) / dp

@@ -66,8 +66,12 @@ def profile_of(captured: Captured, options: Options, cluster: Cluster) -> Profil
                         for c in plan.collectives if c.in_step)
     itemsize = next((p.element_size() for p in captured.module.parameters()), 4)
     vocab = any(p.kind is PlacementKind.VOCAB for p in plan.placements.values())
+    ops = [0.0] * len(units.compute)
+    for node in analysis.graph.nodes:  # the rewrite adds a few (collectives, slices); the capture's are counted
+        if node.op == "call_function":
+            ops[units.unit_of[node.name]] += 1
     return Profile(plan.tp, plan.sequence_parallel, tuple(units.compute), tuple(units.rank_params),
-                   tuple(units.activations), boundaries, collectives, itemsize, vocab)
+                   tuple(units.activations), boundaries, collectives, itemsize, vocab, tuple(ops))
 
 
 def _profiles(captured: Captured, world: int, options: Options, fixed: Mapping, cluster: Cluster) -> list[Profile]:

@@ -22,6 +22,9 @@ from autotp.planning.pricing import CPU, Machine
 MFU = 0.4
 """Fraction of the dense bf16 peak a training step reaches on GPUs (Llama 3 405B reports 38-43% on H100)."""
 
+LAUNCH = 5e-6
+"""Seconds an eager op costs on a GPU regardless of its size (a kernel launch and its dispatch)."""
+
 
 @dataclass(frozen=True)
 class Cluster:
@@ -49,7 +52,8 @@ def _gpu(name: str, peak: float, nvlink: float, network: float, memory_gib: int,
     flops = peak * MFU
     return Cluster(name, f"{per_node}x {name.upper()} per node, bf16 {peak / 1e12:.0f} TFLOPS at {MFU:.0%} MFU, "
                          f"NVLink {nvlink / 1e9:.0f} GB/s, network {network / 1e9:.0f} GB/s per GPU",
-                   Machine(f"{name} NVLink", flops, nvlink, 1e-5), Machine(f"{name} InfiniBand", flops, network, 3e-5),
+                   Machine(f"{name} NVLink", flops, nvlink, 1e-5, LAUNCH),
+                   Machine(f"{name} InfiniBand", flops, network, 3e-5, LAUNCH),
                    per_node, memory_gib * 2**30)
 
 
