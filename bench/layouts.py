@@ -187,17 +187,18 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.layouts", description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--models", default=",".join(MODELS))
+    p.add_argument("--out", type=Path, default=RESULTS, help=f"results file (default {RESULTS})")
     p.add_argument("--repredict", action="store_true",
                    help="measure nothing: compare the stored measurements with the current predictions")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
-    results = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+    results = json.loads(args.out.read_text()) if args.out.exists() else {}
     for name in args.models.split(","):
         if args.repredict and name not in results:
             continue
         results[name] = repredicted(name, results[name]) if args.repredict else run_model(name, args.steps)
         print(report(name, results[name]), flush=True)
-        RESULTS.write_text(json.dumps(results, indent=2) + "\n")
+        args.out.write_text(json.dumps(results, indent=2) + "\n")
     return 0
 
 

@@ -20,7 +20,7 @@ def layout_rows(plan: Plan) -> list[tuple[str, ...]]:
     """One row per ranked layout, the chosen one first: predicted step time and its parts (ms), memory per device."""
     return [(str(i + 1), p.layout.label(), _ms(p.step_time), _ms(p.compute), _ms(p.tp_comm), _ms(p.bubble),
              _ms(p.p2p), _ms(p.dp_comm), _gib(p.memory), "yes" if p.fits else "NO",
-             "split" if p.vocab_split else "whole") for i, p in enumerate(plan.layouts)]
+             "-" if p.layout.tp == 1 else "split" if p.vocab_split else "whole") for i, p in enumerate(plan.layouts)]
 
 
 def layout_table(plan: Plan, devices: int, machine: str) -> str:
