@@ -27,7 +27,8 @@ import autotp
 from autotp.capture import capture, example_inputs_of
 from autotp.options import Options
 from autotp.planning.layout_search import search_layouts
-from autotp.planning.machines import CLUSTERS
+from autotp.planning.machines import CLUSTERS, Cluster
+from autotp.planning.pricing import Machine
 from bench.ranks import run_on_ranks
 from examples.gpt import build_gpt
 
@@ -62,11 +63,48 @@ def _model(name: str):
     return MODELS[name]()
 
 
-def predictions(name: str) -> list:
-    """Every layout of WORLD devices for model ``name``, priced on this CPU machine, best first."""
+def predictions(name: str, cluster: Cluster = CLUSTERS["cpu"]) -> list:
+    """Every layout of WORLD devices for model ``name``, priced on ``cluster``, best first."""
     model = _model(name)
     captured = capture(model, example_inputs_of(model, (_batch(1),)))
-    return list(search_layouts(captured, WORLD, Options(), {}, CLUSTERS["cpu"]).ranked)
+    return list(search_layouts(captured, WORLD, Options(), {}, cluster).ranked)
+
+
+def _median_ms(fn, repeats: int = 20) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[3:]) * 1e3
+
+
+def calibrate(rank: int, world: int) -> dict:
+    """On WORLD ranks at once (the load the layouts run under): a matmul's rate, an eager op's cost (a narrow
+    GPT's forward and backward over 3x its graph's ops) and a two-rank gloo all-reduce's time at 4 KiB and 1 MiB."""
+    x, w = torch.randn(256, 256), torch.randn(256, 1024)
+    gflops = 2 * 256 * 256 * 1024 / _median_ms(lambda: x @ w) / 1e6
+    torch.manual_seed(0)
+    gpt, ids = build_gpt(n_layer=8, n_head=4, n_embd=64, vocab_size=VOCAB, block_size=SEQ), _batch(1)[:1, :8]
+    ops = sum(n.op == "call_function" for n in capture(gpt, example_inputs_of(gpt, (ids,))).module.graph.nodes)
+    op_ms = _median_ms(lambda: gpt(ids).sum().backward()) / (3 * ops)
+    pair = [dist.new_group([2 * i, 2 * i + 1]) for i in range(world // 2)][rank // 2]
+    small, large = torch.zeros(1024), torch.zeros(1 << 18)
+    dist.barrier()
+    small_ms = _median_ms(lambda: dist.all_reduce(small, group=pair))
+    large_ms = _median_ms(lambda: dist.all_reduce(large, group=pair))
+    return {"matmul GFLOP/s": gflops, "op us": op_ms * 1e3, "all_reduce 4 KiB ms": small_ms,
+            "all_reduce 1 MiB ms": large_ms}
+
+
+def measured_cluster(cal: dict) -> Cluster:
+    """This machine as the bench runs it (WORLD ranks on its cores, with whatever else runs), from ``calibrate``:
+    per-rank compute and op cost, and a two-rank all-reduce's latency and bandwidth (2(n-1)/n = 1 at n=2)."""
+    bandwidth = (1 << 20) / max(cal["all_reduce 1 MiB ms"] - cal["all_reduce 4 KiB ms"], 1e-3) * 1e3
+    machine = Machine("CPU over gloo, as measured", cal["matmul GFLOP/s"] * 1e9, bandwidth,
+                      cal["all_reduce 4 KiB ms"] / 1e3, cal["op us"] / 1e6)
+    return Cluster("cpu-measured", f"{WORLD} gloo ranks on this CPU, calibrated under the bench's load", machine,
+                   machine, 1 << 30, None)
 
 
 def _status(field: str) -> int:
@@ -142,9 +180,9 @@ def _settings(p) -> dict:
     return {k: getattr(v, "value", v) for k, v in p.layout.settings().items()}
 
 
-def run_model(name: str, steps: int) -> dict:
-    """Predict, measure and compare every layout of model ``name``."""
-    ranked = predictions(name)
+def run_model(name: str, steps: int, cluster: Cluster) -> dict:
+    """Predict (on ``cluster``), measure and compare every layout of model ``name``."""
+    ranked = predictions(name, cluster)
     measured = run_on_ranks(measure_all, "cpu", [1] * WORLD, name, [_settings(p) for p in ranked], steps)[0]
     rows = [{"layout": p.layout.label(), "predicted ms": p.step_time * 1e3, "measured ms": m["time"] * 1e3,
              "predicted MiB": p.memory / 2**20, "measured MiB": m["memory"] / 2**20, "fits": p.fits}
@@ -152,10 +190,10 @@ def run_model(name: str, steps: int) -> dict:
     return _summary(rows)
 
 
-def repredicted(name: str, result: dict) -> dict:
-    """``result``'s measurements against predictions made now (after a change to the cost model; the rows keep
-    what was measured): the same summary as ``run_model``'s."""
-    now = {p.layout.label(): p for p in predictions(name)}
+def repredicted(name: str, result: dict, cluster: Cluster) -> dict:
+    """``result``'s measurements against predictions made now on ``cluster`` (after a change to the cost model or
+    its calibration; the rows keep what was measured): the same summary as ``run_model``'s."""
+    now = {p.layout.label(): p for p in predictions(name, cluster)}
     rows = [r | {"predicted ms": now[r["layout"]].step_time * 1e3, "predicted MiB": now[r["layout"]].memory / 2**20,
                  "fits": now[r["layout"]].fits} for r in result["rows"] if r["layout"] in now]
     rows.sort(key=lambda r: (not r["fits"], r["predicted ms"]))
@@ -193,10 +231,15 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     results = json.loads(args.out.read_text()) if args.out.exists() else {}
+    if not args.repredict or "calibration" not in results:
+        results["calibration"] = run_on_ranks(calibrate, "cpu", [1] * WORLD)[0]
+    print("calibration:", {k: round(v, 3) for k, v in results["calibration"].items()}, flush=True)
+    cluster = measured_cluster(results["calibration"])
     for name in args.models.split(","):
         if args.repredict and name not in results:
             continue
-        results[name] = repredicted(name, results[name]) if args.repredict else run_model(name, args.steps)
+        results[name] = (repredicted(name, results[name], cluster) if args.repredict
+                         else run_model(name, args.steps, cluster))
         print(report(name, results[name]), flush=True)
         args.out.write_text(json.dumps(results, indent=2) + "\n")
     return 0

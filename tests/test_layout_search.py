@@ -94,9 +94,9 @@ def test_the_prediction_adds_its_parts():
     assert tp.tp_comm == pytest.approx(h100.node.all_reduce(1e6, 2))
     # tp=16 spans two nodes of 8: its all-reduces cross InfiniBand.
     wide = predict(_profile(tp=16, collectives=((CollectiveOp.ALL_REDUCE, 1e6, 0),)), Layout(16, 1, 1), [0], h100, None)
-    assert wide.tp_comm == pytest.approx(h100.network.all_reduce(1e6, 16))
+    assert wide.tp_comm == pytest.approx(h100.network.all_reduce(1e6, 16) + 14 * h100.network.latency)
     replicated = predict(_profile(), Layout(1, 1, 4, dp_mode="replicate"), [0], h100, None)
-    assert replicated.dp_comm == pytest.approx(h100.node.all_reduce(16e6, 4))
+    assert replicated.dp_comm == pytest.approx(h100.node.all_reduce(16e6, 4) + 2 * h100.node.latency)
 
 
 def test_the_plan_records_the_ranked_layouts_and_the_file_check_reads_them():
@@ -124,6 +124,7 @@ def test_machines():
     assert sorted(cli.CLUSTER_NAMES) == sorted(CLUSTERS)
     h100 = cluster_named("h100")
     assert h100.link(8, 1) is h100.node and h100.link(2, 8) is h100.network and h100.link(4, 2) is h100.node
+    assert h100.ring(4, 1).latency == 3 * h100.node.latency and h100.ring(2, 1) == h100.node
     with pytest.raises(autotp.InputError, match="unknown machine 'tpu'; the machines are: cpu, h100"):
         cluster_named("tpu")
 

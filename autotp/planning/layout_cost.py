@@ -168,7 +168,7 @@ def predict(profile: Profile, layout: Layout, starts: list[int], cluster: Cluste
     ``s`` on pipeline rank ``s % pp``), on ``cluster``, against ``budget`` bytes per device (None: the cluster's)."""
     tp, pp, dp, m, v = layout.tp, layout.pp, layout.dp, layout.microbatches, layout.virtual_stages
     stages = stage_bounds(starts, len(profile.compute))
-    tp_link, dp_link, pp_link = cluster.link(tp, 1), cluster.link(dp, tp), cluster.link(pp, tp * dp)
+    tp_link, dp_link, pp_link = cluster.ring(tp, 1), cluster.ring(dp, tp), cluster.link(pp, tp * dp)
     busy, param_bytes, act_bytes = [0.0] * pp, [0.0] * pp, [0.0] * pp
     comm = [0.0] * pp
     for s, (a, b) in enumerate(stages):

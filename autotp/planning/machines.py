@@ -12,6 +12,7 @@ is what a ring all-reduce of large messages reaches (``2(n-1)/n * bytes / busbw`
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -44,6 +45,12 @@ class Cluster:
         """The machine a group of ``size`` ranks, ``stride`` apart on the mesh, communicates over: the node's
         when the ranks it spans fit in one node."""
         return self.node if size * stride <= self.devices_per_node else self.network
+
+    def ring(self, size: int, stride: int) -> Machine:
+        """``link`` for a ring collective over the group: a ``Machine``'s latency is a two-rank collective's, and
+        a ring of ``size`` ranks takes ``size - 1`` times as many hops."""
+        machine = self.link(size, stride)
+        return dataclasses.replace(machine, latency=machine.latency * max(1, size - 1))
 
 
 def _gpu(name: str, peak: float, nvlink: float, network: float, memory_gib: int, per_node: int = 8) -> Cluster:
