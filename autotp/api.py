@@ -14,10 +14,12 @@ import torch.distributed as dist
 from torch import nn
 
 from autotp.capture import ExampleInputs, capture, example_inputs_of
-from autotp.errors import InputError
+from autotp.errors import InputError, RuntimeSetupError
 from autotp.options import Options
 from autotp.passes.placement import Source
 from autotp.planning import Plan, check_plan_fits, make_plan
+from autotp.planning.layout_search import fixed_settings, plan_layout
+from autotp.planning.machines import cluster_for, cluster_named
 from autotp.planning.planner import verify_plan
 from autotp.planning.pricing import machine_for
 from autotp.rewrite import build_graph, materialise_all, split_stages
@@ -41,6 +43,7 @@ from autotp.runtime.generation import Generation
 from autotp.runtime.input_spec import InputSpec
 from autotp.runtime.peers import as_timedelta, bound_groups, group_timeout
 from autotp.runtime.process import first_rank, from_first_rank, shared_seed
+from autotp.runtime.process import world_size as group_size
 from autotp.runtime.readers import checkpoint_source
 
 
@@ -50,7 +53,7 @@ def with_input_note(chosen: Plan, example: ExampleInputs) -> Plan:
 
 
 def plan(model: nn.Module, tp: int | None = None, example_inputs=None, *, options: Options | None = None,
-         **settings) -> Plan:
+         world_size: int | None = None, machine: str | None = None, **settings) -> Plan:
     """The plan for ``model`` at ``tp`` tensor-parallel ranks (and the other settings), with no process group.
 
     ``example_inputs`` is what the model is captured on: a tensor, a tuple of positional tensors, or a dict of
@@ -59,16 +62,23 @@ def plan(model: nn.Module, tp: int | None = None, example_inputs=None, *, option
     ``settings`` are ``autotp.Options`` fields (``pp``, ``balance``, ``batch``, ``seq``, ``cuts``,
     ``virtual_stages``, ``vocab``, ``memory_budget``, ``sequence_parallel``; each documented there), applied
     over ``options`` if given. Stage costs are evaluated at ``batch``/``seq`` (default: the example's).
+    With ``world_size`` the planner chooses the layout of that many devices (see ``parallelize``) on ``machine``
+    (a name from ``autotp.planning.machines.CLUSTERS``: ``cpu``, ``h100``, ``h200``, ``a100``; default: this one).
     """
-    chosen_options = Options.build(options, tp=required_tp(tp, options), **settings)
     example = example_inputs_of(model, example_inputs)
-    return with_input_note(make_plan(capture(model, example), chosen_options, machine_for(None)), example)
+    if world_size is not None:
+        cluster = cluster_named(machine) if machine is not None else cluster_for(None)
+        base, fixed = _search_options(tp, options, settings)
+        return with_input_note(plan_layout(capture(model, example), world_size, base, fixed, cluster), example)
+    chosen_options = Options.build(options, tp=required_tp(tp, options), **settings)
+    cluster = cluster_named(machine).node if machine is not None else machine_for(None)
+    return with_input_note(make_plan(capture(model, example), chosen_options, cluster), example)
 
 
 def parallelize(model: nn.Module, tp: int | None = None, example_inputs=None, *, plan: Plan | None = None,
                 group=None, timeout: float | timedelta | None = None, checkpoint: str | os.PathLike | None = None,
                 quiet: bool = False, strict: bool = True, verify: bool = True, options: Options | None = None,
-                **settings):
+                world_size: int | None = None, **settings):
     """This rank's piece of ``model``, tensor-parallel over ``tp`` ranks, pipelined over ``pp`` and replicated
     over ``dp`` data-parallel replicas (ranks on a (pp, dp, tp) mesh, tp innermost).
 
@@ -96,7 +106,17 @@ def parallelize(model: nn.Module, tp: int | None = None, example_inputs=None, *,
     unless ``strict=False``, every parameter or saved buffer it lacks (meta tensors must be there regardless).
     With ``dp`` > 1 each replica (``pm.dp_rank`` of ``pm.dp_size``) trains on its own slice of the global batch
     and gradients are averaged over the replicas.
+
+    The planner chooses the layout when ``world_size`` is given, or when none of ``tp``, ``pp`` and ``dp`` is
+    (under torchrun, or in an initialised process group: its size): tp, pp, dp, the dp mode, the schedule,
+    microbatches and sequence parallelism are searched (``planning.layout_search``), ranked by predicted step
+    time on this machine, and the fastest whose memory fits ``memory_budget`` (per device) is applied; the plan's
+    ``layouts`` and notes give the runner-ups and why. Any of those settings given explicitly is kept.
     """
+    world = _search_world(plan, tp, options, settings, world_size, group)
+    if world is not None:
+        return _parallelize_searched(model, example_inputs, world, group, timeout, checkpoint, quiet, strict, verify,
+                                     _search_options(tp, options, settings, group))
     chosen_options = _options_for(plan, options, tp, settings)
     if (chosen_options.pp > 1 or chosen_options.dp > 1) and group is not None:
         raise InputError("pp > 1 or dp > 1 lays ranks out on a (pp x dp x tp) mesh over the default process group; "
@@ -123,6 +143,48 @@ def parallelize(model: nn.Module, tp: int | None = None, example_inputs=None, *,
     check_same_plan(chosen, group, distributed)
     built = Built(model, graphs, chosen, chosen_options, source)
     return _tensor_parallel(built, group, distributed) if pp == 1 else _pipeline_parallel(built)
+
+
+def _search_world(plan, tp, options, settings: dict, world_size: int | None, group) -> int | None:
+    """How many devices the planner lays the model out on: ``world_size``, or with no layout given (no plan, no
+    tp, pp or dp, no options) the process group's size (torchrun's WORLD_SIZE before it exists); None: the caller
+    gave the layout."""
+    if world_size is not None:
+        if plan is not None:
+            raise InputError("world_size asks the planner to choose the layout, and plan gives one: pass one of them")
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+            raise InputError(f"world_size must be a positive integer (the devices to lay the model out on), "
+                             f"got {world_size!r}")
+        return world_size
+    if plan is not None or tp is not None or options is not None or any(
+            settings.get(k) is not None for k in ("tp", "pp", "dp")):
+        return None
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size(group)
+    return int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ and "RANK" in os.environ else None
+
+
+def _search_options(tp, options: Options | None, settings: dict, group=None) -> tuple[Options, dict]:
+    """The options the search starts from and the layout settings the caller fixed (a group given: one pipeline
+    stage, one replica, as ``group`` carries tensor parallelism only)."""
+    fixed = fixed_settings({"tp": tp, **settings}, options)
+    if group is not None:
+        fixed = {"pp": 1, "dp": 1} | fixed
+    return Options.build(options, tp=tp, **settings), fixed
+
+
+def _parallelize_searched(model, example_inputs, world: int, group, timeout, checkpoint, quiet, strict, verify,
+                          search: tuple[Options, dict]):
+    """``parallelize`` with the layout of ``world`` devices the planner chooses, then applied as a plan."""
+    distributed = ensure_process_group(world, timeout)
+    if group_size(group, distributed) != world:
+        raise RuntimeSetupError(f"world_size={world} but the process group has {group_size(group, distributed)} "
+                                f"ranks; launch {world} processes (torchrun --nproc-per-node {world})")
+    example = example_inputs_of(model, example_inputs)
+    cluster = cluster_for(device_for(group, distributed) or "cpu")
+    chosen = with_input_note(plan_layout(capture(model, example), world, *search, cluster), example)
+    return parallelize(model, example_inputs=example_inputs, plan=chosen, group=group, timeout=timeout,
+                       checkpoint=checkpoint, quiet=quiet, strict=strict, verify=verify, options=chosen.options)
 
 
 def _options_for(plan: Plan | None, options: Options | None, tp: int | None, settings: dict) -> Options:

@@ -131,7 +131,8 @@ class Options:
     vocab: VocabChoice = VocabChoice.AUTO
     """Whether the embedding and LM head are split along the vocabulary."""
     memory_budget: int | None = None
-    """Bytes per rank for parameters, gradients and AdamW moments (a number or ``"40GiB"``); None: no limit."""
+    """Bytes per rank for parameters, gradients and AdamW moments (a number or ``"40GiB"``); None: no limit. When
+    the planner chooses the layout it is each device's memory, activations included (None: the machine's)."""
     sequence_parallel: bool = False
     """Split the residual stream between regions along the sequence (Megatron's sequence parallelism)."""
     compile: bool = False

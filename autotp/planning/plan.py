@@ -19,6 +19,7 @@ from autotp.options import Balance, Options
 from autotp.passes.placement import Placement, PlacementKind
 from autotp.passes.regions import RegionKind
 from autotp.passes.steps import CollectiveOp, Direction, Operator
+from autotp.planning.layout_cost import Prediction
 from autotp.planning.plan_file import check_plan_data
 from autotp.planning.shape_expr import parse_size
 
@@ -162,6 +163,9 @@ class Plan:
     """Whether the residual stream between regions is split along the sequence (Megatron's sequence parallelism)."""
     options: Options | None = None
     """The options the plan was made with (None: a plan made by hand, or before plans recorded them)."""
+    layouts: tuple[Prediction, ...] = ()
+    """When the planner chose the layout (``layout_search``): the layouts it ranked, the chosen one first, each
+    with its predicted step time and memory per device (empty: the caller gave the layout)."""
 
     def __post_init__(self):
         if not isinstance(self.tp, int) or self.tp < 1:
@@ -172,6 +176,7 @@ class Plan:
         object.__setattr__(self, "notes", tuple(self.notes))
         object.__setattr__(self, "stages", tuple(self.stages))
         object.__setattr__(self, "by_choice", tuple(self.by_choice))
+        object.__setattr__(self, "layouts", tuple(self.layouts))
         object.__setattr__(self, "balance", Balance(self.balance))
         if not isinstance(self.pp, int) or self.pp < 1:
             raise ValueError(f"pp must be a positive integer, got {self.pp!r}")
@@ -204,6 +209,7 @@ class Plan:
             "by_choice": list(self.by_choice),
             "sequence_parallel": self.sequence_parallel,
             "options": self.options.to_dict() if self.options is not None else None,
+            "layouts": [p.to_dict() for p in self.layouts],
         }
 
     def to_json(self, indent: int | None = 2) -> str:
@@ -235,6 +241,7 @@ class Plan:
                 by_choice=tuple(data.get("by_choice", [])),
                 sequence_parallel=bool(data.get("sequence_parallel", False)),
                 options=Options.from_dict(data["options"]) if data.get("options") is not None else None,
+                layouts=tuple(Prediction.from_dict(p) for p in data.get("layouts", [])),
             )
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise InputError(f"not a valid autotp plan: {e}") from e

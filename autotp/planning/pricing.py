@@ -42,10 +42,12 @@ class Machine:
     """Bytes/s one rank sends in a ring collective."""
     latency: float
     """Seconds a collective costs regardless of its size."""
+    op_overhead: float = 0.0
+    """Seconds each op costs regardless of its size (eager dispatch and autograd; a kernel launch on GPUs)."""
 
-    def compute(self, flops: float) -> float:
-        """Seconds for ``flops``."""
-        return flops / self.flops
+    def compute(self, flops: float, ops: float = 0) -> float:
+        """Seconds for ``flops`` spread over ``ops`` ops."""
+        return flops / self.flops + ops * self.op_overhead
 
     def all_reduce(self, nbytes: float, tp: int) -> float:
         """Seconds for a ring all-reduce of ``nbytes`` over ``tp`` ranks."""
@@ -56,9 +58,11 @@ class Machine:
         return self.latency + (tp - 1) / tp * nbytes / self.bandwidth
 
 
-CPU = Machine("CPU processes over gloo", flops=5e10, bandwidth=6e8, latency=1e-3)
+CPU = Machine("CPU processes over gloo", flops=5e10, bandwidth=6e8, latency=1e-3, op_overhead=7e-5)
 """Measured on the 2-core development machine (bench.vocab_choice prints the calibration): a 512x256 by
-256x8192 fp32 matmul at ~55 GFLOP/s on one thread; a gloo all-reduce of 512 KiB ~1.9 ms, of 2 MiB ~4.5 ms."""
+256x8192 fp32 matmul at ~55 GFLOP/s on one thread; a gloo all-reduce of 512 KiB ~1.9 ms, of 2 MiB ~4.5 ms;
+an eager op ~70 us forward or backward (bench.layouts' calibration: a narrow GPT's step over its graph's ops,
+on the machine shared with other work, load average ~20)."""
 GPU = Machine("GPUs over NCCL", flops=2e14, bandwidth=1.5e11, latency=2e-5)
 """An H100 class GPU in bf16 over NVLink (nominal figures, not measured here)."""
 

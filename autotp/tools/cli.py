@@ -6,6 +6,7 @@
     autotp viz examples/gpt.py:build_gpt --tp 2 -o plan.svg       # the picture
     autotp viz hf:llama --tp 2 --pp 2 --schedule 1f1b -o tl.png   # the pipeline timeline
     autotp check hf:gpt2 --tp 2                                   # every rank simulated, compared
+    autotp plan hf:llama --devices 64 --machine h100              # the layouts the planner ranks
 
 Anything the user can fix (a bad MODEL, an unknown format, tp that does not fit) is one line on
 stderr and exit code 2; an internal error (a bug in autotp) prints its traceback and exits 1.
@@ -28,6 +29,9 @@ from typing import TYPE_CHECKING
 from autotp.errors import AutotpError, InputError, InternalError
 from autotp.options import Balance, DataParallelMode, Options, Schedule, VocabChoice
 from autotp.tools.generate_cli import add_parser as add_generate_parser
+
+CLUSTER_NAMES = ("cpu", "h100", "h200", "a100")
+"""``autotp.planning.machines.CLUSTERS``' names (written out so that --help loads no torch; a test checks them)."""
 
 if TYPE_CHECKING:  # torch and everything built on it load only when a command runs: --help answers at once
     from torch import nn
@@ -76,7 +80,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", metavar="MODEL",
                    help="path/to/file.py:factory, package.module:factory, hf:<model_type> or hf:path/to/config.json")
     p.add_argument("--tp", type=_positive, help="tensor-parallel ranks (default: the --plan file's, else required)")
-    p.add_argument("--pp", type=_positive, default=1, help="pipeline stages (default 1)")
+    p.add_argument("--pp", type=_positive, help="pipeline stages (default 1; with --devices, searched)")
     p.add_argument("--batch", type=_positive, default=8, help="batch size to cost the plan at (default 8)")
     p.add_argument("--seq", type=_positive, default=32, help="sequence length to cost the plan at (default 32)")
     p.add_argument("--balance", choices=[b.value for b in Balance], default=Balance.BOTH.value,
@@ -110,10 +114,20 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--format", choices=[f.value for f in TextFormat],
                       help="what to print (default: json for -o *.json, torch for -o *.py, else table)")
     plan.add_argument("-o", "--output", metavar="FILE", help="write to FILE instead of stdout")
-    plan.add_argument("--dp", type=_positive, default=1,
-                      help="data-parallel replicas: the table adds their memory per rank and gradient collectives")
-    plan.add_argument("--dp-mode", choices=[m.value for m in DataParallelMode], default=DataParallelMode.FSDP.value,
-                      help="how the replicas hold the model (default fsdp)")
+    plan.add_argument("--dp", type=_positive,
+                      help="data-parallel replicas: the table adds their memory per rank and gradient collectives "
+                           "(default 1; with --devices, searched)")
+    plan.add_argument("--dp-mode", choices=[m.value for m in DataParallelMode],
+                      help="how the replicas hold the model (default fsdp; with --devices, searched)")
+    plan.add_argument("--devices", type=_positive, metavar="N",
+                      help="let the planner choose the layout of N devices (tp, pp, dp, schedule, microbatches, "
+                           "sequence parallelism; any of them given is kept) and print the ranked layouts")
+    plan.add_argument("--machine", choices=sorted(CLUSTER_NAMES),
+                      help="the machine --devices are priced on: " + ", ".join(sorted(CLUSTER_NAMES))
+                           + " (default: this one)")
+    plan.add_argument("--device-memory", metavar="BYTES",
+                      help="memory per device for --devices, e.g. 80GiB (default: the machine's; same as "
+                           "--memory-budget)")
     viz = sub.add_parser("viz", help="draw the plan (svg, png, html, dot) or its pipeline timeline")
     _common(viz)
     viz.add_argument("-o", "--output", metavar="FILE", required=True, help="plan.svg, plan.png, plan.html or plan.dot")
@@ -187,14 +201,29 @@ def load_and_plan(args) -> Planned:
     from autotp.tools.report import param_infos
 
     spec = parse_spec(args.model, parse_overrides(args.overrides))
-    if args.tp is None and not args.plan_file:
-        raise InputError("--tp is required (the number of tensor-parallel ranks), e.g. --tp 2")
+    devices = getattr(args, "devices", None)
+    if args.tp is None and not args.plan_file and devices is None:
+        raise InputError("--tp is required (the number of tensor-parallel ranks), e.g. --tp 2, or --devices N to "
+                         "let the planner choose the layout")
+    if args.plan_file and devices is not None:
+        raise InputError("--devices lets the planner choose the layout, and --plan gives one: pass one of them")
     model = build_model(spec)
     inputs = example_inputs(model, args.vocab_size)
     params = param_infos(model)
     if args.plan_file:
         return Planned(model, inputs, _load_plan_file(args.plan_file, params, args.tp), params)
+    if devices is not None:
+        return Planned(model, inputs, autotp.plan(model, example_inputs=inputs, world_size=devices,
+                                                  machine=args.machine, **searched_settings(args)), params)
     return Planned(model, inputs, autotp.plan(model, example_inputs=inputs, options=options_of(args)), params)
+
+
+def searched_settings(args) -> dict:
+    """The settings of ``autotp plan --devices``: the layout flags given are fixed (the rest searched)."""
+    budget = args.device_memory or args.memory_budget
+    return {"tp": args.tp, "pp": args.pp, "dp": args.dp, "dp_mode": args.dp_mode, "balance": args.balance,
+            "batch": args.batch, "seq": args.seq, "vocab": args.vocab, "memory_budget": budget,
+            "sequence_parallel": True if args.sequence_parallel else None}
 
 
 def options_of(args, plan: Plan | None = None) -> Options:
@@ -209,8 +238,12 @@ def options_of(args, plan: Plan | None = None) -> Options:
 def _table(planned: Planned, args) -> str:
     from autotp.tools.report import plan_table
 
+    if getattr(args, "devices", None) is not None:
+        from autotp.tools.layout_table import layout_table
+
+        return layout_table(planned.plan, args.devices, args.machine or "this machine")
     return plan_table(planned.plan, planned.params, args.batch, args.seq, expand=args.expand,
-                      dp=getattr(args, "dp", 1), dp_mode=DataParallelMode(getattr(args, "dp_mode", "fsdp")))
+                      dp=getattr(args, "dp", None) or 1, dp_mode=DataParallelMode(getattr(args, "dp_mode", None) or "fsdp"))
 
 
 def _emit(text: str, output: str | None) -> None:

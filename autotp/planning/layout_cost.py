@@ -1,0 +1,199 @@
+"""What one layout (tp, pp, dp, microbatches, schedule, ...) is predicted to cost: pure functions over a model's
+``Profile`` at one tp (its units' compute, parameters, activations and collectives, from the analysis' costs) and a
+``machines.Cluster``; no torch here, so a layout for 1024 devices is priced in microseconds.
+
+Step time = the fullest pipeline rank's compute (forward and backward: 3x the forward FLOPs, and 3x its ops per
+microbatch at the machine's fixed cost per op) and tensor-parallel
+collectives over its share of the batch, + the pipeline bubble ((pp-1)/(v*m) of that, every schedule: GPipe and
+1F1B idle alike, interleaving divides it by the v stages per rank), + point-to-point sends of the stage
+boundaries, + the data-parallel gradient collectives. Nothing is taken to overlap (autotp's runtime overlaps
+little), which over-prices communication on GPUs where it does.
+
+Memory per device = the rank's parameters, gradients and AdamW moments (``pricing.TRAINING_COPIES``; fsdp shards
+them over dp but holds a whole unit's parameters and gradients while it runs) + the activations of the
+microbatches in flight: all m for GPipe, min(m, pp) for 1F1B, and interleaving's (1 + (pp-1)/(pp*v)) more
+(Narayanan et al. 2021).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from autotp.options import DataParallelMode, Schedule
+from autotp.passes.steps import CollectiveOp
+from autotp.planning.machines import Cluster
+from autotp.planning.pricing import TRAINING_COPIES, Machine
+
+
+@dataclass(frozen=True)
+class Profile:
+    """A model's costs at one tp (and sequence parallelism) per unit between pipeline cut candidates, for the
+    global batch: what every layout at that tp is priced from."""
+
+    tp: int
+    sequence_parallel: bool
+    compute: tuple[float, ...]
+    """Forward FLOPs per tensor-parallel rank, per unit."""
+    params: tuple[float, ...]
+    """Parameter elements per tensor-parallel rank, per unit."""
+    activations: tuple[float, ...]
+    """Activation bytes per tensor-parallel rank, per unit."""
+    boundaries: tuple[float, ...]
+    """Bytes of the value live at each cut (between unit i and i+1)."""
+    collectives: tuple[tuple[CollectiveOp, float, int], ...]
+    """The tensor-parallel collectives of one training step: (op, bytes for the global batch, unit)."""
+    itemsize: int
+    """Bytes per parameter element."""
+    vocab_split: bool
+    """Whether the plan at this tp splits the vocabulary (the cost model's choice under vocab='auto')."""
+    ops: tuple[float, ...] = ()
+    """Ops per unit in one forward (each costs the machine's ``op_overhead`` per microbatch; empty: none)."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One way to lay a model out on ``tp * pp * dp`` devices."""
+
+    tp: int
+    pp: int
+    dp: int
+    dp_mode: DataParallelMode = DataParallelMode.FSDP
+    schedule: Schedule = Schedule.ONE_F_ONE_B
+    microbatches: int = 1
+    virtual_stages: int = 1
+    sequence_parallel: bool = False
+
+    def __post_init__(self):
+        object.__setattr__(self, "dp_mode", DataParallelMode(self.dp_mode))
+        object.__setattr__(self, "schedule", Schedule(self.schedule))
+
+    def settings(self) -> dict:
+        """The ``Options`` fields this layout fixes (pipeline settings only where there is a pipeline)."""
+        out = {"tp": self.tp, "pp": self.pp, "dp": self.dp, "dp_mode": self.dp_mode,
+               "sequence_parallel": self.sequence_parallel}
+        if self.pp > 1:
+            out |= {"schedule": self.schedule, "microbatches": self.microbatches,
+                    "virtual_stages": self.virtual_stages}
+        return out
+
+    def label(self) -> str:
+        """``tp2 pp2 dp1 1f1b m4`` for tables."""
+        pipe = f" {self.schedule.value} m{self.microbatches}" + (f" v{self.virtual_stages}" if self.virtual_stages > 1
+                                                                 else "") if self.pp > 1 else ""
+        data = f" {self.dp_mode.value}" if self.dp > 1 else ""
+        return f"tp{self.tp} pp{self.pp} dp{self.dp}{data}{pipe}" + (" sp" if self.sequence_parallel else "")
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """A layout's predicted step time (seconds, split into its parts) and memory per device (bytes)."""
+
+    layout: Layout
+    step_time: float
+    compute: float
+    tp_comm: float
+    bubble: float
+    p2p: float
+    dp_comm: float
+    memory: int
+    fits: bool
+    vocab_split: bool = False
+
+    def to_dict(self) -> dict:
+        """A JSON-ready dict (the plan's ``layouts`` entries)."""
+        layout = {k: v.value if hasattr(v, "value") else v for k, v in dataclasses.asdict(self.layout).items()}
+        times = {k: getattr(self, k) for k in ("step_time", "compute", "tp_comm", "bubble", "p2p", "dp_comm")}
+        return layout | times | {"memory": self.memory, "fits": self.fits, "vocab_split": self.vocab_split}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Prediction:
+        """From ``to_dict``'s output (checked first by ``plan_file``)."""
+        names = {f.name for f in dataclasses.fields(Layout)}
+        return cls(Layout(**{k: v for k, v in data.items() if k in names}),
+                   **{k: v for k, v in data.items() if k not in names})
+
+
+def stage_bounds(starts: list[int], units: int) -> list[tuple[int, int]]:
+    """``(start, stop)`` unit ranges of the stages starting at ``starts``."""
+    ends = [*starts[1:], units]
+    return list(zip(starts, ends))
+
+
+def _tp_time(profile: Profile, link: Machine, share: float, calls: int, units: range) -> float:
+    """Seconds of the tensor-parallel collectives of ``units`` in one step over ``share`` of the global batch,
+    each run in ``calls`` calls (one per microbatch): the latency per call, the bytes once."""
+    if profile.tp == 1:
+        return 0.0
+    total = 0.0
+    for op, nbytes, unit in profile.collectives:
+        if unit not in units:
+            continue
+        price = link.all_reduce if op is CollectiveOp.ALL_REDUCE else link.all_gather
+        total += calls * link.latency + price(nbytes * share, profile.tp) - link.latency
+    return total
+
+
+def _dp_time(layout: Layout, grad_bytes: float, link: Machine) -> float:
+    """Seconds of data-parallel collectives per step: replicate all-reduces the gradients once; fsdp all-gathers
+    the parameters before every forward and backward of a microbatch, and reduce-scatters the gradients once."""
+    if layout.dp == 1:
+        return 0.0
+    if layout.dp_mode is DataParallelMode.REPLICATE:
+        return link.all_reduce(grad_bytes, layout.dp)
+    gathers = 2 * layout.microbatches if layout.pp > 1 else 2
+    return (gathers + 1) * link.all_gather(grad_bytes, layout.dp)
+
+
+def _in_flight(layout: Layout) -> float:
+    """Microbatches whose activations a pipeline rank holds at its peak."""
+    m, pp, v = layout.microbatches, layout.pp, layout.virtual_stages
+    if layout.pp == 1 or layout.schedule is Schedule.GPIPE:
+        return m
+    held = min(m, pp)
+    return min(m, held * (1 + (pp - 1) / (pp * v))) if layout.schedule is Schedule.INTERLEAVED_1F1B else held
+
+
+def _state_bytes(layout: Layout, param_bytes: float) -> float:
+    """Parameters, gradients and AdamW moments of one rank: fsdp divides them by dp but gathers a unit's whole
+    parameters and gradients while it runs (a rank's module is one unit)."""
+    if layout.dp == 1 or layout.dp_mode is DataParallelMode.REPLICATE:
+        return param_bytes * TRAINING_COPIES
+    return param_bytes * TRAINING_COPIES / layout.dp + 2 * param_bytes
+
+
+def predict(profile: Profile, layout: Layout, starts: list[int], cluster: Cluster,
+            budget: int | None) -> Prediction:
+    """The predicted step time and memory of ``layout`` with pipeline stages starting at units ``starts`` (stage
+    ``s`` on pipeline rank ``s % pp``), on ``cluster``, against ``budget`` bytes per device (None: the cluster's)."""
+    tp, pp, dp, m, v = layout.tp, layout.pp, layout.dp, layout.microbatches, layout.virtual_stages
+    stages = stage_bounds(starts, len(profile.compute))
+    tp_link, dp_link, pp_link = cluster.ring(tp, 1), cluster.ring(dp, tp), cluster.link(pp, tp * dp)
+    busy, param_bytes, act_bytes = [0.0] * pp, [0.0] * pp, [0.0] * pp
+    comm = [0.0] * pp
+    for s, (a, b) in enumerate(stages):
+        flops = sum(profile.compute[a:b])
+        rank = s % pp
+        # Backward runs about two ops per forward op, once per microbatch.
+        busy[rank] += cluster.node.compute(3 * flops / dp, 3 * m * sum(profile.ops[a:b]))
+        comm[rank] += _tp_time(profile, tp_link, 1 / dp, m, range(a, b))
+        param_bytes[rank] += sum(profile.params[a:b]) * profile.itemsize
+        act_bytes[rank] += sum(profile.activations[a:b]) / dp
+    fullest = max(range(pp), key=lambda r: busy[r] + comm[r])
+    work = busy[fullest] + comm[fullest]
+    bubble = work * (pp - 1) / (v * m)
+    boundary = max((profile.boundaries[b - 1] for _, b in stages[:-1]), default=0.0) / dp
+    p2p = 2 * v * (m * pp_link.latency + boundary / pp_link.bandwidth) if pp > 1 else 0.0
+    dp_comm = max(_dp_time(layout, param_bytes[r], dp_link) for r in range(pp))
+    memory = max(_state_bytes(layout, param_bytes[r]) + act_bytes[r] / m * _in_flight(layout) for r in range(pp))
+    limit = budget if budget is not None else cluster.device_memory
+    step = work + bubble + p2p + dp_comm
+    return Prediction(layout, step, busy[fullest], comm[fullest], bubble, p2p, dp_comm, int(memory),
+                      limit is None or memory <= limit, profile.vocab_split)
+
+
+def ranked(predictions: list[Prediction]) -> list[Prediction]:
+    """Fitting layouts first, fastest first; among equal times the fewest pipeline stages and tp ranks (less
+    to go wrong), then the least memory."""
+    return sorted(predictions, key=lambda p: (not p.fits, round(p.step_time, 12), p.layout.pp, p.layout.tp,
+                                              p.memory, p.layout.label()))

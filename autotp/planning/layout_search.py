@@ -1,0 +1,200 @@
+"""The planner decides the layout: every valid (tp, pp, dp, dp mode, schedule, microbatches, sequence parallelism)
+of ``world`` devices, priced by ``layout_cost`` from the analysis' costs, ranked, the fastest that fits the memory
+budget chosen. Settings the caller gave are fixed; the rest are searched.
+
+One plan per tp (and sequence parallelism) gives that tp's ``Profile``: its units between cut candidates, with
+their compute, parameters and activations per rank, and the collectives its placements imply (the vocabulary split
+is the plan's own cost-model choice at that tp). Every pipeline split is then the planner's own balanced split of
+those units, so the predicted stages are the ones ``make_plan`` will build.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+
+from autotp.capture import Captured
+from autotp.errors import InputError, PlanError
+from autotp.options import Balance, DataParallelMode, Options, Schedule
+from autotp.passes.costs import tensor_bytes
+from autotp.passes.cuts import find_cuts
+from autotp.passes.placement import PlacementKind
+from autotp.planning.balance import balanced_split
+from autotp.planning.layout_cost import Layout, Prediction, Profile, predict, ranked
+from autotp.planning.machines import Cluster
+from autotp.planning.plan import Plan
+from autotp.planning.planner import cost_sizes, make_plan
+from autotp.planning.stage_split import build_units, forced_units
+
+SEARCHED = ("tp", "pp", "dp", "dp_mode", "schedule", "microbatches", "virtual_stages", "sequence_parallel")
+"""The ``Options`` fields the search chooses unless the caller fixes them."""
+
+KEPT = 8
+"""Layouts a plan records: the chosen one and its runner-ups."""
+
+
+@dataclass(frozen=True)
+class Search:
+    """Every layout priced, best first, and the options of the chosen one."""
+
+    ranked: tuple[Prediction, ...]
+    options: Options
+    world: int
+
+    @property
+    def chosen(self) -> Prediction:
+        """The layout chosen: the fastest that fits."""
+        return self.ranked[0]
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def profile_of(captured: Captured, options: Options, cluster: Cluster) -> Profile:
+    """The costs of ``captured`` planned at ``options.tp`` (one stage), per unit between cut candidates."""
+    plan = make_plan(captured, options.replace(pp=1, dp=1, microbatches=None, virtual_stages=None), cluster.node)
+    analysis = captured.analysis
+    sizes = cost_sizes(captured, options.batch, options.seq)
+    prop = analysis.propagate_placements(plan.placements, plan.tp, plan.sequence_parallel)
+    units = build_units(analysis, prop, plan.tp, sizes)
+    boundaries = tuple(tensor_bytes(analysis.nodes[c.value], sizes) for c in units.cuts)
+    unit_of_layer: dict[str, int] = {}
+    for name, unit in units.unit_of.items():  # a collective is listed at a layer: the unit of its first node
+        unit_of_layer.setdefault(analysis.layer(name), unit)
+    collectives = tuple((c.op, float(c.nbytes(plan.batch or 1, plan.seq or 1)), unit_of_layer.get(c.module, 0))
+                        for c in plan.collectives if c.in_step)
+    itemsize = next((p.element_size() for p in captured.module.parameters()), 4)
+    vocab = any(p.kind is PlacementKind.VOCAB for p in plan.placements.values())
+    ops = [0.0] * len(units.compute)
+    for node in analysis.graph.nodes:  # the rewrite adds a few (collectives, slices); the capture's are counted
+        if node.op == "call_function":
+            ops[units.unit_of[node.name]] += 1
+    return Profile(plan.tp, plan.sequence_parallel, tuple(units.compute), tuple(units.rank_params),
+                   tuple(units.activations), boundaries, collectives, itemsize, vocab, tuple(ops))
+
+
+def _profiles(captured: Captured, world: int, options: Options, fixed: Mapping, cluster: Cluster) -> list[Profile]:
+    """A profile for every tp dividing ``world`` at which the model splits (and with sequence parallelism where it
+    applies), as ``fixed`` allows."""
+    out = []
+    for tp in [fixed["tp"]] if "tp" in fixed else _divisors(world):
+        flags = [fixed["sequence_parallel"]] if "sequence_parallel" in fixed else [False, True]
+        for sp in dict.fromkeys(f and tp > 1 for f in flags):
+            try:
+                out.append(profile_of(captured, options.replace(tp=tp, sequence_parallel=sp), cluster))
+            except PlanError:
+                continue  # tp does not divide the model's heads or widths, or it has no sequence to split
+    return out
+
+
+def _pipelines(pp: int, batch: int, units: int, fixed: Mapping) -> Iterator[tuple[Schedule, int, int]]:
+    """(schedule, microbatches, stages per rank) for ``pp`` pipeline ranks and a replica's ``batch``: microbatches
+    dividing the batch, at least one per stage for the 1F1B schedules (a multiple of pp when interleaved)."""
+    if pp == 1:
+        yield Schedule(fixed.get("schedule", Schedule.ONE_F_ONE_B)), 1, 1
+        return
+    for schedule in [Schedule(fixed["schedule"])] if "schedule" in fixed else list(Schedule):
+        v = fixed.get("virtual_stages") or (2 if schedule is Schedule.INTERLEAVED_1F1B else 1)
+        if pp * v > units:
+            continue
+        least = 1 if schedule is Schedule.GPIPE else pp * v
+        choices = [fixed["microbatches"]] if fixed.get("microbatches") else _divisors(batch)
+        for m in choices:
+            if m >= least and batch % m == 0 and (schedule is not Schedule.INTERLEAVED_1F1B or m % pp == 0):
+                yield schedule, m, v
+
+
+def layouts(profile: Profile, world: int, batch: int, fixed: Mapping) -> Iterator[Layout]:
+    """Every layout of ``world`` devices at the profile's tp that ``fixed`` allows, for a global ``batch``."""
+    rest = world // profile.tp
+    for pp in [fixed["pp"]] if "pp" in fixed else _divisors(rest):
+        dp = rest // pp
+        if rest % pp or fixed.get("dp", dp) != dp or batch % dp or pp > len(profile.compute):
+            continue
+        modes = [DataParallelMode(fixed["dp_mode"])] if "dp_mode" in fixed else list(DataParallelMode)
+        for mode in modes if dp > 1 else modes[:1]:
+            for schedule, m, v in _pipelines(pp, batch // dp, len(profile.compute), fixed):
+                yield Layout(profile.tp, pp, dp, mode, schedule, m, v, profile.sequence_parallel)
+
+
+def search_layouts(captured: Captured, world: int, options: Options, fixed: Mapping, cluster: Cluster,
+                   budget: int | None = None, profiles: list[Profile] | None = None) -> Search:
+    """Price every layout of ``world`` devices (``fixed``: the settings the caller gave) and rank them; the chosen
+    one is the fastest whose memory fits ``budget`` (default: ``options.memory_budget``, else the cluster's).
+    ``profiles`` (default: planned here, one per tp dividing ``world``) may be given to price many worlds."""
+    analysis = captured.analysis
+    if profiles is None:
+        profiles = _profiles(captured, world, options, fixed, cluster)
+    batch = options.batch or cost_sizes(captured, None, None).get(_batch_symbol(captured), 1)
+    # The cut candidates are the graph's, the same at every tp.
+    forced = forced_units(analysis, find_cuts(analysis.graph, analysis.trainable), options.cuts) if options.cuts else []
+    found = rank_layouts(profiles, world, batch, fixed, cluster, budget if budget is not None else
+                         options.memory_budget, options.balance, forced)
+    if not found:
+        raise PlanError(f"no layout of {world} devices suits {captured.model_name} with {dict(fixed) or 'nothing'} "
+                        f"fixed: tp must divide its heads and widths, pp at most its blocks, dp the batch of {batch}; "
+                        "fix fewer settings or use another number of devices")
+    if not found[0].fits:
+        least = min(found, key=lambda p: p.memory)
+        limit = budget if budget is not None else options.memory_budget or cluster.device_memory
+        raise PlanError(f"no layout of {world} devices fits {captured.model_name} in {_mib(limit)} per device: the "
+                        f"least memory is {least.layout.label()} at {_mib(least.memory)}; use more devices, a larger "
+                        "memory_budget or a smaller batch")
+    return Search(tuple(found), options.replace(**found[0].layout.settings()), world)
+
+
+def rank_layouts(profiles: list[Profile], world: int, batch: int, fixed: Mapping, cluster: Cluster,
+                 budget: int | None, balance: Balance = Balance.BOTH, forced=()) -> list[Prediction]:
+    """Every layout of ``world`` devices the profiles and ``fixed`` allow, priced and ranked (a pure function: the
+    stages are the planner's balanced split of each profile's units)."""
+    starts, predictions = {}, []
+    for profile in profiles:
+        if world % profile.tp:
+            continue
+        for layout in layouts(profile, world, batch, fixed):
+            key = (id(profile), layout.pp * layout.virtual_stages)
+            if key not in starts:
+                starts[key] = balanced_split(profile.compute, profile.params, key[1], balance, forced)
+            predictions.append(predict(profile, layout, starts[key], cluster, budget))
+    return ranked(predictions)
+
+
+def _batch_symbol(captured: Captured) -> str:
+    """The capture's symbol for the batch (``B``), as the size values are keyed."""
+    return next((s for s, readable in captured.dim_names.items() if readable == "B"), "B")
+
+
+def _mib(nbytes) -> str:
+    return "no limit" if nbytes is None else f"{nbytes / 2**20:.4g} MiB"
+
+
+def fixed_settings(settings: Mapping, options: Options | None) -> dict:
+    """The searched settings the caller fixed: given as keywords (not None), or set in ``options`` away from
+    their defaults."""
+    fixed = {k: v for k, v in settings.items() if k in SEARCHED and v is not None}
+    if options is not None:
+        defaults = Options()
+        fixed = {k: getattr(options, k) for k in SEARCHED if getattr(options, k) != getattr(defaults, k)} | fixed
+    for name, value in fixed.items():
+        if name in ("tp", "pp", "dp", "microbatches", "virtual_stages") and (
+                isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise InputError(f"{name} must be a positive integer, got {value!r}")
+    return fixed
+
+
+def plan_layout(captured: Captured, world: int, options: Options, fixed: Mapping, cluster: Cluster) -> Plan:
+    """The plan of the layout the search chooses, with the ranked layouts (the chosen one first) and why."""
+    found = search_layouts(captured, world, options, fixed, cluster)
+    best = found.chosen
+    plan = make_plan(captured, found.options, cluster.node)
+    runner = next((p for p in found.ranked[1:] if p.fits), None)
+    why = (f"layout {best.layout.label()} chosen by the cost model ({cluster.description}) among "
+           f"{len(found.ranked)} layouts of {world} devices: predicted step {best.step_time * 1e3:.4g} ms, "
+           f"{_mib(best.memory)} per device")
+    if runner is not None:
+        why += f"; runner-up {runner.layout.label()} at {runner.step_time * 1e3:.4g} ms, {_mib(runner.memory)}"
+    if fixed:
+        given = ", ".join(f"{k}={getattr(v, 'value', v)}" for k, v in fixed.items())
+        why += f"; fixed by the caller: {given}"
+    return plan.replace(layouts=found.ranked[:KEPT], notes=(*plan.notes, why))
