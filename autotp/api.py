@@ -18,6 +18,7 @@ from autotp.errors import InputError
 from autotp.options import Options, Recompute
 from autotp.passes.placement import Source
 from autotp.planning import Plan, check_plan_fits, make_plan
+from autotp.planning.plan import check_schedule_fits
 from autotp.planning.planner import verify_plan
 from autotp.planning.pricing import machine_for
 from autotp.rewrite import build_graph, materialise_all, split_stages
@@ -122,6 +123,7 @@ def parallelize(model: nn.Module, tp: int | None = None, example_inputs=None, *,
     else:
         machine = machine_for(device_for(group, distributed) or "cpu")
         chosen = with_input_note(make_plan(captured, chosen_options, machine), example)
+    check_schedule_fits(chosen, chosen_options)
     check_same_plan(chosen, group, distributed)
     built = Built(model, graphs, chosen, chosen_options, source)
     return _tensor_parallel(built, group, distributed) if pp == 1 else _pipeline_parallel(built)

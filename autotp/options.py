@@ -148,6 +148,10 @@ def _check_schedule(options: Options) -> None:
     if schedule.v_shaped and options.stages_per_rank != 2:
         raise InputError(f"schedule {schedule.value} places exactly 2 stages per rank in a V, got "
                          f"virtual_stages={options.virtual_stages}; leave virtual_stages unset (or 2)")
+    if schedule.splits_backward and options.dp > 1:
+        raise InputError(f"schedule {schedule.value} (input and weight gradients apart) is not verified with data "
+                         f"parallelism (dp={options.dp}): FSDP and the replicas' all-reduce expect one backward per "
+                         "microbatch; use schedule '1f1b' or 'interleaved1f1b' with dp > 1")
     rounds = max(1, micro // pp)
     if schedule.virtual and not schedule.v_shaped and micro % rounds:
         raise InputError(f"schedule {schedule.value} runs microbatches in rounds of pp={pp}: microbatches="

@@ -34,3 +34,20 @@ def test_v_schedules_refuse_other_stage_counts():
 
     with pytest.raises(autotp.InputError, match="zbv places exactly 2 stages per rank"):
         Options(pp=2, schedule="zbv", virtual_stages=3, microbatches=6)
+
+
+def test_split_backward_refuses_shared_kv_heads_at_plan_time():
+    import autotp
+    from tests import models
+
+    model, example = models.build("hf_llama", layers=2), (models.tokens(2, 16, 0),)
+    assert autotp.plan(model, tp=4, pp=2, schedule="1f1b", example_inputs=example).pp == 2  # 1F1B takes it
+    with pytest.raises(autotp.PlanError, match="schedule zbv computes weight gradients apart.*k_proj"):
+        autotp.plan(model, tp=4, pp=2, schedule="zbv", example_inputs=example)
+
+
+def test_split_backward_refuses_data_parallelism():
+    import autotp
+
+    with pytest.raises(autotp.InputError, match="dualpipev .* not verified with data parallelism"):
+        Options(pp=2, dp=2, schedule="dualpipev")
