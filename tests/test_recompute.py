@@ -10,6 +10,8 @@ from autotp.capture import capture, example_inputs_of
 from autotp.checker import build_ranks
 from autotp.options import Options, Recompute
 from autotp.planning import make_plan
+from autotp.planning.recompute_cost import RecomputeCost, plan_recompute_cost
+from bench.memory import SavedActivations
 from examples.gpt import build_gpt
 from tests import models, recompute_workers
 from tests.distributed import run_on_ranks
@@ -35,27 +37,27 @@ def test_checker_finds_recompute_exact_with_dropout():
 
 
 def _saved_bytes(gm, x) -> int:
-    total = 0
-
-    def pack(t):
-        nonlocal total
-        total += t.numel() * t.element_size()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    """Bytes of the storages autograd keeps for backward in one forward, parameters excluded."""
+    saved = SavedActivations(list(gm.parameters()))
+    with saved:
         gm(x)
-    return total
+    return saved.bytes
 
 
-def test_recompute_keeps_fewer_activations():
+def test_recompute_keeps_fewer_activations_as_the_cost_model_predicts():
     torch.manual_seed(0)
-    model = build_gpt(n_layer=4, dropout=0.1).train()
-    x = models.tokens(2, 32, 1)
+    model = build_gpt(n_layer=4, n_embd=128, n_head=4, vocab_size=1024, dropout=0.1).train()
+    x = models.tokens(4, 64, 1)
     captured = capture(model, example_inputs_of(model, (x,)), training=True)
     plan = make_plan(captured, Options(tp=1))
     (kept,), _ = build_ranks(captured, plan)
     (recomputed,), _ = build_ranks(captured, plan, recompute=Recompute.BLOCKS)
-    assert _saved_bytes(recomputed, x) < 0.7 * _saved_bytes(kept, x)
+    before, after = _saved_bytes(kept, x), _saved_bytes(recomputed, x)
+    assert after < 0.2 * before, (before, after)
+    predicted = plan_recompute_cost(captured, plan)
+    assert abs(predicted.saved_bytes - (before - after)) < 0.05 * (before - after), (predicted, before, after)
+    assert 0 < predicted.extra_flops < plan.stages[0].flops if plan.stages else predicted.extra_flops > 0
+    assert plan_recompute_cost(captured, plan, Recompute.NONE) == RecomputeCost(0.0, 0.0)
 
 
 def test_recompute_is_a_validated_option():
