@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from autotp.errors import AutotpError, InputError, InternalError
-from autotp.options import Balance, DataParallelMode, Options, Schedule, VocabChoice
+from autotp.options import Balance, DataParallelMode, Options, Recompute, Schedule, VocabChoice
 from autotp.tools.generate_cli import add_parser as add_generate_parser
 
 if TYPE_CHECKING:  # torch and everything built on it load only when a command runs: --help answers at once
@@ -90,6 +90,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--memory-budget", metavar="BYTES", help="bytes per rank for training state, e.g. 40GiB")
     p.add_argument("--sequence-parallel", action="store_true",
                    help="split the residual stream between regions along the sequence (Megatron's sequence parallelism)")
+    p.add_argument("--recompute", choices=[r.value for r in Recompute],
+                   help="recompute each block's activations in backward instead of keeping them (default none)")
     p.add_argument("--plan", dest="plan_file", metavar="FILE", help="read this plan (JSON) instead of planning")
     p.add_argument("--expand", action="store_true", help="list every repeated block instead of collapsing them")
 
@@ -112,6 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("-o", "--output", metavar="FILE", help="write to FILE instead of stdout")
     plan.add_argument("--dp", type=_positive, default=1,
                       help="data-parallel replicas: the table adds their memory per rank and gradient collectives")
+    plan.add_argument("--schedule", choices=[c.value for c in Schedule],
+                      help="pipeline schedule the plan is for (zbv and dualpipev: two stages per rank in a V)")
     plan.add_argument("--dp-mode", choices=[m.value for m in DataParallelMode], default=DataParallelMode.FSDP.value,
                       help="how the replicas hold the model (default fsdp)")
     viz = sub.add_parser("viz", help="draw the plan (svg, png, html, dot) or its pipeline timeline")
@@ -203,7 +207,8 @@ def options_of(args, plan: Plan | None = None) -> Options:
     tp = args.tp or (plan.tp if plan is not None else None)
     return Options.build(tp=tp, pp=args.pp, balance=args.balance, batch=args.batch, seq=args.seq,
                          vocab=args.vocab, memory_budget=args.memory_budget,
-                         sequence_parallel=args.sequence_parallel)
+                         sequence_parallel=args.sequence_parallel, recompute=args.recompute,
+                         schedule=getattr(args, "schedule", None))
 
 
 def _table(planned: Planned, args) -> str:
