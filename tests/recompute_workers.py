@@ -10,7 +10,7 @@ from torch.testing import assert_close
 
 import autotp
 from autotp.rewrite.recompute import Recomputed
-from tests import models, schedule_workers
+from tests import dp_workers, models, schedule_workers
 from tests.correctness_workers import DROPOUT_MODELS, SEED
 from tests.workers import ADAM, STEPS, _check_grads
 
@@ -84,3 +84,9 @@ def pipeline_dropout(rank: int, world: int, schedules: list[str]) -> dict:
         exact = schedule_workers.check_schedule("gpt", 1, world, schedule, recompute="blocks")
         out[schedule] = {"blocks": blocks, "losses": losses, "exact": exact}
     return out
+
+
+def data_parallel(rank: int, world: int) -> dict:
+    """dp=world replicas (fsdp and replicate) with recompute="blocks": as one process on the whole batch."""
+    return {mode: dp_workers.check_data_parallel(world, 1, 1, mode, recompute="blocks")["norms"]
+            for mode in ("fsdp", "replicate")}

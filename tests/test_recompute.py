@@ -29,6 +29,11 @@ def test_pipeline_recompute_with_dropout_is_exact():
         assert result["blocks"] >= 2, (schedule, result)
 
 
+def test_data_parallel_recompute_is_exact():
+    results = run_on_ranks(recompute_workers.data_parallel, 2)
+    assert sorted(results[0]) == ["fsdp", "replicate"]
+
+
 def test_checker_finds_recompute_exact_with_dropout():
     torch.manual_seed(0)
     model = build_gpt(n_layer=2, dropout=0.2).train()
