@@ -174,7 +174,7 @@ class Options:
     dp_mode: DataParallelMode = DataParallelMode.FSDP
     """How the replicas hold the model."""
     virtual_stages: int | None = None
-    """Pipeline stages per rank (None: 2 for the interleaved schedule, else 1)."""
+    """Pipeline stages per rank (None: 2 for the interleaved, zero-bubble and V schedules, else 1)."""
     microbatches: int | None = None
     """Microbatches per pipelined step (None: one per stage)."""
     schedule: Schedule = Schedule.ONE_F_ONE_B

@@ -55,5 +55,9 @@ def check_schedule(name: str, tp: int, pp: int, schedule: str, **settings) -> di
 
 
 def check_schedules(rank: int, world: int, tp: int, configs: list[list[str]]) -> dict:
-    """``check_schedule`` for each (model, schedule) at tp and pp = world // tp."""
-    return {f"{name}/{schedule}": check_schedule(name, tp, world // tp, schedule) for name, schedule in configs}
+    """``check_schedule`` for each (model, schedule[, recompute]) at tp and pp = world // tp."""
+    out = {}
+    for name, schedule, *recompute in configs:
+        settings = {"recompute": recompute[0]} if recompute else {}
+        out["/".join([name, schedule, *recompute])] = check_schedule(name, tp, world // tp, schedule, **settings)
+    return out

@@ -8,13 +8,13 @@ from autotp.options import Options, Schedule
 from tests import schedule_workers
 from tests.distributed import run_on_ranks
 
-SPLIT = [["gpt", "zbv"], ["llama", "dualpipev"], ["hf_llama", "interleavedzb"]]
+SPLIT = [["gpt", "zbv"], ["llama", "dualpipev"], ["hf_llama", "interleavedzb"], ["gpt", "zbv", "blocks"]]
 
 
 @pytest.mark.parametrize("tp, pp", [(1, 2), (2, 2)])
 def test_split_backward_schedules_train_like_the_original(tp, pp):
     results = run_on_ranks(schedule_workers.check_schedules, tp * pp, tp, SPLIT)
-    assert sorted(results[0]) == sorted(f"{n}/{s}" for n, s in SPLIT), "not every case ran"
+    assert sorted(results[0]) == sorted("/".join(case) for case in SPLIT), "not every case ran"
     v_ranks = {0: [0, 3], 1: [1, 2]}  # rank r holds stages r and 2*pp-1-r
     for rank, result in enumerate(results):
         pp_rank = rank // tp
