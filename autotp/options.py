@@ -217,6 +217,9 @@ class Options:
                              f"stage) to fill the pipeline, got microbatches={self.microbatches}; raise microbatches "
                              "or use schedule='gpipe'")
         _check_schedule(self)
+        if self.compile and self.recompute is not Recompute.NONE:
+            raise InputError(f"recompute={self.recompute.value!r} with compile=True is not verified: torch.compile "
+                             "would trace the recomputed blocks' random-stream replay; use one or the other")
         if self.compile and (self.pp > 1 or self.dp > 1):
             raise InputError(f"compile=True runs tensor-parallel graphs (pp=1, dp=1) under torch.compile; with "
                              f"pp={self.pp} and dp={self.dp} the pipeline schedule and FSDP's hooks wrap them: leave "

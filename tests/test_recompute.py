@@ -73,3 +73,9 @@ def test_recompute_is_a_validated_option():
         assert "recompute must be one of ['none', 'blocks']" in str(e)
     else:
         raise AssertionError("recompute='layers' accepted")
+    try:
+        Options(tp=2, recompute="blocks", compile=True)
+    except autotp.InputError as e:
+        assert "with compile=True is not verified" in str(e)
+    else:
+        raise AssertionError("recompute with compile accepted")
