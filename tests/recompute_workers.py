@@ -14,7 +14,7 @@ from tests import dp_workers, models, schedule_workers
 from tests.correctness_workers import DROPOUT_MODELS, SEED
 from tests.workers import ADAM, STEPS, _check_grads
 
-LM_LOSS = schedule_workers.models.loss_fn
+LM_LOSS = models.loss_fn
 
 
 def recomputed_blocks(pm) -> int:
