@@ -4,7 +4,8 @@ Each rank holds the stages the schedule places on its pipeline rank (``Schedule.
 for ZBV and DualPipeV; one stage, or several for the interleaved and V schedules), each already tensor-parallel
 over its ``tp`` group. A weight tied across stages (the embedding and the LM head) is held by both; their
 gradients are summed after each backward. With data parallelism each (dp) replica runs its own pipeline on its
-slice of the batch; under fsdp each stage is an FSDP unit, which torch's schedules drive (gradients reduce-scattered once, after the last microbatch).
+slice of the batch; under fsdp each stage is an FSDP unit, which torch's schedules drive (gradients
+reduce-scattered once, after the last microbatch).
 """
 
 from __future__ import annotations
