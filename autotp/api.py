@@ -15,16 +15,18 @@ from torch import nn
 
 from autotp.capture import ExampleInputs, capture, example_inputs_of
 from autotp.errors import InputError, RuntimeSetupError
-from autotp.options import Options
+from autotp.options import Options, Recompute
 from autotp.passes.placement import Source
 from autotp.planning import Plan, check_plan_fits, make_plan
 from autotp.planning.layout_search import fixed_settings, plan_layout
 from autotp.planning.machines import cluster_for, cluster_named
+from autotp.planning.plan import check_schedule_fits
 from autotp.planning.planner import verify_plan
 from autotp.planning.pricing import machine_for
 from autotp.rewrite import build_graph, materialise_all, split_stages
 from autotp.rewrite.cache_layout import build_cache_steps
 from autotp.rewrite.comm import TorchComm
+from autotp.rewrite.recompute import recompute_blocks
 from autotp.rewrite.streams import RankStream
 from autotp.runtime import (
     DataParallel,
@@ -94,8 +96,9 @@ def parallelize(model: nn.Module, tp: int | None = None, example_inputs=None, *,
     environment when needed (``timeout``, seconds, bounds how long a collective waits for the other ranks;
     default 10 minutes). With ``plan`` given, applies it instead of planning (``tp`` and ``pp`` then
     default to the plan's). With pp > 1, ``step`` runs ``microbatches`` (default: one per stage) through the
-    ``schedule`` (``gpipe``, ``1f1b`` or ``interleaved1f1b`` with ``virtual_stages`` stages per rank);
-    1F1B schedules need at least as many microbatches as stages (the default).
+    ``schedule`` (``gpipe``, ``1f1b``, ``interleaved1f1b`` or ``interleavedzb`` with ``virtual_stages`` stages
+    per rank, ``zbv`` or ``dualpipev`` with two per rank in a V: ``options.Schedule``); all but GPipe need at
+    least as many microbatches as stages (the default).
 
     With ``checkpoint`` (a ``.safetensors`` file, a Hugging Face model directory, or a directory ``pm.save``
     wrote at any layout), every rank reads only its own slices of the weights from it, and the model may be on
@@ -140,6 +143,7 @@ def parallelize(model: nn.Module, tp: int | None = None, example_inputs=None, *,
     else:
         machine = machine_for(device_for(group, distributed) or "cpu")
         chosen = with_input_note(make_plan(captured, chosen_options, machine), example)
+    check_schedule_fits(chosen, chosen_options)
     check_same_plan(chosen, group, distributed)
     built = Built(model, graphs, chosen, chosen_options, source)
     return _tensor_parallel(built, group, distributed) if pp == 1 else _pipeline_parallel(built)
@@ -250,6 +254,14 @@ def _parts(built: Built, comm, stream: RankStream, names, dp: DataParallel | Non
                      getattr(built.model, "config", None), built.model.training)
 
 
+def _recompute(built: Built, train_graphs: list[torch.fx.GraphModule], stream: RankStream) -> None:
+    """Blocks of the train-mode graphs recompute their activations in backward, if the options say so (eval
+    keeps no activations)."""
+    if built.options.recompute is Recompute.BLOCKS:
+        for gm in train_graphs:
+            recompute_blocks(gm, built.graphs[True].analysis, stream)
+
+
 def _tensor_parallel(built: Built, group, distributed: bool) -> ParallelModule:
     dp = _data_parallel(built.options)
     comm = TorchComm(dp.mesh.tp_group if dp is not None else group) if distributed else None
@@ -259,6 +271,7 @@ def _tensor_parallel(built: Built, group, distributed: bool) -> ParallelModule:
     graphs = built.graphs
     modules = {mode: build_graph(captured, built.plan, rank, comm, stream=stream) for mode, captured in graphs.items()}
     materialise_all([(modules[mode], graphs[mode]) for mode in modules], built.plan, rank, source=source)
+    _recompute(built, [modules[True]], stream)
     device = device_for(group, distributed)
     if device is not None:
         for gm in modules.values():
@@ -271,7 +284,8 @@ def _tensor_parallel(built: Built, group, distributed: bool) -> ParallelModule:
 def _pipeline_parallel(built: Built) -> PipelineModule:
     plan, graphs = built.plan, built.graphs
     device = device_for(None, True) or torch.device("cpu")
-    mesh = Mesh(plan.pp, plan.tp, device, dp=built.options.dp, timeout=group_timeout())
+    schedule = built.options.schedule
+    mesh = Mesh(plan.pp, plan.tp, device, dp=built.options.dp, timeout=group_timeout(), placement=schedule.rank_of)
     comm, stream = TorchComm(mesh.tp_group), RankStream(shared_seed(None, True))
     source = built.source or from_first_rank(built.model, None, True)
     stages: dict[bool, dict[int, torch.fx.GraphModule]] = {}
@@ -280,9 +294,10 @@ def _pipeline_parallel(built: Built) -> PipelineModule:
         every = split_stages(gm, captured.analysis, plan, list(range(len(plan.stages))))
         if mode:
             names, tied = state_names(built.model, captured, every, source), tied_groups(every, mesh)
-        stages[mode] = {i: g for i, g in enumerate(every) if i % plan.pp == mesh.pp_rank}
+        stages[mode] = {i: g for i, g in enumerate(every) if schedule.rank_of(i, plan.pp) == mesh.pp_rank}
     materialise_all([(g, graphs[mode]) for mode in stages for g in stages[mode].values()], plan, mesh.tp_rank,
                     source=source)
+    _recompute(built, list(stages[True].values()), stream)
     for held in stages.values():
         for g in held.values():
             g.to(device)

@@ -21,13 +21,14 @@ from torch.utils._pytree import tree_leaves, tree_map
 from autotp.api import param_shapes, required_tp, with_input_note
 from autotp.capture import Captured, capture, example_inputs_of, model_kwargs
 from autotp.errors import AutotpError, InputError, InternalError
-from autotp.options import Options
+from autotp.options import Options, Recompute
 from autotp.passes.placement import Shard, full_tensor
 from autotp.planning import Plan, check_plan_fits, make_plan
 from autotp.planning.planner import verify_plan
 from autotp.rewrite import rewrite
 from autotp.rewrite.comm import ThreadComm
 from autotp.rewrite.graph_edit import STANDS_FOR
+from autotp.rewrite.recompute import recompute_blocks
 from autotp.rewrite.shards import local_part
 from autotp.rewrite.streams import RankStream
 
@@ -170,10 +171,17 @@ def close(got: torch.Tensor, want: torch.Tensor) -> bool:
     return torch.allclose(got, want, rtol=RTOL, atol=ATOL + SCALE_TOL * scale, equal_nan=True)
 
 
-def build_ranks(captured: Captured, plan: Plan, seed: int = SEED) -> tuple[list[fx.GraphModule], list[ThreadComm]]:
-    """Every tensor-parallel rank's module for ``plan``, its collectives joined through threads."""
+def build_ranks(captured: Captured, plan: Plan, seed: int = SEED,
+                recompute: Recompute = Recompute.NONE) -> tuple[list[fx.GraphModule], list[ThreadComm]]:
+    """Every tensor-parallel rank's module for ``plan``, its collectives joined through threads; with
+    ``recompute``, blocks recompute their activations in backward as ``parallelize`` makes them."""
     comms = ThreadComm.group(plan.tp)
-    modules = [rewrite(captured, plan, rank, comms[rank], RankStream(seed)) for rank in range(plan.tp)]
+    modules = []
+    for rank in range(plan.tp):
+        stream = RankStream(seed)
+        modules.append(rewrite(captured, plan, rank, comms[rank], stream))
+        if recompute is Recompute.BLOCKS:
+            recompute_blocks(modules[-1], captured.analysis, stream)
     return modules, comms
 
 
@@ -198,7 +206,7 @@ def check(model: nn.Module, tp: int | None = None, example_inputs=None, *, plan:
         chosen = verify_plan(captured, check_plan_fits(plan, param_shapes(model), chosen_options.tp))
     else:
         chosen = with_input_note(make_plan(captured, chosen_options), example)
-    modules, comms = build_ranks(captured, chosen)
+    modules, comms = build_ranks(captured, chosen, recompute=chosen_options.recompute)
     if modules_hook is not None:
         modules_hook(modules, comms)
     reference = copy.deepcopy(model).train()
@@ -231,7 +239,8 @@ def _in_float64(model: nn.Module, example_inputs, plan: Plan, report: CheckRepor
     widened = tree_map(lambda t: t.double() if isinstance(t, torch.Tensor) and t.is_floating_point() else t,
                        example_inputs)
     try:
-        wide = check(copy.deepcopy(model).double(), report.tp, widened, plan=plan, modules_hook=modules_hook)
+        wide = check(copy.deepcopy(model).double(), report.tp, widened, plan=plan, modules_hook=modules_hook,
+                     recompute=plan.options.recompute)
     except Exception:  # noqa: BLE001 - a model that cannot run in float64 says nothing about rounding
         return report
     if not wide.exact:

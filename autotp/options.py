@@ -28,6 +28,36 @@ class Schedule(str, Enum):
     """After a warm-up of forwards, each stage alternates one forward and one backward."""
     INTERLEAVED_1F1B = "interleaved1f1b"
     """1F1B over several (virtual) stages per rank."""
+    INTERLEAVED_ZERO_BUBBLE = "interleavedzb"
+    """Interleaved 1F1B with each backward split into its input and weight gradients, the weight gradients
+    filling the bubbles (ZB1P of Qi et al. 2024, torch's ``ScheduleInterleavedZeroBubble``)."""
+    ZBV = "zbv"
+    """Zero bubble over two stages per rank placed in a V (rank r holds stages r and 2·pp-1-r; torch's
+    ``ScheduleZBVZeroBubble``)."""
+    DUALPIPE_V = "dualpipev"
+    """DeepSeek's DualPipe on the V placement: one microbatch's forward overlapped with another's backward
+    (torch's ``ScheduleDualPipeV``)."""
+
+    @property
+    def virtual(self) -> bool:
+        """Whether each rank holds several stages (by default two)."""
+        return self not in (Schedule.GPIPE, Schedule.ONE_F_ONE_B)
+
+    @property
+    def v_shaped(self) -> bool:
+        """Whether the stages lie in a V: exactly two per rank, the first and last on rank 0."""
+        return self in (Schedule.ZBV, Schedule.DUALPIPE_V)
+
+    @property
+    def splits_backward(self) -> bool:
+        """Whether backward runs as input gradients, then weight gradients later (torch's
+        ``stage_backward_input``/``stage_backward_weight``)."""
+        return self in (Schedule.INTERLEAVED_ZERO_BUBBLE, Schedule.ZBV, Schedule.DUALPIPE_V)
+
+    def rank_of(self, stage: int, pp: int) -> int:
+        """The pipeline rank holding ``stage``: looped (``stage % pp``), or down and back up a V."""
+        lap, offset = divmod(stage, pp)
+        return pp - 1 - offset if self.v_shaped and lap % 2 else offset
 
 
 class DataParallelMode(str, Enum):
@@ -37,6 +67,16 @@ class DataParallelMode(str, Enum):
     """Parameters, gradients and optimizer state sharded over the replicas (torch's FSDP2 ``fully_shard``)."""
     REPLICATE = "replicate"
     """Every replica holds the whole rank module; gradients are averaged by all-reduce (as DDP)."""
+
+
+class Recompute(str, Enum):
+    """Which activations backward recomputes instead of keeping (``rewrite.recompute``)."""
+
+    NONE = "none"
+    """Keep every activation."""
+    BLOCKS = "blocks"
+    """Keep each block's input only (blocks: the runs between pipeline cut candidates) and run the block's
+    forward again in backward, with the same dropout masks; the model's last block (the head) is kept."""
 
 
 class VocabChoice(str, Enum):
@@ -99,6 +139,25 @@ def _shown(value):
     return value.value if isinstance(value, Enum) else value
 
 
+def _check_schedule(options: Options) -> None:
+    """The layouts torch's schedules take: V schedules hold exactly two stages per rank; the looped ones split
+    the microbatches into rounds of ``pp``."""
+    schedule, pp, micro = options.schedule, options.pp, options.step_microbatches
+    if pp == 1:
+        return
+    if schedule.v_shaped and options.stages_per_rank != 2:
+        raise InputError(f"schedule {schedule.value} places exactly 2 stages per rank in a V, got "
+                         f"virtual_stages={options.virtual_stages}; leave virtual_stages unset (or 2)")
+    if schedule.splits_backward and options.dp > 1:
+        raise InputError(f"schedule {schedule.value} (input and weight gradients apart) is not verified with data "
+                         f"parallelism (dp={options.dp}): FSDP and the replicas' all-reduce expect one backward per "
+                         "microbatch; use schedule '1f1b' or 'interleaved1f1b' with dp > 1")
+    rounds = max(1, micro // pp)
+    if schedule.virtual and not schedule.v_shaped and micro % rounds:
+        raise InputError(f"schedule {schedule.value} runs microbatches in rounds of pp={pp}: microbatches="
+                         f"{micro} must be a multiple of {rounds} (microbatches // pp); use a multiple of pp")
+
+
 @dataclass(frozen=True, repr=False)
 class Options:
     """Every setting of a parallel layout, validated once: ``parallelize``, ``plan``, ``check`` and the CLI
@@ -115,7 +174,7 @@ class Options:
     dp_mode: DataParallelMode = DataParallelMode.FSDP
     """How the replicas hold the model."""
     virtual_stages: int | None = None
-    """Pipeline stages per rank (None: 2 for the interleaved schedule, else 1)."""
+    """Pipeline stages per rank (None: 2 for the interleaved, zero-bubble and V schedules, else 1)."""
     microbatches: int | None = None
     """Microbatches per pipelined step (None: one per stage)."""
     schedule: Schedule = Schedule.ONE_F_ONE_B
@@ -137,6 +196,8 @@ class Options:
     """Split the residual stream between regions along the sequence (Megatron's sequence parallelism)."""
     compile: bool = False
     """Run the rank graphs under ``torch.compile`` (tensor parallelism only)."""
+    recompute: Recompute = Recompute.NONE
+    """Activations recomputed in backward instead of kept (a runtime choice: the plan is the same)."""
 
     def __post_init__(self):
         for name in ("tp", "pp", "dp"):
@@ -144,7 +205,7 @@ class Options:
         for name in ("virtual_stages", "microbatches", "batch", "seq"):
             _positive(name, getattr(self, name), optional=True)
         for name, kind in (("dp_mode", DataParallelMode), ("schedule", Schedule), ("balance", Balance),
-                           ("vocab", VocabChoice)):
+                           ("vocab", VocabChoice), ("recompute", Recompute)):
             object.__setattr__(self, name, _member(kind, name, getattr(self, name)))
         for name in ("sequence_parallel", "compile"):
             _flag(name, getattr(self, name))
@@ -156,6 +217,10 @@ class Options:
             raise InputError(f"schedule {self.schedule.value} needs at least {self.stages} microbatches (one per "
                              f"stage) to fill the pipeline, got microbatches={self.microbatches}; raise microbatches "
                              "or use schedule='gpipe'")
+        _check_schedule(self)
+        if self.compile and self.recompute is not Recompute.NONE:
+            raise InputError(f"recompute={self.recompute.value!r} with compile=True is not verified: torch.compile "
+                             "would trace the recomputed blocks' random-stream replay; use one or the other")
         if self.compile and (self.pp > 1 or self.dp > 1):
             raise InputError(f"compile=True runs tensor-parallel graphs (pp=1, dp=1) under torch.compile; with "
                              f"pp={self.pp} and dp={self.dp} the pipeline schedule and FSDP's hooks wrap them: leave "
@@ -186,7 +251,7 @@ class Options:
     @property
     def stages_per_rank(self) -> int:
         """Pipeline stages each pipeline rank holds."""
-        default = 2 if self.schedule is Schedule.INTERLEAVED_1F1B else 1
+        default = 2 if self.schedule.virtual else 1
         return self.virtual_stages or default
 
     @property

@@ -27,13 +27,15 @@ def _mean_over_replicas(loss: torch.Tensor, dp_rank: int) -> float:
     return sum(per_replica.values()) / len(per_replica)
 
 
-def check_data_parallel(dp: int, tp: int, pp: int, mode: str, sequence_parallel: bool = False) -> dict:
+def check_data_parallel(dp: int, tp: int, pp: int, mode: str, sequence_parallel: bool = False,
+                        recompute: str = "none") -> dict:
     """STEPS AdamW steps with clipping on dp replicas, each on its slice, against one process on the whole batch:
     outputs, the mean loss, the clipped norm (2-norm and inf-norm), eval-mode outputs and every parameter after."""
-    label = f"dp={dp} tp={tp} pp={pp} {mode}" + (" sequence parallel" if sequence_parallel else "")
+    label = f"dp={dp} tp={tp} pp={pp} {mode} recompute={recompute}" + (" sequence parallel" if sequence_parallel else "")
     ref = models.build("gpt", layers=1)
     pm = autotp.parallelize(ref, tp=tp, pp=pp, dp=dp, dp_mode=mode, example_inputs=(models.tokens(2, 16, seed=1),),
-                            microbatches=2 if pp > 1 else None, sequence_parallel=sequence_parallel)
+                            microbatches=2 if pp > 1 else None, sequence_parallel=sequence_parallel,
+                            recompute=recompute)
     assert (pm.dp_size, 0 <= pm.dp_rank < dp) == (dp, True), label
     x, y = models.tokens(BATCH, SEQ, seed=2), models.target_for("gpt", BATCH, SEQ, seed=3)
     rows = slice(pm.dp_rank * BATCH // dp, (pm.dp_rank + 1) * BATCH // dp)

@@ -85,7 +85,7 @@ def test_a_plan_records_its_options_and_they_survive_json():
 
 
 def test_options_refuse_a_bad_value_naming_the_setting():
-    with pytest.raises(autotp.InputError, match=r"schedule must be one of \['gpipe', '1f1b', 'interleaved1f1b'\]"):
+    with pytest.raises(autotp.InputError, match=r"schedule must be one of \['gpipe', '1f1b', 'interleaved1f1b', 'interleavedzb', 'zbv', 'dualpipev'\]"):
         Options(schedule="zigzag")
     with pytest.raises(autotp.InputError, match="unknown setting.*vocabulary.*the settings are: tp, pp"):
         autotp.plan(build_gpt(n_layer=1), tp=2, example_inputs=(IDS,), vocabulary="split")

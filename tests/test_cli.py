@@ -299,3 +299,12 @@ def test_output_suffix_picks_the_format(tmp_path, monkeypatch):
     monkeypatch.chdir(ROOT)
     assert cli.main(["plan", GPT, "--tp", "2", "-o", str(tmp_path / "plan.json")]) == 0
     assert autotp.Plan.from_json((tmp_path / "plan.json").read_text()).tp == 2
+
+
+def test_schedule_and_recompute_flags_reach_the_options(tmp_path):
+    out = tmp_path / "zbv.json"
+    assert cli.main(["plan", GPT, "--tp", "1", "--pp", "2", "--schedule", "zbv", "--recompute", "blocks",
+                     "-o", str(out)]) == 0
+    plan = autotp.Plan.from_json(out.read_text())
+    assert len(plan.stages) == 4 and plan.options.schedule.value == "zbv"  # two stages per rank, in a V
+    assert plan.options.recompute.value == "blocks"

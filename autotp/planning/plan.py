@@ -316,6 +316,24 @@ def check_plan_fits(plan: Plan, shapes: Mapping[str, tuple], tp: int | None = No
     return plan
 
 
+def check_schedule_fits(plan: Plan, options: Options) -> Plan:
+    """``plan`` run through ``options.schedule``: a schedule that splits backward (zero bubble, DualPipeV) runs
+    the weight gradients later, one group of weights at a time, in an order torch takes from sets of autograd
+    nodes, which is not the same on every rank; a collective on a weight's own gradient path (a KV head several
+    ranks hold sums its gradient shares) would then not line up across the tensor-parallel ranks."""
+    schedule = options.schedule
+    if options.pp == 1 or not schedule.splits_backward:
+        return plan
+    shared = sorted({c.module for c in plan.collectives if c.operator is Operator.SHARED_GRAD})
+    if shared:
+        raise PlanError(f"schedule {schedule.value} computes weight gradients apart from input gradients, in an "
+                        f"order that differs between ranks, but {', '.join(shared[:3])} sum their weights' "
+                        f"gradients over the ranks holding them (tp={plan.tp} exceeds their KV heads), a collective "
+                        "that must run in the same order everywhere; use schedule '1f1b' or 'interleaved1f1b', or "
+                        "a tp that divides the KV heads")
+    return plan
+
+
 _REGION_SIDES = {"columns": (PlacementKind.COLWISE, PlacementKind.VOCAB), "rows": (PlacementKind.ROWWISE,)}
 
 

@@ -22,7 +22,7 @@ from autotp.passes.random_ops import random_refusal
 from autotp.passes.regions import RegionKind, RegionMatch
 from autotp.passes.steps import COMMUNICATION, Direction, Operator, fused
 from autotp.planning.consistency import check_biases_follow_weights
-from autotp.planning.plan import Collective, Plan, Region, region_contradictions
+from autotp.planning.plan import Collective, Plan, Region, check_schedule_fits, region_contradictions
 from autotp.planning.pricing import (
     CPU,
     Machine,
@@ -343,11 +343,12 @@ def make_plan(captured: Captured, options: Options = Options(), machine: Machine
     _refuse_inexact(analysis, prop)
     planned_stages = plan_stages(analysis, prop, tp, options.stages, options.balance, sizes, options.cuts)
     by_name = {captured.dim_names.get(k, k): v for k, v in sizes.items()}
-    return Plan(tp=tp, placements=placements, collectives=tuple(_collectives(analysis, prop)),
+    plan = Plan(tp=tp, placements=placements, collectives=tuple(_collectives(analysis, prop)),
                 regions=tuple(plan_regions), notes=tuple(notes), model=captured.model_name, pp=options.pp,
                 stages=planned_stages, balance=options.balance, batch=by_name.get("B", 0), seq=by_name.get("T", 0),
                 by_choice=tuple(sorted({*(analysis.layer(n) for n in chosen), *vocab_kept, *regions_kept})),
                 sequence_parallel=sequence_parallel, options=options)
+    return check_schedule_fits(plan, options)
 
 
 def _sequence_notes(analysis: Analysis, prop: Propagation) -> list[str]:

@@ -9,6 +9,7 @@ state and passes the inputs on, so every stage sees them. The last stage returns
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from torch import fx
@@ -47,15 +48,16 @@ def stage_boundaries(analysis: Analysis, plan: Plan) -> Boundaries:
     return Boundaries(tuple(chosen))
 
 
-def _stage_of_nodes(gm: fx.GraphModule, original_position: dict[str, int], bounds: Boundaries) -> dict[str, int]:
-    """Stage of every node; nodes the rewrite inserted go with their first reader."""
-    stage: dict[str, int] = {}
+def unit_of_nodes(gm: fx.GraphModule, original_position: dict[str, int], cuts: Sequence[Cut]) -> dict[str, int]:
+    """The run between ``cuts`` (of the captured graph) each node of the rank graph ``gm`` lies in: a stage for a
+    stage's cuts, a block for every cut; nodes the rewrite inserted go with their first reader."""
+    unit: dict[str, int] = {}
     for node in reversed(list(gm.graph.nodes)):
         if node.name in original_position:
-            stage[node.name] = sum(c.position < original_position[node.name] for c in bounds.cuts)
+            unit[node.name] = sum(c.position < original_position[node.name] for c in cuts)
         else:
-            stage[node.name] = min((stage[u.name] for u in node.users), default=len(bounds.cuts))
-    return stage
+            unit[node.name] = min((unit[u.name] for u in node.users), default=len(cuts))
+    return unit
 
 
 class _StageBuilder:
@@ -131,7 +133,7 @@ def split_stages(gm: fx.GraphModule, analysis: Analysis, plan: Plan, indices: li
     """
     bounds = stage_boundaries(analysis, plan)
     position = {n.name: i for i, n in enumerate(analysis.graph.nodes)}
-    stage_of = _stage_of_nodes(gm, position, bounds)
+    stage_of = unit_of_nodes(gm, position, bounds.cuts)
     grad = grad_nodes(gm.graph, analysis.trainable)
     out = []
     for index in indices:

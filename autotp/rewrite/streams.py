@@ -32,6 +32,22 @@ class RankStream:
         self.seed = int(seed)
         self._states: dict[str, torch.Tensor] = {}
 
+    def snapshot(self) -> tuple:
+        """Where the stream is now (for ``replaying``)."""
+        return self.seed, dict(self._states)
+
+    @contextlib.contextmanager
+    def replaying(self, snapshot: tuple):
+        """Within, draw from ``snapshot``; afterwards the stream is back where it was. A block recomputed in
+        backward draws its first forward's masks this way, while the stream goes on for the next forward."""
+        here = self.seed, self._states
+        self.seed, states = snapshot
+        self._states = dict(states)
+        try:
+            yield
+        finally:
+            self.seed, self._states = here
+
     @contextlib.contextmanager
     def drawing(self, device: torch.device):
         """Run the body with torch's generator for ``device`` in this stream's state, then put it back."""

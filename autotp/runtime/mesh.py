@@ -7,6 +7,7 @@ outermost. Global rank = (pp_rank · dp + dp_rank) · tp + tp_rank.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import timedelta
 
 import torch
@@ -25,8 +26,11 @@ def global_rank(pp_rank: int, dp_rank: int, tp_rank: int, dp: int, tp: int) -> i
 class Mesh:
     """This rank's place in the (pp × dp × tp) grid and the groups along each axis."""
 
-    def __init__(self, pp: int, tp: int, device: torch.device, dp: int = 1, timeout: timedelta | None = None):
+    def __init__(self, pp: int, tp: int, device: torch.device, dp: int = 1, timeout: timedelta | None = None,
+                 placement: Callable[[int, int], int] | None = None):
         self.pp, self.dp, self.tp = pp, dp, tp
+        self.placement = placement or (lambda stage, pp: stage % pp)
+        """(stage, pp) -> the pipeline rank holding that stage (the schedule's: looped or V)."""
         self.device = device
         self.mesh = init_device_mesh(device.type, (pp, dp, tp), mesh_dim_names=AXES,
                                      backend_override=_with_timeout(device, timeout))
@@ -46,7 +50,7 @@ class Mesh:
 
     def rank_of(self, stage: int) -> int:
         """Global rank holding pipeline ``stage`` in this rank's (dp, tp) column."""
-        return global_rank(stage % self.pp, self.dp_rank, self.tp_rank, self.dp, self.tp)
+        return global_rank(self.placement(stage, self.pp), self.dp_rank, self.tp_rank, self.dp, self.tp)
 
 
 def _with_timeout(device: torch.device, timeout: timedelta | None):

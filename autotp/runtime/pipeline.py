@@ -1,10 +1,11 @@
 """The pipeline runtime: stages on a (pp × dp × tp) DeviceMesh, driven by torch.distributed.pipelining.
 
-Each rank holds the stages ``i`` with ``i % pp == its pipeline rank`` (one, or several when the schedule
-is interleaved), each already tensor-parallel over its ``tp`` group. A weight tied across stages (the
-embedding and the LM head) is held by both; their gradients are summed after each backward. With data
-parallelism each (dp) replica runs its own pipeline on its slice of the batch; under fsdp each stage is an
-FSDP unit, which torch's schedules drive (gradients reduce-scattered once, after the last microbatch).
+Each rank holds the stages the schedule places on its pipeline rank (``Schedule.rank_of``: ``i % pp``, or a V
+for ZBV and DualPipeV; one stage, or several for the interleaved and V schedules), each already tensor-parallel
+over its ``tp`` group. A weight tied across stages (the embedding and the LM head) is held by both; their
+gradients are summed after each backward. With data parallelism each (dp) replica runs its own pipeline on its
+slice of the batch; under fsdp each stage is an FSDP unit, which torch's schedules drive (gradients
+reduce-scattered once, after the last microbatch).
 """
 
 from __future__ import annotations
@@ -18,8 +19,11 @@ from torch import fx, nn
 from torch.distributed.pipelining import (
     PipelineStage,
     Schedule1F1B,
+    ScheduleDualPipeV,
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleZBVZeroBubble,
 )
 from torch.utils._pytree import tree_unflatten
 
@@ -32,6 +36,13 @@ from autotp.runtime.mesh import Mesh, global_rank
 from autotp.runtime.outputs import SplitOutputs, deferred, output_gathers, step_loss
 from autotp.runtime.parallel_base import ParallelBase, RankParts
 from autotp.runtime.peers import group_timeout, guarded
+
+
+_SCHEDULES = {Schedule.GPIPE: ScheduleGPipe, Schedule.ONE_F_ONE_B: Schedule1F1B,
+              Schedule.INTERLEAVED_1F1B: ScheduleInterleaved1F1B,
+              Schedule.INTERLEAVED_ZERO_BUBBLE: ScheduleInterleavedZeroBubble, Schedule.ZBV: ScheduleZBVZeroBubble,
+              Schedule.DUALPIPE_V: ScheduleDualPipeV}
+"""Torch's schedule class for each of ours."""
 
 
 def tied_groups(stage_graphs: list[fx.GraphModule], mesh: Mesh) -> dict[str, object]:
@@ -47,7 +58,7 @@ def tied_groups(stage_graphs: list[fx.GraphModule], mesh: Mesh) -> dict[str, obj
                 readers.setdefault(node.target, set()).add(index)
     groups: dict[str, object] = {}
     for target in sorted(t for t, stages in readers.items() if len(stages) > 1):
-        holders = {s % mesh.pp for s in readers[target]}
+        holders = {mesh.placement(s, mesh.pp) for s in readers[target]}
         if len(holders) < 2:
             continue  # one rank holds every copy: they are one shared tensor already
         for dp_rank, tp_rank in product(range(mesh.dp), range(mesh.tp)):
@@ -134,10 +145,12 @@ class PipelineModule(ParallelBase):
             leaves = [output] if isinstance(output, torch.Tensor) else list(output)  # 1-tuples arrive unwrapped
             return step_loss(tree_unflatten(leaves, self._out_spec), target, self._loss_fn, self._split)
 
-        if self.schedule is Schedule.INTERLEAVED_1F1B:
-            return ScheduleInterleaved1F1B(self._pipeline_stages, self.microbatches, loss_fn=flat_loss)
-        cls = ScheduleGPipe if self.schedule is Schedule.GPIPE else Schedule1F1B
-        return cls(self._pipeline_stages[0], self.microbatches, loss_fn=flat_loss)
+        cls = _SCHEDULES[self.schedule]
+        stages = self._pipeline_stages if self.schedule.virtual else self._pipeline_stages[0]
+        # scale_grads=False: torch divides each stage's gradients as that stage finishes, so a weight two stages
+        # on one rank share (a tied embedding and head in a V) would be divided twice, or before its last part
+        # is added; ``_scale_gradients`` divides every tensor once, after the whole step.
+        return cls(stages, self.microbatches, loss_fn=flat_loss, scale_grads=False)
 
     def _check_batch(self, inputs) -> None:
         batch = inputs[0].shape[0]
@@ -172,11 +185,18 @@ class PipelineModule(ParallelBase):
                 self._schedule = self._make_schedule()
             self._schedule.step(*args, **kwargs)
         self._split = None
+        self._scale_gradients()
         self.average_gradients()
         self._sum_tied_grads()
         loss = torch.stack(losses).mean().detach() if self.holds_last else torch.zeros((), device=self.mesh.device)
         dist.broadcast(loss, src=self.mesh.rank_of(self.num_stages - 1), group=self.mesh.pp_group)
         return loss
+
+    def _scale_gradients(self) -> None:
+        """Gradients of the mean over microbatches: the schedule summed the microbatches' (equal sizes)."""
+        for param in self.parameters():  # each tensor once, however many stages read it
+            if param.grad is not None:
+                param.grad.div_(self.microbatches)
 
     def _sum_tied_grads(self) -> None:
         held = {k: p for m in self.stages.values() for k, p in m.named_parameters()}

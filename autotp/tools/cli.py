@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from autotp.errors import AutotpError, InputError, InternalError
-from autotp.options import Balance, DataParallelMode, Options, Schedule, VocabChoice
+from autotp.options import Balance, DataParallelMode, Options, Recompute, Schedule, VocabChoice
 from autotp.tools.generate_cli import add_parser as add_generate_parser
 
 CLUSTER_NAMES = ("cpu", "h100", "h200", "a100")
@@ -94,6 +94,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--memory-budget", metavar="BYTES", help="bytes per rank for training state, e.g. 40GiB")
     p.add_argument("--sequence-parallel", action="store_true",
                    help="split the residual stream between regions along the sequence (Megatron's sequence parallelism)")
+    p.add_argument("--recompute", choices=[r.value for r in Recompute],
+                   help="recompute each block's activations in backward instead of keeping them (default none)")
     p.add_argument("--plan", dest="plan_file", metavar="FILE", help="read this plan (JSON) instead of planning")
     p.add_argument("--expand", action="store_true", help="list every repeated block instead of collapsing them")
 
@@ -128,6 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--device-memory", metavar="BYTES",
                       help="memory per device for --devices, e.g. 80GiB (default: the machine's; same as "
                            "--memory-budget)")
+    plan.add_argument("--schedule", choices=[c.value for c in Schedule],
+                      help="pipeline schedule the plan is for (zbv and dualpipev: two stages per rank in a V; with "
+                           "--devices, searched)")
     viz = sub.add_parser("viz", help="draw the plan (svg, png, html, dot) or its pipeline timeline")
     _common(viz)
     viz.add_argument("-o", "--output", metavar="FILE", required=True, help="plan.svg, plan.png, plan.html or plan.dot")
@@ -232,7 +237,8 @@ def options_of(args, plan: Plan | None = None) -> Options:
     tp = args.tp or (plan.tp if plan is not None else None)
     return Options.build(tp=tp, pp=args.pp, balance=args.balance, batch=args.batch, seq=args.seq,
                          vocab=args.vocab, memory_budget=args.memory_budget,
-                         sequence_parallel=args.sequence_parallel)
+                         sequence_parallel=args.sequence_parallel, recompute=args.recompute,
+                         schedule=getattr(args, "schedule", None))
 
 
 def _table(planned: Planned, args) -> str:

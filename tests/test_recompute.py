@@ -1,0 +1,81 @@
+"""Activation recompute per block: exact with dropout on (tp on gloo, the one-process checker, pipelines), and
+fewer saved activations."""
+
+from __future__ import annotations
+
+import torch
+
+import autotp
+from autotp.capture import capture, example_inputs_of
+from autotp.checker import build_ranks
+from autotp.options import Options, Recompute
+from autotp.planning import make_plan
+from autotp.planning.recompute_cost import RecomputeCost, plan_recompute_cost
+from bench.memory import SavedActivations
+from examples.gpt import build_gpt
+from tests import models, recompute_workers
+from tests.distributed import run_on_ranks
+
+
+def test_tensor_parallel_recompute_with_dropout_is_exact():
+    results = run_on_ranks(recompute_workers.tensor_parallel_dropout, 2)
+    for name, result in results[0].items():
+        assert result["blocks"] >= 4, (name, result)  # two layers: attention and MLP of each at least
+
+
+def test_pipeline_recompute_with_dropout_is_exact():
+    results = run_on_ranks(recompute_workers.pipeline_dropout, 2, ["1f1b", "zbv"])
+    for schedule, result in results[0].items():
+        assert result["blocks"] >= 2, (schedule, result)
+
+
+def test_data_parallel_recompute_is_exact():
+    results = run_on_ranks(recompute_workers.data_parallel, 2)
+    assert sorted(results[0]) == ["fsdp", "replicate"]
+
+
+def test_checker_finds_recompute_exact_with_dropout():
+    torch.manual_seed(0)
+    model = build_gpt(n_layer=2, dropout=0.2).train()
+    report = autotp.check(model, tp=2, example_inputs=(models.tokens(2, 16, 1),), recompute="blocks")
+    assert report.exact, report
+
+
+def _saved_bytes(gm, x) -> int:
+    """Bytes of the storages autograd keeps for backward in one forward, parameters excluded."""
+    saved = SavedActivations(list(gm.parameters()))
+    with saved:
+        gm(x)
+    return saved.bytes
+
+
+def test_recompute_keeps_fewer_activations_as_the_cost_model_predicts():
+    torch.manual_seed(0)
+    model = build_gpt(n_layer=4, n_embd=128, n_head=4, vocab_size=1024, dropout=0.1).train()
+    x = models.tokens(4, 64, 1)
+    captured = capture(model, example_inputs_of(model, (x,)), training=True)
+    plan = make_plan(captured, Options(tp=1))
+    (kept,), _ = build_ranks(captured, plan)
+    (recomputed,), _ = build_ranks(captured, plan, recompute=Recompute.BLOCKS)
+    before, after = _saved_bytes(kept, x), _saved_bytes(recomputed, x)
+    assert after < 0.2 * before, (before, after)
+    predicted = plan_recompute_cost(captured, plan)
+    assert abs(predicted.saved_bytes - (before - after)) < 0.05 * (before - after), (predicted, before, after)
+    assert 0 < predicted.extra_flops < plan.stages[0].flops if plan.stages else predicted.extra_flops > 0
+    assert plan_recompute_cost(captured, plan, Recompute.NONE) == RecomputeCost(0.0, 0.0)
+
+
+def test_recompute_is_a_validated_option():
+    assert Options(recompute="blocks").recompute is Recompute.BLOCKS
+    try:
+        Options(recompute="layers")
+    except autotp.InputError as e:
+        assert "recompute must be one of ['none', 'blocks']" in str(e)
+    else:
+        raise AssertionError("recompute='layers' accepted")
+    try:
+        Options(tp=2, recompute="blocks", compile=True)
+    except autotp.InputError as e:
+        assert "with compile=True is not verified" in str(e)
+    else:
+        raise AssertionError("recompute with compile accepted")
