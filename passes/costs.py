@@ -15,6 +15,7 @@ import torch
 from torch import fx
 
 from autotp.passes.graph import is_tensor, meta_val, sizes
+from autotp.passes.projections import grouped_ops
 
 aten = torch.ops.aten
 
@@ -67,7 +68,9 @@ def node_cost(node: fx.Node) -> NodeCost:
     itemsize = meta_val(node).element_size()
     if node.target in _FREE:
         return NodeCost(sympy.Integer(0), sympy.Integer(0))
-    if node.target in _MATMULS:
+    if node.target in _MATMULS or node.target in grouped_ops():
+        # A grouped matmul's rows are the tokens routed to its experts (k per token under top-k routing): the
+        # sum of every expert's load, each row multiplied by its expert's matrix.
         flops = _matmul_flops(node)
     elif node.target in _ATTENTION:
         flops = _attention_flops(node)
