@@ -22,6 +22,7 @@ import sympy
 import torch
 from torch import fx
 
+from autotp.passes.costs import expert_load
 from autotp.passes.graph import ArgPath, get_arg, is_tensor, meta_val, sizes, tensor_args
 from autotp.passes.projections import Projection
 from autotp.passes.steps import COPY, Operator
@@ -185,3 +186,28 @@ def carry_partial_sums(prop, order: list[fx.Node], projections: dict[str, Projec
         if found is not None:
             del prop.conversions[key]
             read_through_f(found[0].name, (found[1], (0,)))
+    for key, (value, reader) in _merged_picks(prop, nodes, grad, pending).items():
+        del prop.conversions[key]
+        read_through_f(value, (reader, (0,)))
+
+
+def _merged_picks(prop, nodes: dict[str, fx.Node], grad: set[str], pending: set[str]) -> dict:
+    """``f`` on rows picked from one whole value (``x[token]``, each expert of a loop over experts), to be one
+    ``f`` on that value where together they pick at least as many rows as it has at the routing's expected load
+    (k of E experts per token: k times): {conversion key: (the value, the pick reading it)}."""
+    by_value: dict[str, list] = {}
+    for key, conv in prop.conversions.items():
+        pick = nodes[conv.source]
+        if conv.steps == (COPY,) and pick.target is aten.index.Tensor and \
+                _hoistable(pick, set(conv.consumers), prop.layouts, grad, pending):
+            by_value.setdefault(pick.args[0].name, []).append((key, pick))
+    load = expert_load(next(iter(nodes.values())).graph)
+    merged = {}
+    for value, picks in by_value.items():
+        rows = sum(_numel(pick) for _, pick in picks)
+        if load is not None:
+            rows = rows.subs({u: load for u in rows.free_symbols if u.name.startswith("u")})
+        ratio = sympy.simplify(rows / _numel(nodes[value]))
+        if len(picks) > 1 and ratio.is_number and ratio >= 1:
+            merged |= {key: (value, pick.name) for key, pick in picks}
+    return merged

@@ -36,6 +36,29 @@ def deepseek(dense: bool = False) -> nn.Module:
 BUILDERS = {"mixtral": mixtral, "deepseek": deepseek}
 
 
+class LoopedExperts(nn.Module):
+    """Experts applied in a loop to the tokens routed to each (``torch.where``, then ``index_add_`` of the
+    weighted outputs into zeros), between an embedding and a head: the older transformers MoE layout."""
+
+    def __init__(self, dim: int = 32, experts: int = 4, k: int = TOP_K):
+        super().__init__()
+        self.k = k
+        self.embed, self.head = nn.Embedding(64, dim), nn.Linear(dim, 64)
+        self.router = nn.Linear(dim, experts, bias=False)
+        self.up = nn.ModuleList(nn.Linear(dim, 2 * dim, bias=False) for _ in range(experts))
+        self.down = nn.ModuleList(nn.Linear(2 * dim, dim, bias=False) for _ in range(experts))
+
+    def forward(self, ids):
+        h = self.embed(ids)
+        x = h.flatten(0, 1)
+        weights, chosen = self.router(x).softmax(-1).topk(self.k, dim=-1)
+        out = torch.zeros_like(x)
+        for e, (up, down) in enumerate(zip(self.up, self.down)):
+            token, slot = torch.where(chosen == e)
+            out.index_add_(0, token, down(torch.relu(up(x[token]))) * weights[token, slot, None])
+        return self.head(h + out.view_as(h))
+
+
 def _step_bytes(build, world: int) -> dict:
     """All-reduce bytes and counts of one forward and backward of ``build()`` at tp=``world``, vocabulary whole
     (so every all-reduce is the model's own layers')."""

@@ -13,7 +13,7 @@ import autotp
 from autotp.passes.steps import Direction, Operator
 from tests import models
 from tests.distributed import run_on_ranks
-from tests.moe_workers import BATCH, BUILDERS, MOE_LAYERS, SEQ, TOP_K, moe
+from tests.moe_workers import BATCH, BUILDERS, MOE_LAYERS, SEQ, TOP_K, LoopedExperts, moe
 
 
 def _ids():
@@ -40,6 +40,17 @@ def test_each_moe_layer_all_reduces_one_hidden_state_each_way(name):
 def test_moe_models_are_exact_in_the_checker(name):
     report = autotp.check(BUILDERS[name](), tp=2, example_inputs=(_ids(),))
     assert report.exact, report
+
+
+def test_looped_experts_share_one_f_and_one_g():
+    """A loop over experts (each picking its tokens, ``index_add_`` into zeros): one all-reduce of the B×T×D
+    hidden state each way, where each expert had its own, and exact."""
+    ids = models.tokens(2, 8, 0) % 64
+    plan = autotp.plan(LoopedExperts(), tp=2, vocab="whole", example_inputs=(ids,))
+    hidden = [c for c in plan.collectives if c.shape[-1] == "32"]
+    assert sorted((c.direction, c.operator, c.shape) for c in hidden) == [
+        (Direction.BACKWARD, Operator.F, ("B*T", "32")), (Direction.FORWARD, Operator.G, ("B*T", "32"))]
+    assert autotp.check(LoopedExperts(), tp=2, example_inputs=(ids,)).exact
 
 
 def test_moe_trains_exactly_and_all_reduces_what_its_dense_twin_does_on_two_ranks():
