@@ -26,6 +26,7 @@ from autotp.planning.pricing import machine_for
 from autotp.rewrite import build_graph, materialise_all, split_stages
 from autotp.rewrite.cache_layout import build_cache_steps
 from autotp.rewrite.comm import TorchComm
+from autotp.rewrite.loss_graph import build_loss_graph
 from autotp.rewrite.recompute import recompute_blocks
 from autotp.rewrite.streams import RankStream
 from autotp.runtime import (
@@ -43,6 +44,7 @@ from autotp.runtime import (
 )
 from autotp.runtime.generation import Generation
 from autotp.runtime.input_spec import InputSpec
+from autotp.runtime.loss_graphs import LossGraphs
 from autotp.runtime.peers import as_timedelta, bound_groups, group_timeout
 from autotp.runtime.process import first_rank, from_first_rank, shared_seed
 from autotp.runtime.process import world_size as group_size
@@ -278,7 +280,8 @@ def _tensor_parallel(built: Built, group, distributed: bool) -> ParallelModule:
             gm.to(device)  # NCCL communicates GPU tensors; inputs must then be on this device too
     names = state_names(built.model, graphs[True], modules.values(), source)
     generation = Generation(built.model, build_cache_steps)
-    return ParallelModule(_parts(built, comm, stream, names, dp), modules, generation)
+    losses = LossGraphs(built.model, build_loss_graph)
+    return ParallelModule(_parts(built, comm, stream, names, dp), modules, generation, losses)
 
 
 def _pipeline_parallel(built: Built) -> PipelineModule:

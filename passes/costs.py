@@ -14,7 +14,9 @@ import sympy
 import torch
 from torch import fx
 
-from autotp.passes.graph import is_tensor, meta_val, sizes
+from autotp.passes.graph import arg_or_default, is_tensor, meta_val, sizes
+from autotp.passes.projections import grouped_ops
+from autotp.passes.reshapes import static
 
 aten = torch.ops.aten
 
@@ -67,7 +69,9 @@ def node_cost(node: fx.Node) -> NodeCost:
     itemsize = meta_val(node).element_size()
     if node.target in _FREE:
         return NodeCost(sympy.Integer(0), sympy.Integer(0))
-    if node.target in _MATMULS:
+    if node.target in _MATMULS or node.target in grouped_ops():
+        # A grouped matmul's rows are the tokens routed to its experts (k per token under top-k routing): the
+        # sum of every expert's load, each row multiplied by its expert's matrix.
         flops = _matmul_flops(node)
     elif node.target in _ATTENTION:
         flops = _attention_flops(node)
@@ -83,15 +87,41 @@ def node_cost(node: fx.Node) -> NodeCost:
 def costs(graph: fx.Graph, trainable: set[str] | None = None) -> dict[str, NodeCost]:
     """The forward cost of every node, keyed by node name.
 
-    Parameters are counted once, at their ``get_attr``; buffers (``trainable`` given) count no parameters.
+    Parameters are counted once, at their ``get_attr``; buffers (``trainable`` given) count no parameters. In a
+    graph that routes tokens to experts, a data-dependent size (the tokens one expert gets, torch.export's ``u0``)
+    is the routing's expected load (``expert_load``).
     """
     out = {}
+    load = expert_load(graph)
     for node in graph.nodes:
         cost = node_cost(node)
         if node.op == "get_attr" and trainable is not None and node.target not in trainable:
             cost = NodeCost(cost.flops, cost.activation_bytes)
+        if load is not None:
+            cost = NodeCost(_loaded(cost.flops, load), _loaded(cost.activation_bytes, load), cost.param_count)
         out[node.name] = cost
     return out
+
+
+def expert_load(graph: fx.Graph) -> sympy.Expr | None:
+    """The tokens each expert gets on average, k/E of the routed rows, from the top-k with the most choices (the
+    experts, not a group-limited router's groups): None without one."""
+    routings = [n for n in graph.nodes if n.target is aten.topk.default and static(_choices(n)) is not None]
+    if not routings:
+        return None
+    topk = max(routings, key=lambda n: static(_choices(n)))
+    rows = _numel(sizes(topk.args[0])) / _choices(topk)
+    return rows * arg_or_default(topk, 1, "k", 1) / _choices(topk)
+
+
+def _choices(topk: fx.Node):
+    return sizes(topk.args[0])[arg_or_default(topk, 2, "dim", -1)]
+
+
+def _loaded(expr, load: sympy.Expr):
+    """``expr`` with every data-dependent size (``u0``, ...) set to ``load``."""
+    expr = sympy.sympify(expr)
+    return expr.subs({u: load for u in expr.free_symbols if u.name.startswith("u")})
 
 
 def evaluate(expr, values: dict[str, int]) -> float:

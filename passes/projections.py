@@ -76,7 +76,7 @@ _PROJECTION_OPS = {
 }
 
 
-def _grouped_ops() -> dict:
+def grouped_ops() -> dict:
     """Matmuls against a 3-D ``W [experts, in, out]``: batched (tokens already grouped per expert) and grouped
     (``x [tokens, in]`` with per-expert offsets: torch's, and transformers' fallback, registered only once
     transformers is imported, hence looked up when a graph is searched)."""
@@ -171,7 +171,7 @@ def _einsum_projection(node: fx.Node) -> Projection | None:
 
 def find_projections(graph: fx.Graph) -> dict[str, Projection]:
     """Every projection in ``graph``, keyed by node name, in graph order."""
-    specs = _PROJECTION_OPS | _grouped_ops()
+    specs = _PROJECTION_OPS | grouped_ops()
     found = (_projection(n, specs) or _left_projection(n) or _einsum_projection(n)
              for n in graph.nodes if n.op == "call_function")
     return {p.node: p for p in found if p is not None}

@@ -24,6 +24,7 @@ from autotp.passes.graph import (
     sizes,
     tensor_args,
 )
+from autotp.passes.partial import carry_partial_sums
 from autotp.passes.placement import Layout, PlacementKind, Shard
 from autotp.passes.projections import Embedding, Projection
 from autotp.passes.reshapes import static
@@ -90,6 +91,8 @@ class Propagation:
     refusals: list[tuple[str, str]] = field(default_factory=list)
     """(node, why) for what no rewrite can make exact: an op that writes in place to a split value (it
     would write to a gathered copy)."""
+    deferred: dict[str, str] = field(default_factory=dict)
+    """Nodes whose partial sums are reduced later (``partial.carry_partial_sums``): node -> node after which."""
 
     def steps_of(self, operator: Operator) -> list[Conversion]:
         """Conversions that include a step of ``operator``."""
@@ -390,4 +393,7 @@ def propagate(graph: fx.Graph, projections: Mapping[str, Projection], embeddings
     grad = grad if grad is not None else grad_nodes(graph, trainable)
     walker = _Walker(graph, projections, embeddings, param_layouts, tp, grad, auto_rows, index or GraphIndex.of(graph),
                      frozenset(sympy.sympify(s) for s in sequence), inputs)
-    return walker.run(windowed=auto_rows)
+    result = walker.run(windowed=auto_rows)
+    if not auto_rows and not sequence:  # sequence parallelism reduce-scatters where the rows are
+        carry_partial_sums(result, walker.index.order, projections, grad)
+    return result

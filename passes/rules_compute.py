@@ -59,10 +59,11 @@ def reduction(node: fx.Node, ins: Inputs, ctx: Context, x: fx.Node, lay: Shard) 
 @on_split_input
 def cross_entropy(node: fx.Node, ins: Inputs, ctx: Context, x: fx.Node, lay: Shard) -> Decision:
     """``cross_entropy_loss`` of logits split along the classes (a vocabulary-split head's): Megatron's
-    vocab-parallel cross-entropy, which reduces each token's statistics instead of gathering the logits. Class
-    weights, label smoothing and uneven or blocked splits take the logits whole."""
+    vocab-parallel cross-entropy, which reduces each token's statistics instead of gathering the logits (label
+    smoothing adds each rank's sum of logits to them). Class weights and uneven or blocked splits take the
+    logits whole."""
     classes = 1 if rank(x) >= 2 else 0
-    plain = named_arg(node, "weight", None) is None and not named_arg(node, "label_smoothing", 0.0)
+    plain = named_arg(node, "weight", None) is None
     if lay.dim != classes or lay.blocks != 1 or len(lay.segments) != 1 or not plain or ctx.tp == 1:
         return replicate_all(node, ins, ctx)
     return Decision(None, wants={(1,): None}, reduce=Operator.CROSS_ENTROPY,

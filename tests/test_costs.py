@@ -57,3 +57,50 @@ def test_data_dependent_sizes_are_costed_at_the_documented_hint():
     values = {"s1": 4, "s2": 8}
     assert data_dependent_hint(values) == 32
     assert evaluate(2 * u0 * batch, values) == 2 * 32 * 4
+
+
+def test_expert_matmuls_cost_the_tokens_routed_to_them():
+    """A grouped matmul over the experts multiplies each token's k routed copies by one expert's matrix: top-k
+    of the B·T tokens, spread over the experts (k/E of the tokens each, on average), 2·in·out FLOPs a row."""
+    from tests.moe_workers import TOP_K, mixtral
+
+    captured = capture(mixtral(), (models.tokens(2, 16, 0),))
+    table = costs(captured.graph, trainable_attrs(captured.module))
+    sym = {v: k for k, v in captured.dim_names.items()}
+    sizes = {sym["B"]: 3, sym["T"]: 10}
+    grouped = [n for n in captured.graph.nodes if n.op == "call_function" and "grouped_mm" in str(n.target)]
+    gate_up, down = grouped[:2]  # [tokens, 64] -> [tokens, 2 * 128], then [tokens, 128] -> [tokens, 64]: layer 0
+    assert evaluate(table[gate_up.name].flops, sizes) == 2 * TOP_K * 3 * 10 * 64 * 256
+    assert evaluate(table[down.name].flops, sizes) == 2 * TOP_K * 3 * 10 * 128 * 64
+
+
+class _LoopedExperts(torch.nn.Module):
+    """Experts applied in a loop to the tokens routed to each (``torch.where``: a data-dependent count)."""
+
+    def __init__(self, dim=32, experts=4, k=2):
+        super().__init__()
+        self.k = k
+        self.embed = torch.nn.Embedding(64, dim)
+        self.router = torch.nn.Linear(dim, experts, bias=False)
+        self.experts = torch.nn.ModuleList(torch.nn.Linear(dim, dim, bias=False) for _ in range(experts))
+
+    def forward(self, ids):
+        x = self.embed(ids).flatten(0, 1)
+        weights, chosen = self.router(x).softmax(-1).topk(self.k, dim=-1)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            token, slot = torch.where(chosen == e)
+            out.index_add_(0, token, expert(x[token]) * weights[token, slot, None])
+        return out
+
+
+def test_looped_experts_cost_the_routings_expected_load():
+    """Each expert's data-dependent token count is costed at k/E of the tokens, not at all of them."""
+    captured = capture(_LoopedExperts(), (models.tokens(2, 8, 0) % 64,))
+    table = costs(captured.graph, trainable_attrs(captured.module))
+    sym = {v: k for k, v in captured.dim_names.items()}
+    sizes = {sym["B"]: 3, sym["T"]: 10}
+    experts = [n for n in captured.graph.nodes if n.target is torch.ops.aten.linear.default][1:]
+    assert len(experts) == 4
+    for node in experts:
+        assert evaluate(table[node.name].flops, sizes) == 2 * (3 * 10 * 2 / 4) * 32 * 32

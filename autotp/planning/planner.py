@@ -15,7 +15,7 @@ from autotp.capture import Captured
 from autotp.errors import PlanError
 from autotp.options import Options, VocabChoice
 from autotp.passes.analysis import Analysis
-from autotp.passes.graph import arg_or_default, grad_nodes, sizes
+from autotp.passes.graph import arg_or_default, grad_nodes, named_arg, sizes
 from autotp.passes.placement import REPLICATED, Placement, PlacementKind
 from autotp.passes.propagate import Propagation
 from autotp.passes.random_ops import random_refusal
@@ -233,9 +233,12 @@ def _shape(analysis: Analysis, node_name: str) -> tuple[str, ...]:
 
 def _communicated_shape(analysis: Analysis, operator: Operator, value: str) -> tuple[str, ...]:
     """The shape of what ``operator`` sends for ``value``: the value, except for a vocab-parallel cross-entropy,
-    which sends three statistics (max, sum of exponentials, target logit) per target."""
+    which sends three statistics (max, sum of exponentials, target logit) per target, four with label smoothing
+    (each rank's sum of logits too)."""
     if operator is Operator.CROSS_ENTROPY:
-        return (*_shape(analysis, analysis.nodes[value].args[1].name), "3")
+        node = analysis.nodes[value]
+        stats = "4" if named_arg(node, "label_smoothing", 0.0) else "3"
+        return (*_shape(analysis, node.args[1].name), stats)
     return _shape(analysis, value)
 
 

@@ -51,7 +51,7 @@ def build_units(analysis, prop, tp: int, sizes: dict[str, int]) -> Units:
     n = len(cuts) + 1
     units = Units(cuts, {}, [0.0] * n, [0.0] * n, [0.0] * n, [set() for _ in range(n)])
     node_costs = costs(graph, analysis.trainable)
-    split = {t for t, lay in prop.layouts.items() if isinstance(lay, Shard)} | set(prop.reduced)
+    split = {t for t, lay in prop.layouts.items() if isinstance(lay, Shard)} | set(prop.reduced) | set(prop.deferred)
     for position, node in enumerate(graph.nodes):
         k = unit_index(cuts, position)
         units.unit_of[node.name] = k

@@ -89,17 +89,17 @@ def build_cache_steps(model: nn.Module, plan: Plan, rank: int, comm: Communicato
         if len(inputs) != len(names):
             raise InternalError(f"the {kind} step takes {len(inputs)} cache tensors, the decode step {len(names)}")
         gm = build_step_graph(captured, plan, rank, comm, dict(zip(inputs, layouts)))
-        _share(gm, captured, tensors)
+        share_tensors(gm, captured, tensors)
         steps[kind] = gm
     return CacheSteps(shape, layouts, steps)
 
 
-def _share(gm: fx.GraphModule, captured: Captured, tensors: dict) -> None:
+def share_tensors(gm: fx.GraphModule, captured: Captured, tensors: dict, what: str = "the generation step") -> None:
     """Point ``gm``'s attributes at the parallel module's tensors of the same original names (no copy: training
-    updates them in place)."""
+    updates them in place); ``what`` names the graph in the error when one is missing."""
     for target, _ in [*gm.named_parameters(remove_duplicate=False), *gm.named_buffers(remove_duplicate=False)]:
         name = captured.param_name(target)
         name = captured.aliases.get(name, name)
         if name not in tensors:
-            raise InternalError(f"the generation step reads {name}, which the parallel module's graphs do not hold")
+            raise InternalError(f"{what} reads {name}, which the parallel module's graphs do not hold")
         set_tensor(gm, target, tensors[name])

@@ -266,36 +266,43 @@ class OutputGather(GatherFromTP):
 
 
 class _CrossEntropy(torch.autograd.Function):
-    """Per-token cross-entropy over logits split along the last dim (the classes), zero where ignored."""
+    """Per-token cross-entropy over logits split along the last dim (the classes), zero where ignored; with label
+    smoothing ``eps``, ``(1 - eps)`` of it plus ``eps`` of the mean over every class of ``-log p`` (torch's)."""
 
     @staticmethod
-    def forward(ctx, logits, target, comm, ignore_index, overwrite):
+    def forward(ctx, logits, target, comm, ignore_index, overwrite, smoothing=0.0):
         local = logits.shape[-1]
         offset = target - comm.rank * local
         valid = target != ignore_index
         mine = valid & (offset >= 0) & (offset < local)
         index = offset.clamp(0, local - 1).unsqueeze(-1)
         picked = logits.gather(-1, index).squeeze(-1).masked_fill(~mine, 0.0)
-        top = logits.amax(-1)
+        stats = [logits.amax(-1)]
+        top = stats[0]
+        if smoothing:  # each rank's sum of its logits: with the others', the mean logit smoothing needs
+            stats.append(logits.sum(-1))
         # Megatron overwrites its logits here; autotp only where the rewrite found that nothing else reads them.
         # Through a detached alias: the softmax saved below is then this Function's own tensor, not its input (a
         # view of another Function's output, which autograd would refuse to give back once overwritten).
         exp = (logits.detach().sub_(top.unsqueeze(-1)) if overwrite else logits - top.unsqueeze(-1)).exp_()
-        total = exp.sum(-1)
-        # One all-gather of each rank's (max, sum of exponentials, target logit) gives every rank the whole
-        # log-sum-exp: Megatron's three all-reduces in one collective.
-        tops, totals, picks = torch.stack(comm.all_gather(torch.stack([top, total, picked]))).unbind(1)
+        # One all-gather of each rank's (max, sum of exponentials, target logit, and with smoothing its sum of
+        # logits) gives every rank the whole log-sum-exp: Megatron's three all-reduces in one collective.
+        gathered = torch.stack(comm.all_gather(torch.stack([*stats, exp.sum(-1), picked]))).unbind(1)
+        tops, totals, picks = gathered[0], gathered[-2], gathered[-1]
         highest = tops.amax(0)
         lse = highest + (totals * (tops - highest).exp()).sum(0).log()
         softmax = exp.mul_((top - lse).exp().unsqueeze(-1))  # exp(x - top) * exp(top - lse), in place
         ctx.save_for_backward(softmax, index, mine, valid)
-        ctx.spent = False
-        return (lse - picks.sum(0)).masked_fill(~valid, 0.0)
+        ctx.spent, ctx.smoothing, ctx.classes = False, smoothing, local * comm.size
+        loss = lse - picks.sum(0)
+        if smoothing:
+            loss = (1 - smoothing) * loss + smoothing * (lse - gathered[1].sum(0) / ctx.classes)
+        return loss.masked_fill(~valid, 0.0)
 
     @staticmethod
     def backward(ctx, grad):
-        # d loss / d logits = softmax - one_hot(target), both on this rank's classes: no communication.
-        # Computed in the saved softmax's own memory, as Megatron does: a B×T×V/tp buffer less per step.
+        # d loss / d logits = softmax - (1 - eps) one_hot(target) - eps / classes, on this rank's classes: no
+        # communication. Computed in the saved softmax's own memory, as Megatron does: a B×T×V/tp buffer less.
         if ctx.spent:
             raise InputError("the vocab-parallel cross-entropy's backward ran twice (backward(retain_graph=True) "
                              "again): it reuses its saved softmax for the gradient, as Megatron's does; run a "
@@ -304,8 +311,10 @@ class _CrossEntropy(torch.autograd.Function):
         softmax, index, mine, valid = ctx.saved_tensors
         grad = grad.masked_fill(~valid, 0.0).unsqueeze(-1)  # no 0 * inf where ignored: torch's zeros
         out = softmax.mul_(grad)
-        out.scatter_add_(-1, index, -mine.unsqueeze(-1).to(out.dtype) * grad)
-        return out, None, None, None, None
+        if ctx.smoothing:
+            out.sub_(grad * (ctx.smoothing / ctx.classes))
+        out.scatter_add_(-1, index, -(1 - ctx.smoothing) * mine.unsqueeze(-1).to(out.dtype) * grad)
+        return out, None, None, None, None, None
 
 
 MEAN, SUM = 1, 2
@@ -313,15 +322,15 @@ MEAN, SUM = 1, 2
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, comm: Communicator,
-                                 reduction: int = MEAN, ignore_index: int = -100, overwrite: bool = False
-                                 ) -> torch.Tensor:
+                                 reduction: int = MEAN, ignore_index: int = -100, overwrite: bool = False,
+                                 label_smoothing: float = 0.0) -> torch.Tensor:
     """``F.cross_entropy(logits, target)`` of logits whose class dim (dim 1, or 0 when 1-d) is split evenly
     over ``comm``'s ranks, in rank order, computed without gathering them: Megatron's vocab-parallel
     cross-entropy. The mean is over the targets that are not ``ignore_index``, as torch's. ``overwrite``: the
     logits are the loss's to overwrite (nothing else reads them, no backward needs them), saving a buffer."""
     if logits.dim() >= 2:
         logits = logits.movedim(1, -1)
-    losses = _CrossEntropy.apply(logits, target, comm, ignore_index, overwrite)
+    losses = _CrossEntropy.apply(logits, target, comm, ignore_index, overwrite, float(label_smoothing))
     if reduction == SUM:
         return losses.sum()
     if reduction == MEAN:
@@ -330,10 +339,12 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, com
 
 
 class VocabParallelCrossEntropy(_Collective):
-    """``aten.cross_entropy_loss`` on class-split logits (the rule admits no class weights, no smoothing)."""
+    """``aten.cross_entropy_loss`` on class-split logits, label smoothing included (the rule admits no class
+    weights)."""
 
     def forward(self, logits, target, weight=None, reduction=MEAN, ignore_index=-100, label_smoothing=0.0):
-        return vocab_parallel_cross_entropy(logits, target, self.comm, reduction, ignore_index)
+        return vocab_parallel_cross_entropy(logits, target, self.comm, reduction, ignore_index,
+                                            label_smoothing=label_smoothing)
 
 
 def split_args(shard: Shard) -> tuple:

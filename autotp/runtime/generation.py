@@ -207,7 +207,7 @@ class Generation:
                              "the model passed to parallelize has been freed since; call pm.generate once (e.g. "
                              "max_new_tokens=1) before dropping the model, or keep it")
         try:
-            built = self._build_steps(model, pm.plan, pm.rank, pm.comm, _tensors(pm))
+            built = self._build_steps(model, pm.plan, pm.rank, pm.comm, rank_tensors(pm))
             self.cached = CachedGenerator(built, pm.plan.tp)
             self._held = None
         except CaptureError as e:
@@ -222,7 +222,7 @@ def _accepts_mask(spec) -> bool:
     return "attention_mask" in getattr(spec, "names", ())
 
 
-def _tensors(pm) -> dict[str, torch.Tensor]:
+def rank_tensors(pm) -> dict[str, torch.Tensor]:
     """The parallel module's tensors (this rank's shards) under the original names."""
     out = {}
     for gm in (pm.module, pm.eval_module):

@@ -11,8 +11,9 @@ from torch import fx, nn
 
 from autotp.errors import InputError
 from autotp.runtime.batch_agreement import check_same_inputs
-from autotp.runtime.generation import Generation
-from autotp.runtime.outputs import deferred, output_gathers, step_loss
+from autotp.runtime.generation import Generation, rank_tensors
+from autotp.runtime.loss_graphs import LossGraphs
+from autotp.runtime.outputs import checked_loss, deferred, output_gathers, step_loss
 from autotp.runtime.parallel_base import ParallelBase, RankParts
 from autotp.runtime.peers import guarded
 
@@ -26,10 +27,13 @@ class ParallelModule(ParallelBase):
     under fsdp both graphs run through one FSDP unit (``fsdp_unit``) that shards their parameters over dp.
     """
 
-    def __init__(self, parts: RankParts, graphs: dict[bool, fx.GraphModule], generation: Generation | None = None):
+    def __init__(self, parts: RankParts, graphs: dict[bool, fx.GraphModule], generation: Generation | None = None,
+                 loss_graphs: LossGraphs | None = None):
         super().__init__(parts)
         self.generation = generation
         """What ``generate`` needs of the model (``runtime.generation``); None: this module cannot generate."""
+        self.loss_graphs = loss_graphs
+        """The model captured with each ``loss_fn`` (``runtime.loss_graphs``); None: a loss_fn gets gathered outputs."""
         self.module, self.eval_module = graphs[True], graphs[False]
         self.fsdp_unit = self._dp.wrap(self.module, self.eval_module) if self._dp is not None else None
         self._output_gathers = output_gathers([self.module, self.eval_module])
@@ -68,12 +72,12 @@ class ParallelModule(ParallelBase):
         """The original model's output, identical on every rank."""
         return self._run(inputs, kwargs, None)
 
-    def _run(self, inputs: tuple, kwargs: dict, target: torch.Tensor | None):
+    def _run(self, inputs: tuple, kwargs: dict, target: torch.Tensor | None, graph=None):
         # The tp ranks must hold one batch (and target): checked in one small collective before the graph runs.
         def agree(flat):
             check_same_inputs((*self._inputs.names, "target"), (*flat, target), self.comm)
         with guarded("forward"):
-            return self._inputs.run(self._graph(), inputs, kwargs, agree)
+            return self._inputs.run(graph or self._graph(), inputs, kwargs, agree)
 
     def step(self, *inputs, target: torch.Tensor | None = None, loss_fn: Callable | None = None,
              **kwargs) -> torch.Tensor:
@@ -127,6 +131,17 @@ class ParallelModule(ParallelBase):
              **kwargs) -> torch.Tensor:
         """The forward half of ``step``: the loss it trains on (same arguments), with its graph, for a backward
         of your own. Split outputs are not gathered for it: the default cross-entropy and a model's own loss
-        are computed on the vocabulary-split logits; a ``loss_fn`` gets the outputs whole."""
+        are computed on the vocabulary-split logits; a ``loss_fn`` is captured with the model on first use, so a
+        cross-entropy inside it is too (``runtime.loss_graphs``; where it cannot be, it gets the outputs whole)."""
+        graph = self._loss_graph(loss_fn, inputs, kwargs, target)
+        if graph is not None:
+            return checked_loss(self._run(inputs, kwargs, target, lambda *flat: graph(*flat, target)))
         with deferred(self._output_gathers) as split:
             return step_loss(self._run(inputs, kwargs, target), target, loss_fn, split)
+
+    def _loss_graph(self, loss_fn: Callable | None, inputs: tuple, kwargs: dict, target: torch.Tensor | None):
+        """The graph of the model with ``loss_fn``, or None (no loss_fn or target, or it gathers instead)."""
+        if loss_fn is None or target is None or self.loss_graphs is None:
+            return None
+        call = (self._inputs.names, self._inputs.arrange(inputs, kwargs), target)
+        return self.loss_graphs.graph(self, loss_fn, call, lambda: rank_tensors(self))

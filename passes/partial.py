@@ -1,0 +1,213 @@
+"""Partial sums carried through linear ops: Megatron's ``g`` and ``f`` moved to where they move the fewest bytes.
+
+A row-split projection's per-rank output is a *partial* value: the whole value is the sum over the ranks. Ops
+that are linear in it (reshapes, an index by whole indices, a multiply by a whole value, a sum over a dim, the
+sum of two partial values) give partial values again, so the all-reduce (``g``) may run after them instead. A
+mixture-of-experts layer is where this pays: each token's k expert outputs are weighted by the router, indexed
+back into token order and summed, and the all-reduce after that sum carries one row per token instead of k;
+a shared expert's partial output is added before it, so one all-reduce serves both.
+
+The backward of ``f`` (an all-reduce of the gradient of a whole value read by column-split projections) moves
+the other way: a whole value read only through ``f`` by ops that merely move its data (a cast to its own dtype,
+a reshape, an index) can be read through ``f`` itself instead, since the gradient of such an op is the same on
+every rank and linear in the gradient each rank sends. The routed experts' inputs (each token's row picked k
+times) then share the one ``f`` of the hidden state with the shared expert.
+
+This runs after the propagation walk, on its result; it changes only where reductions and ``f`` happen.
+"""
+
+from __future__ import annotations
+
+import sympy
+import torch
+from torch import fx
+
+from autotp.passes.costs import expert_load
+from autotp.passes.graph import ArgPath, get_arg, is_tensor, meta_val, sizes, tensor_args
+from autotp.passes.projections import Projection
+from autotp.passes.steps import COPY, Operator
+
+aten = torch.ops.aten
+
+_MOVES = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.unsqueeze.default,
+          aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.flatten.using_ints, aten.unflatten.int,
+          aten.permute.default, aten.transpose.int, aten.t.default, aten.clone.default, aten.contiguous.default,
+          aten.alias.default, aten.to.dtype, aten._to_copy.default, aten.index.Tensor, aten.select.int,
+          aten.slice.Tensor}
+"""Ops whose output is some of their first input's elements, moved (an index reads whole indices): linear in
+it, and their gradient is the same on every rank when the input is whole."""
+
+_SUMS = {aten.sum.dim_IntList, aten.neg.default}
+"""Other ops linear in their one tensor input."""
+
+_ZEROS = {aten.zeros_like.default, aten.new_zeros.default, aten.zeros.default}
+
+_ACCUMULATE = {aten.index_add.default: (0, 3), aten.index_add_.default: (0, 3),
+               aten.scatter_add.default: (0, 3), aten.scatter_add_.default: (0, 3)}
+"""Ops adding a source into ``self`` at whole indices: (position of self, position of the source)."""
+
+
+def _readers(node: fx.Node) -> list[fx.Node]:
+    """The users of ``node`` that read its values (not a check of its dtype and shape)."""
+    return [u for u in node.users if u.target is not aten._assert_tensor_metadata.default]
+
+
+def _same_dtype(node: fx.Node) -> bool:
+    """Whether a node keeps its first input's dtype (a cast to another dtype would round the partial sums)."""
+    first = node.args[0]
+    return isinstance(first, fx.Node) and is_tensor(first) and meta_val(first).dtype == meta_val(node).dtype
+
+
+def _zeros(node) -> bool:
+    """A tensor of zeros that nothing else reads: a sum of partial values may start from it on every rank."""
+    return isinstance(node, fx.Node) and node.target in _ZEROS and len(_readers(node)) == 1
+
+
+def linear_in(node: fx.Node, partial: set[str]) -> list[ArgPath] | None:
+    """Whether ``node`` is linear in its partial inputs (the others whole, none added as such): the paths of
+    the whole tensor operands multiplying a partial one (each rank's gradient of those is a share, read
+    through ``f``), or None when it is not."""
+    if not is_tensor(node) or not meta_val(node).dtype.is_floating_point:
+        return None
+    args = list(tensor_args(node))
+    held = [p for p, a in args if a.name in partial]
+    target = node.target
+    if target in _MOVES or target in _SUMS:
+        return [] if held == [(0,)] and _same_dtype(node) else None
+    if target in (aten.add.Tensor, aten.sub.Tensor):
+        return [] if len(held) == 2 and len(node.args) == 2 else None  # a whole addend would be added tp times
+    if target in (aten.mul.Tensor, aten.div.Tensor):
+        allowed = [(0,), (1,)] if target is aten.mul.Tensor else [(0,)]
+        if len(held) != 1 or held[0] not in allowed:
+            return None
+        return [p for p, _ in args if p != held[0]]
+    if target in _ACCUMULATE:
+        into, source = _ACCUMULATE[target]
+        into_ok = (into,) in held or _zeros(node.args[into])
+        return [] if into_ok and (source,) in held and len(held) <= 2 else None
+    return None
+
+
+def _deferrable(name: str, nodes: dict[str, fx.Node], projections: dict[str, Projection]) -> bool:
+    """A ``g`` that may move later: not a projection whose bias the rewrite adds after it."""
+    proj = projections.get(name)
+    return proj is None or (proj.bias is None and nodes[name].target is not aten.addmm.default)
+
+
+def defer_reductions(order: list[fx.Node], reduced: dict[str, Operator], projections: dict[str, Projection],
+                     layouts: dict, grad: set[str], consumed: set) -> tuple[dict[str, str], list, set[str]]:
+    """Where each deferrable ``g`` of ``reduced`` moves: {node whose ``g`` moves: node after which it runs},
+    the (node, path) edges of whole operands that must be read through ``f`` (``consumed``: the edges that
+    already have a conversion, whose operands are not whole as read), and every node holding a partial sum."""
+    nodes = {n.name: n for n in order}
+    partial = {n for n, op in reduced.items() if op is Operator.G and layouts.get(n) is None
+               and _deferrable(n, nodes, projections)}
+    source_of = {n: {n} for n in partial}
+    chain, copies = set(partial), []
+    for node in order:
+        held = [a for a in node.all_input_nodes if a.name in partial]
+        if not held or any(len(_readers(a)) != 1 for a in held) or layouts.get(node.name) is not None:
+            continue
+        whole = linear_in(node, partial)
+        reads = [p for p, _ in tensor_args(node)]
+        if whole is None or any((node.name, p) in consumed for p in reads) or \
+                any(layouts.get(get_arg(node, p).name) is not None for p in whole):
+            continue  # an edge with a conversion reads its value otherwise than as it is
+        partial.add(node.name)
+        chain.add(node.name)
+        source_of[node.name] = set().union(*(source_of.pop(a.name) for a in held))
+        partial -= {a.name for a in held}
+        copies += [(node.name, p) for p in whole if get_arg(node, p).name in grad]
+    moved = {s: end for end, sources in source_of.items() for s in sources if s != end}
+    return moved, copies, chain
+
+
+def _numel(node: fx.Node) -> sympy.Expr:
+    return sympy.Mul(*[sympy.sympify(d) for d in sizes(node)])
+
+
+def _hoistable(node: fx.Node, readers: set, layouts: dict, grad: set[str], pending: set[str]) -> bool:
+    """Whether ``f`` on every read of ``node`` (``readers``: the (node, path) edges reading it through ``f``)
+    may be ``f`` on its first input instead: ``node`` moves that whole input's elements, is read by nothing
+    else, and its other inputs carry no gradient; neither is a partial sum nor reduced (``pending``)."""
+    if node.op != "call_function" or node.target not in _MOVES or not _same_dtype(node):
+        return False
+    first = node.args[0]
+    if first.op != "call_function" or {first.name, node.name} & pending or \
+            layouts.get(first.name) is not None or layouts.get(node.name) is not None:
+        return False
+    if any(a.name in grad for p, a in tensor_args(node) if p != (0,)):
+        return False
+    reads = {(u.name, p) for u in _readers(node) for p, a in tensor_args(u) if a is node}
+    return reads <= readers
+
+
+def hoisted_copy(source: fx.Node, readers: set, layouts: dict, grad: set[str],
+                 pending: set[str]) -> tuple[fx.Node, str] | None:
+    """The earliest value whose ``f`` can stand for the ``f`` on ``source``'s ``readers``, through ops that only
+    move data and never through a larger value, with the node that reads it on the way to ``source``; None
+    unless it is smaller than ``source`` (fewer bytes all-reduced backward; an ``f`` of the same size stays
+    where the projection reading it can overlap it)."""
+    at, best = source, None
+    while _hoistable(at, readers, layouts, grad, pending):
+        first = at.args[0]
+        ratio = sympy.simplify(_numel(at) / _numel(first))
+        if not ratio.is_number or ratio < 1:
+            break
+        if sympy.simplify(_numel(source) / _numel(first)) > 1:
+            best = (first, at.name)
+        readers, at = {(at.name, (0,))}, first
+    return best
+
+
+def carry_partial_sums(prop, order: list[fx.Node], projections: dict[str, Projection], grad: set[str]) -> None:
+    """Move ``prop``'s deferrable reductions after the linear ops that follow them (recorded in
+    ``prop.deferred``), read the whole operands those multiply through ``f``, and hoist each ``f`` to the
+    smallest value it can stand on (module docstring)."""
+    from autotp.passes.propagate import Conversion  # propagate calls this, so it imports it first
+
+    consumed = {c for conv in prop.conversions.values() for c in conv.consumers}
+    moved, copies, chain = defer_reductions(order, prop.reduced, projections, prop.layouts, grad, consumed)
+    for source, end in moved.items():
+        del prop.reduced[source]
+        prop.reduced[end] = Operator.G
+    prop.deferred.update(moved)
+    nodes = {n.name: n for n in order}
+
+    def read_through_f(value: str, edge: tuple[str, ArgPath]) -> None:
+        prop.conversions.setdefault((value, (COPY,)), Conversion(value, (COPY,))).consumers.append(edge)
+
+    for node, path in copies:
+        read_through_f(get_arg(nodes[node], path).name, (node, path))
+    pending = chain | set(prop.reduced)
+    for key, conv in list(prop.conversions.items()):
+        found = hoisted_copy(nodes[conv.source], set(conv.consumers), prop.layouts, grad, pending) \
+            if conv.steps == (COPY,) else None
+        if found is not None:
+            del prop.conversions[key]
+            read_through_f(found[0].name, (found[1], (0,)))
+    for key, (value, reader) in _merged_picks(prop, nodes, grad, pending).items():
+        del prop.conversions[key]
+        read_through_f(value, (reader, (0,)))
+
+
+def _merged_picks(prop, nodes: dict[str, fx.Node], grad: set[str], pending: set[str]) -> dict:
+    """``f`` on rows picked from one whole value (``x[token]``, each expert of a loop over experts), to be one
+    ``f`` on that value where together they pick at least as many rows as it has at the routing's expected load
+    (k of E experts per token: k times): {conversion key: (the value, the pick reading it)}."""
+    by_value: dict[str, list] = {}
+    for key, conv in prop.conversions.items():
+        pick = nodes[conv.source]
+        if conv.steps == (COPY,) and pick.target is aten.index.Tensor and \
+                _hoistable(pick, set(conv.consumers), prop.layouts, grad, pending):
+            by_value.setdefault(pick.args[0].name, []).append((key, pick))
+    load = expert_load(next(iter(nodes.values())).graph)
+    merged = {}
+    for value, picks in by_value.items():
+        rows = sum(_numel(pick) for _, pick in picks)
+        if load is not None:
+            rows = rows.subs({u: load for u in rows.free_symbols if u.name.startswith("u")})
+        ratio = sympy.simplify(rows / _numel(nodes[value]))
+        if len(picks) > 1 and ratio.is_number and ratio >= 1:
+            merged |= {key: (value, pick.name) for key, pick in picks}
+    return merged

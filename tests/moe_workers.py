@@ -1,0 +1,82 @@
+"""Per-rank bodies of the mixture-of-experts tests on gloo: the tiny Mixtral-style and DeepSeek-style models
+train exactly, and their communication, counted at run time, is that of their dense twin (the same model with
+a plain MLP in place of each mixture-of-experts layer, which Megatron's minimum covers: one all-reduce of the
+B×T×D hidden state forward and one backward per layer) plus the routing weights' gradient, B×T×k numbers per
+layer backward.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import autotp
+from bench.comm import count_step
+from tests import models, structures_workers
+from tests.structures_workers import CASES, _DECODER, _hf, check_case
+
+BATCH, SEQ, TOP_K, MOE_LAYERS = 3, 10, 2, 2
+
+
+def mixtral(dense: bool = False) -> nn.Module:
+    """Mixtral's routed experts (4, top-2); dense: Mistral, the same model with one MLP per layer."""
+    if dense:
+        return _hf("MistralConfig", "MistralForCausalLM", **_DECODER)
+    return structures_workers.mixtral()
+
+
+def deepseek(dense: bool = False) -> nn.Module:
+    """DeepSeek-V3's routed experts (4, top-2) with a shared one in every layer; dense: one MLP per layer."""
+    return _hf("DeepseekV3Config", "DeepseekV3ForCausalLM", **(_DECODER | dict(num_key_value_heads=4)), head_dim=16,
+               kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16,
+               n_routed_experts=4, num_experts_per_tok=TOP_K, moe_intermediate_size=64, n_shared_experts=1,
+               first_k_dense_replace=2 if dense else 0, n_group=1, topk_group=1)
+
+
+BUILDERS = {"mixtral": mixtral, "deepseek": deepseek}
+
+
+class LoopedExperts(nn.Module):
+    """Experts applied in a loop to the tokens routed to each (``torch.where``, then ``index_add_`` of the
+    weighted outputs into zeros), between an embedding and a head: the older transformers MoE layout."""
+
+    def __init__(self, dim: int = 32, experts: int = 4, k: int = TOP_K):
+        super().__init__()
+        self.k = k
+        self.embed, self.head = nn.Embedding(64, dim), nn.Linear(dim, 64)
+        self.router = nn.Linear(dim, experts, bias=False)
+        self.up = nn.ModuleList(nn.Linear(dim, 2 * dim, bias=False) for _ in range(experts))
+        self.down = nn.ModuleList(nn.Linear(2 * dim, dim, bias=False) for _ in range(experts))
+
+    def forward(self, ids):
+        h = self.embed(ids)
+        x = h.flatten(0, 1)
+        weights, chosen = self.router(x).softmax(-1).topk(self.k, dim=-1)
+        out = torch.zeros_like(x)
+        for e, (up, down) in enumerate(zip(self.up, self.down)):
+            token, slot = torch.where(chosen == e)
+            out.index_add_(0, token, down(torch.relu(up(x[token]))) * weights[token, slot, None])
+        return self.head(h + out.view_as(h))
+
+
+def _step_bytes(build, world: int) -> dict:
+    """All-reduce bytes and counts of one forward and backward of ``build()`` at tp=``world``, vocabulary whole
+    (so every all-reduce is the model's own layers')."""
+    torch.manual_seed(0)
+    model = build()
+    ids = models.tokens(BATCH, SEQ, 1)
+    pm = autotp.parallelize(model, tp=world, vocab="whole", example_inputs=(ids,))
+    counted = count_step(lambda: pm(ids), lambda out: models.first_tensor(out).square().mean())
+    return {d: counted[d].get("all_reduce", {"count": 0, "bytes": 0}) for d in ("forward", "backward")}
+
+
+def moe(rank: int, world: int) -> dict:
+    """For each MoE model: its training errors (``structures_workers.check_case``) and its all-reduces next to
+    its dense twin's."""
+    out = {}
+    for name, build in BUILDERS.items():
+        case = CASES["mixtral (expert bank)"] if name == "mixtral" else CASES["deepseek_v3 (low-rank attention)"]
+        trained = check_case(name, structures_workers.Case(build, case.inputs, case.must_split), world)
+        out[name] = {"trained": trained, "moe": _step_bytes(build, world),
+                     "dense": _step_bytes(lambda b=build: b(dense=True), world)}
+    return out
