@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from autotp.capture import ExampleInputs, capture, example_inputs_of
+from autotp.capture import ExampleInputs, capture, capture_repeated, example_inputs_of
 from autotp.errors import InputError
 from autotp.options import Options
 from autotp.passes.placement import Source
@@ -62,7 +62,9 @@ def plan(model: nn.Module, tp: int | None = None, example_inputs=None, *, option
     """
     chosen_options = Options.build(options, tp=required_tp(tp, options), **settings)
     example = example_inputs_of(model, example_inputs)
-    return with_input_note(make_plan(capture(model, example), chosen_options, machine_for(None)), example)
+    # Planning reads shapes and structure only, so identical blocks are captured once and stamped out
+    # (``capture_repeated``: the same graph, checked, or the full capture); the rewrite captures in full.
+    return with_input_note(make_plan(capture_repeated(model, example), chosen_options, machine_for(None)), example)
 
 
 def parallelize(model: nn.Module, tp: int | None = None, example_inputs=None, *, plan: Plan | None = None,

@@ -136,15 +136,21 @@ def _shortened(model: nn.Module, runs: list[Run]):
 def capture_repeated(model: nn.Module, example_inputs, training: bool | None = None) -> Captured:
     """``capture``'s graph, made from two blocks of each run of identical blocks (module docstring); the full
     capture when the model has no such run or identity cannot be shown."""
-    runs = repeated_runs(model)
-    if not runs:
-        return capture(model, example_inputs, training)
     try:
-        with _shortened(model, runs):
-            small = capture(model, example_inputs, training)
-        return _stamped(small, model, runs)
+        return stamp(model, example_inputs, training)
     except (NotRepeated, CaptureError):
         return capture(model, example_inputs, training)
+
+
+def stamp(model: nn.Module, example_inputs, training: bool | None = None) -> Captured:
+    """The model captured with each run's blocks past its second stamped out; ``NotRepeated`` when it has no run
+    or a run's captured blocks differ, ``CaptureError`` when the shortened model cannot be captured."""
+    runs = repeated_runs(model)
+    if not runs:
+        raise NotRepeated(f"{type(model).__name__} ends no ModuleList in {_LEAST} identical blocks")
+    with _shortened(model, runs):
+        small = capture(model, example_inputs, training)
+    return _stamped(small, model, runs)
 
 
 def _stamped(small: Captured, model: nn.Module, runs: list[Run]) -> Captured:
