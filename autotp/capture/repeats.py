@@ -159,14 +159,15 @@ def _stamped(small: Captured, model: nn.Module, runs: list[Run]) -> Captured:
     blocks = {(run, k): _block_nodes(small, run.path, k) for run in runs for k in run.keys[:2]}
     hand_over = {run: _chain(blocks[run, run.keys[0]], blocks[run, run.keys[1]], run) for run in runs}
     reads = {run: _param_reads(graph, run) for run in runs}
-    after_reads = {reads[run][-1]: run for run in runs}
+    # capture reads every parameter, then every buffer: each stamped block's after the second block's of its kind
+    after_reads = {kind[-1]: (run, kind) for run in runs for kind in _by_kind(model, reads[run]) if kind}
     after_block = {blocks[run, run.keys[1]][-1]: run for run in runs}
     new = fx.Graph()
     env: dict = {}
     for node in graph.nodes:
         env[node] = new.node_copy(node, lambda n: env[n])
         if node in after_reads:
-            _copy_param_reads(new, small.module, model, after_reads[node], reads[after_reads[node]], env)
+            _copy_param_reads(new, small.module, model, *after_reads[node], env)
         if node in after_block:
             run = after_block[node]
             _copy_blocks(new, blocks[run, run.keys[1]], hand_over[run], reads[run], run, env)
@@ -204,6 +205,14 @@ def _chain(first: list[fx.Node], second: list[fx.Node], run: Run) -> dict[fx.Nod
     before it (the hidden state passed down the run), and that nothing after the run reads ``first``. Returns the
     hand-over: each node of ``first`` that ``second`` reads -> the node of ``second`` at its position, which the
     block after ``second`` reads in its place. ``NotRepeated`` when they differ in anything else."""
+    # A size computed in the first block (``B * T`` from symbolic sizes) is traced once and read by every later
+    # block: it is a value every block reads, not part of the block.
+    inside_second = set(second)
+    shared = {n for n in first if _is_size(n) and any(u in inside_second for u in n.users)}
+    for n in reversed(first):  # and the sizes those are computed from
+        if n in shared:
+            shared.update(a for a in n.all_input_nodes if a in set(first) and _is_size(a))
+    first = [n for n in first if n not in shared]
     if len(first) != len(second):
         raise NotRepeated(f"blocks {run.keys[:2]} of {run.path} traced {len(first)} and {len(second)} nodes")
     position = dict(zip(first, second))
@@ -217,7 +226,7 @@ def _chain(first: list[fx.Node], second: list[fx.Node], run: Run) -> dict[fx.Nod
             raise NotRepeated(f"{a.name} and {b.name} take different arguments")
         for x, y in zip(leaves_a, leaves_b):
             _match_leaf(x, y, position, handed, run)
-    read_later = {u for n in first for u in n.users if u not in position and u not in position.values()}
+    read_later = {u for n in first for u in n.users if u not in position and u not in inside_second}
     if read_later:
         raise NotRepeated(f"values of {run.path}.{run.keys[0]} are read past the next block ({next(iter(read_later)).name})")
     return {y: position[y] for y in handed.values()}
@@ -242,6 +251,11 @@ def _match_leaf(x, y, position: dict, handed: dict, run: Run) -> None:
         raise NotRepeated(f"{x.name} against {y.name}")
 
 
+def _is_size(node: fx.Node) -> bool:
+    """Whether a node computes a size (a symbolic int), not a tensor."""
+    return isinstance(node.meta.get("val"), (torch.SymInt, torch.SymFloat, torch.SymBool, int, float, bool))
+
+
 def _shape_key(node: fx.Node) -> tuple:
     """What a node's recorded sizes and dtype say (symbolic sizes as text: both blocks share the capture's symbols)."""
     val = node.meta.get("val")
@@ -257,6 +271,12 @@ def _param_reads(graph: fx.Graph, run: Run) -> list[fx.Node]:
     if not reads:
         raise NotRepeated(f"{run.path}.{run.keys[1]} reads no parameter")
     return reads
+
+
+def _by_kind(model: nn.Module, reads: list[fx.Node]) -> tuple[list[fx.Node], list[fx.Node]]:
+    """The reads of parameters, and of buffers."""
+    params = [r for r in reads if isinstance(_tensor(model, r.target[len(_WRAPPER_PREFIX):]), nn.Parameter)]
+    return params, [r for r in reads if r not in params]
 
 
 def _copy_param_reads(new: fx.Graph, root: nn.Module, model: nn.Module, run: Run, reads: list[fx.Node],
