@@ -82,7 +82,7 @@ def _tensor_key(t: torch.Tensor) -> tuple:
     """A buffer by shape and dtype, and by value where it has one (a branch could read it)."""
     if t.device.type == "meta":
         return (tuple(t.shape), t.dtype)
-    return (tuple(t.shape), t.dtype, hashlib.sha1(t.detach().cpu().contiguous().view(torch.uint8).numpy()).hexdigest())
+    return (tuple(t.shape), t.dtype, hashlib.sha1(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()).hexdigest())
 
 
 def block_signature(block: nn.Module, index: int) -> tuple:
