@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from autotp.capture import ExampleInputs, capture, example_inputs_of
+from autotp.capture import ExampleInputs, capture, capture_repeated, example_inputs_of
 from autotp.errors import InputError, RuntimeSetupError
 from autotp.options import Options, Recompute
 from autotp.passes.placement import Source
@@ -70,13 +70,16 @@ def plan(model: nn.Module, tp: int | None = None, example_inputs=None, *, option
     (a name from ``autotp.planning.machines.CLUSTERS``: ``cpu``, ``h100``, ``h200``, ``a100``; default: this one).
     """
     example = example_inputs_of(model, example_inputs)
+    # Planning reads shapes and structure only, so identical blocks are captured once and stamped out
+    # (``capture_repeated``: the same graph, checked, or the full capture); the rewrite captures in full.
+    captured = capture_repeated(model, example)
     if world_size is not None:
         cluster = cluster_named(machine) if machine is not None else cluster_for(None)
         base, fixed = _search_options(tp, options, settings)
-        return with_input_note(plan_layout(capture(model, example), world_size, base, fixed, cluster), example)
+        return with_input_note(plan_layout(captured, world_size, base, fixed, cluster), example)
     chosen_options = Options.build(options, tp=required_tp(tp, options), **settings)
     cluster = cluster_named(machine).node if machine is not None else machine_for(None)
-    return with_input_note(make_plan(capture(model, example), chosen_options, cluster), example)
+    return with_input_note(make_plan(captured, chosen_options, cluster), example)
 
 
 def parallelize(model: nn.Module, tp: int | None = None, example_inputs=None, *, plan: Plan | None = None,

@@ -378,22 +378,32 @@ class GraphIndex:
 def propagate(graph: fx.Graph, projections: Mapping[str, Projection], embeddings: Mapping[str, Embedding],
               param_layouts: Mapping[str, Shard], tp: int, trainable: set[str], auto_rows: bool = False,
               grad: set[str] | None = None, index: GraphIndex | None = None,
-              sequence: frozenset = frozenset(), inputs: Mapping[str, Shard] | None = None) -> Propagation:
+              sequence: frozenset = frozenset(), inputs: Mapping[str, Shard] | None = None,
+              windowed: bool | None = None) -> Propagation:
     """Propagate the parameter layouts (keyed by ``get_attr`` target) through ``graph``.
 
     With ``auto_rows``, a projection that receives its input split along the features becomes
-    row-split, which is how the planner discovers where a column-split region closes; the walk then
-    covers only the region. ``grad`` (the nodes gradients flow through) may be passed in when known.
+    row-split, which is how the planner discovers where a column-split region closes. ``windowed`` (the
+    default with ``auto_rows``) walks only from the first split parameter's reader until no split value is
+    live: what lies outside reads only whole values, so it adds nothing, and a search that propagates one
+    candidate per layer stays linear in depth. It leaves out the layouts of ``get_attr`` nodes (and a held
+    chunk's ``SHARED_GRAD``): only for searches, never for the plan's own propagation, and never with ``sequence``
+    or ``inputs`` (which split values no parameter reads). ``grad`` (the nodes gradients flow through) may be
+    passed in when known.
     ``sequence`` (the sequence sizes, as sympy expressions) turns on sequence parallelism: the reductions after
     row-split projections and split lookups reduce-scatter along the sequence, and the values after them stay
     split along it (norms, dropout, residual adds per sequence shard) until a reader needs them whole.
     ``inputs`` (placeholder name -> Shard) are graph inputs each rank is given already split: a KV cache's tensors,
     placed like the K/V heads written into them.
     """
+    windowed = auto_rows if windowed is None else windowed
+    if windowed and (sequence or inputs):
+        raise ValueError("a windowed propagation starts at the split parameters' readers, so it cannot take "
+                         "sequence parallelism or split inputs (they split values before them)")
     grad = grad if grad is not None else grad_nodes(graph, trainable)
     walker = _Walker(graph, projections, embeddings, param_layouts, tp, grad, auto_rows, index or GraphIndex.of(graph),
                      frozenset(sympy.sympify(s) for s in sequence), inputs)
-    result = walker.run(windowed=auto_rows)
-    if not auto_rows and not sequence:  # sequence parallelism reduce-scatters where the rows are
+    result = walker.run(windowed)
+    if not (windowed or auto_rows or sequence):  # sequence parallelism reduce-scatters where the rows are
         carry_partial_sums(result, walker.index.order, projections, grad)
     return result

@@ -238,7 +238,7 @@ class _RegionFinder:
         its output (a projection into the residual stream, a pooler), or None."""
         layout = {proj.weight: Shard(proj.in_dim, (proj.in_features,))}
         prop = propagate(self.graph, self.projections, self.embeddings, layout, self.tp, self.trainable,
-                         grad=self.grad, index=self.index)
+                         grad=self.grad, index=self.index, windowed=True)
         sliced = [c for c in prop.steps_of(Operator.SCATTER) if c.source in self.grad]
         if (prop.refusals or prop.violations or prop.steps_of(Operator.GATHER)
                 or any(c.source != proj.input or {n for n, _ in c.consumers} != {proj.node} for c in sliced)):

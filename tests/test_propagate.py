@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
+from autotp.capture import capture
 from autotp.passes.placement import Shard
 from autotp.passes.propagate import propagate
 from autotp.passes.steps import COPY, Operator, gather
 
 from tests.graphs import MLP, Heads, captured
+from tests.models import build, tokens
 
 
 def _propagate(cap, column_weights: dict[str, Shard], tp=2, auto_rows=False):
@@ -51,3 +54,40 @@ def test_sizes_that_tp_does_not_divide_are_violations():
     cap = captured(Heads(dim=12, heads=3), torch.randn(2, 3, 12))
     _, prop = _propagate(cap, {"qkv.weight": Shard(0, (12, 12, 12))}, auto_rows=True)
     assert any(v.size == 3 for v in prop.violations)
+
+
+def _outcome(prop, nodes) -> dict:
+    """What a propagation tells a search, with the parameter reads (which a windowed walk leaves out) dropped."""
+    def read(name):
+        return nodes[name].op != "get_attr"
+
+    def split(lay):
+        return isinstance(lay, Shard) or isinstance(lay, tuple) and any(isinstance(x, Shard) for x in lay)
+
+    return {"layouts": {n: lay for n, lay in prop.layouts.items() if split(lay) and read(n)},
+            "conversions": {k: c.consumers for k, c in prop.conversions.items()},
+            "reduced": {n: op for n, op in prop.reduced.items() if read(n)}, "rows": prop.rows,
+            "fixes": prop.fixes, "violations": prop.violations, "hints": prop.hints, "checked": prop.checked,
+            "refusals": prop.refusals, "origins": {n: o for n, o in prop.origins.items() if read(n)}}
+
+
+@pytest.mark.parametrize("name", ["hf_llama", "hf_gpt2", "raw_gpt"])
+def test_a_windowed_walk_finds_what_the_whole_walk_finds(name):
+    """Every projection split by rows, then by columns, alone: the walk from its weight's reader until no split
+    value is live (what the region search runs, linear in depth) records what the walk of the whole graph does."""
+    model = build(name, layers=3)
+    cap = capture(model, tokens(2, 8, seed=0))
+    analysis = cap.analysis
+    for proj in analysis.projections.values():
+        for layout in (Shard(proj.in_dim, (proj.in_features,)), Shard(proj.out_dim, (proj.out_features,))):
+            runs = [propagate(cap.graph, analysis.projections, analysis.embeddings, {proj.weight: layout}, 2,
+                              analysis.trainable, auto_rows=True, windowed=windowed) for windowed in (True, False)]
+            assert _outcome(runs[0], analysis.nodes) == _outcome(runs[1], analysis.nodes), (proj.node, layout)
+
+
+def test_a_windowed_walk_refuses_what_splits_values_before_it():
+    cap = captured(MLP(), torch.randn(2, 3, 8))
+    analysis = cap.analysis
+    with pytest.raises(ValueError, match="windowed"):
+        propagate(cap.graph, analysis.projections, analysis.embeddings, {}, 2, analysis.trainable, windowed=True,
+                  inputs={"x": Shard(2, (8,))})

@@ -13,6 +13,7 @@ from autotp.capture.examples import (
            vocab_size,
 )
 from autotp.capture.export import Captured, capture, model_kwargs, tensor_aliases
+from autotp.capture.repeats import capture_repeated
 
-__all__ = ["Captured", "ExampleInputs", "Signature", "capture", "example_inputs_of", "model_kwargs", "name_inputs",
+__all__ = ["Captured", "ExampleInputs", "Signature", "capture", "capture_repeated", "example_inputs_of", "model_kwargs", "name_inputs",
            "synthesise", "tensor_aliases", "vocab_size"]

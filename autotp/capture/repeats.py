@@ -1,0 +1,344 @@
+"""Repeated blocks captured once: the graph of a deep model stamped out from two blocks of each run.
+
+A transformer's blocks are one class built from one config, so torch.export traces the same ops again for every
+block (most of the time a plan takes). Like torch's regional compilation, ``capture_repeated`` captures each run of
+identical blocks (consecutive members of a ``ModuleList`` with one ``block_signature``: classes, parameter and buffer
+shapes and dtypes, plain attributes, hooks) from its first two members only, checks that those two traced the same
+graph (same ops, same constants, same sizes, the second reading the first's output where the first read its input),
+and stamps out the rest of the run as copies of the second, reading the run's own parameters. The graph is the one
+a full capture makes, node for node; where identity cannot be shown (a block whose graph differs from its
+neighbour's, a value read across blocks, a model that cannot run shortened) it falls back to the full capture.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import re
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+from torch import fx, nn
+from torch.utils._pytree import tree_flatten
+
+from autotp.capture.export import _WRAPPER_PREFIX, Captured, capture, tensor_aliases
+from autotp.errors import CaptureError
+
+_LEAST = 3
+"""The shortest run worth stamping: two blocks are always captured, to check the run against itself."""
+
+
+@dataclass(frozen=True)
+class Run:
+    """Consecutive blocks of one ``ModuleList`` with one signature: ``keys[:2]`` captured, the rest stamped."""
+
+    path: str
+    """The ``ModuleList``'s name in the model (``model.layers``)."""
+    keys: tuple[str, ...]
+    """The blocks' keys in the list, in order (``("3", "4", ..., "60")``)."""
+
+    @property
+    def stamped(self) -> tuple[str, ...]:
+        """The blocks copied from the second rather than captured."""
+        return self.keys[2:]
+
+
+class NotRepeated(Exception):
+    """The captured representatives do not prove the run identical (internal: the caller falls back)."""
+
+
+@dataclass(frozen=True)
+class _Int:
+    """An int attribute, and whether it equals the block's index (its ``layer_idx``)."""
+
+    value: int
+    is_index: bool
+
+
+def _plain(value, index: int):
+    """An attribute's value as the signature records it: plain data by value, ints with whether they are the
+    block's index, anything else by identity (a config shared by every block compares equal)."""
+    if isinstance(value, bool) or value is None or isinstance(value, (float, str)):
+        return value
+    if isinstance(value, int):
+        return _Int(value, value == index)
+    if isinstance(value, (tuple, list)):
+        return tuple(_plain(v, index) for v in value)
+    return ("id", id(value))
+
+
+def same_blocks(a, b) -> bool:
+    """Whether two signatures (``block_signature``) describe the same block: equal, but for ints that are each
+    block's own index (a coincidence, an int equal to one block's index, still has to be equal)."""
+    if isinstance(a, _Int) and isinstance(b, _Int):
+        return a.value == b.value or (a.is_index and b.is_index)
+    if isinstance(a, tuple) and isinstance(b, tuple):
+        return len(a) == len(b) and all(same_blocks(x, y) for x, y in zip(a, b))
+    return type(a) is type(b) and a == b
+
+
+def _tensor_key(t: torch.Tensor) -> tuple:
+    """A buffer by shape and dtype, and by value where it has one (a branch could read it)."""
+    if t.device.type == "meta":
+        return (tuple(t.shape), t.dtype)
+    return (tuple(t.shape), t.dtype, hashlib.sha1(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()).hexdigest())
+
+
+def block_signature(block: nn.Module, index: int) -> tuple:
+    """What makes two blocks trace the same graph, as far as it can be read without tracing: each submodule's
+    class, parameters (shape, dtype, requires_grad), buffers, plain attributes and hooks."""
+    parts = []
+    for name, m in block.named_modules():
+        attrs = tuple(sorted((k, _plain(v, index)) for k, v in vars(m).items() if not k.startswith("_")))
+        hooks = tuple(id(h) for d in (m._forward_hooks, m._forward_pre_hooks) for h in d.values())
+        params = tuple((n, tuple(p.shape), p.dtype, p.requires_grad) for n, p in m.named_parameters(recurse=False))
+        buffers = tuple((n, _tensor_key(b)) for n, b in m.named_buffers(recurse=False))
+        parts.append((name, type(m), attrs, hooks, params, buffers))
+    return tuple(parts)
+
+
+def repeated_runs(model: nn.Module) -> list[Run]:
+    """For each ``ModuleList`` that ends in at least ``_LEAST`` identical blocks, that run. Only a run that ends
+    its list is stamped: the shortened list is then a prefix of the full one, so every captured block sits at its
+    own position (a forward that enumerates its blocks, ``config.layer_types[i]``, reads what it reads in full)."""
+    runs = []
+    for path, module in model.named_modules():
+        if not isinstance(module, nn.ModuleList) or len(module) < _LEAST:
+            continue
+        keys = list(module._modules)
+        last = block_signature(module._modules[keys[-1]], len(keys) - 1)
+        start = len(keys) - 1
+        while start > 0 and same_blocks(block_signature(module._modules[keys[start - 1]], start - 1), last):
+            start -= 1
+        if len(keys) - start >= _LEAST:
+            runs.append(Run(path, tuple(keys[start:])))
+    return runs
+
+
+@contextlib.contextmanager
+def _shortened(model: nn.Module, runs: list[Run]):
+    """The model with its stamped blocks left out of their lists (the tail of each: the kept blocks keep their
+    keys and positions, so their names are the full model's), put back afterwards."""
+    saved = []
+    for run in runs:
+        lst = model.get_submodule(run.path)
+        saved.append((lst, lst._modules))
+        drop = set(run.stamped)
+        lst._modules = OrderedDict((k, m) for k, m in lst._modules.items() if k not in drop)
+    try:
+        yield
+    finally:
+        for lst, modules in saved:
+            lst._modules = modules
+
+
+def capture_repeated(model: nn.Module, example_inputs, training: bool | None = None) -> Captured:
+    """``capture``'s graph, made from two blocks of each run of identical blocks (module docstring); the full
+    capture when the model has no such run or identity cannot be shown."""
+    try:
+        return stamp(model, example_inputs, training)
+    except (NotRepeated, CaptureError):
+        return capture(model, example_inputs, training)
+
+
+def stamp(model: nn.Module, example_inputs, training: bool | None = None) -> Captured:
+    """The model captured with each run's blocks past its second stamped out; ``NotRepeated`` when it has no run
+    or a run's captured blocks differ, ``CaptureError`` when the shortened model cannot be captured."""
+    runs = repeated_runs(model)
+    if not runs:
+        raise NotRepeated(f"{type(model).__name__} ends no ModuleList in {_LEAST} identical blocks")
+    with _shortened(model, runs):
+        small = capture(model, example_inputs, training)
+    return _stamped(small, model, runs)
+
+
+def _stamped(small: Captured, model: nn.Module, runs: list[Run]) -> Captured:
+    """``small`` with each run's stamped blocks copied in, and the full model's names."""
+    graph = small.graph
+    blocks = {(run, k): _block_nodes(small, run.path, k) for run in runs for k in run.keys[:2]}
+    hand_over = {run: _chain(blocks[run, run.keys[0]], blocks[run, run.keys[1]], run) for run in runs}
+    reads = {run: _param_reads(graph, run) for run in runs}
+    # capture reads every parameter, then every buffer: each stamped block's after the second block's of its kind
+    after_reads = {kind[-1]: (run, kind) for run in runs for kind in _by_kind(model, reads[run]) if kind}
+    after_block = {blocks[run, run.keys[1]][-1]: run for run in runs}
+    new = fx.Graph()
+    env: dict = {}
+    for node in graph.nodes:
+        env[node] = new.node_copy(node, lambda n: env[n])
+        if node in after_reads:
+            _copy_param_reads(new, small.module, model, *after_reads[node], env)
+        if node in after_block:
+            run = after_block[node]
+            _copy_blocks(new, blocks[run, run.keys[1]], hand_over[run], reads[run], run, env)
+    small.module.graph = new
+    small.module.recompile()
+    small.state_keys = tuple(model.state_dict().keys())
+    small.aliases = tensor_aliases(model)
+    small.param_names = tuple(n for n, _ in model.named_parameters(remove_duplicate=False))
+    return small
+
+
+def _block_nodes(cap: Captured, path: str, key: str) -> list[fx.Node]:
+    """The nodes traced inside block ``path.key``, in order; they must be consecutive."""
+    name = f"{path}.{key}"
+    order = [n for n in cap.graph.nodes if n.op != "get_attr"]
+    inside = [i for i, n in enumerate(order) if (m := cap.module_name(n)) == name or m.startswith(name + ".")]
+    if not inside or inside[-1] - inside[0] + 1 != len(inside):
+        raise NotRepeated(f"{name}'s nodes are not consecutive")
+    return order[inside[0]:inside[-1] + 1]
+
+
+def _renamed(text: str, path: str, old: str, new: str) -> str:
+    """``text`` (a ``get_attr`` target or module path starting with ``path``) with block ``path.old`` renamed
+    ``path.new``."""
+    return re.sub(rf"^{re.escape(path)}\.{re.escape(old)}(?=\.|$)", f"{path}.{new}", text)
+
+
+def _attr_path(run: Run) -> str:
+    """The run's list as the captured module names it (``get_attr`` targets, module paths)."""
+    return _WRAPPER_PREFIX + run.path
+
+
+def _chain(first: list[fx.Node], second: list[fx.Node], run: Run) -> dict[fx.Node, fx.Node]:
+    """Check that ``second`` is ``first`` again, reading values of ``first`` where ``first`` read values from
+    before it (the hidden state passed down the run), and that nothing after the run reads ``first``. Returns the
+    hand-over: each node of ``first`` that ``second`` reads -> the node of ``second`` at its position, which the
+    block after ``second`` reads in its place. ``NotRepeated`` when they differ in anything else."""
+    # A size computed in the first block (``B * T`` from symbolic sizes) is traced once and read by every later
+    # block: it is a value every block reads, not part of the block.
+    inside_second = set(second)
+    shared = {n for n in first if _is_size(n) and any(u in inside_second for u in n.users)}
+    for n in reversed(first):  # and the sizes those are computed from
+        if n in shared:
+            shared.update(a for a in n.all_input_nodes if a in set(first) and _is_size(a))
+    first = [n for n in first if n not in shared]
+    if len(first) != len(second):
+        raise NotRepeated(f"blocks {run.keys[:2]} of {run.path} traced {len(first)} and {len(second)} nodes")
+    position = dict(zip(first, second))
+    handed: dict[fx.Node, fx.Node] = {}
+    for a, b in zip(first, second):
+        if a.op != b.op or a.target != b.target or _shape_key(a) != _shape_key(b):
+            raise NotRepeated(f"{a.name} and {b.name} differ")
+        leaves_a, spec_a = tree_flatten((a.args, a.kwargs))
+        leaves_b, spec_b = tree_flatten((b.args, b.kwargs))
+        if spec_a != spec_b:
+            raise NotRepeated(f"{a.name} and {b.name} take different arguments")
+        for x, y in zip(leaves_a, leaves_b):
+            _match_leaf(x, y, position, handed, run)
+    read_later = {u for n in first for u in n.users if u not in position and u not in inside_second}
+    if read_later:
+        raise NotRepeated(f"values of {run.path}.{run.keys[0]} are read past the next block ({next(iter(read_later)).name})")
+    return {y: position[y] for y in handed.values()}
+
+
+def _match_leaf(x, y, position: dict, handed: dict, run: Run) -> None:
+    """One argument of a node of the first block (``x``) against the second's (``y``)."""
+    if not isinstance(x, fx.Node) or not isinstance(y, fx.Node):
+        if isinstance(x, fx.Node) or isinstance(y, fx.Node) or type(x) is not type(y) or x != y:
+            raise NotRepeated(f"constant {x!r} against {y!r}")
+        return
+    own = _renamed(x.target, _attr_path(run), run.keys[0], run.keys[1]) if x.op == "get_attr" else None
+    if x in position:
+        ok = position[x] is y
+    elif own is not None and own != x.target:  # the first block's own tensor: the second reads its own
+        ok = y.op == "get_attr" and y.target == own
+    elif y is x:
+        ok = True  # a value every block reads: positions, masks, rotary tables
+    else:  # the hidden state: the second block reads the first's where the first read what came before it
+        ok = y in position and x.op != "get_attr" and handed.setdefault(x, y) is y
+    if not ok:
+        raise NotRepeated(f"{x.name} against {y.name}")
+
+
+def _is_size(node: fx.Node) -> bool:
+    """Whether a node computes a size (a symbolic int), not a tensor."""
+    return isinstance(node.meta.get("val"), (torch.SymInt, torch.SymFloat, torch.SymBool, int, float, bool))
+
+
+def _shape_key(node: fx.Node) -> tuple:
+    """What a node's recorded sizes and dtype say (symbolic sizes as text: both blocks share the capture's symbols)."""
+    val = node.meta.get("val")
+    vals = val if isinstance(val, (tuple, list)) else (val,)
+    shapes = tuple((tuple(str(s) for s in v.shape), v.dtype) if isinstance(v, torch.Tensor) else repr(v) for v in vals)
+    return shapes, repr(node.meta.get("autotp_shape"))
+
+
+def _param_reads(graph: fx.Graph, run: Run) -> list[fx.Node]:
+    """The ``get_attr`` nodes of the run's second block's tensors."""
+    prefix = f"{_attr_path(run)}.{run.keys[1]}."
+    reads = [n for n in graph.nodes if n.op == "get_attr" and n.target.startswith(prefix)]
+    if not reads:
+        raise NotRepeated(f"{run.path}.{run.keys[1]} reads no parameter")
+    return reads
+
+
+def _by_kind(model: nn.Module, reads: list[fx.Node]) -> tuple[list[fx.Node], list[fx.Node]]:
+    """The reads of parameters, and of buffers."""
+    params = [r for r in reads if isinstance(_tensor(model, r.target[len(_WRAPPER_PREFIX):]), nn.Parameter)]
+    return params, [r for r in reads if r not in params]
+
+
+def _copy_param_reads(new: fx.Graph, root: nn.Module, model: nn.Module, run: Run, reads: list[fx.Node],
+                      env: dict) -> None:
+    """A ``get_attr`` for each stamped block's tensors under the full model's names (``env[key, read]``), each
+    tensor registered on the captured module as capture registers the others."""
+    for key in run.stamped:
+        for read in reads:
+            target = _renamed(read.target, _attr_path(run), run.keys[1], key)
+            _register(root, target, _tensor(model, target[len(_WRAPPER_PREFIX):]))
+            copied = new.get_attr(target)
+            copied.meta = dict(read.meta)
+            env[key, read] = copied
+
+
+def _tensor(model: nn.Module, name: str) -> torch.Tensor:
+    """The model's parameter or buffer ``name``."""
+    module, _, short = name.rpartition(".")
+    owner = model.get_submodule(module)
+    return owner._parameters[short] if short in owner._parameters else owner._buffers[short]
+
+
+def _register(root: nn.Module, target: str, tensor: torch.Tensor) -> None:
+    """Put ``tensor`` at dotted ``target`` in ``root``, making the empty modules on the way."""
+    *path, name = target.split(".")
+    module = root
+    for part in path:
+        if not hasattr(module, part):
+            module.add_module(part, nn.Module())
+        module = getattr(module, part)
+    if isinstance(tensor, nn.Parameter):
+        module.register_parameter(name, tensor)
+    else:
+        module.register_buffer(name, tensor)
+
+
+def _copy_blocks(new: fx.Graph, second: list[fx.Node], hand_over: dict, reads: list[fx.Node], run: Run,
+                 env: dict) -> None:
+    """The stamped blocks, each a copy of ``second`` reading the block before it where ``second`` read the first;
+    readers after the run read the last copy's values."""
+    previous = {n: env[n] for n in second}  # the block before the one being copied: the second, at first
+    own_reads = set(reads)
+    for key in run.stamped:
+        current: dict[fx.Node, fx.Node] = {}
+
+        def arg(n: fx.Node) -> fx.Node:
+            if n in current:
+                return current[n]
+            if n in hand_over:  # the hidden state: the previous block's value at the handed position
+                return previous[hand_over[n]]
+            if n in own_reads:
+                return env[key, n]
+            return env[n]  # what every block reads
+
+        for node in second:
+            copied = new.node_copy(node, arg)
+            copied.meta = dict(node.meta)
+            stack = node.meta.get("nn_module_stack")
+            if stack:
+                copied.meta["nn_module_stack"] = {
+                    k: (_renamed(path, _attr_path(run), run.keys[1], key), cls) for k, (path, cls) in stack.items()}
+            current[node] = copied
+        previous = current
+    for n in second:
+        env[n] = previous[n]

@@ -1,0 +1,82 @@
+"""Identical blocks captured once and stamped out (``capture.repeats``): the same graph and the same plans as the
+full capture, and the full capture wherever identity is not shown."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from autotp.capture import capture
+from autotp.capture.repeats import NotRepeated, capture_repeated, repeated_runs, stamp
+from autotp.options import Options
+from autotp.planning.planner import make_plan
+from autotp.tools.model_spec import build_model, parse_overrides, parse_spec
+
+from tests.models import build, tokens
+
+_HF = {
+    "deepseek_v3": ["num_hidden_layers=6", "first_k_dense_replace=2"],  # dense blocks, then mixture-of-experts
+    "mixtral": ["num_hidden_layers=5"],
+    "gemma3_text": ["num_hidden_layers=5"],  # sliding and full attention: the last block differs
+    "qwen3_moe": ["num_hidden_layers=5"],
+}
+
+
+def _model(name: str) -> torch.nn.Module:
+    if name in _HF:
+        return build_model(parse_spec(f"hf:{name}", parse_overrides(_HF[name])))
+    return build(name, layers=5)
+
+
+def _example(name: str):
+    return None if name in _HF else tokens(2, 8, seed=0)
+
+
+def _ops(cap) -> list:
+    return [(n.op, str(n.target), cap.module_name(n), repr(n.meta.get("autotp_shape"))) for n in cap.graph.nodes]
+
+
+@pytest.mark.parametrize("name", ["raw_gpt", "hf_llama", "hf_gpt2", "deepseek_v3", "mixtral"])
+def test_stamped_blocks_make_the_full_capture_graph_and_plans(name):
+    model = _model(name)
+    full, stamped = capture(model, _example(name)), stamp(model, _example(name))
+    assert _ops(stamped) == _ops(full)
+    assert (stamped.param_names, stamped.state_keys, stamped.aliases) == (full.param_names, full.state_keys, full.aliases)
+    for tp, pp in ((2, 1), (4, 2)):
+        options = Options(tp=tp, pp=pp)
+        assert make_plan(stamped, options) == make_plan(full, options), (tp, pp)
+
+
+def test_runs_are_the_identical_blocks_that_end_each_list():
+    (run,) = repeated_runs(_model("deepseek_v3"))
+    assert run.path == "model.layers" and run.keys == ("2", "3", "4", "5") and run.stamped == ("4", "5")
+    assert repeated_runs(_model("gemma3_text")) == []  # the last block (full attention) is alone in its run
+    assert repeated_runs(build("hf_llama", layers=2)) == []  # two blocks are both captured anyway
+
+
+def test_a_block_whose_graph_depends_on_its_index_falls_back_to_the_full_capture():
+    class Block(torch.nn.Module):
+        def __init__(self, index: int):
+            super().__init__()
+            self.index = index
+            self.lin = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.lin(x) * (self.index + 1)  # the same signature (its index), another constant per block
+
+    class Stack(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = torch.nn.ModuleList(Block(i) for i in range(4))
+
+        def forward(self, x):
+            for block in self.blocks:
+                x = block(x)
+            return x
+
+    model, x = Stack(), torch.randn(2, 8)
+    assert repeated_runs(model)  # the signatures agree: only the graphs tell the blocks apart
+    with pytest.raises(NotRepeated):
+        stamp(model, x)
+    stamped = capture_repeated(model, x)
+    assert _ops(stamped) == _ops(capture(model, x))
+    assert [str(n.args[1]) for n in stamped.graph.nodes if n.target is torch.ops.aten.mul.Tensor] == ["1", "2", "3", "4"]
