@@ -151,7 +151,7 @@ def _in_flight(layout: Layout) -> float:
     if layout.pp == 1 or layout.schedule is Schedule.GPIPE:
         return m
     held = min(m, pp)
-    return min(m, held * (1 + (pp - 1) / (pp * v))) if layout.schedule is Schedule.INTERLEAVED_1F1B else held
+    return min(m, held * (1 + (pp - 1) / (pp * v))) if layout.schedule.virtual else held
 
 
 def _state_bytes(layout: Layout, param_bytes: float) -> float:
