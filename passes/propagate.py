@@ -105,6 +105,18 @@ class Role:
     replicas: int = 1
 
 
+def _fused(segments: tuple[int, ...]) -> tuple[int, ...]:
+    """A row's input segments when it has several (parts concatenated side by side, each split on its own:
+    attention's heads beside an MLP's channels, as a single-stream block concatenates them), else ()."""
+    return segments if len(segments) > 1 else ()
+
+
+def _row_input(layout: Layout, features: int, in_features: int) -> bool:
+    """Whether a projection's input arrives split along its input features, plainly or in segments."""
+    return (isinstance(layout, Shard) and layout.dim == features and layout.size == in_features
+            and layout.blocks == 1 and layout.replicas == 1 and not layout.spread)
+
+
 def _steps(have: Layout, want: Layout | Step) -> tuple[Step, ...]:
     """The conversion steps from layout ``have`` to ``want``."""
     if want == have:
@@ -275,12 +287,12 @@ class _Walker:
         if isinstance(weight, Shard):
             if weight.dim == proj.out_dim:
                 return Role(PlacementKind.COLWISE, weight.segments, weight.replicas)
-            return Role(PlacementKind.ROWWISE)
+            return Role(PlacementKind.ROWWISE, _fused(weight.segments))
         x_layout = self.layout(self.graph_node(proj.input))
         features = rank(self.graph_node(proj.input)) + proj.feature_axis
-        if self.auto_rows and x_layout == Shard(features, (proj.in_features,)):
+        if self.auto_rows and _row_input(x_layout, features, proj.in_features):
             self.result.rows.append(proj.node)
-            return Role(PlacementKind.ROWWISE)
+            return Role(PlacementKind.ROWWISE, _fused(x_layout.segments))
         return None
 
     def graph_node(self, name: str) -> fx.Node:
@@ -294,12 +306,12 @@ class _Walker:
             return Decision(out, wants={x_path: COPY}, checks=size_checks(out, "output features"))
         out = self.sequence_shard(node)
         self.result.reduced[node.name] = Operator.REDUCE_SCATTER if out else Operator.G
-        wants = {x_path: Shard(rank(x) + proj.feature_axis, (proj.in_features,))}
+        wants = {x_path: Shard(rank(x) + proj.feature_axis, role.segments or (proj.in_features,))}
         bias = next(((p, n) for p, n in tensor_args(node) if n.op == "get_attr" and n.target == proj.bias), None)
         if out is not None and bias is not None and bias[1].name in self.ctx.grad:
             wants[bias[0]] = COPY  # added after the reduce-scatter, to this rank's tokens: its gradient is a share
         return Decision(out, wants=wants,
-                        checks=[(proj.in_features, "input features")])
+                        checks=[(size, "input features") for size in role.segments or (proj.in_features,)])
 
     def sequence_shard(self, node: fx.Node) -> Shard | None:
         """Under sequence parallelism, the split along the sequence that a reduction after ``node`` lands in (its

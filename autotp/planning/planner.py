@@ -83,8 +83,9 @@ def _region_placements(analysis: Analysis, region: RegionMatch) -> dict[str, Pla
         out[p.weight] = Placement(PlacementKind.COLWISE, p.out_dim, segments, shared.get(col, 1))
         if p.bias:
             out[p.bias] = Placement(PlacementKind.COLWISE, 0, segments, shared.get(col, 1))
-    for row in region.rows:
-        out[analysis.projections[row].weight] = Placement(PlacementKind.ROWWISE, analysis.projections[row].in_dim)
+    for row, segments in zip(region.rows, region.row_segments or [()] * len(region.rows)):
+        out[analysis.projections[row].weight] = Placement(PlacementKind.ROWWISE, analysis.projections[row].in_dim,
+                                                          segments)
     for target, shard in region.params:
         whole = shard.segments == (analysis.param_size(target, shard.dim),)
         out[target] = Placement(PlacementKind.COLWISE, shard.dim, () if whole else shard.segments)
