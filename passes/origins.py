@@ -10,6 +10,7 @@ module walks back from the value through the ops that would carry such a split u
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from autotp.passes.graph import arg_or_default, meta_val, rank, sizes
@@ -27,6 +28,8 @@ from autotp.passes.rules_shape import (
     new_filled,
     permutation,
     permute,
+    repeat,
+    repeat_blocks,
     reshape,
     select,
     slice_,
@@ -83,9 +86,24 @@ def _input_shard(node: fx.Node, source: fx.Node, shard: Shard, tp: int) -> Shard
         return shard if source is node.args[0] and len(node.args[1]) == rank(source) else None
     if rule is select:  # the selected dim is gone from the output
         return shard.moved(shard.dim + (node.args[1] % rank(source) <= shard.dim))
+    if rule is repeat:  # a per-head table repeated over the batch: the split of one copy
+        return _repeated_input(node, source, shard)
     if rule in (reduction, along_dim, layer_norm):  # a per-head norm: its statistic is over another dim
         return _normalised_input(node, source, shard)
     return None
+
+
+def _repeated_input(node: fx.Node, source: fx.Node, shard: Shard) -> Shard | None:
+    """The split ``source`` needs for ``repeat`` to come out split as ``shard``: the same along a dim repeated
+    once, or one copy's split where the copies are ``shard``'s blocks."""
+    dim = shard.dim - (len(node.args[1]) - rank(source))
+    if dim < 0 or shard.replicas != 1 or shard.spread:
+        return None
+    repeats = node.args[1][shard.dim]
+    if isinstance(repeats, int) and repeats == 1:
+        return shard.moved(dim)
+    plain = dataclasses.replace(shard, dim=dim, blocks=1)
+    return plain if repeat_blocks(node, plain) == shard.blocks else None
 
 
 def _normalised_input(node: fx.Node, source: fx.Node, shard: Shard) -> Shard | bool | None:
