@@ -15,6 +15,7 @@ from autotp.capture import Captured
 from autotp.errors import PlanError
 from autotp.options import Options, VocabChoice
 from autotp.passes.analysis import Analysis
+from autotp.passes.choices import whole_convolutions
 from autotp.passes.graph import arg_or_default, grad_nodes, sizes
 from autotp.passes.placement import REPLICATED, Placement, PlacementKind
 from autotp.passes.propagate import Propagation
@@ -65,6 +66,14 @@ def _unmatched_note(analysis: Analysis, nodes: tuple[str, ...], why: str, chosen
     if len(reasons) == 1 and None not in reasons:
         return f"{layers} kept whole by choice: {reasons.pop()}"
     return f"{layers} kept replicated: {why}"
+
+
+def _whole_convolution_notes(analysis: Analysis, by_target: dict[str, Placement]) -> list[str]:
+    """One note per convolution kept whole (a patch embedding, an audio front end), saying why."""
+    split = {t for t, p in by_target.items() if p.is_split}
+    return [f"{analysis.module(node.name) or weight} kept whole: a dense convolution (weight sizes "
+            f"{list(sizes(node.args[1]))}); autotp splits only depthwise conv1d (by channels), so it runs whole "
+            "on every rank" for node, weight in whole_convolutions(analysis.graph, split)]
 
 
 def _valid_tp(analysis: Analysis, regions: list[RegionMatch]) -> list[int]:
@@ -328,6 +337,7 @@ def make_plan(captured: Captured, options: Options = Options(), machine: Machine
                          "each rank selects the heads it needs")
         plan_regions.append(Region(region.kind, tuple(analysis.layer(c) for c in region.columns),
                                    tuple(analysis.layer(r) for r in region.rows), kept))
+    notes += _whole_convolution_notes(analysis, by_target)
     vocab_placements, vocab_regions, vocab_kept = _vocab_placements(analysis, tp, notes, options, machine, sizes, by_target)
     by_target |= vocab_placements
     plan_regions = vocab_regions[:1] + plan_regions + vocab_regions[1:]
