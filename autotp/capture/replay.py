@@ -34,7 +34,9 @@ def check_replay(gm: fx.GraphModule, run_model, inputs: tuple, model: nn.Module)
     restored, and the random generator too, so the model is left as it was."""
     if _on_meta(model, inputs):
         return
-    with torch.no_grad(), _buffers_restored(model, gm), torch.random.fork_rng(devices=[]):
+    # the generators of the devices the inputs are on are restored too (dropout on a GPU draws from its own)
+    devices = sorted({x.device.index or 0 for x in inputs if isinstance(x, torch.Tensor) and x.is_cuda})
+    with torch.no_grad(), _buffers_restored(model, gm), torch.random.fork_rng(devices=devices):
         torch.manual_seed(SEED)
         want = run_model(*inputs)
         torch.manual_seed(SEED)
