@@ -12,7 +12,8 @@ from autotp.passes.projections import (
            find_embeddings,
            find_projections,
 )
-from autotp.passes.propagate import Propagation, propagate
+from autotp.passes.propagate import propagate
+from autotp.passes.propagation import Propagation
 from autotp.passes.regions import RegionKind
 from autotp.passes.steps import COMMUNICATION, CollectiveOp, Direction, Operator, Step
 

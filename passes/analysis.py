@@ -20,7 +20,8 @@ from autotp.passes.choices import kept_by_choice
 from autotp.passes.graph import sizes, trainable_attrs
 from autotp.passes.placement import Placement, Shard
 from autotp.passes.projections import find_embeddings, find_projections
-from autotp.passes.propagate import Propagation, propagate
+from autotp.passes.propagate import propagate
+from autotp.passes.propagation import Propagation
 from autotp.passes.regions import RegionSearch, find_regions
 from autotp.passes.vocab import VocabMatch, find_vocab
 from torch import fx

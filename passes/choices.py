@@ -45,3 +45,21 @@ def kept_by_choice(node: fx.Node, projections: dict[str, Projection], heads: tup
     if routes(node):
         return ROUTER
     return None
+
+
+_CONVOLUTIONS = {aten.conv1d.default, aten.conv2d.default, aten.conv3d.default, aten.convolution.default,
+                 aten.conv_transpose1d.default, aten.conv_transpose2d.input}
+
+
+def whole_convolutions(graph: fx.Graph, split_targets: set[str]) -> list[tuple[fx.Node, str]]:
+    """The convolutions whose weight stays whole (patch embeddings, audio front ends): (node, weight target),
+    for a plan note. Only a depthwise conv1d is split (by channels, with the region around it); a dense
+    convolution would need its own column split, which autotp does not make."""
+    out = []
+    for node in graph.nodes:
+        if node.op != "call_function" or node.target not in _CONVOLUTIONS:
+            continue
+        weight = node.args[1]
+        if isinstance(weight, fx.Node) and weight.op == "get_attr" and weight.target not in split_targets:
+            out.append((node, weight.target))
+    return out

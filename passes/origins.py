@@ -10,14 +10,16 @@ module walks back from the value through the ops that would carry such a split u
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
-from autotp.passes.graph import arg_or_default, rank, sizes
+from autotp.passes.graph import arg_or_default, meta_val, rank, sizes
 from autotp.passes.placement import Shard
 from autotp.passes.projections import Embedding, Projection
 from autotp.passes.reshapes import broadcast_dim, map_reshape
-from autotp.passes.rule_kit import like_first, pointwise
+from autotp.passes.rule_kit import like_first, norm_dim, pointwise
 from autotp.passes.rules import rule_for
+from autotp.passes.rules_compute import along_dim, layer_norm, reduction
 from autotp.passes.rules_shape import (
     expand,
     gather,
@@ -26,6 +28,8 @@ from autotp.passes.rules_shape import (
     new_filled,
     permutation,
     permute,
+    repeat,
+    repeat_blocks,
     reshape,
     select,
     slice_,
@@ -82,7 +86,47 @@ def _input_shard(node: fx.Node, source: fx.Node, shard: Shard, tp: int) -> Shard
         return shard if source is node.args[0] and len(node.args[1]) == rank(source) else None
     if rule is select:  # the selected dim is gone from the output
         return shard.moved(shard.dim + (node.args[1] % rank(source) <= shard.dim))
+    if rule is repeat:  # a per-head table repeated over the batch: the split of one copy
+        return _repeated_input(node, source, shard)
+    if rule in (reduction, along_dim, layer_norm):  # a per-head norm: its statistic is over another dim
+        return _normalised_input(node, source, shard)
     return None
+
+
+def _repeated_input(node: fx.Node, source: fx.Node, shard: Shard) -> Shard | None:
+    """The split ``source`` needs for ``repeat`` to come out split as ``shard``: the same along a dim repeated
+    once, or one copy's split where the copies are ``shard``'s blocks."""
+    dim = shard.dim - (len(node.args[1]) - rank(source))
+    if dim < 0 or shard.replicas != 1 or shard.spread:
+        return None
+    repeats = node.args[1][shard.dim]
+    if isinstance(repeats, int) and repeats == 1:
+        return shard.moved(dim)
+    plain = dataclasses.replace(shard, dim=dim, blocks=1)
+    return plain if repeat_blocks(node, plain) == shard.blocks else None
+
+
+def _normalised_input(node: fx.Node, source: fx.Node, shard: Shard) -> Shard | bool | None:
+    """The split ``source`` needs for a reduction, a softmax or a layer norm to come out split as ``shard``:
+    the same split when the op works along other dims (a QK norm over the head dim, its heads split); True for
+    a layer norm's weight and bias, which broadcast along the split dim."""
+    x = node.args[0]
+    if source is not x:
+        return True if rule_for(node.target) is layer_norm and rank(source) < rank(node) - shard.dim else None
+    if rule_for(node.target) is layer_norm:
+        return shard if shard.dim < rank(x) - len(node.args[1]) else None
+    if rule_for(node.target) is along_dim:
+        return shard if norm_dim(arg_or_default(node, 1, "dim", 0), rank(x)) != shard.dim else None
+    dims = arg_or_default(node, 1, "dim", None)
+    if dims in (None, []) or isinstance(meta_val(node), (tuple, list)):
+        return None
+    dims = sorted(norm_dim(d, rank(x)) for d in ([dims] if isinstance(dims, int) else dims))
+    if not arg_or_default(node, 2, "keepdim", False):  # the reduced dims are gone from the output: put them back
+        position = shard.dim
+        for d in dims:
+            position += d <= position
+        return shard.moved(position) if position not in dims else None
+    return shard if shard.dim not in dims else None
 
 
 def trace(g: SourceGraph, node: fx.Node, shard: Shard, upstream: set[str], depth: int = 0) -> Sources | None:

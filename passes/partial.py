@@ -25,6 +25,7 @@ from torch import fx
 from autotp.passes.costs import expert_load
 from autotp.passes.graph import ArgPath, get_arg, is_tensor, meta_val, sizes, tensor_args
 from autotp.passes.projections import Projection
+from autotp.passes.propagation import Conversion
 from autotp.passes.steps import COPY, Operator
 
 aten = torch.ops.aten
@@ -164,8 +165,6 @@ def carry_partial_sums(prop, order: list[fx.Node], projections: dict[str, Projec
     """Move ``prop``'s deferrable reductions after the linear ops that follow them (recorded in
     ``prop.deferred``), read the whole operands those multiply through ``f``, and hoist each ``f`` to the
     smallest value it can stand on (module docstring)."""
-    from autotp.passes.propagate import Conversion  # propagate calls this, so it imports it first
-
     consumed = {c for conv in prop.conversions.values() for c in conv.consumers}
     moved, copies, chain = defer_reductions(order, prop.reduced, projections, prop.layouts, grad, consumed)
     for source, end in moved.items():

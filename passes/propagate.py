@@ -11,7 +11,7 @@ their weight, so the same code checks a candidate plan and drives the final rewr
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import sympy
 import torch
@@ -27,6 +27,7 @@ from autotp.passes.graph import (
 from autotp.passes.partial import carry_partial_sums
 from autotp.passes.placement import Layout, PlacementKind, Shard
 from autotp.passes.projections import Embedding, Projection
+from autotp.passes.propagation import Conversion, Propagation, Violation
 from autotp.passes.reshapes import static
 from autotp.passes.rule_kit import size_checks
 from autotp.passes.rules import (
@@ -44,61 +45,6 @@ from torch import fx
 aten = torch.ops.aten
 
 
-@dataclass
-class Conversion:
-    """Steps applied to ``source`` before ``consumers`` read it; shared by all its consumers."""
-
-    source: str
-    steps: tuple[Step, ...]
-    consumers: list[tuple[str, ArgPath]] = field(default_factory=list)
-
-    def by_reader(self, output: str) -> tuple[list[tuple[str, ArgPath]], list[tuple[str, ArgPath]]]:
-        """The consumers inside the graph, and those at the model's output (node ``output``): the rewrite gives
-        the latter their own copy of the steps, which a training step defers."""
-        return ([c for c in self.consumers if c[0] != output], [c for c in self.consumers if c[0] == output])
-
-
-@dataclass(frozen=True)
-class Violation:
-    """A size that must divide by tp but does not."""
-
-    node: str
-    size: int
-    what: str
-    origins: frozenset[str]
-    """The column-split projections whose split produced this shard."""
-
-
-@dataclass
-class Propagation:
-    """The result of propagating a set of placements through a graph."""
-
-    tp: int
-    layouts: dict[str, Layout] = field(default_factory=dict)
-    conversions: dict[tuple, Conversion] = field(default_factory=dict)
-    reduced: dict[str, Operator] = field(default_factory=dict)
-    """Nodes whose output is all-reduced: row-split projections (``G``), vocab-split embeddings
-    (``VOCAB_EMBEDDING``), sums and means over a split dim (``G``, ``MEAN``)."""
-    rows: list[str] = field(default_factory=list)
-    """Projections found to close a region (only with ``auto_rows``)."""
-    fixes: list[tuple[str, ArgPath, object]] = field(default_factory=list)
-    violations: list[Violation] = field(default_factory=list)
-    hints: dict[frozenset, tuple[int, ...]] = field(default_factory=dict)
-    """Column projections (by origin set) that a split wants fused into these segments."""
-    origins: dict[str, frozenset] = field(default_factory=dict)
-    checked: list[int] = field(default_factory=list)
-    """Every size the split had to divide (for telling the user which tp values work)."""
-    refusals: list[tuple[str, str]] = field(default_factory=list)
-    """(node, why) for what no rewrite can make exact: an op that writes in place to a split value (it
-    would write to a gathered copy)."""
-    deferred: dict[str, str] = field(default_factory=dict)
-    """Nodes whose partial sums are reduced later (``partial.carry_partial_sums``): node -> node after which."""
-
-    def steps_of(self, operator: Operator) -> list[Conversion]:
-        """Conversions that include a step of ``operator``."""
-        return [c for c in self.conversions.values() if any(s.operator is operator for s in c.steps)]
-
-
 @dataclass(frozen=True)
 class Role:
     """What a projection does under the plan: column-split (with fused ``segments``) or row-split."""
@@ -106,6 +52,18 @@ class Role:
     kind: PlacementKind
     segments: tuple[int, ...] = ()
     replicas: int = 1
+
+
+def _fused(segments: tuple[int, ...]) -> tuple[int, ...]:
+    """A row's input segments when it has several (parts concatenated side by side, each split on its own:
+    attention's heads beside an MLP's channels, as a single-stream block concatenates them), else ()."""
+    return segments if len(segments) > 1 else ()
+
+
+def _row_input(layout: Layout, features: int, in_features: int) -> bool:
+    """Whether a projection's input arrives split along its input features, plainly or in segments."""
+    return (isinstance(layout, Shard) and layout.dim == features and layout.size == in_features
+            and layout.blocks == 1 and layout.replicas == 1 and not layout.spread)
 
 
 def _steps(have: Layout, want: Layout | Step) -> tuple[Step, ...]:
@@ -278,12 +236,12 @@ class _Walker:
         if isinstance(weight, Shard):
             if weight.dim == proj.out_dim:
                 return Role(PlacementKind.COLWISE, weight.segments, weight.replicas)
-            return Role(PlacementKind.ROWWISE)
+            return Role(PlacementKind.ROWWISE, _fused(weight.segments))
         x_layout = self.layout(self.graph_node(proj.input))
         features = rank(self.graph_node(proj.input)) + proj.feature_axis
-        if self.auto_rows and x_layout == Shard(features, (proj.in_features,)):
+        if self.auto_rows and _row_input(x_layout, features, proj.in_features):
             self.result.rows.append(proj.node)
-            return Role(PlacementKind.ROWWISE)
+            return Role(PlacementKind.ROWWISE, _fused(x_layout.segments))
         return None
 
     def graph_node(self, name: str) -> fx.Node:
@@ -297,12 +255,12 @@ class _Walker:
             return Decision(out, wants={x_path: COPY}, checks=size_checks(out, "output features"))
         out = self.sequence_shard(node)
         self.result.reduced[node.name] = Operator.REDUCE_SCATTER if out else Operator.G
-        wants = {x_path: Shard(rank(x) + proj.feature_axis, (proj.in_features,))}
+        wants = {x_path: Shard(rank(x) + proj.feature_axis, role.segments or (proj.in_features,))}
         bias = next(((p, n) for p, n in tensor_args(node) if n.op == "get_attr" and n.target == proj.bias), None)
         if out is not None and bias is not None and bias[1].name in self.ctx.grad:
             wants[bias[0]] = COPY  # added after the reduce-scatter, to this rank's tokens: its gradient is a share
         return Decision(out, wants=wants,
-                        checks=[(proj.in_features, "input features")])
+                        checks=[(size, "input features") for size in role.segments or (proj.in_features,)])
 
     def sequence_shard(self, node: fx.Node) -> Shard | None:
         """Under sequence parallelism, the split along the sequence that a reduction after ``node`` lands in (its

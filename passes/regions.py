@@ -17,7 +17,8 @@ from autotp.passes.graph import grad_nodes
 from autotp.passes.origins import SourceGraph, trace
 from autotp.passes.placement import Shard
 from autotp.passes.projections import Projection
-from autotp.passes.propagate import GraphIndex, Propagation, Violation, propagate
+from autotp.passes.propagate import GraphIndex, propagate
+from autotp.passes.propagation import Propagation, Violation
 from autotp.passes.steps import Operator
 from torch import fx
 
@@ -66,6 +67,9 @@ class RegionMatch:
     """For a lone row: why its projection closes no column→row region."""
     shared: tuple[tuple[str, int], ...] = ()
     """Column projections whose chunks several ranks hold, with how many (K/V when tp exceeds the KV heads)."""
+    row_segments: tuple[tuple[int, ...], ...] = ()
+    """Fused segments of each row projection's input features (empty tuple: plain): parts concatenated before
+    it, each split on its own (a single-stream block's attention heads beside its MLP channels)."""
 
 
 def _sibling_groups(projections: dict[str, Projection], skip: set[str]) -> list[list[Projection]]:
@@ -209,8 +213,13 @@ class _RegionFinder:
                            rows=tuple(prop.rows), segments=tuple(segments.get(p.node, ()) for p in columns),
                            replicated=tuple(replicated), params=tuple(params.items()),
                            shared=tuple((shared or {}).items()),
+                           row_segments=tuple(self._row_segments(prop, row) for row in prop.rows),
                            violations=tuple(prop.violations),
                            sizes=sizes + tuple(prop.checked))
+
+    def _row_segments(self, prop: Propagation, row: str) -> tuple[int, ...]:
+        lay = prop.layouts.get(self.projections[row].input)
+        return lay.segments if isinstance(lay, Shard) and len(lay.segments) > 1 else ()
 
     def _unblamed(self, prop: Propagation, group: list[Projection]) -> list[Projection]:
         """The members of ``group`` whose split values reach no blocking conversion, when some do (a

@@ -73,7 +73,7 @@ RULES = {
     aten.scaled_dot_product_attention.default: attention, aten.conv1d.default: conv1d,
     aten.view_as.default: view_as, aten.reshape_as.default: view_as, aten.einsum.default: einsum,
     aten.log_sigmoid.default: pointwise, aten.sym_size.int: sym_size, aten.index.Tensor: index, aten.repeat.default: repeat,
-    aten.logsumexp.default: reduction, aten.copy_.default: copy_into, aten.tril.default: last_two_dims, aten.triu.default: last_two_dims, aten.pad.default: pad, aten.constant_pad_nd.default: pad, aten.repeat_interleave.self_int: repeat_interleave, aten.baddbmm.default: baddbmm, aten.layer_norm.default: layer_norm, aten.view_as_complex.default: view_as_complex,
+    aten.logsumexp.default: reduction, aten.copy_.default: copy_into, aten.tril.default: last_two_dims, aten.triu.default: last_two_dims, aten.pad.default: pad, aten.constant_pad_nd.default: pad, aten.repeat_interleave.self_int: repeat_interleave, aten.baddbmm.default: baddbmm, aten.layer_norm.default: layer_norm, aten.rms_norm.default: layer_norm, aten.view_as_complex.default: view_as_complex,
     aten.view_as_real.default: view_as_complex,
     # pointwise, though not tagged so: a scalar on one side, or a 0-d tensor fill value
     aten.where.ScalarOther: pointwise, aten.where.ScalarSelf: pointwise, aten.where.Scalar: pointwise,
@@ -93,7 +93,7 @@ for _op in (aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten._to_copy.d
 
 
 BLOCK_AWARE = frozenset({reshape, permute, like_first, getitem, pointwise, batched_matmul, baddbmm, along_dim,
-                         reduction, no_output})
+                         reduction, no_output, gather})
 """The rules that keep a split repeated over blocks (``Shard.blocks``) meaningful; others see such inputs whole."""
 
 

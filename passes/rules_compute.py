@@ -93,8 +93,8 @@ def baddbmm(node: fx.Node, ins: Inputs, ctx: Context) -> Decision:
 
 @on_split_input
 def layer_norm(node: fx.Node, ins: Inputs, ctx: Context, x: fx.Node, lay: Shard) -> Decision:
-    """layer_norm over trailing dims other than the split one (a per-head QK norm): each rank normalises its own
-    heads with the whole weight, whose gradient is then this rank's share (through ``f``)."""
+    """layer_norm (and rms_norm, whose arguments come in the same places) over trailing dims other than the split
+    one (a per-head QK norm): each rank normalises its own heads with the whole weight, whose gradient is then this rank's share (through ``f``)."""
     if lay.dim >= rank(x) - len(node.args[1]):
         return replicate_all(node, ins, ctx)
     return Decision(lay, wants={p: COPY if n.name in ctx.grad else None for p, (n, _) in ins.items() if p != (0,)})

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 
+import sympy
 import torch
 from autotp.passes.graph import DividedBy, arg_or_default, meta_val, rank, sizes
 from autotp.passes.placement import Shard
@@ -236,10 +237,26 @@ def pad(node: fx.Node, ins: Inputs, ctx: Context, x: fx.Node, lay: Shard) -> Dec
 
 @on_split_input
 def repeat(node: fx.Node, ins: Inputs, ctx: Context, x: fx.Node, lay: Shard) -> Decision:
-    """repeat: the split dim must be repeated once (new leading dims only shift it)."""
+    """repeat: new leading dims only shift the split; the split dim repeated n times holds n consecutive copies,
+    each split alike (``Shard.blocks``: a per-head position table repeated over the batch, as heads folded into
+    the batch are laid out)."""
+    out_dim = lay.dim + len(node.args[1]) - rank(x)
+    blocks = repeat_blocks(node, lay)
+    if blocks is None:
+        return replicate_all(node, ins, ctx)
+    return Decision(dataclasses.replace(lay, dim=out_dim, blocks=blocks))
+
+
+def repeat_blocks(node: fx.Node, lay: Shard):
+    """The blocks of ``repeat``'s output split as its input's ``lay`` (1 when that dim is not repeated), or None
+    when a split already repeated over blocks, or held by several ranks, would be repeated again."""
     repeats = node.args[1]
-    out_dim = lay.dim + len(repeats) - rank(x)
-    return Decision(lay.moved(out_dim)) if repeats[out_dim] == 1 else replicate_all(node, ins, ctx)
+    out_dim = lay.dim + len(repeats) - rank(node.args[0])
+    if isinstance(repeats[out_dim], int) and repeats[out_dim] == 1:
+        return lay.blocks
+    if lay.blocks != 1 or lay.replicas != 1 or lay.spread:
+        return None
+    return sympy.simplify(sympy.sympify(sizes(node)[out_dim]) / lay.size)
 
 
 @on_split_input
@@ -262,7 +279,8 @@ def index(node: fx.Node, ins: Inputs, ctx: Context, x: fx.Node, lay: Shard) -> D
 
 def gather(node: fx.Node, ins: Inputs, ctx: Context) -> Decision:
     """``x.gather(dim, index)`` with ``x`` split along another dim (a relative-position bias picked per bucket,
-    split by heads): each rank gathers within its own slice, the index (the output's shape) sliced alike."""
+    split by heads; DeBERTa's content-to-position scores picked per relative distance, heads folded into the
+    batch): each rank gathers within its own slice, the index (the output's shape) sliced alike."""
     (_, lay), (_, ids_lay) = ins[(0,)], ins[(2,)]
     if not isinstance(lay, Shard) or not gathers_within(node, lay):
         return replicate_all(node, ins, ctx) if sharded_inputs(ins) else Decision(None)
@@ -274,8 +292,7 @@ def gather(node: fx.Node, ins: Inputs, ctx: Context) -> Decision:
 def gathers_within(node: fx.Node, lay: Shard) -> bool:
     """Whether ``gather`` along its dim keeps ``lay``'s split (another dim, as large in the index)."""
     x, dim, ids = node.args[0], node.args[1], node.args[2]
-    return (lay.blocks == 1 and norm_dim(dim, rank(x)) != lay.dim and rank(ids) == rank(x)
-            and sizes(ids)[lay.dim] == sizes(x)[lay.dim])
+    return (norm_dim(dim, rank(x)) != lay.dim and rank(ids) == rank(x) and sizes(ids)[lay.dim] == sizes(x)[lay.dim])
 
 
 @on_split_input

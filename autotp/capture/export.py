@@ -26,7 +26,9 @@ from autotp.capture.examples import (
 )
 from autotp.capture.grad_modes import inline_no_grad
 from autotp.capture.guards import export_taking_example_branches, training_branch_hint
+from autotp.capture.hidden_gradients import refuse_hidden_gradients
 from autotp.capture.meta_buffers import buffers_on_meta, put_back
+from autotp.capture.replay import check_replay
 from autotp.capture.torch_private import (
     applied_functions,
     is_guard_call,
@@ -369,8 +371,12 @@ def capture(model: nn.Module, example_inputs, training: bool | None = None) -> C
     _merge_tied_reads(gm, aliases)
     _meta_devices_to_cpu(gm)
     _record_facts(gm)
+    mode = model.training if training is None else training
+    refuse_hidden_gradients(gm, functions, {name: _strip(name) for name, _ in gm.named_parameters()}, mode)
+    with _in_mode(model, training):
+        check_replay(gm, wrapper, inputs, model)
     return Captured(module=gm, model_name=type(model).__name__, state_keys=tuple(model.state_dict().keys()),
                     aliases=aliases, dim_names=_dim_names(gm), example_sizes=_example_sizes(gm, inputs),
                     param_names=tuple(n for n, _ in model.named_parameters(remove_duplicate=False)),
-                    training=model.training if training is None else training, input_names=example.names,
+                    training=mode, input_names=example.names,
                     signature=signature, custom_functions=tuple(sorted(functions)), assumptions=assumptions)

@@ -15,9 +15,10 @@ from autotp.capture import Captured
 from autotp.errors import PlanError
 from autotp.options import Options, VocabChoice
 from autotp.passes.analysis import Analysis
+from autotp.passes.choices import whole_convolutions
 from autotp.passes.graph import arg_or_default, grad_nodes, named_arg, sizes
 from autotp.passes.placement import REPLICATED, Placement, PlacementKind
-from autotp.passes.propagate import Propagation
+from autotp.passes.propagation import Propagation
 from autotp.passes.random_ops import random_refusal
 from autotp.passes.regions import RegionKind, RegionMatch
 from autotp.passes.steps import COMMUNICATION, Direction, Operator, fused
@@ -67,6 +68,14 @@ def _unmatched_note(analysis: Analysis, nodes: tuple[str, ...], why: str, chosen
     return f"{layers} kept replicated: {why}"
 
 
+def _whole_convolution_notes(analysis: Analysis, by_target: dict[str, Placement]) -> list[str]:
+    """One note per convolution kept whole (a patch embedding, an audio front end), saying why."""
+    split = {t for t, p in by_target.items() if p.is_split}
+    return [f"{analysis.module(node.name) or weight} kept whole: a dense convolution (weight sizes "
+            f"{list(sizes(node.args[1]))}); autotp splits only depthwise conv1d (by channels), so it runs whole "
+            "on every rank" for node, weight in whole_convolutions(analysis.graph, split)]
+
+
 def _valid_tp(analysis: Analysis, regions: list[RegionMatch]) -> list[int]:
     """Every tp at which each region splits. The sizes one tp checks are not those another does (past the KV
     heads, ranks share K/V instead of splitting them), so each candidate (a divisor of a size checked here)
@@ -83,8 +92,9 @@ def _region_placements(analysis: Analysis, region: RegionMatch) -> dict[str, Pla
         out[p.weight] = Placement(PlacementKind.COLWISE, p.out_dim, segments, shared.get(col, 1))
         if p.bias:
             out[p.bias] = Placement(PlacementKind.COLWISE, 0, segments, shared.get(col, 1))
-    for row in region.rows:
-        out[analysis.projections[row].weight] = Placement(PlacementKind.ROWWISE, analysis.projections[row].in_dim)
+    for row, segments in zip(region.rows, region.row_segments or [()] * len(region.rows)):
+        out[analysis.projections[row].weight] = Placement(PlacementKind.ROWWISE, analysis.projections[row].in_dim,
+                                                          segments)
     for target, shard in region.params:
         whole = shard.segments == (analysis.param_size(target, shard.dim),)
         out[target] = Placement(PlacementKind.COLWISE, shard.dim, () if whole else shard.segments)
@@ -330,6 +340,7 @@ def make_plan(captured: Captured, options: Options = Options(), machine: Machine
                          "each rank selects the heads it needs")
         plan_regions.append(Region(region.kind, tuple(analysis.layer(c) for c in region.columns),
                                    tuple(analysis.layer(r) for r in region.rows), kept))
+    notes += _whole_convolution_notes(analysis, by_target)
     vocab_placements, vocab_regions, vocab_kept = _vocab_placements(analysis, tp, notes, options, machine, sizes, by_target)
     by_target |= vocab_placements
     plan_regions = vocab_regions[:1] + plan_regions + vocab_regions[1:]

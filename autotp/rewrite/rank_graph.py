@@ -18,7 +18,7 @@ from autotp.passes.analysis import Analysis
 from autotp.passes.graph import DividedBy, arg_or_default, get_arg
 from autotp.passes.placement import Source, Want, own_tensors, part_of
 from autotp.passes.projections import Projection
-from autotp.passes.propagate import Conversion, Propagation
+from autotp.passes.propagation import Conversion, Propagation
 from autotp.passes.steps import COPY, Operator, fused
 from autotp.planning.plan import Plan
 from autotp.rewrite.collectives import (
