@@ -13,7 +13,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from autotp.capture import ExampleInputs, capture, example_inputs_of
+from autotp.capture import Captured, ExampleInputs, capture, example_inputs_of
+from autotp.capture.kv_cache import generation_notes
 from autotp.errors import InputError
 from autotp.options import Options
 from autotp.passes.placement import Source
@@ -49,6 +50,14 @@ def with_input_note(chosen: Plan, example: ExampleInputs) -> Plan:
     return chosen.replace(notes=(*chosen.notes, example.synthesised)) if example.synthesised else chosen
 
 
+def with_generation_notes(chosen: Plan, model: nn.Module, captured: Captured) -> Plan:
+    """``chosen``, noting how ``pm.generate`` would run on it: refused on a pipeline, or re-running the sequence for
+    a model with no KV cache (``capture.kv_cache.generation_notes``)."""
+    vocab = captured.analysis.vocab
+    notes = generation_notes(model, bool(vocab and vocab.heads), chosen.pp)
+    return chosen.replace(notes=(*chosen.notes, *notes)) if notes else chosen
+
+
 def plan(model: nn.Module, tp: int | None = None, example_inputs=None, *, options: Options | None = None,
          **settings) -> Plan:
     """The plan for ``model`` at ``tp`` tensor-parallel ranks (and the other settings), with no process group.
@@ -62,7 +71,9 @@ def plan(model: nn.Module, tp: int | None = None, example_inputs=None, *, option
     """
     chosen_options = Options.build(options, tp=required_tp(tp, options), **settings)
     example = example_inputs_of(model, example_inputs)
-    return with_input_note(make_plan(capture(model, example), chosen_options, machine_for(None)), example)
+    captured = capture(model, example)
+    made = with_input_note(make_plan(captured, chosen_options, machine_for(None)), example)
+    return with_generation_notes(made, model, captured)
 
 
 def parallelize(model: nn.Module, tp: int | None = None, example_inputs=None, *, plan: Plan | None = None,
@@ -120,6 +131,7 @@ def parallelize(model: nn.Module, tp: int | None = None, example_inputs=None, *,
     else:
         machine = machine_for(device_for(group, distributed) or "cpu")
         chosen = with_input_note(make_plan(captured, chosen_options, machine), example)
+        chosen = with_generation_notes(chosen, model, captured)
     check_same_plan(chosen, group, distributed)
     built = Built(model, graphs, chosen, chosen_options, source)
     return _tensor_parallel(built, group, distributed) if pp == 1 else _pipeline_parallel(built)

@@ -98,7 +98,8 @@ def _gpt_without_cache(world: int) -> dict:
             probs = torch.softmax(model(ref)[:, -1].float(), dim=-1)
             ref = torch.cat([ref, torch.multinomial(probs, 1)], dim=1)
     return {"greedy": torch.equal(out, seq), "sampled": torch.equal(sampled, ref),
-            "same_on_ranks": _same_everywhere(sampled), "note": pm.generation.no_cache}
+            "same_on_ranks": _same_everywhere(sampled), "note": pm.generation.no_cache,
+            "plan_note": any(pm.generation.no_cache in n for n in pm.plan.notes)}
 
 
 def _between_training_steps(world: int) -> dict:

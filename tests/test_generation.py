@@ -38,7 +38,7 @@ def test_generation_at_two_ranks_equals_model_generate():
             assert 2 * mine == whole, (kind, mine, whole)  # each rank holds half the KV heads
         gpt = result["gpt"]
         assert gpt["greedy"] and gpt["sampled"] and gpt["same_on_ranks"], gpt
-        assert "re-runs the whole sequence" in gpt["note"]
+        assert "re-runs the whole sequence" in gpt["note"] and gpt["plan_note"]
         assert result["training"]["after"], result["training"]
 
 
@@ -83,9 +83,18 @@ def test_bad_settings_say_what_to_change():
         prompt_of(torch.ones(3), None)
 
 
-def test_pipelines_refuse_generation():
+def test_plans_say_how_generate_runs_and_pipelines_refuse_it():
+    """The plan notes it: a pipeline refuses generate (and its module says so at once), a model with no KV cache
+    re-runs the sequence; a decoder with a cache at pp=1 needs no note."""
+    ids = torch.zeros(2, 6, dtype=torch.long)
+    llama = generation_workers._small("llama", 2)
+    piped = autotp.plan(llama, tp=1, pp=2, example_inputs=(ids,))
+    assert any("generation needs pp=1" in n for n in piped.notes), piped.notes
+    assert not any("generat" in n for n in autotp.plan(llama, tp=2, example_inputs=(ids,)).notes)
+    gpt = autotp.plan(generation_workers.build_gpt(), tp=2, example_inputs=(ids,))
+    assert any("re-runs the whole sequence" in n and "add a cache" in n for n in gpt.notes), gpt.notes
     fake = SimpleNamespace(plan=Plan(tp=2, pp=2))
-    with pytest.raises(autotp.PlanError, match="generate needs pp=1"):
+    with pytest.raises(autotp.PlanError, match="generation needs pp=1.*tp=4 with pp=1"):
         PipelineModule.generate(fake, torch.ones(1, 2, dtype=torch.long))
 
 
