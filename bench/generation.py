@@ -1,6 +1,6 @@
 """Generation: autotp at tp=2 (two processes, one thread each) against ``model.generate`` in one process.
 
-    python -m bench.generation [--rounds 5] [--new 32] [--prompt 64] [--vocab split]
+    python -m bench.generation [--rounds 5] [--new 32] [--prompt 64] [--vocab split] [--gloo]
 
 A Llama of about 400 MB in float32 (hidden 1024, 6 layers, 16 query and 4 KV heads, MLP 2816, vocabulary 16000,
 random weights: decoding one token reads every weight once, as in real serving). For batch 1 and 8, each side
@@ -10,6 +10,11 @@ Both sides' tokens are checked equal. The single process uses transformers' own 
 each hold their split of the KV cache, whose bytes are reported against the single cache's. Rounds alternate
 between the sides in one spawn (rank 0 runs the single process while rank 1 waits in a barrier), so both meet the
 same load on a shared machine; the medians of each side and of the per-round ratios are reported.
+
+autotp's ranks talk over shared memory during generation (``runtime.shared_memory``); ``--gloo`` makes them talk over
+the parallel module's gloo group instead, for comparison. Either way the run first measures one collective of a
+decode step (an all-reduce of ``hidden`` floats) on both transports: back to back, and after half a millisecond of
+compute (what a decode step does between its collectives).
 """
 
 from __future__ import annotations
@@ -56,16 +61,50 @@ def _one_round(generate, ids, new: int) -> dict:
             "tokens": out.tolist()}
 
 
+def _median_ms(run, rounds: int = 200) -> float:
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[rounds // 10:]) * 1e3
+
+
+def latency(comms: dict, hidden: int = 1024) -> dict:
+    """Milliseconds per all-reduce of ``hidden`` floats on each communicator: back to back, and the all-reduce
+    alone after about 0.5 ms of compute (a 1024 x 2048 matrix-vector product, three times)."""
+    x, w = torch.randn(1, hidden), torch.randn(2 * hidden, hidden)
+    found = {}
+    for name, comm in comms.items():
+        found[f"{name}_back_to_back_ms"] = _median_ms(lambda: comm.all_reduce(x))
+        after = []
+
+        def computed_then_reduced():
+            for _ in range(3):
+                torch.mv(w, x[0])
+            start = time.perf_counter()
+            comm.all_reduce(x)
+            after.append(time.perf_counter() - start)
+
+        _median_ms(computed_then_reduced)
+        found[f"{name}_after_compute_ms"] = statistics.median(after[20:]) * 1e3
+    return found
+
+
 def paired(rank: int, world: int, args) -> dict:
     """Rounds alternating between ``model.generate`` on rank 0 alone (its dynamic cache, one thread; the other
     rank waits in a barrier) and ``pm.generate`` at tp=``world``, so that both sides meet the same machine load."""
     import torch.distributed as dist
 
     import autotp
+    from autotp.runtime.shared_memory import same_host
 
     model = build()
     model.generation_config.eos_token_id = None  # every sequence runs all the new tokens on both sides
     pm = autotp.parallelize(model, tp=world, example_inputs=(_prompts(1, 8),), vocab=args.vocab, quiet=True)
+    found = {"latency": latency({"gloo": pm.comm, "shared_memory": same_host(pm.comm)})}
+    if args.gloo:
+        pm.generation.comm = pm.comm  # before the first generate: its steps talk over gloo
 
     def single(ids, max_new_tokens):
         with torch.inference_mode():
@@ -74,7 +113,6 @@ def paired(rank: int, world: int, args) -> dict:
     def parallel(ids, max_new_tokens):
         return pm.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)
 
-    found = {}
     for batch in BATCHES:
         ids = _prompts(batch, args.prompt)
         if rank == 0:
@@ -125,6 +163,7 @@ def main(argv=None) -> None:
     # default prices a training step at the example's shape, and keeps this one whole).
     parser.add_argument("--vocab", default="split", choices=["split", "whole", "auto"],
                         help="the plan's vocabulary choice (default split)")
+    parser.add_argument("--gloo", action="store_true", help="generate over gloo instead of shared memory")
     args = parser.parse_args(argv)
     found = ranks.run_on_ranks(paired, "cpu", [1, 1], args)[0]
     report = {"args": vars(args), "rounds": {b: found[str(b)] for b in BATCHES}, "rows": []}
@@ -135,6 +174,8 @@ def main(argv=None) -> None:
               f"{row['decode_ratio']:.2f}x, best rounds {row['decode_ratio_best']:.2f}x), prefill "
               f"{row['prefill_single_s'] * 1e3:.0f} -> {row['prefill_tp2_s'] * 1e3:.0f} ms "
               f"({row['prefill_ratio']:.2f}x), same tokens: {row['same_tokens']}")
+    report["latency"] = found["latency"]
+    print("one all-reduce of 1024 floats: " + ", ".join(f"{k} {v:.3f}" for k, v in found["latency"].items()))
     for key in ("single_cache_bytes", "cache_bytes", "whole_cache_bytes", "params_bytes", "model_params_bytes"):
         report[key] = found[key]
     print(f"KV cache per rank {found['cache_bytes']} B, single process {found['single_cache_bytes']} B; parameters "
@@ -144,7 +185,7 @@ def main(argv=None) -> None:
             for side in pair.values():
                 side.pop("tokens", None)
     RESULTS.parent.mkdir(exist_ok=True)
-    RESULTS.write_text(json.dumps(report, indent=1))
+    (RESULTS.with_name("generation-gloo.json") if args.gloo else RESULTS).write_text(json.dumps(report, indent=1))
 
 
 if __name__ == "__main__":

@@ -73,7 +73,8 @@ def _compare_hf(kind: str, kv_heads: int, world: int) -> dict:
     return {"greedy": torch.equal(out.sequences, ref.sequences), "steps": len(out.logits),
             "ref_steps": len(ref.logits), "logit_diff": diff, "sampled": torch.equal(sampled, sampled_ref),
             "same_on_ranks": _same_everywhere(sampled), "cache_bytes": [mine, whole],
-            "replicas": sorted({lay.replicas for lay in pm.generation.cached.layouts if lay is not None})}
+            "replicas": sorted({lay.replicas for lay in pm.generation.cached.layouts if lay is not None}),
+            "transport": type(pm.generation.comm).__name__}
 
 
 def _gpt_without_cache(world: int) -> dict:

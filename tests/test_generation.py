@@ -27,6 +27,7 @@ def _check(results: list[dict], kinds) -> None:
             assert r["steps"] == r["ref_steps"], (rank, kind, r)
             assert r["logit_diff"] < 1e-4, (rank, kind, r)
             assert r["sampled"] and r["same_on_ranks"], (rank, kind, r)
+            assert r["transport"] == "SharedMemoryComm", (rank, kind, r)  # processes of one host
 
 
 def test_generation_at_two_ranks_equals_model_generate():
@@ -181,3 +182,49 @@ def test_the_parallel_module_keeps_no_copy_of_the_users_weights():
         else:
             with pytest.raises(autotp.InputError, match="call pm.generate once"):
                 pm.generate(ids, max_new_tokens=1)
+
+
+def _shared_pair(tmp_path, timeout: float = 30.0):
+    """Two ranks' SharedMemoryComm over one file, for threads of this process."""
+    from autotp.runtime.shared_memory import SharedMemoryComm, _file_bytes
+
+    path = tmp_path / "comm"
+    path.write_bytes(b"\0" * _file_bytes(2))
+    return [SharedMemoryComm(rank, 2, str(path), timeout) for rank in range(2)]
+
+
+def test_shared_memory_collectives_are_exact_and_the_same_on_every_rank(tmp_path):
+    """Sums in rank order (the same bits on both ranks), gathers, and values larger than a slot, over many
+    collectives in a row (the two banks reused), each rank a thread."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from autotp.runtime.shared_memory import SLOT_BYTES
+
+    comms = _shared_pair(tmp_path)
+    sizes = [1, 1024, 7, SLOT_BYTES // 4 + 3, 0, 5] * 3
+    values = [[torch.randn(n, generator=torch.Generator().manual_seed(10 * i + r)) for i, n in enumerate(sizes)]
+              for r in range(2)]
+
+    def rank_body(r):
+        comm = comms[r]
+        sums = [comm.all_reduce(v.view(-1, 1) if v.numel() else v) for v in values[r]]
+        gathers = [comm.all_gather(torch.arange(3, dtype=torch.long) + 10 * r) for _ in range(3)]
+        return sums, gathers, comm.reduce_scatter([torch.full((2,), 1.0 + r), torch.full((2,), 3.0 + r)])
+
+    with ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(rank_body, range(2)))
+    for r, (sums, gathers, scattered) in enumerate(results):
+        for i, s in enumerate(sums):
+            expected = values[0][i] + values[1][i]
+            assert torch.equal(s.reshape(-1), expected), (r, i)
+        assert all(torch.equal(g[1], torch.arange(3) + 10) and g[0].dtype == torch.long for g in gathers)
+        assert torch.equal(scattered, torch.full((2,), 3.0 if r == 0 else 7.0))
+
+
+def test_shared_memory_names_the_rank_that_never_came(tmp_path):
+    comm = _shared_pair(tmp_path, timeout=0.2)[0]
+    with pytest.raises(autotp.RankFailure, match=r"waited 0.2 s for rank\(s\) \[1\]"):
+        comm.all_reduce(torch.ones(3))
+    comm.close()
+    with pytest.raises(autotp.RankFailure, match="closed"):
+        comm.all_reduce(torch.ones(3))
