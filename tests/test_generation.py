@@ -184,23 +184,28 @@ def test_the_parallel_module_keeps_no_copy_of_the_users_weights():
                 pm.generate(ids, max_new_tokens=1)
 
 
-def _shared_pair(tmp_path, timeout: float = 30.0):
-    """Two ranks' SharedMemoryComm over one file, for threads of this process."""
-    from autotp.runtime.shared_memory import SharedMemoryComm, _file_bytes
+def _shared_pair(timeout: float = 30.0):
+    """Two ranks' SharedMemoryComm over one folder, for threads of this process."""
+    import shutil
 
-    path = tmp_path / "comm"
-    path.write_bytes(b"\0" * _file_bytes(2))
-    return [SharedMemoryComm(rank, 2, str(path), timeout) for rank in range(2)]
+    from autotp.runtime.shared_memory import SharedMemoryComm, make_folder
+
+    folder = make_folder(2)
+    comms = [SharedMemoryComm(rank, 2, folder, timeout) for rank in range(2)]
+    for comm in comms:
+        comm.connect()
+    shutil.rmtree(folder)
+    return comms
 
 
-def test_shared_memory_collectives_are_exact_and_the_same_on_every_rank(tmp_path):
+def test_shared_memory_collectives_are_exact_and_the_same_on_every_rank():
     """Sums in rank order (the same bits on both ranks), gathers, and values larger than a slot, over many
     collectives in a row (the two banks reused), each rank a thread."""
     from concurrent.futures import ThreadPoolExecutor
 
     from autotp.runtime.shared_memory import SLOT_BYTES
 
-    comms = _shared_pair(tmp_path)
+    comms = _shared_pair()
     sizes = [1, 1024, 7, SLOT_BYTES // 4 + 3, 0, 5] * 3
     values = [[torch.randn(n, generator=torch.Generator().manual_seed(10 * i + r)) for i, n in enumerate(sizes)]
               for r in range(2)]
@@ -221,8 +226,8 @@ def test_shared_memory_collectives_are_exact_and_the_same_on_every_rank(tmp_path
         assert torch.equal(scattered, torch.full((2,), 3.0 if r == 0 else 7.0))
 
 
-def test_shared_memory_names_the_rank_that_never_came(tmp_path):
-    comm = _shared_pair(tmp_path, timeout=0.2)[0]
+def test_shared_memory_names_the_rank_that_never_came():
+    comm = _shared_pair(timeout=0.2)[0]
     with pytest.raises(autotp.RankFailure, match=r"waited 0.2 s for rank\(s\) \[1\]"):
         comm.all_reduce(torch.ones(3))
     comm.close()
