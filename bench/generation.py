@@ -1,6 +1,6 @@
 """Generation: autotp at tp=2 (two processes, one thread each) against ``model.generate`` in one process.
 
-    python -m bench.generation [--rounds 5] [--new 32] [--prompt 64] [--vocab split] [--gloo]
+    python -m bench.generation [--rounds 5] [--new 32] [--prompt 64] [--vocab split]
 
 A Llama of about 400 MB in float32 (hidden 1024, 6 layers, 16 query and 4 KV heads, MLP 2816, vocabulary 16000,
 random weights: decoding one token reads every weight once, as in real serving). For batch 1 and 8, each side
@@ -11,10 +11,10 @@ each hold their split of the KV cache, whose bytes are reported against the sing
 between the sides in one spawn (rank 0 runs the single process while rank 1 waits in a barrier), so both meet the
 same load on a shared machine; the medians of each side and of the per-round ratios are reported.
 
-autotp's ranks talk over shared memory during generation (``runtime.shared_memory``); ``--gloo`` makes them talk over
-the parallel module's gloo group instead, for comparison. Either way the run first measures one collective of a
-decode step (an all-reduce of ``hidden`` floats) on both transports: back to back, and after half a millisecond of
-compute (what a decode step does between its collectives).
+autotp's ranks talk over shared memory during generation (``runtime.shared_memory``); each round also times the
+same steps talking over the parallel module's gloo group (``tp_gloo``), for comparison under the same load. The run
+first measures one collective of a decode step (an all-reduce of ``hidden`` floats) on both transports: back to
+back, and after half a millisecond of compute (what a decode step does between its collectives).
 """
 
 from __future__ import annotations
@@ -97,14 +97,16 @@ def paired(rank: int, world: int, args) -> dict:
     import torch.distributed as dist
 
     import autotp
+    from autotp.rewrite.cache_layout import build_cache_steps
+    from autotp.runtime.generation import Generation
     from autotp.runtime.shared_memory import same_host
 
     model = build()
     model.generation_config.eos_token_id = None  # every sequence runs all the new tokens on both sides
     pm = autotp.parallelize(model, tp=world, example_inputs=(_prompts(1, 8),), vocab=args.vocab, quiet=True)
     found = {"latency": latency({"gloo": pm.comm, "shared_memory": same_host(pm.comm)})}
-    if args.gloo:
-        pm.generation.comm = pm.comm  # before the first generate: its steps talk over gloo
+    over_gloo = Generation(model, build_cache_steps)  # the same steps, built over the module's gloo group
+    over_gloo.comm = pm.comm
 
     def single(ids, max_new_tokens):
         with torch.inference_mode():
@@ -113,17 +115,24 @@ def paired(rank: int, world: int, args) -> dict:
     def parallel(ids, max_new_tokens):
         return pm.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)
 
+    def parallel_gloo(ids, max_new_tokens):
+        given = {"max_new_tokens": max_new_tokens, "do_sample": False, "return_dict_in_generate": False,
+                 "output_logits": False}
+        return over_gloo.generate(pm, ids, None, given)
+
     for batch in BATCHES:
         ids = _prompts(batch, args.prompt)
         if rank == 0:
             single(ids, 2)  # warm-up
         parallel(ids, 2)  # warm-up (the first call captures autotp's generation steps)
+        parallel_gloo(ids, 2)
         rounds = []
         for _ in range(args.rounds):
             dist.barrier()
             one = _one_round(single, ids, args.new) if rank == 0 else None
             dist.barrier()
-            rounds.append({"single": one, "tp": _one_round(parallel, ids, args.new)})
+            rounds.append({"single": one, "tp": _one_round(parallel, ids, args.new),
+                           "tp_gloo": _one_round(parallel_gloo, ids, args.new)})
         found[batch] = rounds
     if rank == 0:
         with torch.inference_mode():
@@ -144,7 +153,12 @@ def _summary(rounds: list[dict], batch: int) -> dict:
     median = statistics.median
     one = [r["single"] for r in rounds]
     tp = [r["tp"] for r in rounds]
-    return {"batch": batch, "same_tokens": all(a["tokens"] == b["tokens"] for a, b in zip(one, tp)),
+    gloo = [r["tp_gloo"] for r in rounds]
+    same = all(a["tokens"] == b["tokens"] == c["tokens"] for a, b, c in zip(one, tp, gloo))
+    return {"batch": batch, "same_tokens": same,
+            "decode_tp2_gloo": median(c["decode_tokens_per_s"] for c in gloo),
+            "decode_ratio_gloo": median(c["decode_tokens_per_s"] / a["decode_tokens_per_s"] for a, c in zip(one, gloo)),
+            "prefill_tp2_gloo_s": median(c["prefill_s"] for c in gloo),
             "decode_single": median(a["decode_tokens_per_s"] for a in one),
             "decode_tp2": median(b["decode_tokens_per_s"] for b in tp),
             "decode_ratio": median(b["decode_tokens_per_s"] / a["decode_tokens_per_s"] for a, b in zip(one, tp)),
@@ -163,7 +177,6 @@ def main(argv=None) -> None:
     # default prices a training step at the example's shape, and keeps this one whole).
     parser.add_argument("--vocab", default="split", choices=["split", "whole", "auto"],
                         help="the plan's vocabulary choice (default split)")
-    parser.add_argument("--gloo", action="store_true", help="generate over gloo instead of shared memory")
     args = parser.parse_args(argv)
     found = ranks.run_on_ranks(paired, "cpu", [1, 1], args)[0]
     report = {"args": vars(args), "rounds": {b: found[str(b)] for b in BATCHES}, "rows": []}
@@ -173,7 +186,9 @@ def main(argv=None) -> None:
         print(f"batch {batch}: decode {row['decode_single']:.1f} -> {row['decode_tp2']:.1f} tokens/s (ratio "
               f"{row['decode_ratio']:.2f}x, best rounds {row['decode_ratio_best']:.2f}x), prefill "
               f"{row['prefill_single_s'] * 1e3:.0f} -> {row['prefill_tp2_s'] * 1e3:.0f} ms "
-              f"({row['prefill_ratio']:.2f}x), same tokens: {row['same_tokens']}")
+              f"({row['prefill_ratio']:.2f}x), same tokens: {row['same_tokens']}; over gloo: decode "
+              f"{row['decode_tp2_gloo']:.1f} tokens/s ({row['decode_ratio_gloo']:.2f}x), prefill "
+              f"{row['prefill_tp2_gloo_s'] * 1e3:.0f} ms")
     report["latency"] = found["latency"]
     print("one all-reduce of 1024 floats: " + ", ".join(f"{k} {v:.3f}" for k, v in found["latency"].items()))
     for key in ("single_cache_bytes", "cache_bytes", "whole_cache_bytes", "params_bytes", "model_params_bytes"):
@@ -185,7 +200,7 @@ def main(argv=None) -> None:
             for side in pair.values():
                 side.pop("tokens", None)
     RESULTS.parent.mkdir(exist_ok=True)
-    (RESULTS.with_name("generation-gloo.json") if args.gloo else RESULTS).write_text(json.dumps(report, indent=1))
+    RESULTS.write_text(json.dumps(report, indent=1))
 
 
 if __name__ == "__main__":
