@@ -104,7 +104,9 @@ def paired(rank: int, world: int, args) -> dict:
     model = build()
     model.generation_config.eos_token_id = None  # every sequence runs all the new tokens on both sides
     pm = autotp.parallelize(model, tp=world, example_inputs=(_prompts(1, 8),), vocab=args.vocab, quiet=True)
-    found = {"latency": latency({"gloo": pm.comm, "shared_memory": same_host(pm.comm)})}
+    shared = same_host(pm.comm)
+    found = {"latency": latency({"gloo": pm.comm, "shared_memory": shared})}
+    pm.generation.comm = shared  # before the first generate: the tp side talks over shared memory
     over_gloo = Generation(model, build_cache_steps)  # the same steps, built over the module's gloo group
     over_gloo.comm = pm.comm
 
