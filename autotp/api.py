@@ -13,7 +13,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from autotp.capture import ExampleInputs, capture, capture_repeated, example_inputs_of
+from autotp.capture import Captured, ExampleInputs, capture, capture_repeated, example_inputs_of
+from autotp.capture.kv_cache import generation_notes
 from autotp.errors import InputError, RuntimeSetupError
 from autotp.options import Options, Recompute
 from autotp.passes.placement import Source
@@ -56,6 +57,14 @@ def with_input_note(chosen: Plan, example: ExampleInputs) -> Plan:
     return chosen.replace(notes=(*chosen.notes, example.synthesised)) if example.synthesised else chosen
 
 
+def with_generation_notes(chosen: Plan, model: nn.Module, captured: Captured) -> Plan:
+    """``chosen``, noting how ``pm.generate`` would run on it: refused on a pipeline, or re-running the sequence for
+    a model with no KV cache (``capture.kv_cache.generation_notes``)."""
+    vocab = captured.analysis.vocab
+    notes = generation_notes(model, bool(vocab and vocab.heads), chosen.pp)
+    return chosen.replace(notes=(*chosen.notes, *notes)) if notes else chosen
+
+
 def plan(model: nn.Module, tp: int | None = None, example_inputs=None, *, options: Options | None = None,
          world_size: int | None = None, machine: str | None = None, **settings) -> Plan:
     """The plan for ``model`` at ``tp`` tensor-parallel ranks (and the other settings), with no process group.
@@ -76,10 +85,12 @@ def plan(model: nn.Module, tp: int | None = None, example_inputs=None, *, option
     if world_size is not None:
         cluster = cluster_named(machine) if machine is not None else cluster_for(None)
         base, fixed = _search_options(tp, options, settings)
-        return with_input_note(plan_layout(captured, world_size, base, fixed, cluster), example)
+        made = with_input_note(plan_layout(captured, world_size, base, fixed, cluster), example)
+        return with_generation_notes(made, model, captured)
     chosen_options = Options.build(options, tp=required_tp(tp, options), **settings)
     cluster = cluster_named(machine).node if machine is not None else machine_for(None)
-    return with_input_note(make_plan(captured, chosen_options, cluster), example)
+    made = with_input_note(make_plan(captured, chosen_options, cluster), example)
+    return with_generation_notes(made, model, captured)
 
 
 def parallelize(model: nn.Module, tp: int | None = None, example_inputs=None, *, plan: Plan | None = None,
@@ -148,6 +159,7 @@ def parallelize(model: nn.Module, tp: int | None = None, example_inputs=None, *,
     else:
         machine = machine_for(device_for(group, distributed) or "cpu")
         chosen = with_input_note(make_plan(captured, chosen_options, machine), example)
+        chosen = with_generation_notes(chosen, model, captured)
     check_schedule_fits(chosen, chosen_options)
     check_same_plan(chosen, group, distributed)
     built = Built(model, graphs, chosen, chosen_options, source)
@@ -191,7 +203,9 @@ def _parallelize_searched(model, example_inputs, world: int, group, timeout, che
                                 f"ranks; launch {world} processes (torchrun --nproc-per-node {world})")
     example = example_inputs_of(model, example_inputs)
     cluster = cluster_for(device_for(group, distributed) or "cpu")
-    chosen = with_input_note(plan_layout(capture(model, example), world, *search, cluster), example)
+    captured = capture(model, example)
+    chosen = with_input_note(plan_layout(captured, world, *search, cluster), example)
+    chosen = with_generation_notes(chosen, model, captured)
     return parallelize(model, example_inputs=example_inputs, plan=chosen, group=group, timeout=timeout,
                        checkpoint=checkpoint, quiet=quiet, strict=strict, verify=verify, options=chosen.options)
 

@@ -10,6 +10,11 @@ Both sides' tokens are checked equal. The single process uses transformers' own 
 each hold their split of the KV cache, whose bytes are reported against the single cache's. Rounds alternate
 between the sides in one spawn (rank 0 runs the single process while rank 1 waits in a barrier), so both meet the
 same load on a shared machine; the medians of each side and of the per-round ratios are reported.
+
+autotp's ranks talk over shared memory during generation (``runtime.shared_memory``); each round also times the
+same steps talking over the parallel module's gloo group (``tp_gloo``), for comparison under the same load. The run
+first measures one collective of a decode step (an all-reduce of ``hidden`` floats) on both transports: back to
+back, and after half a millisecond of compute (what a decode step does between its collectives).
 """
 
 from __future__ import annotations
@@ -56,16 +61,54 @@ def _one_round(generate, ids, new: int) -> dict:
             "tokens": out.tolist()}
 
 
+def _median_ms(run, rounds: int = 200) -> float:
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[rounds // 10:]) * 1e3
+
+
+def latency(comms: dict, hidden: int = 1024) -> dict:
+    """Milliseconds per all-reduce of ``hidden`` floats on each communicator: back to back, and the all-reduce
+    alone after about 0.5 ms of compute (a 1024 x 2048 matrix-vector product, three times)."""
+    x, w = torch.randn(1, hidden), torch.randn(2 * hidden, hidden)
+    found = {}
+    for name, comm in comms.items():
+        found[f"{name}_back_to_back_ms"] = _median_ms(lambda: comm.all_reduce(x))
+        after = []
+
+        def computed_then_reduced():
+            for _ in range(3):
+                torch.mv(w, x[0])
+            start = time.perf_counter()
+            comm.all_reduce(x)
+            after.append(time.perf_counter() - start)
+
+        _median_ms(computed_then_reduced)
+        found[f"{name}_after_compute_ms"] = statistics.median(after[20:]) * 1e3
+    return found
+
+
 def paired(rank: int, world: int, args) -> dict:
     """Rounds alternating between ``model.generate`` on rank 0 alone (its dynamic cache, one thread; the other
     rank waits in a barrier) and ``pm.generate`` at tp=``world``, so that both sides meet the same machine load."""
     import torch.distributed as dist
 
     import autotp
+    from autotp.rewrite.cache_layout import build_cache_steps
+    from autotp.runtime.generation import Generation
+    from autotp.runtime.shared_memory import same_host
 
     model = build()
     model.generation_config.eos_token_id = None  # every sequence runs all the new tokens on both sides
     pm = autotp.parallelize(model, tp=world, example_inputs=(_prompts(1, 8),), vocab=args.vocab, quiet=True)
+    shared = same_host(pm.comm)
+    found = {"latency": latency({"gloo": pm.comm, "shared_memory": shared})}
+    pm.generation.comm = shared  # before the first generate: the tp side talks over shared memory
+    over_gloo = Generation(model, build_cache_steps)  # the same steps, built over the module's gloo group
+    over_gloo.comm = pm.comm
 
     def single(ids, max_new_tokens):
         with torch.inference_mode():
@@ -74,18 +117,24 @@ def paired(rank: int, world: int, args) -> dict:
     def parallel(ids, max_new_tokens):
         return pm.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)
 
-    found = {}
+    def parallel_gloo(ids, max_new_tokens):
+        given = {"max_new_tokens": max_new_tokens, "do_sample": False, "return_dict_in_generate": False,
+                 "output_logits": False}
+        return over_gloo.generate(pm, ids, None, given)
+
     for batch in BATCHES:
         ids = _prompts(batch, args.prompt)
         if rank == 0:
             single(ids, 2)  # warm-up
         parallel(ids, 2)  # warm-up (the first call captures autotp's generation steps)
+        parallel_gloo(ids, 2)
         rounds = []
         for _ in range(args.rounds):
             dist.barrier()
             one = _one_round(single, ids, args.new) if rank == 0 else None
             dist.barrier()
-            rounds.append({"single": one, "tp": _one_round(parallel, ids, args.new)})
+            rounds.append({"single": one, "tp": _one_round(parallel, ids, args.new),
+                           "tp_gloo": _one_round(parallel_gloo, ids, args.new)})
         found[batch] = rounds
     if rank == 0:
         with torch.inference_mode():
@@ -106,7 +155,12 @@ def _summary(rounds: list[dict], batch: int) -> dict:
     median = statistics.median
     one = [r["single"] for r in rounds]
     tp = [r["tp"] for r in rounds]
-    return {"batch": batch, "same_tokens": all(a["tokens"] == b["tokens"] for a, b in zip(one, tp)),
+    gloo = [r["tp_gloo"] for r in rounds]
+    same = all(a["tokens"] == b["tokens"] == c["tokens"] for a, b, c in zip(one, tp, gloo))
+    return {"batch": batch, "same_tokens": same,
+            "decode_tp2_gloo": median(c["decode_tokens_per_s"] for c in gloo),
+            "decode_ratio_gloo": median(c["decode_tokens_per_s"] / a["decode_tokens_per_s"] for a, c in zip(one, gloo)),
+            "prefill_tp2_gloo_s": median(c["prefill_s"] for c in gloo),
             "decode_single": median(a["decode_tokens_per_s"] for a in one),
             "decode_tp2": median(b["decode_tokens_per_s"] for b in tp),
             "decode_ratio": median(b["decode_tokens_per_s"] / a["decode_tokens_per_s"] for a, b in zip(one, tp)),
@@ -134,7 +188,11 @@ def main(argv=None) -> None:
         print(f"batch {batch}: decode {row['decode_single']:.1f} -> {row['decode_tp2']:.1f} tokens/s (ratio "
               f"{row['decode_ratio']:.2f}x, best rounds {row['decode_ratio_best']:.2f}x), prefill "
               f"{row['prefill_single_s'] * 1e3:.0f} -> {row['prefill_tp2_s'] * 1e3:.0f} ms "
-              f"({row['prefill_ratio']:.2f}x), same tokens: {row['same_tokens']}")
+              f"({row['prefill_ratio']:.2f}x), same tokens: {row['same_tokens']}; over gloo: decode "
+              f"{row['decode_tp2_gloo']:.1f} tokens/s ({row['decode_ratio_gloo']:.2f}x), prefill "
+              f"{row['prefill_tp2_gloo_s'] * 1e3:.0f} ms")
+    report["latency"] = found["latency"]
+    print("one all-reduce of 1024 floats: " + ", ".join(f"{k} {v:.3f}" for k, v in found["latency"].items()))
     for key in ("single_cache_bytes", "cache_bytes", "whole_cache_bytes", "params_bytes", "model_params_bytes"):
         report[key] = found[key]
     print(f"KV cache per rank {found['cache_bytes']} B, single process {found['single_cache_bytes']} B; parameters "

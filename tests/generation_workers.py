@@ -73,7 +73,8 @@ def _compare_hf(kind: str, kv_heads: int, world: int) -> dict:
     return {"greedy": torch.equal(out.sequences, ref.sequences), "steps": len(out.logits),
             "ref_steps": len(ref.logits), "logit_diff": diff, "sampled": torch.equal(sampled, sampled_ref),
             "same_on_ranks": _same_everywhere(sampled), "cache_bytes": [mine, whole],
-            "replicas": sorted({lay.replicas for lay in pm.generation.cached.layouts if lay is not None})}
+            "replicas": sorted({lay.replicas for lay in pm.generation.cached.layouts if lay is not None}),
+            "transport": type(pm.generation.comm).__name__}
 
 
 def _gpt_without_cache(world: int) -> dict:
@@ -98,7 +99,8 @@ def _gpt_without_cache(world: int) -> dict:
             probs = torch.softmax(model(ref)[:, -1].float(), dim=-1)
             ref = torch.cat([ref, torch.multinomial(probs, 1)], dim=1)
     return {"greedy": torch.equal(out, seq), "sampled": torch.equal(sampled, ref),
-            "same_on_ranks": _same_everywhere(sampled), "note": pm.generation.no_cache}
+            "same_on_ranks": _same_everywhere(sampled), "note": pm.generation.no_cache,
+            "plan_note": any(pm.generation.no_cache in n for n in pm.plan.notes)}
 
 
 def _between_training_steps(world: int) -> dict:

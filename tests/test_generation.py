@@ -27,6 +27,7 @@ def _check(results: list[dict], kinds) -> None:
             assert r["steps"] == r["ref_steps"], (rank, kind, r)
             assert r["logit_diff"] < 1e-4, (rank, kind, r)
             assert r["sampled"] and r["same_on_ranks"], (rank, kind, r)
+            assert r["transport"] == "TorchComm", (rank, kind, r)  # gloo unless shared memory is asked for
 
 
 def test_generation_at_two_ranks_equals_model_generate():
@@ -38,7 +39,7 @@ def test_generation_at_two_ranks_equals_model_generate():
             assert 2 * mine == whole, (kind, mine, whole)  # each rank holds half the KV heads
         gpt = result["gpt"]
         assert gpt["greedy"] and gpt["sampled"] and gpt["same_on_ranks"], gpt
-        assert "re-runs the whole sequence" in gpt["note"]
+        assert "re-runs the whole sequence" in gpt["note"] and gpt["plan_note"]
         assert result["training"]["after"], result["training"]
 
 
@@ -83,9 +84,18 @@ def test_bad_settings_say_what_to_change():
         prompt_of(torch.ones(3), None)
 
 
-def test_pipelines_refuse_generation():
+def test_plans_say_how_generate_runs_and_pipelines_refuse_it():
+    """The plan notes it: a pipeline refuses generate (and its module says so at once), a model with no KV cache
+    re-runs the sequence; a decoder with a cache at pp=1 needs no note."""
+    ids = torch.zeros(2, 6, dtype=torch.long)
+    llama = generation_workers._small("llama", 2)
+    piped = autotp.plan(llama, tp=1, pp=2, example_inputs=(ids,))
+    assert any("generation needs pp=1" in n for n in piped.notes), piped.notes
+    assert not any("generat" in n for n in autotp.plan(llama, tp=2, example_inputs=(ids,)).notes)
+    gpt = autotp.plan(generation_workers.build_gpt(), tp=2, example_inputs=(ids,))
+    assert any("re-runs the whole sequence" in n and "add a cache" in n for n in gpt.notes), gpt.notes
     fake = SimpleNamespace(plan=Plan(tp=2, pp=2))
-    with pytest.raises(autotp.PlanError, match="generate needs pp=1"):
+    with pytest.raises(autotp.PlanError, match="generation needs pp=1.*tp=4 with pp=1"):
         PipelineModule.generate(fake, torch.ones(1, 2, dtype=torch.long))
 
 
@@ -172,3 +182,54 @@ def test_the_parallel_module_keeps_no_copy_of_the_users_weights():
         else:
             with pytest.raises(autotp.InputError, match="call pm.generate once"):
                 pm.generate(ids, max_new_tokens=1)
+
+
+def _shared_pair(timeout: float = 30.0):
+    """Two ranks' SharedMemoryComm over one folder, for threads of this process."""
+    import shutil
+
+    from autotp.runtime.shared_memory import SharedMemoryComm, make_folder
+
+    folder = make_folder(2)
+    comms = [SharedMemoryComm(rank, 2, folder, timeout) for rank in range(2)]
+    for comm in comms:
+        comm.connect()
+    shutil.rmtree(folder)
+    return comms
+
+
+def test_shared_memory_collectives_are_exact_and_the_same_on_every_rank():
+    """Sums in rank order (the same bits on both ranks), gathers, and values larger than a slot, over many
+    collectives in a row (the two banks reused), each rank a thread."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from autotp.runtime.shared_memory import SLOT_BYTES
+
+    comms = _shared_pair()
+    sizes = [1, 1024, 7, SLOT_BYTES // 4 + 3, 0, 5] * 3
+    values = [[torch.randn(n, generator=torch.Generator().manual_seed(10 * i + r)) for i, n in enumerate(sizes)]
+              for r in range(2)]
+
+    def rank_body(r):
+        comm = comms[r]
+        sums = [comm.all_reduce(v.view(-1, 1) if v.numel() else v) for v in values[r]]
+        gathers = [comm.all_gather(torch.arange(3, dtype=torch.long) + 10 * r) for _ in range(3)]
+        return sums, gathers, comm.reduce_scatter([torch.full((2,), 1.0 + r), torch.full((2,), 3.0 + r)])
+
+    with ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(rank_body, range(2)))
+    for r, (sums, gathers, scattered) in enumerate(results):
+        for i, s in enumerate(sums):
+            expected = values[0][i] + values[1][i]
+            assert torch.equal(s.reshape(-1), expected), (r, i)
+        assert all(torch.equal(g[1], torch.arange(3) + 10) and g[0].dtype == torch.long for g in gathers)
+        assert torch.equal(scattered, torch.full((2,), 3.0 if r == 0 else 7.0))
+
+
+def test_shared_memory_names_the_rank_that_never_came():
+    comm = _shared_pair(timeout=0.2)[0]
+    with pytest.raises(autotp.RankFailure, match=r"waited 0.2 s for rank\(s\) \[1\]"):
+        comm.all_reduce(torch.ones(3))
+    comm.close()
+    with pytest.raises(autotp.RankFailure, match="closed"):
+        comm.all_reduce(torch.ones(3))

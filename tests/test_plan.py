@@ -55,8 +55,9 @@ def test_plan_json_must_be_an_object():
 def test_plan_is_frozen_and_replace_returns_new(gpt_plan):
     with pytest.raises(dataclasses.FrozenInstanceError):
         gpt_plan.tp = 4
+    notes = gpt_plan.notes
     edited = gpt_plan.replace(notes=("x",))
-    assert edited.notes == ("x",) and gpt_plan.notes == ()
+    assert edited.notes == ("x",) and gpt_plan.notes == notes != ("x",)
 
 
 def test_placements_by_original_names(gpt_plan):

@@ -143,6 +143,23 @@ def why_no_cache(model: nn.Module) -> str:
     return ""
 
 
+PIPELINE_NOTE = ("generation needs pp=1: a decode step would pass one token through every pipeline stage in turn, "
+                 "so a pipelined module refuses generate; plan with pp=1 (tp = tp x pp fits the same ranks) to "
+                 "generate")
+"""The plan note of a pp > 1 plan of a model with an LM head, and the text of ``PipelineModule.generate``'s refusal."""
+
+
+def generation_notes(model: nn.Module, has_lm_head: bool, pp: int) -> tuple[str, ...]:
+    """What a plan says about ``pm.generate`` (none for a model with no LM head: it does not generate tokens): that
+    a pipeline refuses it, or that a model with no KV cache re-runs the whole sequence for every token."""
+    if not has_lm_head:
+        return ()
+    if pp > 1:
+        return (PIPELINE_NOTE,)
+    why = why_no_cache(model)
+    return (f"generate: {why}",) if why else ()
+
+
 def layer_kinds(model: nn.Module) -> tuple[bool, ...]:
     """Whether each layer's attention is a sliding window (from the config, as transformers' caches tell)."""
     from transformers.cache_utils import get_layer_types_and_kwargs

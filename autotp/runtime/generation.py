@@ -29,6 +29,7 @@ from autotp.errors import CaptureError, InputError
 from autotp.passes.placement import local_shape
 from autotp.rewrite.comm import Communicator
 from autotp.runtime.sampling import Settings, choose, resolve
+from autotp.runtime.shared_memory import SharedMemoryComm
 
 BuildSteps = Callable
 """``rewrite.cache_layout.build_cache_steps(model, plan, rank, comm, tensors) -> CacheSteps`` (its ``shape``,
@@ -167,7 +168,17 @@ class Generation:
         self._model = weakref.ref(model)
         self.generator: torch.Generator | None = None
         self.cached: CachedGenerator | None = None
+        self.comm: Communicator | None = None
+        """What the generation steps and the sampled tokens' agreement talk over: the parallel module's own
+        communicator unless set before the first generate (``runtime.shared_memory.same_host(pm.comm)``: shared
+        memory between the processes of one host, 6x faster per collective but slower per token in
+        docs/BENCHMARKS.md's runs, so not the default)."""
         self.warned = False
+
+    def close(self) -> None:
+        """Release the shared memory the generation steps talk over (with the parallel module's groups)."""
+        if isinstance(self.comm, SharedMemoryComm):
+            self.comm.close()
 
     def manual_seed(self, seed: int) -> None:
         """Draw samples from ``seed`` on: the tokens one process samples after ``torch.manual_seed(seed)``."""
@@ -181,13 +192,13 @@ class Generation:
         as_dict, output_logits = given.pop("return_dict_in_generate"), given.pop("output_logits")
         settings = resolve(self.config, given)
         ids, mask = prompt_of(input_ids, attention_mask)
-        pick = picker(settings, self.generator, pm.comm)
         seen = [] if output_logits else None
         if not self.no_cache:
             self._build(pm)
         elif not self.warned:  # once per module: what it costs, and what to add
             warnings.warn(f"autotp generate: {self.no_cache}", stacklevel=3)
             self.warned = True
+        pick = picker(settings, self.generator, self.comm or pm.comm)
         with torch.inference_mode():
             if self.no_cache:
                 spec = pm._inputs
@@ -206,8 +217,9 @@ class Generation:
             raise InputError("generate captures its prefill and decode steps from the model on its first call, and "
                              "the model passed to parallelize has been freed since; call pm.generate once (e.g. "
                              "max_new_tokens=1) before dropping the model, or keep it")
+        self.comm = self.comm or pm.comm  # gloo: shared memory (same_host) measured slower on the 2-core machine
         try:
-            built = self._build_steps(model, pm.plan, pm.rank, pm.comm, rank_tensors(pm))
+            built = self._build_steps(model, pm.plan, pm.rank, self.comm, rank_tensors(pm))
             self.cached = CachedGenerator(built, pm.plan.tp)
             self._held = None
         except CaptureError as e:

@@ -27,6 +27,7 @@ from torch.distributed.pipelining import (
 )
 from torch.utils._pytree import tree_unflatten
 
+from autotp.capture.kv_cache import PIPELINE_NOTE
 from autotp.errors import InputError, PlanError
 from autotp.options import Schedule
 from autotp.rewrite.comm import TorchComm
@@ -208,9 +209,8 @@ class PipelineModule(ParallelBase):
 
     def generate(self, *args, **kwargs):
         """Refused: generation runs tensor-parallel graphs with a KV cache split over tp, not pipeline stages."""
-        raise PlanError(f"generate needs pp=1: this module's plan cuts the model into {self.plan.pp} pipeline stages, "
-                        "and a decode step would pass one token through every stage in turn; parallelize the "
-                        f"model again with pp=1 (tp={self.plan.tp * self.plan.pp} fits the same ranks) to generate")
+        raise PlanError(f"{PIPELINE_NOTE} (this module's plan has pp={self.plan.pp}: tp={self.plan.tp * self.plan.pp} "
+                        "with pp=1)")
 
     @torch.no_grad()
     def forward(self, *inputs, **kwargs):

@@ -97,6 +97,12 @@ class ParallelModule(ParallelBase):
             self.average_gradients()
         return loss.detach()
 
+    def close(self) -> None:
+        """Release the process groups and generation's shared memory (done at exit); it cannot communicate after."""
+        if self.generation is not None:
+            self.generation.close()
+        super().close()
+
     def manual_seed(self, seed: int) -> None:
         """Restart the random stream of dropout and every other random op at ``seed`` on this rank (call it with
         the same seed on every rank): the masks are then those a single process draws after

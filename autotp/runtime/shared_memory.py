@@ -1,0 +1,199 @@
+"""Collectives between the ranks of one host through shared memory: what generation's decode steps talk over.
+
+A decode step at batch 1 makes two collectives per layer of a few KB each, and nothing else to overlap them with.
+Over gloo each costs a loopback TCP round trip through gloo's I/O thread and a blocked thread's wake-up; on the
+2-vCPU machine of docs/BENCHMARKS.md that measured 0.4 ms back to back and 1-3 ms after a few hundred
+microseconds of compute (a halted vCPU is woken by the hypervisor), more than a layer's compute. Ranks on one
+host instead write their values into a shared file (``/dev/shm``) and poll each other's counters, as DeepSpeed's
+and vLLM's CPU inference do for their tensor-parallel all-reduce.
+
+Waiting: a rank polls for ``SPIN_SECONDS`` (a balanced peer arrives within it, with no system call), then blocks on
+its own named pipe, into which every rank writes a byte after each of its counter updates, so a waiting rank is
+woken by its peers' writes, like a futex, and gives its core away meanwhile (polling with sleeps measured 4x slower
+than gloo on a loaded machine: the woken poller and the late peer competed for the cores).
+
+Layout: one counter per rank (a cache line each), then two banks of one slot per rank. Collective ``n`` uses bank
+``n % 2``: a rank writes its value into its slot, then its counter to ``n``, and waits for every counter to reach
+``n``; a rank can only start collective ``n + 2`` (the same bank) after every rank wrote ``n + 1``, i.e. after
+every rank finished reading ``n``. A value larger than a slot goes through in slot-sized pieces. Every rank sums the
+slots in rank order, so all ranks hold the same bits. The slots are written before the counter and read after it,
+which x86's store order guarantees (checked: other machines keep gloo).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import platform
+import select
+import shutil
+import socket
+import tempfile
+import time
+from collections.abc import Callable
+from datetime import timedelta
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from autotp.errors import RankFailure
+from autotp.rewrite.comm import Communicator, TorchComm
+from autotp.runtime.peers import group_timeout
+
+SLOT_BYTES = 1 << 20
+"""Bytes each rank writes per step of a collective; larger values go through in pieces."""
+_LINE = 64  # one counter per cache line: ranks polling their peers never contend for one line
+SPIN_SECONDS = 1e-4
+"""How long a waiting rank polls before it blocks on its pipe."""
+
+
+class SharedMemoryComm:
+    """A ``Communicator`` over shared memory for ranks on one host (made by ``same_host``)."""
+
+    def __init__(self, rank: int, size: int, folder: str, timeout: float):
+        self.rank, self.size, self.timeout, self.folder = rank, size, timeout, folder
+        self.closed = False
+        self.count = 0
+        with open(os.path.join(folder, "memory"), "r+b") as f:
+            self._map = mmap.mmap(f.fileno(), _file_bytes(size))
+        self._counters = np.frombuffer(self._map, dtype=np.int64, count=size * _LINE // 8)[::_LINE // 8]
+        self._slots = torch.frombuffer(self._map, dtype=torch.uint8, offset=size * _LINE).view(2, size, SLOT_BYTES)
+        self._wake = os.open(_pipe(folder, rank), os.O_RDONLY | os.O_NONBLOCK)
+        self._peers: list[int] = []
+
+    def connect(self) -> None:
+        """Open the peers' pipes for writing (once every rank has opened its own for reading)."""
+        self._peers = [os.open(_pipe(self.folder, r), os.O_WRONLY | os.O_NONBLOCK) for r in range(self.size)
+                       if r != self.rank]
+
+    def _exchange(self, data: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's ``data`` (flat bytes, at most ``SLOT_BYTES``), as views of the shared slots: read them before
+        this rank's next collective."""
+        self.count += 1
+        bank = self._slots[self.count % 2]
+        bank[self.rank, :data.numel()].copy_(data)
+        self._counters[self.rank] = self.count  # after the slot: a peer that sees the count sees the value
+        for fd in self._peers:
+            try:
+                os.write(fd, b"\0")
+            except BlockingIOError:  # a full pipe already holds wake-ups for a peer that never had to block
+                pass
+            except OSError as e:
+                raise RankFailure(f"rank {self.rank}: a peer of a collective over shared memory closed its end "
+                                  f"({e}): another rank stopped (look for its own error above)") from e
+        self._wait(self.count)
+        return [bank[r, :data.numel()] for r in range(self.size)]
+
+    def _wait(self, count: int) -> None:
+        start = time.perf_counter()
+        while (self._counters < count).any():
+            waited = time.perf_counter() - start
+            if waited < SPIN_SECONDS:
+                continue
+            if waited > self.timeout:
+                late = [r for r in range(self.size) if self._counters[r] < count]
+                raise RankFailure(f"rank {self.rank}: a collective over shared memory waited {self.timeout:g} s "
+                                  f"for rank(s) {late}: another rank stopped or did not answer (look for its own "
+                                  "error above)")
+            # Drained before the counters are read again: a peer's byte written after that read wakes the select.
+            select.select([self._wake], [], [], min(1.0, self.timeout))
+            try:
+                os.read(self._wake, 1 << 16)
+            except BlockingIOError:
+                pass
+
+    def _pieces(self, x: torch.Tensor) -> list[torch.Tensor]:
+        flat = x.detach().contiguous().reshape(-1).view(torch.uint8)
+        step = SLOT_BYTES - SLOT_BYTES % x.element_size()
+        return [flat[i:i + step] for i in range(0, flat.numel(), step)] or [flat]
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise RankFailure(f"rank {self.rank}: this parallel module was closed (its process groups released); "
+                              "build a new one with autotp.parallelize")
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum of ``x`` over the ranks, added in rank order on every rank (the same bits everywhere)."""
+        self._check_open()
+        out = []
+        for piece in self._pieces(x):
+            parts = [p.view(x.dtype) for p in self._exchange(piece)]
+            total = parts[0].clone()
+            for p in parts[1:]:
+                total += p
+            out.append(total)
+        return torch.cat(out).view(x.shape) if len(out) > 1 else out[0].view(x.shape)
+
+    def all_gather(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's ``x``, in rank order."""
+        self._check_open()
+        gathered: list[list[torch.Tensor]] = [[] for _ in range(self.size)]
+        for piece in self._pieces(x):
+            for r, p in enumerate(self._exchange(piece)):
+                gathered[r].append(p.clone())
+        return [torch.cat(g).view(x.dtype).view(x.shape) for g in gathered]
+
+    def all_reduce_started(self, x: torch.Tensor) -> Callable[[], torch.Tensor]:
+        """``all_reduce(x)``, done at once (nothing to overlap: the peers answer in microseconds)."""
+        out = self.all_reduce(x)
+        return lambda: out
+
+    def reduce_scatter(self, pieces: list[torch.Tensor]) -> torch.Tensor:
+        """The sum over the ranks of their ``pieces[rank]``."""
+        return self.all_reduce(torch.stack(pieces))[self.rank]
+
+    def close(self) -> None:
+        """Unmap the shared file (a later collective raises ``RankFailure``)."""
+        self.closed = True
+        self._counters = None
+        self._slots = None
+        self._map.close()
+        for fd in (self._wake, *self._peers):
+            os.close(fd)
+        self._peers = []
+
+
+def _file_bytes(size: int) -> int:
+    return size * _LINE + 2 * size * SLOT_BYTES
+
+
+def same_host(comm: Communicator | None) -> Communicator | None:
+    """A ``SharedMemoryComm`` over ``comm``'s ranks when they are CPU processes of one x86 host (collective over
+    its group); else ``comm`` itself."""
+    if not isinstance(comm, TorchComm) or comm.size == 1 or dist.get_backend(comm.group) != "gloo":
+        return comm
+    here = (socket.gethostname(), platform.machine() in ("x86_64", "AMD64"), os.path.isdir("/dev/shm"))
+    everyone = [None] * comm.size
+    dist.all_gather_object(everyone, here, group=comm.group)
+    if any(e != everyone[0] for e in everyone) or not all(everyone[0][1:]):
+        return comm
+    folder = [None]
+    if comm.rank == 0:
+        folder[0] = make_folder(comm.size)
+    first = dist.get_global_rank(comm.group, 0) if comm.group is not None else 0
+    dist.broadcast_object_list(folder, src=first, group=comm.group)
+    timeout = (group_timeout() or timedelta(minutes=10)).total_seconds()  # as long as gloo would wait
+    try:
+        shared = SharedMemoryComm(comm.rank, comm.size, folder[0], timeout)
+        dist.barrier(group=comm.group)  # every rank reads its pipe: the peers' can be opened for writing
+        shared.connect()
+    finally:
+        dist.barrier(group=comm.group)  # every rank has opened everything (or failed): the names can go
+        if comm.rank == 0:
+            shutil.rmtree(folder[0])
+    return shared
+
+
+def make_folder(size: int) -> str:
+    """A new folder in /dev/shm holding the shared file and one named pipe per rank."""
+    folder = tempfile.mkdtemp(prefix="autotp-comm-", dir="/dev/shm")
+    with open(os.path.join(folder, "memory"), "wb") as f:
+        f.truncate(_file_bytes(size))
+    for r in range(size):
+        os.mkfifo(_pipe(folder, r))
+    return folder
+
+
+def _pipe(folder: str, rank: int) -> str:
+    return os.path.join(folder, f"wake-{rank}")
