@@ -11,6 +11,7 @@ Each runs through ``autotp.check`` (every rank simulated, one training step comp
 
 from __future__ import annotations
 
+import re
 import signal
 import sys
 import time
@@ -88,7 +89,7 @@ def run_entry(entry: Entry, tp: int, limit_s: int = 240, sequence_parallel: bool
         with torch.no_grad():  # the model must run its own forward on these inputs
             example_inputs_of(model, inputs).call(model, model_kwargs(model))
     except Exception as e:  # any failure to build or run is the entry's, not autotp's
-        return Result(Status.NOT_BUILDABLE, notes=[_line(e)], seconds=time.perf_counter() - start)
+        return Result(Status.NOT_BUILDABLE, notes=[_build_reason(e)], seconds=time.perf_counter() - start)
     try:
         with _TimeLimit(limit_s):
             # coverage: can it split, exactly
@@ -135,6 +136,17 @@ def _side_tables(model: nn.Module, plan) -> set[str]:
     except AutotpError:
         vocab = None
     return {t for t in tables if model.get_submodule(t.rpartition(".")[0]).num_embeddings != vocab}
+
+
+_MISSING_LIBRARY = re.compile(r"requires the (\S+) library but it was not found")
+
+
+def _build_reason(e: BaseException) -> str:
+    """Why an entry does not build, in one line: an optional library the model needs and that is not installed
+    (transformers' message, or a module not found) is named alone; else the error's own line."""
+    found = _MISSING_LIBRARY.search(str(e)) if isinstance(e, ImportError) else None
+    library = found[1] if found else getattr(e, "name", None) if isinstance(e, ModuleNotFoundError) else None
+    return f"needs the {library} library, not installed" if library else _line(e)
 
 
 def _line(e: BaseException) -> str:
