@@ -107,3 +107,13 @@ def test_a_document_model_is_fed_a_valid_box_per_token():
     inputs = document_inputs(Document())
     ids, boxes = inputs["input_ids"], inputs["bbox"]
     assert boxes.shape == (*ids.shape, 4) and bool((boxes[..., 2:] > boxes[..., :2]).all()) and boxes.max() <= 1000
+
+
+def test_the_time_limit_counts_cpu_time_with_a_clock_backstop():
+    import time
+
+    with pytest.raises(TimeoutError, match="of CPU time"), zoo._TimeLimit(0.25):
+        while True:  # busy: CPU time runs out first
+            pass
+    with pytest.raises(TimeoutError, match="by the clock"), zoo._TimeLimit(0.25):
+        time.sleep(5)  # waiting uses no CPU time: the clock's limit, WALL_FACTOR times as long, stops it
