@@ -168,7 +168,10 @@ TYPE_OVERRIDES = {
     # each stage reads its layers' drop-path rates at the stage's index (not the layer's): stage i needs more than
     # i layers
     "cvt": {"depth": [1, 2, 3]},
-    "esm": {"pad_token_id": 1, "mask_token_id": 32},  # its default config has no padding id, which it needs
+    "esm": {"pad_token_id": 1, "mask_token_id": 32},
+    # a token's layout embedding is its box's four coordinates and two sides side by side: the width six parts
+    "layoutlmv3": {"hidden_size": 96, "coordinate_size": 16, "shape_size": 16},
+    "lilt": {"hidden_size": 96},  # its default config has no padding id, which it needs
     # the axial position table factors the hidden size and the sequence (32 tokens), chunks divide it
     "reformer": {"axial_pos_embds_dim": [32, 32], "axial_pos_shape": [4, 8], "local_attn_chunk_length": 16,
                  "lsh_attn_chunk_length": 16},
