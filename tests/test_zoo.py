@@ -117,3 +117,12 @@ def test_the_time_limit_counts_cpu_time_with_a_clock_backstop():
             pass
     with pytest.raises(TimeoutError, match="by the clock"), zoo._TimeLimit(0.25):
         time.sleep(5)  # waiting uses no CPU time: the clock's limit, WALL_FACTOR times as long, stops it
+
+
+def test_audio_features_are_sized_by_the_encoder_sub_config_where_the_config_has_none():
+    from types import SimpleNamespace
+
+    from autotp.tools.zoo_entries import _features
+
+    model = SimpleNamespace(config=SimpleNamespace(encoder_config=SimpleNamespace(num_mel_bins=16)))
+    assert _features(model).shape[-1] == 16

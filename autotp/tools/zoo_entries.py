@@ -94,10 +94,20 @@ _FEATURE_FIELDS = ("input_feat_per_channel", "feature_projection_input_dim", "fe
 raw extractor's ``feature_size``)."""
 
 
+def _audio(config):
+    """The config that sizes the audio features: the config itself where it has a feature field, else its audio
+    or encoder sub-config (a CTC head over a wrapped encoder)."""
+    fields = ("num_mel_bins", *_FEATURE_FIELDS)
+    if any(getattr(config, f, None) for f in fields):
+        return config
+    subs = (getattr(config, name, None) for name in ("audio_config", "encoder_config", "encoder"))
+    return next((sub for sub in subs if any(getattr(sub, f, None) for f in fields)), config)
+
+
 def _features(model: nn.Module, frames: int = 64) -> torch.Tensor:
     """Random audio features as the config sizes them: (batch, mel bins, twice the source positions) for a
     Whisper-style encoder, else (batch, frames, features)."""
-    config = model.config
+    config = _audio(model.config)
     mel = getattr(config, "num_mel_bins", None)
     if mel is not None and getattr(config, "max_source_positions", None):
         return _seeded(EXAMPLE_BATCH, mel, 2 * config.max_source_positions)
