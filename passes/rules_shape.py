@@ -111,10 +111,16 @@ def split(node: fx.Node, ins: Inputs, ctx: Context) -> Decision:
         return decision
     fixes = {}
     if node.target is aten.split.Tensor:
-        fixes[(1,)] = node.args[1] // ctx.tp
+        fixes[(1,)] = _local_size(node.args[1], ctx.tp)
     elif node.target is aten.split_with_sizes.default:
-        fixes[(1,)] = [s // ctx.tp for s in node.args[1]]
+        fixes.update({(1, i): _local_size(s, ctx.tp) for i, s in enumerate(node.args[1])})
     return Decision(tuple(Shard(dim, (s,)) for s in parts), fixes=fixes)
+
+
+def _local_size(size: int | fx.Node, tp: int) -> int | DividedBy:
+    """A split size's value on each rank: a constant divided now, a size the graph computes (channels read off
+    a symbolic shape) divided where it is read."""
+    return DividedBy(tp) if isinstance(size, fx.Node) else size // tp
 
 
 def getitem(node: fx.Node, ins: Inputs, ctx: Context) -> Decision:

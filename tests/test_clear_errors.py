@@ -115,3 +115,25 @@ def test_hand_edited_placement_values_are_one_line(field, value, message, tmp_pa
     assert cli.main(["check", GPT, "--plan", str(path)]) == 2
     out = capsys.readouterr().err
     assert out.startswith("autotp: error: ") and out.count("\n") == 1 and message in out, out
+
+
+class _BiasedTiedHead(torch.nn.Module):
+    """An LM head with a bias, its weight tied to the embedding (a speech decoder's ``proj_out``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(64, 16)
+        self.head = torch.nn.Linear(16, 64)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids):
+        return self.head(self.embed(ids))
+
+
+def test_a_vocab_split_head_with_a_bias_passes_plan_check():
+    """Its bias split by the vocabulary as its weight is: the plan autotp made is accepted when given back."""
+    torch.manual_seed(0)
+    model, ids = _BiasedTiedHead(), torch.randint(0, 64, (2, 8))
+    plan = autotp.plan(model, tp=2, example_inputs=ids, vocab="split")
+    assert plan.placements["head.bias"].kind == "vocab"
+    assert autotp.check(model, example_inputs=ids, plan=plan).exact

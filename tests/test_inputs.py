@@ -140,3 +140,29 @@ def test_step_without_a_loss_names_both_ways():
     with pytest.raises(autotp.InputError, match="labels is not an input the model was captured with.*capture with "
                                                 "labels too"):
         spec.arrange((), {"input_ids": models.tokens(2, 8, 0), "labels": models.tokens(2, 8, 0)})
+
+
+class _SubConfig:
+    """A sub-config as transformers makes them: a vocabulary and ``to_dict``."""
+
+    def __init__(self, vocab_size):
+        self.vocab_size = vocab_size
+
+    def to_dict(self):
+        return {"vocab_size": self.vocab_size}
+
+
+class _EncoderDecoder(nn.Module):
+    """Vocabularies only in sub-configs, and a position table larger than either (an encoder-decoder of two
+    tiny encoders): ids drawn below the largest table would not fit the vocabularies."""
+
+    def __init__(self):
+        super().__init__()
+        self.config = _SubConfig(None)
+        self.config.encoder, self.config.decoder = _SubConfig(48), _SubConfig(40)
+        self.tokens, self.positions = nn.Embedding(48, 8), nn.Embedding(512, 8)
+
+
+def test_synthesised_ids_fit_every_sub_config_vocabulary():
+    (ids,) = synthesise(_EncoderDecoder()).flat
+    assert int(ids.max()) < 40

@@ -6,6 +6,7 @@ that the structure's parameters are split.
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -274,3 +275,25 @@ def test_a_no_grad_part_reading_parameters_is_split_and_stays_without_gradients(
     grads = {name: p.grad for name, p in pm.named_parameters()}
     assert all(grads[name] is None for name in grads if "index_" in name), grads.keys()
     assert all(grads[name] is not None for name in grads if "index_" not in name), grads
+
+
+class ComputedSplitSizes(nn.Module):
+    """A fused gate and up projection cut by a size the graph computes from the input's shape (FocalNet reads
+    its channel count off a symbolic shape): each rank divides the computed size where the split reads it."""
+
+    def __init__(self, as_list: bool):
+        super().__init__()
+        self.as_list = as_list
+        self.gate_up, self.down = nn.Linear(D, 4 * D), nn.Linear(2 * D, D)
+
+    def forward(self, x):
+        width = 2 * D * T // x.shape[1]  # 2 * D, but a graph value: the sequence length stays dynamic
+        sizes = [width, width] if self.as_list else width
+        gate, up = torch.split(self.gate_up(x), sizes, dim=-1)
+        return self.down(F.silu(gate) * up)
+
+
+@pytest.mark.parametrize("as_list", [True, False], ids=["split_with_sizes", "split"])
+def test_split_sizes_computed_in_the_graph_are_divided_per_rank(as_list):
+    report = _check(_model(ComputedSplitSizes, as_list), _x(B, T, D))
+    _split(report, "gate_up.weight", "down.weight")

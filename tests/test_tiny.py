@@ -6,7 +6,9 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from autotp.tools.tiny import LAYERS, tiny_config  # noqa: E402
+import torch  # noqa: E402
+
+from autotp.tools.tiny import LAYERS, tiny_config, tiny_model  # noqa: E402
 
 
 def test_per_layer_lists_follow_the_layer_count_and_keep_each_kind():
@@ -43,3 +45,16 @@ def test_stages_of_a_hierarchical_model_shrink_and_keep_heads_dividing_widths():
 def test_layer_indices_keep_only_layers_that_exist():
     config = tiny_config("zamba2")
     assert all(i < LAYERS for i in getattr(config, "hybrid_layer_ids", []) or [])
+
+
+def test_a_group_count_the_shrunk_channels_must_divide_follows_the_message():
+    """bit's group norms say ``num_channels (16) must be divisible by num_groups (32)`` once widths shrink."""
+    import transformers
+
+    def on_meta(config):
+        with torch.device("meta"):
+            transformers.BitModel(config)
+        return config
+
+    config = tiny_model("bit", on_meta)
+    assert config.num_groups < 32 and all(w % config.num_groups == 0 for w in config.hidden_sizes)

@@ -81,3 +81,48 @@ def test_a_sample_with_sequence_parallelism_is_never_silently_wrong():
     for name, runs in results.items():
         assert runs[2].status not in (zoo.Status.MISMATCH, zoo.Status.CRASH), f"{name}: {runs[2].notes}"
     assert results["nn.TransformerEncoder"][2].status is zoo.Status.REFUSED  # no token ids: nothing to split along
+
+
+def test_a_missing_optional_library_is_the_reason_in_one_line():
+    message = "\nDinatBackbone requires the natten library but it was not found in your environment. You can ...\n"
+    assert zoo._build_reason(ImportError(message)) == "needs the natten library, not installed"
+    assert zoo._build_reason(ModuleNotFoundError("no module", name="detectron2")) == \
+        "needs the detectron2 library, not installed"
+    assert zoo._build_reason(ValueError("bad\nconfig")) == "ValueError: bad config"
+
+
+def test_a_document_model_is_fed_a_valid_box_per_token():
+    from torch import nn
+
+    from autotp.tools.zoo_entries import document_inputs
+
+    class Document(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.tokens = nn.Embedding(64, 8)
+
+        def forward(self, input_ids, bbox=None):
+            return self.tokens(input_ids)
+
+    inputs = document_inputs(Document())
+    ids, boxes = inputs["input_ids"], inputs["bbox"]
+    assert boxes.shape == (*ids.shape, 4) and bool((boxes[..., 2:] > boxes[..., :2]).all()) and boxes.max() <= 1000
+
+
+def test_the_time_limit_counts_cpu_time_with_a_clock_backstop():
+    import time
+
+    with pytest.raises(TimeoutError, match="of CPU time"), zoo._TimeLimit(0.25):
+        while True:  # busy: CPU time runs out first
+            pass
+    with pytest.raises(TimeoutError, match="by the clock"), zoo._TimeLimit(0.25):
+        time.sleep(5)  # waiting uses no CPU time: the clock's limit, WALL_FACTOR times as long, stops it
+
+
+def test_audio_features_are_sized_by_the_encoder_sub_config_where_the_config_has_none():
+    from types import SimpleNamespace
+
+    from autotp.tools.zoo_entries import _features
+
+    model = SimpleNamespace(config=SimpleNamespace(encoder_config=SimpleNamespace(num_mel_bins=16)))
+    assert _features(model).shape[-1] == 16

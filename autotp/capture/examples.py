@@ -158,15 +158,26 @@ def require_module(model) -> None:
 
 
 def vocab_size(model: nn.Module) -> int:
-    """The model's vocabulary: ``config.vocab_size``, else the largest ``nn.Embedding``'s size."""
-    size = getattr(getattr(model, "config", None), "vocab_size", None)
+    """The model's vocabulary: ``config.vocab_size``, else the smallest of its sub-configs' (an encoder-decoder's
+    encoder and decoder, a vision-language model's text config), else the largest ``nn.Embedding``'s size."""
+    config = getattr(model, "config", None)
+    size = getattr(config, "vocab_size", None)
     if isinstance(size, int) and size > 0:
         return size
+    sizes = [s for s in map(_vocab_of, vars(config).values() if config is not None else ()) if s]
+    if sizes:  # ids below the smallest index every table the ids may reach (a largest table may be positions)
+        return min(sizes)
     embeddings = [m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)]
     if embeddings:
         return max(embeddings)
     raise InputError(f"cannot guess the inputs of {type(model).__name__}: it has no config.vocab_size and no "
                      f"nn.Embedding to draw token ids from; pass {FORMS} (on the command line: --vocab-size N)")
+
+
+def _vocab_of(sub_config) -> int | None:
+    """A sub-config's vocabulary (None for a value that is not a config with one)."""
+    size = getattr(sub_config, "vocab_size", None) if hasattr(sub_config, "to_dict") else None
+    return size if isinstance(size, int) and not isinstance(size, bool) and size > 0 else None
 
 
 def synthesise(model: nn.Module, vocab: int | None = None) -> ExampleInputs:

@@ -1,9 +1,10 @@
 """Checks of a plan made elsewhere (a file, a hand edit) that propagation alone does not make.
 
 A bias is added to its projection's output features, so it must be split as the weight's outputs are:
-with a column-split weight, along the same features (same segments and replicas); with a row-split or whole
-weight, not at all (a row split's bias is added once, after the all-reduce). A plan whose bias disagrees
-with its weight ran into a shape error in the first forward; here it is refused at plan-check time.
+with a column-split weight (or a head split by the vocabulary), along the same features (same segments and
+replicas); with a row-split or whole weight, not at all (a row split's bias is added once, after the
+all-reduce). A plan whose bias disagrees with its weight ran into a shape error in the first forward; here it
+is refused at plan-check time.
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ def check_biases_follow_weights(analysis: Analysis, placements: dict[str, Placem
             continue
         weight = placements.get(projection.weight, REPLICATED)
         bias = placements.get(projection.bias, REPLICATED)
-        if weight.kind is PlacementKind.COLWISE:
-            wanted = Placement(PlacementKind.COLWISE, 0, weight.segments, weight.replicas)
+        if weight.kind in (PlacementKind.COLWISE, PlacementKind.VOCAB):  # its outputs split (a head's vocabulary)
+            wanted = Placement(weight.kind, 0, weight.segments, weight.replicas)
         else:
             wanted = REPLICATED
         if (bias.kind, bias.dim, bias.segments, bias.replicas) != (wanted.kind, wanted.dim, wanted.segments,

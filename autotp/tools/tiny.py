@@ -11,6 +11,7 @@ why in its own words.
 
 from __future__ import annotations
 
+import math
 import re
 
 from autotp.tools.model_spec import SMALL_HF, _small_low_rank
@@ -164,7 +165,13 @@ TYPE_OVERRIDES = {
     # are made for the configured window
     **{t: {"image_size": 64, "patch_size": 4, "window_size": 2}
        for t in ("swin", "swinv2", "donut-swin", "maskformer-swin")},
-    "esm": {"pad_token_id": 1, "mask_token_id": 32},  # its default config has no padding id, which it needs
+    # each stage reads its layers' drop-path rates at the stage's index (not the layer's): stage i needs more than
+    # i layers
+    "cvt": {"depth": [1, 2, 3]},
+    "esm": {"pad_token_id": 1, "mask_token_id": 32},
+    # a token's layout embedding is its box's four coordinates and two sides side by side: the width six parts
+    "layoutlmv3": {"hidden_size": 96, "coordinate_size": 16, "shape_size": 16},
+    "lilt": {"hidden_size": 96},  # its default config has no padding id, which it needs
     # the axial position table factors the hidden size and the sequence (32 tokens), chunks divide it
     "reformer": {"axial_pos_embds_dim": [32, 32], "axial_pos_shape": [4, 8], "local_attn_chunk_length": 16,
                  "lsh_attn_chunk_length": 16},
@@ -184,6 +191,11 @@ _REQUIREMENTS = (
 )
 """Messages (of a config's validation, or of a model refusing its config) that state the one value a field
 may take."""
+
+_DIVISOR = re.compile(r"`?[\w.]+`? \((?P<size>\d+)\) (?:must|should) be divisible by `?(?:config\.)?(?P<field>[\w.]+)`? "
+                      r"\((?P<value>\d+)\)")
+"""A size that a field must divide (``num_channels (16) must be divisible by num_groups (32)``: group norms over
+channels shrunk more than their group count): the field takes the largest value dividing both."""
 
 
 def tiny_model(model_type: str, build, overrides: dict | None = None):
@@ -242,18 +254,30 @@ def _messages(e: BaseException) -> str:
     return " ".join(out)
 
 
-def _apply_required(small: dict, message: str) -> bool:
-    """Set the field a message requires, in the sub-config its dotted name or its presence points to (else the
-    config itself); False if no message states one, or the field already has that value."""
+_LITERALS = {"True": True, "False": False, "None": None}
+
+
+def _requirement(message: str) -> tuple[str, object] | None:
+    """The (dotted) field a message requires a value of, and that value; None if it states none."""
     for pattern in _REQUIREMENTS:
         match = pattern.search(message)
         if match:
-            break
-    else:
+            text = match["value"]
+            return match["field"], _LITERALS[text] if text in _LITERALS else int(text)
+    match = _DIVISOR.search(message)
+    if match:
+        return match["field"], math.gcd(int(match["size"]), int(match["value"]))
+    return None
+
+
+def _apply_required(small: dict, message: str) -> bool:
+    """Set the field a message requires, in the sub-config its dotted name or its presence points to (else the
+    config itself); False if no message states one, or the field already has that value."""
+    required = _requirement(message)
+    if required is None:
         return False
-    *path, name = match["field"].split(".")
-    text = match["value"]
-    value = {"True": True, "False": False, "None": None}[text] if text in ("True", "False", "None") else int(text)
+    field, value = required
+    *path, name = field.split(".")
     target = small
     for part in path:
         target = target.setdefault(part, {}) if isinstance(target.get(part, {}), dict) else {}

@@ -11,6 +11,7 @@ Each runs through ``autotp.check`` (every rank simulated, one training step comp
 
 from __future__ import annotations
 
+import re
 import signal
 import sys
 import time
@@ -88,7 +89,7 @@ def run_entry(entry: Entry, tp: int, limit_s: int = 240, sequence_parallel: bool
         with torch.no_grad():  # the model must run its own forward on these inputs
             example_inputs_of(model, inputs).call(model, model_kwargs(model))
     except Exception as e:  # any failure to build or run is the entry's, not autotp's
-        return Result(Status.NOT_BUILDABLE, notes=[_line(e)], seconds=time.perf_counter() - start)
+        return Result(Status.NOT_BUILDABLE, notes=[_build_reason(e)], seconds=time.perf_counter() - start)
     try:
         with _TimeLimit(limit_s):
             # coverage: can it split, exactly
@@ -137,27 +138,51 @@ def _side_tables(model: nn.Module, plan) -> set[str]:
     return {t for t in tables if model.get_submodule(t.rpartition(".")[0]).num_embeddings != vocab}
 
 
+_MISSING_LIBRARY = re.compile(r"requires the (\S+) library but it was not found")
+
+
+def _build_reason(e: BaseException) -> str:
+    """Why an entry does not build, in one line: an optional library the model needs and that is not installed
+    (transformers' message, or a module not found) is named alone; else the error's own line."""
+    found = _MISSING_LIBRARY.search(str(e)) if isinstance(e, ImportError) else None
+    library = found[1] if found else getattr(e, "name", None) if isinstance(e, ModuleNotFoundError) else None
+    return f"needs the {library} library, not installed" if library else _line(e)
+
+
 def _line(e: BaseException) -> str:
     text = " ".join(str(e).split()) or type(e).__name__
     return f"{type(e).__name__}: {text[:300]}"
 
 
-class _TimeLimit:
-    """Raise ``TimeoutError`` in the main thread after ``seconds`` (a model that hangs must not stop the sweep)."""
+WALL_FACTOR = 4
+"""A limit by the clock this many times the CPU-time limit: a model that hangs waiting uses no CPU time."""
 
-    def __init__(self, seconds: int):
+
+class _TimeLimit:
+    """Raise ``TimeoutError`` in the main thread after ``seconds`` of this process's CPU time, or ``WALL_FACTOR``
+    times as long by the clock (a model that hangs must not stop the sweep). CPU time, so that a sweep sharing
+    its machine (a test suite beside it made entries 10-25 times slower by the clock) times out the same entries
+    as one alone."""
+
+    TIMERS = ((signal.ITIMER_PROF, signal.SIGPROF, 1), (signal.ITIMER_REAL, signal.SIGALRM, WALL_FACTOR))
+
+    def __init__(self, seconds: float):
         self.seconds = seconds
 
     def __enter__(self):
-        def expire(*_):
-            raise TimeoutError(f"took more than {self.seconds} s")
-        self.previous = signal.signal(signal.SIGALRM, expire)
-        # then again every 5 s: code that catches every exception (a fallback path) may swallow the first
-        signal.setitimer(signal.ITIMER_REAL, self.seconds, 5)
+        def expire(signum, _frame):
+            clock = "by the clock" if signum == signal.SIGALRM else "of CPU time"
+            scale = WALL_FACTOR if signum == signal.SIGALRM else 1
+            raise TimeoutError(f"took more than {self.seconds * scale} s {clock}")
+        self.previous = {sig: signal.signal(sig, expire) for _, sig, _ in self.TIMERS}
+        for timer, _, scale in self.TIMERS:
+            # then again every 5 s: code that catches every exception (a fallback path) may swallow the first
+            signal.setitimer(timer, self.seconds * scale, 5)
 
     def __exit__(self, *exc):
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, self.previous)
+        for timer, sig, _ in self.TIMERS:
+            signal.setitimer(timer, 0)
+            signal.signal(sig, self.previous[sig])
         return False
 
 

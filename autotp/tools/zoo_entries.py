@@ -8,6 +8,7 @@ Type names appear only in the tables here (the zoo's builder), never in autotp's
 from __future__ import annotations
 
 import importlib.util
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -49,6 +50,16 @@ def token_ids(model: nn.Module) -> tuple:
     return synthesise(model).flat
 
 
+def document_inputs(model: nn.Module) -> tuple | dict:
+    """Token ids, with a box per token (corners ``x0, y0, x1, y1`` on the 0-1000 page scale) for a document model
+    whose forward takes ``bbox`` (some refuse to run without one)."""
+    (ids,) = token_ids(model)
+    if "bbox" not in inspect.signature(model.forward).parameters:
+        return (ids,)
+    corners = torch.randint(0, 500, (*ids.shape, 2), generator=torch.Generator().manual_seed(0))
+    return {"input_ids": ids, "bbox": torch.cat([corners, corners + 100], dim=-1)}
+
+
 def seq2seq_inputs(model: nn.Module) -> dict:
     """Token ids, their mask, and decoder ids half as long (token ids alone for a decoder-only model the
     mapping lists, such as a speech LM fed text)."""
@@ -78,14 +89,29 @@ def pixel_values(model: nn.Module) -> dict | tuple:
     return {"pixel_values": _seeded(EXAMPLE_BATCH, getattr(config, "num_channels", 3), height, width)}
 
 
+_FEATURE_FIELDS = ("input_feat_per_channel", "feature_projection_input_dim", "feature_size")
+"""Fields that size each frame of audio features, most specific first (a front end's input width before the
+raw extractor's ``feature_size``)."""
+
+
+def _audio(config):
+    """The config that sizes the audio features: the config itself where it has a feature field, else its audio
+    or encoder sub-config (a CTC head over a wrapped encoder)."""
+    fields = ("num_mel_bins", *_FEATURE_FIELDS)
+    if any(getattr(config, f, None) for f in fields):
+        return config
+    subs = (getattr(config, name, None) for name in ("audio_config", "encoder_config", "encoder"))
+    return next((sub for sub in subs if any(getattr(sub, f, None) for f in fields)), config)
+
+
 def _features(model: nn.Module, frames: int = 64) -> torch.Tensor:
     """Random audio features as the config sizes them: (batch, mel bins, twice the source positions) for a
     Whisper-style encoder, else (batch, frames, features)."""
-    config = model.config
+    config = _audio(model.config)
     mel = getattr(config, "num_mel_bins", None)
     if mel is not None and getattr(config, "max_source_positions", None):
         return _seeded(EXAMPLE_BATCH, mel, 2 * config.max_source_positions)
-    features = mel or getattr(config, "input_feat_per_channel", None) or getattr(config, "feature_size", None) or 80
+    features = mel or next((getattr(config, f) for f in _FEATURE_FIELDS if getattr(config, f, None)), 80)
     return _seeded(EXAMPLE_BATCH, frames, features * getattr(config, "input_channels", 1))
 
 
@@ -108,12 +134,13 @@ def speech_seq2seq_inputs(model: nn.Module) -> dict:
 
 GROUPS = (
     Group("causal-lm", "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", token_ids),
-    Group("masked-lm", "MODEL_FOR_MASKED_LM_MAPPING_NAMES", token_ids, ":mlm"),
+    Group("masked-lm", "MODEL_FOR_MASKED_LM_MAPPING_NAMES", document_inputs, ":mlm"),
     Group("seq2seq-lm", "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES", seq2seq_inputs,
           ":seq2seq"),
-    Group("sequence-classification", "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES", token_ids, ":cls", new_trunks_only=True),
+    Group("sequence-classification", "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES", document_inputs, ":cls",
+          new_trunks_only=True),
     Group("token-classification", "MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES",
-          token_ids, ":tokens", new_trunks_only=True),
+          document_inputs, ":tokens", new_trunks_only=True),
     Group("image-classification", "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES",
           pixel_values, ":image"),
     Group("backbone", "MODEL_FOR_BACKBONE_MAPPING_NAMES", pixel_values, ":backbone"),
