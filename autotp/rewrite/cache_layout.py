@@ -94,12 +94,21 @@ def build_cache_steps(model: nn.Module, plan: Plan, rank: int, comm: Communicato
     return CacheSteps(shape, layouts, steps)
 
 
+def _held_names(gm: fx.GraphModule, captured: Captured) -> list[tuple[str, str]]:
+    """(attribute target, original name) of every tensor ``gm`` reads."""
+    targets = [t for t, _ in [*gm.named_parameters(remove_duplicate=False), *gm.named_buffers(remove_duplicate=False)]]
+    return [(t, captured.aliases.get(captured.param_name(t), captured.param_name(t))) for t in targets]
+
+
+def unheld_tensors(gm: fx.GraphModule, captured: Captured, tensors: dict) -> list[str]:
+    """The original names of the tensors ``gm`` reads that ``tensors`` (a parallel module's) lacks."""
+    return [name for _, name in _held_names(gm, captured) if name not in tensors]
+
+
 def share_tensors(gm: fx.GraphModule, captured: Captured, tensors: dict, what: str = "the generation step") -> None:
     """Point ``gm``'s attributes at the parallel module's tensors of the same original names (no copy: training
     updates them in place); ``what`` names the graph in the error when one is missing."""
-    for target, _ in [*gm.named_parameters(remove_duplicate=False), *gm.named_buffers(remove_duplicate=False)]:
-        name = captured.param_name(target)
-        name = captured.aliases.get(name, name)
+    for target, name in _held_names(gm, captured):
         if name not in tensors:
             raise InternalError(f"{what} reads {name}, which the parallel module's graphs do not hold")
         set_tensor(gm, target, tensors[name])

@@ -10,9 +10,9 @@ import torch
 from torch import fx, nn
 
 from autotp.capture.with_loss import capture_with_loss
-from autotp.errors import CaptureError, InternalError, PlanError
+from autotp.errors import CaptureError, PlanError
 from autotp.planning.plan import Plan
-from autotp.rewrite.cache_layout import share_tensors
+from autotp.rewrite.cache_layout import share_tensors, unheld_tensors
 from autotp.rewrite.comm import Communicator
 from autotp.rewrite.rank_graph import build_graph
 from autotp.rewrite.streams import RankStream
@@ -32,10 +32,11 @@ def build_loss_graph(model: nn.Module, plan: Plan, rank: int, comm: Communicator
             what = prop.violations[0].what if prop.violations else prop.refusals[0][1]
             raise PlanError(f"the plan's splits do not carry through the loss function ({what})")
     gm = build_graph(captured, plan, rank, comm, stream=stream)
-    try:
-        share_tensors(gm, captured, tensors, what="the model with its loss function")
-    except InternalError as e:
+    unheld = unheld_tensors(gm, captured, tensors)
+    if unheld:
         # Captured with the loss, a tensor the model reads twice (a tied head) can come out as a constant of the
         # graph: it would train a stale copy, so this loss runs on gathered outputs instead (the caller warns).
-        raise CaptureError(f"{e}: it was captured as a constant, not as the model's tensor") from e
+        raise CaptureError(f"the model with its loss function reads {', '.join(unheld)} as constants of the graph, "
+                           "not as the parallel module's tensors")
+    share_tensors(gm, captured, tensors, what="the model with its loss function")
     return gm
