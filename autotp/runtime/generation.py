@@ -29,7 +29,7 @@ from autotp.errors import CaptureError, InputError
 from autotp.passes.placement import local_shape
 from autotp.rewrite.comm import Communicator
 from autotp.runtime.sampling import Settings, choose, resolve
-from autotp.runtime.shared_memory import SharedMemoryComm
+from autotp.runtime.shared_memory import SharedMemoryComm, same_host
 
 BuildSteps = Callable
 """``rewrite.cache_layout.build_cache_steps(model, plan, rank, comm, tensors) -> CacheSteps`` (its ``shape``,
@@ -169,10 +169,10 @@ class Generation:
         self.generator: torch.Generator | None = None
         self.cached: CachedGenerator | None = None
         self.comm: Communicator | None = None
-        """What the generation steps and the sampled tokens' agreement talk over: the parallel module's own
-        communicator unless set before the first generate (``runtime.shared_memory.same_host(pm.comm)``: shared
-        memory between the processes of one host, 6x faster per collective but slower per token in
-        docs/BENCHMARKS.md's runs, so not the default)."""
+        """What the generation steps and the sampled tokens' agreement talk over, chosen at the first generate
+        unless set before it: shared memory between the CPU processes of one host
+        (``runtime.shared_memory.same_host``: a decode step's collectives are a few KB, and gloo's loopback round
+        trip and wake-up cost more than a layer's compute), else the parallel module's own communicator."""
         self.warned = False
 
     def close(self) -> None:
@@ -217,7 +217,7 @@ class Generation:
             raise InputError("generate captures its prefill and decode steps from the model on its first call, and "
                              "the model passed to parallelize has been freed since; call pm.generate once (e.g. "
                              "max_new_tokens=1) before dropping the model, or keep it")
-        self.comm = self.comm or pm.comm  # gloo: shared memory (same_host) measured slower on the 2-core machine
+        self.comm = self.comm or same_host(pm.comm)
         try:
             built = self._build_steps(model, pm.plan, pm.rank, self.comm, rank_tensors(pm))
             self.cached = CachedGenerator(built, pm.plan.tp)

@@ -7,10 +7,14 @@ microseconds of compute (a halted vCPU is woken by the hypervisor), more than a 
 host instead write their values into a shared file (``/dev/shm``) and poll each other's counters, as DeepSpeed's
 and vLLM's CPU inference do for their tensor-parallel all-reduce.
 
-Waiting: a rank polls for ``SPIN_SECONDS`` (a balanced peer arrives within it, with no system call), then blocks on
+Waiting: a rank polls for a while (a balanced peer arrives within it, with no system call), then blocks on
 its own named pipe, into which every rank writes a byte after each of its counter updates, so a waiting rank is
 woken by its peers' writes, like a futex, and gives its core away meanwhile (polling with sleeps measured 4x slower
-than gloo on a loaded machine: the woken poller and the late peer competed for the cores).
+than gloo on a loaded machine: the woken poller and the late peer competed for the cores). How long it polls
+depends on the cores: with a core per process (``spin_seconds``), polling for up to ``SPIN_SECONDS`` covers the
+skew between the ranks' compute (a decode step's layers differ by a few hundred microseconds between ranks, and a
+blocked rank's wake-up through the pipe costs as much again); with fewer cores than processes, a polling rank
+would hold the core its late peer needs, so it blocks after ``SHORT_SPIN_SECONDS``.
 
 Layout: one counter per rank (a cache line each), then two banks of one slot per rank. Collective ``n`` uses bank
 ``n % 2``: a rank writes its value into its slot, then its counter to ``n``, and waits for every counter to reach
@@ -44,15 +48,23 @@ from autotp.runtime.peers import group_timeout
 SLOT_BYTES = 1 << 20
 """Bytes each rank writes per step of a collective; larger values go through in pieces."""
 _LINE = 64  # one counter per cache line: ranks polling their peers never contend for one line
-SPIN_SECONDS = 1e-4
-"""How long a waiting rank polls before it blocks on its pipe."""
+SPIN_SECONDS = 2e-3
+"""How long a waiting rank polls before it blocks on its pipe, with a core per process (measured on the 2-core
+machine, batch 1 decode: 1.29x one process against 1.24x with ``SHORT_SPIN_SECONDS``)."""
+SHORT_SPIN_SECONDS = 1e-4
+"""How long it polls on a host with fewer cores than processes."""
+
+
+def spin_seconds(processes: int) -> float:
+    """How long a rank polls before blocking, with ``processes`` processes on this host sharing its cores."""
+    return SPIN_SECONDS if len(os.sched_getaffinity(0)) >= processes else SHORT_SPIN_SECONDS
 
 
 class SharedMemoryComm:
     """A ``Communicator`` over shared memory for ranks on one host (made by ``same_host``)."""
 
-    def __init__(self, rank: int, size: int, folder: str, timeout: float):
-        self.rank, self.size, self.timeout, self.folder = rank, size, timeout, folder
+    def __init__(self, rank: int, size: int, folder: str, timeout: float, spin: float = SHORT_SPIN_SECONDS):
+        self.rank, self.size, self.timeout, self.folder, self.spin = rank, size, timeout, folder, spin
         self.closed = False
         self.count = 0
         with open(os.path.join(folder, "memory"), "r+b") as f:
@@ -89,7 +101,7 @@ class SharedMemoryComm:
         start = time.perf_counter()
         while (self._counters < count).any():
             waited = time.perf_counter() - start
-            if waited < SPIN_SECONDS:
+            if waited < self.spin:
                 continue
             if waited > self.timeout:
                 late = [r for r in range(self.size) if self._counters[r] < count]
@@ -175,7 +187,7 @@ def same_host(comm: Communicator | None) -> Communicator | None:
     dist.broadcast_object_list(folder, src=first, group=comm.group)
     timeout = (group_timeout() or timedelta(minutes=10)).total_seconds()  # as long as gloo would wait
     try:
-        shared = SharedMemoryComm(comm.rank, comm.size, folder[0], timeout)
+        shared = SharedMemoryComm(comm.rank, comm.size, folder[0], timeout, spin_seconds(_processes_here()))
         dist.barrier(group=comm.group)  # every rank reads its pipe: the peers' can be opened for writing
         shared.connect()
     finally:
@@ -183,6 +195,12 @@ def same_host(comm: Communicator | None) -> Communicator | None:
         if comm.rank == 0:
             shutil.rmtree(folder[0])
     return shared
+
+
+def _processes_here() -> int:
+    """The processes of this job on this host: torchrun's ``LOCAL_WORLD_SIZE``, else the whole world (one host)."""
+    local = os.environ.get("LOCAL_WORLD_SIZE", "")
+    return int(local) if local.isdigit() else dist.get_world_size()
 
 
 def make_folder(size: int) -> str:
