@@ -56,10 +56,14 @@ def _same_everywhere(tokens: torch.Tensor) -> bool:
     return all(torch.equal(g, tokens) for g in gathered)
 
 
-def _compare_hf(kind: str, kv_heads: int, world: int) -> dict:
+def _compare_hf(kind: str, kv_heads: int, world: int, over_gloo: bool = False) -> dict:
+    """Greedy and sampled generation against transformers' own, over shared memory (the default between the
+    processes of one host) or, ``over_gloo``, the parallel module's gloo group (as across hosts)."""
     model = _small(kind, kv_heads).eval()
     ids, mask = _prompts()
     pm = autotp.parallelize(model, tp=world, example_inputs=(ids,), quiet=True)
+    if over_gloo:
+        pm.generation.comm = pm.comm
     ref = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, return_dict_in_generate=True,
                          output_logits=True)
     out = pm.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, return_dict_in_generate=True,
@@ -74,7 +78,8 @@ def _compare_hf(kind: str, kv_heads: int, world: int) -> dict:
             "ref_steps": len(ref.logits), "logit_diff": diff, "sampled": torch.equal(sampled, sampled_ref),
             "same_on_ranks": _same_everywhere(sampled), "cache_bytes": [mine, whole],
             "replicas": sorted({lay.replicas for lay in pm.generation.cached.layouts if lay is not None}),
-            "transport": type(pm.generation.comm).__name__}
+            "transport": type(pm.generation.comm).__name__,
+            "expected_transport": "TorchComm" if over_gloo else "SharedMemoryComm"}
 
 
 def _gpt_without_cache(world: int) -> dict:
@@ -132,5 +137,5 @@ def generation_at_two(rank: int, world: int) -> dict:
 
 
 def generation_at_four(rank: int, world: int) -> dict:
-    """tp=4 above Llama's 2 KV heads (each rank holds the head it shares), and GPT-2."""
-    return {kind: _compare_hf(kind, 2, world) for kind in ("llama", "gpt2")}
+    """tp=4 above Llama's 2 KV heads (each rank holds the head it shares), and GPT-2 over gloo."""
+    return {"llama": _compare_hf("llama", 2, world), "gpt2": _compare_hf("gpt2", 2, world, over_gloo=True)}
