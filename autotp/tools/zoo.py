@@ -25,7 +25,7 @@ from torch import nn
 
 from autotp.capture import model_kwargs
 from autotp.capture.examples import example_inputs_of, vocab_size
-from autotp.checker import check
+from autotp.checker import check_prepared, prepare
 from autotp.errors import AutotpError
 from autotp.names import within
 from autotp.tools.zoo_diffusers import diffusers_entries
@@ -81,6 +81,13 @@ def entries(only: set[str] | None = None, extra: tuple[str, ...] = (), families:
 
 def run_entry(entry: Entry, tp: int, limit_s: int = 240, sequence_parallel: bool = False) -> Result:
     """Build, plan and check one entry at ``tp`` (at most ``limit_s`` seconds), with sequence parallelism if asked."""
+    return run_entry_at(entry, (tp,), limit_s, sequence_parallel)[tp]
+
+
+def run_entry_at(entry: Entry, tps: tuple[int, ...], limit_s: int = 240,
+                 sequence_parallel: bool = False) -> dict[int, Result]:
+    """Build and capture one entry once, then plan and check it at each of ``tps`` (at most ``limit_s`` seconds
+    each; the first tp's time and limit include the capture, which is most of a small model's check)."""
     start = time.perf_counter()
     try:
         torch.manual_seed(0)
@@ -89,12 +96,29 @@ def run_entry(entry: Entry, tp: int, limit_s: int = 240, sequence_parallel: bool
         with torch.no_grad():  # the model must run its own forward on these inputs
             example_inputs_of(model, inputs).call(model, model_kwargs(model))
     except Exception as e:  # any failure to build or run is the entry's, not autotp's
-        return Result(Status.NOT_BUILDABLE, notes=[_build_reason(e)], seconds=time.perf_counter() - start)
+        failed = Result(Status.NOT_BUILDABLE, notes=[_build_reason(e)], seconds=time.perf_counter() - start)
+        return dict.fromkeys(tps, failed)
+    start = time.perf_counter()
+    prepared = _outcome(lambda: prepare(model, inputs), limit_s, start)
+    if isinstance(prepared, Result):
+        return dict.fromkeys(tps, prepared)
+    out = {}
+    for tp in tps:
+        def run(tp=tp):
+            # coverage: can it split, exactly
+            report = check_prepared(prepared, tp, vocab="split", sequence_parallel=sequence_parallel)
+            return report, {name: p.numel() for name, p in model.named_parameters() if name in report.read}
+        outcome = _outcome(run, limit_s, start)
+        out[tp] = outcome if isinstance(outcome, Result) else _verdict(*outcome, model, time.perf_counter() - start)
+        start = time.perf_counter()
+    return out
+
+
+def _outcome(step: Callable, limit_s: int, start: float):
+    """``step()``'s value, or the ``Result`` that says how it failed (timed from ``start``)."""
     try:
         with _TimeLimit(limit_s):
-            # coverage: can it split, exactly
-            report = check(model, tp, inputs, vocab="split", sequence_parallel=sequence_parallel)
-            used = {name: p.numel() for name, p in model.named_parameters() if name in report.read}
+            return step()
     except AutotpError as e:
         status = Status.CRASH if type(e).__name__ == "InternalError" else Status.REFUSED
         return Result(status, notes=[_line(e)], seconds=time.perf_counter() - start)
@@ -102,10 +126,9 @@ def run_entry(entry: Entry, tp: int, limit_s: int = 240, sequence_parallel: bool
         return Result(Status.TIMEOUT, notes=[_line(e)], seconds=time.perf_counter() - start)
     except Exception as e:  # a raw error out of autotp is a bug: report it as one
         return Result(Status.CRASH, notes=[_line(e)], seconds=time.perf_counter() - start)
-    return _verdict(report, model, used, time.perf_counter() - start)
 
 
-def _verdict(report, model: nn.Module, used: dict[str, int], seconds: float) -> Result:
+def _verdict(report, used: dict[str, int], model: nn.Module, seconds: float) -> Result:
     if not report.exact:
         return Result(Status.MISMATCH, notes=[str(report.mismatch)], seconds=seconds)
     split = {n for n, p in report.plan.placements.items() if p.is_split}
@@ -192,10 +215,8 @@ def sweep(chosen: list[Entry], tps=(2, 4), progress=sys.stderr, sequence_paralle
     entry (to save as it goes: a long sweep stopped early keeps what it did)."""
     out: dict[str, dict[int, Result]] = {}
     for i, entry in enumerate(chosen, 1):
-        out[entry.name] = {}
-        for tp in tps:
-            result = run_entry(entry, tp, sequence_parallel=sequence_parallel)
-            out[entry.name][tp] = result
+        out[entry.name] = run_entry_at(entry, tuple(tps), sequence_parallel=sequence_parallel)
+        for tp, result in out[entry.name].items():
             print(f"[{i}/{len(chosen)}] {entry.name} tp={tp}: {result.status.value} ({result.seconds:.1f} s)",
                   file=progress, flush=True)
         if on_result is not None:
