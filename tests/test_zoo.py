@@ -126,3 +126,22 @@ def test_audio_features_are_sized_by_the_encoder_sub_config_where_the_config_has
 
     model = SimpleNamespace(config=SimpleNamespace(encoder_config=SimpleNamespace(num_mel_bins=16)))
     assert _features(model).shape[-1] == 16
+
+
+def test_a_convolution_over_the_inputs_is_the_only_one_excused():
+    """A patch embedding reads pixels (no parameter before it): Megatron keeps it whole too. A convolution
+    inside the network (after the stem) is real compute kept whole, and stays counted."""
+    import torch
+
+    from autotp.checker import prepare
+
+    class Stem(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.stem, self.body = torch.nn.Conv2d(3, 16, 4, stride=4), torch.nn.Conv2d(16, 16, 3, padding=1)
+
+        def forward(self, x):
+            return self.body(self.stem(x * 2.0)).flatten(1)
+
+    captured = prepare(Stem(), (torch.randn(2, 3, 16, 16),)).captured
+    assert zoo.input_convolutions(captured) == {"stem.weight"}

@@ -21,13 +21,14 @@ from enum import Enum
 from pathlib import Path
 
 import torch
-from torch import nn
+from torch import fx, nn
 
 from autotp.capture import model_kwargs
 from autotp.capture.examples import example_inputs_of, vocab_size
 from autotp.checker import check_prepared, prepare
 from autotp.errors import AutotpError
 from autotp.names import within
+from autotp.passes.choices import whole_convolutions
 from autotp.tools.zoo_diffusers import diffusers_entries
 from autotp.tools.zoo_entries import (
     Entry,
@@ -109,7 +110,8 @@ def run_entry_at(entry: Entry, tps: tuple[int, ...], limit_s: int = 240,
             report = check_prepared(prepared, tp, vocab="split", sequence_parallel=sequence_parallel)
             return report, {name: p.numel() for name, p in model.named_parameters() if name in report.read}
         outcome = _outcome(run, limit_s, start)
-        out[tp] = outcome if isinstance(outcome, Result) else _verdict(*outcome, model, time.perf_counter() - start)
+        out[tp] = outcome if isinstance(outcome, Result) else \
+            _verdict(*outcome, model, time.perf_counter() - start, input_convolutions(prepared.captured))
         start = time.perf_counter()
     return out
 
@@ -128,7 +130,27 @@ def _outcome(step: Callable, limit_s: int, start: float):
         return Result(Status.CRASH, notes=[_line(e)], seconds=time.perf_counter() - start)
 
 
-def _verdict(report, used: dict[str, int], model: nn.Module, seconds: float) -> Result:
+def input_convolutions(captured) -> set[str]:
+    """The weights of dense convolutions over the model's inputs (a patch embedding, a stem, an audio front end):
+    what they read depends on no parameter. The first layer, on raw pixels or samples: Megatron's vision
+    models keep it whole too, and the layers after it split."""
+    params = set(captured.param_names)
+
+    def reads_parameters(node: fx.Node, seen: set) -> bool:
+        if node in seen:
+            return False
+        seen.add(node)
+        if node.op == "get_attr" and captured.aliases.get(captured.param_name(node.target)) in params:
+            return True
+        return any(reads_parameters(n, seen) for n in node.all_input_nodes)
+
+    return {captured.aliases.get(captured.param_name(target), "")
+            for node, target in whole_convolutions(captured.graph, set())
+            if not reads_parameters(node.args[0], set())}
+
+
+def _verdict(report, used: dict[str, int], model: nn.Module, seconds: float,
+             first_layers: set[str] = frozenset()) -> Result:
     if not report.exact:
         return Result(Status.MISMATCH, notes=[str(report.mismatch)], seconds=seconds)
     split = {n for n, p in report.plan.placements.items() if p.is_split}
@@ -138,7 +160,7 @@ def _verdict(report, used: dict[str, int], model: nn.Module, seconds: float) -> 
     tables = _side_tables(model, report.plan)
     chosen = {name for name in used if any(within(name, layer) for layer in report.plan.by_choice)}
     whole = [name for name, n in used.items()
-             if name not in split | tables | chosen and n >= SIZEABLE and shapes[name].dim() >= 2]
+             if name not in split | tables | chosen | first_layers and n >= SIZEABLE and shapes[name].dim() >= 2]
     notes = list(report.plan.notes)
     if report.rounding:
         notes.insert(0, f"exact in float64; float32 differs by rounding amplified by the model ({report.rounding})")
