@@ -58,3 +58,10 @@ def test_a_group_count_the_shrunk_channels_must_divide_follows_the_message():
 
     config = tiny_model("bit", on_meta)
     assert config.num_groups < 32 and all(w % config.num_groups == 0 for w in config.hidden_sizes)
+
+
+def test_a_value_the_validation_states_as_an_expression_is_taken_from_its_message():
+    """fun_asr_nano's validation says ``adaptor_config.intermediate_size (128) must equal
+    `text_config.hidden_size // 4` (16)``: the value in parentheses is the one the field takes."""
+    config = tiny_config("fun_asr_nano")
+    assert config.adaptor_config.intermediate_size == config.text_config.hidden_size // 4

@@ -185,7 +185,9 @@ _REQUIREMENTS = (
     # hidden_size_per_layer_input must be 0, got 256
     re.compile(r"`?(?:config\.)?(?P<field>[\w.]+)`? must (?:be|equal) (?P<value>-?\d+|True|False|None)\b"),
     # `num_key_value_heads` (2) must equal `num_attention_heads` (4)
-    re.compile(r"`?(?:config\.)?(?P<field>[\w.]+)`? \(-?\d+\) must (?:equal|match) `?[\w.]+`? \((?P<value>-?\d+)\)"),
+    # `adaptor_config.intermediate_size` (128) must equal `text_config.hidden_size // 4` (16)
+    re.compile(r"`?(?:config\.)?(?P<field>[\w.]+)`? \(-?\d+\) must (?:equal|match) (?:`[^`]+`|[\w.]+) "
+               r"\((?P<value>-?\d+)\)"),
     # make sure that `is_decoder=True`
     re.compile(r"`(?:config\.)?(?P<field>\w+)=(?P<value>True|False|-?\d+)`"),
 )
