@@ -65,3 +65,13 @@ def test_a_value_the_validation_states_as_an_expression_is_taken_from_its_messag
     `text_config.hidden_size // 4` (16)``: the value in parentheses is the one the field takes."""
     config = tiny_config("fun_asr_nano")
     assert config.adaptor_config.intermediate_size == config.text_config.hidden_size // 4
+
+
+def test_a_depthwise_group_count_follows_the_width_and_channel_counts_stay():
+    """A group count equal to the width (Mimi's depthwise upsampling) shrinks with it; ``num_channels`` is not
+    a width (Dia's nine audio codebooks, which its delay pattern lists one by one)."""
+    from autotp.tools.tiny import shrink
+
+    small = shrink({"hidden_size": 512, "upsample_groups": 512, "num_groups": 32, "num_channels": 9})
+    assert small["upsample_groups"] == small["hidden_size"] == 64
+    assert "num_groups" not in small and "num_channels" not in small

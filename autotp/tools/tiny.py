@@ -44,7 +44,7 @@ TINY_EXTRA = {
     "mamba_d_head": 16, "mamba_headdim": 16, "mamba_n_groups": 1, "ssm_state_size": 16, "chunk_size": 16,
     "time_step_rank": 8, "conv_kernel": 4,
     # vision towers: few small patches
-    "image_size": 32, "patch_size": 8, "num_channels": 3, "window_size": 4,
+    "image_size": 32, "patch_size": 8, "window_size": 4,
     # audio front ends
     "num_mel_bins": 16, "max_source_positions": 32,
     # windows of local attention (the example's 32 tokens hold two)
@@ -141,6 +141,10 @@ def shrink(fields: dict, sub_configs: dict | None = None, mixed: bool = True) ->
             small[name] = {k: v | shrink(v) for k, v in value.items()}  # settings per kind of layer
         elif isinstance(value, int) and not isinstance(value, bool) and name.startswith("num_kv_shared"):
             small[name] = 0  # layers that reuse an earlier layer's keys and values: none of two layers
+    width = small.get("hidden_size")
+    if isinstance(width, int):  # a group count equal to the width (a depthwise convolution) stays depthwise
+        small |= {k: width for k, v in fields.items()
+                  if k.endswith("groups") and isinstance(v, int) and v > width and v == fields.get("hidden_size")}
     vocab = small.get("vocab_size", fields.get("vocab_size"))
     if isinstance(vocab, int):  # special token ids of the full vocabulary would not fit the small one
         ids = [k for k in sorted(fields) if k.endswith(("_token_id", "_token_index", "_token_ids"))]
