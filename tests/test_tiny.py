@@ -75,3 +75,12 @@ def test_a_depthwise_group_count_follows_the_width_and_channel_counts_stay():
     small = shrink({"hidden_size": 512, "upsample_groups": 512, "num_groups": 32, "num_channels": 9})
     assert small["upsample_groups"] == small["hidden_size"] == 64
     assert "num_groups" not in small and "num_channels" not in small
+
+
+@pytest.mark.parametrize("model_type", ["qwen2_vl", "cosmos3_edge"])
+def test_multimodal_rotary_sections_fit_the_shrunk_head(model_type):
+    """Sections sized for the full head, in the config (cosmos3_edge) or in the model's code (qwen2_vl, whose
+    config class declares it takes them), are made to fill the tiny head's rotary half."""
+    text = tiny_config(model_type).text_config
+    head = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    assert sum(text.rope_parameters["mrope_section"]) == head // 2

@@ -110,9 +110,10 @@ def _is_layer_indices(values: list, depth: int) -> bool:
         and values == sorted(set(values))
 
 
-def shrink(fields: dict, sub_configs: dict | None = None, mixed: bool = True) -> dict:
+def shrink(fields: dict, sub_configs: dict | None = None, mixed: bool = True, config_class=None) -> dict:
     """The small values of a config's fields (only those it has), its sub-configs shrunk too. ``mixed``: per-layer
-    lists keep one layer of each kind; else their first layers."""
+    lists keep one layer of each kind; else their first layers. ``config_class``: the config's class (its
+    sub-configs' classes are in ``sub_configs``), which says whether it takes multimodal rotary sections."""
     staged = any(_is_stage_list(k, v) and _stage_kind(k) == "depth" for k, v in fields.items())
     depth = None if staged else _depth(fields)  # a hierarchical model's layer count counts its stages
     small = {k: v for k, v in (SMALL_HF | TINY_EXTRA).items() if k in fields and _shrinks(fields[k], v)}
@@ -133,7 +134,8 @@ def shrink(fields: dict, sub_configs: dict | None = None, mixed: bool = True) ->
             kept = [v for v in value if v < LAYERS] or [LAYERS - 1]
             small[name] = kept
         elif isinstance(value, dict) and (name in (sub_configs or {}) or "model_type" in value):
-            small[name] = value | shrink(value, mixed=mixed)
+            sub_class = (sub_configs or {}).get(name)
+            small[name] = value | shrink(value, mixed=mixed, config_class=sub_class if isinstance(sub_class, type) else None)
         elif isinstance(value, dict) and depth and value and all(str(k).isdigit() for k in value):
             small[name] = {k: v for k, v in value.items() if int(k) < LAYERS}  # settings keyed by layer index
         elif isinstance(value, dict) and value and all(isinstance(v, dict) for v in value.values()) \
@@ -145,11 +147,33 @@ def shrink(fields: dict, sub_configs: dict | None = None, mixed: bool = True) ->
     if isinstance(width, int):  # a group count equal to the width (a depthwise convolution) stays depthwise
         small |= {k: width for k, v in fields.items()
                   if k.endswith("groups") and isinstance(v, int) and v > width and v == fields.get("hidden_size")}
+    small |= _rotary_sections(fields, small, "mrope_section" in getattr(config_class, "ignore_keys_at_rope_validation", ()))
     vocab = small.get("vocab_size", fields.get("vocab_size"))
     if isinstance(vocab, int):  # special token ids of the full vocabulary would not fit the small one
         ids = [k for k in sorted(fields) if k.endswith(("_token_id", "_token_index", "_token_ids"))]
         small |= {k: vocab - 1 - i for i, k in enumerate(ids) if isinstance(fields[k], int) and fields[k] >= vocab}
     return small
+
+
+def _rotary_sections(fields: dict, small: dict, takes_sections: bool = False) -> dict:
+    """Multimodal rotary sections (``rope_parameters.mrope_section``: the rotary half of a head split among time,
+    height and width) scaled to the shrunk head, in the same proportions; {} if there are none or they fit. A
+    config that ``takes_sections`` but leaves them to the model's code (sized for the full head) gets three equal
+    ones."""
+    rope = fields.get("rope_parameters")
+    sections = rope.get("mrope_section") if isinstance(rope, dict) else None
+    if sections is None and takes_sections and isinstance(rope, dict):
+        sections = [1, 1, 1]
+    merged = fields | small
+    head = merged.get("head_dim") or (merged.get("hidden_size") or 0) // (merged.get("num_attention_heads") or 1)
+    if not isinstance(sections, list) or not all(isinstance(v, int) for v in sections) or not head \
+            or sum(sections) == head // 2:
+        return {}
+    shares = [v * (head // 2) / sum(sections) for v in sections]
+    scaled = [int(v) for v in shares]
+    for i in sorted(range(len(shares)), key=lambda i: scaled[i] - shares[i])[: head // 2 - sum(scaled)]:
+        scaled[i] += 1  # the largest remainders take what rounding down left
+    return {"rope_parameters": rope | {"mrope_section": scaled}}
 
 
 def _shrinks(old, new) -> bool:
@@ -218,8 +242,8 @@ def tiny_model(model_type: str, build, overrides: dict | None = None):
         default = transformers.AutoConfig.for_model(model_type, **fixed)
     error = None
     for mixed in (True, False):
-        small = _merged(_merged(shrink(default.to_dict(), getattr(type(default), "sub_configs", None), mixed), fixed),
-                        overrides or {})
+        shrunk = shrink(default.to_dict(), getattr(type(default), "sub_configs", None), mixed, type(default))
+        small = _merged(_merged(shrunk, fixed), overrides or {})
         try:
             return _repaired(lambda: build(transformers.AutoConfig.for_model(model_type, **small)), small)
         except Exception as e:  # transformers and huggingface_hub raise many types for values a config rejects
