@@ -145,3 +145,23 @@ def test_a_convolution_over_the_inputs_is_the_only_one_excused():
 
     captured = prepare(Stem(), (torch.randn(2, 3, 16, 16),)).captured
     assert zoo.input_convolutions(captured) == {"stem.weight"}
+
+
+def test_tables_joined_to_the_activations_are_told_from_matrices():
+    """A position table added and a class token put before the tokens (Megatron keeps such tables whole) are
+    excused; a matrix the forward multiplies by, and a bias, are not."""
+    import torch
+
+    from autotp.checker import prepare
+
+    class Tokens(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.pos, self.cls = torch.nn.Parameter(torch.randn(1, 16, 64)), torch.nn.Parameter(torch.randn(1, 1, 64))
+            self.proj, self.mix = torch.nn.Linear(64, 64), torch.nn.Parameter(torch.randn(64, 64))
+
+        def forward(self, x):
+            x = torch.cat([self.cls.expand(x.shape[0], -1, -1), x + self.pos[:, : x.shape[1]]], 1)
+            return self.proj(x) @ self.mix.t()
+
+    assert zoo.added_tables(prepare(Tokens(), (torch.randn(2, 16, 64),)).captured) == {"pos", "cls"}

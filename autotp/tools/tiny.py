@@ -197,6 +197,8 @@ TYPE_OVERRIDES = {
     # i layers
     "cvt": {"depth": [1, 2, 3]},
     "esm": {"pad_token_id": 1, "mask_token_id": 32},
+    # windowed attention over the patch grid: the window count a square that divides the tiny image's grid
+    "lw_detr_vit": {"num_windows": 4},
     # a token's layout embedding is its box's four coordinates and two sides side by side: the width six parts
     "layoutlmv3": {"hidden_size": 96, "coordinate_size": 16, "shape_size": 16},
     "lilt": {"hidden_size": 96},  # its default config has no padding id, which it needs

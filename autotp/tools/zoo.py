@@ -104,6 +104,7 @@ def run_entry_at(entry: Entry, tps: tuple[int, ...], limit_s: int = 240,
     if isinstance(prepared, Result):
         return dict.fromkeys(tps, prepared)
     out = {}
+    excused = input_convolutions(prepared.captured) | added_tables(prepared.captured)
     for tp in tps:
         def run(tp=tp):
             # coverage: can it split, exactly
@@ -111,7 +112,7 @@ def run_entry_at(entry: Entry, tps: tuple[int, ...], limit_s: int = 240,
             return report, {name: p.numel() for name, p in model.named_parameters() if name in report.read}
         outcome = _outcome(run, limit_s, start)
         out[tp] = outcome if isinstance(outcome, Result) else \
-            _verdict(*outcome, model, time.perf_counter() - start, input_convolutions(prepared.captured))
+            _verdict(*outcome, model, time.perf_counter() - start, excused)
         start = time.perf_counter()
     return out
 
@@ -149,8 +150,35 @@ def input_convolutions(captured) -> set[str]:
             if not reads_parameters(node.args[0], set())}
 
 
+_JOINS = {"add", "sub", "cat", "stack"}
+"""Ops that join a tensor to the activations as they are (a position table added, a class token put before the
+patches): what reaches only these is a table, not a matrix the forward multiplies by."""
+
+
+def added_tables(captured) -> set[str]:
+    """The parameters that are only joined to activations (``_JOINS``), after ops on themselves alone (a slice, a
+    reshape, an interpolation to the input's size): position tables and class tokens kept as parameters, which
+    Megatron keeps whole as it keeps position embeddings."""
+    def joined_only(node: fx.Node) -> bool:
+        uses = list(node.users)
+        if not uses:
+            return True
+        for use in uses:
+            op = str(use.target).split(".")[1] if str(use.target).startswith("aten.") else getattr(use.target, "__name__", "")
+            if op in _JOINS:
+                continue
+            tensors = [n for n in use.all_input_nodes if not isinstance(n.meta.get("val"), (int, torch.SymInt))]
+            if tensors == [node] and use.op == "call_function" and joined_only(use):
+                continue  # an op on this tensor alone (a view, a cast, an interpolation): follow it
+            return False
+        return True
+
+    return {captured.aliases.get(captured.param_name(n.target), "") for n in captured.graph.find_nodes(op="get_attr")
+            if n.users and joined_only(n)}
+
+
 def _verdict(report, used: dict[str, int], model: nn.Module, seconds: float,
-             first_layers: set[str] = frozenset()) -> Result:
+             excused: set[str] = frozenset()) -> Result:
     if not report.exact:
         return Result(Status.MISMATCH, notes=[str(report.mismatch)], seconds=seconds)
     split = {n for n, p in report.plan.placements.items() if p.is_split}
@@ -160,7 +188,7 @@ def _verdict(report, used: dict[str, int], model: nn.Module, seconds: float,
     tables = _side_tables(model, report.plan)
     chosen = {name for name in used if any(within(name, layer) for layer in report.plan.by_choice)}
     whole = [name for name, n in used.items()
-             if name not in split | tables | chosen | first_layers and n >= SIZEABLE and shapes[name].dim() >= 2]
+             if name not in split | tables | chosen | excused and n >= SIZEABLE and shapes[name].dim() >= 2]
     notes = list(report.plan.notes)
     if report.rounding:
         notes.insert(0, f"exact in float64; float32 differs by rounding amplified by the model ({report.rounding})")

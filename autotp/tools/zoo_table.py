@@ -11,9 +11,10 @@ COUNTED = (Status.EXACT, Status.PARTIAL, Status.REFUSED, Status.NOT_BUILDABLE, S
            Status.CRASH)
 
 DEFINITIONS = (
-    "- `exact`: exact and every matrix the forward uses (at least 64x64; position and token-type tables, which "
-    "Megatron keeps whole too, excepted, and so are dense convolutions over the model's inputs, a patch embedding "
-    "or stem, which Megatron's vision models keep whole too) split, or kept whole by the planner's stated choice (`Plan.by_choice`: a "
+    "- `exact`: exact and every matrix the forward uses (at least 64x64; position and token-type tables, and "
+    "parameters only added or joined to the activations, such as position tables and class tokens, which Megatron "
+    "keeps whole too, excepted, and so are dense convolutions over the model's inputs, a patch embedding or stem, "
+    "which Megatron's vision models keep whole too) split, or kept whole by the planner's stated choice (`Plan.by_choice`: a "
     "transform before the LM head, a mixture-of-experts router); `partial`: exact, something kept whole (the notes "
     "say what and why); `refused`: a clear error; `not buildable`: the tiny config does not build (the reason is "
     "the model's: its default config does not build either, or a part no config field sizes stays large). Split: "
