@@ -10,11 +10,14 @@ import pytest
 from autotp.tools import zoo
 
 ROOT = Path(__file__).resolve().parents[1]
-SAMPLE = ["llama", "gpt2", "gemma3", "bert:mlm", "t5:seq2seq", "vit:image", "dinov2:backbone", "whisper:speech",
-          "llava:vlm", "nn.TransformerEncoder", "examples/gpt.py:build_gpt"]
-"""A CI sample of every task group: decoders (learned positions, a multimodal config's text model), an encoder,
-an encoder-decoder, a vision tower and a backbone, a speech encoder-decoder, a vision-language model fed
-text, torch's own, an example; diffusers' and timm's when installed (they are the ``[zoo]`` extra)."""
+SAMPLE = ["llama", "gpt2", "gemma3", "bert:mlm", "t5:seq2seq", "lilt:cls", "bros:tokens", "vit:image",
+          "dinov2:backbone", "whisper:speech", "wav2vec2-bert:ctc", "llava:vlm", "nn.TransformerEncoder",
+          "examples/gpt.py:build_gpt"]
+"""A CI sample of every task group, the cheapest of each the sweep found: decoders (learned positions, a
+multimodal config's text model), an encoder, an encoder-decoder, a document classifier and tagger (token boxes), a
+vision tower and a backbone, a speech encoder-decoder, a CTC encoder (refused clearly: in training it draws
+SpecAugment masks in numpy), a vision-language model fed text, torch's own, an example; diffusers' and timm's when installed (they are
+the ``[zoo]`` extra)."""
 OPTIONAL = {"diffusers": "diffusers:DiTTransformer2DModel", "timm": "timm:vit_base_patch16_224"}
 
 
@@ -33,6 +36,11 @@ def test_sample_is_never_silently_wrong(sample):
         result = runs[2]
         assert result.status not in (zoo.Status.MISMATCH, zoo.Status.CRASH), f"{name}: {result.notes}"
         assert result.status is not zoo.Status.NOT_BUILDABLE, f"{name}: {result.notes}"
+
+
+def test_the_sample_has_every_task_group(sample):
+    families = {e.name: e.family for e in zoo.entries()}
+    assert set(families.values()) == {families[name] for name in sample}
 
 
 def test_sample_splits_the_decoders(sample):
@@ -165,3 +173,12 @@ def test_tables_joined_to_the_activations_are_told_from_matrices():
             return self.proj(x) @ self.mix.t()
 
     assert zoo.added_tables(prepare(Tokens(), (torch.randn(2, 16, 64),)).captured) == {"pos", "cls"}
+
+
+def test_a_table_of_a_sweep_stopped_early_counts_only_what_ran():
+    from autotp.tools.zoo_table import coverage_table
+
+    results = {"a": {2: zoo.Result(zoo.Status.EXACT, 1.0)}, "b": {2: zoo.Result(zoo.Status.PENDING)}}
+    table = coverage_table(results, {"a": "causal-lm", "b": "causal-lm"}, tps=(2,))
+    assert "| causal-lm | 2 | 1 exact — 1/1 (100%) of the buildable exact (1 pending) |" in table
+    assert "| `b` | pending |" in table

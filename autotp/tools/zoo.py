@@ -60,6 +60,8 @@ class Status(str, Enum):
     """The checker found a difference: a bug in autotp."""
     CRASH = "CRASH"
     """Something raised that is not an autotp error: a bug in autotp."""
+    PENDING = "pending"
+    """Not swept yet: the table was written from a sweep that stopped early."""
 
 
 @dataclass
@@ -298,12 +300,20 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--save", metavar="FILE.json", help="also save the results, to merge sweeps later")
     parser.add_argument("--load", nargs="+", default=[], metavar="FILE.json",
                         help="write the table from saved results instead of sweeping (later files win)")
+    parser.add_argument("--pending", action="store_true",
+                        help="with --load: list every entry the saved sweeps lack as pending")
+    parser.add_argument("--note", default="", help="a paragraph under the table's introduction (which sweep, when)")
     parser.add_argument("--sequence-parallel", action="store_true", help="check with sequence_parallel=True")
     parser.add_argument("--shard", default="", metavar="I/N", help="every N-th entry from the I-th (parallel sweeps)")
     parser.add_argument("--resume", action="store_true", help="skip the entries already in the --save file")
     args = parser.parse_args(argv)
     if args.load:
         results, families = load_results(args.load)
+        if args.pending:  # a sweep stopped early: list the entries it did not reach, so that every type has a row
+            for entry in entries():
+                if entry.name not in results:
+                    results[entry.name] = dict.fromkeys(args.tp, Result(Status.PENDING))
+                    families[entry.name] = entry.family
     else:
         chosen = entries(set(args.only.split(",")) if args.only else None, tuple(args.file),
                          set(args.family.split(",")) if args.family else None)
@@ -322,7 +332,7 @@ def main(argv: list[str]) -> int:
 
         results = done | sweep(chosen, tuple(args.tp), sequence_parallel=args.sequence_parallel,
                                on_result=save if args.save else None)
-    table = coverage_table(results, families, tuple(args.tp), args.sequence_parallel)
+    table = coverage_table(results, families, tuple(args.tp), args.sequence_parallel, args.note)
     if args.output == "-":
         print(table)
     else:

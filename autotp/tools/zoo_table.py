@@ -56,20 +56,23 @@ def load_results(paths: list[str]) -> tuple[dict[str, dict[int, Result]], dict[s
 
 
 def _count(results: dict[str, dict[int, Result]], names: list[str], tp: int) -> str:
-    ran = [results[n][tp] for n in names if tp in results[n]]
+    listed = [results[n][tp] for n in names if tp in results[n]]
+    ran = [r for r in listed if r.status is not Status.PENDING]
+    pending = f" ({len(listed) - len(ran)} pending)" if len(ran) < len(listed) else ""
     if not ran:
-        return "not run"
+        return "not run" + pending
     counts = [f"{sum(r.status is s for r in ran)} {s.value}" for s in COUNTED if any(r.status is s for r in ran)]
     buildable = [r for r in ran if r.status is not Status.NOT_BUILDABLE]
     exact = sum(r.status is Status.EXACT for r in buildable)
     share = f" — {exact}/{len(buildable)} ({exact / len(buildable):.0%}) of the buildable exact" if buildable else ""
-    partial_run = f" (of {len(ran)} run)" if len(ran) < len(names) else ""
-    return ", ".join(counts) + share + partial_run
+    partial_run = f" (of {len(listed)} run)" if len(listed) < len(names) else ""
+    return ", ".join(counts) + share + partial_run + pending
 
 
 def coverage_table(results: dict[str, dict[int, Result]], families: dict[str, str], tps=(2, 4),
-                   sequence_parallel: bool = False) -> str:
-    """``docs/COVERAGE.md``: what is checked, then per task group its counts at each tp and one row per model."""
+                   sequence_parallel: bool = False, note: str = "") -> str:
+    """``docs/COVERAGE.md``: what is checked (and ``note``: which sweep, at which commit), then per task group its
+    counts at each tp and one row per model."""
     groups: dict[str, list[str]] = {}
     for name in results:
         groups.setdefault(families[name], []).append(name)
@@ -78,7 +81,8 @@ def coverage_table(results: dict[str, dict[int, Result]], families: dict[str, st
              f"tp={' and tp='.join(map(str, tps))}{' with sequence parallelism' if sequence_parallel else ''}: "
              "one training step (dropout on) compared with the unsharded model, output, loss, every gradient and "
              "every parameter after an SGD step. Tiny configs of every model type of transformers' task mappings, "
-             "diffusers' and timm's transformers, torch's own and the examples.", "", DEFINITIONS, "",
+             "diffusers' and timm's transformers, torch's own and the examples.", "", *([note, ""] if note else []),
+             DEFINITIONS, "",
              "| group | entries | " + " | ".join(f"tp={t}" for t in tps) + " |", "|---|---|" + "---|" * len(tps)]
     for family, names in groups.items():
         note = f" ({GROUP_NOTES[family]})" if family in GROUP_NOTES else ""
