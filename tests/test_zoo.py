@@ -16,8 +16,8 @@ SAMPLE = ["llama", "gpt2", "gemma3", "bert:mlm", "t5:seq2seq", "lilt:cls", "bros
 """A CI sample of every task group, the cheapest of each the sweep found: decoders (learned positions, a
 multimodal config's text model), an encoder, an encoder-decoder, a document classifier and tagger (token boxes), a
 vision tower and a backbone, a speech encoder-decoder, a CTC encoder (refused clearly: in training it draws
-SpecAugment masks in numpy), a vision-language model fed text, torch's own, an example; diffusers' and timm's when installed (they are
-the ``[zoo]`` extra)."""
+SpecAugment masks in numpy), a vision-language model fed text, torch's own, an example; diffusers' and timm's
+when installed (they are the ``[zoo]`` extra)."""
 OPTIONAL = {"diffusers": "diffusers:DiTTransformer2DModel", "timm": "timm:vit_base_patch16_224"}
 
 

@@ -135,7 +135,8 @@ def shrink(fields: dict, sub_configs: dict | None = None, mixed: bool = True, co
             small[name] = kept
         elif isinstance(value, dict) and (name in (sub_configs or {}) or "model_type" in value):
             sub_class = (sub_configs or {}).get(name)
-            small[name] = value | shrink(value, mixed=mixed, config_class=sub_class if isinstance(sub_class, type) else None)
+            sub_class = sub_class if isinstance(sub_class, type) else None
+            small[name] = value | shrink(value, mixed=mixed, config_class=sub_class)
         elif isinstance(value, dict) and depth and value and all(str(k).isdigit() for k in value):
             small[name] = {k: v for k, v in value.items() if int(k) < LAYERS}  # settings keyed by layer index
         elif isinstance(value, dict) and value and all(isinstance(v, dict) for v in value.values()) \
@@ -147,7 +148,8 @@ def shrink(fields: dict, sub_configs: dict | None = None, mixed: bool = True, co
     if isinstance(width, int):  # a group count equal to the width (a depthwise convolution) stays depthwise
         small |= {k: width for k, v in fields.items()
                   if k.endswith("groups") and isinstance(v, int) and v > width and v == fields.get("hidden_size")}
-    small |= _rotary_sections(fields, small, "mrope_section" in getattr(config_class, "ignore_keys_at_rope_validation", ()))
+    takes_sections = "mrope_section" in getattr(config_class, "ignore_keys_at_rope_validation", ())
+    small |= _rotary_sections(fields, small, takes_sections)
     vocab = small.get("vocab_size", fields.get("vocab_size"))
     if isinstance(vocab, int):  # special token ids of the full vocabulary would not fit the small one
         ids = [k for k in sorted(fields) if k.endswith(("_token_id", "_token_index", "_token_ids"))]

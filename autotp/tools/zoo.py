@@ -166,7 +166,8 @@ def added_tables(captured) -> set[str]:
         if not uses:
             return True
         for use in uses:
-            op = str(use.target).split(".")[1] if str(use.target).startswith("aten.") else getattr(use.target, "__name__", "")
+            target = str(use.target)
+            op = target.split(".")[1] if target.startswith("aten.") else getattr(use.target, "__name__", "")
             if op in _JOINS:
                 continue
             tensors = [n for n in use.all_input_nodes if not isinstance(n.meta.get("val"), (int, torch.SymInt))]
