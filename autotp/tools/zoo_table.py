@@ -26,8 +26,18 @@ DEFINITIONS = (
 GROUP_NOTES = {
     "sequence-classification": "types whose trunk no language-model group above checks",
     "token-classification": "types whose trunk no language-model group above checks",
-    "image-text-to-text": "fed text only",
+    "image-text-to-text": "fed text only, and images where the forward requires them",
 }
+
+
+ORDER = ("causal-lm", "masked-lm", "seq2seq-lm", "sequence-classification", "token-classification",
+         "image-classification", "backbone", "speech-seq2seq", "ctc", "image-text-to-text", "diffusers", "timm", "torch",
+         "example")
+"""The groups in the table's order (the zoo's task groups, then the other libraries'); any other after them."""
+
+
+def _rank(family: str) -> tuple[int, str]:
+    return (ORDER.index(family) if family in ORDER else len(ORDER), family)
 
 
 def save_results(path: str, results: dict[str, dict[int, Result]], families: dict[str, str]) -> None:
@@ -75,8 +85,9 @@ def coverage_table(results: dict[str, dict[int, Result]], families: dict[str, st
     """``docs/COVERAGE.md``: what is checked (and ``note``: which sweep, at which commit), then per task group its
     counts at each tp and one row per model."""
     groups: dict[str, list[str]] = {}
-    for name in results:
+    for name in sorted(results):
         groups.setdefault(families[name], []).append(name)
+    groups = dict(sorted(groups.items(), key=lambda item: _rank(item[0])))
     lines = ["# Coverage", "",
              f"Every model autotp's zoo builds (`autotp zoo`), checked in one process with `autotp.check` at "
              f"tp={' and tp='.join(map(str, tps))}{' with sequence parallelism' if sequence_parallel else ''}: "
