@@ -4,6 +4,7 @@ results saved as JSON so that sweeps run apart (one task group at a time) make o
 from __future__ import annotations
 
 import json
+import os
 
 from autotp.tools.zoo import Result, Status
 
@@ -46,8 +47,10 @@ def save_results(path: str, results: dict[str, dict[int, Result]], families: dic
                    "runs": {str(tp): {"status": r.status.value, "split": r.split, "notes": r.notes,
                                       "seconds": round(r.seconds, 1)} for tp, r in runs.items()}}
             for name, runs in results.items()}
-    with open(path, "w", encoding="utf-8") as f:
+    partial = f"{path}.partial"  # written beside it, then renamed: a sweep stopped mid-write keeps the last save
+    with open(partial, "w", encoding="utf-8") as f:
         json.dump(data, f, indent=1)
+    os.replace(partial, path)
 
 
 def load_results(paths: list[str]) -> tuple[dict[str, dict[int, Result]], dict[str, str]]:
