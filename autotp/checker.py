@@ -20,7 +20,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from autotp.api import param_shapes, required_tp, with_input_note
 from autotp.capture import Captured, capture, example_inputs_of, model_kwargs
-from autotp.errors import AutotpError, InputError, InternalError
+from autotp.errors import AutotpError, CaptureError, InputError, InternalError
 from autotp.options import Options, Recompute
 from autotp.passes.placement import Shard, full_tensor
 from autotp.planning import Plan, check_plan_fits, make_plan
@@ -185,6 +185,24 @@ def build_ranks(captured: Captured, plan: Plan, seed: int = SEED,
     return modules, comms
 
 
+@dataclass
+class Prepared:
+    """A model captured for checking: ``check_prepared`` checks it at any tp without capturing it again (the
+    capture is most of a small model's check, so a sweep over tps captures once)."""
+
+    model: nn.Module
+    example_inputs: object
+    """As the caller gave them (the float64 re-check widens these)."""
+    example: object
+    captured: Captured
+
+
+def prepare(model: nn.Module, example_inputs=None) -> Prepared:
+    """Capture ``model`` on ``example_inputs`` (as for ``check``) once, for ``check_prepared`` at each tp."""
+    example = example_inputs_of(model, example_inputs)
+    return Prepared(model, example_inputs, example, capture(model, example, training=True))
+
+
 def check(model: nn.Module, tp: int | None = None, example_inputs=None, *, plan: Plan | None = None,
           modules_hook=None, options: Options | None = None, **settings) -> CheckReport:
     """Simulate every rank of ``plan`` (default: autotp's plan at ``tp``) in this process and compare one
@@ -194,14 +212,26 @@ def check(model: nn.Module, tp: int | None = None, example_inputs=None, *, plan:
     for ``autotp.plan`` (``vocab="split"`` checks the vocabulary split even where the cost model would keep it
     whole). ``modules_hook(modules, comms)`` may alter the rank modules before they run (the tests inject faults
     this way). The model is not changed."""
+    _check_options(tp, plan, options, settings)  # refuse bad options before the capture's cost
+    return check_prepared(prepare(model, example_inputs), tp, plan=plan, modules_hook=modules_hook,
+                          options=options, **settings)
+
+
+def _check_options(tp: int | None, plan: Plan | None, options: Options | None, settings: dict) -> Options:
     if tp is None and plan is not None and isinstance(plan, Plan):
         tp = plan.tp
-    chosen_options = Options.build(options, tp=required_tp(tp, options), **settings)
-    if chosen_options.pp != 1:
+    chosen = Options.build(options, tp=required_tp(tp, options), **settings)
+    if chosen.pp != 1:
         raise InputError("the one-process checker simulates tensor parallelism (pp=1); pipeline stages are "
                          "checked by the multi-process tests, which run the same stage splitter")
-    example = example_inputs_of(model, example_inputs)
-    captured = capture(model, example, training=True)
+    return chosen
+
+
+def check_prepared(prepared: Prepared, tp: int | None = None, *, plan: Plan | None = None, modules_hook=None,
+                   options: Options | None = None, **settings) -> CheckReport:
+    """``check`` of a model ``prepare`` captured: the same check, at any tp, without capturing it again."""
+    chosen_options = _check_options(tp, plan, options, settings)
+    model, example, captured = prepared.model, prepared.example, prepared.captured
     if plan is not None:
         chosen = verify_plan(captured, check_plan_fits(plan, param_shapes(model), chosen_options.tp))
     else:
@@ -225,23 +255,29 @@ def check(model: nn.Module, tp: int | None = None, example_inputs=None, *, plan:
     if not report.exact and report.mismatch.what in ("output", "loss"):
         report.located = locate(captured, chosen, modules, comms, inputs)
     if not report.exact:
-        return _in_float64(model, example_inputs, chosen, report, modules_hook)
+        return _in_float64(model, prepared.example_inputs, chosen, report, modules_hook)
     return report
 
 
 def _in_float64(model: nn.Module, example_inputs, plan: Plan, report: CheckReport, modules_hook) -> CheckReport:
     """The float64 check of a float32 model that differed: exact there means the float32 difference is rounding
-    (kept in ``rounding``); anything else keeps the float32 report. A model that casts to float32 itself
-    cannot run in float64 and keeps it too."""
+    (kept in ``rounding``); anything else keeps the float32 report. A model that cannot run in float64 (it casts
+    to float32 itself) keeps it too; an error of autotp's in the float64 check is raised, not taken for that."""
     floats = [t for t in [*model.parameters(), *model.buffers()] if t.is_floating_point()]
     if not floats or any(t.dtype != torch.float32 for t in floats):
         return report
+    wide_model = copy.deepcopy(model).double()
     widened = tree_map(lambda t: t.double() if isinstance(t, torch.Tensor) and t.is_floating_point() else t,
                        example_inputs)
+    try:  # the model alone first: its own failure in float64 is the model's, and says nothing about rounding
+        with torch.no_grad():
+            example_inputs_of(wide_model, widened).call(copy.deepcopy(wide_model), model_kwargs(wide_model))
+    except Exception:  # noqa: BLE001 - any error of the model's own forward, which autotp does not run here
+        return report
     try:
-        wide = check(copy.deepcopy(model).double(), report.tp, widened, plan=plan, modules_hook=modules_hook,
+        wide = check(wide_model, report.tp, widened, plan=plan, modules_hook=modules_hook,
                      recompute=plan.options.recompute)
-    except Exception:  # noqa: BLE001 - a model that cannot run in float64 says nothing about rounding
+    except CaptureError:  # the export of the float64 model failed where the float32 one's did not: its dtypes
         return report
     if not wide.exact:
         return report

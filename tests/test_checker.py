@@ -153,6 +153,58 @@ def test_a_real_fault_is_not_excused_as_rounding():
     assert not report.exact and report.rounding is None
 
 
+def _fault_on_rank_one(modules, comms):
+    """Scale rank 1's output: a wrong answer the float64 re-check must not excuse."""
+    for node in modules[1].graph.nodes:
+        if node.op == "output":
+            with modules[1].graph.inserting_before(node):
+                first, *rest = node.args[0]
+                node.args = ((modules[1].graph.call_function(torch.mul, (first, 1.001)), *rest),)
+    modules[1].recompile()
+
+
+def test_an_autotp_error_in_the_float64_recheck_is_raised_not_taken_for_the_models():
+    def fault_then_fail_in_float64(modules, comms):
+        if next(modules[0].parameters()).dtype == torch.float64:
+            raise autotp.errors.InternalError("a bug of autotp's in the float64 pass")
+        _fault_on_rank_one(modules, comms)
+
+    torch.manual_seed(0)
+    with pytest.raises(autotp.errors.InternalError, match="float64 pass"):
+        autotp.check(_Sharp(), 2, torch.randn(2, 8, 16), modules_hook=fault_then_fail_in_float64)
+
+
+class _CastsToFloat32(_Sharp):
+    """Casts to float32 itself: cannot run in float64."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("mix", torch.eye(16))
+
+    def forward(self, x):
+        return super().forward(x).float() @ self.mix
+
+
+def test_a_model_that_cannot_run_in_float64_keeps_its_float32_report():
+    torch.manual_seed(0)
+    report = autotp.check(_CastsToFloat32(), 2, torch.randn(2, 8, 16), modules_hook=_fault_on_rank_one)
+    assert not report.exact and report.rounding is None
+
+
+def test_one_capture_checks_every_tp_as_check_does():
+    from autotp.checker import check_prepared, prepare
+
+    torch.manual_seed(0)
+    model = build_gpt(n_layer=2)
+    prepared = prepare(model, (IDS,))
+    for tp in (2, 4):
+        once = check_prepared(prepared, tp, vocab="split")
+        alone = autotp.check(model, tp, (IDS,), vocab="split")
+        assert once.exact and alone.exact, (str(once), str(alone))
+        assert once.plan.placements == alone.plan.placements and once.compared == alone.compared
+        assert once.max_error == alone.max_error
+
+
 class _Reverse(torch.autograd.Function):
     """Gradient reversal: identity forward, negated gradient backward (a custom backward autograd would not give)."""
 

@@ -58,3 +58,29 @@ def test_a_group_count_the_shrunk_channels_must_divide_follows_the_message():
 
     config = tiny_model("bit", on_meta)
     assert config.num_groups < 32 and all(w % config.num_groups == 0 for w in config.hidden_sizes)
+
+
+def test_a_value_the_validation_states_as_an_expression_is_taken_from_its_message():
+    """fun_asr_nano's validation says ``adaptor_config.intermediate_size (128) must equal
+    `text_config.hidden_size // 4` (16)``: the value in parentheses is the one the field takes."""
+    config = tiny_config("fun_asr_nano")
+    assert config.adaptor_config.intermediate_size == config.text_config.hidden_size // 4
+
+
+def test_a_depthwise_group_count_follows_the_width_and_channel_counts_stay():
+    """A group count equal to the width (Mimi's depthwise upsampling) shrinks with it; ``num_channels`` is not
+    a width (Dia's nine audio codebooks, which its delay pattern lists one by one)."""
+    from autotp.tools.tiny import shrink
+
+    small = shrink({"hidden_size": 512, "upsample_groups": 512, "num_groups": 32, "num_channels": 9})
+    assert small["upsample_groups"] == small["hidden_size"] == 64
+    assert "num_groups" not in small and "num_channels" not in small
+
+
+@pytest.mark.parametrize("model_type", ["qwen2_vl", "cosmos3_edge"])
+def test_multimodal_rotary_sections_fit_the_shrunk_head(model_type):
+    """Sections sized for the full head, in the config (cosmos3_edge) or in the model's code (qwen2_vl, whose
+    config class declares it takes them), are made to fill the tiny head's rotary half."""
+    text = tiny_config(model_type).text_config
+    head = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    assert sum(text.rope_parameters["mrope_section"]) == head // 2

@@ -10,11 +10,14 @@ import pytest
 from autotp.tools import zoo
 
 ROOT = Path(__file__).resolve().parents[1]
-SAMPLE = ["llama", "gpt2", "gemma3", "bert:mlm", "t5:seq2seq", "vit:image", "dinov2:backbone", "whisper:speech",
-          "llava:vlm", "nn.TransformerEncoder", "examples/gpt.py:build_gpt"]
-"""A CI sample of every task group: decoders (learned positions, a multimodal config's text model), an encoder,
-an encoder-decoder, a vision tower and a backbone, a speech encoder-decoder, a vision-language model fed
-text, torch's own, an example; diffusers' and timm's when installed (they are the ``[zoo]`` extra)."""
+SAMPLE = ["llama", "gpt2", "gemma3", "bert:mlm", "t5:seq2seq", "lilt:cls", "bros:tokens", "vit:image",
+          "dinov2:backbone", "whisper:speech", "wav2vec2-bert:ctc", "llava:vlm", "nn.TransformerEncoder",
+          "examples/gpt.py:build_gpt"]
+"""A CI sample of every task group, the cheapest of each the sweep found: decoders (learned positions, a
+multimodal config's text model), an encoder, an encoder-decoder, a document classifier and tagger (token boxes), a
+vision tower and a backbone, a speech encoder-decoder, a CTC encoder (refused clearly: in training it draws
+SpecAugment masks in numpy), a vision-language model fed text, torch's own, an example; diffusers' and timm's
+when installed (they are the ``[zoo]`` extra)."""
 OPTIONAL = {"diffusers": "diffusers:DiTTransformer2DModel", "timm": "timm:vit_base_patch16_224"}
 
 
@@ -33,6 +36,11 @@ def test_sample_is_never_silently_wrong(sample):
         result = runs[2]
         assert result.status not in (zoo.Status.MISMATCH, zoo.Status.CRASH), f"{name}: {result.notes}"
         assert result.status is not zoo.Status.NOT_BUILDABLE, f"{name}: {result.notes}"
+
+
+def test_the_sample_has_every_task_group(sample):
+    families = {e.name: e.family for e in zoo.entries()}
+    assert set(families.values()) == {families[name] for name in sample}
 
 
 def test_sample_splits_the_decoders(sample):
@@ -126,3 +134,51 @@ def test_audio_features_are_sized_by_the_encoder_sub_config_where_the_config_has
 
     model = SimpleNamespace(config=SimpleNamespace(encoder_config=SimpleNamespace(num_mel_bins=16)))
     assert _features(model).shape[-1] == 16
+
+
+def test_a_convolution_over_the_inputs_is_the_only_one_excused():
+    """A patch embedding reads pixels (no parameter before it): Megatron keeps it whole too. A convolution
+    inside the network (after the stem) is real compute kept whole, and stays counted."""
+    import torch
+
+    from autotp.checker import prepare
+
+    class Stem(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.stem, self.body = torch.nn.Conv2d(3, 16, 4, stride=4), torch.nn.Conv2d(16, 16, 3, padding=1)
+
+        def forward(self, x):
+            return self.body(self.stem(x * 2.0)).flatten(1)
+
+    captured = prepare(Stem(), (torch.randn(2, 3, 16, 16),)).captured
+    assert zoo.input_convolutions(captured) == {"stem.weight"}
+
+
+def test_tables_joined_to_the_activations_are_told_from_matrices():
+    """A position table added and a class token put before the tokens (Megatron keeps such tables whole) are
+    excused; a matrix the forward multiplies by, and a bias, are not."""
+    import torch
+
+    from autotp.checker import prepare
+
+    class Tokens(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.pos, self.cls = torch.nn.Parameter(torch.randn(1, 16, 64)), torch.nn.Parameter(torch.randn(1, 1, 64))
+            self.proj, self.mix = torch.nn.Linear(64, 64), torch.nn.Parameter(torch.randn(64, 64))
+
+        def forward(self, x):
+            x = torch.cat([self.cls.expand(x.shape[0], -1, -1), x + self.pos[:, : x.shape[1]]], 1)
+            return self.proj(x) @ self.mix.t()
+
+    assert zoo.added_tables(prepare(Tokens(), (torch.randn(2, 16, 64),)).captured) == {"pos", "cls"}
+
+
+def test_a_table_of_a_sweep_stopped_early_counts_only_what_ran():
+    from autotp.tools.zoo_table import coverage_table
+
+    results = {"a": {2: zoo.Result(zoo.Status.EXACT, 1.0)}, "b": {2: zoo.Result(zoo.Status.PENDING)}}
+    table = coverage_table(results, {"a": "causal-lm", "b": "causal-lm"}, tps=(2,))
+    assert "| causal-lm | 2 | 1 exact — 1/1 (100%) of the buildable exact (1 pending) |" in table
+    assert "| `b` | pending |" in table

@@ -44,7 +44,7 @@ TINY_EXTRA = {
     "mamba_d_head": 16, "mamba_headdim": 16, "mamba_n_groups": 1, "ssm_state_size": 16, "chunk_size": 16,
     "time_step_rank": 8, "conv_kernel": 4,
     # vision towers: few small patches
-    "image_size": 32, "patch_size": 8, "num_channels": 3, "window_size": 4,
+    "image_size": 32, "patch_size": 8, "window_size": 4,
     # audio front ends
     "num_mel_bins": 16, "max_source_positions": 32,
     # windows of local attention (the example's 32 tokens hold two)
@@ -110,9 +110,10 @@ def _is_layer_indices(values: list, depth: int) -> bool:
         and values == sorted(set(values))
 
 
-def shrink(fields: dict, sub_configs: dict | None = None, mixed: bool = True) -> dict:
+def shrink(fields: dict, sub_configs: dict | None = None, mixed: bool = True, config_class=None) -> dict:
     """The small values of a config's fields (only those it has), its sub-configs shrunk too. ``mixed``: per-layer
-    lists keep one layer of each kind; else their first layers."""
+    lists keep one layer of each kind; else their first layers. ``config_class``: the config's class (its
+    sub-configs' classes are in ``sub_configs``), which says whether it takes multimodal rotary sections."""
     staged = any(_is_stage_list(k, v) and _stage_kind(k) == "depth" for k, v in fields.items())
     depth = None if staged else _depth(fields)  # a hierarchical model's layer count counts its stages
     small = {k: v for k, v in (SMALL_HF | TINY_EXTRA).items() if k in fields and _shrinks(fields[k], v)}
@@ -133,7 +134,9 @@ def shrink(fields: dict, sub_configs: dict | None = None, mixed: bool = True) ->
             kept = [v for v in value if v < LAYERS] or [LAYERS - 1]
             small[name] = kept
         elif isinstance(value, dict) and (name in (sub_configs or {}) or "model_type" in value):
-            small[name] = value | shrink(value, mixed=mixed)
+            sub_class = (sub_configs or {}).get(name)
+            sub_class = sub_class if isinstance(sub_class, type) else None
+            small[name] = value | shrink(value, mixed=mixed, config_class=sub_class)
         elif isinstance(value, dict) and depth and value and all(str(k).isdigit() for k in value):
             small[name] = {k: v for k, v in value.items() if int(k) < LAYERS}  # settings keyed by layer index
         elif isinstance(value, dict) and value and all(isinstance(v, dict) for v in value.values()) \
@@ -141,11 +144,38 @@ def shrink(fields: dict, sub_configs: dict | None = None, mixed: bool = True) ->
             small[name] = {k: v | shrink(v) for k, v in value.items()}  # settings per kind of layer
         elif isinstance(value, int) and not isinstance(value, bool) and name.startswith("num_kv_shared"):
             small[name] = 0  # layers that reuse an earlier layer's keys and values: none of two layers
+    width = small.get("hidden_size")
+    if isinstance(width, int):  # a group count equal to the width (a depthwise convolution) stays depthwise
+        small |= {k: width for k, v in fields.items()
+                  if k.endswith("groups") and isinstance(v, int) and v > width and v == fields.get("hidden_size")}
+    takes_sections = "mrope_section" in getattr(config_class, "ignore_keys_at_rope_validation", ())
+    small |= _rotary_sections(fields, small, takes_sections)
     vocab = small.get("vocab_size", fields.get("vocab_size"))
     if isinstance(vocab, int):  # special token ids of the full vocabulary would not fit the small one
         ids = [k for k in sorted(fields) if k.endswith(("_token_id", "_token_index", "_token_ids"))]
         small |= {k: vocab - 1 - i for i, k in enumerate(ids) if isinstance(fields[k], int) and fields[k] >= vocab}
     return small
+
+
+def _rotary_sections(fields: dict, small: dict, takes_sections: bool = False) -> dict:
+    """Multimodal rotary sections (``rope_parameters.mrope_section``: the rotary half of a head split among time,
+    height and width) scaled to the shrunk head, in the same proportions; {} if there are none or they fit. A
+    config that ``takes_sections`` but leaves them to the model's code (sized for the full head) gets three equal
+    ones."""
+    rope = fields.get("rope_parameters")
+    sections = rope.get("mrope_section") if isinstance(rope, dict) else None
+    if sections is None and takes_sections and isinstance(rope, dict):
+        sections = [1, 1, 1]
+    merged = fields | small
+    head = merged.get("head_dim") or (merged.get("hidden_size") or 0) // (merged.get("num_attention_heads") or 1)
+    if not isinstance(sections, list) or not all(isinstance(v, int) for v in sections) or not head \
+            or sum(sections) == head // 2:
+        return {}
+    shares = [v * (head // 2) / sum(sections) for v in sections]
+    scaled = [int(v) for v in shares]
+    for i in sorted(range(len(shares)), key=lambda i: scaled[i] - shares[i])[: head // 2 - sum(scaled)]:
+        scaled[i] += 1  # the largest remainders take what rounding down left
+    return {"rope_parameters": rope | {"mrope_section": scaled}}
 
 
 def _shrinks(old, new) -> bool:
@@ -169,6 +199,8 @@ TYPE_OVERRIDES = {
     # i layers
     "cvt": {"depth": [1, 2, 3]},
     "esm": {"pad_token_id": 1, "mask_token_id": 32},
+    # windowed attention over the patch grid: the window count a square that divides the tiny image's grid
+    "lw_detr_vit": {"num_windows": 4},
     # a token's layout embedding is its box's four coordinates and two sides side by side: the width six parts
     "layoutlmv3": {"hidden_size": 96, "coordinate_size": 16, "shape_size": 16},
     "lilt": {"hidden_size": 96},  # its default config has no padding id, which it needs
@@ -185,7 +217,9 @@ _REQUIREMENTS = (
     # hidden_size_per_layer_input must be 0, got 256
     re.compile(r"`?(?:config\.)?(?P<field>[\w.]+)`? must (?:be|equal) (?P<value>-?\d+|True|False|None)\b"),
     # `num_key_value_heads` (2) must equal `num_attention_heads` (4)
-    re.compile(r"`?(?:config\.)?(?P<field>[\w.]+)`? \(-?\d+\) must (?:equal|match) `?[\w.]+`? \((?P<value>-?\d+)\)"),
+    # `adaptor_config.intermediate_size` (128) must equal `text_config.hidden_size // 4` (16)
+    re.compile(r"`?(?:config\.)?(?P<field>[\w.]+)`? \(-?\d+\) must (?:equal|match) (?:`[^`]+`|[\w.]+) "
+               r"\((?P<value>-?\d+)\)"),
     # make sure that `is_decoder=True`
     re.compile(r"`(?:config\.)?(?P<field>\w+)=(?P<value>True|False|-?\d+)`"),
 )
@@ -212,8 +246,8 @@ def tiny_model(model_type: str, build, overrides: dict | None = None):
         default = transformers.AutoConfig.for_model(model_type, **fixed)
     error = None
     for mixed in (True, False):
-        small = _merged(_merged(shrink(default.to_dict(), getattr(type(default), "sub_configs", None), mixed), fixed),
-                        overrides or {})
+        shrunk = shrink(default.to_dict(), getattr(type(default), "sub_configs", None), mixed, type(default))
+        small = _merged(_merged(shrunk, fixed), overrides or {})
         try:
             return _repaired(lambda: build(transformers.AutoConfig.for_model(model_type, **small)), small)
         except Exception as e:  # transformers and huggingface_hub raise many types for values a config rejects

@@ -21,13 +21,14 @@ from enum import Enum
 from pathlib import Path
 
 import torch
-from torch import nn
+from torch import fx, nn
 
 from autotp.capture import model_kwargs
 from autotp.capture.examples import example_inputs_of, vocab_size
-from autotp.checker import check
+from autotp.checker import check_prepared, prepare
 from autotp.errors import AutotpError
 from autotp.names import within
+from autotp.passes.choices import whole_convolutions
 from autotp.tools.zoo_diffusers import diffusers_entries
 from autotp.tools.zoo_entries import (
     Entry,
@@ -59,6 +60,8 @@ class Status(str, Enum):
     """The checker found a difference: a bug in autotp."""
     CRASH = "CRASH"
     """Something raised that is not an autotp error: a bug in autotp."""
+    PENDING = "pending"
+    """Not swept yet: the table was written from a sweep that stopped early."""
 
 
 @dataclass
@@ -81,6 +84,13 @@ def entries(only: set[str] | None = None, extra: tuple[str, ...] = (), families:
 
 def run_entry(entry: Entry, tp: int, limit_s: int = 240, sequence_parallel: bool = False) -> Result:
     """Build, plan and check one entry at ``tp`` (at most ``limit_s`` seconds), with sequence parallelism if asked."""
+    return run_entry_at(entry, (tp,), limit_s, sequence_parallel)[tp]
+
+
+def run_entry_at(entry: Entry, tps: tuple[int, ...], limit_s: int = 240,
+                 sequence_parallel: bool = False) -> dict[int, Result]:
+    """Build and capture one entry once, then plan and check it at each of ``tps`` (at most ``limit_s`` seconds
+    each; the first tp's time and limit include the capture, which is most of a small model's check)."""
     start = time.perf_counter()
     try:
         torch.manual_seed(0)
@@ -89,12 +99,31 @@ def run_entry(entry: Entry, tp: int, limit_s: int = 240, sequence_parallel: bool
         with torch.no_grad():  # the model must run its own forward on these inputs
             example_inputs_of(model, inputs).call(model, model_kwargs(model))
     except Exception as e:  # any failure to build or run is the entry's, not autotp's
-        return Result(Status.NOT_BUILDABLE, notes=[_build_reason(e)], seconds=time.perf_counter() - start)
+        failed = Result(Status.NOT_BUILDABLE, notes=[_build_reason(e)], seconds=time.perf_counter() - start)
+        return dict.fromkeys(tps, failed)
+    start = time.perf_counter()
+    prepared = _outcome(lambda: prepare(model, inputs), limit_s, start)
+    if isinstance(prepared, Result):
+        return dict.fromkeys(tps, prepared)
+    out = {}
+    excused = input_convolutions(prepared.captured) | added_tables(prepared.captured)
+    for tp in tps:
+        def run(tp=tp):
+            # coverage: can it split, exactly
+            report = check_prepared(prepared, tp, vocab="split", sequence_parallel=sequence_parallel)
+            return report, {name: p.numel() for name, p in model.named_parameters() if name in report.read}
+        outcome = _outcome(run, limit_s, start)
+        out[tp] = outcome if isinstance(outcome, Result) else \
+            _verdict(*outcome, model, time.perf_counter() - start, excused)
+        start = time.perf_counter()
+    return out
+
+
+def _outcome(step: Callable, limit_s: int, start: float):
+    """``step()``'s value, or the ``Result`` that says how it failed (timed from ``start``)."""
     try:
         with _TimeLimit(limit_s):
-            # coverage: can it split, exactly
-            report = check(model, tp, inputs, vocab="split", sequence_parallel=sequence_parallel)
-            used = {name: p.numel() for name, p in model.named_parameters() if name in report.read}
+            return step()
     except AutotpError as e:
         status = Status.CRASH if type(e).__name__ == "InternalError" else Status.REFUSED
         return Result(status, notes=[_line(e)], seconds=time.perf_counter() - start)
@@ -102,10 +131,57 @@ def run_entry(entry: Entry, tp: int, limit_s: int = 240, sequence_parallel: bool
         return Result(Status.TIMEOUT, notes=[_line(e)], seconds=time.perf_counter() - start)
     except Exception as e:  # a raw error out of autotp is a bug: report it as one
         return Result(Status.CRASH, notes=[_line(e)], seconds=time.perf_counter() - start)
-    return _verdict(report, model, used, time.perf_counter() - start)
 
 
-def _verdict(report, model: nn.Module, used: dict[str, int], seconds: float) -> Result:
+def input_convolutions(captured) -> set[str]:
+    """The weights of dense convolutions over the model's inputs (a patch embedding, a stem, an audio front end):
+    what they read depends on no parameter. The first layer, on raw pixels or samples: Megatron's vision
+    models keep it whole too, and the layers after it split."""
+    params = set(captured.param_names)
+
+    def reads_parameters(node: fx.Node, seen: set) -> bool:
+        if node in seen:
+            return False
+        seen.add(node)
+        if node.op == "get_attr" and captured.aliases.get(captured.param_name(node.target)) in params:
+            return True
+        return any(reads_parameters(n, seen) for n in node.all_input_nodes)
+
+    return {captured.aliases.get(captured.param_name(target), "")
+            for node, target in whole_convolutions(captured.graph, set())
+            if not reads_parameters(node.args[0], set())}
+
+
+_JOINS = {"add", "sub", "cat", "stack"}
+"""Ops that join a tensor to the activations as they are (a position table added, a class token put before the
+patches): what reaches only these is a table, not a matrix the forward multiplies by."""
+
+
+def added_tables(captured) -> set[str]:
+    """The parameters that are only joined to activations (``_JOINS``), after ops on themselves alone (a slice, a
+    reshape, an interpolation to the input's size): position tables and class tokens kept as parameters, which
+    Megatron keeps whole as it keeps position embeddings."""
+    def joined_only(node: fx.Node) -> bool:
+        uses = list(node.users)
+        if not uses:
+            return True
+        for use in uses:
+            target = str(use.target)
+            op = target.split(".")[1] if target.startswith("aten.") else getattr(use.target, "__name__", "")
+            if op in _JOINS:
+                continue
+            tensors = [n for n in use.all_input_nodes if not isinstance(n.meta.get("val"), (int, torch.SymInt))]
+            if tensors == [node] and use.op == "call_function" and joined_only(use):
+                continue  # an op on this tensor alone (a view, a cast, an interpolation): follow it
+            return False
+        return True
+
+    return {captured.aliases.get(captured.param_name(n.target), "") for n in captured.graph.find_nodes(op="get_attr")
+            if n.users and joined_only(n)}
+
+
+def _verdict(report, used: dict[str, int], model: nn.Module, seconds: float,
+             excused: set[str] = frozenset()) -> Result:
     if not report.exact:
         return Result(Status.MISMATCH, notes=[str(report.mismatch)], seconds=seconds)
     split = {n for n, p in report.plan.placements.items() if p.is_split}
@@ -115,7 +191,7 @@ def _verdict(report, model: nn.Module, used: dict[str, int], seconds: float) -> 
     tables = _side_tables(model, report.plan)
     chosen = {name for name in used if any(within(name, layer) for layer in report.plan.by_choice)}
     whole = [name for name, n in used.items()
-             if name not in split | tables | chosen and n >= SIZEABLE and shapes[name].dim() >= 2]
+             if name not in split | tables | chosen | excused and n >= SIZEABLE and shapes[name].dim() >= 2]
     notes = list(report.plan.notes)
     if report.rounding:
         notes.insert(0, f"exact in float64; float32 differs by rounding amplified by the model ({report.rounding})")
@@ -192,10 +268,8 @@ def sweep(chosen: list[Entry], tps=(2, 4), progress=sys.stderr, sequence_paralle
     entry (to save as it goes: a long sweep stopped early keeps what it did)."""
     out: dict[str, dict[int, Result]] = {}
     for i, entry in enumerate(chosen, 1):
-        out[entry.name] = {}
-        for tp in tps:
-            result = run_entry(entry, tp, sequence_parallel=sequence_parallel)
-            out[entry.name][tp] = result
+        out[entry.name] = run_entry_at(entry, tuple(tps), sequence_parallel=sequence_parallel)
+        for tp, result in out[entry.name].items():
             print(f"[{i}/{len(chosen)}] {entry.name} tp={tp}: {result.status.value} ({result.seconds:.1f} s)",
                   file=progress, flush=True)
         if on_result is not None:
@@ -227,12 +301,20 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--save", metavar="FILE.json", help="also save the results, to merge sweeps later")
     parser.add_argument("--load", nargs="+", default=[], metavar="FILE.json",
                         help="write the table from saved results instead of sweeping (later files win)")
+    parser.add_argument("--pending", action="store_true",
+                        help="with --load: list every entry the saved sweeps lack as pending")
+    parser.add_argument("--note", default="", help="a paragraph under the table's introduction (which sweep, when)")
     parser.add_argument("--sequence-parallel", action="store_true", help="check with sequence_parallel=True")
     parser.add_argument("--shard", default="", metavar="I/N", help="every N-th entry from the I-th (parallel sweeps)")
     parser.add_argument("--resume", action="store_true", help="skip the entries already in the --save file")
     args = parser.parse_args(argv)
     if args.load:
         results, families = load_results(args.load)
+        if args.pending:  # a sweep stopped early: list the entries it did not reach, so that every type has a row
+            for entry in entries():
+                if entry.name not in results:
+                    results[entry.name] = dict.fromkeys(args.tp, Result(Status.PENDING))
+                    families[entry.name] = entry.family
     else:
         chosen = entries(set(args.only.split(",")) if args.only else None, tuple(args.file),
                          set(args.family.split(",")) if args.family else None)
@@ -251,7 +333,7 @@ def main(argv: list[str]) -> int:
 
         results = done | sweep(chosen, tuple(args.tp), sequence_parallel=args.sequence_parallel,
                                on_result=save if args.save else None)
-    table = coverage_table(results, families, tuple(args.tp), args.sequence_parallel)
+    table = coverage_table(results, families, tuple(args.tp), args.sequence_parallel, args.note)
     if args.output == "-":
         print(table)
     else:

@@ -83,6 +83,11 @@ def pixel_values(model: nn.Module) -> dict | tuple:
     whose main input is token ids (an image GPT, a vision-language classifier)."""
     if getattr(model, "main_input_name", "") == "input_ids":
         return token_ids(model)
+    return pixel_values_of(model)
+
+
+def pixel_values_of(model: nn.Module) -> dict:
+    """Random images of the config's size (square, or height and width) and channels, under ``pixel_values``."""
     config = _vision(model.config)
     size = getattr(config, "image_size", 32)
     height, width = (size[0], size[-1]) if isinstance(size, (list, tuple)) else (size, size)
@@ -102,6 +107,17 @@ def _audio(config):
         return config
     subs = (getattr(config, name, None) for name in ("audio_config", "encoder_config", "encoder"))
     return next((sub for sub in subs if any(getattr(sub, f, None) for f in fields)), config)
+
+
+def vision_text_inputs(model: nn.Module) -> tuple | dict:
+    """Token ids alone (the vision tower built but not reached), or by keyword with images where the forward
+    requires them (a captioner whose first parameter is ``pixel_values``)."""
+    (ids,) = token_ids(model)
+    parameters = inspect.signature(model.forward).parameters
+    needs_images = "pixel_values" in parameters and parameters["pixel_values"].default is inspect.Parameter.empty
+    if not needs_images and next(iter(parameters), None) == "input_ids":
+        return (ids,)
+    return {"input_ids": ids} | (pixel_values_of(model) if needs_images else {})
 
 
 def _features(model: nn.Module, frames: int = 64) -> torch.Tensor:
@@ -148,10 +164,10 @@ GROUPS = (
           speech_seq2seq_inputs, ":speech"),
     Group("ctc", "MODEL_FOR_CTC_MAPPING_NAMES", audio_inputs, ":ctc"),
     Group("image-text-to-text", "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES",
-          token_ids, ":vlm"),
+          vision_text_inputs, ":vlm"),
 )
-"""The task groups, in the order of the coverage table. Vision-language models are fed text only: their
-vision tower is built but not reached, and not counted in the split fraction."""
+"""The task groups, in the order of the coverage table. Vision-language models are fed text only where their
+forward allows it: their vision tower is built but not reached, and not counted in the split fraction."""
 
 
 def _hf_build(model_type: str, class_names: str | tuple[str, ...]) -> Callable[[], nn.Module]:
