@@ -3,11 +3,11 @@
 Megatron broadcasts tensor-parallel rank 0's batch to its group, so the ranks cannot differ. autotp lets
 each rank pass its inputs (as ``model(x)`` does) and checks instead: each rank reduces every input (and a
 step's target) to its shape and a 64-bit fingerprint of its bytes, and one all-gather of those few integers
-over the group tells every rank whether they agree, and which rank differs. That is one small collective per call, where Megatron's
-broadcast sends the whole batch; a mismatch is an ``InputError`` on every rank of the group, never a
-mixture trained on, and different batch sizes are named before any collective whose shapes would differ
-(gloo aborts the process on those).
-"""
+over the group tells every rank whether they agree, and which rank differs. Where Megatron's broadcasts must
+arrive before the forward can begin, the all-gather is begun before the forward and waited for only as its
+first collective begins (``inputs_started``), so the compute before that collective hides it. A mismatch is an
+``InputError`` on every rank of the group, never a mixture trained on, and different batch sizes are named
+before any collective whose shapes would differ (gloo aborts the process on those)."""
 
 from __future__ import annotations
 
