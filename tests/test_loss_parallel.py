@@ -3,8 +3,6 @@ vocab-parallel cross-entropy), in the graph (a model's own loss) and in ``pm.ste
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
 from torch import nn
@@ -12,30 +10,10 @@ from torch import nn
 import autotp
 from autotp.passes.steps import Operator
 from autotp.rewrite.collectives import vocab_parallel_cross_entropy
-from autotp.rewrite.comm import ThreadComm
 from tests import models
-from tests.distributed import run_on_ranks
+from tests.distributed import on_threads, run_on_ranks
 from tests.inputs_workers import hf_llama, padded_batch
 from tests.loss_workers import captured_user_loss, loss_parallel_on_ranks
-
-
-def _on_threads(tp: int, body) -> list:
-    """``body(comm)`` on ``tp`` simulated ranks (threads); their results in rank order."""
-    comms, results, errors = ThreadComm.group(tp), [None] * tp, []
-
-    def run(rank):
-        try:
-            results[rank] = body(comms[rank])
-        except Exception as e:  # re-raised below, in the test's thread
-            errors.append(e)
-            comms[rank].abort()
-
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(tp)]
-    [t.start() for t in threads]
-    [t.join() for t in threads]
-    if errors:
-        raise errors[0]
-    return results
 
 
 @pytest.mark.parametrize("tp", [2, 4])
@@ -65,7 +43,7 @@ def test_vocab_parallel_cross_entropy_equals_torchs(tp, shape, reduction, smooth
         (loss * weights if reduction == 0 else loss).sum().backward()
         return loss.detach(), mine.grad
 
-    results = _on_threads(tp, rank_loss)
+    results = on_threads(tp, rank_loss)
     for loss, _ in results:
         torch.testing.assert_close(loss, want.detach(), rtol=1e-12, atol=1e-12, equal_nan=True)
     torch.testing.assert_close(torch.cat([g for _, g in results], classes), logits.grad, rtol=1e-12, atol=1e-12, equal_nan=True)
@@ -129,7 +107,7 @@ def test_the_vocab_parallel_loss_refuses_a_second_backward():
             loss.backward()
         return True
 
-    assert _on_threads(2, twice) == [True, True]
+    assert on_threads(2, twice) == [True, True]
 
 
 def test_the_default_loss_of_an_output_without_logits_names_the_way_out():
@@ -152,7 +130,7 @@ def test_the_default_loss_names_a_target_that_does_not_fit_the_logits():
             default_loss(logits, torch.zeros(2, 4, dtype=torch.long), split)
         return True
 
-    assert _on_threads(2, mismatched) == [True, True]
+    assert on_threads(2, mismatched) == [True, True]
 
 
 def test_a_user_loss_fn_is_captured_with_the_model_and_runs_on_the_split_logits():

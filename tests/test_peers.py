@@ -6,9 +6,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+import torch
+
+from autotp.errors import InputError
+from autotp.runtime.batch_agreement import inputs_started
 from autotp.runtime.peers import EXIT_HUNG
 from tests import peers_workers
-from tests.distributed import run_on_ranks
+from tests.distributed import on_threads, run_on_ranks
 
 ROOT = Path(__file__).resolve().parent.parent
 TIMEOUT = 20.0
@@ -34,6 +39,34 @@ def test_one_batch_per_tensor_parallel_group_and_ids_in_the_vocabulary():
         assert rank["negative"].startswith("InputError: idx holds token id -")
         assert "must lie in [0, 128)" in rank["negative"]
         assert rank["empty"].startswith("InputError: input idx is empty (shape (0, 16))")
+
+
+def test_the_batch_check_begun_completes_before_the_next_collective_or_when_asked():
+    """The check begun before a forward completes as the communicator's next collective begins (the work between
+    overlaps it), raising there on every rank when the batches differ; or when its completion is called, once."""
+    def differing(comm):
+        ids = torch.arange(8).reshape(2, 4) + comm.rank
+        inputs_started(("idx",), (ids,), comm)
+        ran = torch.ones(3) * 2  # this rank's compute, before the first collective
+        with pytest.raises(InputError, match=r"idx holds different values on ranks \[1\]"):
+            comm.all_reduce(ran)
+        return comm.pending is None
+    assert on_threads(2, differing) == [True, True]
+
+    def resized(comm):
+        complete = inputs_started(("idx", "target"), (torch.zeros(2 + comm.rank, 4), None), comm)
+        with pytest.raises(InputError, match=r"idx has different shapes .*\(rank 0: \(2, 4\), rank 1: \(3, 4\)\)"):
+            complete()
+        complete()  # once: the all-gather is not waited for again
+        return comm.all_reduce(torch.ones(1)).item()
+    assert on_threads(2, resized) == [2.0, 2.0]
+
+    def agreeing(comm):
+        complete = inputs_started(("idx",), (torch.arange(6),), comm)
+        total = comm.all_reduce(torch.ones(1)).item()
+        complete()
+        return total, comm.pending
+    assert on_threads(2, agreeing) == [(2.0, None), (2.0, None)]
 
 
 def test_a_hung_killed_or_failing_rank_stops_its_peers_within_the_timeout_naming_it():

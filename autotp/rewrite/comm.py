@@ -4,6 +4,10 @@ The collectives the rewrite inserts call a ``Communicator``; the runtime gives t
 a process group, the checker a ``ThreadComm`` that runs every simulated rank in one process. A
 ``TorchComm`` over the default group holds no reference to it (torch's ``None``), so
 ``destroy_process_group`` really frees it; ``close()`` drops any other group reference.
+
+Every communicator runs its one-shot ``pending`` wait (``settle``) before its next collective: a check begun
+before a forward (``runtime.batch_agreement``) completes there, overlapping the local compute before it, yet before
+any collective whose shapes it vouches for.
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ class Communicator(Protocol):
 
     rank: int
     size: int
+    pending: Callable[[], None] | None
+    """Run (once, then cleared) before this communicator's next collective: see ``settle``."""
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of ``x`` over the ranks (a new tensor)."""
@@ -33,9 +39,20 @@ class Communicator(Protocol):
     def reduce_scatter(self, pieces: list[torch.Tensor]) -> torch.Tensor:
         """The sum over the ranks of their ``pieces[rank]`` (one piece per rank, all of one shape)."""
 
+    def all_gather_started(self, x: torch.Tensor) -> Callable[[], list[torch.Tensor]]:
+        """``all_gather(x)`` begun (pass a tensor nothing writes until it is done): returns the function that waits
+        for it and gives every rank's ``x``."""
+
     def all_reduce_started(self, x: torch.Tensor) -> Callable[[], torch.Tensor]:
         """``all_reduce(x)`` begun, in place when ``x`` is contiguous (pass a tensor nothing else reads): returns
         the function that waits for it and gives the sum, so that work in between overlaps the communication."""
+
+
+def settle(comm) -> None:
+    """Run and clear ``comm.pending`` (each communicator calls this as a collective begins)."""
+    pending, comm.pending = comm.pending, None
+    if pending is not None:
+        pending()
 
 
 class TorchComm:
@@ -45,8 +62,10 @@ class TorchComm:
         self.group = group
         self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
         self.closed = False
+        self.pending: Callable[[], None] | None = None
 
     def _run(self, what: str, call):
+        settle(self)
         if self.closed:
             raise RankFailure(f"rank {self.rank}: this parallel module was closed (its process groups released); "
                               "build a new one with autotp.parallelize")
@@ -66,6 +85,16 @@ class TorchComm:
         parts = [torch.empty_like(x) for _ in range(self.size)]
         self._run("all_gather", lambda: dist.all_gather(parts, x.contiguous(), group=self.group))
         return parts
+
+    def all_gather_started(self, x: torch.Tensor) -> Callable[[], list[torch.Tensor]]:
+        out = x.new_empty(self.size * x.numel())  # flat, rank r's at r's place: the form gloo takes
+        work = self._run("all_gather", lambda: dist.all_gather_single(out, x.contiguous().reshape(-1),
+                                                                      group=self.group, async_op=True))
+
+        def finish() -> list[torch.Tensor]:
+            self._run("all_gather", work.wait)
+            return list(out.view(self.size, *x.shape).unbind(0))
+        return finish
 
     def all_reduce_started(self, x: torch.Tensor) -> Callable[[], torch.Tensor]:
         out = x.contiguous()
@@ -106,6 +135,7 @@ class ThreadComm:
         self.dropped: set[int] = set()
         """Indices of this rank's all-reduces to skip (the checker's fault injection)."""
         self.calls = 0
+        self.pending: Callable[[], None] | None = None
 
     @classmethod
     def group(cls, size: int, timeout: float = 120.0) -> list[ThreadComm]:
@@ -114,6 +144,7 @@ class ThreadComm:
         return [cls(shared, r) for r in range(size)]
 
     def _exchange(self, x: torch.Tensor) -> list[torch.Tensor]:
+        settle(self)
         try:
             self.shared.barrier.wait()  # the slots of the previous collective have been read
             self.shared.slots[self.rank] = x.detach().clone()
@@ -141,6 +172,10 @@ class ThreadComm:
 
     def all_gather(self, x: torch.Tensor) -> list[torch.Tensor]:
         return self._exchange(x)
+
+    def all_gather_started(self, x: torch.Tensor) -> Callable[[], list[torch.Tensor]]:
+        parts = self._exchange(x)  # threads exchange at once
+        return lambda: parts
 
     def all_reduce_started(self, x: torch.Tensor) -> Callable[[], torch.Tensor]:
         out = self.all_reduce(x)  # threads exchange at once; the faults injected into all_reduce apply

@@ -79,11 +79,11 @@ class InputSpec:
         return flat
 
     def run(self, module: fx.GraphModule, args: tuple, kwargs: dict, agree=None):
-        """``module`` on the call's inputs, after checking them (and ``agree(inputs)``, the check across ranks);
-        a failed capture guard becomes an ``InputError``."""
+        """``module`` on the call's inputs, after checking them; ``agree(inputs)`` begins the check across ranks and
+        returns the function completing it, called once the module has run or failed (a mismatch found then is
+        the cause to report). A failed capture guard becomes an ``InputError``."""
         flat = self.arrange(args, kwargs)
-        if agree is not None:
-            agree(flat)
+        complete = agree(flat) if agree is not None else None
         try:
             return module(*flat)
         except AssertionError as e:
@@ -94,6 +94,9 @@ class InputSpec:
                              "capture keeps sizes dynamic only within the bounds the model's code allows (a "
                              "position table, a cached mask): use shorter inputs, or capture with example_inputs "
                              "of the longest size you will use") from e
+        finally:
+            if complete is not None:
+                complete()
 
 
 def _capture_hint(name: str) -> str:

@@ -175,6 +175,8 @@ class PipelineModule(ParallelBase):
     def _step(self, inputs: tuple, kwargs: dict, target, loss_fn) -> torch.Tensor:
         _refuse_own_loss(target, kwargs)
         inputs = self._inputs.arrange(inputs, kwargs)
+        # Completed before the schedule runs, not overlapped with it (as the tensor-parallel module's is): the
+        # stages' sends go through torch.distributed, not the communicator that would complete the check first.
         check_same_inputs((*self._inputs.names, "target"), (*inputs, target), self._replica)
         self._check_batch(inputs)
         self._loss_fn = loss_fn

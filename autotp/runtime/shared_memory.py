@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from autotp.errors import RankFailure
-from autotp.rewrite.comm import Communicator, TorchComm
+from autotp.rewrite.comm import Communicator, TorchComm, settle
 from autotp.runtime.peers import group_timeout
 
 SLOT_BYTES = 1 << 20
@@ -70,6 +70,7 @@ class SharedMemoryComm:
         self.rank, self.size, self.timeout, self.folder, self.spin = rank, size, timeout, folder, spin
         self.closed = False
         self.count = 0
+        self.pending: Callable[[], None] | None = None
         with open(os.path.join(folder, "memory"), "r+b") as f:
             self._map = mmap.mmap(f.fileno(), _file_bytes(size))
         self._counters = np.frombuffer(self._map, dtype=np.int64, count=size * _LINE // 8)[::_LINE // 8]
@@ -124,6 +125,7 @@ class SharedMemoryComm:
         return [flat[i:i + step] for i in range(0, flat.numel(), step)] or [flat]
 
     def _check_open(self) -> None:
+        settle(self)  # every collective begins here
         if self.closed:
             raise RankFailure(f"rank {self.rank}: this parallel module was closed (its process groups released); "
                               "build a new one with autotp.parallelize")
@@ -148,6 +150,11 @@ class SharedMemoryComm:
             for r, p in enumerate(self._exchange(piece)):
                 gathered[r].append(p.clone())
         return [torch.cat(g).view(x.dtype).view(x.shape) for g in gathered]
+
+    def all_gather_started(self, x: torch.Tensor) -> Callable[[], list[torch.Tensor]]:
+        """``all_gather(x)``, done at once (as ``all_reduce_started``)."""
+        parts = self.all_gather(x)
+        return lambda: parts
 
     def all_reduce_started(self, x: torch.Tensor) -> Callable[[], torch.Tensor]:
         """``all_reduce(x)``, done at once (nothing to overlap: the peers answer in microseconds)."""

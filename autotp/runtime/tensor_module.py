@@ -10,7 +10,7 @@ import torch
 from torch import fx, nn
 
 from autotp.errors import InputError
-from autotp.runtime.batch_agreement import check_same_inputs
+from autotp.runtime.batch_agreement import inputs_started
 from autotp.runtime.generation import Generation, rank_tensors
 from autotp.runtime.loss_graphs import LossGraphs
 from autotp.runtime.outputs import checked_loss, deferred, output_gathers, step_loss
@@ -73,9 +73,13 @@ class ParallelModule(ParallelBase):
         return self._run(inputs, kwargs, None)
 
     def _run(self, inputs: tuple, kwargs: dict, target: torch.Tensor | None, graph=None):
-        # The tp ranks must hold one batch (and target): checked in one small collective before the graph runs.
+        # The tp ranks must hold one batch (and target): checked by one small all-gather begun before the graph
+        # runs and completed before its first collective (the compute before it hides the all-gather's latency).
         def agree(flat):
-            check_same_inputs((*self._inputs.names, "target"), (*flat, target), self.comm)
+            complete = inputs_started((*self._inputs.names, "target"), (*flat, target), self.comm)
+            if self._compiled is not None:
+                complete()  # before a compiled graph, which must not trace the communicator's pending check
+            return complete
         with guarded("forward"):
             return self._inputs.run(graph or self._graph(), inputs, kwargs, agree)
 
