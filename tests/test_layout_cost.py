@@ -32,12 +32,18 @@ def _profile(**changes) -> Profile:
 
 def test_shared_cores_serialise_compute_and_fill_bubbles():
     # A device per rank, or no more ranks than cores: the compute and bubble are the fullest rank's own.
-    assert shared_cores([2.0, 1.0], 0, 2.5, 0.5, 8, None) == (2.0, 0.5)
-    assert shared_cores([2.0, 1.0], 0, 2.5, 0.5, 2, 2) == (2.0, 0.5)
-    # 4 ranks on 2 cores, 2 per pipeline position: all (2 + 1) * 2 seconds over 2 cores; the bubble is filled.
-    assert shared_cores([2.0, 1.0], 0, 2.5, 0.5, 4, 2) == (3.0, 0.0)
-    # A bubble longer than the others' compute is paid for what it leaves idle: 1 + 3 - max(1, 4 * 1 / 2).
-    assert shared_cores([1.0] * 4, 0, 1.0, 3.0, 4, 2) == (2.0, 2.0)
+    assert shared_cores([2.0, 1.0], 0, 1, 0.5, 8, None) == (2.0, 0.5)
+    assert shared_cores([2.0, 1.0], 0, 1, 0.5, 2, 2) == (2.0, 0.5)
+    # 4 ranks on 2 cores, 2 per pipeline position: all (2 + 1) * 2 seconds over 2 cores; the critical path
+    # (2 + 1 for one microbatch) is no longer, so no bubble is left.
+    assert shared_cores([2.0, 1.0], 0, 1, 0.5, 4, 2) == (3.0, 0.0)
+    # A pipeline of one microbatch runs its stages one after another: 4 s, of which the cores do 2 s' worth each.
+    assert shared_cores([1.0] * 4, 0, 1, 3.0, 4, 2) == (2.0, 2.0)
+    # With 4 microbatches the fill and drain wait on a quarter of each other stage: 1 + 3 / 4 < 4 / 2.
+    assert shared_cores([1.0] * 4, 0, 4, 0.75, 4, 2) == (2.0, 0.0)
+    # Unequal stages: the path is the fullest's compute plus the others' per-microbatch share, not pp times it.
+    assert shared_cores([3.0, 1.0, 1.0, 1.0], 0, 2, 4.5, 4, 4 / 3) == (4.5, 0.0)
+    assert shared_cores([3.0, 1.0, 1.0, 1.0], 0, 2, 4.5, 4, 2) == (3.0, 1.5)
 
 
 def test_oversubscribed_ranks_pay_every_ranks_ops():

@@ -179,18 +179,21 @@ def _recompute_extra(profile: Profile, layout: Layout, a: int, b: int) -> tuple[
             sum(profile.recomputed[a:b]), max((profile.activations[k] for k in again), default=0.0))
 
 
-def shared_cores(busy: list[float], fullest: int, work: float, bubble: float, ranks: int,
-                 cores: int | None) -> tuple[float, float]:
+def shared_cores(busy: list[float], fullest: int, slices: int, bubble: float, ranks: int,
+                 cores: float | None) -> tuple[float, float]:
     """(compute, bubble) of the fullest pipeline rank when ``ranks`` ranks time-share ``cores`` cores (None: a
-    device each, nothing shared). Sharing serialises every rank's compute onto the cores, so the step's compute
-    takes at least all of it over the cores; and a rank idling in a bubble gives its core to another rank, so
-    the bubble costs only what that compute does not fill. ``busy``: each pipeline rank's compute (every one of
-    the ``ranks / len(busy)`` ranks at a pipeline position computes alike); ``work``: the fullest's compute and
-    tensor-parallel communication; ``bubble``: its idle time on dedicated devices."""
+    device each, nothing shared: its own compute and ``bubble``, its idle time on dedicated devices).
+
+    Sharing serialises every rank's compute onto the cores, so the step's compute takes at least all of it over
+    the cores; and a rank idling in a bubble gives its core to another rank, so the step takes the longer of that
+    and the pipeline's critical path: the fullest rank's compute plus the others' share of one of the ``slices``
+    (microbatches times stages per rank) it waits for while the pipeline fills and drains. ``busy``: each
+    pipeline rank's compute (every one of the ``ranks / len(busy)`` ranks at a pipeline position alike)."""
     if cores is None or ranks <= cores:
         return busy[fullest], bubble
-    compute = max(busy[fullest], sum(busy) * (ranks // len(busy)) / cores)
-    return compute, max(0.0, busy[fullest] + bubble - compute)
+    compute = max(busy[fullest], sum(busy) * (ranks / len(busy)) / cores)
+    path = busy[fullest] + (sum(busy) - busy[fullest]) / slices
+    return compute, max(0.0, path - compute)
 
 
 def predict(profile: Profile, layout: Layout, starts: list[int], cluster: Cluster,
@@ -214,7 +217,7 @@ def predict(profile: Profile, layout: Layout, starts: list[int], cluster: Cluste
         transient[rank] = max(transient[rank], largest / dp)
     fullest = max(range(pp), key=lambda r: busy[r] + comm[r])
     work = busy[fullest] + comm[fullest]
-    compute, bubble = shared_cores(busy, fullest, work, work * (pp - 1) / (v * m), tp * pp * dp, cluster.cores)
+    compute, bubble = shared_cores(busy, fullest, v * m, work * (pp - 1) / (v * m), tp * pp * dp, cluster.cores)
     boundary = max((profile.boundaries[b - 1] for _, b in stages[:-1]), default=0.0) / dp
     p2p = 2 * v * (m * pp_link.latency + boundary / pp_link.bandwidth) if pp > 1 else 0.0
     dp_comm = max(_dp_time(layout, param_bytes[r], dp_link) for r in range(pp))

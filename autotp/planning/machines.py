@@ -41,9 +41,10 @@ class Cluster:
     devices_per_node: int
     device_memory: int | None
     """Bytes of memory per device (None: not limited)."""
-    cores: int | None = None
+    cores: float | None = None
     """Ranks that compute at once: a host's cores when its ranks are processes on one CPU (more ranks than cores
-    time-share them, ``layout_cost.shared_cores``); None: a device per rank (GPUs)."""
+    time-share them, ``layout_cost.shared_cores``; a calibration may find a fraction of them free); None: a
+    device per rank (GPUs)."""
 
     def link(self, size: int, stride: int) -> Machine:
         """The machine a group of ``size`` ranks, ``stride`` apart on the mesh, communicates over: the node's
