@@ -318,10 +318,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=RESULTS, help=f"results file (default {RESULTS})")
     p.add_argument("--repredict", action="store_true",
                    help="measure nothing: compare the stored measurements with the current predictions")
+    p.add_argument("--calibration-from", type=Path,
+                   help="with --repredict: price with the calibration stored in this results file instead")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     results = json.loads(args.out.read_text()) if args.out.exists() else {}
-    if not args.repredict or "calibration" not in results:
+    if args.repredict and args.calibration_from is not None:
+        results["calibration"] = json.loads(args.calibration_from.read_text())["calibration"]
+    elif not args.repredict or "calibration" not in results:
         results["calibration"] = run_on_ranks(calibrate, "cpu", [1] * WORLD)[0]
     print("calibration:", {k: round(v, 3) for k, v in results["calibration"].items()}, flush=True)
     cluster = measured_cluster(results["calibration"])
