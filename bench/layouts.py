@@ -4,13 +4,15 @@
 
 For each model (a deep-narrow GPT, a wide-shallow GPT, a small Mixtral mixture of experts), the layout search
 (``autotp.planning.layout_search``) prices every valid layout of 4 devices on this CPU machine (tp, pp, dp, dp
-mode, schedule, microbatches, sequence parallelism); then 4 gloo ranks (one thread each) run every one of them,
+mode, schedule, microbatches, sequence parallelism, recompute); then 4 gloo ranks (one thread each) run every one
+of them without recompute and the recompute twins of the best predicted (``measured_layouts``),
 ``pm.step`` on each replica's slice of the global batch followed by AdamW, and record the median step time
 (``pm.step`` only, a barrier before each; the slowest rank's; layouts timed in turns, ``GROUP``) and the peak
 memory of the fullest rank: its parameters and AdamW moments, plus the rise of its resident set (VmHWM, reset
 before a step after the warm-up ones) over what it held before it.
-Reported: Spearman's rank correlation of predicted and measured step time (and memory), and the chosen layout's
-measured time against the best measured. Writes ``bench/results/layouts.json``.
+Reported: Spearman's rank correlation of predicted and measured step time (and memory), the chosen layout's
+measured time against the best measured, and the layouts measured over a memory budget yet predicted to fit.
+Writes ``bench/results/layouts.json``.
 """
 
 from __future__ import annotations
