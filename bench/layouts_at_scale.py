@@ -98,7 +98,7 @@ def deepen(profile: Profile, layers: int) -> Profile:
         else:
             shifted.append((op, nbytes, unit + 2 * extra))
     return dataclasses.replace(profile, compute=tiled(profile.compute, units), params=tiled(profile.params, units),
-                               ops=tiled(profile.ops, units),
+                               ops=tiled(profile.ops, units), recomputed=tiled(profile.recomputed, units),
                                activations=tiled(profile.activations, units),
                                boundaries=tiled(profile.boundaries, units - 1), collectives=tuple(shifted))
 

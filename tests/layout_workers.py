@@ -8,6 +8,10 @@ import torch
 from torch.testing import assert_close
 
 import autotp
+from autotp.capture import capture, example_inputs_of
+from autotp.options import Options, Recompute
+from autotp.planning.layout_search import search_layouts
+from autotp.planning.machines import cluster_for
 from tests import models
 from tests.workers import ADAM, STEPS
 
@@ -37,11 +41,23 @@ def _train_like_one_process(pm, ref, label: str) -> None:
         assert_close(full[key], want, rtol=1e-5, atol=1e-5, msg=lambda m: f"{label} {key} after AdamW: {m}")
 
 
+def _budget_only_recompute_fits(world: int) -> int:
+    """A memory budget under every layout's without recompute and over some layout's with it."""
+    model = models.build("gpt", layers=2)
+    captured = capture(model, example_inputs_of(model, (models.tokens(BATCH, SEQ, seed=1),)))
+    ranked = search_layouts(captured, world, Options(), {}, cluster_for("cpu")).ranked
+    budget = min(p.memory for p in ranked if p.layout.recompute is Recompute.NONE) - 1
+    assert min(p.memory for p in ranked) <= budget, "recompute saves nothing here"
+    return budget
+
+
 def check_chosen_layouts(rank: int, world: int) -> dict:
-    """Two parallelize calls over the spawned group: nothing given (the planner chooses everything for the
-    group's ranks) and tp=2 fixed; each trains like one process. Returns the layouts chosen."""
+    """Three parallelize calls over the spawned group: nothing given (the planner chooses everything for the
+    group's ranks), tp=2 fixed, and a memory budget only recompute meets; each trains like one process. Returns
+    the layouts chosen."""
     chosen = {}
-    for label, settings in (("free", {}), ("tp=2", {"tp": 2, "world_size": world})):
+    for label, settings in (("free", {}), ("tp=2", {"tp": 2, "world_size": world}),
+                            ("budget", {"memory_budget": _budget_only_recompute_fits(world)})):
         ref = models.build("gpt", layers=2)
         pm = autotp.parallelize(ref, example_inputs=(models.tokens(BATCH, SEQ, seed=1),), **settings)
         best = pm.plan.layouts[0].layout

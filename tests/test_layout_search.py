@@ -146,7 +146,8 @@ def test_cli_prints_the_ranked_layouts(capsys):
 
 def test_the_chosen_layout_trains_like_one_process():
     chosen = run_on_ranks(layout_workers.check_chosen_layouts, 4)[0]
-    assert set(chosen) == {"free", "tp=2"} and chosen["tp=2"].startswith("tp2 "), chosen
+    assert set(chosen) == {"free", "tp=2", "budget"} and chosen["tp=2"].startswith("tp2 "), chosen
+    assert chosen["budget"].endswith(" rc") and not chosen["free"].endswith(" rc"), chosen
 
 
 def test_bench_helpers():

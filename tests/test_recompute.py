@@ -29,6 +29,12 @@ def test_pipeline_recompute_with_dropout_is_exact():
         assert result["blocks"] >= 2, (schedule, result)
 
 
+def test_pipeline_recompute_of_a_mixture_of_experts_is_exact():
+    # The router's index buffer is made in one recomputed block and written in place in the next.
+    losses = run_on_ranks(recompute_workers.pipeline_moe, 2)[0]
+    assert len(losses) > 1 and all(loss == loss for loss in losses), losses
+
+
 def test_data_parallel_recompute_is_exact():
     results = run_on_ranks(recompute_workers.data_parallel, 2)
     assert sorted(results[0]) == ["fsdp", "replicate"]

@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from autotp.options import DataParallelMode, Schedule
+from autotp.options import DataParallelMode, Recompute, Schedule
 from autotp.passes.steps import CollectiveOp
 from autotp.planning.machines import Cluster
 from autotp.planning.pricing import TRAINING_COPIES, Machine
@@ -49,6 +49,9 @@ class Profile:
     """Whether the plan at this tp splits the vocabulary (the cost model's choice under vocab='auto')."""
     ops: tuple[float, ...] = ()
     """Ops per unit in one forward (each costs the machine's ``op_overhead`` per microbatch; empty: none)."""
+    recomputed: tuple[float, ...] = ()
+    """Activation bytes per tensor-parallel rank, per unit, that ``Recompute.BLOCKS`` no longer keeps (its
+    activations less its output, ``recompute_cost.units_cost``; the last unit, kept, 0). Empty: not offered."""
 
 
 @dataclass(frozen=True)
@@ -63,26 +66,29 @@ class Layout:
     microbatches: int = 1
     virtual_stages: int = 1
     sequence_parallel: bool = False
+    recompute: Recompute = Recompute.NONE
 
     def __post_init__(self):
         object.__setattr__(self, "dp_mode", DataParallelMode(self.dp_mode))
         object.__setattr__(self, "schedule", Schedule(self.schedule))
+        object.__setattr__(self, "recompute", Recompute(self.recompute))
 
     def settings(self) -> dict:
         """The ``Options`` fields this layout fixes (pipeline settings only where there is a pipeline)."""
         out = {"tp": self.tp, "pp": self.pp, "dp": self.dp, "dp_mode": self.dp_mode,
-               "sequence_parallel": self.sequence_parallel}
+               "sequence_parallel": self.sequence_parallel, "recompute": self.recompute}
         if self.pp > 1:
             out |= {"schedule": self.schedule, "microbatches": self.microbatches,
                     "virtual_stages": self.virtual_stages}
         return out
 
     def label(self) -> str:
-        """``tp2 pp2 dp1 1f1b m4`` for tables."""
+        """``tp2 pp2 dp1 1f1b m4`` for tables (`` sp``: sequence parallel, `` rc``: blocks recomputed)."""
         pipe = f" {self.schedule.value} m{self.microbatches}" + (f" v{self.virtual_stages}" if self.virtual_stages > 1
                                                                  else "") if self.pp > 1 else ""
         data = f" {self.dp_mode.value}" if self.dp > 1 else ""
-        return f"tp{self.tp} pp{self.pp} dp{self.dp}{data}{pipe}" + (" sp" if self.sequence_parallel else "")
+        return (f"tp{self.tp} pp{self.pp} dp{self.dp}{data}{pipe}" + (" sp" if self.sequence_parallel else "")
+                + (" rc" if self.recompute is not Recompute.NONE else ""))
 
 
 @dataclass(frozen=True)
@@ -162,6 +168,34 @@ def _state_bytes(layout: Layout, param_bytes: float) -> float:
     return param_bytes * TRAINING_COPIES / layout.dp + 2 * param_bytes
 
 
+def _recompute_extra(profile: Profile, layout: Layout, a: int, b: int) -> tuple[float, float, float, float]:
+    """(forward FLOPs, ops, bytes no longer kept, the largest unit's activations) that recompute adds or saves in
+    the stage of units ``a:b``: every unit but the model's last runs its forward again in backward, keeping only
+    its input; backward holds one recomputed unit's activations at a time."""
+    if layout.recompute is Recompute.NONE or not profile.recomputed:
+        return 0.0, 0.0, 0.0, 0.0
+    again = range(a, min(b, len(profile.compute) - 1))
+    return (sum(profile.compute[k] for k in again), sum(profile.ops[k] for k in again) if profile.ops else 0.0,
+            sum(profile.recomputed[a:b]), max((profile.activations[k] for k in again), default=0.0))
+
+
+def shared_cores(busy: list[float], fullest: int, slices: int, bubble: float, ranks: int,
+                 cores: float | None) -> tuple[float, float]:
+    """(compute, bubble) of the fullest pipeline rank when ``ranks`` ranks time-share ``cores`` cores (None: a
+    device each, nothing shared: its own compute and ``bubble``, its idle time on dedicated devices).
+
+    Sharing serialises every rank's compute onto the cores, so the step's compute takes at least all of it over
+    the cores; and a rank idling in a bubble gives its core to another rank, so the step takes the longer of that
+    and the pipeline's critical path: the fullest rank's compute plus the others' share of one of the ``slices``
+    (microbatches times stages per rank) it waits for while the pipeline fills and drains. ``busy``: each
+    pipeline rank's compute (every one of the ``ranks / len(busy)`` ranks at a pipeline position alike)."""
+    if cores is None or ranks <= cores:
+        return busy[fullest], bubble
+    compute = max(busy[fullest], sum(busy) * (ranks / len(busy)) / cores)
+    path = busy[fullest] + (sum(busy) - busy[fullest]) / slices
+    return compute, max(0.0, path - compute)
+
+
 def predict(profile: Profile, layout: Layout, starts: list[int], cluster: Cluster,
             budget: int | None) -> Prediction:
     """The predicted step time and memory of ``layout`` with pipeline stages starting at units ``starts`` (stage
@@ -170,25 +204,28 @@ def predict(profile: Profile, layout: Layout, starts: list[int], cluster: Cluste
     stages = stage_bounds(starts, len(profile.compute))
     tp_link, dp_link, pp_link = cluster.ring(tp, 1), cluster.ring(dp, tp), cluster.link(pp, tp * dp)
     busy, param_bytes, act_bytes = [0.0] * pp, [0.0] * pp, [0.0] * pp
-    comm = [0.0] * pp
+    comm, transient = [0.0] * pp, [0.0] * pp
     for s, (a, b) in enumerate(stages):
+        again, again_ops, saved, largest = _recompute_extra(profile, layout, a, b)
         flops = sum(profile.compute[a:b])
         rank = s % pp
         # Backward runs about two ops per forward op, once per microbatch.
-        busy[rank] += cluster.node.compute(3 * flops / dp, 3 * m * sum(profile.ops[a:b]))
+        busy[rank] += cluster.node.compute((3 * flops + again) / dp, m * (3 * sum(profile.ops[a:b]) + again_ops))
         comm[rank] += _tp_time(profile, tp_link, 1 / dp, m, range(a, b))
         param_bytes[rank] += sum(profile.params[a:b]) * profile.itemsize
-        act_bytes[rank] += sum(profile.activations[a:b]) / dp
+        act_bytes[rank] += (sum(profile.activations[a:b]) - saved) / dp
+        transient[rank] = max(transient[rank], largest / dp)
     fullest = max(range(pp), key=lambda r: busy[r] + comm[r])
     work = busy[fullest] + comm[fullest]
-    bubble = work * (pp - 1) / (v * m)
+    compute, bubble = shared_cores(busy, fullest, v * m, work * (pp - 1) / (v * m), tp * pp * dp, cluster.cores)
     boundary = max((profile.boundaries[b - 1] for _, b in stages[:-1]), default=0.0) / dp
     p2p = 2 * v * (m * pp_link.latency + boundary / pp_link.bandwidth) if pp > 1 else 0.0
     dp_comm = max(_dp_time(layout, param_bytes[r], dp_link) for r in range(pp))
-    memory = max(_state_bytes(layout, param_bytes[r]) + act_bytes[r] / m * _in_flight(layout) for r in range(pp))
+    memory = max(_state_bytes(layout, param_bytes[r]) + (act_bytes[r] * _in_flight(layout) + transient[r]) / m
+                 for r in range(pp))
     limit = budget if budget is not None else cluster.device_memory
-    step = work + bubble + p2p + dp_comm
-    return Prediction(layout, step, busy[fullest], comm[fullest], bubble, p2p, dp_comm, int(memory),
+    step = compute + comm[fullest] + bubble + p2p + dp_comm
+    return Prediction(layout, step, compute, comm[fullest], bubble, p2p, dp_comm, int(memory),
                       limit is None or memory <= limit, profile.vocab_split)
 
 

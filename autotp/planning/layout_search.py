@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from autotp.capture import Captured
 from autotp.errors import InputError, PlanError
-from autotp.options import Balance, DataParallelMode, Options, Schedule
+from autotp.options import Balance, DataParallelMode, Options, Recompute, Schedule
 from autotp.passes.costs import tensor_bytes
 from autotp.passes.cuts import find_cuts
 from autotp.passes.placement import PlacementKind
@@ -24,9 +24,11 @@ from autotp.planning.layout_cost import Layout, Prediction, Profile, predict, ra
 from autotp.planning.machines import Cluster
 from autotp.planning.plan import Plan
 from autotp.planning.planner import cost_sizes, make_plan
+from autotp.planning.recompute_cost import cut_outputs, saved_per_unit
 from autotp.planning.stage_split import build_units, forced_units
 
-SEARCHED = ("tp", "pp", "dp", "dp_mode", "schedule", "microbatches", "virtual_stages", "sequence_parallel")
+SEARCHED = ("tp", "pp", "dp", "dp_mode", "schedule", "microbatches", "virtual_stages", "sequence_parallel",
+            "recompute")
 """The ``Options`` fields the search chooses unless the caller fixes them."""
 
 KEPT = 8
@@ -70,8 +72,11 @@ def profile_of(captured: Captured, options: Options, cluster: Cluster) -> Profil
     for node in analysis.graph.nodes:  # the rewrite adds a few (collectives, slices); the capture's are counted
         if node.op == "call_function":
             ops[units.unit_of[node.name]] += 1
+    # compile=True refuses recompute (Options): not offered then.
+    recomputed = () if options.compile else tuple(saved_per_unit(units, cut_outputs(analysis, prop, plan.tp, units,
+                                                                                     sizes)))
     return Profile(plan.tp, plan.sequence_parallel, tuple(units.compute), tuple(units.rank_params),
-                   tuple(units.activations), boundaries, collectives, itemsize, vocab, tuple(ops))
+                   tuple(units.activations), boundaries, collectives, itemsize, vocab, tuple(ops), recomputed)
 
 
 def _profiles(captured: Captured, world: int, options: Options, fixed: Mapping, cluster: Cluster) -> list[Profile]:
@@ -111,6 +116,14 @@ def _pipelines(pp: int, batch: int, units: int, fixed: Mapping) -> Iterator[tupl
                 yield schedule, m, v
 
 
+def _recomputes(profile: Profile, fixed: Mapping) -> list[Recompute]:
+    """Recompute off, and on where the profile offers it and it saves memory: ranked by time it is slower (its
+    forwards run twice), so it is chosen only when the memory budget needs it."""
+    if "recompute" in fixed:
+        return [Recompute(fixed["recompute"])]
+    return [Recompute.NONE, Recompute.BLOCKS] if any(profile.recomputed) else [Recompute.NONE]
+
+
 def layouts(profile: Profile, world: int, batch: int, fixed: Mapping) -> Iterator[Layout]:
     """Every layout of ``world`` devices at the profile's tp that ``fixed`` allows, for a global ``batch``."""
     rest = world // profile.tp
@@ -121,7 +134,8 @@ def layouts(profile: Profile, world: int, batch: int, fixed: Mapping) -> Iterato
         modes = [DataParallelMode(fixed["dp_mode"])] if "dp_mode" in fixed else list(DataParallelMode)
         for mode in modes if dp > 1 else modes[:1]:
             for schedule, m, v in _pipelines(pp, batch // dp, len(profile.compute), fixed):
-                yield Layout(profile.tp, pp, dp, mode, schedule, m, v, profile.sequence_parallel)
+                for recompute in _recomputes(profile, fixed):
+                    yield Layout(profile.tp, pp, dp, mode, schedule, m, v, profile.sequence_parallel, recompute)
 
 
 def search_layouts(captured: Captured, world: int, options: Options, fixed: Mapping, cluster: Cluster,

@@ -13,6 +13,7 @@ is what a ring all-reduce of large messages reaches (``2(n-1)/n * bytes / busbw`
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 
 import torch
@@ -40,6 +41,10 @@ class Cluster:
     devices_per_node: int
     device_memory: int | None
     """Bytes of memory per device (None: not limited)."""
+    cores: float | None = None
+    """Ranks that compute at once: a host's cores when its ranks are processes on one CPU (more ranks than cores
+    time-share them, ``layout_cost.shared_cores``; a calibration may find a fraction of them free); None: a
+    device per rank (GPUs)."""
 
     def link(self, size: int, stride: int) -> Machine:
         """The machine a group of ``size`` ranks, ``stride`` apart on the mesh, communicates over: the node's
@@ -65,8 +70,8 @@ def _gpu(name: str, peak: float, nvlink: float, network: float, memory_gib: int,
 
 
 CLUSTERS = {
-    "cpu": Cluster("cpu", "CPU processes over gloo on one host (calibrated: bench.vocab_choice)", CPU, CPU, 1 << 30,
-                   None),
+    "cpu": Cluster("cpu", f"CPU processes over gloo on one host of {os.cpu_count()} cores (calibrated: bench.layouts)",
+                   CPU, CPU, 1 << 30, None, os.cpu_count() or 1),
     # NVLink 4: 900 GB/s bidirectional, 450 per direction; InfiniBand NDR 400 Gb/s = 50 GB/s per GPU, one NIC each.
     "h100": _gpu("h100", 989e12, 450e9, 50e9, 80),
     "h200": _gpu("h200", 989e12, 450e9, 50e9, 141),

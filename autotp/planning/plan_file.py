@@ -12,7 +12,7 @@ import math
 from enum import Enum
 
 from autotp.errors import InputError
-from autotp.options import Balance, DataParallelMode, Options, Schedule
+from autotp.options import Balance, DataParallelMode, Options, Recompute, Schedule
 from autotp.passes.placement import PlacementKind
 from autotp.passes.regions import RegionKind
 from autotp.passes.steps import CollectiveOp, Direction, Operator
@@ -110,9 +110,11 @@ _STAGE = {"index": _int, "modules": _NAMES, "flops": _number, "param_count": _in
 _LAYOUT = {"tp": lambda w, v: _int(w, v, 1), "pp": lambda w, v: _int(w, v, 1), "dp": lambda w, v: _int(w, v, 1),
            "dp_mode": lambda w, v: _choice(w, v, DataParallelMode), "schedule": lambda w, v: _choice(w, v, Schedule),
            "microbatches": lambda w, v: _int(w, v, 1), "virtual_stages": lambda w, v: _int(w, v, 1),
-           "sequence_parallel": _bool, "step_time": _number, "compute": _number, "tp_comm": _number,
+           "sequence_parallel": _bool, "recompute": lambda w, v: _choice(w, v, Recompute), "step_time": _number, "compute": _number, "tp_comm": _number,
            "bubble": _number, "p2p": _number, "dp_comm": _number, "memory": _int, "fits": _bool, "vocab_split": _bool}
-"""A ranked layout (``layout_cost.Prediction.to_dict``): every field required."""
+"""A ranked layout (``layout_cost.Prediction.to_dict``): every field required but ``recompute`` (plans written
+before the search tried it: none)."""
+_LAYOUT_REQUIRED = tuple(k for k in _LAYOUT if k != "recompute")
 
 
 def _options(where: str, value) -> None:
@@ -147,7 +149,7 @@ _PLAN = {"schema_version": lambda w, v: None, "model": _str, "tp": lambda w, v: 
                                                                                    "param_count",
                                                                                    "activation_bytes"))),
          "by_choice": _NAMES, "sequence_parallel": _bool, "options": _options,
-         "layouts": lambda w, v: _list(w, v, lambda w2, p: _object(w2, p, _LAYOUT, tuple(_LAYOUT)))}
+         "layouts": lambda w, v: _list(w, v, lambda w2, p: _object(w2, p, _LAYOUT, _LAYOUT_REQUIRED))}
 
 
 def check_plan_data(data: dict) -> None:

@@ -30,24 +30,34 @@ class RecomputeCost:
     """Forward FLOPs run again in backward."""
 
 
+def saved_per_unit(units: Units, outputs: list[float]) -> list[float]:
+    """Activation bytes each of ``units`` no longer keeps under ``Recompute.BLOCKS``: its activations less its
+    output (``outputs``: the hidden state at each cut, in bytes); the last unit (the head) is kept, 0. Pure."""
+    return [max(0.0, units.activations[k] - outputs[k]) for k in range(len(units.compute) - 1)] + [0.0]
+
+
 def units_cost(units: Units, outputs: list[float], recompute: Recompute) -> RecomputeCost:
     """The trade for ``units`` (from ``stage_split.build_units``) whose outputs (hidden states at each cut, in
     bytes) are ``outputs``; pure."""
     if recompute is Recompute.NONE:
         return RecomputeCost(0.0, 0.0)
     recomputed = range(len(units.compute) - 1)  # the last unit (the head) is kept
-    return RecomputeCost(saved_bytes=sum(max(0.0, units.activations[k] - outputs[k]) for k in recomputed),
+    return RecomputeCost(saved_bytes=sum(saved_per_unit(units, outputs)),
                          extra_flops=sum(units.compute[k] for k in recomputed))
+
+
+def cut_outputs(analysis, prop, tp: int, units: Units, sizes: dict[str, int]) -> list[float]:
+    """Bytes per tensor-parallel rank of the hidden state at each of ``units``' cuts (split ones divided by tp)."""
+    nodes = {n.name: n for n in analysis.graph.nodes}
+    split = {t for t, lay in prop.layouts.items() if isinstance(lay, Shard)}
+    return [tensor_bytes(nodes[c.value], sizes) / (tp if c.value in split else 1) for c in units.cuts]
 
 
 def recompute_cost(analysis, prop, tp: int, sizes: dict[str, int], recompute: Recompute) -> RecomputeCost:
     """The trade of ``recompute`` for the capture ``analysis`` split as ``prop`` (a propagation of a plan's
     placements) over ``tp`` ranks, at ``sizes`` (size symbol -> value, as ``planner.cost_sizes`` gives)."""
     units = build_units(analysis, prop, tp, sizes)
-    nodes = {n.name: n for n in analysis.graph.nodes}
-    split = {t for t, lay in prop.layouts.items() if isinstance(lay, Shard)}
-    outputs = [tensor_bytes(nodes[c.value], sizes) / (tp if c.value in split else 1) for c in units.cuts]
-    return units_cost(units, outputs, recompute)
+    return units_cost(units, cut_outputs(analysis, prop, tp, units, sizes), recompute)
 
 
 def plan_recompute_cost(captured, plan, recompute: Recompute = Recompute.BLOCKS) -> RecomputeCost:

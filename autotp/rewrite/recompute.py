@@ -33,12 +33,17 @@ class Recomputed(nn.Module):
     def __init__(self, block: fx.GraphModule, stream: RankStream | None):
         super().__init__()
         self.block, self.stream = block, stream
+        self.mutated = _mutated_inputs(block)
 
     def forward(self, *inputs):
         snapshot = self.stream.snapshot() if self.stream is not None else None
         calls = []
 
         def run(*args):
+            # An input the block writes in place (a MoE router's index buffer, made by ``empty_like`` in the
+            # block before and filled by ``index_put_`` in this one) is copied first: checkpoint keeps the
+            # original for the recompute, which must find it as the first forward did.
+            args = tuple(a.clone() if i in self.mutated else a for i, a in enumerate(args))
             calls.append(None)
             if len(calls) == 1 or self.stream is None:
                 return self.block(*args)  # the first forward draws from the stream and moves it on
@@ -47,6 +52,18 @@ class Recomputed(nn.Module):
 
         # Non-reentrant: gradients reach parameters passed as inputs, and a block may return non-tensors.
         return checkpoint(run, *inputs, use_reentrant=False)
+
+
+def _mutated_inputs(block: fx.GraphModule) -> frozenset[int]:
+    """Positions of ``block``'s inputs that an in-place op (``index_put_``, ``div_``: an overload whose name
+    ends in ``_``) writes."""
+    inputs = [n for n in block.graph.nodes if n.op == "placeholder"]
+    written = set()
+    for node in block.graph.nodes:
+        name = getattr(getattr(node.target, "overloadpacket", None), "__name__", "")
+        if node.op == "call_function" and name.endswith("_") and not name.startswith("_") and node.args:
+            written.add(node.args[0])
+    return frozenset(i for i, n in enumerate(inputs) if n in written)
 
 
 def _runs(gm: fx.GraphModule, unit_of: dict[str, int], grad: set[str], last: int) -> list[list[fx.Node]]:
