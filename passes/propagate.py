@@ -11,6 +11,7 @@ their weight, so the same code checks a candidate plan and drives the final rewr
 from __future__ import annotations
 
 from collections.abc import Mapping
+import heapq
 from dataclasses import dataclass
 
 import sympy
@@ -109,38 +110,31 @@ class _Walker:
         return self.index.nodes
 
     def run(self, windowed: bool) -> Propagation:
-        """Walk the graph; ``windowed`` walks only from the first split parameter's reader until no
-        split value is left (enough when looking for one region, and linear in the region's size)."""
+        """Walk the graph; ``windowed`` visits, in graph order, only the split parameters' readers and the readers
+        of split values (enough when looking for one region: a node that reads only whole values computes a whole
+        value and adds nothing, so a search costs what its split reaches, not the graph's size)."""
         order = self.index.order
         if not windowed:
             for node in order:
                 self.visit(node)
             return self.result
-        readers = sorted(p for t in self.param_layouts for p in self.index.readers.get(t, ()))
-        if not readers:
-            return self.result
-        open_users: dict[str, int] = {}
-        for i in range(readers[0], len(order)):
-            node = order[i]
-            if node.op == "get_attr":
-                continue  # read lazily by layout()
+        positions = self.index.positions
+        pending = sorted({p for t in self.param_layouts for p in self.index.readers.get(t, ())})
+        queued = set(pending)
+        while pending:
+            node = order[heapq.heappop(pending)]
             self.visit(node)
-            self._track(node, open_users)
-            if i >= readers[-1] and not open_users:
-                break
+            if self._split(node):
+                for user in node.users:
+                    if positions[user] not in queued:
+                        queued.add(positions[user])
+                        heapq.heappush(pending, positions[user])
         return self.result
 
-    def _track(self, node: fx.Node, open_users: dict[str, int]) -> None:
-        """Count the unvisited readers of split values; none left means no split value is live."""
-        for a in node.all_input_nodes:
-            if a.name in open_users:
-                open_users[a.name] -= 1
-                if not open_users[a.name]:
-                    del open_users[a.name]
+    def _split(self, node: fx.Node) -> bool:
+        """Whether ``node``'s value (or a part of it) came out split."""
         lay = self.result.layouts.get(node.name)
-        split = isinstance(lay, Shard) or (isinstance(lay, tuple) and any(isinstance(x, Shard) for x in lay))
-        if split and node.users and node.op != "get_attr":
-            open_users[node.name] = len(node.users)
+        return isinstance(lay, Shard) or (isinstance(lay, tuple) and any(isinstance(x, Shard) for x in lay))
 
     def layout(self, node: fx.Node) -> Layout:
         if node.op == "get_attr":
@@ -320,6 +314,8 @@ class GraphIndex:
     nodes: dict[str, fx.Node]
     readers: dict[str, list[int]]
     """``get_attr`` target -> positions of the nodes reading it."""
+    positions: dict[fx.Node, int]
+    """Node -> its position in ``order``."""
 
     @classmethod
     def of(cls, graph: fx.Graph) -> GraphIndex:
@@ -330,7 +326,7 @@ class GraphIndex:
             for a in node.all_input_nodes:
                 if a.op == "get_attr":
                     readers.setdefault(a.target, []).append(i)
-        return cls(order, {n.name: n for n in order}, readers)
+        return cls(order, {n.name: n for n in order}, readers, {n: i for i, n in enumerate(order)})
 
 
 def propagate(graph: fx.Graph, projections: Mapping[str, Projection], embeddings: Mapping[str, Embedding],
@@ -342,9 +338,9 @@ def propagate(graph: fx.Graph, projections: Mapping[str, Projection], embeddings
 
     With ``auto_rows``, a projection that receives its input split along the features becomes
     row-split, which is how the planner discovers where a column-split region closes. ``windowed`` (the
-    default with ``auto_rows``) walks only from the first split parameter's reader until no split value is
-    live: what lies outside reads only whole values, so it adds nothing, and a search that propagates one
-    candidate per layer stays linear in depth. It leaves out the layouts of ``get_attr`` nodes (and a held
+    default with ``auto_rows``) visits only the split parameters' readers and the readers of split values, in
+    graph order: a node that reads only whole values adds nothing, so a search that propagates one candidate per
+    layer costs what each candidate's split reaches, not the graph's size. It leaves out the layouts of ``get_attr`` nodes (and a held
     chunk's ``SHARED_GRAD``): only for searches, never for the plan's own propagation, and never with ``sequence``
     or ``inputs`` (which split values no parameter reads). ``grad`` (the nodes gradients flow through) may be
     passed in when known.
