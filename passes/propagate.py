@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 import heapq
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import sympy
 import torch
@@ -93,8 +93,9 @@ class _Walker:
     """One propagation run (state for the walk; the result is ``self.result``)."""
 
     def __init__(self, graph, projections, embeddings, param_layouts, tp, grad, auto_rows, index, sequence,
-                 inputs=None):
+                 inputs=None, decisions=None):
         self.graph = graph
+        self.decisions = decisions
         self.inputs = inputs or {}
         self.sequence = sequence
         self.projections = projections
@@ -151,8 +152,8 @@ class _Walker:
         if node.op == "placeholder":
             res.layouts[node.name] = self.inputs.get(node.name)  # state passed in split (a KV cache), else whole
             return
-        ins = {p: (n, self.layout(n)) for p, n in tensor_args(node)
-               if is_tensor(n) or isinstance(self.layout(n), tuple)}
+        ins = {p: (n, self.layout(n)) for p, n, tensor in self.index.args(node)
+               if tensor or isinstance(self.layout(n), tuple)}
         if node.op == "output":
             decision = Decision(None, wants={p: None for p in ins})
         else:
@@ -203,6 +204,15 @@ class _Walker:
             self.result.reduced[node.name] = Operator.REDUCE_SCATTER if out else Operator.VOCAB_EMBEDDING
             return Decision(out, wants={(1,): None},
                             checks=[(emb.num_embeddings, "vocabulary size")])
+        if self.decisions is None:
+            return self.ruled(node, ins)
+        key = (node, tuple((path, lay) for path, (_, lay) in ins.items()))
+        if key not in self.decisions:
+            self.decisions[key] = self.ruled(node, ins)
+        return self.decisions[key]
+
+    def ruled(self, node: fx.Node, ins: dict) -> Decision:
+        """The decision of ``node``'s rule (or the safe rule, where it cannot apply) for its inputs' layouts."""
         rule = rule_for(node.target)
         shards = [lay for _, lay in ins.values() if isinstance(lay, Shard)]
         if rule not in BLOCK_AWARE and any(lay.blocks != 1 for lay in shards):
@@ -259,6 +269,8 @@ class _Walker:
     def sequence_shard(self, node: fx.Node) -> Shard | None:
         """Under sequence parallelism, the split along the sequence that a reduction after ``node`` lands in (its
         first dim sized like the token ids' sequence); None without sequence parallelism or such a dim."""
+        if not self.sequence:
+            return None
         for dim, size in enumerate(sizes(node)):
             if sympy.sympify(size) in self.sequence:
                 return Shard(dim, (size,))
@@ -316,6 +328,15 @@ class GraphIndex:
     """``get_attr`` target -> positions of the nodes reading it."""
     positions: dict[fx.Node, int]
     """Node -> its position in ``order``."""
+    tensor_args: dict[fx.Node, list[tuple[ArgPath, fx.Node, bool]]] = field(default_factory=dict)
+    """Node -> ``graph.tensor_args`` with whether each carries a tensor (found once, read by every walk)."""
+
+    def args(self, node: fx.Node) -> list[tuple[ArgPath, fx.Node, bool]]:
+        """``node``'s (path, input node, whether it holds a tensor)."""
+        found = self.tensor_args.get(node)
+        if found is None:
+            found = self.tensor_args[node] = [(p, n, is_tensor(n)) for p, n in tensor_args(node)]
+        return found
 
     @classmethod
     def of(cls, graph: fx.Graph) -> GraphIndex:
@@ -333,7 +354,7 @@ def propagate(graph: fx.Graph, projections: Mapping[str, Projection], embeddings
               param_layouts: Mapping[str, Shard], tp: int, trainable: set[str], auto_rows: bool = False,
               grad: set[str] | None = None, index: GraphIndex | None = None,
               sequence: frozenset = frozenset(), inputs: Mapping[str, Shard] | None = None,
-              windowed: bool | None = None) -> Propagation:
+              windowed: bool | None = None, decisions: dict | None = None) -> Propagation:
     """Propagate the parameter layouts (keyed by ``get_attr`` target) through ``graph``.
 
     With ``auto_rows``, a projection that receives its input split along the features becomes
@@ -349,6 +370,9 @@ def propagate(graph: fx.Graph, projections: Mapping[str, Projection], embeddings
     split along it (norms, dropout, residual adds per sequence shard) until a reader needs them whole.
     ``inputs`` (placeholder name -> Shard) are graph inputs each rank is given already split: a KV cache's tensors,
     placed like the K/V heads written into them.
+    ``decisions`` caches the rules' decisions by node and input layouts (a rule reads nothing else): a search
+    passes one dict to the many propagations it runs on one graph at one tp and ``grad``, whose walks meet the
+    same values split the same way again (the residual stream of every later block).
     """
     windowed = auto_rows if windowed is None else windowed
     if windowed and (sequence or inputs):
@@ -356,7 +380,7 @@ def propagate(graph: fx.Graph, projections: Mapping[str, Projection], embeddings
                          "sequence parallelism or split inputs (they split values before them)")
     grad = grad if grad is not None else grad_nodes(graph, trainable)
     walker = _Walker(graph, projections, embeddings, param_layouts, tp, grad, auto_rows, index or GraphIndex.of(graph),
-                     frozenset(sympy.sympify(s) for s in sequence), inputs)
+                     frozenset(sympy.sympify(s) for s in sequence), inputs, decisions)
     result = walker.run(windowed)
     if not (windowed or auto_rows or sequence):  # sequence parallelism reduce-scatters where the rows are
         carry_partial_sums(result, walker.index.order, projections, grad)
