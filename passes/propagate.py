@@ -158,7 +158,7 @@ class _Walker:
             decision = Decision(None, wants={p: None for p in ins})
         else:
             decision = self.decide(node, ins)
-        written = set(mutated_args(node))
+        written = mutated_args(node)
         for path, want in decision.wants.items():
             if path in written and _steps(ins[path][1], want):
                 res.refusals.append((node.name, f"{node.target} writes in place to a value split across ranks"))
@@ -168,8 +168,9 @@ class _Walker:
         if decision.reduce is not None:
             res.reduced[node.name] = decision.reduce
         res.fixes.extend((node.name, p, v) for p, v in decision.fixes.items())
-        origins = frozenset().union(*(res.origins.get(n.name, frozenset()) for n, lay in ins.values()
-                                      if isinstance(lay, (Shard, tuple))))
+        found = [res.origins[n.name] for n, lay in ins.values()
+                 if isinstance(lay, (Shard, tuple)) and n.name in res.origins]
+        origins = found[0] if len(found) == 1 else frozenset().union(*found)
         if node.name in self.projections and isinstance(decision.out, Shard):
             origins = frozenset({node.name})
         if res.reduced.get(node.name) is Operator.REDUCE_SCATTER:
