@@ -101,7 +101,7 @@ def test_a_windowed_walk_of_a_mixture_of_experts_finds_what_the_whole_walk_finds
     cap = capture(deepseek(), tokens(2, 8, seed=0))
     analysis = cap.analysis
     decisions: dict = {}
-    for proj in analysis.projections.values():
+    for proj in [p for p in analysis.projections.values() if ".mlp." in analysis.layer(p.node)]:
         for layout in (Shard(proj.in_dim, (proj.in_features,)), Shard(proj.out_dim, (proj.out_features,))):
             runs = [propagate(cap.graph, analysis.projections, analysis.embeddings, {proj.weight: layout}, 2,
                               analysis.trainable, auto_rows=True, windowed=windowed, decisions=shared)
