@@ -1,12 +1,12 @@
 """Planning time: CPU seconds and peak memory of ``autotp.plan`` on meta models, against depth and for big configs.
 
-    python -m bench.planning_time                       # depth table (Llama 3 8B widths) and the four big configs
+    python -m bench.planning_time                       # depth tables (Llama 3 8B, DeepSeek-V3 widths), big configs
     python -m bench.planning_time --depths 2,8,32 --full  # also the full capture (no stamping), for comparison
     python -m bench.planning_time --configs deepseek-v3 --depths ''
 
 Every measurement runs in a fresh process (peak RSS is per process): imports first, then CPU time
 (``time.process_time``, not wall time: the machine is shared) of building the meta model from its config,
-capturing it and planning. Writes ``bench/results/planning_time.json``.
+capturing it and planning. Writes ``bench/results/planning_time.json`` and the tables into docs/BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -80,28 +80,93 @@ def measure(config: dict, tp: int, pp: int, full: bool, folder: Path) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+DEPTH_STYLES = {
+    "llama": lambda d: LLAMA3_8B | {"num_hidden_layers": d},
+    "deepseek": lambda d: DEEPSEEK_V3 | {"num_hidden_layers": d, "first_k_dense_replace": min(3, d - 1)},
+}
+"""Depth-table styles: Llama 3 8B's widths, and DeepSeek-V3's (its first three blocks dense, the rest mixtures of
+experts; fewer dense blocks when shallower, so that every depth has one)."""
+
+
+_STYLE_NAMES = {"llama": "Llama 3 8B's widths", "deepseek": "DeepSeek-V3's widths (the first min(3, layers - 1) "
+                "blocks dense, the rest mixtures of 256 experts)"}
+
+
+def _depth_rows(rows: list[dict], style: str) -> list[str]:
+    rows = [r for r in rows if r["model"].startswith(f"{style} widths")]
+    if not rows:
+        return []
+    out = [f"Depth, {_STYLE_NAMES[style]}, `num_hidden_layers` varied (tp=8 pp=4):", "",
+           "| layers | build s | capture s | plan s | plan s per layer | total s | graph nodes | peak RSS MiB |",
+           "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    out += [f"| {r['layers']} | {r['build_s']:.2f} | {r['capture_s']:.2f} | {r['plan_s']:.2f} | "
+            f"{r['plan_s'] / r['layers']:.3f} | {r['total_s']:.2f} | {r['nodes']} | {r['peak_rss_mib']:.0f} |"
+            for r in rows]
+    return out + [""]
+
+
+def markdown(rows: list[dict], load: tuple[float, float]) -> str:
+    """The depth tables and the big configs' table, with the machine's load while they ran."""
+    out = [f"Measured by `python -m bench.planning_time` (load average {load[0]:.1f} at the start, {load[1]:.1f} at "
+           "the end, on this shared machine: CPU seconds, not wall time, but a loaded machine still slows them).", ""]
+    for style in DEPTH_STYLES:
+        out += _depth_rows(rows, style)
+    big = [r for r in rows if r["model"] in CONFIGS]
+    if big:
+        out += ["Big configs (tp=8, pp=4):", "",
+                "| model | layers | build s | capture s | plan s | total s | capture + plan s | peak RSS MiB |",
+                "|---|---:|---:|---:|---:|---:|---:|---:|"]
+        out += [f"| {r['model']} | {r['layers']} | {r['build_s']:.2f} | {r['capture_s']:.2f} | {r['plan_s']:.2f} | "
+                f"{r['total_s']:.2f} | {r['capture_s'] + r['plan_s']:.2f} | {r['peak_rss_mib']:.0f} |" for r in big]
+    return "\n".join(out).rstrip() + "\n"
+
+
+BEGIN, END = "<!-- planning_time: begin -->", "<!-- planning_time: end -->"
+"""Where ``--doc`` writes the tables: the text between these markers is replaced."""
+
+
+def write_doc(path: Path, text: str) -> None:
+    """Replace the text between ``BEGIN`` and ``END`` in ``path`` with ``text``."""
+    doc = path.read_text()
+    if BEGIN not in doc or END not in doc:
+        raise SystemExit(f"{path} has no {BEGIN} ... {END} section to write the tables into")
+    head, rest = doc.split(BEGIN, 1)
+    path.write_text(head + BEGIN + "\n" + text + END + rest.split(END, 1)[1])
+
+
 def main(argv: list[str] | None = None) -> int:
+    import os
     import tempfile
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--depths", default="2,4,8,16,32,64,126", help="layers of the Llama 3 8B-shaped depth table")
+    p.add_argument("--deepseek-depths", default="2,4,8,16,32,64,126",
+                   help="layers of the DeepSeek-V3-shaped depth table")
     p.add_argument("--configs", default=",".join(CONFIGS), help=f"big configs to plan ({', '.join(CONFIGS)})")
     p.add_argument("--full", action="store_true", help="also plan from the full capture (no stamped blocks)")
     p.add_argument("-o", "--output", default="bench/results/planning_time.json")
+    p.add_argument("--doc", default="docs/BENCHMARKS.md",
+                   help=f"write the tables into this file, between {BEGIN} and {END} ('' for none)")
     args = p.parse_args(argv)
     rows = []
     modes = (False, True) if args.full else (False,)
+    start_load = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:
-        jobs = [(f"llama3-8b widths, {d} layers", LLAMA3_8B | {"num_hidden_layers": int(d)}, 8, 4)
-                for d in filter(None, args.depths.split(","))]
+        jobs = [(f"{style} widths, {d} layers", DEPTH_STYLES[style](int(d)), 8, 4)
+                for style, depths in (("llama", args.depths), ("deepseek", args.deepseek_depths))
+                for d in filter(None, depths.split(","))]
         jobs += [(name, *CONFIGS[name]) for name in filter(None, args.configs.split(","))]
         for name, config, tp, pp in jobs:
             for full in modes:
                 row = {"model": name, "layers": config["num_hidden_layers"], "tp": tp, "pp": pp,
-                       "capture": "full" if full else "stamped", **measure(config, tp, pp, full, Path(tmp))}
+                       "capture": "full" if full else "stamped", "load": os.getloadavg()[0],
+                       **measure(config, tp, pp, full, Path(tmp))}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     Path(args.output).write_text(json.dumps(rows, indent=1))
+    if args.doc:
+        write_doc(Path(args.doc), markdown([r for r in rows if r["capture"] == "stamped"],
+                                           (start_load, os.getloadavg()[0])))
     return 0
 
 

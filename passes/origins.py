@@ -11,6 +11,7 @@ module walks back from the value through the ops that would carry such a split u
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Container
 from dataclasses import dataclass, field
 
 from autotp.passes.graph import arg_or_default, meta_val, rank, sizes
@@ -129,7 +130,7 @@ def _normalised_input(node: fx.Node, source: fx.Node, shard: Shard) -> Shard | b
     return shard if shard.dim not in dims else None
 
 
-def trace(g: SourceGraph, node: fx.Node, shard: Shard, upstream: set[str], depth: int = 0) -> Sources | None:
+def trace(g: SourceGraph, node: fx.Node, shard: Shard, upstream: Container[str], depth: int = 0) -> Sources | None:
     """What to split for ``node`` to come out split as ``shard``, or None when something on the way cannot.
 
     ``upstream`` are the values the region itself reads (the residual stream before it): splitting one of

@@ -11,7 +11,8 @@ their weight, so the same code checks a candidate plan and drives the final rewr
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+import heapq
+from dataclasses import dataclass, field
 
 import sympy
 import torch
@@ -92,8 +93,9 @@ class _Walker:
     """One propagation run (state for the walk; the result is ``self.result``)."""
 
     def __init__(self, graph, projections, embeddings, param_layouts, tp, grad, auto_rows, index, sequence,
-                 inputs=None):
+                 inputs=None, decisions=None):
         self.graph = graph
+        self.decisions = decisions
         self.inputs = inputs or {}
         self.sequence = sequence
         self.projections = projections
@@ -109,38 +111,31 @@ class _Walker:
         return self.index.nodes
 
     def run(self, windowed: bool) -> Propagation:
-        """Walk the graph; ``windowed`` walks only from the first split parameter's reader until no
-        split value is left (enough when looking for one region, and linear in the region's size)."""
+        """Walk the graph; ``windowed`` visits, in graph order, only the split parameters' readers and the readers
+        of split values (enough when looking for one region: a node that reads only whole values computes a whole
+        value and adds nothing, so a search costs what its split reaches, not the graph's size)."""
         order = self.index.order
         if not windowed:
             for node in order:
                 self.visit(node)
             return self.result
-        readers = sorted(p for t in self.param_layouts for p in self.index.readers.get(t, ()))
-        if not readers:
-            return self.result
-        open_users: dict[str, int] = {}
-        for i in range(readers[0], len(order)):
-            node = order[i]
-            if node.op == "get_attr":
-                continue  # read lazily by layout()
+        positions = self.index.positions
+        pending = sorted({p for t in self.param_layouts for p in self.index.readers.get(t, ())})
+        queued = set(pending)
+        while pending:
+            node = order[heapq.heappop(pending)]
             self.visit(node)
-            self._track(node, open_users)
-            if i >= readers[-1] and not open_users:
-                break
+            if self._split(node):
+                for user in node.users:
+                    if positions[user] not in queued:
+                        queued.add(positions[user])
+                        heapq.heappush(pending, positions[user])
         return self.result
 
-    def _track(self, node: fx.Node, open_users: dict[str, int]) -> None:
-        """Count the unvisited readers of split values; none left means no split value is live."""
-        for a in node.all_input_nodes:
-            if a.name in open_users:
-                open_users[a.name] -= 1
-                if not open_users[a.name]:
-                    del open_users[a.name]
+    def _split(self, node: fx.Node) -> bool:
+        """Whether ``node``'s value (or a part of it) came out split."""
         lay = self.result.layouts.get(node.name)
-        split = isinstance(lay, Shard) or (isinstance(lay, tuple) and any(isinstance(x, Shard) for x in lay))
-        if split and node.users and node.op != "get_attr":
-            open_users[node.name] = len(node.users)
+        return isinstance(lay, Shard) or (isinstance(lay, tuple) and any(isinstance(x, Shard) for x in lay))
 
     def layout(self, node: fx.Node) -> Layout:
         if node.op == "get_attr":
@@ -157,13 +152,13 @@ class _Walker:
         if node.op == "placeholder":
             res.layouts[node.name] = self.inputs.get(node.name)  # state passed in split (a KV cache), else whole
             return
-        ins = {p: (n, self.layout(n)) for p, n in tensor_args(node)
-               if is_tensor(n) or isinstance(self.layout(n), tuple)}
+        ins = {p: (n, self.layout(n)) for p, n, tensor in self.index.args(node)
+               if tensor or isinstance(self.layout(n), tuple)}
         if node.op == "output":
             decision = Decision(None, wants={p: None for p in ins})
         else:
             decision = self.decide(node, ins)
-        written = set(mutated_args(node))
+        written = mutated_args(node)
         for path, want in decision.wants.items():
             if path in written and _steps(ins[path][1], want):
                 res.refusals.append((node.name, f"{node.target} writes in place to a value split across ranks"))
@@ -173,8 +168,9 @@ class _Walker:
         if decision.reduce is not None:
             res.reduced[node.name] = decision.reduce
         res.fixes.extend((node.name, p, v) for p, v in decision.fixes.items())
-        origins = frozenset().union(*(res.origins.get(n.name, frozenset()) for n, lay in ins.values()
-                                      if isinstance(lay, (Shard, tuple))))
+        found = [res.origins[n.name] for n, lay in ins.values()
+                 if isinstance(lay, (Shard, tuple)) and n.name in res.origins]
+        origins = found[0] if len(found) == 1 else frozenset().union(*found)
         if node.name in self.projections and isinstance(decision.out, Shard):
             origins = frozenset({node.name})
         if res.reduced.get(node.name) is Operator.REDUCE_SCATTER:
@@ -209,6 +205,15 @@ class _Walker:
             self.result.reduced[node.name] = Operator.REDUCE_SCATTER if out else Operator.VOCAB_EMBEDDING
             return Decision(out, wants={(1,): None},
                             checks=[(emb.num_embeddings, "vocabulary size")])
+        if self.decisions is None:
+            return self.ruled(node, ins)
+        key = (node, tuple((path, lay) for path, (_, lay) in ins.items()))
+        if key not in self.decisions:
+            self.decisions[key] = self.ruled(node, ins)
+        return self.decisions[key]
+
+    def ruled(self, node: fx.Node, ins: dict) -> Decision:
+        """The decision of ``node``'s rule (or the safe rule, where it cannot apply) for its inputs' layouts."""
         rule = rule_for(node.target)
         shards = [lay for _, lay in ins.values() if isinstance(lay, Shard)]
         if rule not in BLOCK_AWARE and any(lay.blocks != 1 for lay in shards):
@@ -265,6 +270,8 @@ class _Walker:
     def sequence_shard(self, node: fx.Node) -> Shard | None:
         """Under sequence parallelism, the split along the sequence that a reduction after ``node`` lands in (its
         first dim sized like the token ids' sequence); None without sequence parallelism or such a dim."""
+        if not self.sequence:
+            return None
         for dim, size in enumerate(sizes(node)):
             if sympy.sympify(size) in self.sequence:
                 return Shard(dim, (size,))
@@ -320,6 +327,17 @@ class GraphIndex:
     nodes: dict[str, fx.Node]
     readers: dict[str, list[int]]
     """``get_attr`` target -> positions of the nodes reading it."""
+    positions: dict[fx.Node, int]
+    """Node -> its position in ``order``."""
+    tensor_args: dict[fx.Node, list[tuple[ArgPath, fx.Node, bool]]] = field(default_factory=dict)
+    """Node -> ``graph.tensor_args`` with whether each carries a tensor (found once, read by every walk)."""
+
+    def args(self, node: fx.Node) -> list[tuple[ArgPath, fx.Node, bool]]:
+        """``node``'s (path, input node, whether it holds a tensor)."""
+        found = self.tensor_args.get(node)
+        if found is None:
+            found = self.tensor_args[node] = [(p, n, is_tensor(n)) for p, n in tensor_args(node)]
+        return found
 
     @classmethod
     def of(cls, graph: fx.Graph) -> GraphIndex:
@@ -330,21 +348,21 @@ class GraphIndex:
             for a in node.all_input_nodes:
                 if a.op == "get_attr":
                     readers.setdefault(a.target, []).append(i)
-        return cls(order, {n.name: n for n in order}, readers)
+        return cls(order, {n.name: n for n in order}, readers, {n: i for i, n in enumerate(order)})
 
 
 def propagate(graph: fx.Graph, projections: Mapping[str, Projection], embeddings: Mapping[str, Embedding],
               param_layouts: Mapping[str, Shard], tp: int, trainable: set[str], auto_rows: bool = False,
               grad: set[str] | None = None, index: GraphIndex | None = None,
               sequence: frozenset = frozenset(), inputs: Mapping[str, Shard] | None = None,
-              windowed: bool | None = None) -> Propagation:
+              windowed: bool | None = None, decisions: dict | None = None) -> Propagation:
     """Propagate the parameter layouts (keyed by ``get_attr`` target) through ``graph``.
 
     With ``auto_rows``, a projection that receives its input split along the features becomes
     row-split, which is how the planner discovers where a column-split region closes. ``windowed`` (the
-    default with ``auto_rows``) walks only from the first split parameter's reader until no split value is
-    live: what lies outside reads only whole values, so it adds nothing, and a search that propagates one
-    candidate per layer stays linear in depth. It leaves out the layouts of ``get_attr`` nodes (and a held
+    default with ``auto_rows``) visits only the split parameters' readers and the readers of split values, in
+    graph order: a node that reads only whole values adds nothing, so a search that propagates one candidate per
+    layer costs what each candidate's split reaches, not the graph's size. It leaves out the layouts of ``get_attr`` nodes (and a held
     chunk's ``SHARED_GRAD``): only for searches, never for the plan's own propagation, and never with ``sequence``
     or ``inputs`` (which split values no parameter reads). ``grad`` (the nodes gradients flow through) may be
     passed in when known.
@@ -353,6 +371,9 @@ def propagate(graph: fx.Graph, projections: Mapping[str, Projection], embeddings
     split along it (norms, dropout, residual adds per sequence shard) until a reader needs them whole.
     ``inputs`` (placeholder name -> Shard) are graph inputs each rank is given already split: a KV cache's tensors,
     placed like the K/V heads written into them.
+    ``decisions`` caches the rules' decisions by node and input layouts (a rule reads nothing else): a search
+    passes one dict to the many propagations it runs on one graph at one tp and ``grad``, whose walks meet the
+    same values split the same way again (the residual stream of every later block).
     """
     windowed = auto_rows if windowed is None else windowed
     if windowed and (sequence or inputs):
@@ -360,7 +381,7 @@ def propagate(graph: fx.Graph, projections: Mapping[str, Projection], embeddings
                          "sequence parallelism or split inputs (they split values before them)")
     grad = grad if grad is not None else grad_nodes(graph, trainable)
     walker = _Walker(graph, projections, embeddings, param_layouts, tp, grad, auto_rows, index or GraphIndex.of(graph),
-                     frozenset(sympy.sympify(s) for s in sequence), inputs)
+                     frozenset(sympy.sympify(s) for s in sequence), inputs, decisions)
     result = walker.run(windowed)
     if not (windowed or auto_rows or sequence):  # sequence parallelism reduce-scatters where the rows are
         carry_partial_sums(result, walker.index.order, projections, grad)

@@ -9,6 +9,8 @@ a product of two split branches), never by names.
 
 from __future__ import annotations
 
+import heapq
+from collections.abc import Container
 from dataclasses import dataclass
 from enum import Enum
 
@@ -108,6 +110,12 @@ class _RegionFinder:
         self.nodes = {n.name: n for n in graph.nodes}
         self.grad = grad_nodes(graph, trainable)
         self.index = GraphIndex.of(graph)
+        self.decisions: dict = {}
+        """Rule decisions by node and input layouts, shared by every candidate's propagation (``propagate``)."""
+        self.propagations: dict = {}
+        """The last few candidates' propagations, by layouts (``_propagate``)."""
+        self.traced: dict = {}
+        """Traces of sliced values with nothing upstream excluded (``_from_rows``), by value and split."""
         self.claimed: set[str] = set()
         self.heads: set[str] = set()
         """The vocabulary heads: a split that reaches one as its row has split the residual stream."""
@@ -129,17 +137,15 @@ class _RegionFinder:
         upstream = self._upstream(group) if grow else set()
         segments: dict[str, tuple[int, ...]] = {}
         params: dict[str, Shard] = {}
+        traced_here: dict = {}
         for _ in range(8):
-            prop = propagate(self.graph, self.projections, self.embeddings,
-                             _layouts(columns, segments, shared) | params,
-                             tp, self.trainable, auto_rows=True, grad=self.grad,
-                             index=self.index)
+            prop = self._propagate(_layouts(columns, segments, shared) | params, tp)
             learnt = segments | {origin: parts for o, hint in prop.hints.items() if len(o) == 1
                                  for origin in o if (parts := _scaled(hint, self.projections[origin]))}
             if learnt != segments:
                 segments, params = learnt, {}  # parameters are re-learnt against the new segments
                 continue
-            grown, traced = self._feeding(prop, columns, upstream) if grow else ([], {})
+            grown, traced = self._feeding(prop, columns, upstream, traced_here) if grow else ([], {})
             if grown or traced.keys() - params.keys():
                 columns, params = columns + grown, ({} if grown else params | traced)
                 continue
@@ -151,45 +157,59 @@ class _RegionFinder:
             params = learnt_params
         return prop, columns, segments, params
 
-    def _feeding(self, prop: Propagation, columns: list[Projection],
-                 upstream: set[str]) -> tuple[list[Projection], dict[str, Shard]]:
+    def _propagate(self, layouts: dict[str, Shard], tp: int) -> Propagation:
+        """A candidate's propagation (``auto_rows``, windowed), kept for the next few: a search often asks for the
+        same layouts again (a group tried again without growing starts where it started)."""
+        key = (frozenset(layouts.items()), tp)
+        if key not in self.propagations:
+            self.propagations[key] = propagate(self.graph, self.projections, self.embeddings, layouts, tp,
+                                               self.trainable, auto_rows=True, grad=self.grad, index=self.index,
+                                               decisions=self.decisions)
+            if len(self.propagations) > _KEPT:
+                del self.propagations[next(iter(self.propagations))]
+        return self.propagations[key]
+
+    def _feeding(self, prop: Propagation, columns: list[Projection], upstream: Container[str],
+                 traced_here: dict) -> tuple[list[Projection], dict[str, Shard]]:
         """What made the whole values gradients flow through that split values meet (``sources.trace``):
-        splitting those projections and parameters instead of slicing their outputs keeps the region closed."""
+        splitting those projections and parameters instead of slicing their outputs keeps the region closed.
+        ``traced_here``: the traces found so far against ``upstream`` (one attempt's refinements slice the same
+        values again)."""
         taken = {p.node for p in columns} | self.claimed
         found: dict[str, Projection] = {}
         params: dict[str, Shard] = {}
         for conv in self._sliced(prop):
             if self.nodes[conv.source].op == "get_attr":
                 continue  # a parameter sliced: learnt by ``attempt`` itself
-            traced = trace(self.sources, self.nodes[conv.source], conv.steps[-1].shard, upstream)
+            key = (conv.source, conv.steps[-1].shard)
+            if key not in traced_here:
+                traced_here[key] = trace(self.sources, self.nodes[conv.source], conv.steps[-1].shard, upstream)
+            traced = traced_here[key]
             if traced is None or taken & traced.projections.keys():
                 continue
             found |= traced.projections
             params |= traced.params
         return list(found.values()), params
 
-    def _upstream(self, columns: list[Projection]) -> set[str]:
+    def _upstream(self, columns: list[Projection]) -> _Ancestors:
         """Every value the inputs of ``columns`` are computed from (the group's own input and the residual
         stream before it: what the region reads, which growing it must not split)."""
-        seen: set[str] = set()
-        stack = [self.nodes[p.input] for p in columns]
-        while stack:
-            node = stack.pop()
-            if node.name not in seen:
-                seen.add(node.name)
-                stack.extend(node.all_input_nodes)
-        return seen
+        return _Ancestors([self.nodes[p.input] for p in columns], self.index)
 
     def _sliced(self, prop: Propagation) -> list:
         """Slices of values gradients flow through (a value no gradient reaches, a per-head table or a mask,
         is sliced for free), other than values made from the region's own rows (a time-step projection reading
         V's split features, all-reduced, then taken per head: only its small gradient is gathered)."""
+        rows = set(prop.rows)
         return [c for c in prop.steps_of(Operator.SCATTER) if c.source in self.grad
-                and not self._from_rows(prop, c.source, c.steps[-1].shard)]
+                and not self._from_rows(rows, c.source, c.steps[-1].shard)]
 
-    def _from_rows(self, prop: Propagation, source: str, shard: Shard) -> bool:
-        traced = trace(self.sources, self.nodes[source], shard, set())
-        return traced is not None and bool(traced.projections.keys() & set(prop.rows))
+    def _from_rows(self, rows: set[str], source: str, shard: Shard) -> bool:
+        key = (source, shard)
+        if key not in self.traced:
+            self.traced[key] = trace(self.sources, self.nodes[source], shard, set())
+        traced = self.traced[key]
+        return traced is not None and bool(traced.projections.keys() & rows)
 
     def closed(self, prop: Propagation, allow_slices: bool) -> bool:
         """A region: at least one row closes it, nothing had to be gathered (or sliced, unless allowed)."""
@@ -247,7 +267,7 @@ class _RegionFinder:
         its output (a projection into the residual stream, a pooler), or None."""
         layout = {proj.weight: Shard(proj.in_dim, (proj.in_features,))}
         prop = propagate(self.graph, self.projections, self.embeddings, layout, self.tp, self.trainable,
-                         grad=self.grad, index=self.index, windowed=True)
+                         grad=self.grad, index=self.index, windowed=True, decisions=self.decisions)
         sliced = [c for c in prop.steps_of(Operator.SCATTER) if c.source in self.grad]
         if (prop.refusals or prop.violations or prop.steps_of(Operator.GATHER)
                 or any(c.source != proj.input or {n for n, _ in c.consumers} != {proj.node} for c in sliced)):
@@ -281,6 +301,34 @@ class _RegionFinder:
                 return self.match(kept, sub, sub_segments, sub_params,
                                   replicated=[p.node for p in columns if p not in kept])
         return full
+
+
+_KEPT = 16
+"""Propagations a region search keeps (``_RegionFinder._propagate``): those of one group's attempts."""
+
+
+class _Ancestors:
+    """The names of ``nodes`` and of every value they are computed from, found as far back as asked: a trace asks
+    about values near the splits it follows, so walking back through the whole graph before them for every
+    candidate (a cost that grew with depth squared) is not needed. Any path to ``nodes`` from a value runs through
+    later values only, so walking back in decreasing graph position down to the asked value's answers it."""
+
+    def __init__(self, nodes: list[fx.Node], index: GraphIndex):
+        self.index = index
+        self.found: set[str] = set()
+        self.frontier = [(-index.positions[n], n.name, n) for n in dict.fromkeys(nodes)]
+        heapq.heapify(self.frontier)
+
+    def __contains__(self, name: str) -> bool:
+        floor = self.index.positions[self.index.nodes[name]]
+        while self.frontier and -self.frontier[0][0] >= floor:
+            _, seen, node = heapq.heappop(self.frontier)
+            if seen not in self.found:
+                self.found.add(seen)
+                for a in node.all_input_nodes:
+                    if a.name not in self.found:
+                        heapq.heappush(self.frontier, (-self.index.positions[a], a.name, a))
+        return name in self.found
 
 
 def _widens(region: RegionMatch, projections: dict[str, Projection]) -> bool:

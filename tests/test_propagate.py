@@ -91,3 +91,43 @@ def test_a_windowed_walk_refuses_what_splits_values_before_it():
     with pytest.raises(ValueError, match="windowed"):
         propagate(cap.graph, analysis.projections, analysis.embeddings, {}, 2, analysis.trainable, windowed=True,
                   inputs={"x": Shard(2, (8,))})
+
+
+def test_a_windowed_walk_of_a_mixture_of_experts_finds_what_the_whole_walk_finds():
+    """The same for DeepSeek-V3's mixture of experts, whose down projections split by columns reach the LM head:
+    the windowed walk visits only the readers of split values, and shares the rules' decisions between walks."""
+    from tests.moe_workers import deepseek
+
+    cap = capture(deepseek(), tokens(2, 8, seed=0))
+    analysis = cap.analysis
+    decisions: dict = {}
+    for proj in [p for p in analysis.projections.values() if ".mlp." in analysis.layer(p.node)]:
+        for layout in (Shard(proj.in_dim, (proj.in_features,)), Shard(proj.out_dim, (proj.out_features,))):
+            runs = [propagate(cap.graph, analysis.projections, analysis.embeddings, {proj.weight: layout}, 2,
+                              analysis.trainable, auto_rows=True, windowed=windowed, decisions=shared)
+                    for windowed, shared in ((True, decisions), (False, None))]
+            assert _outcome(runs[0], analysis.nodes) == _outcome(runs[1], analysis.nodes), (proj.node, layout)
+    assert decisions  # the walks did share them
+
+
+def test_ancestors_found_as_far_back_as_asked_are_all_of_them():
+    """``regions._Ancestors`` walks back only as far as each question needs, and answers as the whole walk back."""
+    from autotp.passes.propagate import GraphIndex
+    from autotp.passes.regions import _Ancestors
+
+    cap = capture(build("hf_llama", layers=2), tokens(2, 8, seed=0))
+    order = list(cap.graph.nodes)
+    index = GraphIndex.of(cap.graph)
+    for start in (order[len(order) // 3], order[len(order) // 2], order[-2]):
+        everything, stack = set(), [start]
+        while stack:
+            node = stack.pop()
+            if node.name not in everything:
+                everything.add(node.name)
+                stack.extend(node.all_input_nodes)
+        lazy = _Ancestors([start], index)
+        for node in reversed(order):  # latest first, then earlier ones (the order a trace asks in)
+            assert (node.name in lazy) == (node.name in everything), (start.name, node.name)
+        lazy = _Ancestors([start], index)
+        for node in order:  # earliest first: one walk back answers the rest
+            assert (node.name in lazy) == (node.name in everything), (start.name, node.name)
