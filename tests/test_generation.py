@@ -246,3 +246,18 @@ def test_shared_memory_polls_long_only_with_a_core_per_process(monkeypatch):
     assert sm.spin_seconds(4) == sm.SHORT_SPIN_SECONDS  # 4 processes on 2 cores
     monkeypatch.setattr(sm.os, "getloadavg", lambda: (3.0, 0.0, 0.0))  # another busy process besides the job
     assert sm.spin_seconds(2) == sm.SHORT_SPIN_SECONDS
+
+
+def test_shared_memory_polls_less_while_peers_come_late():
+    """Each wait that blocked halves the next one's polling (down to the short spin); waits that did not regrow it
+    (up to the most the host allows)."""
+    from autotp.runtime.shared_memory import SHORT_SPIN_SECONDS, SPIN_SECONDS, adapted_polling
+
+    polling = SPIN_SECONDS
+    for _ in range(20):
+        polling = adapted_polling(polling, True, SPIN_SECONDS)
+    assert polling == SHORT_SPIN_SECONDS
+    for _ in range(100):
+        polling = adapted_polling(polling, False, SPIN_SECONDS)
+    assert polling == SPIN_SECONDS
+    assert adapted_polling(SHORT_SPIN_SECONDS, False, SHORT_SPIN_SECONDS) == SHORT_SPIN_SECONDS

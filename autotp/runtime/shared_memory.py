@@ -11,10 +11,12 @@ Waiting: a rank polls for a while (a balanced peer arrives within it, with no sy
 its own named pipe, into which every rank writes a byte after each of its counter updates, so a waiting rank is
 woken by its peers' writes, like a futex, and gives its core away meanwhile (polling with sleeps measured 4x slower
 than gloo on a loaded machine: the woken poller and the late peer competed for the cores). How long it polls
-depends on the cores: with a core per process and the host otherwise idle (``spin_seconds``), polling for up to ``SPIN_SECONDS`` covers the
-skew between the ranks' compute (a decode step's layers differ by a few hundred microseconds between ranks, and a
-blocked rank's wake-up through the pipe costs as much again); with fewer cores than processes, a polling rank
-would hold the core its late peer needs, so it blocks after ``SHORT_SPIN_SECONDS``.
+depends on the host: with a core per process and the host otherwise idle (``spin_seconds``), up to
+``SPIN_SECONDS``, which covers the skew between the ranks' compute (a decode step's layers differ by a few hundred
+microseconds between ranks, and a wake-up through the pipe costs as much again); with fewer cores than processes,
+``SHORT_SPIN_SECONDS`` (a polling rank would hold the core its late peer needs). Within that, each wait that had to
+block halves the next one's polling (``adapted_polling``): on a host that became busy, a polling rank spends the
+scheduler credit that lets a woken one run at once.
 
 Layout: one counter per rank (a cache line each), then two banks of one slot per rank. Collective ``n`` uses bank
 ``n % 2``: a rank writes its value into its slot, then its counter to ``n``, and waits for every counter to reach
@@ -63,11 +65,22 @@ def spin_seconds(processes: int) -> float:
     return SPIN_SECONDS if cores >= processes and os.getloadavg()[0] <= cores + 0.5 else SHORT_SPIN_SECONDS
 
 
+def adapted_polling(polling: float, blocked: bool, most: float) -> float:
+    """The next wait's polling time: halved after a wait that had to block (a peer later than polling covers:
+    the host is busy, and a polling rank burns the scheduler credit a woken one would get), regrown by a tenth
+    after one that did not, within ``[SHORT_SPIN_SECONDS, most]``."""
+    if blocked:
+        return max(min(SHORT_SPIN_SECONDS, most), polling / 2)
+    return min(most, polling * 1.1)
+
+
 class SharedMemoryComm:
     """A ``Communicator`` over shared memory for ranks on one host (made by ``same_host``)."""
 
     def __init__(self, rank: int, size: int, folder: str, timeout: float, spin: float = SHORT_SPIN_SECONDS):
         self.rank, self.size, self.timeout, self.folder, self.spin = rank, size, timeout, folder, spin
+        self.polling = spin
+        """How long the next wait polls: ``spin`` at most, shorter while peers keep coming later than that."""
         self.closed = False
         self.count = 0
         self.pending: Callable[[], None] | None = None
@@ -103,10 +116,12 @@ class SharedMemoryComm:
 
     def _wait(self, count: int) -> None:
         start = time.perf_counter()
+        blocked = False
         while (self._counters < count).any():
             waited = time.perf_counter() - start
-            if waited < self.spin:
+            if waited < self.polling:
                 continue
+            blocked = True
             if waited > self.timeout:
                 late = [r for r in range(self.size) if self._counters[r] < count]
                 raise RankFailure(f"rank {self.rank}: a collective over shared memory waited {self.timeout:g} s "
@@ -118,6 +133,7 @@ class SharedMemoryComm:
                 os.read(self._wake, 1 << 16)
             except BlockingIOError:
                 pass
+        self.polling = adapted_polling(self.polling, blocked, self.spin)
 
     def _pieces(self, x: torch.Tensor) -> list[torch.Tensor]:
         flat = x.detach().contiguous().reshape(-1).view(torch.uint8)
