@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -101,6 +102,8 @@ def paired(rank: int, world: int, args) -> dict:
     from autotp.runtime.generation import Generation
     from autotp.runtime.shared_memory import same_host
 
+    if args.bind_cores:  # each rank on its own core, as serving engines bind their CPU workers (both sides alike)
+        os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[rank % len(os.sched_getaffinity(0))]})
     model = build()
     model.generation_config.eos_token_id = None  # every sequence runs all the new tokens on both sides
     pm = autotp.parallelize(model, tp=world, example_inputs=(_prompts(1, 8),), vocab=args.vocab, quiet=True)
@@ -179,6 +182,7 @@ def main(argv=None) -> None:
     # default prices a training step at the example's shape, and keeps this one whole).
     parser.add_argument("--vocab", default="split", choices=["split", "whole", "auto"],
                         help="the plan's vocabulary choice (default split)")
+    parser.add_argument("--bind-cores", action="store_true", help="pin rank r to the r-th core (both sides)")
     args = parser.parse_args(argv)
     found = ranks.run_on_ranks(paired, "cpu", [1, 1], args)[0]
     report = {"args": vars(args), "rounds": {b: found[str(b)] for b in BATCHES}, "rows": []}

@@ -38,3 +38,23 @@ def on_threads(tp: int, body) -> list:
     if errors:
         raise errors[0]
     return results
+
+
+def largest_first(items, ranks_of):
+    """The ``items`` in order of the ranks each needs (``ranks_of(item)``), largest first, the default group
+    re-formed from the first ranks before each (``bench.ranks.reform_world``): one spawn runs layouts of several
+    sizes, paying the start-up once; a rank left out of a smaller group stops there."""
+    for item in sorted(items, key=lambda item: -ranks_of(item)):
+        if not ranks.reform_world(ranks_of(item), "cpu"):
+            return
+        yield item
+
+
+def _each(rank: int, world: int, jobs: list) -> dict:
+    return {key: fn(rank, world, *args) for key, fn, *args in jobs}
+
+
+def run_each_on_ranks(world: int, jobs: dict) -> list[dict]:
+    """Several workers in one spawned group of ``world`` ranks (start-up paid once), one after another:
+    ``jobs`` maps a name to ``(fn, *args)``; returns, per rank, each name's result."""
+    return run_on_ranks(_each, world, [[key, *job] for key, job in jobs.items()])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.distributed as dist
 from torch.testing import assert_close
@@ -9,6 +11,7 @@ from torch.utils._pytree import tree_leaves
 
 import autotp
 from tests import models
+from tests.distributed import largest_first
 from tests.workers import ADAM, STEPS
 
 BATCH, SEQ, MICRO = 8, 12, 4  # 1F1B needs microbatches >= stages; each microbatch keeps batch >= 2
@@ -42,6 +45,15 @@ def check_pipeline(name: str, tp: int, pp: int, schedule: str) -> dict:
 def check_pipelines(rank: int, world: int, tp: int, configs: list[list[str]]) -> dict:
     """``check_pipeline`` for each (model, schedule) at tp and pp = world // tp."""
     return {f"{name}/{schedule}": check_pipeline(name, tp, world // tp, schedule) for name, schedule in configs}
+
+
+def check_layouts(rank: int, world: int, layouts: list[list]) -> dict:
+    """``check_pipelines`` for each [tp, pp, configs] and the input errors on 2 ranks, in one spawned group (the
+    largest layouts first): {"tp=.. pp=..": results, "errors": messages}, each on the ranks that ran it."""
+    jobs = [(tp * pp, f"tp={tp} pp={pp}", partial(check_pipelines, rank, tp * pp, tp, configs))
+            for tp, pp, configs in layouts]
+    jobs.append((2, "errors", partial(bad_pipeline_inputs, rank, 2)))
+    return {key: run() for _, key, run in largest_first(jobs, lambda job: job[0])}
 
 
 def bad_pipeline_inputs(rank: int, world: int) -> dict:

@@ -9,6 +9,7 @@ from torch.testing import assert_close
 import autotp
 from autotp.runtime.state import gather_tp
 from tests import models
+from tests.distributed import largest_first
 from tests.workers import ADAM, STEPS
 
 BATCH, SEQ, MICRO = 8, 12, 4  # schedules need microbatches >= stages (4 at pp=2 with two stages per rank)
@@ -61,3 +62,10 @@ def check_schedules(rank: int, world: int, tp: int, configs: list[list[str]]) ->
         settings = {"recompute": recompute[0]} if recompute else {}
         out["/".join([name, schedule, *recompute])] = check_schedule(name, tp, world // tp, schedule, **settings)
     return out
+
+
+def check_layouts(rank: int, world: int, layouts: list[list[int]], configs: list[list[str]]) -> dict:
+    """``check_schedules`` at each [tp, pp] in one spawned group (the largest first): {"tp=.. pp=..": results}, on
+    the ranks that ran each."""
+    return {f"tp={tp} pp={pp}": check_schedules(rank, tp * pp, tp, configs)
+            for tp, pp in largest_first(layouts, lambda layout: layout[0] * layout[1])}

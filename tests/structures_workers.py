@@ -22,7 +22,8 @@ from autotp.capture import model_kwargs
 from tests import models
 
 SEED = 0
-STEPS = 3
+STEPS = 2
+"""The second step reads the AdamW moments the first stored in each shard (tests/workers.py)."""
 ADAM = dict(lr=1e-2, eps=1e-3)
 """Adam's first step moves an element by lr * g / (|g| + eps), whose slope in g is up to lr / eps. With eps
 1e-6 (tests/workers.py) an element whose gradient is zero up to rounding turns fp32 rounding into visible steps:

@@ -32,9 +32,9 @@ def _check(results: list[dict], kinds) -> None:
 
 def test_generation_at_two_ranks_equals_model_generate():
     results = run_on_ranks(generation_workers.generation_at_two, 2)
-    _check(results, ("llama", "mistral", "gemma2", "mixtral", "gpt2"))
+    _check(results, generation_workers.AT_TWO)
     for result in results:
-        for kind in ("llama", "mistral", "mixtral", "gpt2"):
+        for kind in ("mistral", "mixtral"):
             mine, whole = result[kind]["cache_bytes"]
             assert 2 * mine == whole, (kind, mine, whole)  # each rank holds half the KV heads
         gpt = result["gpt"]
@@ -236,16 +236,13 @@ def test_shared_memory_names_the_rank_that_never_came():
 
 
 def test_shared_memory_polls_long_only_with_a_core_per_process(monkeypatch):
-    """A waiting rank polls for 2 ms only where every process of the job has a core and nothing else loads the
-    host; otherwise it blocks soon (its polling would hold the core a late peer needs)."""
+    """A waiting rank polls for up to 2 ms only where every process of the job has a core; otherwise it blocks
+    soon (its polling would hold the core a late peer needs)."""
     from autotp.runtime import shared_memory as sm
 
     monkeypatch.setattr(sm.os, "sched_getaffinity", lambda pid: {0, 1})
-    monkeypatch.setattr(sm.os, "getloadavg", lambda: (2.0, 0.0, 0.0))
     assert sm.spin_seconds(2) == sm.SPIN_SECONDS
     assert sm.spin_seconds(4) == sm.SHORT_SPIN_SECONDS  # 4 processes on 2 cores
-    monkeypatch.setattr(sm.os, "getloadavg", lambda: (3.0, 0.0, 0.0))  # another busy process besides the job
-    assert sm.spin_seconds(2) == sm.SHORT_SPIN_SECONDS
 
 
 def test_shared_memory_polls_less_while_peers_come_late():

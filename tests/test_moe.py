@@ -2,8 +2,8 @@
 order and summed (with a shared expert's) before one all-reduce of the B×T×D hidden state, and the routed
 experts read the hidden state through the one ``f`` the shared expert reads it through.
 
-Exactness: the one-process checker and 2 gloo ranks training 3 AdamW steps; bytes: counted at run time against
-the dense twin of each model (``tests/moe_workers.py``)."""
+Exactness: the one-process checker and 2 gloo ranks training 2 AdamW steps (Mixtral's in test_structures); bytes:
+counted at run time against the dense twin of each model (``tests/moe_workers.py``)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import autotp
 from autotp.passes.steps import Direction, Operator
 from tests import models
 from tests.distributed import run_on_ranks
-from tests.moe_workers import BATCH, BUILDERS, MOE_LAYERS, SEQ, TOP_K, LoopedExperts, moe
+from tests.moe_workers import BATCH, BUILDERS, MOE_LAYERS, SEQ, TOP_K, TRAINED_HERE, LoopedExperts, moe
 
 
 def _ids():
@@ -59,10 +59,12 @@ def test_moe_trains_exactly_and_all_reduces_what_its_dense_twin_does_on_two_rank
     rank multiplies them by its partial expert outputs."""
     results = run_on_ranks(moe, 2)
     for rank in results:
+        assert sorted(name for name, r in rank.items() if "trained" in r) == sorted(TRAINED_HERE)
         for name, r in rank.items():
-            trained = r["trained"]
-            assert r["trained"]["output"] < 1e-5 and max(trained["losses"]) < 1e-5, (name, trained)
-            assert max(trained["params"].values()) < 1e-5, (name, trained["params"])
+            if name in TRAINED_HERE:  # Mixtral's training: test_structures
+                trained = r["trained"]
+                assert trained["output"] < 1e-5 and max(trained["losses"]) < 1e-5, (name, trained)
+                assert max(trained["params"].values()) < 1e-5, (name, trained["params"])
             assert r["moe"]["forward"] == r["dense"]["forward"], (name, r)
             routing = MOE_LAYERS * BATCH * SEQ * TOP_K * 4
             assert r["moe"]["backward"] == {"count": r["dense"]["backward"]["count"] + MOE_LAYERS,

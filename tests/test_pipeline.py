@@ -19,14 +19,28 @@ CONFIGS = {
     (2, 2): [["gpt", "1f1b"], ["llama", "gpipe"], ["hf_llama", "gpipe"], ["hf_gpt2", "1f1b"]],
     (1, 4): [["gpt", "gpipe"], ["hf_llama", "1f1b"]],
 }
-"""Every model with both schedules over the first two layouts, a sample at pp=4 (one spawn per layout)."""
+"""Every model with both schedules over the first two layouts, a sample at pp=4."""
+INTERLEAVED = ["gpt", "interleaved1f1b"]
+"""Run at tp=1, pp=2 with the CONFIGS there: 4 virtual stages on 2 ranks."""
+
+
+def _run_at(tp: int, pp: int) -> list[list[str]]:
+    return CONFIGS[(tp, pp)] + ([INTERLEAVED] if (tp, pp) == (1, 2) else [])
+
+
+@pytest.fixture(scope="module")
+def pipelines() -> dict:
+    """Every layout, and the input errors, in one spawn of 4 ranks (start-up paid once); rank 0's results."""
+    return run_on_ranks(pipeline_workers.check_layouts, 4, [[tp, pp, _run_at(tp, pp)] for tp, pp in CONFIGS])[0]
 
 
 @pytest.mark.parametrize("tp, pp", list(CONFIGS))
-def test_pipeline_trains_like_the_original(tp, pp):
-    results = run_on_ranks(pipeline_workers.check_pipelines, tp * pp, tp, CONFIGS[(tp, pp)])
-    assert sorted(results[0]) == sorted(f"{name}/{schedule}" for name, schedule in CONFIGS[(tp, pp)]), "not every case ran"
-    for key, r in results[0].items():
+def test_pipeline_trains_like_the_original(pipelines, tp, pp):
+    results = pipelines[f"tp={tp} pp={pp}"]
+    assert sorted(results) == sorted("/".join(case) for case in _run_at(tp, pp)), "not every case ran"
+    for key, r in results.items():
+        if key == "/".join(INTERLEAVED):
+            continue  # its stages: test_interleaved_schedule_with_virtual_stages
         assert len(r["stages"]) == pp, key
         # Each rank holds about total/(tp·pp): its stage's shards (plus small replicated norms and, on the
         # head's stage, its copy of a tied embedding). All-replicated would be tp·pp times that.
@@ -34,13 +48,12 @@ def test_pipeline_trains_like_the_original(tp, pp):
         assert share <= 1.6, f"{key}: a rank holds {share:.2f} x total/(tp*pp)"
 
 
-def test_interleaved_schedule_with_virtual_stages():
-    results = run_on_ranks(pipeline_workers.check_pipelines, 2, 1, [["gpt", "interleaved1f1b"]])
-    assert len(results[0]["gpt/interleaved1f1b"]["stages"]) == 4
+def test_interleaved_schedule_with_virtual_stages(pipelines):
+    assert len(pipelines["tp=1 pp=2"]["/".join(INTERLEAVED)]["stages"]) == 4
 
 
-def test_pipeline_input_errors():
-    messages = run_on_ranks(pipeline_workers.bad_pipeline_inputs, 2)[0]
+def test_pipeline_input_errors(pipelines):
+    messages = pipelines["errors"]
     assert "tp=2 x pp=2 needs 4" in messages["world"]
     assert "batch size 4 is not divisible by microbatches=3" in messages["microbatches"]
     assert "1f1b needs at least 2 microbatches" in messages["too_few"]

@@ -3,6 +3,7 @@ fewer saved activations."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import autotp
@@ -14,30 +15,38 @@ from autotp.planning.recompute_cost import RecomputeCost, plan_recompute_cost
 from bench.memory import SavedActivations
 from examples.gpt import build_gpt
 from tests import models, recompute_workers
-from tests.distributed import run_on_ranks
+from tests.distributed import run_each_on_ranks
 
 
-def test_tensor_parallel_recompute_with_dropout_is_exact():
-    results = run_on_ranks(recompute_workers.tensor_parallel_dropout, 2)
-    for name, result in results[0].items():
+@pytest.fixture(scope="module")
+def on_ranks() -> dict:
+    """The gloo runs of this file, in one spawn of 2 ranks: rank 0's results."""
+    return run_each_on_ranks(2, {"tp": (recompute_workers.tensor_parallel_dropout,),
+                                 "pp": (recompute_workers.pipeline_dropout, ["1f1b", "zbv"]),
+                                 "dp": (recompute_workers.data_parallel,),
+                                 "moe": (recompute_workers.pipeline_moe,)})[0]
+
+
+def test_tensor_parallel_recompute_with_dropout_is_exact(on_ranks):
+    for name, result in on_ranks["tp"].items():
         assert result["blocks"] >= 4, (name, result)  # two layers: attention and MLP of each at least
 
 
-def test_pipeline_recompute_with_dropout_is_exact():
-    results = run_on_ranks(recompute_workers.pipeline_dropout, 2, ["1f1b", "zbv"])
-    for schedule, result in results[0].items():
+def test_pipeline_recompute_with_dropout_is_exact(on_ranks):
+    assert sorted(on_ranks["pp"]) == ["1f1b", "zbv"]
+    for schedule, result in on_ranks["pp"].items():
         assert result["blocks"] >= 2, (schedule, result)
 
 
-def test_pipeline_recompute_of_a_mixture_of_experts_is_exact():
-    # The router's index buffer is made in one recomputed block and written in place in the next.
-    losses = run_on_ranks(recompute_workers.pipeline_moe, 2)[0]
+def test_pipeline_recompute_of_a_mixture_of_experts_is_exact(on_ranks):
+    # The router's index buffer is made in one recomputed block and written in place in the next; the worker
+    # asserts the losses and every parameter equal to the run without recompute.
+    losses = on_ranks["moe"]
     assert len(losses) > 1 and all(loss == loss for loss in losses), losses
 
 
-def test_data_parallel_recompute_is_exact():
-    results = run_on_ranks(recompute_workers.data_parallel, 2)
-    assert sorted(results[0]) == ["fsdp", "replicate"]
+def test_data_parallel_recompute_is_exact(on_ranks):
+    assert sorted(on_ranks["dp"]) == ["fsdp", "replicate"]
 
 
 def test_checker_finds_recompute_exact_with_dropout():

@@ -9,11 +9,18 @@ from tests import schedule_workers
 from tests.distributed import run_on_ranks
 
 SPLIT = [["gpt", "zbv"], ["llama", "dualpipev"], ["hf_llama", "interleavedzb"], ["gpt", "zbv", "blocks"]]
+LAYOUTS = [(1, 2), (2, 2)]
 
 
-@pytest.mark.parametrize("tp, pp", [(1, 2), (2, 2)])
-def test_split_backward_schedules_train_like_the_original(tp, pp):
-    results = run_on_ranks(schedule_workers.check_schedules, tp * pp, tp, SPLIT)
+@pytest.fixture(scope="module")
+def schedules() -> list[dict]:
+    """Both layouts in one spawn of 4 ranks (start-up paid once): each rank's results."""
+    return run_on_ranks(schedule_workers.check_layouts, 4, [list(layout) for layout in LAYOUTS], SPLIT)
+
+
+@pytest.mark.parametrize("tp, pp", LAYOUTS)
+def test_split_backward_schedules_train_like_the_original(schedules, tp, pp):
+    results = [rank[f"tp={tp} pp={pp}"] for rank in schedules[:tp * pp]]
     assert sorted(results[0]) == sorted("/".join(case) for case in SPLIT), "not every case ran"
     v_ranks = {0: [0, 3], 1: [1, 2]}  # rank r holds stages r and 2*pp-1-r
     for rank, result in enumerate(results):

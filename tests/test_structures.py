@@ -5,7 +5,7 @@ QK-norm across all heads, interleaved rotary with a parallel block,
 encoder-decoders (cross-attention; per-head relative position bias), ``nn.TransformerEncoder``, einsum attention
 with a per-head bias picked by ``gather`` and a projection split alone by its input features, and a Mamba
 mixer (its depthwise conv1d, scan parameters and time-step projection split by channel).
-The workers measure; this test asserts: outputs, the loss of 3 AdamW steps and every parameter afterwards agree
+The workers measure; this test asserts: outputs, the loss of 2 AdamW steps and every parameter afterwards agree
 to 1e-5 (relative, beyond it: 0), each structure's matrices named in its case are split, and both ranks applied
 the same plan.
 """
@@ -26,7 +26,7 @@ def test_every_structure_trains_exactly_on_two_ranks():
             assert r["output"] < ERROR, f"{label}: output off by {r['output']:.2e} (split: {r['split']})"
             assert max(r["losses"]) < ERROR, f"{label}: losses off by {r['losses']}"
             worst = max(r["params"], key=r["params"].get)
-            assert r["params"][worst] < ERROR, f"{label}: {worst} off by {r['params'][worst]:.2e} after 3 AdamW steps"
+            assert r["params"][worst] < ERROR, f"{label}: {worst} off by {r['params'][worst]:.2e} after 2 AdamW steps"
             assert not r["missing_keys"], f"{label}: full_state_dict lacks {r['missing_keys']}"
             kept = sorted(set(r["must_split"]) - set(r["split"]))
             assert not kept, f"{label}: {kept} kept whole; split: {r['split']}"

@@ -11,7 +11,7 @@ Waiting: a rank polls for a while (a balanced peer arrives within it, with no sy
 its own named pipe, into which every rank writes a byte after each of its counter updates, so a waiting rank is
 woken by its peers' writes, like a futex, and gives its core away meanwhile (polling with sleeps measured 4x slower
 than gloo on a loaded machine: the woken poller and the late peer competed for the cores). How long it polls
-depends on the host: with a core per process and the host otherwise idle (``spin_seconds``), up to
+depends on the host: with a core per process (``spin_seconds``), up to
 ``SPIN_SECONDS``, which covers the skew between the ranks' compute (a decode step's layers differ by a few hundred
 microseconds between ranks, and a wake-up through the pipe costs as much again); with fewer cores than processes,
 ``SHORT_SPIN_SECONDS`` (a polling rank would hold the core its late peer needs). Within that, each wait that had to
@@ -58,11 +58,10 @@ SHORT_SPIN_SECONDS = 1e-4
 
 
 def spin_seconds(processes: int) -> float:
-    """How long a rank polls before blocking, with ``processes`` processes of this job on this host: long only
-    where they have a core each and the host has no other work: its load average of the last minute, which
-    counts this job's own busy processes, at most the cores (and half a process of slack)."""
-    cores = len(os.sched_getaffinity(0))
-    return SPIN_SECONDS if cores >= processes and os.getloadavg()[0] <= cores + 0.5 else SHORT_SPIN_SECONDS
+    """The most a rank polls before blocking, with ``processes`` processes of this job on this host: long only
+    where they have a core each (other work on the host shortens each wait's polling as it comes:
+    ``adapted_polling``; a load average lags it by a minute)."""
+    return SPIN_SECONDS if len(os.sched_getaffinity(0)) >= processes else SHORT_SPIN_SECONDS
 
 
 def adapted_polling(polling: float, blocked: bool, most: float) -> float:
