@@ -140,16 +140,8 @@ def test_float32_rounding_is_told_apart_from_a_bug_in_float64():
 
 
 def test_a_real_fault_is_not_excused_as_rounding():
-    def scale_one_rank(modules, comms):
-        for node in modules[1].graph.nodes:
-            if node.op == "output":
-                with modules[1].graph.inserting_before(node):
-                    first, *rest = node.args[0]
-                    node.args = ((modules[1].graph.call_function(torch.mul, (first, 1.001)), *rest),)
-        modules[1].recompile()
-
     torch.manual_seed(0)
-    report = autotp.check(_Sharp(), 2, torch.randn(2, 8, 16), modules_hook=scale_one_rank)
+    report = autotp.check(_Sharp(), 2, torch.randn(2, 8, 16), modules_hook=_fault_on_rank_one)
     assert not report.exact and report.rounding is None
 
 
