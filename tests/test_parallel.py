@@ -20,15 +20,21 @@ def tp4():
     return run_on_ranks(workers.check_models, 4, ALL)
 
 
+BATCH_CHECK = "_allgather_base"
+"""How the one-batch check's all-gather is counted (``all_gather_single``, begun before the forward)."""
+
+
 def _expected_counts(result: dict) -> tuple[dict, dict]:
     """Megatron's minimum: per block one all-reduce after attention and one after the MLP (forward,
     Megatron's g) and one before each (backward, f); plus the vocabulary-split embedding's all-reduce
     and the LM head's f and output all-gather. A projection split alone (BERT's pooler: no column split closes
     around it) adds its output's all-reduce forward and its input gradient's all-gather backward. Each call
     also checks that the tp ranks hold one batch: one all-gather of a few integers (where Megatron's data path
-    broadcasts the batch), counted here with the forward's."""
+    broadcasts the batch), begun before the forward (gloo's ``_allgather_base``), counted here with the forward's."""
     blocks, lone = result["blocks"], result["lone_rows"]
-    forward = {"allreduce": 2 * blocks + result["vocab_split"] + lone, "allgather": 1 + bool(result["head_split"])}
+    forward = {"allreduce": 2 * blocks + result["vocab_split"] + lone, BATCH_CHECK: 1}
+    if result["head_split"]:
+        forward["allgather"] = 1
     backward = {"allreduce": 2 * blocks + result["head_split"]}
     if lone:
         backward["allgather"] = lone
@@ -82,7 +88,7 @@ def test_plan_lists_what_runs(tp2):
         r = tp2[0][name]
         for direction in ("forward", "backward"):
             # The plan lists the model's collectives; each call adds the one-batch check's all-gather.
-            planned: dict[str, int] = {"allgather": 1} if direction == "forward" else {}
+            planned: dict[str, int] = {BATCH_CHECK: 1} if direction == "forward" else {}
             for op, d in r["planned"]:
                 if d == direction:
                     key = op.replace("_", "")
