@@ -138,18 +138,15 @@ def input_convolutions(captured) -> set[str]:
     what they read depends on no parameter. The first layer, on raw pixels or samples: Megatron's vision
     models keep it whole too, and the layers after it split."""
     params = set(captured.param_names)
-
-    def reads_parameters(node: fx.Node, seen: set) -> bool:
-        if node in seen:
-            return False
-        seen.add(node)
-        if node.op == "get_attr" and captured.aliases.get(captured.param_name(node.target)) in params:
-            return True
-        return any(reads_parameters(n, seen) for n in node.all_input_nodes)
-
+    # One pass in graph order (inputs before users): a node reads parameters if it is one or any input does. No
+    # walk back per convolution, and no recursion as deep as the model.
+    reads: set[fx.Node] = set()
+    for node in captured.graph.nodes:
+        if (node.op == "get_attr" and captured.aliases.get(captured.param_name(node.target)) in params) or \
+                any(n in reads for n in node.all_input_nodes):
+            reads.add(node)
     return {captured.aliases.get(captured.param_name(target), "")
-            for node, target in whole_convolutions(captured.graph, set())
-            if not reads_parameters(node.args[0], set())}
+            for node, target in whole_convolutions(captured.graph, set()) if node.args[0] not in reads}
 
 
 _JOINS = {"add", "sub", "cat", "stack"}
