@@ -26,6 +26,7 @@ from autotp.passes.placement import Shard
 from autotp.planning.plan import Plan
 from autotp.rewrite.comm import Communicator
 from autotp.rewrite.graph_edit import set_tensor
+from autotp.rewrite.lean_steps import lean_step
 from autotp.rewrite.rank_graph import build_graph
 
 aten = torch.ops.aten
@@ -63,17 +64,6 @@ def build_step_graph(captured: Captured, plan: Plan, rank: int, comm: Communicat
         if node.name in layouts and any(u.op == "call_module" for u in node.users):
             raise InternalError(f"cache input {node.name} is converted before it is written; its layout "
                                 f"{layouts[node.name]} is not the one its writes and reads agree on")
-    return without_metadata_checks(gm)
-
-
-def without_metadata_checks(gm: fx.GraphModule) -> fx.GraphModule:
-    """``gm`` without export's ``_assert_tensor_metadata`` nodes: a generation step's inputs are made by
-    ``capture.kv_cache.step_inputs`` with the captured dtypes, and each check is an operator call per token
-    (14 of a 2-layer Llama decode step's 240 nodes)."""
-    for node in list(gm.graph.find_nodes(op="call_function", target=torch.ops.aten._assert_tensor_metadata.default)):
-        if not node.users:
-            gm.graph.erase_node(node)
-    gm.recompile()
     return gm
 
 
@@ -101,8 +91,15 @@ def build_cache_steps(model: nn.Module, plan: Plan, rank: int, comm: Communicato
             raise InternalError(f"the {kind} step takes {len(inputs)} cache tensors, the decode step {len(names)}")
         gm = build_step_graph(captured, plan, rank, comm, dict(zip(inputs, layouts)))
         share_tensors(gm, captured, tensors)
-        steps[kind] = gm
+        steps[kind] = lean_step(gm, casts_hold=_dtypes_kept(model, tensors))
     return CacheSteps(shape, layouts, steps)
+
+
+def _dtypes_kept(model: nn.Module, tensors: dict[str, torch.Tensor]) -> bool:
+    """Whether the parallel module's tensors have the dtypes of the model the steps were captured from (a module
+    cast after parallelize would make the captured no-op casts real ones)."""
+    captured = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers(remove_duplicate=False))
+    return all(t.dtype == tensors[name].dtype for name, t in captured.items() if name in tensors)
 
 
 def _held_names(gm: fx.GraphModule, captured: Captured) -> list[tuple[str, str]]:
