@@ -92,20 +92,39 @@ def _alone(rank: int, fn) -> float | None:
     return ms
 
 
+def _cores_free(rank: int, world: int, step, rounds: int = 7, calls: int = 8) -> float | None:
+    """How many cores' worth ``world`` ranks get when all run ``step`` at once: ``world`` times one rank's time
+    alone over the time of all of them together (the slowest's), the median over ``rounds`` that alternate the two
+    (a change of the host's load falls on both alike); rank 0's answer (None on the others).
+    Measured on a training step's work (eager ops over small tensors, as the layouts run), not on a matmul that
+    stays in one core's cache: ranks sharing cores share caches and memory bandwidth too, so their speedup is
+    below the core count; and other work on the host takes its share."""
+    ratios = []
+    for _ in range(rounds):
+        alone = _alone(rank, step)
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(calls):
+            step()
+        dist.barrier()
+        together = (time.perf_counter() - start) / calls * 1e3
+        ratios.append(None if alone is None else world * alone / together)
+    return None if rank else statistics.median(ratios)
+
+
 def calibrate(rank: int, world: int) -> dict:
     """One core's rates, measured by one rank alone: a matmul's and an eager op's (a narrow GPT's forward and
-    backward over 3x its graph's ops); the cores' worth all WORLD ranks get computing at once (the sum of their
-    matmul rates over one rank's alone); then, on WORLD ranks at once (pairs), a gloo all-reduce's time at 4 KiB and
-    16 MiB, and what an all-reduce adds between two 1-2 ms computations when the ranks time-share the cores (the
-    wake-ups a step's collectives pay, not a tight loop's)."""
+    backward over 3x its graph's ops); the cores' worth all WORLD ranks get computing at once (``_cores_free``);
+    then, on WORLD ranks at once (pairs), a gloo all-reduce's time at 4 KiB and 16 MiB, and what an all-reduce
+    adds between two 1-2 ms computations when the ranks time-share the cores (the wake-ups a step's collectives
+    pay, not a tight loop's)."""
     x, w = torch.randn(256, 256), torch.randn(256, 1024)
     matmul_ms = _alone(rank, lambda: x @ w)
-    dist.barrier()
-    together_ms = _median_ms(lambda: x @ w)  # every rank at once: how many cores' worth the ranks get
     torch.manual_seed(0)
     gpt, ids = build_gpt(n_layer=8, n_head=4, n_embd=64, vocab_size=VOCAB, block_size=SEQ), _batch(1)[:1, :8]
     ops = sum(n.op == "call_function" for n in capture(gpt, example_inputs_of(gpt, (ids,))).module.graph.nodes)
     op_ms = _alone(rank, lambda: gpt(ids).sum().backward())
+    cores_free = _cores_free(rank, world, lambda: gpt(ids).sum().backward())
     pair = [dist.new_group([2 * i, 2 * i + 1]) for i in range(world // 2)][rank // 2]
     # Large: about the size of the models' gradients (2-15 MiB), which data parallelism all-reduces.
     small, large = torch.zeros(1024), torch.zeros(1 << 22)
@@ -126,11 +145,9 @@ def calibrate(rank: int, world: int) -> dict:
     synced_ms = statistics.median(work(True) - work(False) for _ in range(15)) / 16 * 1e3
     out = {"all_reduce 4 KiB ms": small_ms, "all_reduce 16 MiB ms": large_ms,
            "synced all_reduce ms": max(synced_ms, 0.0)}
-    together = [None] * world
-    dist.all_gather_object(together, together_ms)
     if rank == 0:
         out |= {"matmul GFLOP/s": 2 * 256 * 256 * 1024 / matmul_ms / 1e6, "op us": op_ms * 1e3 / (3 * ops),
-                "cores": os.cpu_count() or 1, "cores free": sum(matmul_ms / t for t in together)}
+                "cores": os.cpu_count() or 1, "cores free": cores_free}
     return out
 
 
