@@ -1,6 +1,8 @@
-"""Which input sizes a capture keeps dynamic: the batch and the sequence, not an image's height and width (windowed
-models made torch.export reason for minutes about symbolic sizes padded, rolled and split into windows), and a
-caller's time limit ends the capture instead of starting another attempt."""
+"""Windowed vision models (the Swin family). Which input sizes a capture keeps dynamic: the batch and the sequence,
+not an image's height and width (windowed models made torch.export reason for minutes about symbolic sizes padded,
+rolled and split into windows); a caller's time limit ends the capture instead of starting another attempt; and
+their attention, plain or cosine (Swin V2: normalized queries and keys, a learned scale and a bias per head), is
+split by heads and exact."""
 
 from __future__ import annotations
 
@@ -20,8 +22,13 @@ class _Windowed(nn.Module):
     """Swin's structure in small: patches, padded to a multiple of the window, shifted (roll), split into windows,
     multi-head attention inside each window, windows merged back, then an MLP."""
 
-    def __init__(self, dim=32, heads=4, window=4, shift=2):
+    def __init__(self, dim=32, heads=4, window=4, shift=2, cosine=False):
         super().__init__()
+        self.cosine = cosine
+        # Swin V2's cosine attention: a learned temperature per head, a bias per head from a small MLP
+        self.scale = nn.Parameter(torch.rand(heads, 1, 1) + 1)
+        self.bias = nn.Sequential(nn.Linear(2, 16), nn.ReLU(), nn.Linear(16, heads))
+        self.register_buffer("offsets", torch.linspace(-1, 1, window ** 4 * 2).view(window ** 2, window ** 2, 2))
         self.patch = nn.Conv2d(3, dim, 2, stride=2)
         self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
         self.up, self.down = nn.Linear(dim, 2 * dim), nn.Linear(2 * dim, dim)
@@ -36,7 +43,13 @@ class _Windowed(nn.Module):
         hh, ww, k = x.shape[1] // self.window, x.shape[2] // self.window, self.window
         windows = x.view(b, hh, k, ww, k, c).transpose(2, 3).reshape(-1, k * k, c)
         q, kk, v = self.qkv(windows).view(windows.shape[0], k * k, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
-        att = nn.functional.scaled_dot_product_attention(q, kk, v).transpose(1, 2).reshape(windows.shape)
+        if self.cosine:
+            scores = nn.functional.normalize(q, dim=-1) @ nn.functional.normalize(kk, dim=-1).transpose(-2, -1)
+            bias = self.bias(self.offsets).permute(2, 0, 1)  # [heads, tokens, tokens]
+            q = (scores * self.scale.exp() + bias).softmax(-1)
+            att = (q @ v).transpose(1, 2).reshape(windows.shape)
+        else:
+            att = nn.functional.scaled_dot_product_attention(q, kk, v).transpose(1, 2).reshape(windows.shape)
         x = windows + self.proj(att)
         x = x.view(b, hh, ww, k, k, c).transpose(2, 3).reshape(b, hh * k, ww * k, c)
         x = torch.roll(x, (self.shift, self.shift), (1, 2))[:, :h, :w]
@@ -55,12 +68,15 @@ def test_an_image_keeps_its_batch_dynamic_and_its_height_and_width_fixed():
     assert symbols == {batch}
 
 
-def test_windowed_attention_is_split_by_heads_and_exact():
+@pytest.mark.parametrize("cosine", [False, True], ids=["plain", "cosine"])
+def test_windowed_attention_is_split_by_heads_and_exact(cosine):
     torch.manual_seed(0)
-    report = autotp.check(_Windowed(), 2, (torch.randn(2, 3, 16, 16),))
+    report = autotp.check(_Windowed(cosine=cosine), 2, (torch.randn(2, 3, 16, 16),))
     assert report.exact, report.mismatch
     attention = [r for r in report.plan.regions if r.kind == RegionKind.ATTENTION]
-    assert [(r.columns, r.rows) for r in attention] == [(("qkv",), ("proj",))], report.plan.regions
+    columns = ("qkv", "bias.2") if cosine else ("qkv",)  # the bias MLP's last layer makes one bias per head
+    assert [(r.columns, r.rows) for r in attention] == [(columns, ("proj",))], report.plan.regions
+    assert report.plan.placements["scale"].is_split == cosine
 
 
 def test_a_float_mask_stays_as_dynamic_as_the_token_ids_it_masks():
