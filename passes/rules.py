@@ -68,7 +68,9 @@ RULES = {
     aten.sum.dim_IntList: reduction, aten.mean.dim: reduction, aten.amax.default: reduction,
     aten.amin.default: reduction, aten.var.correction: reduction, aten.std.correction: reduction,
     aten.var.dim: reduction, aten.std.dim: reduction, aten.var_mean.correction: reduction,
-    aten.max.dim: reduction, aten.min.dim: reduction,
+    aten.max.dim: reduction, aten.min.dim: reduction, aten.linalg_vector_norm.default: reduction,
+    # ``x.expand_as(y)`` broadcasts like ``x + y``, to y's (local) shape: F.normalize's norm to the heads it divides
+    aten.expand_as.default: pointwise,
     aten.matmul.default: batched_matmul, aten.bmm.default: batched_matmul,
     aten.scaled_dot_product_attention.default: attention, aten.conv1d.default: conv1d,
     aten.view_as.default: view_as, aten.reshape_as.default: view_as, aten.einsum.default: einsum,

@@ -43,7 +43,7 @@ def along_dim(node: fx.Node, ins: Inputs, ctx: Context, x: fx.Node, lay: Shard) 
 @on_split_input
 def reduction(node: fx.Node, ins: Inputs, ctx: Context, x: fx.Node, lay: Shard) -> Decision:
     """sum/mean/amax/var/max over dims other than the shard dim; a sum or mean over it is all-reduced."""
-    dims = arg_or_default(node, 1, "dim", None)
+    dims = named_arg(node, "dim", None)  # by name: a vector norm's dims come after its order
     if dims is None or dims == []:
         return replicate_all(node, ins, ctx)
     dims = [norm_dim(d, rank(x)) for d in ([dims] if isinstance(dims, int) else dims)]

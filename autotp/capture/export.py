@@ -2,7 +2,8 @@
 
 ``torch.fx.symbolic_trace`` fails on Hugging Face models in transformers 5.x; ``torch.export`` with
 ``strict=False`` captures them, keeps ``nn_module_stack`` (so every node maps back to a module) and,
-with ``Dim.AUTO`` on every input dimension, keeps batch and sequence length dynamic.
+with ``Dim.AUTO`` on the input dimensions ``capture.dynamic`` names (all but an image's height and width),
+keeps batch and sequence length dynamic.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from autotp.capture.examples import (
     example_inputs_of,
     require_module,
 )
+from autotp.capture.dynamic import dynamic_shapes
 from autotp.capture.grad_modes import inline_no_grad
 from autotp.capture.guards import export_taking_example_branches, training_branch_hint
 from autotp.capture.hidden_gradients import refuse_hidden_gradients
@@ -173,15 +175,9 @@ def _quiet_torch_logs():
 
 
 def _export(wrapper: nn.Module, inputs: tuple, dynamic: bool) -> fx.GraphModule:
-    """One torch.export attempt; with ``dynamic`` every input dimension is Dim.AUTO."""
-    program = torch.export.export(wrapper, inputs, strict=False, dynamic_shapes=_dynamic_shapes(inputs) if dynamic else None)
+    """One torch.export attempt; with ``dynamic`` the input dimensions ``dynamic_shapes`` names are Dim.AUTO."""
+    program = torch.export.export(wrapper, inputs, strict=False, dynamic_shapes=dynamic_shapes(inputs) if dynamic else None)
     return program.module()
-
-
-def _dynamic_shapes(inputs: tuple) -> tuple:
-    """Dim.AUTO on every input dimension; the wrapper takes *args, so the per-input specs are nested in one
-    tuple for ``args``."""
-    return (tuple({d: torch.export.Dim.AUTO for d in range(x.dim())} for x in inputs),)
 
 
 def _dim_names(gm: fx.GraphModule) -> dict[str, str]:
@@ -338,13 +334,15 @@ def capture(model: nn.Module, example_inputs, training: bool | None = None) -> C
                 gm = _export(wrapper, inputs, dynamic)
                 put_back(gm, copies)
             break
+        except TimeoutError:  # the caller's time limit, not a failure to capture: another attempt would outrun it too
+            raise
         except Exception as e:  # torch.export raises many unrelated types; all mean "could not capture"
             errors.append((dynamic, e))
     else:
         try:  # branches on tensor values: taken as the example takes them, kept as runtime assertions
             with _quiet_torch_logs(), _in_mode(model, training), applied_functions(functions):
-                gm, assumptions = export_taking_example_branches(wrapper, inputs, _dynamic_shapes(inputs))
-        except CaptureError:
+                gm, assumptions = export_taking_example_branches(wrapper, inputs, dynamic_shapes(inputs))
+        except (CaptureError, TimeoutError):
             raise
         except Exception as e:  # the fallback failed too: report the plain capture's error, and the fallback's
             gm, errors = None, errors + [(None, e)]

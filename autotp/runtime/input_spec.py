@@ -92,8 +92,9 @@ class InputSpec:
             guard = str(e).strip().splitlines()[0]
             raise InputError(f"these inputs' sizes are outside what the model was captured for ({guard}); the "
                              "capture keeps sizes dynamic only within the bounds the model's code allows (a "
-                             "position table, a cached mask): use shorter inputs, or capture with example_inputs "
-                             "of the longest size you will use") from e
+                             "position table, a cached mask), and an image's height and width not at all: use "
+                             "shorter inputs, or capture with example_inputs of the longest size (the image size) "
+                             "you will use") from e
         finally:
             if complete is not None:
                 complete()

@@ -1,0 +1,37 @@
+"""Which input dimensions a capture keeps dynamic.
+
+Token ids, masks and features keep every dimension dynamic (``Dim.AUTO``: torch.export fixes any that the
+model's code fixes, such as a position table's length), so a parallel module takes another batch size or
+sequence length without capturing again.
+
+An image's height and width are fixed at the example's. A vision model is trained at the size its config
+names (a ViT's position table fixes it anyway), and windowed models (Swin: pad to a multiple of the window,
+roll, split into windows, four stages each halving the size) make torch.export reason about nested floor
+divisions and remainders of symbolic sizes: minutes to capture a two-layer-per-stage Swin, where fixed sizes
+take seconds. The batch stays dynamic.
+"""
+
+from __future__ import annotations
+
+import torch
+
+IMAGE_DIMS = 4
+"""A floating-point input with at least this many dimensions is a batch of images or videos
+([B, C, H, W], [B, T, C, H, W]): its dimensions after the batch are fixed, but for the sequence ones below."""
+
+
+def dynamic_dims(x: torch.Tensor, sequence_sizes: frozenset[int]) -> tuple[int, ...]:
+    """The dimensions of input ``x`` to capture as dynamic: all of them, but for an image (``IMAGE_DIMS``) only its
+    batch and the dimensions whose size is among ``sequence_sizes`` (a float attention mask [B, 1, T, T] stays as
+    dynamic as the token ids it masks)."""
+    if not (x.is_floating_point() and x.dim() >= IMAGE_DIMS):
+        return tuple(range(x.dim()))
+    return (0, *(d for d in range(1, x.dim()) if x.shape[d] in sequence_sizes))
+
+
+def dynamic_shapes(inputs: tuple[torch.Tensor, ...]) -> tuple:
+    """``Dim.AUTO`` on each input's ``dynamic_dims``; the capture wrapper takes ``*args``, so the per-input specs
+    are nested in one tuple for ``args``. The sequence sizes are those of integer inputs (token ids) after their
+    batch."""
+    sequence_sizes = frozenset(s for x in inputs if not x.is_floating_point() for s in x.shape[1:])
+    return (tuple({d: torch.export.Dim.AUTO for d in dynamic_dims(x, sequence_sizes)} for x in inputs),)

@@ -1,0 +1,106 @@
+"""Windowed vision models (the Swin family) against plain ViTs: CPU seconds to capture, plan and check.
+
+    python -m bench.windowed                 # the table on stdout
+    python -m bench.windowed --tp 4
+
+Each model runs in a fresh process (its imports first), at the zoo's tiny config (``autotp zoo``'s entries) or,
+for ``vit-matched``, a ViT as deep as the tiny Swin (8 layers) with about its parameter count, on the same
+64 x 64 images in 4 x 4 patches. *capture* is ``checker.prepare`` (the train-mode capture), *plan* ``make_plan``,
+*check* the one-process check of every rank against the model (``check_prepared``, which plans again).
+CPU time (``time.process_time``), not wall time: the machine is shared.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+MODELS = ("vit:image", "deit:image", "vit-matched", "swin:image", "swin:backbone", "swinv2:image", "swinv2:backbone",
+          "donut-swin:image", "maskformer-swin:backbone")
+
+VIT_MATCHED = {"hidden_size": 320, "num_hidden_layers": 8, "num_attention_heads": 8, "intermediate_size": 1280,
+               "image_size": 64, "patch_size": 4, "num_labels": 10}
+"""A ViT of the tiny Swin's depth (4 stages of 2 layers) and about its 9M parameters."""
+
+_CHILD = r"""
+import json, sys, time
+import torch
+torch.set_num_threads(1)
+from autotp.checker import check_prepared, prepare
+from autotp.options import Options
+from autotp.planning import make_plan
+from autotp.passes.regions import RegionKind
+name, tp, vit = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
+torch.manual_seed(0)
+if name == "vit-matched":
+    import transformers
+    model = transformers.ViTForImageClassification(transformers.ViTConfig(**vit))
+    inputs = {"pixel_values": torch.randn(2, 3, vit["image_size"], vit["image_size"])}
+else:
+    from autotp.tools.zoo import entries
+    (entry,) = entries({name})
+    model = entry.build()
+    inputs = entry.inputs(model)
+start = time.process_time()
+prepared = prepare(model, inputs)
+caught = time.process_time()
+plan = make_plan(prepared.captured, Options(tp=tp))
+planned = time.process_time()
+report = check_prepared(prepared, tp, vocab="split")
+checked = time.process_time()
+attention = [r for r in plan.regions if r.kind == RegionKind.ATTENTION]
+print(json.dumps({"model": name, "params": sum(p.numel() for p in model.parameters()),
+                  "nodes": len(prepared.captured.graph.nodes), "capture_s": caught - start,
+                  "plan_s": planned - caught, "check_s": checked - planned, "exact": report.exact,
+                  "attention": len(attention), "split_attention": sum(bool(r.columns) for r in attention),
+                  "example": attention[0].to_dict() if attention else None}))
+"""
+
+
+def measure(name: str, tp: int) -> dict:
+    """One model in a fresh process."""
+    out = subprocess.run([sys.executable, "-c", _CHILD, name, str(tp), json.dumps(VIT_MATCHED)],
+                         capture_output=True, text=True)
+    if out.returncode:
+        return {"model": name, "error": (out.stderr.strip().splitlines() or ["?"])[-1][:200]}
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def markdown(rows: list[dict], tp: int, load: tuple[float, float]) -> str:
+    """The table, with the load average at the start and the end."""
+    out = [f"tp={tp}; load average {load[0]:.1f} at the start, {load[1]:.1f} at the end (2 cores, shared).", "",
+           "| model | params | graph nodes | capture s | plan s | capture + plan s | check s | attention regions "
+           "split by heads | exact |", "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for r in rows:
+        if "error" in r:
+            out.append(f"| {r['model']} | - | - | - | - | - | - | - | {r['error']} |")
+            continue
+        out.append(f"| {r['model']} | {r['params'] / 1e6:.1f}M | {r['nodes']} | {r['capture_s']:.1f} | "
+                   f"{r['plan_s']:.2f} | {r['capture_s'] + r['plan_s']:.1f} | {r['check_s']:.1f} | "
+                   f"{r['split_attention']} of {r['attention']} | {'yes' if r['exact'] else 'NO'} |")
+    return "\n".join(out) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.windowed", description=__doc__.splitlines()[0])
+    parser.add_argument("--tp", type=int, default=2)
+    parser.add_argument("--only", default=",".join(MODELS), help="comma-separated models")
+    parser.add_argument("--json", help="also write the rows here")
+    args = parser.parse_args(argv)
+    start = os.getloadavg()[0]
+    rows = []
+    for name in args.only.split(","):
+        rows.append(measure(name, args.tp))
+        print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(rows, f, indent=1)
+    print(markdown(rows, args.tp, (start, os.getloadavg()[0])))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
