@@ -7,6 +7,7 @@ forward pass; backward is taken as twice the forward (the usual estimate for mat
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -120,7 +121,13 @@ def _choices(topk: fx.Node):
 
 def _loaded(expr, load: sympy.Expr):
     """``expr`` with every data-dependent size (``u0``, ...) set to ``load``."""
-    expr = sympy.sympify(expr)
+    return _substituted(sympy.sympify(expr), load)
+
+
+@functools.lru_cache(maxsize=4096)
+def _substituted(expr: sympy.Expr, load: sympy.Expr) -> sympy.Expr:
+    # Every block of a deep model costs the same few expressions: substituting each once (sympy's ``subs`` is
+    # most of the costing) keeps costing a graph linear in its nodes at a small constant.
     return expr.subs({u: load for u in expr.free_symbols if u.name.startswith("u")})
 
 
@@ -131,9 +138,20 @@ def evaluate(expr, values: dict[str, int]) -> float:
     expert: torch.export's ``u0``) is costed at ``data_dependent_hint(values)``, the product of the input
     sizes: as if every token went there, an upper bound.
     """
-    expr = sympy.sympify(expr)
-    hint = data_dependent_hint(values)
-    return float(expr.subs({s: values.get(s.name, hint) for s in expr.free_symbols}))
+    if isinstance(expr, (int, float)):
+        return float(expr)
+    return _evaluated(sympy.sympify(expr), tuple(sorted(values.items())))
+
+
+@functools.lru_cache(maxsize=4096)
+def _evaluated(expr: sympy.Expr, values: tuple[tuple[str, int], ...]) -> float:
+    # ``evaluate`` by the values as a sorted tuple (hashable): a deep model's blocks repeat their expressions,
+    # and the stage split and the pricing evaluate each many times.
+    if expr.is_Number:
+        return float(expr)
+    known = dict(values)
+    hint = data_dependent_hint(known)
+    return float(expr.subs({s: known.get(s.name, hint) for s in expr.free_symbols}))
 
 
 def data_dependent_hint(values: dict[str, int]) -> int:

@@ -191,7 +191,7 @@ class _Walker:
         if proj is not None:
             role = self.role_of(proj, ins)
             if role is not None:
-                return self.projection(node, proj, role)
+                return self.projected(node, proj, role)
         emb = self.embeddings.get(node.name)
         table = self.param_layouts.get(emb.weight) if emb is not None else None
         if isinstance(table, Shard) and table.dim == 1:  # a per-head table (relative position bias)
@@ -236,14 +236,25 @@ class _Walker:
             return replicate_all(node, ins, self.ctx)
         return decision
 
+    def projected(self, node: fx.Node, proj: Projection, role: Role) -> Decision:
+        """``projection``'s decision, kept in ``decisions`` when a search shares one: it reads nothing but the
+        node, its role and what every propagation of the search shares (tp, ``grad``, no sequence split)."""
+        if self.decisions is None:
+            return self.projection(node, proj, role)
+        key = (node, role)
+        if key not in self.decisions:
+            self.decisions[key] = self.projection(node, proj, role)
+        return self.decisions[key]
+
     def role_of(self, proj: Projection, ins: dict) -> Role | None:
         weight = self.param_layouts.get(proj.weight)
         if isinstance(weight, Shard):
             if weight.dim == proj.out_dim:
                 return Role(PlacementKind.COLWISE, weight.segments, weight.replicas)
             return Role(PlacementKind.ROWWISE, _fused(weight.segments))
-        x_layout = self.layout(self.graph_node(proj.input))
-        features = rank(self.graph_node(proj.input)) + proj.feature_axis
+        x = self.graph_node(proj.input)
+        x_layout = self.layout(x)
+        features = self.index.rank(x) + proj.feature_axis
         if self.auto_rows and _row_input(x_layout, features, proj.in_features):
             self.result.rows.append(proj.node)
             return Role(PlacementKind.ROWWISE, _fused(x_layout.segments))
@@ -256,16 +267,15 @@ class _Walker:
         x_path = next(p for p, n in tensor_args(node) if n.name == proj.input)
         x = self.graph_node(proj.input)
         if role.kind is PlacementKind.COLWISE:
-            out = Shard(rank(node) + proj.feature_axis, role.segments, replicas=role.replicas)
+            out = Shard(self.index.rank(node) + proj.feature_axis, role.segments, replicas=role.replicas)
             return Decision(out, wants={x_path: COPY}, checks=size_checks(out, "output features"))
         out = self.sequence_shard(node)
-        self.result.reduced[node.name] = Operator.REDUCE_SCATTER if out else Operator.G
-        wants = {x_path: Shard(rank(x) + proj.feature_axis, role.segments or (proj.in_features,))}
+        wants = {x_path: Shard(self.index.rank(x) + proj.feature_axis, role.segments or (proj.in_features,))}
         bias = next(((p, n) for p, n in tensor_args(node) if n.op == "get_attr" and n.target == proj.bias), None)
         if out is not None and bias is not None and bias[1].name in self.ctx.grad:
             wants[bias[0]] = COPY  # added after the reduce-scatter, to this rank's tokens: its gradient is a share
-        return Decision(out, wants=wants,
-                        checks=[(size, "input features") for size in role.segments or (proj.in_features,)])
+        checks = [(size, "input features") for size in role.segments or (proj.in_features,)]
+        return Decision(out, wants=wants, checks=checks, reduce=Operator.REDUCE_SCATTER if out else Operator.G)
 
     def sequence_shard(self, node: fx.Node) -> Shard | None:
         """Under sequence parallelism, the split along the sequence that a reduction after ``node`` lands in (its
@@ -331,6 +341,15 @@ class GraphIndex:
     """Node -> its position in ``order``."""
     tensor_args: dict[fx.Node, list[tuple[ArgPath, fx.Node, bool]]] = field(default_factory=dict)
     """Node -> ``graph.tensor_args`` with whether each carries a tensor (found once, read by every walk)."""
+    ranks: dict[fx.Node, int] = field(default_factory=dict)
+    """Node -> its tensor's rank (found once: every walk reads a projection's)."""
+
+    def rank(self, node: fx.Node) -> int:
+        """``graph.rank(node)``, found once."""
+        found = self.ranks.get(node)
+        if found is None:
+            found = self.ranks[node] = rank(node)
+        return found
 
     def args(self, node: fx.Node) -> list[tuple[ArgPath, fx.Node, bool]]:
         """``node``'s (path, input node, whether it holds a tensor)."""

@@ -171,8 +171,7 @@ def _stamped(small: Captured, model: nn.Module, runs: list[Run]) -> Captured:
         if node in after_block:
             run = after_block[node]
             _copy_blocks(new, blocks[run, run.keys[1]], hand_over[run], reads[run], run, env)
-    small.module.graph = new
-    small.module.recompile()
+    small.module.graph = new  # the setter recompiles (a second recompile cost as much again)
     small.state_keys = tuple(model.state_dict().keys())
     small.aliases = tensor_aliases(model)
     small.param_names = tuple(n for n, _ in model.named_parameters(remove_duplicate=False))
