@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -89,9 +90,21 @@ def pixel_values(model: nn.Module) -> dict | tuple:
 def pixel_values_of(model: nn.Module) -> dict:
     """Random images of the config's size (square, or height and width) and channels, under ``pixel_values``."""
     config = _vision(model.config)
+    if "spatial_shapes" in inspect.signature(model.forward).parameters:
+        return patch_sequences(config)
     size = getattr(config, "image_size", 32)
     height, width = (size[0], size[-1]) if isinstance(size, (list, tuple)) else (size, size)
     return {"pixel_values": _seeded(EXAMPLE_BATCH, getattr(config, "num_channels", 3), height, width)}
+
+
+def patch_sequences(config) -> dict:
+    """Images already cut into patches, as a NaViT-style tower (SigLIP 2) takes them: (batch, patches, channels x
+    patch x patch) for a square grid of the config's ``num_patches``, every patch real, and the grid's shape."""
+    side = math.isqrt(getattr(config, "num_patches", 16))
+    width = getattr(config, "num_channels", 3) * config.patch_size ** 2
+    return {"pixel_values": _seeded(EXAMPLE_BATCH, side * side, width),
+            "pixel_attention_mask": torch.ones(EXAMPLE_BATCH, side * side, dtype=torch.long),
+            "spatial_shapes": torch.tensor([[side, side]] * EXAMPLE_BATCH)}
 
 
 _FEATURE_FIELDS = ("input_feat_per_channel", "feature_projection_input_dim", "feature_size")
@@ -144,6 +157,12 @@ def speech_seq2seq_inputs(model: nn.Module) -> dict:
     name = getattr(model, "main_input_name", "input_features")
     (ids,) = synthesise(model).flat
     if name == "input_ids":
+        codebooks, codes_vocab = (getattr(model.config, f, None) for f in ("num_codebooks", "codebook_vocab_size"))
+        if isinstance(codebooks, int) and isinstance(codes_vocab, int) and not model.config.is_encoder_decoder:
+            # a speech LM over a text stream and audio codebooks: each step a text token and a code per codebook
+            codes = torch.randint(0, codes_vocab - 1, (*ids.shape, codebooks),
+                                  generator=torch.Generator().manual_seed(0))
+            return {"input_ids": torch.cat([ids[..., None], codes], dim=-1)}
         return {"input_ids": ids} | ({"decoder_input_ids": ids[:, :8]} if model.config.is_encoder_decoder else {})
     return audio_inputs(model) | {"decoder_input_ids": ids[:, :8]}
 
