@@ -56,6 +56,9 @@ TINY_EXTRA = {
     "out_hidden_size": 64,
     # convolutional audio codecs (SEANet): the first layer's channels, doubled at each of the strided stages
     "num_filters": 8,
+    # image autoencoders (VQ-GAN): the first stage's channels, multiplied per stage (32: their group norms have
+    # 32 groups, a constant of the model)
+    "base_channels": 32,
 }
 """Fields besides ``SMALL_HF``'s that size a model, shrunk where the architecture has them."""
 
@@ -217,25 +220,42 @@ def _rotary_sections(fields: dict, small: dict, takes_sections: bool = False) ->
     """Multimodal rotary sections (``rope_parameters.mrope_section``: the rotary half of a head split among time,
     height and width) scaled to the shrunk head, in the same proportions; {} if there are none or they fit. A
     config that ``takes_sections`` but leaves them to the model's code (sized for the full head) gets three equal
-    ones."""
+    ones. Rotary settings per kind of layer (``{"full_attention": {...}}``) are scaled kind by kind; where the
+    default config leaves them empty for the model to read by kind, each kind of layer gets the default rotary
+    embedding."""
     rope = fields.get("rope_parameters")
-    sections = rope.get("mrope_section") if isinstance(rope, dict) else None
-    if sections is None and takes_sections and isinstance(rope, dict):
+    kinds = fields.get("layer_types")
+    if rope == {} and takes_sections and isinstance(kinds, list) and kinds:
+        rope = {kind: {"rope_type": "default", "rope_theta": 10000.0} for kind in dict.fromkeys(kinds)}
+    if not isinstance(rope, dict) or not rope:
+        return {}
+    merged = fields | small
+    if all(isinstance(v, dict) for v in rope.values()):
+        out = {kind: _scaled_sections(v, merged, takes_sections) or v for kind, v in rope.items()}
+        return {"rope_parameters": out} if out != fields.get("rope_parameters") else {}
+    scaled = _scaled_sections(rope, merged, takes_sections)
+    return {"rope_parameters": scaled} if scaled else {}
+
+
+def _scaled_sections(rope: dict, merged: dict, takes_sections: bool) -> dict | None:
+    """One rotary setting with its sections scaled to the head of ``merged`` (a config's fields); None if it has
+    none to scale or they fit."""
+    sections = rope.get("mrope_section")
+    if sections is None and takes_sections:
         sections = [1, 1, 1]
     if not isinstance(sections, list) or not all(isinstance(v, int) for v in sections):
-        return {}  # before the head's width, which a model with heads per stage (a list) does not have
-    merged = fields | small
+        return None  # before the head's width, which a model with heads per stage (a list) does not have
     head = merged.get("head_dim") or (merged.get("hidden_size") or 0) // (merged.get("num_attention_heads") or 1)
     # a partial rotary embedding turns only this share of each head
     share = rope.get("partial_rotary_factor") or merged.get("partial_rotary_factor") or 1
     half = int(head * share) // 2
     if not half or sum(sections) == half:
-        return {}
+        return None
     shares = [v * half / sum(sections) for v in sections]
     scaled = [int(v) for v in shares]
     for i in sorted(range(len(shares)), key=lambda i: scaled[i] - shares[i])[: half - sum(scaled)]:
         scaled[i] += 1  # the largest remainders take what rounding down left
-    return {"rope_parameters": rope | {"mrope_section": scaled}}
+    return rope | {"mrope_section": scaled}
 
 
 def _shrinks(old, new) -> bool:
@@ -262,6 +282,10 @@ TYPE_OVERRIDES = {
     # its stem is four stride-2 convolutions (16 pixels a patch whatever patch_size says), and patch_size sizes the
     # attention biases: it stays 16, with four patches across
     "levit": {"patch_size": 16, "image_size": 64},
+    # the config carries the tokenizer's vocabulary (None by default), where the model looks up its image tokens
+    # by name: those it reads, at the top of the small vocabulary
+    "chameleon": {"vocabulary_map": {"<image>": 127}},
+    "emu3": {"vocabulary_map": {"<image>": 127, "<|extra_200|>": 126}},
     # its model reads the ids of the yes and no tokens from fields its config does not declare, by default ids of
     # the full vocabulary
     "shieldgemma2": {"yes_token_index": 126, "no_token_index": 125},
