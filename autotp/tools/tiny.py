@@ -33,7 +33,7 @@ TINY_EXTRA = {
     "depth": 2, "emb_dim": 64, "word_embed_proj_dim": 64, "embedding_size": 64, "qk_head_dim": 32,
     # mixture of experts: 4 experts, top-2
     "num_local_experts": 4, "num_experts": 4, "n_routed_experts": 4, "num_experts_per_tok": 2,
-    "num_experts_per_token": 2, "moe_intermediate_size": 64, "n_shared_experts": 1, "num_shared_experts": 1,
+    "num_experts_per_token": 2, "top_k_experts": 2, "moe_intermediate_size": 64, "n_shared_experts": 1, "num_shared_experts": 1,
     "shared_expert_intermediate_size": 64, "moe_num_experts": 4, "moe_k": 2, "moe_topk": 2, "top_k": 2,
     "expert_intermediate_size": 64, "moe_ffn_hidden_size": 64, "n_group": 1, "topk_group": 1,
     "num_expert_group": 1, "num_group": 1,
@@ -59,11 +59,18 @@ TINY_EXTRA = {
     # image autoencoders (VQ-GAN): the first stage's channels, multiplied per stage (32: their group norms have
     # 32 groups, a constant of the model)
     "base_channels": 32,
+    # learned queries a Q-Former reads the image with (each a token of the text model's input)
+    "num_query_tokens": 8,
 }
 """Fields besides ``SMALL_HF``'s that size a model, shrunk where the architecture has them."""
 
 MAX_PARAMS = 20_000_000
 """A tiny config must stay tiny: one that does not is not built (its size hides under fields no rule knows)."""
+
+
+_PLACEHOLDER = re.compile(r"(image|video|audio)_token_(id|index)$")
+"""The token a multimodal model's forward finds its images' (or videos', audio's) places by; a config that leaves
+it None (the processor sets it) gets one: with None, a forward given images finds no place for them."""
 
 
 def _prefixed_sizes(fields: dict, small: dict) -> dict:
@@ -200,7 +207,8 @@ def shrink(fields: dict, sub_configs: dict | None = None, mixed: bool = True, co
     vocab = small.get("vocab_size", fields.get("vocab_size", text.get("vocab_size")))
     if isinstance(vocab, int):  # special token ids of the full vocabulary would not fit the small one
         ids = [k for k in sorted(fields) if k.endswith(("_token_id", "_token_index", "_token_ids"))]
-        small |= {k: vocab - 1 - i for i, k in enumerate(ids) if isinstance(fields[k], int) and fields[k] >= vocab}
+        small |= {k: vocab - 1 - i for i, k in enumerate(ids) if isinstance(fields[k], int) and fields[k] >= vocab
+                  or fields[k] is None and _PLACEHOLDER.search(k)}
     return small
 
 
@@ -286,6 +294,9 @@ TYPE_OVERRIDES = {
     # by name: those it reads, at the top of the small vocabulary
     "chameleon": {"vocabulary_map": {"<image>": 127}},
     "emu3": {"vocabulary_map": {"<image>": 127, "<|extra_200|>": 126}},
+    # its default config leaves the kinds of MLP per layer None, which the model indexes by layer: a dense first
+    # layer and a mixture of experts, as DeepSeek's models start
+    "deepseek_ocr2": {"text_config": {"mlp_layer_types": ["dense", "sparse"]}},
     # its model reads the ids of the yes and no tokens from fields its config does not declare, by default ids of
     # the full vocabulary
     "shieldgemma2": {"yes_token_index": 126, "no_token_index": 125},

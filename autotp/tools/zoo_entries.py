@@ -130,6 +130,11 @@ def vision_text_inputs(model: nn.Module) -> tuple | dict:
     needs_images = "pixel_values" in parameters and parameters["pixel_values"].default is inspect.Parameter.empty
     if not needs_images and next(iter(parameters), None) == "input_ids":
         return (ids,)
+    queries, image_token = (getattr(model.config, f, None) for f in ("num_query_tokens", "image_token_id"))
+    if needs_images and isinstance(queries, int) and isinstance(image_token, int):
+        # a Q-Former's queries take the places of that many image tokens in the text, and of no others
+        ids = torch.where(ids == image_token, 0, ids)
+        ids[:, :queries] = image_token
     return {"input_ids": ids} | (pixel_values_of(model) if needs_images else {})
 
 
