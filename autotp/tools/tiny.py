@@ -336,6 +336,11 @@ _DIVISOR = re.compile(r"`?[\w.]+`? \((?P<size>\d+)\) (?:must|should) be divisibl
 channels shrunk more than their group count): the field takes the largest value dividing both."""
 
 
+_UNDECLARED = re.compile(r"'\w+Config' object has no attribute '(?P<field>\w+)'")
+"""A model reading a size its config does not declare (``num_key_value_heads`` of a config without one): the
+size takes its small value."""
+
+
 def tiny_model(model_type: str, build, overrides: dict | None = None):
     """``build(config)`` on the tiny config of ``model_type`` (``overrides`` applied last). Where the config's
     validation, or the model built from it, names the one value a field must take, the field takes it and
@@ -411,12 +416,23 @@ def _requirement(message: str) -> tuple[str, object] | None:
 def _apply_required(small: dict, message: str) -> bool:
     """Set the field a message requires, in the sub-config its dotted name or its presence points to (else the
     config itself); False if no message states one, or the field already has that value."""
+    undeclared = _UNDECLARED.search(message)
+    if undeclared and undeclared["field"] in SMALL_HF | TINY_EXTRA:
+        # set where it is missing: the config itself, else the first sub-config without it
+        holders = [small] + [v for v in small.values() if isinstance(v, dict)]
+        target = next((h for h in holders if undeclared["field"] not in h), None)
+        if target is not None:
+            name = undeclared["field"]
+            # a config without key-value heads has one per attention head
+            same = target.get("num_attention_heads") if name == "num_key_value_heads" else None
+            target[name] = same if isinstance(same, int) else (SMALL_HF | TINY_EXTRA)[name]
+            return True
     required = _requirement(message)
     if required is None:
         return False
     field, value = required
     *path, name = field.split(".")
-    target = small
+    target = _holder(small, path[0]) if path else small
     for part in path:
         target = target.setdefault(part, {}) if isinstance(target.get(part, {}), dict) else {}
     if not path:
@@ -425,6 +441,19 @@ def _apply_required(small: dict, message: str) -> bool:
         return False
     target[name] = value
     return True
+
+
+def _holder(small: dict, part: str) -> dict:
+    """The (sub-)config dict in ``small`` that has a sub-config named ``part``, the top one first (a message may
+    name a sub-config of a sub-config, ``head_config`` within ``word_timestamp_config``); ``small`` if none."""
+    if isinstance(small.get(part), dict):
+        return small
+    for value in small.values():
+        if isinstance(value, dict) and value is not small:
+            found = _holder(value, part)
+            if isinstance(found.get(part), dict):
+                return found
+    return small
 
 
 def quiet():
