@@ -336,6 +336,10 @@ _DIVISOR = re.compile(r"`?[\w.]+`? \((?P<size>\d+)\) (?:must|should) be divisibl
 channels shrunk more than their group count): the field takes the largest value dividing both."""
 
 
+_TIED = re.compile(r"`?(?P<field>\w+)`? must (?:equal|match) `?(?P<a>[a-z_]\w*)`?(?: \+ `?(?P<b>[a-z_]\w*)`?)?(?! \()")
+"""A size that must equal another field, or the sum of two (a head of a non-rotary and a rotary part), named
+without values."""
+
 _UNDECLARED = re.compile(r"'\w+Config' object has no attribute '(?P<field>\w+)'")
 """A model reading a size its config does not declare (``num_key_value_heads`` of a config without one): the
 size takes its small value."""
@@ -426,6 +430,15 @@ def _apply_required(small: dict, message: str) -> bool:
             # a config without key-value heads has one per attention head
             same = target.get("num_attention_heads") if name == "num_key_value_heads" else None
             target[name] = same if isinstance(same, int) else (SMALL_HF | TINY_EXTRA)[name]
+            return True
+    tied = _TIED.search(message)
+    if tied:  # head_dim must equal qk_nope_head_dim + qk_rope_head_dim: the parts' sum as they now are
+        parts = [p for p in (tied["a"], tied["b"]) if p]
+        holders = [small] + [v for v in small.values() if isinstance(v, dict)]
+        holder = next((h for h in sorted(holders, key=lambda h: tied["field"] not in h)  # the field's own first
+                       if all(isinstance(h.get(p), int) and not isinstance(h.get(p), bool) for p in parts)), None)
+        if holder is not None and holder.get(tied["field"]) != sum(holder[p] for p in parts):
+            holder[tied["field"]] = sum(holder[p] for p in parts)
             return True
     required = _requirement(message)
     if required is None:
