@@ -168,8 +168,19 @@ def speech_seq2seq_inputs(model: nn.Module) -> dict:
             codes = torch.randint(0, codes_vocab - 1, (*ids.shape, codebooks),
                                   generator=torch.Generator().manual_seed(0))
             return {"input_ids": torch.cat([ids[..., None], codes], dim=-1)}
-        return {"input_ids": ids} | ({"decoder_input_ids": ids[:, :8]} if model.config.is_encoder_decoder else {})
-    return audio_inputs(model) | {"decoder_input_ids": ids[:, :8]}
+        return {"input_ids": ids} | ({"decoder_input_ids": _decoder_ids(model, ids)} if model.config.is_encoder_decoder
+                                     else {})
+    return audio_inputs(model) | {"decoder_input_ids": _decoder_ids(model, ids)}
+
+
+def _decoder_ids(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """Decoder ids, 8 steps: token ids, or where the decoder reads several audio channels a step (its config's
+    ``num_channels`` codebooks, each of its ``vocab_size``), a code per channel per step."""
+    decoder = getattr(model.config, "decoder_config", None)
+    channels, vocab = getattr(decoder, "num_channels", None), getattr(decoder, "vocab_size", None)
+    if isinstance(channels, int) and isinstance(vocab, int):
+        return torch.randint(0, vocab, (ids.shape[0], 8, channels), generator=torch.Generator().manual_seed(0))
+    return ids[:, :8]
 
 
 GROUPS = (
@@ -208,7 +219,13 @@ def _hf_build(model_type: str, class_names: str | tuple[str, ...]) -> Callable[[
             return config
 
         with quiet():
-            config = tiny_model(model_type, on_meta)  # on the meta device: no memory, and errors read as they come
+            try:  # on the meta device: no memory, and errors read as they come
+                config = tiny_model(model_type, on_meta)
+            except Exception as e:  # whose fault: the tiny config's, or the model's own default config's too
+                own = _default_failure(model_type, cls)
+                if own is None:
+                    raise
+                raise ValueError(f"the model does not build from its own default config either: {own}") from e
             with torch.device("meta"):
                 count = sum(p.numel() for p in cls(config).parameters())
             if count > MAX_PARAMS:
@@ -218,6 +235,20 @@ def _hf_build(model_type: str, class_names: str | tuple[str, ...]) -> Callable[[
             return cls(config)
 
     return build
+
+
+def _default_failure(model_type: str, cls) -> str | None:
+    """Why ``cls`` does not build (on the meta device) from the default config of ``model_type``, in one line; None
+    if it builds."""
+    import transformers
+
+    try:
+        config = transformers.AutoConfig.for_model(model_type)
+        with torch.device("meta"):
+            cls(config)
+    except Exception as e:  # any type: the message is the reason
+        return f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
+    return None
 
 
 def hf_entries() -> list[Entry]:
