@@ -66,7 +66,7 @@ def seq2seq_inputs(model: nn.Module) -> dict:
     mapping lists, such as a speech LM fed text)."""
     (ids,) = token_ids(model)
     if not getattr(model.config, "is_encoder_decoder", False):
-        return {"input_ids": ids}
+        return {"input_ids": ids} | streamed_audio(model, ids)
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "decoder_input_ids": ids[:, : EXAMPLE_SEQ // 2]}
 
 
@@ -153,7 +153,9 @@ def audio_inputs(model: nn.Module) -> dict:
     """Audio under the model's main input: a quarter second of 16 kHz samples (a dozen frames after a
     wav2vec2-style front end), or features."""
     name = getattr(model, "main_input_name", "input_values")
-    return {name: _seeded(EXAMPLE_BATCH, 4000) if name == "input_values" else _features(model)}
+    # a wrapper's generic input (``inputs``) is its encoder's main input: raw samples or features as that says
+    kind = getattr(getattr(model, "encoder", None), "main_input_name", name) if name == "inputs" else name
+    return {name: _seeded(EXAMPLE_BATCH, 4000) if kind == "input_values" else _features(model)}
 
 
 def speech_seq2seq_inputs(model: nn.Module) -> dict:
@@ -169,8 +171,18 @@ def speech_seq2seq_inputs(model: nn.Module) -> dict:
                                   generator=torch.Generator().manual_seed(0))
             return {"input_ids": torch.cat([ids[..., None], codes], dim=-1)}
         return {"input_ids": ids} | ({"decoder_input_ids": _decoder_ids(model, ids)} if model.config.is_encoder_decoder
-                                     else {})
+                                     else streamed_audio(model, ids))
     return audio_inputs(model) | {"decoder_input_ids": _decoder_ids(model, ids)}
+
+
+def streamed_audio(model: nn.Module, ids: torch.Tensor) -> dict:
+    """Audio features beside the text for a streaming speech LM, which adds its audio to the text a token at a
+    time (its config's ``audio_length_per_tok`` frames per token); {} for any other model."""
+    per_token = getattr(model.config, "audio_length_per_tok", None)
+    if not isinstance(per_token, int):
+        return {}
+    mel = getattr(_audio(model.config), "num_mel_bins", None) or 80
+    return {"input_features": _seeded(ids.shape[0], mel, ids.shape[1] * per_token)}
 
 
 def _decoder_ids(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
