@@ -54,6 +54,8 @@ TINY_EXTRA = {
     "d_latents": 64,
     # the output width of a vision tower (its merger's projection into the text model)
     "out_hidden_size": 64,
+    # the width of the global model, as the byte-level encoder and decoder that feed it name it
+    "hidden_size_global": 64,
     # convolutional audio codecs (SEANet): the first layer's channels, doubled at each of the strided stages
     "num_filters": 8,
     # image autoencoders (VQ-GAN): the first stage's channels, multiplied per stage (32: their group norms have
