@@ -77,9 +77,10 @@ it None (the processor sets it) gets one: with None, a forward given images find
 
 def _prefixed_sizes(fields: dict, small: dict) -> dict:
     """Sizes of one part of a multi-part config under its prefix (``speech_encoder_intermediate_size``,
-    ``speech_encoder_layers``, ``t2u_encoder_ffn_dim``): the small value of the longest known size name each ends
-    with. Vocabularies excepted: token ids elsewhere index them."""
-    table = {k: v for k, v in (SMALL_HF | TINY_EXTRA).items() if "vocab" not in k}
+    ``speech_encoder_layers``, ``t2u_encoder_ffn_dim``): the small value of the longest core size name (``SMALL_HF``)
+    each ends with. Vocabularies excepted: token ids elsewhere index them."""
+    # the core widths, depths and heads only: a prefixed chunk or window is tied to its part's strides
+    table = {k: v for k, v in SMALL_HF.items() if "vocab" not in k}
     out = {}
     for name, value in fields.items():
         if name in small or name in table or not isinstance(value, int) or isinstance(value, bool):

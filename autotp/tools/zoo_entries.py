@@ -239,14 +239,25 @@ def _hf_build(model_type: str, class_names: str | tuple[str, ...]) -> Callable[[
                     raise
                 raise ValueError(f"the model does not build from its own default config either: {own}") from e
             with torch.device("meta"):
-                count = sum(p.numel() for p in cls(config).parameters())
+                counts = _counts_by_part(cls(config))
+            count = sum(counts.values())
             if count > MAX_PARAMS:
+                part, most = max(counts.items(), key=lambda kv: kv[1])
                 raise ValueError(f"the tiny config still has {count / 1e6:.0f}M parameters in parts whose sizes no "
-                                 "config field sets; not built")
+                                 f"config field sets ({most / 1e6:.0f}M in {part}); not built")
             torch.manual_seed(0)
             return cls(config)
 
     return build
+
+
+def _counts_by_part(model: nn.Module, depth: int = 3) -> dict[str, int]:
+    """Parameter counts of ``model`` by the first ``depth`` parts of their names (which tower holds the size)."""
+    out: dict[str, int] = {}
+    for name, p in model.named_parameters():
+        part = ".".join(name.split(".")[:depth])
+        out[part] = out.get(part, 0) + p.numel()
+    return out
 
 
 def _default_failure(model_type: str, cls) -> str | None:
