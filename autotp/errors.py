@@ -13,6 +13,15 @@ class CaptureError(AutotpError):
     """The model could not be captured into a torch.fx graph."""
 
 
+class TrainingSettingError(CaptureError):
+    """The capture failed in a branch the model takes only in training, switched on by config settings (SpecAugment's
+    ``mask_time_prob``, LayerDrop's ``layerdrop``); ``settings`` maps each to the value that switches it off."""
+
+    def __init__(self, message: str, settings: dict[str, object]):
+        super().__init__(message)
+        self.settings = dict(settings)
+
+
 class PlanError(AutotpError):
     """No exact plan exists for the requested setting (say, tp does not divide the heads)."""
 

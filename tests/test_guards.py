@@ -48,7 +48,7 @@ AUDIO = {"input_values": _seeded(2, 4000)}
 
 def test_wav2vec2_with_default_settings_names_the_setting_to_change():
     """SpecAugment draws its masks from numpy in training mode: refused, naming the setting."""
-    with pytest.raises(CaptureError, match="mask_time_prob=0"):
+    with pytest.raises(CaptureError, match="^set mask_time_prob=0 "):
         check(_wav2vec2(), 2, AUDIO)
 
 
@@ -67,3 +67,34 @@ def test_wav2vec2_with_its_label_check_is_exact():
     assert any("labels" in line for line in capture(model, inputs, training=True).assumptions)
     report = check(model, 2, inputs)
     assert report.exact, report.mismatch
+
+
+class _LayerDropStack(nn.Module):
+    """LayerDrop as m2m_100 writes it: the rate copied from the config under another name at construction."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.layerdrop = config.encoder_layerdrop
+        self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(2))
+
+    def forward(self, x):
+        for layer in self.layers:
+            if self.training and self.layerdrop > 0.0:
+                dropout_probability = torch.rand([])
+                if dropout_probability < self.layerdrop:
+                    continue
+            x = layer(x)
+        return x
+
+
+def test_a_layer_drop_rate_copied_from_the_config_is_named_by_its_config_field():
+    """``self.layerdrop = config.encoder_layerdrop``: the refusal names the config's field, the one to set."""
+    from types import SimpleNamespace
+
+    from autotp.errors import TrainingSettingError
+
+    model = _LayerDropStack(SimpleNamespace(encoder_layerdrop=0.1, dropout=0.1))
+    with pytest.raises(TrainingSettingError, match=r"^set encoder_layerdrop=0 ") as refused:
+        capture(model, (_seeded(2, 16),), training=True)
+    assert refused.value.settings == {"encoder_layerdrop": 0}

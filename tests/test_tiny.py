@@ -84,3 +84,69 @@ def test_multimodal_rotary_sections_fit_the_shrunk_head(model_type):
     text = tiny_config(model_type).text_config
     head = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     assert sum(text.rope_parameters["mrope_section"]) == head // 2
+
+
+def test_rotary_sections_follow_a_partial_rotary_share_and_each_kind_of_layer():
+    """Sections split the turned half of a head: a quarter of 16 wide heads turned (4), halved, is 2; settings per
+    kind of layer are scaled kind by kind; none to scale, nothing changes."""
+    from autotp.tools.tiny import shrink
+
+    one = {"rope_type": "default", "partial_rotary_factor": 0.25, "mrope_section": [8, 12, 12]}
+    fields = {"hidden_size": 4096, "num_attention_heads": 32, "rope_parameters": {"full_attention": one}}
+    assert sum(shrink(fields)["rope_parameters"]["full_attention"]["mrope_section"]) == 2
+    assert "rope_parameters" not in shrink(fields | {"rope_parameters": {"full_attention": {"rope_theta": 1.0}}})
+    assert "rope_parameters" not in shrink({"hidden_sizes": [64, 128], "num_attention_heads": [1, 2],
+                                            "depths": [2, 2]})  # heads per stage: no single head width
+
+
+def test_stage_lists_whose_widths_the_block_list_repeats_are_kept():
+    """PP-LCNet lists each block with its widths: shrinking the per-stage widths alone would break the tie."""
+    from autotp.tools.tiny import shrink
+
+    blocks = [[[3, 96, 96, 1]], [[3, 96, 192, 2], [3, 192, 192, 1]]]
+    small = shrink({"stage_out_channels": [96, 192], "depths": [1, 2], "block_configs": blocks})
+    assert "stage_out_channels" not in small and "depths" not in small
+    assert shrink({"stage_out_channels": [96, 192], "depths": [1, 7]})["stage_out_channels"] == [24, 48]
+
+
+def test_image_leaves_a_patch_after_the_trunk_stride_and_prefixed_part_sizes_shrink():
+    from autotp.tools.tiny import shrink
+
+    assert shrink({"image_size": 256, "patch_size": 2, "output_stride": 32})["image_size"] == 64
+    small = shrink({"hidden_size": 1024, "speech_encoder_intermediate_size": 4096, "speech_encoder_layers": 24,
+                    "t2u_vocab_size": 10082})
+    assert (small["speech_encoder_intermediate_size"], small["speech_encoder_layers"]) == (128, 2)
+    assert "t2u_vocab_size" not in small  # a vocabulary other ids index: left as it is
+
+
+def test_placeholder_tokens_index_the_text_vocabulary():
+    """A multimodal config's image token (set, or None for the processor to set) fits its text model's
+    vocabulary."""
+    from autotp.tools.tiny import shrink
+
+    small = shrink({"image_token_index": None, "video_token_id": 151344, "pad_token_id": None,
+                    "text_config": {"vocab_size": 151552, "model_type": "glm4v_text"}})
+    assert small["image_token_index"] < 128 and small["video_token_id"] < 128 and "pad_token_id" not in small
+
+
+def test_sizes_the_messages_tie_by_name_are_set_where_they_live():
+    from autotp.tools.tiny import _apply_required
+
+    small = {"text_config": {"hidden_size": 64}, "audio_config": {"hidden_size": 32, "adapter_input_size": 1280}}
+    assert _apply_required(small, "ValueError: adapter_input_size must match hidden_size")
+    assert small["audio_config"]["adapter_input_size"] == 32 and "adapter_input_size" not in small["text_config"]
+    small = {"head_dim": 16, "qk_nope_head_dim": 16, "qk_rope_head_dim": 16}
+    assert _apply_required(small, "SWA head_dim must equal qk_nope_head_dim + qk_rope_head_dim")
+    assert small["head_dim"] == 32
+    small = {"num_attention_heads": 4, "encoder_config": {"num_key_value_heads": 2}}
+    assert _apply_required(small, "AttributeError: 'MoonshineStreamingConfig' object has no attribute "
+                                  "'num_key_value_heads'")
+    assert small["num_key_value_heads"] == 4  # a config without key-value heads has one per attention head
+
+
+def test_a_low_rank_size_of_zero_stays_zero():
+    """glm5_next's NoPE layers: ``qk_rope_head_dim=0`` must not become a rotary part."""
+    from autotp.tools.tiny import shrink
+
+    small = shrink({"kv_lora_rank": 512, "qk_rope_head_dim": 0, "qk_nope_head_dim": 256, "hidden_size": 4096})
+    assert small.get("qk_rope_head_dim", 0) == 0

@@ -27,7 +27,7 @@ from autotp.capture.examples import (
 )
 from autotp.capture.dynamic import dynamic_shapes
 from autotp.capture.grad_modes import inline_no_grad
-from autotp.capture.guards import export_taking_example_branches, training_branch_hint
+from autotp.capture.guards import export_taking_example_branches, training_branch_settings, training_setting_error
 from autotp.capture.hidden_gradients import refuse_hidden_gradients
 from autotp.capture.meta_buffers import buffers_on_meta, put_back
 from autotp.capture.replay import check_replay
@@ -38,7 +38,7 @@ from autotp.capture.torch_private import (
     output_spec,
     plain_sizes,
 )
-from autotp.errors import CaptureError, InputError
+from autotp.errors import CaptureError, InputError, TrainingSettingError
 from autotp.passes.analysis import Analysis
 from autotp.passes.graph import MUTATES_META, SHAPE_META
 
@@ -327,6 +327,7 @@ def capture(model: nn.Module, example_inputs, training: bool | None = None) -> C
     inputs = example.flat
     wrapper = _CaptureWrapper(model, example, model_kwargs(model))
     errors, functions, assumptions = [], set(), ()
+    config = getattr(model, "config", None)  # a transformers model's settings, which a refusal may name
     for dynamic in (True, False):
         try:
             with _quiet_torch_logs(), _in_mode(model, training), applied_functions(functions), \
@@ -341,9 +342,13 @@ def capture(model: nn.Module, example_inputs, training: bool | None = None) -> C
     else:
         try:  # branches on tensor values: taken as the example takes them, kept as runtime assertions
             with _quiet_torch_logs(), _in_mode(model, training), applied_functions(functions):
-                gm, assumptions = export_taking_example_branches(wrapper, inputs, dynamic_shapes(inputs))
-        except (CaptureError, TimeoutError):
+                gm, assumptions = export_taking_example_branches(wrapper, inputs, dynamic_shapes(inputs), config)
+        except TimeoutError:  # the caller's time limit: no further attempt
             raise
+        except CaptureError as e:  # a refusal; one without a setting yields to the plain error's, if that names one
+            if isinstance(e, TrainingSettingError) or not training_branch_settings(errors[-1][1], config):
+                raise
+            gm = None
         except Exception as e:  # the fallback failed too: report the plain capture's error, and the fallback's
             gm, errors = None, errors + [(None, e)]
     if gm is None:
@@ -351,6 +356,12 @@ def capture(model: nn.Module, example_inputs, training: bool | None = None) -> C
         _, err = [(d, e) for d, e in errors if d is not None][-1]
         _refuse_float_ids(example, err)
         first_line = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        settings = training_branch_settings(err, config)
+        if settings:  # the failure is in training-only code a setting switches on: that setting is the fix
+            raise training_setting_error(settings, f"{type(model).__name__} failed in a branch it takes only in "
+                                         f"training with {', '.join(settings)} set (data-dependent, as augmentation "
+                                         f"is): {type(err).__name__}: {first_line[:200]} (at {_user_frame(err)})"
+                                         ) from err
         made = (" No example_inputs were given, so the model ran on synthesised token ids, which it may not take; "
                 "pass its inputs as example_inputs." if example.synthesised else "")
         raise CaptureError(
@@ -358,7 +369,6 @@ def capture(model: nn.Module, example_inputs, training: bool | None = None) -> C
             f"with static shapes; the static attempt said: {type(err).__name__}: {first_line} (at {_user_frame(err)}). "
             "Make the forward traceable (no data-dependent Python control flow on tensor values, no .item()), "
             f"or pass example_inputs the forward accepts (a tuple of positional tensors or a dict of keyword ones).{made}"
-            f"{training_branch_hint(err)}"
             + (f" (Capturing the branches the example takes failed too: {type(fallback).__name__}: "
                f"{(str(fallback).strip().splitlines() or [''])[0][:200]})" if fallback is not None else "")
         ) from err

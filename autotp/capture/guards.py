@@ -26,7 +26,7 @@ from functools import lru_cache
 import torch
 from torch import fx
 
-from autotp.errors import CaptureError
+from autotp.errors import CaptureError, TrainingSettingError
 
 aten = torch.ops.aten
 
@@ -65,15 +65,16 @@ def _source_line(node: fx.Node) -> tuple[str, int, str]:
     return file, int(line), code.strip()
 
 
-def export_taking_example_branches(wrapper: torch.nn.Module, inputs: tuple, dynamic_shapes):
+def export_taking_example_branches(wrapper: torch.nn.Module, inputs: tuple, dynamic_shapes, config=None):
     """Capture with every data-dependent branch taken as the example takes it, each kept as a runtime assertion
     in the graph. Returns the module and one line per assumption (the model's code and where it is); raises
-    ``CaptureError`` naming the setting to change where a branch depends on random numbers."""
+    ``CaptureError`` where a branch depends on random numbers (``TrainingSettingError`` naming the settings of
+    ``config``, the model's config, that switch them off, where the branch's code reads some)."""
     host = _host_rng_states()
     program = torch.export.draft_export(wrapper, inputs, strict=False, dynamic_shapes=dynamic_shapes)
     if _host_rng_states() != host:
-        raise CaptureError(_random_message("the forward draws from numpy's or Python's random generator, "
-                                           "which a captured graph cannot replay", []))
+        raise random_refusal("the forward draws from numpy's or Python's random generator, which a captured "
+                             "graph cannot replay", [], config)
     other = [f for f in program._report.failures if f.failure_type.name not in ("DATA_DEPENDENT_ERROR", "GUARD_ADDED")]
     if other:
         raise RuntimeError(f"draft export reported {other[0].failure_type.name}")
@@ -85,8 +86,8 @@ def export_taking_example_branches(wrapper: torch.nn.Module, inputs: tuple, dyna
             continue  # a check on input sizes, not on values
         file, line, code = _source_line(node)
         if any(_packet(n) in RANDOM_OPS for n in inputs_of):
-            raise CaptureError(_random_message(f"a branch at {os.path.basename(file)}:{line} (`{code}`) depends on "
-                                               "random numbers", [(file, line)]))
+            raise random_refusal(f"a branch at {os.path.basename(file)}:{line} (`{code}`) depends on random "
+                                 "numbers", [(file, line)], config)
         assumptions.append(f"`{code}` ({os.path.basename(file)}:{line})")
     return gm, tuple(dict.fromkeys(assumptions))
 
@@ -101,39 +102,78 @@ def _host_rng_states() -> tuple:
     return state, random.getstate()
 
 
-def _random_message(what: str, places: list[tuple[str, int]]) -> str:
-    settings = _settings_at(places)
-    change = (f"set {' or '.join(f'{s}=0' for s in settings)} in the model's config (a training-time "
-              "augmentation or layer drop), or capture in eval mode" if settings else
-              "make the branch independent of random values, or capture in eval mode")
-    return f"cannot capture the model in training mode: {what}, so every step would repeat the example's draw; {change}"
+def random_refusal(what: str, places: list[tuple[str, int]], config=None) -> CaptureError:
+    """The refusal of a capture whose branch at ``places`` depends on random numbers: a ``TrainingSettingError``
+    that names, first, the settings of ``config`` the code there reads, else a ``CaptureError``."""
+    settings = _settings_at(places, config)
+    if settings:
+        return training_setting_error(settings, f"{what}, so every step would repeat the example's draw")
+    return CaptureError(f"cannot capture the model in training mode: {what}, so every step would repeat the "
+                        "example's draw; make the branch independent of random values, or capture in eval mode")
 
 
-def training_branch_hint(error: BaseException) -> str:
-    """For a capture failure inside a branch the model's own code guards by a config setting (``if
-    self.config.mask_time_prob > 0 and self.training:``), one sentence naming the setting; else ''."""
+def training_setting_error(settings: list[str], why: str) -> TrainingSettingError:
+    """The refusal naming, in its first words, the config settings to set to 0 (a training-time augmentation or
+    layer drop), then why."""
+    change = " and ".join(f"{s}=0" for s in settings)
+    return TrainingSettingError(f"set {change} in the model's config to capture it in training mode (or capture in "
+                                f"eval mode): {why}", dict.fromkeys(settings, 0))
+
+
+def training_branch_settings(error: BaseException, config=None) -> list[str]:
+    """For a capture failure inside a branch the model's own code guards by a config setting and by ``training``
+    (``if self.config.mask_time_prob > 0 and self.training:``), the settings of ``config`` it reads; else []."""
     torch_dir = os.path.dirname(torch.__file__)
     places = [(f.filename, f.lineno) for f in traceback.extract_tb(error.__traceback__)
               if not f.filename.startswith((torch_dir, os.path.dirname(os.path.dirname(__file__))))]
-    settings = _settings_at(places, only_training=True)
-    if not settings:
-        return ""
-    return (f" It failed in a branch the model takes only in training with {', '.join(settings)} set "
-            f"(data-dependent, as augmentation is): set {' and '.join(f'{s}=0' for s in settings)} in the model's "
-            "config, or capture in eval mode.")
+    return _settings_at(places, config, only_training=True)
 
 
-def _settings_at(places: list[tuple[str, int]], only_training: bool = False) -> list[str]:
-    """Config settings named by the innermost ``if`` test (or the line itself) around each place, innermost
-    place first; with ``only_training``, only tests that also read ``training``."""
+def _settings_at(places: list[tuple[str, int]], config=None, only_training: bool = False) -> list[str]:
+    """Config settings read by the innermost ``if`` test (or the line itself) around each place, innermost place
+    first; with ``only_training``, only tests that also read ``training``. A setting is read as ``config.<field>``
+    or as ``self.<name>`` that the class set from ``config.<field>`` (or that ``config`` has); given ``config``,
+    only its fields holding a nonzero number count (the ones that switch something on)."""
     out: list[str] = []
     for file, line in reversed(places):
+        copied = _copied_settings(file, line)
         for test in _enclosing_tests(file, line):
             if only_training and "training" not in test:
                 continue
-            out += [s for s in _SETTING.findall(test) if s not in out]
+            names = _SETTING.findall(test) + [copied.get(n, n) for n in _SELF.findall(test)]
+            out += [s for s in names if s not in out and _switches_on(config, s, direct=s in _SETTING.findall(test))]
         if out:
             break
+    return out
+
+
+_SELF = re.compile(r"\bself\.(\w+)\b(?!\s*\()")
+
+
+def _switches_on(config, name: str, direct: bool) -> bool:
+    """Whether ``name`` is a setting of ``config`` that is switched on (a nonzero number); without a config, any
+    name read as ``config.<name>``."""
+    if config is None:
+        return direct
+    value = getattr(config, name, None)
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value != 0
+
+
+def _copied_settings(file: str, line: int) -> dict[str, str]:
+    """``{name: field}`` for each ``self.<name> = config.<field>`` in the class that holds ``line``."""
+    tree = _parsed(file)
+    if tree is None:
+        return {}
+    classes = [c for c in ast.walk(tree) if isinstance(c, ast.ClassDef) and c.lineno <= line <= (c.end_lineno or 0)]
+    if not classes:
+        return {}
+    out = {}
+    for node in ast.walk(max(classes, key=lambda c: c.lineno)):
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Attribute) \
+                and isinstance(node.value.value, ast.Name) and node.value.value.id == "config":
+            for target in node.targets:
+                if isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name) and target.value.id == "self":
+                    out[target.attr] = node.value.attr
     return out
 
 

@@ -265,7 +265,8 @@ def _small_low_rank(fields: dict, small: dict) -> dict:
     """Small low-rank attention sizes for a config that has them (``kv_lora_rank``), else nothing."""
     if not fields.get("kv_lora_rank"):
         return {}
-    out = {k: v for k, v in SMALL_LOW_RANK.items() if fields.get(k) is not None}
+    # a size of 0 switches its part off (no rotary part: NoPE layers), and stays off
+    out = {k: v for k, v in SMALL_LOW_RANK.items() if fields.get(k) is not None and fields.get(k) != 0}
     # head_dim means one of the low-rank sizes (the rotary part, or the whole query head): keep it that one.
     same = [k for k in ("qk_rope_head_dim", "qk_head_dim", "v_head_dim") if k in out and fields[k] == fields.get("head_dim")]
     if same and "head_dim" in small:

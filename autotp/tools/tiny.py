@@ -33,7 +33,7 @@ TINY_EXTRA = {
     "depth": 2, "emb_dim": 64, "word_embed_proj_dim": 64, "embedding_size": 64, "qk_head_dim": 32,
     # mixture of experts: 4 experts, top-2
     "num_local_experts": 4, "num_experts": 4, "n_routed_experts": 4, "num_experts_per_tok": 2,
-    "num_experts_per_token": 2, "moe_intermediate_size": 64, "n_shared_experts": 1, "num_shared_experts": 1,
+    "num_experts_per_token": 2, "top_k_experts": 2, "moe_intermediate_size": 64, "n_shared_experts": 1, "num_shared_experts": 1,
     "shared_expert_intermediate_size": 64, "moe_num_experts": 4, "moe_k": 2, "moe_topk": 2, "top_k": 2,
     "expert_intermediate_size": 64, "moe_ffn_hidden_size": 64, "n_group": 1, "topk_group": 1,
     "num_expert_group": 1, "num_group": 1,
@@ -52,11 +52,43 @@ TINY_EXTRA = {
     # other vocabularies and latent arrays
     "encoder_hash_byte_group_vocab": 128, "entity_vocab_size": 128, "entity_emb_size": 64, "num_latents": 32,
     "d_latents": 64,
+    # the output width of a vision tower (its merger's projection into the text model)
+    "out_hidden_size": 64,
+    # the width of the global model, as the byte-level encoder and decoder that feed it name it
+    "hidden_size_global": 64,
+    # convolutional audio codecs (SEANet): the first layer's channels, doubled at each of the strided stages
+    "num_filters": 8,
+    # image autoencoders (VQ-GAN): the first stage's channels, multiplied per stage (32: their group norms have
+    # 32 groups, a constant of the model)
+    "base_channels": 32,
+    # learned queries a Q-Former reads the image with (each a token of the text model's input)
+    "num_query_tokens": 8,
 }
 """Fields besides ``SMALL_HF``'s that size a model, shrunk where the architecture has them."""
 
 MAX_PARAMS = 20_000_000
 """A tiny config must stay tiny: one that does not is not built (its size hides under fields no rule knows)."""
+
+
+_PLACEHOLDER = re.compile(r"(image|video|audio)_token_(id|index)$")
+"""The token a multimodal model's forward finds its images' (or videos', audio's) places by; a config that leaves
+it None (the processor sets it) gets one: with None, a forward given images finds no place for them."""
+
+
+def _prefixed_sizes(fields: dict, small: dict) -> dict:
+    """Sizes of one part of a multi-part config under its prefix (``speech_encoder_intermediate_size``,
+    ``speech_encoder_layers``, ``t2u_encoder_ffn_dim``): the small value of the longest core size name (``SMALL_HF``)
+    each ends with. Vocabularies excepted: token ids elsewhere index them."""
+    # the core widths, depths and heads only: a prefixed chunk or window is tied to its part's strides
+    table = {k: v for k, v in SMALL_HF.items() if "vocab" not in k}
+    out = {}
+    for name, value in fields.items():
+        if name in small or name in table or not isinstance(value, int) or isinstance(value, bool):
+            continue
+        known = [k for k in table if name.endswith("_" + k)]
+        if known and _shrinks(value, table[max(known, key=len)]):
+            out[name] = table[max(known, key=len)]
+    return out
 
 
 def _depth(fields: dict) -> int | None:
@@ -105,6 +137,23 @@ def _small_stages(name: str, values: list) -> list:
     return [v if v <= 64 else max(16, v // 4) for v in values]
 
 
+def _spelled_out_blocks(fields: dict) -> bool:
+    """Whether the config lists its blocks one by one with their channel counts (PP-LCNet's ``block_configs``: per
+    stage, per block, kernel, input and output widths...) repeating the widths of its per-stage lists: shrinking
+    the per-stage lists alone would break the tie."""
+    widths = {v for k, value in fields.items() if _is_stage_list(k, value) and _stage_kind(k) == "width"
+              for v in value if v > 64}
+    nested = [value for value in fields.values()
+              if isinstance(value, list) and value and all(isinstance(v, list) for v in value)]
+    return bool(widths & set(_ints_within(nested)))
+
+
+def _ints_within(value) -> list:
+    if isinstance(value, list):
+        return [i for v in value for i in _ints_within(v)]
+    return [value] if isinstance(value, int) and not isinstance(value, bool) else []
+
+
 def _is_layer_indices(values: list, depth: int) -> bool:
     return bool(values) and all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < depth for v in values) \
         and values == sorted(set(values))
@@ -115,15 +164,18 @@ def shrink(fields: dict, sub_configs: dict | None = None, mixed: bool = True, co
     lists keep one layer of each kind; else their first layers. ``config_class``: the config's class (its
     sub-configs' classes are in ``sub_configs``), which says whether it takes multimodal rotary sections."""
     staged = any(_is_stage_list(k, v) and _stage_kind(k) == "depth" for k, v in fields.items())
+    spelled = _spelled_out_blocks(fields)
     depth = None if staged else _depth(fields)  # a hierarchical model's layer count counts its stages
     small = {k: v for k, v in (SMALL_HF | TINY_EXTRA).items() if k in fields and _shrinks(fields[k], v)}
     small |= _small_low_rank(fields, small)
+    small |= _prefixed_sizes(fields, small)
     for name, value in fields.items():
         if name in TINY_EXTRA and isinstance(value, list) and depth and len(value) == depth \
                 and all(isinstance(v, int) for v in value):
             small[name] = [min(v, TINY_EXTRA[name]) for v in value][:LAYERS]  # a size given per layer
         elif _is_stage_list(name, value):
-            small[name] = _small_stages(name, value)
+            if not spelled:  # blocks listed one by one (with their widths) tie the stages to them: kept
+                small[name] = _small_stages(name, value)
         elif name == "out_indices" and isinstance(value, list) and depth and depth > LAYERS:
             small[name] = [v for v in value if isinstance(v, int) and 0 <= v < LAYERS] or [LAYERS - 1]
         elif name == "out_features" and isinstance(value, list) and depth and depth > LAYERS:
@@ -134,8 +186,7 @@ def shrink(fields: dict, sub_configs: dict | None = None, mixed: bool = True, co
             kept = [v for v in value if v < LAYERS] or [LAYERS - 1]
             small[name] = kept
         elif isinstance(value, dict) and (name in (sub_configs or {}) or "model_type" in value):
-            sub_class = (sub_configs or {}).get(name)
-            sub_class = sub_class if isinstance(sub_class, type) else None
+            sub_class = _config_class(value, (sub_configs or {}).get(name))
             small[name] = value | shrink(value, mixed=mixed, config_class=sub_class)
         elif isinstance(value, dict) and depth and value and all(str(k).isdigit() for k in value):
             small[name] = {k: v for k, v in value.items() if int(k) < LAYERS}  # settings keyed by layer index
@@ -148,34 +199,74 @@ def shrink(fields: dict, sub_configs: dict | None = None, mixed: bool = True, co
     if isinstance(width, int):  # a group count equal to the width (a depthwise convolution) stays depthwise
         small |= {k: width for k, v in fields.items()
                   if k.endswith("groups") and isinstance(v, int) and v > width and v == fields.get("hidden_size")}
+    stride, patch = fields.get("output_stride"), (fields | small).get("patch_size")
+    if isinstance(small.get("image_size"), int) and isinstance(stride, int) and isinstance(patch, int):
+        # the trunk divides the image by output_stride, and its last stage still folds patches: at least one
+        small["image_size"] = max(small["image_size"], stride * patch)
     takes_sections = "mrope_section" in getattr(config_class, "ignore_keys_at_rope_validation", ())
     small |= _rotary_sections(fields, small, takes_sections)
-    vocab = small.get("vocab_size", fields.get("vocab_size"))
+    text = small.get("text_config") if isinstance(small.get("text_config"), dict) else {}
+    # a multimodal config's token ids (image, video, audio tokens) index its text model's vocabulary
+    vocab = small.get("vocab_size", fields.get("vocab_size", text.get("vocab_size")))
     if isinstance(vocab, int):  # special token ids of the full vocabulary would not fit the small one
         ids = [k for k in sorted(fields) if k.endswith(("_token_id", "_token_index", "_token_ids"))]
-        small |= {k: vocab - 1 - i for i, k in enumerate(ids) if isinstance(fields[k], int) and fields[k] >= vocab}
+        small |= {k: vocab - 1 - i for i, k in enumerate(ids) if isinstance(fields[k], int) and fields[k] >= vocab
+                  or fields[k] is None and _PLACEHOLDER.search(k)}
     return small
+
+
+def _config_class(fields: dict, declared):
+    """The config class of a sub-config: the one its ``model_type`` names where the parent declares only
+    ``AutoConfig`` (whose class attributes say nothing of the model), else the declared one (None if neither)."""
+    declared = declared if isinstance(declared, type) else None
+    if (declared is None or declared.__name__ == "AutoConfig") and isinstance(fields.get("model_type"), str):
+        from transformers import CONFIG_MAPPING
+
+        # the lazy mapping's get() does not load the class: indexing does
+        return CONFIG_MAPPING[fields["model_type"]] if fields["model_type"] in CONFIG_MAPPING else declared
+    return declared
 
 
 def _rotary_sections(fields: dict, small: dict, takes_sections: bool = False) -> dict:
     """Multimodal rotary sections (``rope_parameters.mrope_section``: the rotary half of a head split among time,
     height and width) scaled to the shrunk head, in the same proportions; {} if there are none or they fit. A
     config that ``takes_sections`` but leaves them to the model's code (sized for the full head) gets three equal
-    ones."""
+    ones. Rotary settings per kind of layer (``{"full_attention": {...}}``) are scaled kind by kind; where the
+    default config leaves them empty for the model to read by kind, each kind of layer gets the default rotary
+    embedding."""
     rope = fields.get("rope_parameters")
-    sections = rope.get("mrope_section") if isinstance(rope, dict) else None
-    if sections is None and takes_sections and isinstance(rope, dict):
-        sections = [1, 1, 1]
-    merged = fields | small
-    head = merged.get("head_dim") or (merged.get("hidden_size") or 0) // (merged.get("num_attention_heads") or 1)
-    if not isinstance(sections, list) or not all(isinstance(v, int) for v in sections) or not head \
-            or sum(sections) == head // 2:
+    kinds = fields.get("layer_types")
+    if rope == {} and takes_sections and isinstance(kinds, list) and kinds:
+        rope = {kind: {"rope_type": "default", "rope_theta": 10000.0} for kind in dict.fromkeys(kinds)}
+    if not isinstance(rope, dict) or not rope:
         return {}
-    shares = [v * (head // 2) / sum(sections) for v in sections]
+    merged = fields | small
+    if all(isinstance(v, dict) for v in rope.values()):
+        out = {kind: _scaled_sections(v, merged, takes_sections) or v for kind, v in rope.items()}
+        return {"rope_parameters": out} if out != fields.get("rope_parameters") else {}
+    scaled = _scaled_sections(rope, merged, takes_sections)
+    return {"rope_parameters": scaled} if scaled else {}
+
+
+def _scaled_sections(rope: dict, merged: dict, takes_sections: bool) -> dict | None:
+    """One rotary setting with its sections scaled to the head of ``merged`` (a config's fields); None if it has
+    none to scale or they fit."""
+    sections = rope.get("mrope_section")
+    if sections is None and takes_sections:
+        sections = [1, 1, 1]
+    if not isinstance(sections, list) or not all(isinstance(v, int) for v in sections):
+        return None  # before the head's width, which a model with heads per stage (a list) does not have
+    head = merged.get("head_dim") or (merged.get("hidden_size") or 0) // (merged.get("num_attention_heads") or 1)
+    # a partial rotary embedding turns only this share of each head
+    share = rope.get("partial_rotary_factor") or merged.get("partial_rotary_factor") or 1
+    half = int(head * share) // 2
+    if not half or sum(sections) == half:
+        return None
+    shares = [v * half / sum(sections) for v in sections]
     scaled = [int(v) for v in shares]
-    for i in sorted(range(len(shares)), key=lambda i: scaled[i] - shares[i])[: head // 2 - sum(scaled)]:
+    for i in sorted(range(len(shares)), key=lambda i: scaled[i] - shares[i])[: half - sum(scaled)]:
         scaled[i] += 1  # the largest remainders take what rounding down left
-    return {"rope_parameters": rope | {"mrope_section": scaled}}
+    return rope | {"mrope_section": scaled}
 
 
 def _shrinks(old, new) -> bool:
@@ -199,6 +290,22 @@ TYPE_OVERRIDES = {
     # i layers
     "cvt": {"depth": [1, 2, 3]},
     "esm": {"pad_token_id": 1, "mask_token_id": 32},
+    # its stem is four stride-2 convolutions (16 pixels a patch whatever patch_size says), and patch_size sizes the
+    # attention biases: it stays 16, with four patches across
+    "levit": {"patch_size": 16, "image_size": 64},
+    # the config carries the tokenizer's vocabulary (None by default), where the model looks up its image tokens
+    # by name: those it reads, at the top of the small vocabulary
+    "chameleon": {"vocabulary_map": {"<image>": 127}},
+    "emu3": {"vocabulary_map": {"<image>": 127, "<|extra_200|>": 126}},
+    # its default config leaves the kinds of MLP per layer None, which the model indexes by layer: a dense first
+    # layer and a mixture of experts, as DeepSeek's models start
+    "deepseek_ocr2": {"text_config": {"mlp_layer_types": ["dense", "sparse"]}},
+    # its model reads the ids of the yes and no tokens from fields its config does not declare, by default ids of
+    # the full vocabulary
+    "shieldgemma2": {"yes_token_index": 126, "no_token_index": 125},
+    # the last convolution's width is the model's constant 1280 scaled by width_coefficient, and hidden_dim must
+    # equal it (its batch norm): a tenth of 1280 is the tiny width
+    "efficientnet": {"width_coefficient": 0.1, "hidden_dim": 128},
     # windowed attention over the patch grid: the window count a square that divides the tiny image's grid
     "lw_detr_vit": {"num_windows": 4},
     # a token's layout embedding is its box's four coordinates and two sides side by side: the width six parts
@@ -230,6 +337,15 @@ _DIVISOR = re.compile(r"`?[\w.]+`? \((?P<size>\d+)\) (?:must|should) be divisibl
                       r"\((?P<value>\d+)\)")
 """A size that a field must divide (``num_channels (16) must be divisible by num_groups (32)``: group norms over
 channels shrunk more than their group count): the field takes the largest value dividing both."""
+
+
+_TIED = re.compile(r"`?(?P<field>\w+)`? must (?:equal|match) `?(?P<a>[a-z_]\w*)`?(?: \+ `?(?P<b>[a-z_]\w*)`?)?(?! \()")
+"""A size that must equal another field, or the sum of two (a head of a non-rotary and a rotary part), named
+without values."""
+
+_UNDECLARED = re.compile(r"'\w+Config' object has no attribute '(?P<field>\w+)'")
+"""A model reading a size its config does not declare (``num_key_value_heads`` of a config without one): the
+size takes its small value."""
 
 
 def tiny_model(model_type: str, build, overrides: dict | None = None):
@@ -307,12 +423,32 @@ def _requirement(message: str) -> tuple[str, object] | None:
 def _apply_required(small: dict, message: str) -> bool:
     """Set the field a message requires, in the sub-config its dotted name or its presence points to (else the
     config itself); False if no message states one, or the field already has that value."""
+    undeclared = _UNDECLARED.search(message)
+    if undeclared and undeclared["field"] in SMALL_HF | TINY_EXTRA:
+        # set where it is missing: the config itself, else the first sub-config without it
+        holders = [small] + [v for v in small.values() if isinstance(v, dict)]
+        target = next((h for h in holders if undeclared["field"] not in h), None)
+        if target is not None:
+            name = undeclared["field"]
+            # a config without key-value heads has one per attention head
+            same = target.get("num_attention_heads") if name == "num_key_value_heads" else None
+            target[name] = same if isinstance(same, int) else (SMALL_HF | TINY_EXTRA)[name]
+            return True
+    tied = _TIED.search(message)
+    if tied:  # head_dim must equal qk_nope_head_dim + qk_rope_head_dim: the parts' sum as they now are
+        parts = [p for p in (tied["a"], tied["b"]) if p]
+        holders = [small] + [v for v in small.values() if isinstance(v, dict)]
+        holder = next((h for h in sorted(holders, key=lambda h: tied["field"] not in h)  # the field's own first
+                       if all(isinstance(h.get(p), int) and not isinstance(h.get(p), bool) for p in parts)), None)
+        if holder is not None and holder.get(tied["field"]) != sum(holder[p] for p in parts):
+            holder[tied["field"]] = sum(holder[p] for p in parts)
+            return True
     required = _requirement(message)
     if required is None:
         return False
     field, value = required
     *path, name = field.split(".")
-    target = small
+    target = _holder(small, path[0]) if path else small
     for part in path:
         target = target.setdefault(part, {}) if isinstance(target.get(part, {}), dict) else {}
     if not path:
@@ -321,6 +457,19 @@ def _apply_required(small: dict, message: str) -> bool:
         return False
     target[name] = value
     return True
+
+
+def _holder(small: dict, part: str) -> dict:
+    """The (sub-)config dict in ``small`` that has a sub-config named ``part``, the top one first (a message may
+    name a sub-config of a sub-config, ``head_config`` within ``word_timestamp_config``); ``small`` if none."""
+    if isinstance(small.get(part), dict):
+        return small
+    for value in small.values():
+        if isinstance(value, dict) and value is not small:
+            found = _holder(value, part)
+            if isinstance(found.get(part), dict):
+                return found
+    return small
 
 
 def quiet():

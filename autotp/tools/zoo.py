@@ -11,6 +11,7 @@ Each runs through ``autotp.check`` (every rank simulated, one training step comp
 
 from __future__ import annotations
 
+import copy
 import re
 import signal
 import sys
@@ -26,7 +27,7 @@ from torch import fx, nn
 from autotp.capture import model_kwargs
 from autotp.capture.examples import example_inputs_of, vocab_size
 from autotp.checker import check_prepared, prepare
-from autotp.errors import AutotpError
+from autotp.errors import AutotpError, TrainingSettingError
 from autotp.names import within
 from autotp.passes.choices import whole_convolutions
 from autotp.tools.zoo_diffusers import diffusers_entries
@@ -102,9 +103,9 @@ def run_entry_at(entry: Entry, tps: tuple[int, ...], limit_s: int = 240,
         failed = Result(Status.NOT_BUILDABLE, notes=[_build_reason(e)], seconds=time.perf_counter() - start)
         return dict.fromkeys(tps, failed)
     start = time.perf_counter()
-    prepared = _outcome(lambda: prepare(model, inputs), limit_s, start)
+    prepared, model, note = _prepared(model, inputs, limit_s, start)
     if isinstance(prepared, Result):
-        return dict.fromkeys(tps, prepared)
+        return dict.fromkeys(tps, _noted(prepared, note))
     out = {}
     excused = input_convolutions(prepared.captured) | added_tables(prepared.captured)
     for tp in tps:
@@ -113,10 +114,56 @@ def run_entry_at(entry: Entry, tps: tuple[int, ...], limit_s: int = 240,
             report = check_prepared(prepared, tp, vocab="split", sequence_parallel=sequence_parallel)
             return report, {name: p.numel() for name, p in model.named_parameters() if name in report.read}
         outcome = _outcome(run, limit_s, start)
-        out[tp] = outcome if isinstance(outcome, Result) else \
-            _verdict(*outcome, model, time.perf_counter() - start, excused)
+        out[tp] = _noted(outcome if isinstance(outcome, Result) else
+                         _verdict(*outcome, model, time.perf_counter() - start, excused), note)
         start = time.perf_counter()
     return out
+
+
+def _prepared(model: nn.Module, inputs, limit_s: int, start: float) -> tuple:
+    """``prepare(model, inputs)`` (or the ``Result`` that says how it failed), the model prepared, and a note. A
+    capture refused naming the config settings that switch training-time randomness off (SpecAugment's
+    ``mask_time_prob``, LayerDrop's ``layerdrop``) is prepared again from the model rebuilt with them: the table
+    records that check, and the note says the default config was refused and which settings were checked."""
+    applied: dict[str, object] = {}
+    first = None
+    while True:
+        refusal = []
+
+        def step(model=model):
+            try:
+                return prepare(model, inputs)
+            except TrainingSettingError as e:
+                refusal.append(e)
+                raise
+
+        outcome = _outcome(step, limit_s, start)
+        if not refusal or set(refusal[0].settings) <= set(applied) or getattr(model, "config", None) is None:
+            break
+        first = first or _line(refusal[0])
+        applied |= refusal[0].settings
+        model = _with_settings(model, applied)
+    settings = ", ".join(f"{k}={v}" for k, v in applied.items())
+    return outcome, model, f"refused with the default config ({first}); checked with {settings}" if applied else None
+
+
+def _with_settings(model: nn.Module, settings: dict) -> nn.Module:
+    """A fresh model of ``model``'s class from a copy of its config with ``settings`` set (the same seed the
+    zoo builds with)."""
+    config = copy.deepcopy(model.config)
+    for name, value in settings.items():
+        setattr(config, name, value)
+    torch.manual_seed(0)
+    rebuilt = type(model)(config)
+    rebuilt.train(model.training)
+    return rebuilt
+
+
+def _noted(result: Result, note: str | None) -> Result:
+    """``result`` with ``note`` first among its notes."""
+    if note:
+        result.notes.insert(0, note)
+    return result
 
 
 def _outcome(step: Callable, limit_s: int, start: float):

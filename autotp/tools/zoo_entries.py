@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -65,7 +66,7 @@ def seq2seq_inputs(model: nn.Module) -> dict:
     mapping lists, such as a speech LM fed text)."""
     (ids,) = token_ids(model)
     if not getattr(model.config, "is_encoder_decoder", False):
-        return {"input_ids": ids}
+        return {"input_ids": ids} | streamed_audio(model, ids)
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "decoder_input_ids": ids[:, : EXAMPLE_SEQ // 2]}
 
 
@@ -89,9 +90,21 @@ def pixel_values(model: nn.Module) -> dict | tuple:
 def pixel_values_of(model: nn.Module) -> dict:
     """Random images of the config's size (square, or height and width) and channels, under ``pixel_values``."""
     config = _vision(model.config)
+    if "spatial_shapes" in inspect.signature(model.forward).parameters:
+        return patch_sequences(config)
     size = getattr(config, "image_size", 32)
     height, width = (size[0], size[-1]) if isinstance(size, (list, tuple)) else (size, size)
     return {"pixel_values": _seeded(EXAMPLE_BATCH, getattr(config, "num_channels", 3), height, width)}
+
+
+def patch_sequences(config) -> dict:
+    """Images already cut into patches, as a NaViT-style tower (SigLIP 2) takes them: (batch, patches, channels x
+    patch x patch) for a square grid of the config's ``num_patches``, every patch real, and the grid's shape."""
+    side = math.isqrt(getattr(config, "num_patches", 16))
+    width = getattr(config, "num_channels", 3) * config.patch_size ** 2
+    return {"pixel_values": _seeded(EXAMPLE_BATCH, side * side, width),
+            "pixel_attention_mask": torch.ones(EXAMPLE_BATCH, side * side, dtype=torch.long),
+            "spatial_shapes": torch.tensor([[side, side]] * EXAMPLE_BATCH)}
 
 
 _FEATURE_FIELDS = ("input_feat_per_channel", "feature_projection_input_dim", "feature_size")
@@ -117,6 +130,11 @@ def vision_text_inputs(model: nn.Module) -> tuple | dict:
     needs_images = "pixel_values" in parameters and parameters["pixel_values"].default is inspect.Parameter.empty
     if not needs_images and next(iter(parameters), None) == "input_ids":
         return (ids,)
+    queries, image_token = (getattr(model.config, f, None) for f in ("num_query_tokens", "image_token_id"))
+    if needs_images and isinstance(queries, int) and isinstance(image_token, int):
+        # a Q-Former's queries take the places of that many image tokens in the text, and of no others
+        ids = torch.where(ids == image_token, 0, ids)
+        ids[:, :queries] = image_token
     return {"input_ids": ids} | (pixel_values_of(model) if needs_images else {})
 
 
@@ -135,7 +153,9 @@ def audio_inputs(model: nn.Module) -> dict:
     """Audio under the model's main input: a quarter second of 16 kHz samples (a dozen frames after a
     wav2vec2-style front end), or features."""
     name = getattr(model, "main_input_name", "input_values")
-    return {name: _seeded(EXAMPLE_BATCH, 4000) if name == "input_values" else _features(model)}
+    # a wrapper's generic input (``inputs``) is its encoder's main input: raw samples or features as that says
+    kind = getattr(getattr(model, "encoder", None), "main_input_name", name) if name == "inputs" else name
+    return {name: _seeded(EXAMPLE_BATCH, 4000) if kind == "input_values" else _features(model)}
 
 
 def speech_seq2seq_inputs(model: nn.Module) -> dict:
@@ -144,8 +164,35 @@ def speech_seq2seq_inputs(model: nn.Module) -> dict:
     name = getattr(model, "main_input_name", "input_features")
     (ids,) = synthesise(model).flat
     if name == "input_ids":
-        return {"input_ids": ids} | ({"decoder_input_ids": ids[:, :8]} if model.config.is_encoder_decoder else {})
-    return audio_inputs(model) | {"decoder_input_ids": ids[:, :8]}
+        codebooks, codes_vocab = (getattr(model.config, f, None) for f in ("num_codebooks", "codebook_vocab_size"))
+        if isinstance(codebooks, int) and isinstance(codes_vocab, int) and not model.config.is_encoder_decoder:
+            # a speech LM over a text stream and audio codebooks: each step a text token and a code per codebook
+            codes = torch.randint(0, codes_vocab - 1, (*ids.shape, codebooks),
+                                  generator=torch.Generator().manual_seed(0))
+            return {"input_ids": torch.cat([ids[..., None], codes], dim=-1)}
+        return {"input_ids": ids} | ({"decoder_input_ids": _decoder_ids(model, ids)} if model.config.is_encoder_decoder
+                                     else streamed_audio(model, ids))
+    return audio_inputs(model) | {"decoder_input_ids": _decoder_ids(model, ids)}
+
+
+def streamed_audio(model: nn.Module, ids: torch.Tensor) -> dict:
+    """Audio features beside the text for a streaming speech LM, which adds its audio to the text a token at a
+    time (its config's ``audio_length_per_tok`` frames per token); {} for any other model."""
+    per_token = getattr(model.config, "audio_length_per_tok", None)
+    if not isinstance(per_token, int):
+        return {}
+    mel = getattr(_audio(model.config), "num_mel_bins", None) or 80
+    return {"input_features": _seeded(ids.shape[0], mel, ids.shape[1] * per_token)}
+
+
+def _decoder_ids(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """Decoder ids, 8 steps: token ids, or where the decoder reads several audio channels a step (its config's
+    ``num_channels`` codebooks, each of its ``vocab_size``), a code per channel per step."""
+    decoder = getattr(model.config, "decoder_config", None)
+    channels, vocab = getattr(decoder, "num_channels", None), getattr(decoder, "vocab_size", None)
+    if isinstance(channels, int) and isinstance(vocab, int):
+        return torch.randint(0, vocab, (ids.shape[0], 8, channels), generator=torch.Generator().manual_seed(0))
+    return ids[:, :8]
 
 
 GROUPS = (
@@ -184,16 +231,47 @@ def _hf_build(model_type: str, class_names: str | tuple[str, ...]) -> Callable[[
             return config
 
         with quiet():
-            config = tiny_model(model_type, on_meta)  # on the meta device: no memory, and errors read as they come
+            try:  # on the meta device: no memory, and errors read as they come
+                config = tiny_model(model_type, on_meta)
+            except Exception as e:  # whose fault: the tiny config's, or the model's own default config's too
+                own = _default_failure(model_type, cls)
+                if own is None:
+                    raise
+                raise ValueError(f"the model does not build from its own default config either: {own}") from e
             with torch.device("meta"):
-                count = sum(p.numel() for p in cls(config).parameters())
+                counts = _counts_by_part(cls(config))
+            count = sum(counts.values())
             if count > MAX_PARAMS:
+                part, most = max(counts.items(), key=lambda kv: kv[1])
                 raise ValueError(f"the tiny config still has {count / 1e6:.0f}M parameters in parts whose sizes no "
-                                 "config field sets; not built")
+                                 f"config field sets ({most / 1e6:.0f}M in {part}); not built")
             torch.manual_seed(0)
             return cls(config)
 
     return build
+
+
+def _counts_by_part(model: nn.Module, depth: int = 3) -> dict[str, int]:
+    """Parameter counts of ``model`` by the first ``depth`` parts of their names (which tower holds the size)."""
+    out: dict[str, int] = {}
+    for name, p in model.named_parameters():
+        part = ".".join(name.split(".")[:depth])
+        out[part] = out.get(part, 0) + p.numel()
+    return out
+
+
+def _default_failure(model_type: str, cls) -> str | None:
+    """Why ``cls`` does not build (on the meta device) from the default config of ``model_type``, in one line; None
+    if it builds."""
+    import transformers
+
+    try:
+        config = transformers.AutoConfig.for_model(model_type)
+        with torch.device("meta"):
+            cls(config)
+    except Exception as e:  # any type: the message is the reason
+        return f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
+    return None
 
 
 def hf_entries() -> list[Entry]:
