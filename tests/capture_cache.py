@@ -5,8 +5,10 @@ rank built the same seeded model and captured it again, and a worker that parall
 (a checkpoint loaded at another tp) captured it each time. A capture depends only on the model's classes, its
 modules' settings and modes, its tensors (names, ties, shapes, dtypes, values), the example inputs, the mode
 asked for and torch's global modes; all of them are the key here, so a hit is the graph the capture would have
-made. The graph's own tensors must still hold the values they were captured with (a one-process module reads
-its weights from them; the first caller may have trained its model since): else the entry is captured again.
+made. Captures read the tensors of the model first captured with that key (its source), so one model's train and
+eval graphs keep sharing them; the source must still equal the key (a one-process module copies its weights from
+the graph's tensors, and the source's test may have trained it since): else the next model equal to the key
+becomes the source and is captured again.
 
 Only the entry points that treat a capture as read-only use it (``parallelize``, ``check``, the loss graph of
 ``step``); ``capture_repeated`` edits the capture of its shortened model and ``pm.generate`` its cache steps,
@@ -22,9 +24,11 @@ from collections import OrderedDict
 import torch
 from torch import nn
 
-LIMIT = 48
-"""Captures kept (least recently used dropped first); the test models are tiny, a zoo model is not."""
-_ENTRIES: OrderedDict = OrderedDict()
+LIMIT = 32
+"""Models whose captures are kept (least recently used dropped first)."""
+LARGEST = 20_000_000
+"""Elements of the largest model kept (the test models are tiny; a zoo model need not stay in memory)."""
+_SOURCES: OrderedDict = OrderedDict()
 _COUNTS = {"hits": 0, "misses": 0}
 _KEPT: dict[int, object] = {}
 """Objects a key names by identity, kept alive so that their ids are never reused."""
@@ -96,32 +100,40 @@ def _model_key(model: nn.Module) -> tuple:
     return type(model), modules, _tensors(model)
 
 
-def _key(model: nn.Module, example_inputs, training) -> tuple:
-    modes = (torch.is_grad_enabled(), torch.get_default_dtype(), torch.is_autocast_enabled("cpu"))
-    return _model_key(model), _value(example_inputs), training, modes
+def _modes() -> tuple:
+    return torch.is_grad_enabled(), torch.get_default_dtype(), torch.is_autocast_enabled("cpu")
 
 
-def _own_values(captured) -> tuple:
-    return _tensors(captured.module)
+@dataclasses.dataclass
+class _Source:
+    """The model a group of captures was made from, and those captures by (example inputs, mode, torch's modes).
+
+    Every capture of a group reads the same tensors, as captures of one model do (a rank module's train and eval
+    graphs share the tensors both read); later models equal to the source get its captures."""
+
+    model: nn.Module
+    captures: dict = dataclasses.field(default_factory=dict)
 
 
 def cached(capture):
     """``capture`` with the memo in front (same signature: model, example_inputs, training)."""
 
     def cached_capture(model, example_inputs=None, training=None):
-        if not isinstance(model, nn.Module):
+        if not isinstance(model, nn.Module) or sum(t.numel() for t in model.parameters()) > LARGEST:
             return capture(model, example_inputs, training)  # the real one says what is wrong
-        key = _key(model, example_inputs, training)
-        entry = _ENTRIES.get(key)
-        if entry is not None and _own_values(entry[0]) == entry[1]:
-            _ENTRIES.move_to_end(key)
+        key, how = _model_key(model), (_value(example_inputs), training, _modes())
+        source = _SOURCES.get(key)
+        if source is None or (source.model is not model and _model_key(source.model) != key):
+            source = _SOURCES[key] = _Source(model)  # none yet, or its model was trained since: start again
+            while len(_SOURCES) > LIMIT:
+                _SOURCES.popitem(last=False)
+        _SOURCES.move_to_end(key)
+        if how in source.captures:
             _COUNTS["hits"] += 1
-            return entry[0]
-        captured = capture(model, example_inputs, training)
+            return source.captures[how]
+        captured = capture(source.model, example_inputs, training)  # equal to ``model`` in everything the key holds
         _COUNTS["misses"] += 1
-        _ENTRIES[key] = (captured, _own_values(captured))
-        while len(_ENTRIES) > LIMIT:
-            _ENTRIES.popitem(last=False)
+        source.captures[how] = captured
         return captured
 
     cached_capture.__wrapped__ = capture
