@@ -151,6 +151,18 @@ def install() -> None:
             module.capture = cached(module.capture)
 
 
+def warm(model: nn.Module, example_inputs) -> None:
+    """Capture ``model`` on ``example_inputs`` in train and eval mode, as ``parallelize`` does, in this process:
+    ranks forked afterwards (``tests.distributed.run_on_ranks``) find both captured. Worth it before a spawn of
+    more ranks than cores, which would otherwise capture the model once per rank."""
+    import autotp.api
+    from autotp.capture import example_inputs_of
+
+    example = example_inputs_of(model, example_inputs)
+    for mode in (True, False):
+        autotp.api.capture(model, example, training=mode)
+
+
 def counts() -> dict:
     """Hits and misses in this process so far."""
     return dict(_COUNTS)
