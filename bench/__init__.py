@@ -26,6 +26,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     p.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {','.join(SECTIONS)}")
     p.add_argument("--repeats", type=int, default=None, help="timed steps per variant (default: preset)")
+    p.add_argument("--prep-layers", default=None, help="comma-separated depths preparation is timed at (default: "
+                   "preset; the CI smoke test takes shallow ones)")
     return p.parse_args(argv)
 
 
@@ -81,6 +83,16 @@ def run(cfg: BenchConfig) -> dict:
     return results
 
 
+def _depths(text: str | None) -> tuple[int, ...] | None:
+    """``--prep-layers 2,4`` as (2, 4); None when not given. Raises ValueError on anything but positive integers."""
+    if text is None:
+        return None
+    depths = tuple(int(part) for part in text.split(",") if part.strip())
+    if not depths or min(depths) < 1:
+        raise ValueError(f"--prep-layers takes positive depths, got {text!r}")
+    return depths
+
+
 def main(argv=None) -> int:
     """Run the benchmark and write its markdown table and JSON; prints where they went."""
     from bench.report import write
@@ -91,7 +103,7 @@ def main(argv=None) -> int:
         return 2
     try:
         cfg = make_config(args.quick, args.device, args.dtype, tuple(filter(None, args.sections.split(","))),
-                          args.repeats)
+                          args.repeats, _depths(args.prep_layers))
     except ValueError as e:
         print(f"bad arguments: {e}", file=sys.stderr)
         return 2

@@ -160,8 +160,9 @@ def _full_shapes(device: str) -> dict:
 
 
 def make_config(quick: bool, device: str = "cpu", dtype: str = "fp32", sections=SECTIONS,
-                repeats: int | None = None) -> BenchConfig:
-    """The preset for a full run or for ``--quick`` on ``device``; ``repeats`` overrides the timed steps."""
+                repeats: int | None = None, prep_layers: tuple[int, ...] | None = None) -> BenchConfig:
+    """The preset for a full run or for ``--quick`` on ``device``; ``repeats`` overrides the timed steps,
+    ``prep_layers`` the depths preparation is timed at."""
     if quick:
         preset = dict(runtime=TINY, memory=TINY, prep=TINY.with_(n_embd=64, n_head=4), prep_layers=(6, 12),
                       repeats=3, warmup=1, prep_repeats=1)
@@ -172,4 +173,6 @@ def make_config(quick: bool, device: str = "cpu", dtype: str = "fp32", sections=
         preset["single_threads"] = (0,)
     if repeats is not None:
         preset["repeats"] = preset["pp_repeats"] = repeats
+    if prep_layers is not None:
+        preset["prep_layers"] = tuple(prep_layers)
     return BenchConfig(device=device, dtype=dtype, quick=quick, sections=tuple(sections), **preset)

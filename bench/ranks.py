@@ -88,17 +88,19 @@ def _passive_openmp():
         del os.environ["OMP_WAIT_POLICY"]
 
 
-def run_on_ranks(fn: Callable, device: str, threads: list[int], *args) -> list:
+def run_on_ranks(fn: Callable, device: str, threads: list[int], *args, start_method: str = "spawn") -> list:
     """``fn(rank, world, *args)`` on ``len(threads)`` ranks; returns each rank's (JSON-able) result, in rank order.
 
     ``threads[r]`` is rank r's torch intra-op thread count: with tp ranks on a machine with tp cores,
-    1 keeps every rank on its own core.
+    1 keeps every rank on its own core. ``start_method`` "fork" starts the ranks as copies of this process (CPU
+    only: what it holds, the tests' captures, comes with them); "spawn" starts fresh interpreters.
     """
     world = len(threads)
     if device == "cuda" and torch.cuda.device_count() < world:
         raise RuntimeError(f"--device cuda needs {world} GPUs, found {torch.cuda.device_count()}")
     with tempfile.TemporaryDirectory() as out, _passive_openmp():
-        mp.spawn(_entry, args=(world, _free_port(), device, threads, fn, args, out), nprocs=world, join=True)
+        mp.start_processes(_entry, args=(world, _free_port(), device, threads, fn, args, out), nprocs=world, join=True,
+                           start_method=start_method)
         results = []
         for rank in range(world):
             with open(os.path.join(out, f"rank{rank}.json")) as f:

@@ -16,9 +16,11 @@ from bench import ranks
 def run_on_ranks(fn, world: int, *args) -> list:
     """``fn(rank, world, *args)`` on ``world`` gloo ranks; returns the per-rank results.
 
-    An exception in any rank (a failed assertion included) fails the caller with that rank's traceback.
+    An exception in any rank (a failed assertion included) fails the caller with that rank's traceback. The
+    ranks are forked from the test's process, so the models it (or an earlier test) captured are captured
+    already in every rank (``capture_cache``), instead of once more per rank.
     """
-    return ranks.run_on_ranks(fn, "cpu", [1] * world, *args)
+    return ranks.run_on_ranks(fn, "cpu", [1] * world, *args, start_method="fork")
 
 
 def on_threads(tp: int, body) -> list:

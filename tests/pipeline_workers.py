@@ -15,13 +15,18 @@ from tests.distributed import largest_first
 from tests.workers import ADAM, STEPS
 
 BATCH, SEQ, MICRO = 8, 12, 4  # 1F1B needs microbatches >= stages; each microbatch keeps batch >= 2
+LAYERS = 4
+
+
+def example() -> tuple:
+    """The example inputs every pipelined model is captured on."""
+    return (models.tokens(2, 16, seed=1),)
 
 
 def check_pipeline(name: str, tp: int, pp: int, schedule: str) -> dict:
     """Train ``name`` for STEPS AdamW steps pipelined and unsharded; loss and parameters must agree."""
-    ref = models.build(name, layers=4)
-    pm = autotp.parallelize(ref, tp=tp, pp=pp, example_inputs=(models.tokens(2, 16, seed=1),),
-                            microbatches=MICRO, schedule=schedule)
+    ref = models.build(name, layers=LAYERS)
+    pm = autotp.parallelize(ref, tp=tp, pp=pp, example_inputs=example(), microbatches=MICRO, schedule=schedule)
     label = f"{name} tp={tp} pp={pp} {schedule}"
     x, y = models.tokens(BATCH, SEQ, seed=2), models.target_for(name, BATCH, SEQ, seed=3)
     for got, want in zip(tree_leaves(pm(x)), tree_leaves(ref(x))):

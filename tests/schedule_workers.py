@@ -13,6 +13,12 @@ from tests.distributed import largest_first
 from tests.workers import ADAM, STEPS
 
 BATCH, SEQ, MICRO = 8, 12, 4  # schedules need microbatches >= stages (4 at pp=2 with two stages per rank)
+LAYERS = 4
+
+
+def example() -> tuple:
+    """The example inputs every schedule's model is captured on."""
+    return (models.tokens(2, 16, seed=1),)
 
 
 def full_grads(pm) -> dict[str, torch.Tensor]:
@@ -35,9 +41,9 @@ def check_grads(pm, ref: torch.nn.Module, label: str) -> None:
 
 def check_schedule(name: str, tp: int, pp: int, schedule: str, **settings) -> dict:
     """Train ``name`` for STEPS AdamW steps through ``schedule`` and unsharded; everything must agree."""
-    ref = models.build(name, layers=4)
-    pm = autotp.parallelize(ref, tp=tp, pp=pp, example_inputs=(models.tokens(2, 16, seed=1),),
-                            microbatches=MICRO, schedule=schedule, **settings)
+    ref = models.build(name, layers=LAYERS)
+    pm = autotp.parallelize(ref, tp=tp, pp=pp, example_inputs=example(), microbatches=MICRO, schedule=schedule,
+                            **settings)
     label = f"{name} tp={tp} pp={pp} {schedule} {settings}"
     x, y = models.tokens(BATCH, SEQ, seed=2), models.target_for(name, BATCH, SEQ, seed=3)
     opt, ref_opt = torch.optim.AdamW(pm.parameters(), **ADAM), torch.optim.AdamW(ref.parameters(), **ADAM)

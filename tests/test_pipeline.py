@@ -11,7 +11,7 @@ import autotp
 from autotp.options import Balance
 from autotp.planning.balance import balanced_split, brute_force, objective
 from examples.gpt import build_gpt
-from tests import models, pipeline_workers
+from tests import capture_cache, models, pipeline_workers
 from tests.distributed import run_on_ranks
 
 CONFIGS = {
@@ -30,7 +30,10 @@ def _run_at(tp: int, pp: int) -> list[list[str]]:
 
 @pytest.fixture(scope="module")
 def pipelines() -> dict:
-    """Every layout, and the input errors, in one spawn of 4 ranks (start-up paid once); rank 0's results."""
+    """Every layout, and the input errors, in one spawn of 4 ranks (start-up paid once); rank 0's results. Each
+    model is captured here first, not once per rank."""
+    for name in sorted({case[0] for cases in CONFIGS.values() for case in cases}):
+        capture_cache.warm(models.build(name, layers=pipeline_workers.LAYERS), pipeline_workers.example())
     return run_on_ranks(pipeline_workers.check_layouts, 4, [[tp, pp, _run_at(tp, pp)] for tp, pp in CONFIGS])[0]
 
 
