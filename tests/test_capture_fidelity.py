@@ -108,3 +108,35 @@ def test_a_custom_function_whose_forward_autograd_can_differentiate_is_still_cap
 
     torch.manual_seed(0)
     assert capture(Net(), (torch.randn(4, 16),), training=True).custom_functions
+
+
+class _ApproximateBackward(torch.autograd.Function):
+    """A forward whose own backward is not its derivative (an approximation, as YOSO's expectation backward)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return torch.tanh(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return grad * (1 - x * x).clamp(min=0)  # a Taylor approximation of 1 - tanh(x)^2
+
+
+class _ApproximateNet(nn.Module):
+    def __init__(self, d=32):
+        super().__init__()
+        self.up, self.down = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        return self.down(_ApproximateBackward.apply(self.up(x)))
+
+
+def test_a_custom_backward_that_is_not_the_forwards_derivative_is_refused_for_training():
+    torch.manual_seed(0)
+    model, x = _ApproximateNet(), torch.randn(2, 8, 32)
+    with pytest.raises(CaptureError, match=r"_ApproximateBackward whose backward is not the derivative.*up\.weight"):
+        autotp.plan(model.train(), 2, (x,))
+    assert all(p.grad is None for p in model.parameters())  # the check leaves no gradients behind
+    assert autotp.plan(model.eval(), 2, (x,)).tp == 2  # inference has no backward to differ

@@ -30,7 +30,7 @@ from autotp.capture.grad_modes import inline_no_grad
 from autotp.capture.guards import export_taking_example_branches, training_branch_settings, training_setting_error
 from autotp.capture.hidden_gradients import refuse_hidden_gradients
 from autotp.capture.meta_buffers import buffers_on_meta, put_back
-from autotp.capture.replay import check_replay
+from autotp.capture.replay import check_gradient_replay, check_replay
 from autotp.capture.torch_private import (
     applied_functions,
     is_guard_call,
@@ -380,9 +380,12 @@ def capture(model: nn.Module, example_inputs, training: bool | None = None) -> C
     _meta_devices_to_cpu(gm)
     _record_facts(gm)
     mode = model.training if training is None else training
-    refuse_hidden_gradients(gm, functions, {name: _strip(name) for name, _ in gm.named_parameters()}, mode)
+    names = {name: _strip(name) for name, _ in gm.named_parameters()}
+    refuse_hidden_gradients(gm, functions, names, mode)
     with _in_mode(model, training):
         check_replay(gm, wrapper, inputs, model)
+        if mode:
+            check_gradient_replay(gm, wrapper, inputs, model, functions, names)
     return Captured(module=gm, model_name=type(model).__name__, state_keys=tuple(model.state_dict().keys()),
                     aliases=aliases, dim_names=_dim_names(gm), example_sizes=_example_sizes(gm, inputs),
                     param_names=tuple(n for n, _ in model.named_parameters(remove_duplicate=False)),

@@ -7,6 +7,11 @@ itself (``is_causal=False``, a bidirectional text config under a vision-language
 attends both ways and the graph causally: two different functions, and every rank module built from the graph
 would agree with the graph, not with the model. One replay on the example finds it before anything is planned.
 
+A forward that applies custom autograd Functions is replayed with gradients too, in training mode: the graph holds
+their forwards only and training differentiates those, which equals the Function's own backward only when that
+backward is the derivative of its forward. YOSO's ``YosoCumulation`` is not (its backward is the expectation's
+approximation): the gradients of the model and of the graph differ, so such a capture is refused.
+
 A model on the meta device has no values to run; it is not replayed.
 """
 
@@ -47,6 +52,53 @@ def check_replay(gm: fx.GraphModule, run_model, inputs: tuple, model: nn.Module)
         error = _relative_error(g, w)
         if error > TOLERANCE.get(w.dtype, 1e-4):
             raise CaptureError(_message(type(model).__name__, i, w, error))
+
+
+def check_gradient_replay(gm: fx.GraphModule, run_model, inputs: tuple, model: nn.Module, functions: set[str],
+                          names: dict[str, str]) -> None:
+    """Raise ``CaptureError`` when, for a train-mode forward that applied the custom autograd ``functions``, the
+    parameters' gradients through ``gm`` differ from those of the model's own backward on ``inputs`` (of a seeded
+    random projection of the outputs). ``names`` maps ``gm``'s parameter names to the model's. Nothing the model
+    holds changes (buffers, ``.grad``, the random generator)."""
+    if not functions or _on_meta(model, inputs):
+        return
+    mine = {names.get(n, n): p for n, p in gm.named_parameters() if p.requires_grad}
+    theirs = {n: p for n, p in model.named_parameters() if p.requires_grad and n in mine}
+    if not theirs:
+        return
+    devices = sorted({x.device.index or 0 for x in inputs if isinstance(x, torch.Tensor) and x.is_cuda})
+    with torch.enable_grad(), _buffers_restored(model, gm), torch.random.fork_rng(devices=devices):
+        torch.manual_seed(SEED)
+        want = _gradients(run_model(*inputs), theirs)
+        torch.manual_seed(SEED)
+        got = _gradients(gm(*inputs), {n: mine[n] for n in theirs})
+    for name, w in want.items():
+        g = got[name]
+        if w is None or g is None:
+            continue
+        error = _relative_error(g, w)
+        if error > TOLERANCE.get(w.dtype, 1e-4):
+            raise CaptureError(
+                f"cannot capture {type(model).__name__} for training: its forward applies custom autograd "
+                f"Function(s) {', '.join(sorted(functions))} whose backward is not the derivative of its forward: "
+                f"on the example inputs the gradient of {name} (sizes {list(w.shape)}) differs by {error:.3g} of "
+                "its largest element between the model's own backward and autograd through the traced forward. "
+                "torch.export captures forwards only, so a split model would train with other gradients than the "
+                "model. Train this model unsplit, or plan it for inference only, with the model in eval mode "
+                "(autotp.plan(model.eval(), tp))")
+
+
+def _gradients(outputs, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor | None]:
+    """The gradients of ``params`` of a seeded random projection of every floating output (a plain sum can be
+    constant, as softmax's is)."""
+    leaves = [o for o in tree_leaves(outputs) if isinstance(o, torch.Tensor) and o.is_floating_point()
+              and o.requires_grad]
+    if not leaves:
+        return dict.fromkeys(params)
+    weights = torch.Generator().manual_seed(SEED)
+    loss = sum((o * torch.randn(o.shape, generator=weights).to(o)).sum() for o in leaves)
+    found = torch.autograd.grad(loss, list(params.values()), allow_unused=True)
+    return dict(zip(params, found))
 
 
 def _on_meta(model: nn.Module, inputs: tuple) -> bool:
