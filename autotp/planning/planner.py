@@ -97,7 +97,9 @@ def _region_placements(analysis: Analysis, region: RegionMatch) -> dict[str, Pla
                                                           segments)
     for target, shard in region.params:
         whole = shard.segments == (analysis.param_size(target, shard.dim),)
-        out[target] = Placement(PlacementKind.COLWISE, shard.dim, () if whole else shard.segments)
+        # a parameter met by a chunk several ranks hold (a per-head norm weight of shared KV heads) is held alike:
+        # split tp ways, its heads would not go round
+        out[target] = Placement(PlacementKind.COLWISE, shard.dim, () if whole else shard.segments, shard.replicas)
     return out
 
 
