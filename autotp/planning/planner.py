@@ -171,7 +171,7 @@ of this rank's rows only (``padding_idx`` it honours)."""
 
 def _vocab_blocker(analysis: Analysis, placements: dict[str, Placement], tp: int) -> str | None:
     """Why the vocabulary cannot be split exactly (an option the split lookup cannot honour, an op writing
-    to the table), or None."""
+    to the table, a size the split reaches that tp does not divide), or None."""
     for e in analysis.vocab.embeddings:
         node = analysis.nodes[e]
         for index, name in _UNSPLITTABLE_EMBEDDING.items():
@@ -181,6 +181,12 @@ def _vocab_blocker(analysis: Analysis, placements: dict[str, Placement], tp: int
     if prop.refusals:
         node, why = prop.refusals[0]
         return f"{why} (at {analysis.module(node) or node}; e.g. an embedding's max_norm renormalises its rows)"
+    if prop.violations:
+        # the split vocabulary reaches a size tp does not divide (logits of 9 codebooks viewed as [9, vocab]: each
+        # rank's rows would end inside a codebook), which no rewrite can keep exact
+        v = prop.violations[0]
+        return (f"the vocabulary split reaches {v.what} at {analysis.module(v.node) or v.node}, of size {v.size}, "
+                f"which tp={tp} does not divide")
     return None
 
 
