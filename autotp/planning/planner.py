@@ -185,8 +185,9 @@ def _vocab_blocker(analysis: Analysis, placements: dict[str, Placement], tp: int
         # the split vocabulary reaches a size tp does not divide (logits of 9 codebooks viewed as [9, vocab]: each
         # rank's rows would end inside a codebook), which no rewrite can keep exact
         v = prop.violations[0]
-        return (f"the vocabulary split reaches {v.what} at {analysis.module(v.node) or v.node}, of size {v.size}, "
-                f"which tp={tp} does not divide")
+        split = ", ".join(sorted(analysis.layer(o) for o in v.origins)) or "the vocabulary"
+        return (f"the vocabulary split of {split} reaches {v.what} at {analysis.module(v.node) or v.node}, of size "
+                f"{v.size}, which tp={tp} does not divide")
     return None
 
 
