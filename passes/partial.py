@@ -127,6 +127,12 @@ def _numel(node: fx.Node) -> sympy.Expr:
     return sympy.Mul(*[sympy.sympify(d) for d in sizes(node)])
 
 
+def _at_least_one(ratio: sympy.Expr) -> bool:
+    """Whether a ratio of two values' sizes is known to be at least 1. A value with no elements (a rotary part of
+    size 0 in a layer without rotary positions) gives 0/0, NaN, which sympy refuses to compare: no ratio."""
+    return bool(ratio.is_number and ratio.is_finite and ratio >= 1)
+
+
 def _hoistable(node: fx.Node, readers: set, layouts: dict, grad: set[str], pending: set[str]) -> bool:
     """Whether ``f`` on every read of ``node`` (``readers``: the (node, path) edges reading it through ``f``)
     may be ``f`` on its first input instead: ``node`` moves that whole input's elements, is read by nothing
@@ -153,7 +159,7 @@ def hoisted_copy(source: fx.Node, readers: set, layouts: dict, grad: set[str],
     while _hoistable(at, readers, layouts, grad, pending):
         first = at.args[0]
         ratio = sympy.simplify(_numel(at) / _numel(first))
-        if not ratio.is_number or ratio < 1:
+        if not _at_least_one(ratio):
             break
         if sympy.simplify(_numel(source) / _numel(first)) > 1:
             best = (first, at.name)
@@ -207,6 +213,6 @@ def _merged_picks(prop, nodes: dict[str, fx.Node], grad: set[str], pending: set[
         if load is not None:
             rows = rows.subs({u: load for u in rows.free_symbols if u.name.startswith("u")})
         ratio = sympy.simplify(rows / _numel(nodes[value]))
-        if len(picks) > 1 and ratio.is_number and ratio >= 1:
+        if len(picks) > 1 and _at_least_one(ratio):
             merged |= {key: (value, pick.name) for key, pick in picks}
     return merged

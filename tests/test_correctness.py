@@ -172,3 +172,31 @@ def test_embedding_options_a_vocabulary_split_cannot_honour_keep_it_whole(option
     assert not plan.placements["embed.weight"].is_split and plan.placements["up.weight"].is_split
     assert any(said in n for n in plan.notes), plan.notes
     assert autotp.check(model, tp=2, vocab="split", example_inputs=(ids,)).exact
+
+
+class _Codebooks(nn.Module):
+    """Three codebooks of 32 codes in one table and one head (as Dia's audio decoder): the head's 96 logits are
+    viewed as [3 codebooks, 32 codes], so a vocabulary split in two would end a rank's rows inside a codebook."""
+
+    def __init__(self, books: int = 3, codes: int = 32, width: int = 32):
+        super().__init__()
+        self.books, self.codes = books, codes
+        self.embed = nn.Embedding(books * codes, width)
+        self.register_buffer("offsets", torch.arange(books) * codes, persistent=False)
+        self.up, self.down = nn.Linear(width, 128), nn.Linear(128, width)
+        self.head = nn.Linear(width, books * codes, bias=False)
+
+    def forward(self, ids):  # ids: [B, T, books]
+        b, t, _ = ids.shape
+        x = self.embed(ids + self.offsets).sum(dim=2)
+        x = x + self.down(torch.relu(self.up(x)))
+        return self.head(x).view(b, t, self.books, self.codes).transpose(1, 2).reshape(b * self.books, t, self.codes)
+
+
+def test_a_vocabulary_split_that_would_cut_inside_a_codebook_keeps_it_whole():
+    torch.manual_seed(0)
+    model, ids = _Codebooks(), torch.randint(0, 32, (2, 8, 3))
+    plan = autotp.plan(model, tp=2, vocab="split", example_inputs=(ids,))
+    assert not plan.placements["head.weight"].is_split and plan.placements["up.weight"].is_split
+    assert any("which tp=2 does not divide" in n for n in plan.notes), plan.notes
+    assert autotp.check(model, tp=2, vocab="split", example_inputs=(ids,)).exact

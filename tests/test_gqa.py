@@ -79,3 +79,40 @@ def test_shared_kv_heads_train_clip_and_checkpoint_on_four_ranks(tmp_path):
         # Parameters per rank: a quarter of each split one, half of each K/V (not all of it, as before: the
         # difference is whole_kv_params).
         assert r["local_params"] == r["planned_params"] and r["whole_kv_params"] > 0, r
+
+
+class _HeadNormAttention(torch.nn.Module):
+    """Attention with 2 KV heads whose keys are normalised per head with a weight per head ([heads, head_dim],
+    as Chameleon's k_norm): at tp=4 each KV head, and its row of the norm's weight, is held by two ranks."""
+
+    def __init__(self, width: int = 64, heads: int = 4, kv: int = 2):
+        super().__init__()
+        self.heads, self.kv, self.dim = heads, kv, width // heads
+        self.q = torch.nn.Linear(width, width, bias=False)
+        self.k = torch.nn.Linear(width, kv * self.dim, bias=False)
+        self.v = torch.nn.Linear(width, kv * self.dim, bias=False)
+        self.o = torch.nn.Linear(width, width, bias=False)
+        self.norm_weight = torch.nn.Parameter(1 + 0.1 * torch.randn(kv, self.dim))
+        self.norm_bias = torch.nn.Parameter(0.1 * torch.randn(kv, self.dim))
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q = self.q(x).view(b, t, self.heads, self.dim).transpose(1, 2)
+        k = self.k(x).reshape(-1, self.kv, self.dim)
+        k = torch.nn.functional.layer_norm(k, (self.dim,)) * self.norm_weight + self.norm_bias
+        k = k.reshape(b, t, self.kv, self.dim).transpose(1, 2)
+        v = self.v(x).view(b, t, self.kv, self.dim).transpose(1, 2)
+        group = self.heads // self.kv  # repeat_kv: each KV head expanded over its query heads
+        k = k[:, :, None].expand(b, self.kv, group, t, self.dim).reshape(b, self.heads, t, self.dim)
+        v = v[:, :, None].expand(b, self.kv, group, t, self.dim).reshape(b, self.heads, t, self.dim)
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(y.transpose(1, 2).reshape(b, t, -1))
+
+
+def test_a_per_head_norm_weight_of_shared_kv_heads_is_shared_like_them():
+    """The norm's weight rows follow the KV heads: two holders each, not split four ways (zero rows a rank)."""
+    torch.manual_seed(0)
+    report = autotp.check(_HeadNormAttention(), 4, torch.randn(2, 8, 64))
+    assert report.exact, str(report)
+    assert report.plan.placements["norm_weight"] == Placement("colwise", 0, (), replicas=2)
+    assert report.plan.placements["norm_bias"] == Placement("colwise", 0, (), replicas=2)

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from autotp.capture import capture
 from autotp.passes.placement import Shard
 from autotp.passes.propagate import propagate
 from autotp.passes.steps import COPY, Operator, gather
+from torch import nn
 
 from tests.graphs import MLP, Heads, captured
 from tests.models import build, tokens
@@ -131,3 +133,35 @@ def test_ancestors_found_as_far_back_as_asked_are_all_of_them():
         lazy = _Ancestors([start], index)
         for node in order:  # earliest first: one walk back answers the rest
             assert (node.name in lazy) == (node.name in everything), (start.name, node.name)
+
+
+class _RotaryPartOfSizeZero(nn.Module):
+    """Low-rank attention whose rotary key part has size 0 (a layer without rotary positions, as GLM's NoPE
+    layers): the shared key part read through ``f`` is a value of no elements, and hoisting that ``f`` compares
+    sizes 0/0 (NaN)."""
+
+    def __init__(self, width: int = 64, heads: int = 4, rank: int = 16, rope: int = 0):
+        super().__init__()
+        self.heads, self.dim, self.rank, self.rope = heads, width // heads, rank, rope
+        self.q = nn.Linear(width, heads * (self.dim + rope), bias=False)
+        self.kv_a = nn.Linear(width, rank + rope, bias=False)
+        self.kv_b = nn.Linear(rank, heads * 2 * self.dim, bias=False)
+        self.o = nn.Linear(heads * self.dim, width, bias=False)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q = self.q(x).view(b, t, self.heads, self.dim + self.rope).transpose(1, 2)
+        latent, k_rope = self.kv_a(x).split([self.rank, self.rope], dim=-1)
+        k_rope = k_rope.view(b, 1, t, self.rope).expand(b, self.heads, t, self.rope)
+        k, v = self.kv_b(latent).view(b, t, self.heads, 2 * self.dim).transpose(1, 2).split([self.dim, self.dim], -1)
+        y = F.scaled_dot_product_attention(q, torch.cat([k, k_rope], dim=-1), v, is_causal=True)
+        return self.o(y.transpose(1, 2).reshape(b, t, -1))
+
+
+def test_a_value_of_no_elements_read_through_f_plans_and_checks_exactly():
+    import autotp
+
+    torch.manual_seed(0)
+    report = autotp.check(_RotaryPartOfSizeZero(), 2, torch.randn(2, 8, 64))
+    assert report.exact, str(report)
+    assert report.plan.placements["kv_b.weight"].is_split and report.plan.placements["o.weight"].is_split

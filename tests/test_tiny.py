@@ -130,17 +130,20 @@ def test_placeholder_tokens_index_the_text_vocabulary():
 
 
 def test_sizes_the_messages_tie_by_name_are_set_where_they_live():
-    from autotp.tools.tiny import _apply_required
+    from autotp.tools.model_spec import SMALL_HF
+    from autotp.tools.tiny import TINY_EXTRA
+    from autotp.tools.tiny_repairs import apply_required
 
+    sizes = SMALL_HF | TINY_EXTRA
     small = {"text_config": {"hidden_size": 64}, "audio_config": {"hidden_size": 32, "adapter_input_size": 1280}}
-    assert _apply_required(small, "ValueError: adapter_input_size must match hidden_size")
+    assert apply_required(small, "ValueError: adapter_input_size must match hidden_size", sizes)
     assert small["audio_config"]["adapter_input_size"] == 32 and "adapter_input_size" not in small["text_config"]
     small = {"head_dim": 16, "qk_nope_head_dim": 16, "qk_rope_head_dim": 16}
-    assert _apply_required(small, "SWA head_dim must equal qk_nope_head_dim + qk_rope_head_dim")
+    assert apply_required(small, "SWA head_dim must equal qk_nope_head_dim + qk_rope_head_dim", sizes)
     assert small["head_dim"] == 32
     small = {"num_attention_heads": 4, "encoder_config": {"num_key_value_heads": 2}}
-    assert _apply_required(small, "AttributeError: 'MoonshineStreamingConfig' object has no attribute "
-                                  "'num_key_value_heads'")
+    assert apply_required(small, "AttributeError: 'MoonshineStreamingConfig' object has no attribute "
+                                 "'num_key_value_heads'", sizes)
     assert small["num_key_value_heads"] == 4  # a config without key-value heads has one per attention head
 
 

@@ -97,7 +97,9 @@ def _region_placements(analysis: Analysis, region: RegionMatch) -> dict[str, Pla
                                                           segments)
     for target, shard in region.params:
         whole = shard.segments == (analysis.param_size(target, shard.dim),)
-        out[target] = Placement(PlacementKind.COLWISE, shard.dim, () if whole else shard.segments)
+        # a parameter met by a chunk several ranks hold (a per-head norm weight of shared KV heads) is held alike:
+        # split tp ways, its heads would not go round
+        out[target] = Placement(PlacementKind.COLWISE, shard.dim, () if whole else shard.segments, shard.replicas)
     return out
 
 
@@ -169,7 +171,7 @@ of this rank's rows only (``padding_idx`` it honours)."""
 
 def _vocab_blocker(analysis: Analysis, placements: dict[str, Placement], tp: int) -> str | None:
     """Why the vocabulary cannot be split exactly (an option the split lookup cannot honour, an op writing
-    to the table), or None."""
+    to the table, a size the split reaches that tp does not divide), or None."""
     for e in analysis.vocab.embeddings:
         node = analysis.nodes[e]
         for index, name in _UNSPLITTABLE_EMBEDDING.items():
@@ -179,6 +181,13 @@ def _vocab_blocker(analysis: Analysis, placements: dict[str, Placement], tp: int
     if prop.refusals:
         node, why = prop.refusals[0]
         return f"{why} (at {analysis.module(node) or node}; e.g. an embedding's max_norm renormalises its rows)"
+    if prop.violations:
+        # the split vocabulary reaches a size tp does not divide (logits of 9 codebooks viewed as [9, vocab]: each
+        # rank's rows would end inside a codebook), which no rewrite can keep exact
+        v = prop.violations[0]
+        split = ", ".join(sorted(analysis.layer(o) for o in v.origins)) or "the vocabulary"
+        return (f"the vocabulary split of {split} reaches {v.what} at {analysis.module(v.node) or v.node}, of size "
+                f"{v.size}, which tp={tp} does not divide")
     return None
 
 
