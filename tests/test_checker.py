@@ -218,10 +218,11 @@ class _Reversed(torch.nn.Module):
         return self.down(torch.relu(self.up(_Reverse.apply(self.a(x)))))
 
 
-def test_a_custom_backward_is_named_in_the_plan_and_its_loss_found_by_the_checker():
+def test_a_custom_backward_other_than_the_derivative_is_refused_for_training_and_named_in_inference():
     torch.manual_seed(0)
     model, x = _Reversed(), torch.randn(2, 8, 16)
-    plan = autotp.plan(model, 2, vocab="split", example_inputs=(x,))
-    assert any("_Reverse" in n and "backward" in n for n in plan.notes), plan.notes
+    with pytest.raises(autotp.errors.CaptureError, match="_Reverse whose backward is not the derivative"):
+        autotp.plan(model, 2, vocab="split", example_inputs=(x,))  # training would follow autograd, not -grad
     assert torch.autograd.Function.__dict__["apply"].__func__.__name__ == "apply"  # restored after capture
-    assert not autotp.check(model, 2, (x,)).exact  # the graph has autograd's gradient, not the reversed one
+    plan = autotp.plan(model.eval(), 2, vocab="split", example_inputs=(x,))
+    assert any("_Reverse" in n and "backward" in n for n in plan.notes), plan.notes
