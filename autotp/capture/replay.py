@@ -71,7 +71,16 @@ def check_gradient_replay(gm: fx.GraphModule, run_model, inputs: tuple, model: n
         torch.manual_seed(SEED)
         want = _gradients(run_model(*inputs), theirs)
         torch.manual_seed(SEED)
-        got = _gradients(gm(*inputs), {n: mine[n] for n in theirs})
+        try:
+            got = _gradients(gm(*inputs), {n: mine[n] for n in theirs})
+        except RuntimeError as e:  # autograd through the traced forward fails where the Function's backward did not
+            raise CaptureError(
+                f"cannot capture {type(model).__name__} for training: its forward applies custom autograd "
+                f"Function(s) {', '.join(sorted(functions))}, and autograd through their traced forwards fails "
+                f"where their own backward does not ({(str(e).strip().splitlines() or [''])[0][:200]}; a forward "
+                "that writes in place a value its ops save for backward, as a softmax masked in place). "
+                "torch.export captures forwards only. Train this model unsplit, or plan it for inference only, "
+                "with the model in eval mode (autotp.plan(model.eval(), tp))") from e
     for name, w in want.items():
         g = got[name]
         if w is None or g is None:
