@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 from torch import fx
 
+from autotp.capture.replay import INFERENCE_ONLY
 from autotp.errors import CaptureError
 
 _WRAP = getattr(torch.ops.higher_order, "wrap_with_set_grad_enabled", None)
@@ -36,8 +37,7 @@ def refuse_hidden_gradients(gm: fx.GraphModule, functions: set[str], names: dict
             f"applies custom autograd Function(s) {', '.join(sorted(functions))}, which run(s) layers without "
             "gradients and give(s) them their gradients in a backward of its own (reversible layers recompute "
             "their activations there); torch.export captures forwards only, so a split model would train them "
-            "without gradients. Train this model unsplit, or plan it for inference only, with the model in eval "
-            "mode (autotp.plan(model.eval(), tp))")
+            f"without gradients. {INFERENCE_ONLY}")
 
 
 def starved_parameters(gm: fx.GraphModule) -> set[str]:

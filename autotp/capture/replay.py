@@ -33,14 +33,18 @@ TOLERANCE = {torch.float64: 1e-6, torch.float32: 1e-4, torch.float16: 2e-2, torc
 by another kernel may make; a different function differs by far more (PaliGemma's skipped mask: 0.08)."""
 
 
+INFERENCE_ONLY = ("Train this model unsplit, or plan it for inference only, with the model in eval mode "
+                  "(autotp.plan(model.eval(), tp))")
+"""What a model whose gradients the graph cannot give may still do."""
+
+
 def check_replay(gm: fx.GraphModule, run_model, inputs: tuple, model: nn.Module) -> None:
     """Raise ``CaptureError`` when ``gm`` on ``inputs`` differs from ``run_model(*inputs)`` (the model's own
     forward, called as the capture called it). Buffers a train-mode forward updates (batch-norm statistics) are
     restored, and the random generator too, so the model is left as it was."""
     if _on_meta(model, inputs):
         return
-    # the generators of the devices the inputs are on are restored too (dropout on a GPU draws from its own)
-    devices = sorted({x.device.index or 0 for x in inputs if isinstance(x, torch.Tensor) and x.is_cuda})
+    devices = _cuda_devices(inputs)
     with torch.no_grad(), _buffers_restored(model, gm), torch.random.fork_rng(devices=devices):
         torch.manual_seed(SEED)
         want = run_model(*inputs)
@@ -66,7 +70,7 @@ def check_gradient_replay(gm: fx.GraphModule, run_model, inputs: tuple, model: n
     theirs = {n: p for n, p in model.named_parameters() if p.requires_grad and n in mine}
     if not theirs:
         return
-    devices = sorted({x.device.index or 0 for x in inputs if isinstance(x, torch.Tensor) and x.is_cuda})
+    devices = _cuda_devices(inputs)
     with torch.enable_grad(), _buffers_restored(model, gm), torch.random.fork_rng(devices=devices):
         torch.manual_seed(SEED)
         want = _gradients(run_model(*inputs), theirs)
@@ -79,8 +83,7 @@ def check_gradient_replay(gm: fx.GraphModule, run_model, inputs: tuple, model: n
                 f"Function(s) {', '.join(sorted(functions))}, and autograd through their traced forwards fails "
                 f"where their own backward does not ({(str(e).strip().splitlines() or [''])[0][:200]}; a forward "
                 "that writes in place a value its ops save for backward, as a softmax masked in place). "
-                "torch.export captures forwards only. Train this model unsplit, or plan it for inference only, "
-                "with the model in eval mode (autotp.plan(model.eval(), tp))") from e
+                f"torch.export captures forwards only. {INFERENCE_ONLY}") from e
     for name, w in want.items():
         g = got[name]
         if w is None or g is None:
@@ -93,8 +96,7 @@ def check_gradient_replay(gm: fx.GraphModule, run_model, inputs: tuple, model: n
                 f"on the example inputs the gradient of {name} (sizes {list(w.shape)}) differs by {error:.3g} of "
                 "its largest element between the model's own backward and autograd through the traced forward. "
                 "torch.export captures forwards only, so a split model would train with other gradients than the "
-                "model. Train this model unsplit, or plan it for inference only, with the model in eval mode "
-                "(autotp.plan(model.eval(), tp))")
+                f"model. {INFERENCE_ONLY}")
 
 
 def _gradients(outputs, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor | None]:
@@ -108,6 +110,11 @@ def _gradients(outputs, params: dict[str, torch.Tensor]) -> dict[str, torch.Tens
     loss = sum((o * torch.randn(o.shape, generator=weights).to(o)).sum() for o in leaves)
     found = torch.autograd.grad(loss, list(params.values()), allow_unused=True)
     return dict(zip(params, found))
+
+
+def _cuda_devices(inputs: tuple) -> list[int]:
+    """The GPUs the inputs are on: their generators are restored too (dropout on a GPU draws from its own)."""
+    return sorted({x.device.index or 0 for x in inputs if isinstance(x, torch.Tensor) and x.is_cuda})
 
 
 def _on_meta(model: nn.Module, inputs: tuple) -> bool:

@@ -84,14 +84,14 @@ def build_cache_steps(model: nn.Module, plan: Plan, rank: int, comm: Communicato
     graphs = capture_steps(model, shape)
     names = [p.name for p in graphs["decode"].graph.find_nodes(op="placeholder")][FIRST_CACHE_INPUT:]
     layouts = list(cache_layouts(graphs["decode"], plan, FIRST_CACHE_INPUT).values())
-    steps = {}
+    steps, casts_hold = {}, _dtypes_kept(model, tensors)
     for kind, captured in graphs.items():
         inputs = [p.name for p in captured.graph.find_nodes(op="placeholder")][FIRST_CACHE_INPUT:]
         if len(inputs) != len(names):
             raise InternalError(f"the {kind} step takes {len(inputs)} cache tensors, the decode step {len(names)}")
         gm = build_step_graph(captured, plan, rank, comm, dict(zip(inputs, layouts)))
         share_tensors(gm, captured, tensors)
-        steps[kind] = lean_step(gm, casts_hold=_dtypes_kept(model, tensors))
+        steps[kind] = lean_step(gm, casts_hold)
     return CacheSteps(shape, layouts, steps)
 
 
