@@ -57,8 +57,13 @@ def document_inputs(model: nn.Module) -> tuple | dict:
     (ids,) = token_ids(model)
     if "bbox" not in inspect.signature(model.forward).parameters:
         return (ids,)
+    return {"input_ids": ids, "bbox": _boxes(ids)}
+
+
+def _boxes(ids: torch.Tensor) -> torch.Tensor:
+    """A box per token, corners ``x0, y0, x1, y1`` on the 0-1000 page scale."""
     corners = torch.randint(0, 500, (*ids.shape, 2), generator=torch.Generator().manual_seed(0))
-    return {"input_ids": ids, "bbox": torch.cat([corners, corners + 100], dim=-1)}
+    return torch.cat([corners, corners + 100], dim=-1)
 
 
 def seq2seq_inputs(model: nn.Module) -> dict:
@@ -107,6 +112,18 @@ def patch_sequences(config) -> dict:
             "spatial_shapes": torch.tensor([[side, side]] * EXAMPLE_BATCH)}
 
 
+def flattened_patches(config, side: int = 4) -> dict:
+    """Images as Pix2Struct's processor gives them: (batch, patches, 2 + channels x patch x patch), each patch's
+    row and column (from 1) before its pixels, a square grid of ``side`` x ``side`` patches, and their mask."""
+    grid = torch.arange(1, side + 1, dtype=torch.float32)
+    rows, cols = grid.repeat_interleave(side), grid.repeat(side)
+    width = _vision(config).patch_embed_hidden_size
+    pixels = _seeded(EXAMPLE_BATCH, side * side, width)
+    places = torch.stack([rows, cols], dim=-1).expand(EXAMPLE_BATCH, -1, -1)
+    return {"flattened_patches": torch.cat([places, pixels], dim=-1),
+            "attention_mask": torch.ones(EXAMPLE_BATCH, side * side, dtype=torch.long)}
+
+
 _FEATURE_FIELDS = ("input_feat_per_channel", "feature_projection_input_dim", "feature_size")
 """Fields that size each frame of audio features, most specific first (a front end's input width before the
 raw extractor's ``feature_size``)."""
@@ -123,19 +140,53 @@ def _audio(config):
 
 
 def vision_text_inputs(model: nn.Module) -> tuple | dict:
-    """Token ids alone (the vision tower built but not reached), or by keyword with images where the forward
-    requires them (a captioner whose first parameter is ``pixel_values``)."""
+    """Token ids alone where the forward runs on them (the vision tower built but not reached); else, by keyword,
+    what the forward's signature asks for: images where it requires them, its main input is images, or it refuses
+    text alone; every other required ``*input_ids`` (a Q-Former's) as the token ids; decoder ids for an
+    encoder-decoder; a box per token where it takes ``bbox``."""
     (ids,) = token_ids(model)
     parameters = inspect.signature(model.forward).parameters
-    needs_images = "pixel_values" in parameters and parameters["pixel_values"].default is inspect.Parameter.empty
-    if not needs_images and next(iter(parameters), None) == "input_ids":
+    required = {k for k, p in parameters.items()
+                if p.default is inspect.Parameter.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+    takes_images = "pixel_values" in parameters
+    needs_images = takes_images and ("pixel_values" in required or getattr(model, "main_input_name", "") == "pixel_values")
+    if not needs_images and next(iter(parameters), None) == "input_ids" and not required - {"input_ids"} \
+            and _runs(model, (ids,)):
         return (ids,)
     queries, image_token = (getattr(model.config, f, None) for f in ("num_query_tokens", "image_token_id"))
-    if needs_images and isinstance(queries, int) and isinstance(image_token, int):
+    if takes_images and isinstance(queries, int) and isinstance(image_token, int):
         # a Q-Former's queries take the places of that many image tokens in the text, and of no others
         ids = torch.where(ids == image_token, 0, ids)
         ids[:, :queries] = image_token
-    return {"input_ids": ids} | (pixel_values_of(model) if needs_images else {})
+    text = {k: ids for k in parameters if k == "input_ids" or (k in required and k.endswith("input_ids"))}
+    if getattr(model, "main_input_name", "") == "flattened_patches":
+        text |= flattened_patches(model.config)
+    if getattr(model.config, "is_encoder_decoder", False) and "decoder_input_ids" in parameters:
+        text["decoder_input_ids"] = ids[:, : EXAMPLE_SEQ // 2]
+    if "bbox" in parameters:
+        text["bbox"] = _boxes(ids)
+    if not needs_images and takes_images and not _runs(model, text):
+        needs_images = True  # it refuses text alone (an image-conditioned decoder)
+    if not needs_images:
+        return text
+    images = pixel_values_of(model)
+    if "spatial_shapes" not in images and not _runs(model, text | images):
+        # images grouped per sample (several images, or a video's frames): one each, every token seeing it
+        grouped = {"pixel_values": images["pixel_values"][:, None]}
+        if "image_attention_mask" in parameters:
+            grouped["image_attention_mask"] = torch.ones(*ids.shape, 1, dtype=torch.long)
+        images = grouped if _runs(model, text | grouped) else images
+    return text | images
+
+
+def _runs(model: nn.Module, inputs: tuple | dict) -> bool:
+    """Whether ``model``'s forward runs on ``inputs`` (positional or by keyword), without gradients."""
+    try:
+        with torch.no_grad():
+            model(**inputs) if isinstance(inputs, dict) else model(*inputs)
+    except Exception:  # any failure: the caller tries what else the forward may need
+        return False
+    return True
 
 
 def _features(model: nn.Module, frames: int = 64) -> torch.Tensor:
