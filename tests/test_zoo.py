@@ -117,6 +117,46 @@ def test_a_document_model_is_fed_a_valid_box_per_token():
     assert boxes.shape == (*ids.shape, 4) and bool((boxes[..., 2:] > boxes[..., :2]).all()) and boxes.max() <= 1000
 
 
+def test_a_vision_language_model_is_fed_what_its_forward_asks_for():
+    """Text alone where the forward runs on it; images (grouped per sample where flat ones fail) where it refuses
+    text alone; a required Q-Former's ids as the token ids."""
+    from types import SimpleNamespace
+
+    import torch
+    from torch import nn
+
+    from autotp.tools.zoo_entries import vision_text_inputs
+
+    config = SimpleNamespace(vocab_size=64, image_size=8, num_channels=3, is_encoder_decoder=False)
+
+    class TextOnly(nn.Module):
+        main_input_name = "input_ids"
+
+        def __init__(self):
+            super().__init__()
+            self.config, self.tokens = config, nn.Embedding(64, 8)
+
+        def forward(self, input_ids, pixel_values=None):
+            return self.tokens(input_ids)
+
+    class NeedsGroupedImages(TextOnly):
+        def forward(self, input_ids, pixel_values=None, image_attention_mask=None):
+            if pixel_values is None:
+                raise ValueError("You have to specify pixel_values")
+            batch, images, channels, height, width = pixel_values.shape  # one group of images per sample
+            return self.tokens(input_ids) * image_attention_mask[..., :1]
+
+    class QFormer(TextOnly):
+        def forward(self, pixel_values, qformer_input_ids, input_ids=None):
+            return self.tokens(qformer_input_ids) + pixel_values.mean()
+
+    assert isinstance(vision_text_inputs(TextOnly()), tuple)
+    grouped = vision_text_inputs(NeedsGroupedImages())
+    assert grouped["pixel_values"].shape[1:] == (1, 3, 8, 8) and "image_attention_mask" in grouped
+    queried = vision_text_inputs(QFormer())
+    assert torch.equal(queried["qformer_input_ids"], queried["input_ids"]) and queried["pixel_values"].dim() == 4
+
+
 def test_the_time_limit_counts_cpu_time_with_a_clock_backstop():
     import time
 
