@@ -10,11 +10,12 @@ import pytest
 from autotp.tools import zoo
 
 ROOT = Path(__file__).resolve().parents[1]
-SAMPLE = ["llama", "gpt2", "gemma3", "bert:mlm", "t5:seq2seq", "lilt:cls", "bros:tokens", "vit:image",
-          "dinov2:backbone", "whisper:speech", "wav2vec2-bert:ctc", "llava:vlm", "nn.TransformerEncoder",
+SAMPLE = ["llama", "gpt2", "gemma3", "bert:mlm", "longformer:mlm", "t5:seq2seq", "lilt:cls", "bros:tokens",
+          "vit:image", "dinov2:backbone", "whisper:speech", "wav2vec2-bert:ctc", "llava:vlm", "nn.TransformerEncoder",
           "examples/gpt.py:build_gpt"]
 """A CI sample of every task group, the cheapest of each the sweep found: decoders (learned positions, a
-multimodal config's text model), an encoder, an encoder-decoder, a document classifier and tagger (token boxes), a
+multimodal config's text model), an encoder, Longformer's chunked sliding windows (once refused at capture on
+their data-dependent guards), an encoder-decoder, a document classifier and tagger (token boxes), a
 vision tower and a backbone, a speech encoder-decoder, a CTC encoder (refused clearly: in training it draws
 SpecAugment masks in numpy), a vision-language model fed text, torch's own, an example; diffusers' and timm's
 when installed (they are the ``[zoo]`` extra)."""
@@ -43,8 +44,8 @@ def test_the_sample_has_every_task_group(sample):
     assert set(families.values()) == {families[name] for name in sample}
 
 
-def test_sample_splits_the_decoders(sample):
-    for name in ("llama", "gemma3"):
+def test_sample_splits_the_decoders_and_windowed_attention(sample):
+    for name in ("llama", "gemma3", "longformer:mlm"):
         assert sample[name][2].status is zoo.Status.EXACT, (name, sample[name][2].notes)
 
 
