@@ -103,7 +103,7 @@ def test_a_missing_optional_library_is_the_reason_in_one_line():
 def test_a_document_model_is_fed_a_valid_box_per_token():
     from torch import nn
 
-    from autotp.tools.zoo_entries import document_inputs
+    from autotp.tools.zoo_inputs import document_inputs
 
     class Document(nn.Module):
         def __init__(self):
@@ -126,7 +126,7 @@ def test_a_vision_language_model_is_fed_what_its_forward_asks_for():
     import torch
     from torch import nn
 
-    from autotp.tools.zoo_entries import vision_text_inputs
+    from autotp.tools.zoo_inputs import vision_text_inputs
 
     config = SimpleNamespace(vocab_size=64, image_size=8, num_channels=3, is_encoder_decoder=False)
 
@@ -171,7 +171,7 @@ def test_the_time_limit_counts_cpu_time_with_a_clock_backstop():
 def test_audio_features_are_sized_by_the_encoder_sub_config_where_the_config_has_none():
     from types import SimpleNamespace
 
-    from autotp.tools.zoo_entries import _features
+    from autotp.tools.zoo_inputs import _features
 
     model = SimpleNamespace(config=SimpleNamespace(encoder_config=SimpleNamespace(num_mel_bins=16)))
     assert _features(model).shape[-1] == 16
