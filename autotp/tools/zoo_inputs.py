@@ -9,7 +9,8 @@ import math
 import torch
 from torch import nn
 
-from autotp.capture.examples import EXAMPLE_BATCH, EXAMPLE_SEQ, synthesise
+from autotp.capture import model_kwargs
+from autotp.capture.examples import EXAMPLE_BATCH, EXAMPLE_SEQ, example_inputs_of, synthesise
 
 
 def token_ids(model: nn.Module) -> tuple:
@@ -159,10 +160,11 @@ def policy_inputs(config) -> dict:
 
 
 def _runs(model: nn.Module, inputs: tuple | dict) -> bool:
-    """Whether ``model``'s forward runs on ``inputs`` (positional or by keyword), without gradients."""
+    """Whether ``model``'s forward runs on ``inputs`` (positional or by keyword), without gradients, called as
+    autotp calls it (no KV cache)."""
     try:
         with torch.no_grad():
-            model(**inputs) if isinstance(inputs, dict) else model(*inputs)
+            example_inputs_of(model, inputs).call(model, model_kwargs(model))
     except Exception:  # any failure: the caller tries what else the forward may need
         return False
     return True
