@@ -52,8 +52,9 @@ TINY_EXTRA = {
     # other vocabularies and latent arrays
     "encoder_hash_byte_group_vocab": 128, "entity_vocab_size": 128, "entity_emb_size": 64, "num_latents": 32,
     "d_latents": 64,
-    # the output width of a vision tower (its merger's projection into the text model)
-    "out_hidden_size": 64,
+    # the output width of a vision tower (its merger's projection into the text model), or of an adapter of
+    # images or audio into the text model
+    "out_hidden_size": 64, "adapter_out_dim": 64,
     # the width of the global model, as the byte-level encoder and decoder that feed it name it
     "hidden_size_global": 64,
     # convolutional audio codecs (SEANet): the first layer's channels, doubled at each of the strided stages
@@ -166,13 +167,14 @@ def shrink(fields: dict, sub_configs: dict | None = None, mixed: bool = True, co
     staged = any(_is_stage_list(k, v) and _stage_kind(k) == "depth" for k, v in fields.items())
     spelled = _spelled_out_blocks(fields)
     depth = None if staged else _depth(fields)  # a hierarchical model's layer count counts its stages
-    small = {k: v for k, v in (SMALL_HF | TINY_EXTRA).items() if k in fields and _shrinks(fields[k], v)}
+    sizes = SMALL_HF | TINY_EXTRA
+    small = {k: v for k, v in sizes.items() if k in fields and _shrinks(fields[k], v)}
     small |= _small_low_rank(fields, small)
     small |= _prefixed_sizes(fields, small)
     for name, value in fields.items():
-        if name in TINY_EXTRA and isinstance(value, list) and depth and len(value) == depth \
+        if name in sizes and isinstance(value, list) and depth and len(value) == depth \
                 and all(isinstance(v, int) for v in value):
-            small[name] = [min(v, TINY_EXTRA[name]) for v in value][:LAYERS]  # a size given per layer
+            small[name] = [min(v, sizes[name]) for v in value][:LAYERS]  # a size given per layer
         elif _is_stage_list(name, value):
             if not spelled:  # blocks listed one by one (with their widths) tie the stages to them: kept
                 small[name] = _small_stages(name, value)
@@ -300,6 +302,12 @@ TYPE_OVERRIDES = {
     # its default config leaves the kinds of MLP per layer None, which the model indexes by layer: a dense first
     # layer and a mixture of experts, as DeepSeek's models start
     "deepseek_ocr2": {"text_config": {"mlp_layer_types": ["dense", "sparse"]}},
+    # its default config leaves the kinds of layer None, which the model indexes by layer: a short convolution and
+    # an attention layer, as its released configs interleave them; one dense MLP first (two by default), then experts
+    "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},
+    # its vision tower is timm's MobileNet-V5 (300M parameters), whose widths no config field sets: timm's builder
+    # takes a width multiplier, which the config passes on (``model_args``)
+    "gemma3n": {"vision_config": {"model_args": {"channel_multiplier": 0.1}}},
     # its model reads the ids of the yes and no tokens from fields its config does not declare, by default ids of
     # the full vocabulary
     "shieldgemma2": {"yes_token_index": 126, "no_token_index": 125},
@@ -329,20 +337,55 @@ def tiny_model(model_type: str, build, overrides: dict | None = None):
     import transformers
 
     fixed = TYPE_OVERRIDES.get(model_type, {})
-    try:
-        default = transformers.AutoConfig.for_model(model_type)
-    except Exception:  # a default config that fails its own validation: with the fixes the table knows
-        default = transformers.AutoConfig.for_model(model_type, **fixed)
+    default = default_config(model_type)
     error = None
     for mixed in (True, False):
         shrunk = shrink(default.to_dict(), getattr(type(default), "sub_configs", None), mixed, type(default))
         small = _merged(_merged(shrunk, fixed), overrides or {})
+        small = _rederived(model_type, small, default)
         try:
             return repaired(lambda: build(transformers.AutoConfig.for_model(model_type, **small)), small,
-                            SMALL_HF | TINY_EXTRA)
+                            SMALL_HF | TINY_EXTRA, default.to_dict())
         except Exception as e:  # transformers and huggingface_hub raise many types for values a config rejects
             error = error or e
     raise error
+
+
+def default_config(model_type: str):
+    """The default config of ``model_type``; one that fails its own validation, with the fixes the table knows."""
+    import transformers
+
+    try:
+        return transformers.AutoConfig.for_model(model_type)
+    except Exception:  # any type: transformers and huggingface_hub raise several for a rejected value
+        return transformers.AutoConfig.for_model(model_type, **TYPE_OVERRIDES.get(model_type, {}))
+
+
+def _rederived(model_type: str, small: dict, default) -> dict:
+    """``small`` less the prefixed sizes (``_prefixed_sizes``: a guess from the name) its config computes from the
+    others (Zamba2's ``attention_hidden_size``, twice the width): top-level fields the class does not declare whose
+    value, in a config made without them, moves from the default's. Given, a guessed value would override the one
+    the config derives from the shrunk sizes (and the model would mix the two); left out, the config derives it
+    again. ``small`` as it is if that config fails."""
+    import dataclasses
+
+    import transformers
+
+    cls = type(default)
+    fields = default.to_dict()
+    if not dataclasses.is_dataclass(cls):
+        return small
+    declared = {f.name for f in dataclasses.fields(cls)} | set(getattr(cls, "attribute_map", {}))
+    guessed = _prefixed_sizes(fields, _small_low_rank(fields, {}))  # low-rank sizes have their own rule
+    undeclared = [k for k in guessed if k in small and k not in declared]
+    if not undeclared:
+        return small
+    try:
+        made = transformers.AutoConfig.for_model(model_type, **{k: v for k, v in small.items() if k in declared})
+    except Exception:  # any type: a config that needs the undeclared fields keeps them
+        return small
+    moved = {k for k in undeclared if k in fields and getattr(made, k, fields[k]) != fields[k]}
+    return {k: v for k, v in small.items() if k not in moved}
 
 
 def tiny_config(model_type: str, overrides: dict | None = None):
