@@ -223,3 +223,34 @@ def test_a_table_of_a_sweep_stopped_early_counts_only_what_ran():
     table = coverage_table(results, {"a": "causal-lm", "b": "causal-lm"}, tps=(2,))
     assert "| causal-lm | 2 | 1 exact — 1/1 (100%) of the buildable exact (1 pending) |" in table
     assert "| `b` | pending |" in table
+
+
+def test_a_decoder_over_codebooks_is_fed_a_row_per_codebook():
+    """MusicGen's decoder embeds each of its codebooks' rows with its own table and reads batch x codebooks rows:
+    synthesised ids have that many rows (and its forward runs on them); a text decoder beside codebooks (Moshi's,
+    one table) gets one row per sample."""
+    import torch
+
+    from autotp.capture.examples import EXAMPLE_BATCH, synthesise
+
+    built = {e.name: e.build() for e in zoo.entries({"musicgen", "moshi"})}
+    (ids,) = synthesise(built["musicgen"]).flat
+    assert ids.shape[0] == EXAMPLE_BATCH * built["musicgen"].config.num_codebooks
+    with torch.no_grad():
+        built["musicgen"](ids)
+    assert synthesise(built["moshi"]).flat[0].shape[0] == EXAMPLE_BATCH
+
+
+def test_composite_configs_build_their_causal_lm():
+    """Types whose causal LM takes one part of a composite config (text or decoder), whose default leaves a field
+    unset (DBRX's query clipping, LFM2-MoE's layer kinds), or whose vision tower no config field shrinks (Gemma 3n's
+    timm MobileNet) build tiny."""
+    import torch
+
+    from autotp.tools.tiny import MAX_PARAMS
+
+    for entry in zoo.entries({"llama4", "dbrx", "lfm2_moe", "gemma3n"}):
+        model = entry.build()
+        assert sum(p.numel() for p in model.parameters()) < MAX_PARAMS, entry.name
+        with torch.no_grad():
+            model(*entry.inputs(model))

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from autotp.capture.examples import EXAMPLE_BATCH, EXAMPLE_SEQ
-from autotp.tools.tiny import MAX_PARAMS, quiet, tiny_model
+from autotp.tools.tiny import MAX_PARAMS, default_config, quiet, tiny_model
 from autotp.tools.zoo_inputs import (
     _seeded,
     audio_inputs,
@@ -85,6 +85,7 @@ def _hf_build(model_type: str, class_names: str | tuple[str, ...]) -> Callable[[
         cls = getattr(transformers, class_names if isinstance(class_names, str) else class_names[0])
 
         def on_meta(config):
+            config = config_of(cls, config)
             with torch.device("meta"):
                 cls(config)
             return config
@@ -110,6 +111,17 @@ def _hf_build(model_type: str, class_names: str | tuple[str, ...]) -> Callable[[
     return build
 
 
+def config_of(cls, config):
+    """The config ``cls`` is built from: ``config`` itself, or the sub-config of the class's own ``config_class``
+    where the mapping names a composite type for a class that takes one part (Llama 4's causal LM takes the text
+    config of the multimodal ``Llama4Config``, MusicGen's its ``decoder``)."""
+    want = getattr(cls, "config_class", None)
+    if not isinstance(want, type) or isinstance(config, want):
+        return config
+    subs = (getattr(config, name, None) for name in getattr(type(config), "sub_configs", {}))
+    return next((sub for sub in subs if isinstance(sub, want)), config)
+
+
 def _counts_by_part(model: nn.Module, depth: int = 3) -> dict[str, int]:
     """Parameter counts of ``model`` by the first ``depth`` parts of their names (which tower holds the size)."""
     out: dict[str, int] = {}
@@ -122,10 +134,8 @@ def _counts_by_part(model: nn.Module, depth: int = 3) -> dict[str, int]:
 def _default_failure(model_type: str, cls) -> str | None:
     """Why ``cls`` does not build (on the meta device) from the default config of ``model_type``, in one line; None
     if it builds."""
-    import transformers
-
     try:
-        config = transformers.AutoConfig.for_model(model_type)
+        config = config_of(cls, default_config(model_type))
         with torch.device("meta"):
             cls(config)
     except Exception as e:  # any type: the message is the reason
