@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from enum import Enum
 
 import torch
+from autotp.errors import InternalError
+from autotp.passes.dead_ends import DeadEndWatch, Unexplained, shared_from
 from autotp.passes.graph import grad_nodes
 from autotp.passes.origins import SourceGraph, trace
 from autotp.passes.placement import Shard
@@ -122,6 +124,8 @@ class _RegionFinder:
         self.sources = SourceGraph(projections, embeddings, self.grad, trainable, tp)
         self.set_aside: list[tuple[tuple[str, ...], str]] = []
         """Projections left out of a group's region because they blocked it, and why."""
+        self.shared_from = shared_from(self.index)
+        """Lone tries are judged early only before this graph position (``dead_ends.shared_from``)."""
 
     def attempt(self, group: list[Projection], tp: int, grow: bool = True,
                 shared: dict[str, int] | None = None) -> tuple[Propagation, list[Projection], dict, dict]:
@@ -162,12 +166,14 @@ class _RegionFinder:
         same layouts again (a group tried again without growing starts where it started)."""
         key = (frozenset(layouts.items()), tp)
         if key not in self.propagations:
-            self.propagations[key] = propagate(self.graph, self.projections, self.embeddings, layouts, tp,
-                                               self.trainable, auto_rows=True, grad=self.grad, index=self.index,
-                                               decisions=self.decisions)
-            if len(self.propagations) > _KEPT:
-                del self.propagations[next(iter(self.propagations))]
+            self._keep(key, propagate(self.graph, self.projections, self.embeddings, layouts, tp, self.trainable,
+                                      auto_rows=True, grad=self.grad, index=self.index, decisions=self.decisions))
         return self.propagations[key]
+
+    def _keep(self, key, prop: Propagation) -> None:
+        self.propagations[key] = prop
+        if len(self.propagations) > _KEPT:
+            del self.propagations[next(iter(self.propagations))]
 
     def _feeding(self, prop: Propagation, columns: list[Projection], upstream: Container[str],
                  traced_here: dict) -> tuple[list[Projection], dict[str, Shard]]:
@@ -262,6 +268,37 @@ class _RegionFinder:
         consumer = self.nodes[conv.consumers[0][0]]
         return f"its split output would have to be made whole again at {getattr(consumer.target, '__name__', consumer.target)}"
 
+    def _dead_end(self, proj: Projection) -> bool:
+        """Whether ``proj`` tried alone as a column split provably closes no region, found by watching the walk
+        ``attempt`` starts with (``dead_ends.DeadEndWatch``), stopped at the proof. A walk that finds none has run
+        to its end: it is kept for ``attempt``, which asks for it next."""
+        node = self.nodes[proj.node]
+        layouts = _layouts([proj], {})
+        key = (frozenset(layouts.items()), self.tp)
+        if self.index.positions[node] >= self.shared_from or key in self.propagations:
+            return False
+        watch = DeadEndWatch(node, self.index.rank(node) + proj.feature_axis, self._upstream([proj]), self.grad,
+                             self.projections.keys() | self.embeddings.keys(), self.index)
+        prop = propagate(self.graph, self.projections, self.embeddings, layouts, self.tp, self.trainable,
+                         auto_rows=True, grad=self.grad, index=self.index, decisions=self.decisions, stop=watch)
+        if watch.proof is None:
+            self._keep(key, prop)
+        return watch.proof is not None
+
+    def explain(self, why: str) -> str:
+        """``why`` in words: an ``Unexplained`` group's full try, against ``claimed`` as it was then."""
+        if not isinstance(why, Unexplained):
+            return why
+        claimed, self.claimed = self.claimed, set(why.claimed)
+        try:
+            found = self.find([self.projections[n] for n in why.group], early=False)
+        finally:
+            self.claimed = claimed
+        if not isinstance(found, str):
+            raise InternalError(f"a lone column try of {why.group} judged dead early closes a region after all: "
+                                "passes/dead_ends.py's proof is wrong for this graph")
+        return found
+
     def lone_row(self, proj: Projection, why: str) -> RegionMatch | None:
         """``proj`` row-split alone, when that needs nothing but slicing its own whole input and all-reducing
         its output (a projection into the residual stream, a pooler), or None."""
@@ -275,8 +312,11 @@ class _RegionFinder:
         return RegionMatch(kind=RegionKind.ROW, columns=(), rows=(proj.node,), segments=(),
                            sizes=(proj.in_features,), why=why)
 
-    def find(self, group: list[Projection]) -> RegionMatch | str:
-        """The region ``group`` starts (with a fallback that keeps failing projections whole), or why none."""
+    def find(self, group: list[Projection], early: bool = True) -> RegionMatch | str:
+        """The region ``group`` starts (with a fallback that keeps failing projections whole), or why none
+        (``Unexplained`` when ``early`` proved a lone projection's try dead before wording why: ``explain``)."""
+        if early and len(group) == 1 and self._dead_end(group[0]):
+            return Unexplained(group, self.claimed)
         prop, columns, segments, params = self.attempt(group, self.tp)
         if not self.closed(prop, allow_slices=False) and len(columns) > len(group):
             prop, columns, segments, params = self.attempt(group, self.tp, grow=False)
@@ -394,7 +434,8 @@ def find_regions(graph: fx.Graph, projections: dict[str, Projection], embeddings
     for group in widening:
         search_group(group, last=True)
     # A group tried alone may have been split later with the region that reaches it (K/V of cross-attention).
-    search.unmatched = [(nodes, why) for nodes, why in search.unmatched if not claimed.issuperset(nodes)]
+    search.unmatched = [(nodes, finder.explain(why)) for nodes, why in search.unmatched
+                        if not claimed.issuperset(nodes)]
     # What is left and only reads and writes whole values is split alone, by its input features, unless it is
     # kept whole on purpose (``choices``).
     rows = [row for nodes, why in search.unmatched for n in nodes if n not in claimed and n not in whole
