@@ -137,10 +137,11 @@ class Unexplained(str):
     before the walk that words it. Most such groups are claimed later (as another region's rows) and their reason
     is dropped; ``find_regions`` words the others at the end with the full try, against ``claimed`` as it was."""
 
-    group: tuple
-    claimed: frozenset
+    group: tuple[str, ...]
+    """The group's projection nodes."""
+    claimed: frozenset[str]
 
-    def __new__(cls, group: list, claimed: set[str]):
+    def __new__(cls, group: tuple[str, ...], claimed: set[str]):
         made = super().__new__(cls, "(a lone try stopped early; its reason is worded at the end of the search)")
-        made.group, made.claimed = tuple(group), frozenset(claimed)
+        made.group, made.claimed = group, frozenset(claimed)
         return made

@@ -9,7 +9,6 @@ a product of two split branches), never by names.
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Container
 from dataclasses import dataclass
 from enum import Enum
@@ -18,7 +17,7 @@ import torch
 from autotp.errors import InternalError
 from autotp.passes.dead_ends import DeadEndWatch, Unexplained, shared_from
 from autotp.passes.graph import grad_nodes
-from autotp.passes.origins import SourceGraph, trace
+from autotp.passes.origins import Ancestors, SourceGraph, trace
 from autotp.passes.placement import Shard
 from autotp.passes.projections import Projection
 from autotp.passes.propagate import GraphIndex, propagate
@@ -197,10 +196,10 @@ class _RegionFinder:
             params |= traced.params
         return list(found.values()), params
 
-    def _upstream(self, columns: list[Projection]) -> _Ancestors:
+    def _upstream(self, columns: list[Projection]) -> Ancestors:
         """Every value the inputs of ``columns`` are computed from (the group's own input and the residual
         stream before it: what the region reads, which growing it must not split)."""
-        return _Ancestors([self.nodes[p.input] for p in columns], self.index)
+        return Ancestors([self.nodes[p.input] for p in columns], self.index)
 
     def _sliced(self, prop: Propagation) -> list:
         """Slices of values gradients flow through (a value no gradient reaches, a per-head table or a mask,
@@ -316,7 +315,7 @@ class _RegionFinder:
         """The region ``group`` starts (with a fallback that keeps failing projections whole), or why none
         (``Unexplained`` when ``early`` proved a lone projection's try dead before wording why: ``explain``)."""
         if early and len(group) == 1 and self._dead_end(group[0]):
-            return Unexplained(group, self.claimed)
+            return Unexplained(tuple(p.node for p in group), self.claimed)
         prop, columns, segments, params = self.attempt(group, self.tp)
         if not self.closed(prop, allow_slices=False) and len(columns) > len(group):
             prop, columns, segments, params = self.attempt(group, self.tp, grow=False)
@@ -345,30 +344,6 @@ class _RegionFinder:
 
 _KEPT = 16
 """Propagations a region search keeps (``_RegionFinder._propagate``): those of one group's attempts."""
-
-
-class _Ancestors:
-    """The names of ``nodes`` and of every value they are computed from, found as far back as asked: a trace asks
-    about values near the splits it follows, so walking back through the whole graph before them for every
-    candidate (a cost that grew with depth squared) is not needed. Any path to ``nodes`` from a value runs through
-    later values only, so walking back in decreasing graph position down to the asked value's answers it."""
-
-    def __init__(self, nodes: list[fx.Node], index: GraphIndex):
-        self.index = index
-        self.found: set[str] = set()
-        self.frontier = [(-index.positions[n], n.name, n) for n in dict.fromkeys(nodes)]
-        heapq.heapify(self.frontier)
-
-    def __contains__(self, name: str) -> bool:
-        floor = self.index.positions[self.index.nodes[name]]
-        while self.frontier and -self.frontier[0][0] >= floor:
-            _, seen, node = heapq.heappop(self.frontier)
-            if seen not in self.found:
-                self.found.add(seen)
-                for a in node.all_input_nodes:
-                    if a.name not in self.found:
-                        heapq.heappush(self.frontier, (-self.index.positions[a], a.name, a))
-        return name in self.found
 
 
 def _widens(region: RegionMatch, projections: dict[str, Projection]) -> bool:
