@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from enum import Enum
 
 import torch
-from autotp.errors import InternalError
 from autotp.passes.dead_ends import DeadEndWatch, Unexplained, shared_from
 from autotp.passes.graph import grad_nodes
 from autotp.passes.origins import Ancestors, SourceGraph, trace
@@ -294,8 +293,8 @@ class _RegionFinder:
         finally:
             self.claimed = claimed
         if not isinstance(found, str):
-            raise InternalError(f"a lone column try of {why.group} judged dead early closes a region after all: "
-                                "passes/dead_ends.py's proof is wrong for this graph")
+            raise RuntimeError(f"a lone column try of {why.group} judged dead early closes a region after all: "
+                               "passes/dead_ends.py's proof is wrong for this graph (a bug in autotp)")
         return found
 
     def lone_row(self, proj: Projection, why: str) -> RegionMatch | None:
