@@ -14,7 +14,7 @@ Why no refinement changes it. ``attempt`` only ever adds splits (projections gro
 cut): (1) the values the try's projection reads, and everything they are computed from (``upstream``), stay whole
 in every refinement: growing refuses them (``origins.trace``), and a parameter split by a refinement is read by a
 node the split reached, which is never upstream, unless a parameter is read in two places (tied or shared
-weights): those graphs are not judged early (``shared_from``). (2) The projection's output is split in every
+weights): no projection after the first such reader is judged early (``shared_from``). (2) The projection's output is split in every
 refinement (its weight is), and so is each value on the path checked here, or the walk gathers: each step is an
 op whose rule, given one split input, splits its output along a dim found without the segments, or gathers
 (``_carried`` lists them, mirroring their rules). (3) The pointwise op where the path meets a whole upstream value
