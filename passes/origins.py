@@ -11,8 +11,10 @@ module walks back from the value through the ops that would carry such a split u
 from __future__ import annotations
 
 import dataclasses
+import heapq
 from collections.abc import Container
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from autotp.passes.graph import arg_or_default, meta_val, rank, sizes
 from autotp.passes.placement import Shard
@@ -36,6 +38,9 @@ from autotp.passes.rules_shape import (
     slice_,
 )
 from torch import fx
+
+if TYPE_CHECKING:
+    from autotp.passes.propagate import GraphIndex
 
 _MAX_DEPTH = 16
 
@@ -162,3 +167,27 @@ def trace(g: SourceGraph, node: fx.Node, shard: Shard, upstream: Container[str],
         found.projections |= inner.projections
         found.params |= inner.params
     return found
+
+
+class Ancestors:
+    """The names of ``nodes`` and of every value they are computed from, found as far back as asked: a trace asks
+    about values near the splits it follows, so walking back through the whole graph before them for every
+    candidate (a cost that grew with depth squared) is not needed. Any path to ``nodes`` from a value runs through
+    later values only, so walking back in decreasing graph position down to the asked value's answers it."""
+
+    def __init__(self, nodes: list[fx.Node], index: GraphIndex):
+        self.index = index
+        self.found: set[str] = set()
+        self.frontier = [(-index.positions[n], n.name, n) for n in dict.fromkeys(nodes)]
+        heapq.heapify(self.frontier)
+
+    def __contains__(self, name: str) -> bool:
+        floor = self.index.positions[self.index.nodes[name]]
+        while self.frontier and -self.frontier[0][0] >= floor:
+            _, seen, node = heapq.heappop(self.frontier)
+            if seen not in self.found:
+                self.found.add(seen)
+                for a in node.all_input_nodes:
+                    if a.name not in self.found:
+                        heapq.heappush(self.frontier, (-self.index.positions[a], a.name, a))
+        return name in self.found
