@@ -27,7 +27,7 @@ from autotp.passes.graph import (
 )
 from autotp.passes.partial import carry_partial_sums
 from autotp.passes.placement import Layout, PlacementKind, Shard
-from autotp.passes.projections import Embedding, Projection
+from autotp.passes.projections import Embedding, Projection, segment_of
 from autotp.passes.propagation import Conversion, Propagation, Violation
 from autotp.passes.reshapes import static
 from autotp.passes.rule_kit import size_checks
@@ -248,6 +248,10 @@ class _Walker:
 
     def role_of(self, proj: Projection, ins: dict) -> Role | None:
         weight = self.param_layouts.get(proj.weight)
+        if isinstance(weight, Shard) and weight.dim == proj.out_dim and proj.packed is not None:
+            weight = segment_of(weight, proj.packed)  # this projection's slice of the packed parameter
+            if weight is None:
+                return None  # a slice across segments: its rule (the split of the parameter) keeps it whole
         if isinstance(weight, Shard):
             if weight.dim == proj.out_dim:
                 return Role(PlacementKind.COLWISE, weight.segments, weight.replicas)

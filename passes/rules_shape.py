@@ -105,7 +105,8 @@ def split(node: fx.Node, ins: Inputs, ctx: Context) -> Decision:
     if node.target is aten.unbind.int:
         return _fused_hint(replicate_all(node, ins, ctx), lay)
     parts = tuple(int(v.shape[dim]) for v in meta_val(node))
-    if parts != lay.segments:
+    grouped = _segments_per_part(parts, lay.segments)
+    if grouped is None:
         decision = replicate_all(node, ins, ctx)
         decision.hint = parts if sum(parts) == lay.size else None
         return decision
@@ -114,7 +115,22 @@ def split(node: fx.Node, ins: Inputs, ctx: Context) -> Decision:
         fixes[(1,)] = _local_size(node.args[1], ctx.tp)
     elif node.target is aten.split_with_sizes.default:
         fixes.update({(1, i): _local_size(s, ctx.tp) for i, s in enumerate(node.args[1])})
-    return Decision(tuple(Shard(dim, (s,)) for s in parts), fixes=fixes)
+    return Decision(tuple(Shard(dim, g) for g in grouped), fixes=fixes)
+
+
+def _segments_per_part(parts: tuple[int, ...], segments: tuple[int, ...]) -> tuple[tuple[int, ...], ...] | None:
+    """The segments inside each part of a split (Q's, then K's and V's of a packed ``[E, 2E]`` split), or None
+    when a cut falls inside a segment."""
+    out, at = [], 0
+    for part in parts:
+        inside, total = [], 0
+        while at < len(segments) and total < part:
+            inside.append(segments[at])
+            total, at = total + segments[at], at + 1
+        if total != part:
+            return None
+        out.append(tuple(inside))
+    return tuple(out) if at == len(segments) else None
 
 
 def _local_size(size: int | fx.Node, tp: int) -> int | DividedBy:
