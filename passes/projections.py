@@ -45,6 +45,10 @@ class Projection:
     """(start, length, the parameter's size) along ``out_dim`` when the weight is a slice of a packed parameter
     (cross-attention's ``w_q, w_kv = in_proj_weight.split([E, 2 * E])``): a projection on that segment, the
     parameter split as a whole with every segment's own split side by side (``packed_segments``)."""
+    joined_bias: bool = False
+    """The bias is parameters and buffers concatenated (BEiT's ``cat(q_bias, zeros_k, v_bias)``), not one parameter:
+    a column split asks for it split as its outputs are, which splits those parts (or slices a buffer, which no
+    gradient reaches); a row split is not offered (its bias, added once after the all-reduce, must be one tensor)."""
 
     @property
     def feature_axis(self) -> int:
@@ -162,10 +166,18 @@ def _projection(node: fx.Node, specs: dict) -> Projection | None:
     in_dim = 2 * ndim - 3 - out_dim
     bias_node = node.args[bi] if bi is not None and len(node.args) > bi else None
     bias = _attr(bias_node) if packed is None else _packed_bias(bias_node, packed)
-    if bias_node is not None and bias is None:
+    joined = bias is None and packed is None and _joined(bias_node)
+    if bias_node is not None and bias is None and not joined:
         return None  # a computed bias: leave the op alone
     return Projection(node=node.name, input=x.name, weight=weight, bias=bias, out_dim=out_dim,
-                      in_features=int(shape[in_dim]), out_features=int(shape[out_dim]), in_dim=in_dim, packed=packed)
+                      in_features=int(shape[in_dim]), out_features=int(shape[out_dim]), in_dim=in_dim, packed=packed,
+                      joined_bias=joined)
+
+
+def _joined(node) -> bool:
+    """Whether ``node`` concatenates parameters and buffers end to end (``cat([q_bias, k_bias, v_bias])``)."""
+    return (isinstance(node, fx.Node) and node.target is aten.cat.default and len(meta_val(node).shape) == 1
+            and all(_attr(part) is not None for part in node.args[0]))
 
 
 def _packed_bias(node, packed: tuple[int, int, int]) -> str | None:

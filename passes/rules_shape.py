@@ -214,9 +214,14 @@ def cat(node: fx.Node, ins: Inputs, ctx: Context) -> Decision:
         return Decision(None)
     lays = {lay for _, _, lay in sharded}
     dim = norm_dim(arg_or_default(node, 1, "dim", 0), rank(node))
-    if len(sharded) == len(ins) and all(lay.dim == dim and lay.blocks == 1 and lay.replicas == 1 for lay in lays):
-        parts = sorted(sharded, key=lambda item: item[0])
-        return Decision(Shard(dim, tuple(s for _, _, lay in parts for s in lay.segments)))
+    # a whole part no gradient reaches (BEiT's zero key bias between split query and value biases) is sliced
+    # for free, as if split there
+    free = {p: Shard(dim, (sizes(n)[dim],)) for p, (n, lay) in ins.items() if lay is None and n.name not in ctx.grad}
+    if len(sharded) + len(free) == len(ins) and all(lay.dim == dim and lay.blocks == 1 and lay.replicas == 1
+                                                    for lay in lays):
+        parts = sorted([(p, lay) for p, _, lay in sharded] + list(free.items()), key=lambda item: item[0])
+        checks = [c for lay in free.values() for c in size_checks(lay, "a concatenated part sliced per rank")]
+        return Decision(Shard(dim, tuple(s for _, lay in parts for s in lay.segments)), wants=free, checks=checks)
     if len(lays) != 1 or dim == next(iter(lays)).dim:
         return replicate_all(node, ins, ctx)
     lay = lays.pop()

@@ -323,3 +323,26 @@ def test_packed_cross_attention_is_split_by_heads_in_every_slice(key_is_value):
     report = _check(_model(PackedCrossAttention, key_is_value), _x(B, T, D), _x(B, 5, D, seed=1))
     _split(report, "attn.in_proj_weight", "attn.in_proj_bias", "attn.out_proj.weight")
     assert report.plan.placements["attn.in_proj_weight"].segments == (D, D, D)
+
+
+class JoinedBiasAttention(nn.Module):
+    """BEiT's attention: a fused QKV projection whose bias is ``cat(q_bias, zeros, v_bias)``, parameters around a
+    buffer of zeros for the keys."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv, self.o = nn.Linear(D, 3 * D, bias=False), nn.Linear(D, D)
+        self.q_bias, self.v_bias = nn.Parameter(0.1 * torch.randn(D)), nn.Parameter(0.1 * torch.randn(D))
+        self.register_buffer("k_bias", torch.zeros(D), persistent=False)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        qkv = F.linear(x, self.qkv.weight, torch.cat((self.q_bias, self.k_bias, self.v_bias)))
+        q, k, v = qkv.reshape(b, t, 3, H, HD).permute(2, 0, 3, 1, 4).unbind(0)
+        return x + self.o(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, t, D))
+
+
+def test_a_bias_joined_from_parameters_and_a_buffer_is_split_with_the_heads():
+    report = _check(_model(JoinedBiasAttention), _x(B, T, D))
+    _split(report, "qkv.weight", "q_bias", "v_bias", "o.weight")
+    assert report.plan.placements["qkv.weight"].segments == (D, D, D)
