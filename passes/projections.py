@@ -186,6 +186,15 @@ def _packed_bias(node, packed: tuple[int, int, int]) -> str | None:
     return segment[0] if segment is not None and segment[1] == 0 and segment[2:] == packed else None
 
 
+def packed_by_weight(projections: list[Projection]) -> dict[str, list[Projection]]:
+    """The projections on slices of packed parameters, by parameter."""
+    out: dict[str, list[Projection]] = {}
+    for p in projections:
+        if p.packed is not None:
+            out.setdefault(p.weight, []).append(p)
+    return out
+
+
 def packed_segments(projections: list[Projection], segments: dict[str, tuple[int, ...]]) -> tuple[int, ...] | None:
     """The segments of a packed parameter, from the ``projections`` on its slices (each with its ``segments``, else
     its output features whole), in the parameter's order; None unless the slices tile the parameter exactly (a

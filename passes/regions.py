@@ -18,7 +18,7 @@ import torch
 from autotp.passes.graph import grad_nodes
 from autotp.passes.origins import SourceGraph, trace
 from autotp.passes.placement import Shard
-from autotp.passes.projections import Projection, packed_segments
+from autotp.passes.projections import Projection, packed_by_weight, packed_segments
 from autotp.passes.propagate import GraphIndex, propagate
 from autotp.passes.propagation import Propagation, Violation
 from autotp.passes.steps import Operator
@@ -88,19 +88,10 @@ def _layouts(columns: list[Projection], segments: dict[str, tuple[int, ...]],
     shared = shared or {}
     out = {p.weight: Shard(p.out_dim, segments.get(p.node) or (p.out_features,), replicas=shared.get(p.node, 1))
            for p in columns if p.packed is None}
-    for weight, packed in _by_packed_weight(columns).items():
+    for weight, packed in packed_by_weight(columns).items():
         parts = packed_segments(packed, segments)
         if parts is not None:  # slices that do not tile the parameter leave it whole
             out[weight] = Shard(packed[0].out_dim, parts)
-    return out
-
-
-def _by_packed_weight(projections: list[Projection]) -> dict[str, list[Projection]]:
-    """The projections on slices of packed parameters, by parameter."""
-    out: dict[str, list[Projection]] = {}
-    for p in projections:
-        if p.packed is not None:
-            out.setdefault(p.weight, []).append(p)
     return out
 
 
@@ -179,7 +170,7 @@ class _RegionFinder:
             return list(group)
         siblings = [p for p in self.projections.values() if p.weight in packed and p not in group
                     and p.node not in self.claimed]
-        tiled = {w for w, ps in _by_packed_weight(list(group) + siblings).items() if packed_segments(ps, {})}
+        tiled = {w for w, ps in packed_by_weight(list(group) + siblings).items() if packed_segments(ps, {})}
         # slices that do not tile their parameter (a slice read by something else) cannot be split: left out
         return [p for p in list(group) + siblings if p.packed is None or p.weight in tiled]
 
