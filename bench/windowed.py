@@ -1,11 +1,13 @@
-"""Windowed vision models (the Swin family) against plain ViTs: CPU seconds to capture, plan and check.
+"""Windowed and relative-position models against plain ones of their size: CPU seconds to capture, plan and check.
 
     python -m bench.windowed                 # the table on stdout
     python -m bench.windowed --tp 4
 
-Each model runs in a fresh process (its imports first), at the zoo's tiny config (``autotp zoo``'s entries) or,
-for ``vit-matched``, a ViT as deep as the tiny Swin (8 layers) with about its parameter count, on the same
-64 x 64 images in 4 x 4 patches. *capture* is ``checker.prepare`` (the train-mode capture), *plan* ``make_plan``,
+The Swin family against ViTs, DeBERTa-v2 (relative-position attention) against BERT. Each model runs in a fresh
+process (its imports first), at the zoo's tiny config (``autotp zoo``'s entries) or a matched config: for
+``vit-matched``, a ViT as deep as the tiny Swin (8 layers) with about its parameter count, on the same
+64 x 64 images in 4 x 4 patches; ``bert-8`` and ``deberta-v2-8``, one config (8 layers of width 256, 4 heads)
+for both, on 2 x 128 tokens. *capture* is ``checker.prepare`` (the train-mode capture), *plan* ``make_plan``,
 *check* the one-process check of every rank against the model (``check_prepared``, which plans again).
 CPU time (``time.process_time``), not wall time: the machine is shared.
 """
@@ -19,11 +21,21 @@ import subprocess
 import sys
 
 MODELS = ("vit:image", "deit:image", "vit-matched", "swin:image", "swin:backbone", "swinv2:image", "swinv2:backbone",
-          "donut-swin:image", "maskformer-swin:backbone")
+          "donut-swin:image", "maskformer-swin:backbone", "bert:mlm", "deberta-v2:mlm", "bert-8", "deberta-v2-8")
 
 VIT_MATCHED = {"hidden_size": 320, "num_hidden_layers": 8, "num_attention_heads": 8, "intermediate_size": 1280,
                "image_size": 64, "patch_size": 4, "num_labels": 10}
 """A ViT of the tiny Swin's depth (4 stages of 2 layers) and about its 9M parameters."""
+
+TEXT_MATCHED = {"hidden_size": 256, "num_hidden_layers": 8, "num_attention_heads": 4, "intermediate_size": 1024,
+                "vocab_size": 1024, "max_position_embeddings": 512}
+"""``bert-8`` and ``deberta-v2-8``: one config for both."""
+
+DEBERTA_RELATIVE = {"relative_attention": True, "pos_att_type": ["p2c", "c2p"], "position_buckets": 256,
+                    "max_relative_positions": -1, "position_biased_input": False, "norm_rel_ebd": "layer_norm",
+                    "share_att_key": True}
+"""What ``deberta-v2-8`` adds: DeBERTa-v3's relative-position attention (the zoo's tiny DeBERTa-v2 keeps the
+config's defaults, which turn it off)."""
 
 _CHILD = r"""
 import json, sys, time
@@ -33,12 +45,17 @@ from autotp.checker import check_prepared, prepare
 from autotp.options import Options
 from autotp.planning import make_plan
 from autotp.passes.regions import RegionKind
-name, tp, vit = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
+name, tp, vit, text, relative = sys.argv[1], int(sys.argv[2]), *map(json.loads, sys.argv[3:6])
 torch.manual_seed(0)
 if name == "vit-matched":
     import transformers
     model = transformers.ViTForImageClassification(transformers.ViTConfig(**vit))
     inputs = {"pixel_values": torch.randn(2, 3, vit["image_size"], vit["image_size"])}
+elif name in ("bert-8", "deberta-v2-8"):
+    import transformers
+    model = (transformers.BertForMaskedLM(transformers.BertConfig(**text)) if name == "bert-8" else
+             transformers.DebertaV2ForMaskedLM(transformers.DebertaV2Config(**text, **relative)))
+    inputs = {"input_ids": torch.randint(0, text["vocab_size"], (2, 128))}
 else:
     from autotp.tools.zoo import entries
     (entry,) = entries({name})
@@ -62,7 +79,8 @@ print(json.dumps({"model": name, "params": sum(p.numel() for p in model.paramete
 
 def measure(name: str, tp: int) -> dict:
     """One model in a fresh process."""
-    out = subprocess.run([sys.executable, "-c", _CHILD, name, str(tp), json.dumps(VIT_MATCHED)],
+    configs = [json.dumps(VIT_MATCHED), json.dumps(TEXT_MATCHED), json.dumps(DEBERTA_RELATIVE)]
+    out = subprocess.run([sys.executable, "-c", _CHILD, name, str(tp), *configs],
                          capture_output=True, text=True)
     if out.returncode:
         return {"model": name, "error": (out.stderr.strip().splitlines() or ["?"])[-1][:200]}

@@ -18,12 +18,13 @@ from typing import TYPE_CHECKING
 
 from autotp.passes.graph import arg_or_default, meta_val, rank, sizes
 from autotp.passes.placement import Shard
-from autotp.passes.projections import Embedding, Projection
+from autotp.passes.projections import Embedding, Projection, segment_of
 from autotp.passes.reshapes import broadcast_dim, map_reshape
 from autotp.passes.rule_kit import like_first, norm_dim, pointwise
 from autotp.passes.rules import rule_for
 from autotp.passes.rules_compute import along_dim, layer_norm, reduction
 from autotp.passes.rules_shape import (
+    cat,
     expand,
     gather,
     gathers_within,
@@ -96,7 +97,22 @@ def _input_shard(node: fx.Node, source: fx.Node, shard: Shard, tp: int) -> Shard
         return _repeated_input(node, source, shard)
     if rule in (reduction, along_dim, layer_norm):  # a per-head norm: its statistic is over another dim
         return _normalised_input(node, source, shard)
+    if rule is cat:  # parts joined along the split dim (a bias of q, k and v biases): each part's own segments
+        return _joined_input(node, source, shard)
     return None
+
+
+def _joined_input(node: fx.Node, source: fx.Node, shard: Shard) -> Shard | None:
+    """The split ``source`` needs for ``cat`` to come out split as ``shard``: along another dim the same, along the
+    cat dim the segments inside its part (None when a part's bounds cut a segment)."""
+    parts = node.args[0]
+    dim = arg_or_default(node, 1, "dim", 0) % rank(node)
+    if dim != shard.dim:
+        return shard if rank(source) == rank(node) else None
+    if shard.blocks != 1 or shard.replicas != 1 or parts.count(source) != 1:
+        return None
+    start = sum(sizes(p)[dim] for p in parts[:parts.index(source)])
+    return segment_of(shard, (start, sizes(source)[dim], shard.size))
 
 
 def _repeated_input(node: fx.Node, source: fx.Node, shard: Shard) -> Shard | None:

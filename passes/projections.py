@@ -8,12 +8,14 @@ rows multiplied by its expert's matrix), which splits like a plain projection in
 
 from __future__ import annotations
 
+import dataclasses
+import operator
 from dataclasses import dataclass
 
 import torch
 from torch import fx
 
-from autotp.passes.graph import meta_val
+from autotp.passes.graph import arg_or_default, meta_val
 
 aten = torch.ops.aten
 
@@ -39,6 +41,14 @@ class Projection:
     left: bool = False
     """``W @ x``: the weight multiplies from the left, so features run along the second-last dim of ``x`` and of
     the output (Mamba's time-step projection, ``dt_proj.weight @ dt.transpose(1, 2)``)."""
+    packed: tuple[int, int, int] | None = None
+    """(start, length, the parameter's size) along ``out_dim`` when the weight is a slice of a packed parameter
+    (cross-attention's ``w_q, w_kv = in_proj_weight.split([E, 2 * E])``): a projection on that segment, the
+    parameter split as a whole with every segment's own split side by side (``packed_segments``)."""
+    joined_bias: bool = False
+    """The bias is parameters and buffers concatenated (BEiT's ``cat(q_bias, zeros_k, v_bias)``), not one parameter:
+    a column split asks for it split as its outputs are, which splits those parts (or slices a buffer, which no
+    gradient reaches); a row split is not offered (its bias, added once after the all-reduce, must be one tensor)."""
 
     @property
     def feature_axis(self) -> int:
@@ -88,6 +98,33 @@ def grouped_ops() -> dict:
     return ops
 
 
+def _segment(node) -> tuple[str, int, int, int, int] | None:
+    """(``get_attr`` target, dim, start, length, the parameter's size along dim) if ``node`` is a contiguous slice
+    of a parameter along one dim: ``W.split(sizes)[i]`` (``split``, ``split_with_sizes``, ``chunk``) or ``W[a:b]``."""
+    if not isinstance(node, fx.Node) or node.op != "call_function":
+        return None
+    if node.target is operator.getitem and isinstance(node.args[0], fx.Node) and node.args[0].target in _SPLITS:
+        split, i = node.args[0], node.args[1]
+        target, parts = _attr(split.args[0]), meta_val(split)
+        dim = arg_or_default(split, 2, "dim", 0) % len(parts[i].shape)
+        start = sum(int(p.shape[dim]) for p in parts[:i])
+        size = int(meta_val(split.args[0]).shape[dim])
+    elif node.target is aten.slice.Tensor and arg_or_default(node, 4, "step", 1) == 1:
+        target, dim = _attr(node.args[0]), arg_or_default(node, 1, "dim", 0) % len(meta_val(node).shape)
+        size = int(meta_val(node.args[0]).shape[dim])
+        start = arg_or_default(node, 2, "start", None) or 0
+        if not isinstance(start, int):
+            return None
+        start = max(start + size, 0) if start < 0 else min(start, size)
+    else:
+        return None
+    length = int(meta_val(node).shape[dim])
+    return (target, dim, start, length, size) if target is not None and 0 < length < size else None
+
+
+_SPLITS = {aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default}
+
+
 def _transposed_attr(node) -> str | None:
     """The ``get_attr`` target if ``node`` is a parameter with its last two dims swapped (``W.t()``, as in
     ``x @ W.t()``, or ``W.transpose(-2, -1)`` of a 3-D expert bank)."""
@@ -116,6 +153,10 @@ def _projection(node: fx.Node, specs: dict) -> Projection | None:
     if weight is None and _transposed_attr(weight_node) is not None:
         # x @ W.t(): the parameter's output features sit on the other storage dim.
         weight, out_dim, weight_node = _transposed_attr(weight_node), 2 * ndim - 3 - out_dim, weight_node.args[0]
+    segment = _segment(weight_node) if weight is None and ndim == 2 else None
+    packed = None
+    if segment is not None and segment[1] == out_dim:  # a slice of a packed parameter's output features
+        weight, packed = segment[0], segment[2:]
     x = node.args[xi]
     if weight is None or not isinstance(x, fx.Node) or _attr(x) is not None:
         return None
@@ -124,11 +165,59 @@ def _projection(node: fx.Node, specs: dict) -> Projection | None:
         return None
     in_dim = 2 * ndim - 3 - out_dim
     bias_node = node.args[bi] if bi is not None and len(node.args) > bi else None
-    bias = _attr(bias_node)
-    if bias_node is not None and bias is None:
+    bias = _attr(bias_node) if packed is None else _packed_bias(bias_node, packed)
+    joined = bias is None and packed is None and _joined(bias_node)
+    if bias_node is not None and bias is None and not joined:
         return None  # a computed bias: leave the op alone
     return Projection(node=node.name, input=x.name, weight=weight, bias=bias, out_dim=out_dim,
-                      in_features=int(shape[in_dim]), out_features=int(shape[out_dim]), in_dim=in_dim)
+                      in_features=int(shape[in_dim]), out_features=int(shape[out_dim]), in_dim=in_dim, packed=packed,
+                      joined_bias=joined)
+
+
+def _joined(node) -> bool:
+    """Whether ``node`` concatenates parameters and buffers end to end (``cat([q_bias, k_bias, v_bias])``)."""
+    return (isinstance(node, fx.Node) and node.target is aten.cat.default and len(meta_val(node).shape) == 1
+            and all(_attr(part) is not None for part in node.args[0]))
+
+
+def _packed_bias(node, packed: tuple[int, int, int]) -> str | None:
+    """The packed bias parameter if ``node`` is its slice matching the weight's (``in_proj_bias.split(...)[i]``)."""
+    segment = _segment(node)
+    return segment[0] if segment is not None and segment[1] == 0 and segment[2:] == packed else None
+
+
+def packed_by_weight(projections: list[Projection]) -> dict[str, list[Projection]]:
+    """The projections on slices of packed parameters, by parameter."""
+    out: dict[str, list[Projection]] = {}
+    for p in projections:
+        if p.packed is not None:
+            out.setdefault(p.weight, []).append(p)
+    return out
+
+
+def packed_segments(projections: list[Projection], segments: dict[str, tuple[int, ...]]) -> tuple[int, ...] | None:
+    """The segments of a packed parameter, from the ``projections`` on its slices (each with its ``segments``, else
+    its output features whole), in the parameter's order; None unless the slices tile the parameter exactly (a
+    slice read by no projection found could not be placed)."""
+    ordered = sorted(projections, key=lambda p: p.packed[0])
+    at, out = 0, []
+    for p in ordered:
+        start, length, _ = p.packed
+        if start != at:
+            return None
+        out += segments.get(p.node) or (length,)
+        at += length
+    return tuple(out) if ordered and at == ordered[0].packed[2] else None
+
+
+def segment_of(shard, packed: tuple[int, int, int]):
+    """The split of one slice ``packed`` of a packed parameter split as ``shard`` (the segments inside it), or None
+    when the slice does not start and end at segment boundaries."""
+    start, length, _ = packed
+    bounds = [sum(shard.segments[:i]) for i in range(len(shard.segments) + 1)]
+    if start not in bounds or start + length not in bounds:
+        return None
+    return dataclasses.replace(shard, segments=shard.segments[bounds.index(start):bounds.index(start + length)])
 
 
 def _left_projection(node: fx.Node) -> Projection | None:

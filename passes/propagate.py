@@ -27,7 +27,7 @@ from autotp.passes.graph import (
 )
 from autotp.passes.partial import carry_partial_sums
 from autotp.passes.placement import Layout, PlacementKind, Shard
-from autotp.passes.projections import Embedding, Projection
+from autotp.passes.projections import Embedding, Projection, segment_of
 from autotp.passes.propagation import Conversion, Propagation, Violation
 from autotp.passes.reshapes import static
 from autotp.passes.rule_kit import size_checks
@@ -251,14 +251,18 @@ class _Walker:
 
     def role_of(self, proj: Projection, ins: dict) -> Role | None:
         weight = self.param_layouts.get(proj.weight)
+        if isinstance(weight, Shard) and weight.dim == proj.out_dim and proj.packed is not None:
+            weight = segment_of(weight, proj.packed)  # this projection's slice of the packed parameter
+            if weight is None:
+                return None  # a slice across segments: its rule (the split of the parameter) keeps it whole
         if isinstance(weight, Shard):
             if weight.dim == proj.out_dim:
                 return Role(PlacementKind.COLWISE, weight.segments, weight.replicas)
-            return Role(PlacementKind.ROWWISE, _fused(weight.segments))
+            return None if proj.joined_bias else Role(PlacementKind.ROWWISE, _fused(weight.segments))
         x = self.graph_node(proj.input)
         x_layout = self.layout(x)
         features = self.index.rank(x) + proj.feature_axis
-        if self.auto_rows and _row_input(x_layout, features, proj.in_features):
+        if self.auto_rows and not proj.joined_bias and _row_input(x_layout, features, proj.in_features):
             self.result.rows.append(proj.node)
             return Role(PlacementKind.ROWWISE, _fused(x_layout.segments))
         return None
@@ -271,7 +275,11 @@ class _Walker:
         x = self.graph_node(proj.input)
         if role.kind is PlacementKind.COLWISE:
             out = Shard(self.index.rank(node) + proj.feature_axis, role.segments, replicas=role.replicas)
-            return Decision(out, wants={x_path: COPY}, checks=size_checks(out, "output features"))
+            wants = {x_path: COPY}
+            if proj.joined_bias:  # its parts are split (or sliced) as the outputs are
+                bias = next(p for p, n in tensor_args(node) if n.target is aten.cat.default)
+                wants[bias] = Shard(0, role.segments, replicas=role.replicas)
+            return Decision(out, wants=wants, checks=size_checks(out, "output features"))
         out = self.sequence_shard(node)
         wants = {x_path: Shard(self.index.rank(x) + proj.feature_axis, role.segments or (proj.in_features,))}
         bias = next(((p, n) for p, n in tensor_args(node) if n.op == "get_attr" and n.target == proj.bias), None)

@@ -18,7 +18,7 @@ from autotp.passes.dead_ends import DeadEndWatch, Unexplained, shared_from
 from autotp.passes.graph import grad_nodes
 from autotp.passes.origins import Ancestors, SourceGraph, trace
 from autotp.passes.placement import Shard
-from autotp.passes.projections import Projection
+from autotp.passes.projections import Projection, packed_by_weight, packed_segments
 from autotp.passes.propagate import GraphIndex, propagate
 from autotp.passes.propagation import Propagation, Violation
 from autotp.passes.steps import Operator
@@ -86,8 +86,13 @@ def _sibling_groups(projections: dict[str, Projection], skip: set[str]) -> list[
 def _layouts(columns: list[Projection], segments: dict[str, tuple[int, ...]],
              shared: dict[str, int] | None = None) -> dict[str, Shard]:
     shared = shared or {}
-    return {p.weight: Shard(p.out_dim, segments.get(p.node) or (p.out_features,), replicas=shared.get(p.node, 1))
-            for p in columns}
+    out = {p.weight: Shard(p.out_dim, segments.get(p.node) or (p.out_features,), replicas=shared.get(p.node, 1))
+           for p in columns if p.packed is None}
+    for weight, packed in packed_by_weight(columns).items():
+        parts = packed_segments(packed, segments)
+        if parts is not None:  # slices that do not tile the parameter leave it whole
+            out[weight] = Shard(packed[0].out_dim, parts)
+    return out
 
 
 def _classify(graph_nodes: dict[str, fx.Node], prop: Propagation) -> RegionKind:
@@ -135,7 +140,7 @@ class _RegionFinder:
         meeting split queries, a gate or time-step projection meeting split channels). Returns the
         propagation, the column projections, their segments and the other split parameters.
         """
-        columns = list(group)
+        columns = self._with_packed_siblings(group)
         upstream = self._upstream(group) if grow else set()
         segments: dict[str, tuple[int, ...]] = {}
         params: dict[str, Shard] = {}
@@ -158,6 +163,18 @@ class _RegionFinder:
                 break
             params = learnt_params
         return prop, columns, segments, params
+
+    def _with_packed_siblings(self, group: list[Projection]) -> list[Projection]:
+        """``group`` and the projections on the other slices of its packed parameters (cross-attention's K/V beside
+        its Q): a packed parameter is split as a whole or not at all."""
+        packed = {p.weight for p in group if p.packed is not None}
+        if not packed:
+            return list(group)
+        siblings = [p for p in self.projections.values() if p.weight in packed and p not in group
+                    and p.node not in self.claimed]
+        tiled = {w for w, ps in packed_by_weight(list(group) + siblings).items() if packed_segments(ps, {})}
+        # slices that do not tile their parameter (a slice read by something else) cannot be split: left out
+        return [p for p in list(group) + siblings if p.packed is None or p.weight in tiled]
 
     def _propagate(self, layouts: dict[str, Shard], tp: int) -> Propagation:
         """A candidate's propagation (``auto_rows``, windowed), kept for the next few: a search often asks for the
@@ -223,6 +240,8 @@ class _RegionFinder:
     def _shared(self, columns: list[Projection], failing: set[str], prop: Propagation) -> RegionMatch | None:
         """The region with the ``failing`` projections (K/V whose heads tp does not divide) split into fewer chunks
         than ranks, each held by several ranks: the KV head the holders' query heads use (most chunks first)."""
+        if any(p.packed is not None for p in columns if p.node in failing):
+            return None  # a packed parameter's slices are split alike (one placement), never held by several ranks
         for chunks in [c for c in range(self.tp - 1, 1, -1) if self.tp % c == 0]:
             shared = {p.node: self.tp // chunks for p in columns if p.node in failing}
             sub, _, segments, params = self.attempt(columns, self.tp, grow=False, shared=shared)

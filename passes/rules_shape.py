@@ -105,7 +105,8 @@ def split(node: fx.Node, ins: Inputs, ctx: Context) -> Decision:
     if node.target is aten.unbind.int:
         return _fused_hint(replicate_all(node, ins, ctx), lay)
     parts = tuple(int(v.shape[dim]) for v in meta_val(node))
-    if parts != lay.segments:
+    grouped = _segments_per_part(parts, lay.segments)
+    if grouped is None:
         decision = replicate_all(node, ins, ctx)
         decision.hint = parts if sum(parts) == lay.size else None
         return decision
@@ -114,7 +115,22 @@ def split(node: fx.Node, ins: Inputs, ctx: Context) -> Decision:
         fixes[(1,)] = _local_size(node.args[1], ctx.tp)
     elif node.target is aten.split_with_sizes.default:
         fixes.update({(1, i): _local_size(s, ctx.tp) for i, s in enumerate(node.args[1])})
-    return Decision(tuple(Shard(dim, (s,)) for s in parts), fixes=fixes)
+    return Decision(tuple(Shard(dim, g) for g in grouped), fixes=fixes)
+
+
+def _segments_per_part(parts: tuple[int, ...], segments: tuple[int, ...]) -> tuple[tuple[int, ...], ...] | None:
+    """The segments inside each part of a split (Q's, then K's and V's of a packed ``[E, 2E]`` split), or None
+    when a cut falls inside a segment."""
+    out, at = [], 0
+    for part in parts:
+        inside, total = [], 0
+        while at < len(segments) and total < part:
+            inside.append(segments[at])
+            total, at = total + segments[at], at + 1
+        if total != part:
+            return None
+        out.append(tuple(inside))
+    return tuple(out) if at == len(segments) else None
 
 
 def _local_size(size: int | fx.Node, tp: int) -> int | DividedBy:
@@ -198,9 +214,14 @@ def cat(node: fx.Node, ins: Inputs, ctx: Context) -> Decision:
         return Decision(None)
     lays = {lay for _, _, lay in sharded}
     dim = norm_dim(arg_or_default(node, 1, "dim", 0), rank(node))
-    if len(sharded) == len(ins) and all(lay.dim == dim and lay.blocks == 1 and lay.replicas == 1 for lay in lays):
-        parts = sorted(sharded, key=lambda item: item[0])
-        return Decision(Shard(dim, tuple(s for _, _, lay in parts for s in lay.segments)))
+    # a whole part no gradient reaches (BEiT's zero key bias between split query and value biases) is sliced
+    # for free, as if split there
+    free = {p: Shard(dim, (sizes(n)[dim],)) for p, (n, lay) in ins.items() if lay is None and n.name not in ctx.grad}
+    if len(sharded) + len(free) == len(ins) and all(lay.dim == dim and lay.blocks == 1 and lay.replicas == 1
+                                                    for lay in lays):
+        parts = sorted([(p, lay) for p, _, lay in sharded] + list(free.items()), key=lambda item: item[0])
+        checks = [c for lay in free.values() for c in size_checks(lay, "a concatenated part sliced per rank")]
+        return Decision(Shard(dim, tuple(s for _, lay in parts for s in lay.segments)), wants=free, checks=checks)
     if len(lays) != 1 or dim == next(iter(lays)).dim:
         return replicate_all(node, ins, ctx)
     lay = lays.pop()

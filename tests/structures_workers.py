@@ -1,7 +1,8 @@
 """Per-rank bodies of the structure tests on gloo: one tiny model of each structure autotp splits.
 
 Mixture-of-experts (a 3-D expert bank), QK-norm over all heads, interleaved rotary with a parallel block,
-encoder-decoders (cross-attention, per-head relative position bias), ``nn.TransformerEncoder``, einsum attention
+encoder-decoders (cross-attention, per-head relative position bias, ``nn.Transformer``'s packed cross-attention
+projections), ``nn.TransformerEncoder``, einsum attention
 with a gathered per-head bias and a projection split alone, and a Mamba mixer. Each rank builds every model from one seed, keeps an
 unsharded copy, and compares outputs, the loss of every step and every parameter after AdamW steps; dropout
 is off in every config.
@@ -105,6 +106,20 @@ class TorchEncoderLM(nn.Module):
         return self.head(self.encoder(self.embed(ids)))
 
 
+class TorchSeq2SeqLM(nn.Module):
+    """``nn.Transformer`` with a causal decoder mask: its decoder's cross-attention slices one packed
+    ``in_proj_weight`` into the query projection (decoder side) and the key/value projection (encoder side)."""
+
+    def __init__(self, dim: int = 64):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, dim)
+        self.transformer = nn.Transformer(dim, 4, 1, 2, 128, dropout=0.0, batch_first=True)
+        self.head = nn.Linear(dim, VOCAB)
+
+    def forward(self, input_ids, decoder_input_ids, tgt_mask):
+        return self.head(self.transformer(self.embed(input_ids), self.embed(decoder_input_ids), tgt_mask=tgt_mask))
+
+
 class EinsumLM(nn.Module):
     """A narrow embedding projected into the residual stream (split alone by its input features, as ELECTRA's),
     einsum attention with a per-head bias picked per distance bucket by ``gather`` (ProphetNet-style), an MLP."""
@@ -138,6 +153,12 @@ def _seq2seq(batch: int, seq: int, seed: int) -> dict[str, torch.Tensor]:
     return {"input_ids": models.tokens(batch, seq, seed), "decoder_input_ids": decoder}
 
 
+def _seq2seq_causal(batch: int, seq: int, seed: int) -> dict[str, torch.Tensor]:
+    """``_seq2seq`` with the decoder's causal mask, as ``nn.Transformer``'s users pass it."""
+    ids = _seq2seq(batch, seq, seed)
+    return ids | {"tgt_mask": nn.Transformer.generate_square_subsequent_mask(ids["decoder_input_ids"].shape[1])}
+
+
 def _positional(batch: int, seq: int, seed: int) -> tuple[torch.Tensor]:
     return (models.tokens(batch, seq, seed),)
 
@@ -156,6 +177,8 @@ class Case:
     seq: int = 12
     """Sequence length of the training batches: the example's for a model whose code loops over positions
     (the capture then fixes it), another otherwise (sizes stay dynamic)."""
+    batch: int = 3
+    """Batch size of the training batches (another than the example's 2 unless the capture fixes it)."""
 
 
 def _layers(*suffixes: str, layers: int = 2, stem: str = "model.layers") -> tuple[str, ...]:
@@ -182,6 +205,10 @@ CASES = {
     "nn.TransformerEncoder": Case(TorchEncoderLM, _positional, _layers(
         "self_attn.in_proj_weight", "self_attn.out_proj.weight", "linear1.weight", "linear2.weight",
         stem="encoder.layers")),
+    "nn.Transformer (packed cross-attention, causal mask)": Case(TorchSeq2SeqLM, _seq2seq_causal, _layers(
+        "multihead_attn.in_proj_weight", "multihead_attn.in_proj_bias", "multihead_attn.out_proj.weight",
+        "self_attn.in_proj_weight", stem="transformer.decoder.layers"), seq=16, batch=2),
+    # (its capture fixes batch x source length: a guard 64 * B * S == 2048 from torch.export, before autotp plans)
     "einsum attention, gathered bias, lone row": Case(EinsumLM, _positional, (
         "project.weight", "qkv.weight", "rel.weight", "out.weight", "up.weight", "down.weight")),
     # Mamba's reference selective scan loops over positions: its sequence length is fixed, kept short.
@@ -234,7 +261,7 @@ def check_case(label: str, case: Case, world: int) -> dict:
     pm = autotp.parallelize(ref, tp=world, example_inputs=example)
     extra = _no_cache(ref)
 
-    batches = [case.inputs(3, case.seq, seed) for seed in range(2, 2 + STEPS)]  # not the example's sizes
+    batches = [case.inputs(case.batch, case.seq, seed) for seed in range(2, 2 + STEPS)]  # not the example's sizes
     got, want = tree_leaves(_call(pm, batches[0])), tree_leaves(_call(ref, batches[0], **extra))
     outputs = [_error(g, w) for g, w in zip(got, want)] if len(got) == len(want) else [float("inf")]
 

@@ -2,7 +2,8 @@
 
 Mixture-of-experts (a 3-D expert bank), low-rank attention (DeepSeek's MLA) with routed and shared experts,
 QK-norm across all heads, interleaved rotary with a parallel block,
-encoder-decoders (cross-attention; per-head relative position bias), ``nn.TransformerEncoder``, einsum attention
+encoder-decoders (cross-attention; per-head relative position bias; ``nn.Transformer`` with a causal mask, its
+cross-attention's packed projections sliced), ``nn.TransformerEncoder``, einsum attention
 with a per-head bias picked by ``gather`` and a projection split alone by its input features, and a Mamba
 mixer (its depthwise conv1d, scan parameters and time-step projection split by channel).
 The workers measure; this test asserts: outputs, the loss of 2 AdamW steps and every parameter afterwards agree

@@ -297,3 +297,52 @@ class ComputedSplitSizes(nn.Module):
 def test_split_sizes_computed_in_the_graph_are_divided_per_rank(as_list):
     report = _check(_model(ComputedSplitSizes, as_list), _x(B, T, D))
     _split(report, "gate_up.weight", "down.weight")
+
+
+class PackedCrossAttention(nn.Module):
+    """``nn.MultiheadAttention`` as a decoder's cross-attention: one packed ``in_proj_weight`` whose slices project
+    the queries (from ``x``) and the keys and values (from ``memory``), as torch slices it (``w.split([E, 2E])``
+    when key is value, ``w.chunk(3)`` otherwise)."""
+
+    def __init__(self, key_is_value: bool):
+        super().__init__()
+        self.key_is_value = key_is_value
+        self.attn = nn.MultiheadAttention(D, H, batch_first=True)
+        self.up, self.down = nn.Linear(D, 2 * D), nn.Linear(2 * D, D)
+
+    def forward(self, x, memory):
+        if memory.shape[0] != x.shape[0]:  # as nn.Transformer checks: one batch size, not two (a capture fact)
+            raise ValueError("x and memory must have the same batch size")
+        value = memory if self.key_is_value else memory.flip(1)
+        x = x + self.attn(x, memory, value, need_weights=False)[0]
+        return x + self.down(F.gelu(self.up(x)))
+
+
+@pytest.mark.parametrize("key_is_value", [True, False])
+def test_packed_cross_attention_is_split_by_heads_in_every_slice(key_is_value):
+    report = _check(_model(PackedCrossAttention, key_is_value), _x(B, T, D), _x(B, 5, D, seed=1))
+    _split(report, "attn.in_proj_weight", "attn.in_proj_bias", "attn.out_proj.weight")
+    assert report.plan.placements["attn.in_proj_weight"].segments == (D, D, D)
+
+
+class JoinedBiasAttention(nn.Module):
+    """BEiT's attention: a fused QKV projection whose bias is ``cat(q_bias, zeros, v_bias)``, parameters around a
+    buffer of zeros for the keys."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv, self.o = nn.Linear(D, 3 * D, bias=False), nn.Linear(D, D)
+        self.q_bias, self.v_bias = nn.Parameter(0.1 * torch.randn(D)), nn.Parameter(0.1 * torch.randn(D))
+        self.register_buffer("k_bias", torch.zeros(D), persistent=False)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        qkv = F.linear(x, self.qkv.weight, torch.cat((self.q_bias, self.k_bias, self.v_bias)))
+        q, k, v = qkv.reshape(b, t, 3, H, HD).permute(2, 0, 3, 1, 4).unbind(0)
+        return x + self.o(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, t, D))
+
+
+def test_a_bias_joined_from_parameters_and_a_buffer_is_split_with_the_heads():
+    report = _check(_model(JoinedBiasAttention), _x(B, T, D))
+    _split(report, "qkv.weight", "q_bias", "v_bias", "o.weight")
+    assert report.plan.placements["qkv.weight"].segments == (D, D, D)

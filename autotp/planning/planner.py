@@ -18,6 +18,7 @@ from autotp.passes.analysis import Analysis
 from autotp.passes.choices import whole_convolutions
 from autotp.passes.graph import arg_or_default, grad_nodes, named_arg, sizes
 from autotp.passes.placement import REPLICATED, Placement, PlacementKind
+from autotp.passes.projections import packed_by_weight, packed_segments
 from autotp.passes.propagation import Propagation
 from autotp.passes.random_ops import random_refusal
 from autotp.passes.regions import RegionKind, RegionMatch
@@ -87,8 +88,12 @@ def _valid_tp(analysis: Analysis, regions: list[RegionMatch]) -> list[int]:
 def _region_placements(analysis: Analysis, region: RegionMatch) -> dict[str, Placement]:
     out: dict[str, Placement] = {}
     shared = dict(region.shared)
-    for col, segments in zip(region.columns, region.segments):
+    segments_of = dict(zip(region.columns, region.segments))
+    packed = packed_by_weight([analysis.projections[c] for c in region.columns])
+    for col, segments in segments_of.items():
         p = analysis.projections[col]
+        if p.packed is not None:  # the parameter holds every slice's segments side by side
+            segments = packed_segments(packed[p.weight], segments_of)
         out[p.weight] = Placement(PlacementKind.COLWISE, p.out_dim, segments, shared.get(col, 1))
         if p.bias:
             out[p.bias] = Placement(PlacementKind.COLWISE, 0, segments, shared.get(col, 1))
