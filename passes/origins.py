@@ -26,6 +26,7 @@ from autotp.passes.rules_shape import (
     gather,
     gathers_within,
     index,
+    index_select,
     new_filled,
     permutation,
     permute,
@@ -81,6 +82,8 @@ def _input_shard(node: fx.Node, source: fx.Node, shard: Shard, tp: int) -> Shard
             and shard.dim >= rank(ids) else None
     if rule is slice_:  # a slice along another dim keeps the split where it is
         return shard if arg_or_default(node, 1, "dim", 0) % rank(source) != shard.dim else None
+    if rule is index_select:  # positions picked along another dim: the split dim stays
+        return shard if source is node.args[0] and node.args[1] % rank(source) != shard.dim else None
     if rule is gather:  # a per-bucket table picked per position: the split dim stays
         return shard if source is node.args[0] and gathers_within(node, shard) else None
     if rule is new_filled:  # a tensor made like the value heads, then filled: made split like them
@@ -143,7 +146,7 @@ def trace(g: SourceGraph, node: fx.Node, shard: Shard, upstream: Container[str],
         return Sources(params={node.target: shard}) if node.target in g.trainable else None
     proj = g.projections.get(node.name)
     if proj is not None:
-        return Sources(projections={node.name: proj}) if shard.dim == rank(node) + proj.feature_axis else None
+        return Sources(projections={node.name: proj}) if shard.dim == rank(node) + proj.out_axis else None
     emb = g.embeddings.get(node.name)
     if emb is not None:
         return Sources(params={emb.weight: Shard(1, shard.segments)}) if shard.dim == rank(node) - 1 else None

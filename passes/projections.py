@@ -36,14 +36,13 @@ class Projection:
     out_features: int
     in_dim: int
     """Storage dim of the weight indexing input features (the other of the last two dims)."""
-    left: bool = False
-    """``W @ x``: the weight multiplies from the left, so features run along the second-last dim of ``x`` and of
-    the output (Mamba's time-step projection, ``dt_proj.weight @ dt.transpose(1, 2)``)."""
-
-    @property
-    def feature_axis(self) -> int:
-        """The dim of the input and output (counted from the end) that holds the features."""
-        return -2 if self.left else -1
+    in_axis: int = -1
+    """The dim of the input (counted from the end) that holds the input features: -2 for ``W @ x`` (Mamba's
+    time-step projection, ``dt_proj.weight @ dt.transpose(1, 2)``), or the first of several contracted dims
+    (``"ibnd,hnd->ibh"``: the heads)."""
+    out_axis: int = -1
+    """The dim of the output (counted from the end) that holds the output features: -2 for ``W @ x``, or the
+    first of several (``"ibh,hnd->ibnd"``: the heads)."""
 
 
 @dataclass(frozen=True)
@@ -144,13 +143,15 @@ def _left_projection(node: fx.Node) -> Projection | None:
     shape = meta_val(weight_node).shape
     return Projection(node=node.name, input=x.name, weight=weight, bias=None, out_dim=out_dim,
                       in_features=int(shape[1 - out_dim]), out_features=int(shape[out_dim]), in_dim=1 - out_dim,
-                      left=True)
+                      in_axis=-2, out_axis=-2)
 
 
 def _einsum_projection(node: fx.Node) -> Projection | None:
-    """A Projection if ``node`` is an einsum that is ``x @ W`` (or ``x @ W.T``) with ``W`` a 2-D parameter: x's
-    last index contracted with one of W's, W's other index last in the output, x's others kept in order
-    (``"btf,fd->btd"``)."""
+    """A Projection if ``node`` is an einsum that is ``x @ W`` with ``W`` a parameter: x's trailing indices
+    contracted with some of W's, W's other indices last in the output, x's others kept in order before them
+    (``"btf,fd->btd"``; a parameter with a dim per head, as XLNet's ``"ibh,hnd->ibnd"`` and ``"ibnd,hnd->ibh"``).
+    The features split are the first contracted index and the first of W's output indices: a contraction
+    over a slice of one of them is a partial sum, and a slice of one of them slices the output alike."""
     if node.target is not aten.einsum.default or len(node.args) != 2 or len(node.args[1]) != 2:
         return None
     x, weight_node = node.args[1]
@@ -159,14 +160,19 @@ def _einsum_projection(node: fx.Node) -> Projection | None:
         return None
     inputs, out = node.args[0].replace(" ", "").split("->")
     xs, ws = inputs.split(",")
-    if len(ws) != 2 or len(xs) != len(meta_val(x).shape) or "." in xs or len(set(xs + ws)) != len(xs) + 1:
+    if "." in xs + ws or len(xs) != len(meta_val(x).shape) or len(set(xs)) != len(xs) or len(set(ws)) != len(ws):
         return None
-    if xs[-1] not in ws or out != xs[:-1] + ws.replace(xs[-1], ""):
+    contracted = [i for i in xs if i in ws]
+    kept = [i for i in ws if i not in xs]
+    batch = xs[:len(xs) - len(contracted)]
+    if (not contracted or not kept or xs[len(batch):] != "".join(contracted) or out != batch + "".join(kept)
+            or len(contracted) + len(kept) != len(ws)):
         return None
     shape = meta_val(weight_node).shape
-    in_dim = ws.index(xs[-1])
-    return Projection(node=node.name, input=x.name, weight=weight, bias=None, out_dim=1 - in_dim,
-                      in_features=int(shape[in_dim]), out_features=int(shape[1 - in_dim]), in_dim=in_dim)
+    in_dim, out_dim = ws.index(contracted[0]), ws.index(kept[0])
+    return Projection(node=node.name, input=x.name, weight=weight, bias=None, out_dim=out_dim,
+                      in_features=int(shape[in_dim]), out_features=int(shape[out_dim]), in_dim=in_dim,
+                      in_axis=-len(contracted), out_axis=-len(kept))
 
 
 def find_projections(graph: fx.Graph) -> dict[str, Projection]:

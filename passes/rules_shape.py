@@ -181,6 +181,15 @@ def select(node: fx.Node, ins: Inputs, ctx: Context, x: fx.Node, lay: Shard) -> 
     return Decision(lay.moved(lay.dim - (dim < lay.dim)))
 
 
+@on_split_input
+def index_select(node: fx.Node, ins: Inputs, ctx: Context, x: fx.Node, lay: Shard) -> Decision:
+    """``x.index_select(dim, ids)`` along another dim than the split one (XLNet's relative shift picks key
+    positions of split heads): each rank picks from its own slice; the ids stay whole."""
+    if norm_dim(node.args[1], rank(x)) == lay.dim:
+        return replicate_all(node, ins, ctx)
+    return Decision(lay, wants={p: None for p in ins if p != (0,)})
+
+
 def _fused_hint(decision: Decision, lay: Shard) -> Decision:
     """Picking one entry of a split dim (Q of ``qkv.unflatten(-1, (3, E))[..., 0, :]``): its projection is that
     many parts fused, each to be split on its own (the hint, in proportions the planner scales)."""
