@@ -100,6 +100,14 @@ def _transposed_attr(node) -> str | None:
     return _attr(node.args[0]) if swaps else None
 
 
+def _expert_attr(node) -> str | None:
+    """The ``get_attr`` target if ``node`` is one expert's matrix of a parameter bank, ``W[e]`` (``select`` along
+    the bank's first dim: JetMoE's ``F.linear(x_e, self.weight[e])`` per expert)."""
+    if not isinstance(node, fx.Node) or node.target is not aten.select.int or node.args[1] != 0:
+        return None
+    return _attr(node.args[0])
+
+
 def _projection(node: fx.Node, specs: dict) -> Projection | None:
     """A Projection if ``node`` multiplies an activation by a parameter (2-D, or 3-D for a grouped matmul)."""
     spec = specs.get(node.target)
@@ -112,6 +120,9 @@ def _projection(node: fx.Node, specs: dict) -> Projection | None:
     weight = _attr(weight_node)
     ndim = 2 if node.target in _PROJECTION_OPS else 3
     out_dim += ndim - 2
+    bank = 0  # the dims before the matrix in the parameter's storage: one for an expert's matrix of a bank
+    if weight is None and ndim == 2 and _expert_attr(weight_node) is not None:
+        weight, bank = _expert_attr(weight_node), 1
     if weight is None and _transposed_attr(weight_node) is not None:
         # x @ W.t(): the parameter's output features sit on the other storage dim.
         weight, out_dim, weight_node = _transposed_attr(weight_node), 2 * ndim - 3 - out_dim, weight_node.args[0]
@@ -126,8 +137,8 @@ def _projection(node: fx.Node, specs: dict) -> Projection | None:
     bias = _attr(bias_node)
     if bias_node is not None and bias is None:
         return None  # a computed bias: leave the op alone
-    return Projection(node=node.name, input=x.name, weight=weight, bias=bias, out_dim=out_dim,
-                      in_features=int(shape[in_dim]), out_features=int(shape[out_dim]), in_dim=in_dim)
+    return Projection(node=node.name, input=x.name, weight=weight, bias=bias, out_dim=out_dim + bank,
+                      in_features=int(shape[in_dim]), out_features=int(shape[out_dim]), in_dim=in_dim + bank)
 
 
 def _left_projection(node: fx.Node) -> Projection | None:

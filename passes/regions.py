@@ -15,12 +15,16 @@ from dataclasses import dataclass
 from enum import Enum
 
 import torch
-from autotp.passes.graph import grad_nodes
+from autotp.passes.graph import grad_nodes, rank, sizes
 from autotp.passes.origins import SourceGraph, trace
 from autotp.passes.placement import Shard
 from autotp.passes.projections import Projection
 from autotp.passes.propagate import GraphIndex, propagate
 from autotp.passes.propagation import Propagation, Violation
+from autotp.passes.reshapes import map_reshape
+from autotp.passes.rule_kit import like_first
+from autotp.passes.rules import rule_for
+from autotp.passes.rules_shape import expand, permutation, permute, reshape
 from autotp.passes.steps import Operator
 from torch import fx
 
@@ -75,11 +79,21 @@ class RegionMatch:
 
 
 def _sibling_groups(projections: dict[str, Projection], skip: set[str]) -> list[list[Projection]]:
-    """Projections grouped by the tensor they read, in graph order."""
-    groups: dict[str, list[Projection]] = {}
-    for p in projections.values():
-        if p.node not in skip:
-            groups.setdefault(p.input, []).append(p)
+    """Projections grouped by the tensor they read, in graph order; groups that use one parameter are one group
+    (each expert's matrix of a bank, ``W[e]``, reads its own tokens: the experts split together or not at all)."""
+    parent: dict[tuple, tuple] = {}
+
+    def root(key: tuple) -> tuple:
+        while parent.setdefault(key, key) != key:
+            key = parent[key]
+        return key
+
+    kept = [p for p in projections.values() if p.node not in skip]
+    for p in kept:  # the tensor read and the weight used join one group
+        parent[root(("weight", p.weight))] = root(("input", p.input))
+    groups: dict[tuple, list[Projection]] = {}
+    for p in kept:
+        groups.setdefault(root(("input", p.input)), []).append(p)
     return list(groups.values())
 
 
@@ -140,7 +154,7 @@ class _RegionFinder:
         traced_here: dict = {}
         for _ in range(8):
             prop = self._propagate(_layouts(columns, segments, shared) | params, tp)
-            learnt = segments | {origin: parts for o, hint in prop.hints.items() if len(o) == 1
+            learnt = segments | {origin: parts for o, hint in prop.hints.items() if self._one_weight(o)
                                  for origin in o if (parts := _scaled(hint, self.projections[origin]))}
             if learnt != segments:
                 segments, params = learnt, {}  # parameters are re-learnt against the new segments
@@ -156,6 +170,11 @@ class _RegionFinder:
                 break
             params = learnt_params
         return prop, columns, segments, params
+
+    def _one_weight(self, origins: frozenset) -> bool:
+        """Whether the projections a split value comes from use one weight: one projection, or the experts of
+        a bank whose outputs were joined (fused gate/up columns cut after the experts' outputs are concatenated)."""
+        return len({self.projections[o].weight for o in origins}) == 1
 
     def _propagate(self, layouts: dict[str, Shard], tp: int) -> Propagation:
         """A candidate's propagation (``auto_rows``, windowed), kept for the next few: a search often asks for the
@@ -199,10 +218,12 @@ class _RegionFinder:
     def _sliced(self, prop: Propagation) -> list:
         """Slices of values gradients flow through (a value no gradient reaches, a per-head table or a mask,
         is sliced for free), other than values made from the region's own rows (a time-step projection reading
-        V's split features, all-reduced, then taken per head: only its small gradient is gathered)."""
+        V's split features, all-reduced, then taken per head: only its small gradient is gathered) and values
+        repeated along the split dim (``repeated``)."""
         rows = set(prop.rows)
         return [c for c in prop.steps_of(Operator.SCATTER) if c.source in self.grad
-                and not self._from_rows(rows, c.source, c.steps[-1].shard)]
+                and not self._from_rows(rows, c.source, c.steps[-1].shard)
+                and not repeated(self.nodes[c.source], c.steps[-1].shard, self.tp)]
 
     def _from_rows(self, rows: set[str], source: str, shard: Shard) -> bool:
         key = (source, shard)
@@ -302,6 +323,33 @@ class _RegionFinder:
                                   replicated=[p.node for p in columns if p not in kept])
         return full
 
+
+def repeated(node: fx.Node, shard: Shard, tp: int) -> bool:
+    """Whether ``node`` is one value expanded along ``shard``'s dim (a single K/V head repeated to every query
+    head: ``kv[:, :, None].expand(...).reshape(b, heads, s, d)``), through reshapes, transposes and casts: each
+    rank's slice is that same value, so slicing it is what replicating K/V (Megatron's multi-query attention)
+    does, its gradient summed over every head."""
+    for _ in range(_MAX_REPEAT_DEPTH):
+        if node.op != "call_function" or not node.args or not isinstance(node.args[0], fx.Node):
+            return False
+        rule, source = rule_for(node.target), node.args[0]
+        if rule is expand:
+            d = shard.dim - (rank(node) - rank(source))
+            return d < 0 or sizes(source)[d] == 1
+        if rule is reshape:
+            shard = map_reshape(sizes(node), sizes(source), shard, tp)
+        elif rule is permute:
+            shard = shard.moved(permutation(node)[shard.dim])
+        elif rule is not like_first:
+            return False
+        if shard is None:
+            return False
+        node = source
+    return False
+
+
+_MAX_REPEAT_DEPTH = 6
+"""How many reshapes, transposes and casts may lie between a repeated value and its expand."""
 
 _KEPT = 16
 """Propagations a region search keeps (``_RegionFinder._propagate``): those of one group's attempts."""

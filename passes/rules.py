@@ -84,7 +84,7 @@ RULES = {
     aten._assert_tensor_metadata.default: no_output,
     aten.new_empty.default: new_filled, aten.new_zeros.default: new_filled, aten.new_ones.default: new_filled,
     aten.new_full.default: new_filled,
-    aten.index_copy.default: index_copy,
+    aten.index_copy.default: index_copy, aten.index_add.default: index_copy,
 }
 
 

@@ -344,8 +344,9 @@ def new_filled(node: fx.Node, ins: Inputs, ctx: Context) -> Decision:
 
 
 def index_copy(node: fx.Node, ins: Inputs, ctx: Context) -> Decision:
-    """``x.index_copy(dim, index, src)`` (a static KV cache written at the new tokens' positions) split along any
-    dim but ``dim``: each rank writes its part of ``src`` into its part of ``x`` (a cache placed like the K/V heads
+    """``x.index_copy(dim, index, src)`` (a static KV cache written at the new tokens' positions) and
+    ``x.index_add(dim, index, src)`` (mixture-of-experts outputs put back in token order) split along any dim but
+    ``dim``: each rank writes or adds its part of ``src`` into its part of ``x`` (a cache placed like the K/V heads
     written into it); the positions are whole."""
     if (2,) in ins and isinstance(ins[(2,)][1], Shard):
         return replicate_all(node, ins, ctx)
