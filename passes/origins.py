@@ -20,7 +20,7 @@ from autotp.passes.projections import Embedding, Projection
 from autotp.passes.reshapes import broadcast_dim, map_reshape
 from autotp.passes.rule_kit import like_first, norm_dim, pointwise
 from autotp.passes.rules import rule_for
-from autotp.passes.rules_compute import along_dim, layer_norm, reduction
+from autotp.passes.rules_compute import along_dim, batched_matmul, layer_norm, reduction
 from autotp.passes.rules_shape import (
     expand,
     gather,
@@ -92,9 +92,21 @@ def _input_shard(node: fx.Node, source: fx.Node, shard: Shard, tp: int) -> Shard
         return shard.moved(shard.dim + (node.args[1] % rank(source) <= shard.dim))
     if rule is repeat:  # a per-head table repeated over the batch: the split of one copy
         return _repeated_input(node, source, shard)
+    if rule is batched_matmul:  # scores or outputs per head (another layer's, meeting a shared per-head bias)
+        return _batched_input(node, source, shard)
     if rule in (reduction, along_dim, layer_norm):  # a per-head norm: its statistic is over another dim
         return _normalised_input(node, source, shard)
     return None
+
+
+def _batched_input(node: fx.Node, source: fx.Node, shard: Shard) -> Shard | bool | None:
+    """The split ``source`` needs for a batched matmul to come out split as ``shard`` along a batch dim (the
+    heads): the same batch dim of each operand, aligned from the right as broadcasting aligns them (True where
+    the operand broadcasts along it); None for a split of the matrix dims."""
+    if shard.dim >= rank(node) - 2 or shard.blocks != 1 or shard.replicas != 1:
+        return None
+    d = broadcast_dim(rank(node), rank(source), shard.dim)
+    return True if d < 0 or sizes(source)[d] == 1 else shard.moved(d)
 
 
 def _repeated_input(node: fx.Node, source: fx.Node, shard: Shard) -> Shard | None:
