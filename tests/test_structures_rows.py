@@ -126,3 +126,25 @@ class SharedHeadBias(nn.Module):
 def test_a_per_head_bias_shared_by_layers_splits_with_every_layer(tp):
     report = _check(_model(SharedHeadBias), _x(B, T, D), tp=tp)
     _split(report, "table", *(f"layers.{i}.{j}.weight" for i in range(2) for j in range(4)))
+
+
+class EntropyPatches(nn.Module):
+    """BLT's patcher: a distribution built on a projection's logits (``Categorical(logits=...).entropy()``), whose
+    argument validation is a data-dependent check that capture skips (it computes nothing the forward uses)."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down, self.logits = nn.Linear(D, 4 * D), nn.Linear(4 * D, D), nn.Linear(D, D)
+
+    def forward(self, x):
+        x = x + self.down(torch.relu(self.up(x)))
+        entropy = torch.distributions.Categorical(logits=self.logits(x)).entropy()
+        return x * entropy[..., None]
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_a_distributions_argument_check_does_not_stop_capture(tp):
+    validating = torch.distributions.Distribution._validate_args
+    report = _check(_model(EntropyPatches), _x(B, T, D), tp=tp)
+    _split(report, "up.weight", "down.weight")
+    assert torch.distributions.Distribution._validate_args == validating  # the user's default is left as it was
