@@ -14,6 +14,7 @@ import dataclasses
 from collections.abc import Container
 from dataclasses import dataclass, field
 
+import torch
 from autotp.passes.graph import arg_or_default, meta_val, rank, sizes
 from autotp.passes.placement import Shard
 from autotp.passes.projections import Embedding, Projection
@@ -23,6 +24,7 @@ from autotp.passes.rules import rule_for
 from autotp.passes.rules_compute import along_dim, batched_matmul, layer_norm, reduction
 from autotp.passes.rules_shape import (
     expand,
+    getitem,
     gather,
     gathers_within,
     index,
@@ -35,10 +37,12 @@ from autotp.passes.rules_shape import (
     reshape,
     select,
     slice_,
+    split,
 )
 from torch import fx
 
 _MAX_DEPTH = 16
+aten = torch.ops.aten
 
 
 @dataclass
@@ -90,6 +94,10 @@ def _input_shard(node: fx.Node, source: fx.Node, shard: Shard, tp: int) -> Shard
         return shard if source is node.args[0] and len(node.args[1]) == rank(source) else None
     if rule is select:  # the selected dim is gone from the output
         return shard.moved(shard.dim + (node.args[1] % rank(source) <= shard.dim))
+    if rule is getitem and rule_for(source.target) is split:  # one part of a split: its input split (below)
+        return _split_input(node, source, shard)
+    if rule is split:  # the split's input, whose split ``_split_input`` already found
+        return shard
     if rule is repeat:  # a per-head table repeated over the batch: the split of one copy
         return _repeated_input(node, source, shard)
     if rule is batched_matmul:  # scores or outputs per head (another layer's, meeting a shared per-head bias)
@@ -109,6 +117,22 @@ def _batched_input(node: fx.Node, source: fx.Node, shard: Shard) -> Shard | bool
     return True if d < 0 or sizes(source)[d] == 1 else shard.moved(d)
 
 
+def _split_input(node: fx.Node, parts: fx.Node, shard: Shard) -> Shard | None:
+    """The split the input of ``parts`` (a split, a chunk) needs for its part ``node`` to come out split as
+    ``shard``: the same, when it cuts along another dim; when it cuts along the split dim, each part one segment
+    (K and V of a fused projection cut with ``chunk``: each split by its heads)."""
+    x = parts.args[0]
+    dim = norm_dim(arg_or_default(parts, 1 if parts.target is aten.unbind.int else 2, "dim", 0), rank(x))
+    if parts.target is aten.unbind.int:
+        return shard.moved(shard.dim + (dim <= shard.dim))
+    if dim != shard.dim:
+        return shard
+    sizes_ = tuple(int(p.shape[dim]) for p in meta_val(parts))
+    if shard.segments != (sizes_[node.args[1]],) or shard.blocks != 1 or shard.replicas != 1:
+        return None
+    return Shard(dim, sizes_)
+
+
 def _repeated_input(node: fx.Node, source: fx.Node, shard: Shard) -> Shard | None:
     """The split ``source`` needs for ``repeat`` to come out split as ``shard``: the same along a dim repeated
     once, or one copy's split where the copies are ``shard``'s blocks."""
@@ -118,6 +142,9 @@ def _repeated_input(node: fx.Node, source: fx.Node, shard: Shard) -> Shard | Non
     repeats = node.args[1][shard.dim]
     if isinstance(repeats, int) and repeats == 1:
         return shard.moved(dim)
+    one = shard.segments[:len(shard.segments) // repeats] if isinstance(repeats, int) else ()
+    if shard.blocks == 1 and one and one * repeats == shard.segments:  # the copies written as segments: one copy's
+        return Shard(dim, one)
     plain = dataclasses.replace(shard, dim=dim, blocks=1)
     return plain if repeat_blocks(node, plain) == shard.blocks else None
 

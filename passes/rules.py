@@ -96,7 +96,7 @@ for _op in (aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten._to_copy.d
 
 
 BLOCK_AWARE = frozenset({reshape, permute, like_first, getitem, pointwise, batched_matmul, baddbmm, along_dim,
-                         reduction, no_output, gather})
+                         reduction, no_output, gather, attention})
 """The rules that keep a split repeated over blocks (``Shard.blocks``) meaningful; others see such inputs whole."""
 
 

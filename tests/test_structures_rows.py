@@ -148,3 +148,32 @@ def test_a_distributions_argument_check_does_not_stop_capture(tp):
     report = _check(_model(EntropyPatches), _x(B, T, D), tp=tp)
     _split(report, "up.weight", "down.weight")
     assert torch.distributions.Distribution._validate_args == validating  # the user's default is left as it was
+
+
+class RepeatedKV(nn.Module):
+    """JetMoE's attention experts: each token's query made once per expert chosen (a block of H heads per copy),
+    and one fused K/V projection of H heads (cut with ``chunk``), repeated once per block with ``repeat``: each rank
+    takes its heads of every block, and K/V split by heads arrive as the same slices (blocks of the repeat,
+    segments of Q)."""
+
+    K = 2  # experts chosen per token
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.kv, self.o = nn.Linear(D, D), nn.Linear(D, 2 * D), nn.Linear(self.K * D, D)
+        self.experts = nn.Parameter(torch.randn(self.K, D) / D)  # each copy's own offset
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q = self.q(x[:, :, None] + self.experts).view(b, t, self.K * H, HD).transpose(1, 2)
+        k, v = (z.view(b, t, H, HD).transpose(1, 2).repeat(1, self.K, 1, 1) for z in self.kv(x).chunk(2, dim=-1))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return x + self.o(y.transpose(1, 2).reshape(b, t, self.K * D))
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_kv_heads_repeated_per_block_split_with_the_query_heads(tp):
+    report = _check(_model(RepeatedKV), _x(B, T, D), tp=tp)
+    _split(report, "q.weight", "kv.weight", "o.weight")
+    kinds = {name: report.plan.placements[name].kind.value for name in ("q.weight", "kv.weight", "o.weight")}
+    assert kinds == {"q.weight": "colwise", "kv.weight": "colwise", "o.weight": "rowwise"}, report.plan.notes
