@@ -11,8 +11,10 @@ module walks back from the value through the ops that would carry such a split u
 from __future__ import annotations
 
 import dataclasses
+import heapq
 from collections.abc import Container
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from autotp.passes.graph import arg_or_default, meta_val, rank, sizes
@@ -40,6 +42,9 @@ from autotp.passes.rules_shape import (
     split,
 )
 from torch import fx
+
+if TYPE_CHECKING:
+    from autotp.passes.propagate import GraphIndex
 
 _MAX_DEPTH = 16
 aten = torch.ops.aten
@@ -204,3 +209,55 @@ def trace(g: SourceGraph, node: fx.Node, shard: Shard, upstream: Container[str],
         found.projections |= inner.projections
         found.params |= inner.params
     return found
+
+
+class Ancestors:
+    """The names of ``nodes`` and of every value they are computed from, found as far back as asked: a trace asks
+    about values near the splits it follows, so walking back through the whole graph before them for every
+    candidate (a cost that grew with depth squared) is not needed. Any path to ``nodes`` from a value runs through
+    later values only, so walking back in decreasing graph position down to the asked value's answers it."""
+
+    def __init__(self, nodes: list[fx.Node], index: GraphIndex):
+        self.index = index
+        self.found: set[str] = set()
+        self.frontier = [(-index.positions[n], n.name, n) for n in dict.fromkeys(nodes)]
+        heapq.heapify(self.frontier)
+
+    def __contains__(self, name: str) -> bool:
+        floor = self.index.positions[self.index.nodes[name]]
+        while self.frontier and -self.frontier[0][0] >= floor:
+            _, seen, node = heapq.heappop(self.frontier)
+            if seen not in self.found:
+                self.found.add(seen)
+                for a in node.all_input_nodes:
+                    if a.name not in self.found:
+                        heapq.heappush(self.frontier, (-self.index.positions[a], a.name, a))
+        return name in self.found
+
+
+def repeated(node: fx.Node, shard: Shard, tp: int) -> bool:
+    """Whether ``node`` is one value expanded along ``shard``'s dim (a single K/V head repeated to every query
+    head: ``kv[:, :, None].expand(...).reshape(b, heads, s, d)``), through reshapes, transposes and casts: each
+    rank's slice is that same value, so slicing it is what replicating K/V (Megatron's multi-query attention)
+    does, its gradient summed over every head."""
+    for _ in range(_MAX_REPEAT_DEPTH):
+        if node.op != "call_function" or not node.args or not isinstance(node.args[0], fx.Node):
+            return False
+        rule, source = rule_for(node.target), node.args[0]
+        if rule is expand:
+            d = shard.dim - (rank(node) - rank(source))
+            return d < 0 or sizes(source)[d] == 1
+        if rule is reshape:
+            shard = map_reshape(sizes(node), sizes(source), shard, tp)
+        elif rule is permute:
+            shard = shard.moved(permutation(node)[shard.dim])
+        elif rule is not like_first:
+            return False
+        if shard is None:
+            return False
+        node = source
+    return False
+
+
+_MAX_REPEAT_DEPTH = 6
+"""How many reshapes, transposes and casts may lie between a repeated value and its expand."""

@@ -110,10 +110,11 @@ class _Walker:
     def nodes(self) -> dict[str, fx.Node]:
         return self.index.nodes
 
-    def run(self, windowed: bool) -> Propagation:
+    def run(self, windowed: bool, stop=None) -> Propagation:
         """Walk the graph; ``windowed`` visits, in graph order, only the split parameters' readers and the readers
         of split values (enough when looking for one region: a node that reads only whole values computes a whole
-        value and adds nothing, so a search costs what its split reaches, not the graph's size)."""
+        value and adds nothing, so a search costs what its split reaches, not the graph's size). ``stop(node,
+        result)``, asked after each node of a windowed walk, ends it early (the result is then unfinished)."""
         order = self.index.order
         if not windowed:
             for node in order:
@@ -125,6 +126,8 @@ class _Walker:
         while pending:
             node = order[heapq.heappop(pending)]
             self.visit(node)
+            if stop is not None and stop(node, self.result):
+                break
             if self._split(node):
                 for user in node.users:
                     if positions[user] not in queued:
@@ -374,7 +377,7 @@ def propagate(graph: fx.Graph, projections: Mapping[str, Projection], embeddings
               param_layouts: Mapping[str, Shard], tp: int, trainable: set[str], auto_rows: bool = False,
               grad: set[str] | None = None, index: GraphIndex | None = None,
               sequence: frozenset = frozenset(), inputs: Mapping[str, Shard] | None = None,
-              windowed: bool | None = None, decisions: dict | None = None) -> Propagation:
+              windowed: bool | None = None, decisions: dict | None = None, stop=None) -> Propagation:
     """Propagate the parameter layouts (keyed by ``get_attr`` target) through ``graph``.
 
     With ``auto_rows``, a projection that receives its input split along the features becomes
@@ -393,6 +396,8 @@ def propagate(graph: fx.Graph, projections: Mapping[str, Projection], embeddings
     ``decisions`` caches the rules' decisions by node and input layouts (a rule reads nothing else): a search
     passes one dict to the many propagations it runs on one graph at one tp and ``grad``, whose walks meet the
     same values split the same way again (the residual stream of every later block).
+    ``stop(node, result)`` (windowed walks only) ends the walk once it returns True, leaving the result unfinished:
+    for a search that has learnt what it needed (``dead_ends.DeadEndWatch``).
     """
     windowed = auto_rows if windowed is None else windowed
     if windowed and (sequence or inputs):
@@ -401,7 +406,9 @@ def propagate(graph: fx.Graph, projections: Mapping[str, Projection], embeddings
     grad = grad if grad is not None else grad_nodes(graph, trainable)
     walker = _Walker(graph, projections, embeddings, param_layouts, tp, grad, auto_rows, index or GraphIndex.of(graph),
                      frozenset(sympy.sympify(s) for s in sequence), inputs, decisions)
-    result = walker.run(windowed)
+    if stop is not None and not windowed:
+        raise ValueError("only a windowed propagation can stop early (a full one is the plan's own)")
+    result = walker.run(windowed, stop)
     if not (windowed or auto_rows or sequence):  # sequence parallelism reduce-scatters where the rows are
         carry_partial_sums(result, walker.index.order, projections, grad)
     return result

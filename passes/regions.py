@@ -9,22 +9,18 @@ a product of two split branches), never by names.
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Container
 from dataclasses import dataclass
 from enum import Enum
 
 import torch
-from autotp.passes.graph import grad_nodes, rank, sizes
-from autotp.passes.origins import SourceGraph, trace
+from autotp.passes.dead_ends import DeadEndWatch, Unexplained, shared_from
+from autotp.passes.graph import grad_nodes
+from autotp.passes.origins import Ancestors, SourceGraph, repeated, trace
 from autotp.passes.placement import Shard
 from autotp.passes.projections import Projection
 from autotp.passes.propagate import GraphIndex, propagate
 from autotp.passes.propagation import Propagation, Violation
-from autotp.passes.reshapes import map_reshape
-from autotp.passes.rule_kit import like_first
-from autotp.passes.rules import rule_for
-from autotp.passes.rules_shape import expand, permutation, permute, reshape
 from autotp.passes.steps import Operator
 from torch import fx
 
@@ -136,6 +132,8 @@ class _RegionFinder:
         self.sources = SourceGraph(projections, embeddings, self.grad, trainable, tp)
         self.set_aside: list[tuple[tuple[str, ...], str]] = []
         """Projections left out of a group's region because they blocked it, and why."""
+        self.shared_from = shared_from(self.index)
+        """Lone tries are judged early only before this graph position (``dead_ends.shared_from``)."""
 
     def attempt(self, group: list[Projection], tp: int, grow: bool = True,
                 shared: dict[str, int] | None = None) -> tuple[Propagation, list[Projection], dict, dict]:
@@ -181,12 +179,14 @@ class _RegionFinder:
         same layouts again (a group tried again without growing starts where it started)."""
         key = (frozenset(layouts.items()), tp)
         if key not in self.propagations:
-            self.propagations[key] = propagate(self.graph, self.projections, self.embeddings, layouts, tp,
-                                               self.trainable, auto_rows=True, grad=self.grad, index=self.index,
-                                               decisions=self.decisions)
-            if len(self.propagations) > _KEPT:
-                del self.propagations[next(iter(self.propagations))]
+            self._keep(key, propagate(self.graph, self.projections, self.embeddings, layouts, tp, self.trainable,
+                                      auto_rows=True, grad=self.grad, index=self.index, decisions=self.decisions))
         return self.propagations[key]
+
+    def _keep(self, key, prop: Propagation) -> None:
+        self.propagations[key] = prop
+        if len(self.propagations) > _KEPT:
+            del self.propagations[next(iter(self.propagations))]
 
     def _feeding(self, prop: Propagation, columns: list[Projection], upstream: Container[str],
                  traced_here: dict) -> tuple[list[Projection], dict[str, Shard]]:
@@ -210,10 +210,10 @@ class _RegionFinder:
             params |= traced.params
         return list(found.values()), params
 
-    def _upstream(self, columns: list[Projection]) -> _Ancestors:
+    def _upstream(self, columns: list[Projection]) -> Ancestors:
         """Every value the inputs of ``columns`` are computed from (the group's own input and the residual
         stream before it: what the region reads, which growing it must not split)."""
-        return _Ancestors([self.nodes[p.input] for p in columns], self.index)
+        return Ancestors([self.nodes[p.input] for p in columns], self.index)
 
     def _sliced(self, prop: Propagation) -> list:
         """Slices of values gradients flow through (a value no gradient reaches, a per-head table or a mask,
@@ -283,6 +283,37 @@ class _RegionFinder:
         consumer = self.nodes[conv.consumers[0][0]]
         return f"its split output would have to be made whole again at {getattr(consumer.target, '__name__', consumer.target)}"
 
+    def _dead_end(self, proj: Projection) -> bool:
+        """Whether ``proj`` tried alone as a column split provably closes no region, found by watching the walk
+        ``attempt`` starts with (``dead_ends.DeadEndWatch``), stopped at the proof. A walk that finds none has run
+        to its end: it is kept for ``attempt``, which asks for it next."""
+        node = self.nodes[proj.node]
+        layouts = _layouts([proj], {})
+        key = (frozenset(layouts.items()), self.tp)
+        if self.index.positions[node] >= self.shared_from or key in self.propagations:
+            return False
+        watch = DeadEndWatch(node, self.index.rank(node) + proj.feature_axis, self._upstream([proj]), self.grad,
+                             self.projections.keys() | self.embeddings.keys(), self.index)
+        prop = propagate(self.graph, self.projections, self.embeddings, layouts, self.tp, self.trainable,
+                         auto_rows=True, grad=self.grad, index=self.index, decisions=self.decisions, stop=watch)
+        if watch.proof is None:
+            self._keep(key, prop)
+        return watch.proof is not None
+
+    def explain(self, why: str) -> str:
+        """``why`` in words: an ``Unexplained`` group's full try, against ``claimed`` as it was then."""
+        if not isinstance(why, Unexplained):
+            return why
+        claimed, self.claimed = self.claimed, set(why.claimed)
+        try:
+            found = self.find([self.projections[n] for n in why.group], early=False)
+        finally:
+            self.claimed = claimed
+        if not isinstance(found, str):
+            raise RuntimeError(f"a lone column try of {why.group} judged dead early closes a region after all: "
+                               "passes/dead_ends.py's proof is wrong for this graph (a bug in autotp)")
+        return found
+
     def lone_row(self, proj: Projection, why: str) -> RegionMatch | None:
         """``proj`` row-split alone, when that needs nothing but slicing its own whole input and all-reducing
         its output (a projection into the residual stream, a pooler), or None."""
@@ -296,8 +327,11 @@ class _RegionFinder:
         return RegionMatch(kind=RegionKind.ROW, columns=(), rows=(proj.node,), segments=(),
                            sizes=(proj.in_features,), why=why)
 
-    def find(self, group: list[Projection]) -> RegionMatch | str:
-        """The region ``group`` starts (with a fallback that keeps failing projections whole), or why none."""
+    def find(self, group: list[Projection], early: bool = True) -> RegionMatch | str:
+        """The region ``group`` starts (with a fallback that keeps failing projections whole), or why none
+        (``Unexplained`` when ``early`` proved a lone projection's try dead before wording why: ``explain``)."""
+        if early and len(group) == 1 and self._dead_end(group[0]):
+            return Unexplained(tuple(p.node for p in group), self.claimed)
         prop, columns, segments, params = self.attempt(group, self.tp)
         if not self.closed(prop, allow_slices=False) and len(columns) > len(group):
             prop, columns, segments, params = self.attempt(group, self.tp, grow=False)
@@ -324,59 +358,8 @@ class _RegionFinder:
         return full
 
 
-def repeated(node: fx.Node, shard: Shard, tp: int) -> bool:
-    """Whether ``node`` is one value expanded along ``shard``'s dim (a single K/V head repeated to every query
-    head: ``kv[:, :, None].expand(...).reshape(b, heads, s, d)``), through reshapes, transposes and casts: each
-    rank's slice is that same value, so slicing it is what replicating K/V (Megatron's multi-query attention)
-    does, its gradient summed over every head."""
-    for _ in range(_MAX_REPEAT_DEPTH):
-        if node.op != "call_function" or not node.args or not isinstance(node.args[0], fx.Node):
-            return False
-        rule, source = rule_for(node.target), node.args[0]
-        if rule is expand:
-            d = shard.dim - (rank(node) - rank(source))
-            return d < 0 or sizes(source)[d] == 1
-        if rule is reshape:
-            shard = map_reshape(sizes(node), sizes(source), shard, tp)
-        elif rule is permute:
-            shard = shard.moved(permutation(node)[shard.dim])
-        elif rule is not like_first:
-            return False
-        if shard is None:
-            return False
-        node = source
-    return False
-
-
-_MAX_REPEAT_DEPTH = 6
-"""How many reshapes, transposes and casts may lie between a repeated value and its expand."""
-
 _KEPT = 16
 """Propagations a region search keeps (``_RegionFinder._propagate``): those of one group's attempts."""
-
-
-class _Ancestors:
-    """The names of ``nodes`` and of every value they are computed from, found as far back as asked: a trace asks
-    about values near the splits it follows, so walking back through the whole graph before them for every
-    candidate (a cost that grew with depth squared) is not needed. Any path to ``nodes`` from a value runs through
-    later values only, so walking back in decreasing graph position down to the asked value's answers it."""
-
-    def __init__(self, nodes: list[fx.Node], index: GraphIndex):
-        self.index = index
-        self.found: set[str] = set()
-        self.frontier = [(-index.positions[n], n.name, n) for n in dict.fromkeys(nodes)]
-        heapq.heapify(self.frontier)
-
-    def __contains__(self, name: str) -> bool:
-        floor = self.index.positions[self.index.nodes[name]]
-        while self.frontier and -self.frontier[0][0] >= floor:
-            _, seen, node = heapq.heappop(self.frontier)
-            if seen not in self.found:
-                self.found.add(seen)
-                for a in node.all_input_nodes:
-                    if a.name not in self.found:
-                        heapq.heappush(self.frontier, (-self.index.positions[a], a.name, a))
-        return name in self.found
 
 
 def _widens(region: RegionMatch, projections: dict[str, Projection]) -> bool:
@@ -442,7 +425,8 @@ def find_regions(graph: fx.Graph, projections: dict[str, Projection], embeddings
     for group in widening:
         search_group(group, last=True)
     # A group tried alone may have been split later with the region that reaches it (K/V of cross-attention).
-    search.unmatched = [(nodes, why) for nodes, why in search.unmatched if not claimed.issuperset(nodes)]
+    search.unmatched = [(nodes, finder.explain(why)) for nodes, why in search.unmatched
+                        if not claimed.issuperset(nodes)]
     # What is left and only reads and writes whole values is split alone, by its input features, unless it is
     # kept whole on purpose (``choices``).
     rows = [row for nodes, why in search.unmatched for n in nodes if n not in claimed and n not in whole

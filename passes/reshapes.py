@@ -42,6 +42,17 @@ def _group(in_sizes, out_sizes, dim: int) -> tuple[int, int, int, int] | None:
     return i0, i1, j0, j1
 
 
+def kept_dim(in_sizes, out_sizes, dim: int) -> int | None:
+    """The output dim that input ``dim`` becomes when a reshape leaves it as it is (its reshape group is that one dim
+    on both sides: ``[8*N, D] -> [N, 8, D]`` keeps ``D``), else None. ``map_reshape`` lands a split of such a dim
+    there or nowhere, whatever its segments."""
+    group = _group(in_sizes, out_sizes, dim)
+    if group is None:
+        return None
+    i0, i1, j0, j1 = group
+    return j0 if (i1 - i0, j1 - j0) == (1, 1) else None
+
+
 def _rows(units: list[int], rows: int, width: int) -> tuple[int, ...] | None:
     """Split ``units`` into ``rows`` identical runs summing to ``width`` each; the run, or None."""
     runs, current, total = [], [], 0

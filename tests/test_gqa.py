@@ -10,7 +10,7 @@ from autotp.passes.steps import Operator
 
 import autotp
 from autotp.planning.plan import Plan
-from tests import gqa_workers, models
+from tests import capture_cache, checkpoint_workers, gqa_workers, models
 from tests.distributed import run_on_ranks
 
 
@@ -73,6 +73,8 @@ def test_exports_leave_shared_kv_heads_out():
 
 
 def test_shared_kv_heads_train_clip_and_checkpoint_on_four_ranks(tmp_path):
+    # Captured here once: the four ranks (two to a core) find it, rather than each capturing it again.
+    capture_cache.warm(checkpoint_workers.llama(meta=True, layers=1), (models.tokens(2, 8, seed=1),))
     results = run_on_ranks(gqa_workers.shared_kv_heads, 4, str(tmp_path))
     for r in results:
         assert r["k_proj"] == [16, 64]  # one KV head of 16, not both

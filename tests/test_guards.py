@@ -98,3 +98,25 @@ def test_a_layer_drop_rate_copied_from_the_config_is_named_by_its_config_field()
     with pytest.raises(TrainingSettingError, match=r"^set encoder_layerdrop=0 ") as refused:
         capture(model, (_seeded(2, 16),), training=True)
     assert refused.value.settings == {"encoder_layerdrop": 0}
+
+
+class _ClampsItsWeight(nn.Module):
+    """A training forward that clamps its own weight outside autograd, as Gemma 3n's AltUp does."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(16, 16)
+
+    def forward(self, x):
+        if self.training:
+            self.proj.weight.data.clamp_(-0.1, 0.1)
+        return self.proj(x)
+
+
+def test_a_forward_writing_into_a_weights_data_is_refused_naming_it_and_left_unchanged():
+    model = _ClampsItsWeight()
+    before = model.proj.weight.detach().clone()
+    with pytest.raises(CaptureError, match=r"proj\.weight in place outside autograd \(clamp_ .*test_guards\.py"):
+        capture(model, _seeded(2, 16), training=True)
+    assert torch.equal(model.proj.weight, before)  # the write was found, not made
+    capture(model, _seeded(2, 16), training=False)  # in eval mode the forward makes no write

@@ -113,9 +113,9 @@ def test_a_windowed_walk_of_a_mixture_of_experts_finds_what_the_whole_walk_finds
 
 
 def test_ancestors_found_as_far_back_as_asked_are_all_of_them():
-    """``regions._Ancestors`` walks back only as far as each question needs, and answers as the whole walk back."""
+    """``origins.Ancestors`` walks back only as far as each question needs, and answers as the whole walk back."""
     from autotp.passes.propagate import GraphIndex
-    from autotp.passes.regions import _Ancestors
+    from autotp.passes.origins import Ancestors
 
     cap = capture(build("hf_llama", layers=2), tokens(2, 8, seed=0))
     order = list(cap.graph.nodes)
@@ -127,10 +127,10 @@ def test_ancestors_found_as_far_back_as_asked_are_all_of_them():
             if node.name not in everything:
                 everything.add(node.name)
                 stack.extend(node.all_input_nodes)
-        lazy = _Ancestors([start], index)
+        lazy = Ancestors([start], index)
         for node in reversed(order):  # latest first, then earlier ones (the order a trace asks in)
             assert (node.name in lazy) == (node.name in everything), (start.name, node.name)
-        lazy = _Ancestors([start], index)
+        lazy = Ancestors([start], index)
         for node in order:  # earliest first: one walk back answers the rest
             assert (node.name in lazy) == (node.name in everything), (start.name, node.name)
 

@@ -153,3 +153,61 @@ def test_a_low_rank_size_of_zero_stays_zero():
 
     small = shrink({"kv_lora_rank": 512, "qk_rope_head_dim": 0, "qk_nope_head_dim": 256, "hidden_size": 4096})
     assert small.get("qk_rope_head_dim", 0) == 0
+
+
+def _on_meta(cls):
+    """A build function for ``tiny_model``: ``cls`` made on the meta device from the part of the config it takes."""
+    from autotp.tools.zoo_entries import config_of
+
+    def build(config):
+        config = config_of(cls, config)
+        with torch.device("meta"):
+            cls(config)
+        return config
+
+    return build
+
+
+@pytest.mark.parametrize("model_type, class_name, part", [("qwen3_5", "Qwen3_5ForCausalLM", "text_config"),
+                                                         ("musicgen", "MusicgenForCausalLM", "decoder")])
+def test_a_causal_lm_of_a_composite_type_takes_its_own_config_class_part(model_type, class_name, part):
+    """The causal-LM mapping names a multimodal (or encoder-decoder) type whose causal LM takes one sub-config: the
+    one of its class's ``config_class`` (the text model's; MusicGen's decoder, beside a text encoder that is a text
+    config too)."""
+    import transformers
+
+    cls = getattr(transformers, class_name)
+    config = tiny_model(model_type, _on_meta(cls))
+    assert type(config) is cls.config_class
+    assert config.to_dict() == getattr(tiny_config(model_type), part).to_dict()
+
+
+def test_a_field_a_sub_config_does_not_declare_takes_the_value_another_part_holds():
+    """DBRX's attention reads ``attn_config.rope_theta``, which its config keeps in ``rope_parameters``."""
+    import transformers
+
+    config = tiny_model("dbrx", _on_meta(transformers.DbrxForCausalLM))
+    assert config.attn_config.rope_theta == config.rope_parameters["rope_theta"]
+
+
+def test_sizes_the_config_derives_from_the_width_are_left_to_it():
+    """Zamba2 computes ``attention_hidden_size`` (twice the width) itself: a size guessed from its name
+    (``*_hidden_size``) would override it and the shared attention block would mix the two widths."""
+    config = tiny_config("zamba2")
+    assert config.attention_hidden_size == 2 * config.hidden_size
+    assert config.attention_head_dim == config.attention_hidden_size // config.num_attention_heads
+
+
+def test_a_size_given_per_layer_shrinks_under_any_size_name():
+    """Gemma 3n lists ``intermediate_size`` per layer."""
+    assert tiny_config("gemma3n_text").intermediate_size == [128] * LAYERS
+    from autotp.tools.tiny import shrink
+
+    assert shrink({"num_hidden_layers": 4, "intermediate_size": [512, 512, 1024, 1024]})["intermediate_size"] == \
+        [128, 128]
+
+
+def test_an_adapter_into_the_text_model_takes_the_text_width():
+    """Dots 3 Note's vision and audio adapters project into the text model: their output widths follow it."""
+    config = tiny_config("dots3_note")
+    assert config.vision_config.adapter_out_dim == config.audio_config.adapter_out_dim == config.text_config.hidden_size

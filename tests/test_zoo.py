@@ -10,11 +10,12 @@ import pytest
 from autotp.tools import zoo
 
 ROOT = Path(__file__).resolve().parents[1]
-SAMPLE = ["llama", "gpt2", "gemma3", "bert:mlm", "t5:seq2seq", "lilt:cls", "bros:tokens", "vit:image",
-          "dinov2:backbone", "whisper:speech", "wav2vec2-bert:ctc", "llava:vlm", "nn.TransformerEncoder",
+SAMPLE = ["llama", "gpt2", "gemma3", "bert:mlm", "longformer:mlm", "t5:seq2seq", "lilt:cls", "bros:tokens",
+          "vit:image", "dinov2:backbone", "whisper:speech", "wav2vec2-bert:ctc", "llava:vlm", "nn.TransformerEncoder",
           "examples/gpt.py:build_gpt"]
 """A CI sample of every task group, the cheapest of each the sweep found: decoders (learned positions, a
-multimodal config's text model), an encoder, an encoder-decoder, a document classifier and tagger (token boxes), a
+multimodal config's text model), an encoder, Longformer's chunked sliding windows (once refused at capture on
+their data-dependent guards), an encoder-decoder, a document classifier and tagger (token boxes), a
 vision tower and a backbone, a speech encoder-decoder, a CTC encoder (refused clearly: in training it draws
 SpecAugment masks in numpy), a vision-language model fed text, torch's own, an example; diffusers' and timm's
 when installed (they are the ``[zoo]`` extra)."""
@@ -43,8 +44,8 @@ def test_the_sample_has_every_task_group(sample):
     assert set(families.values()) == {families[name] for name in sample}
 
 
-def test_sample_splits_the_decoders(sample):
-    for name in ("llama", "gemma3"):
+def test_sample_splits_the_decoders_and_windowed_attention(sample):
+    for name in ("llama", "gemma3", "longformer:mlm"):
         assert sample[name][2].status is zoo.Status.EXACT, (name, sample[name][2].notes)
 
 
@@ -102,7 +103,7 @@ def test_a_missing_optional_library_is_the_reason_in_one_line():
 def test_a_document_model_is_fed_a_valid_box_per_token():
     from torch import nn
 
-    from autotp.tools.zoo_entries import document_inputs
+    from autotp.tools.zoo_inputs import document_inputs
 
     class Document(nn.Module):
         def __init__(self):
@@ -115,6 +116,46 @@ def test_a_document_model_is_fed_a_valid_box_per_token():
     inputs = document_inputs(Document())
     ids, boxes = inputs["input_ids"], inputs["bbox"]
     assert boxes.shape == (*ids.shape, 4) and bool((boxes[..., 2:] > boxes[..., :2]).all()) and boxes.max() <= 1000
+
+
+def test_a_vision_language_model_is_fed_what_its_forward_asks_for():
+    """Text alone where the forward runs on it; images (grouped per sample where flat ones fail) where it refuses
+    text alone; a required Q-Former's ids as the token ids."""
+    from types import SimpleNamespace
+
+    import torch
+    from torch import nn
+
+    from autotp.tools.zoo_inputs import vision_text_inputs
+
+    config = SimpleNamespace(vocab_size=64, image_size=8, num_channels=3, is_encoder_decoder=False)
+
+    class TextOnly(nn.Module):
+        main_input_name = "input_ids"
+
+        def __init__(self):
+            super().__init__()
+            self.config, self.tokens = config, nn.Embedding(64, 8)
+
+        def forward(self, input_ids, pixel_values=None):
+            return self.tokens(input_ids)
+
+    class NeedsGroupedImages(TextOnly):
+        def forward(self, input_ids, pixel_values=None, image_attention_mask=None):
+            if pixel_values is None:
+                raise ValueError("You have to specify pixel_values")
+            batch, images, channels, height, width = pixel_values.shape  # one group of images per sample
+            return self.tokens(input_ids) * image_attention_mask[..., :1]
+
+    class QFormer(TextOnly):
+        def forward(self, pixel_values, qformer_input_ids, input_ids=None):
+            return self.tokens(qformer_input_ids) + pixel_values.mean()
+
+    assert isinstance(vision_text_inputs(TextOnly()), tuple)
+    grouped = vision_text_inputs(NeedsGroupedImages())
+    assert grouped["pixel_values"].shape[1:] == (1, 3, 8, 8) and "image_attention_mask" in grouped
+    queried = vision_text_inputs(QFormer())
+    assert torch.equal(queried["qformer_input_ids"], queried["input_ids"]) and queried["pixel_values"].dim() == 4
 
 
 def test_the_time_limit_counts_cpu_time_with_a_clock_backstop():
@@ -130,7 +171,7 @@ def test_the_time_limit_counts_cpu_time_with_a_clock_backstop():
 def test_audio_features_are_sized_by_the_encoder_sub_config_where_the_config_has_none():
     from types import SimpleNamespace
 
-    from autotp.tools.zoo_entries import _features
+    from autotp.tools.zoo_inputs import _features
 
     model = SimpleNamespace(config=SimpleNamespace(encoder_config=SimpleNamespace(num_mel_bins=16)))
     assert _features(model).shape[-1] == 16
@@ -182,3 +223,34 @@ def test_a_table_of_a_sweep_stopped_early_counts_only_what_ran():
     table = coverage_table(results, {"a": "causal-lm", "b": "causal-lm"}, tps=(2,))
     assert "| causal-lm | 2 | 1 exact — 1/1 (100%) of the buildable exact (1 pending) |" in table
     assert "| `b` | pending |" in table
+
+
+def test_a_decoder_over_codebooks_is_fed_a_row_per_codebook():
+    """MusicGen's decoder embeds each of its codebooks' rows with its own table and reads batch x codebooks rows:
+    synthesised ids have that many rows (and its forward runs on them); a text decoder beside codebooks (Moshi's,
+    one table) gets one row per sample."""
+    import torch
+
+    from autotp.capture.examples import EXAMPLE_BATCH, synthesise
+
+    built = {e.name: e.build() for e in zoo.entries({"musicgen", "moshi"})}
+    (ids,) = synthesise(built["musicgen"]).flat
+    assert ids.shape[0] == EXAMPLE_BATCH * built["musicgen"].config.num_codebooks
+    with torch.no_grad():
+        built["musicgen"](ids)
+    assert synthesise(built["moshi"]).flat[0].shape[0] == EXAMPLE_BATCH
+
+
+def test_composite_configs_build_their_causal_lm():
+    """Types whose causal LM takes one part of a composite config (text or decoder), whose default leaves a field
+    unset (DBRX's query clipping, LFM2-MoE's layer kinds), or whose vision tower no config field shrinks (Gemma 3n's
+    timm MobileNet) build tiny."""
+    import torch
+
+    from autotp.tools.tiny import MAX_PARAMS
+
+    for entry in zoo.entries({"llama4", "dbrx", "lfm2_moe", "gemma3n"}):
+        model = entry.build()
+        assert sum(p.numel() for p in model.parameters()) < MAX_PARAMS, entry.name
+        with torch.no_grad():
+            model(*entry.inputs(model))

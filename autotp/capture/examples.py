@@ -180,14 +180,28 @@ def _vocab_of(sub_config) -> int | None:
     return size if isinstance(size, int) and not isinstance(size, bool) and size > 0 else None
 
 
+def _streams(model: nn.Module) -> int:
+    """Rows of token ids per sample: one per table of the model's input embedding where it is a list of them (a
+    decoder over parallel codebooks of audio codes, MusicGen's, embeds each codebook's row with its own table and
+    reads ``batch x codebooks`` rows), else one."""
+    try:
+        tables = model.get_input_embeddings()
+    except (AttributeError, NotImplementedError):  # not a transformers model, or one without input embeddings
+        return 1
+    if isinstance(tables, nn.ModuleList) and tables and all(isinstance(t, nn.Embedding) for t in tables):
+        return len(tables)
+    return 1
+
+
 def synthesise(model: nn.Module, vocab: int | None = None) -> ExampleInputs:
     """Token ids (EXAMPLE_BATCH x EXAMPLE_SEQ, below ``vocab``, default the model's vocabulary) on the device
     of the model's parameters (meta for a model built there); the same ids on every call and every rank."""
     vocab = vocab or vocab_size(model)
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
-    ids = torch.randint(0, vocab, (EXAMPLE_BATCH, EXAMPLE_SEQ), generator=torch.Generator().manual_seed(0))
+    rows = EXAMPLE_BATCH * _streams(model)
+    ids = torch.randint(0, vocab, (rows, EXAMPLE_SEQ), generator=torch.Generator().manual_seed(0))
     signature = Signature.of(model)
     name = signature.positional[0] if signature.positional else "args[0]"
-    note = (f"example inputs synthesised: token ids of shape ({EXAMPLE_BATCH}, {EXAMPLE_SEQ}) below the vocabulary "
+    note = (f"example inputs synthesised: token ids of shape ({rows}, {EXAMPLE_SEQ}) below the vocabulary "
             f"size {vocab}, passed as {name}; batch and sequence stay dynamic")
     return ExampleInputs((ids.to(device),), (), (name,), note)

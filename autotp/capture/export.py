@@ -43,6 +43,7 @@ from autotp.capture.torch_private import (
     output_spec,
     plain_sizes,
 )
+from autotp.capture.weight_writes import FAKE_CONSTANT, weight_write
 from autotp.errors import CaptureError, InputError, TrainingSettingError
 from autotp.passes.analysis import Analysis
 from autotp.passes.graph import MUTATES_META, SHAPE_META
@@ -300,6 +301,20 @@ def _refuse_float_ids(example: ExampleInputs, err: Exception) -> None:
                          "torch.long ids (ids.long())") from None
 
 
+def _refuse_weight_writes(model: nn.Module, wrapper: nn.Module, inputs: tuple, training: bool | None,
+                          err: Exception) -> None:
+    """A forward that writes into a parameter's ``.data``: refused naming the parameter and the line (torch's own
+    error names only a lifted constant)."""
+    if FAKE_CONSTANT not in str(err):
+        return
+    with _in_mode(model, training):
+        where = weight_write(model, lambda: wrapper(*inputs))
+    if where:
+        raise CaptureError(f"cannot capture {type(model).__name__}{' for training' if training else ''}: {where}, an "
+                           "update of its weights no captured graph can replay; capture it in eval mode (for "
+                           "inference), or make the update a step after the optimizer's") from err
+
+
 def _strip(target: str) -> str:
     return target[len(_WRAPPER_PREFIX):] if target.startswith(_WRAPPER_PREFIX) else target
 
@@ -361,6 +376,7 @@ def capture(model: nn.Module, example_inputs, training: bool | None = None) -> C
         fallback = next((e for dynamic, e in errors if dynamic is None), None)
         _, err = [(d, e) for d, e in errors if d is not None][-1]
         _refuse_float_ids(example, err)
+        _refuse_weight_writes(model, wrapper, inputs, training, err)
         first_line = (str(err).strip().splitlines() or [type(err).__name__])[0]
         settings = training_branch_settings(err, config)
         if settings:  # the failure is in training-only code a setting switches on: that setting is the fix

@@ -14,6 +14,7 @@ from __future__ import annotations
 import re
 
 from autotp.tools.model_spec import SMALL_HF, _small_low_rank
+from autotp.tools.tiny_overrides import TYPE_OVERRIDES
 from autotp.tools.tiny_repairs import repaired
 
 LAYERS = 2
@@ -52,8 +53,9 @@ TINY_EXTRA = {
     # other vocabularies and latent arrays
     "encoder_hash_byte_group_vocab": 128, "entity_vocab_size": 128, "entity_emb_size": 64, "num_latents": 32,
     "d_latents": 64,
-    # the output width of a vision tower (its merger's projection into the text model)
-    "out_hidden_size": 64,
+    # the output width of a vision tower (its merger's projection into the text model), or of an adapter of
+    # images or audio into the text model
+    "out_hidden_size": 64, "adapter_out_dim": 64,
     # the width of the global model, as the byte-level encoder and decoder that feed it name it
     "hidden_size_global": 64,
     # convolutional audio codecs (SEANet): the first layer's channels, doubled at each of the strided stages
@@ -166,13 +168,14 @@ def shrink(fields: dict, sub_configs: dict | None = None, mixed: bool = True, co
     staged = any(_is_stage_list(k, v) and _stage_kind(k) == "depth" for k, v in fields.items())
     spelled = _spelled_out_blocks(fields)
     depth = None if staged else _depth(fields)  # a hierarchical model's layer count counts its stages
-    small = {k: v for k, v in (SMALL_HF | TINY_EXTRA).items() if k in fields and _shrinks(fields[k], v)}
+    sizes = SMALL_HF | TINY_EXTRA
+    small = {k: v for k, v in sizes.items() if k in fields and _shrinks(fields[k], v)}
     small |= _small_low_rank(fields, small)
     small |= _prefixed_sizes(fields, small)
     for name, value in fields.items():
-        if name in TINY_EXTRA and isinstance(value, list) and depth and len(value) == depth \
+        if name in sizes and isinstance(value, list) and depth and len(value) == depth \
                 and all(isinstance(v, int) for v in value):
-            small[name] = [min(v, TINY_EXTRA[name]) for v in value][:LAYERS]  # a size given per layer
+            small[name] = [min(v, sizes[name]) for v in value][:LAYERS]  # a size given per layer
         elif _is_stage_list(name, value):
             if not spelled:  # blocks listed one by one (with their widths) tie the stages to them: kept
                 small[name] = _small_stages(name, value)
@@ -279,48 +282,6 @@ def _shrinks(old, new) -> bool:
     return new <= old and old != 0  # 0 switches a part off (no per-layer inputs): it stays off
 
 
-TYPE_OVERRIDES = {
-    "mamba2": {"num_heads": 8},  # hidden_size * expand must equal num_heads * head_dim
-    "xmod": {"default_language": "en_XX"},  # its forward asks for a language adapter
-    # every stage's resolution at least the window (16, 8, 4, 2 patches across): the relative-position tables
-    # are made for the configured window
-    **{t: {"image_size": 64, "patch_size": 4, "window_size": 2}
-       for t in ("swin", "swinv2", "donut-swin", "maskformer-swin")},
-    # each stage reads its layers' drop-path rates at the stage's index (not the layer's): stage i needs more than
-    # i layers
-    "cvt": {"depth": [1, 2, 3]},
-    "esm": {"pad_token_id": 1, "mask_token_id": 32},
-    # its stem is four stride-2 convolutions (16 pixels a patch whatever patch_size says), and patch_size sizes the
-    # attention biases: it stays 16, with four patches across
-    "levit": {"patch_size": 16, "image_size": 64},
-    # the config carries the tokenizer's vocabulary (None by default), where the model looks up its image tokens
-    # by name: those it reads, at the top of the small vocabulary
-    "chameleon": {"vocabulary_map": {"<image>": 127}},
-    "emu3": {"vocabulary_map": {"<image>": 127, "<|extra_200|>": 126}},
-    # its default config leaves the kinds of MLP per layer None, which the model indexes by layer: a dense first
-    # layer and a mixture of experts, as DeepSeek's models start
-    "deepseek_ocr2": {"text_config": {"mlp_layer_types": ["dense", "sparse"]}},
-    # its model reads the ids of the yes and no tokens from fields its config does not declare, by default ids of
-    # the full vocabulary
-    "shieldgemma2": {"yes_token_index": 126, "no_token_index": 125},
-    # the last convolution's width is the model's constant 1280 scaled by width_coefficient, and hidden_dim must
-    # equal it (its batch norm): a tenth of 1280 is the tiny width
-    "efficientnet": {"width_coefficient": 0.1, "hidden_dim": 128},
-    # windowed attention over the patch grid: the window count a square that divides the tiny image's grid
-    "lw_detr_vit": {"num_windows": 4},
-    # a token's layout embedding is its box's four coordinates and two sides side by side: the width six parts
-    "layoutlmv3": {"hidden_size": 96, "coordinate_size": 16, "shape_size": 16},
-    "lilt": {"hidden_size": 96},  # its default config has no padding id, which it needs
-    # the axial position table factors the hidden size and the sequence (32 tokens), chunks divide it
-    "reformer": {"axial_pos_embds_dim": [32, 32], "axial_pos_shape": [4, 8], "local_attn_chunk_length": 16,
-                 "lsh_attn_chunk_length": 16},
-    # its default text config fails its own validation (per-layer inputs and MoE must be off)
-    "gemma4_assistant": {"text_config": {"hidden_size_per_layer_input": 0, "vocab_size_per_layer_input": 0,
-                                         "enable_moe_block": False, "use_double_wide_mlp": False}},
-}
-"""Sizes that one architecture ties together in a way no general rule reads (its validation says which)."""
-
-
 def tiny_model(model_type: str, build, overrides: dict | None = None):
     """``build(config)`` on the tiny config of ``model_type`` (``overrides`` applied last). Where the config's
     validation, or the model built from it, names the one value a field must take, the field takes it and
@@ -329,20 +290,55 @@ def tiny_model(model_type: str, build, overrides: dict | None = None):
     import transformers
 
     fixed = TYPE_OVERRIDES.get(model_type, {})
-    try:
-        default = transformers.AutoConfig.for_model(model_type)
-    except Exception:  # a default config that fails its own validation: with the fixes the table knows
-        default = transformers.AutoConfig.for_model(model_type, **fixed)
+    default = default_config(model_type)
     error = None
     for mixed in (True, False):
         shrunk = shrink(default.to_dict(), getattr(type(default), "sub_configs", None), mixed, type(default))
         small = _merged(_merged(shrunk, fixed), overrides or {})
+        small = _rederived(model_type, small, default)
         try:
             return repaired(lambda: build(transformers.AutoConfig.for_model(model_type, **small)), small,
-                            SMALL_HF | TINY_EXTRA)
+                            SMALL_HF | TINY_EXTRA, default.to_dict())
         except Exception as e:  # transformers and huggingface_hub raise many types for values a config rejects
             error = error or e
     raise error
+
+
+def default_config(model_type: str):
+    """The default config of ``model_type``; one that fails its own validation, with the fixes the table knows."""
+    import transformers
+
+    try:
+        return transformers.AutoConfig.for_model(model_type)
+    except Exception:  # any type: transformers and huggingface_hub raise several for a rejected value
+        return transformers.AutoConfig.for_model(model_type, **TYPE_OVERRIDES.get(model_type, {}))
+
+
+def _rederived(model_type: str, small: dict, default) -> dict:
+    """``small`` less the prefixed sizes (``_prefixed_sizes``: a guess from the name) its config computes from the
+    others (Zamba2's ``attention_hidden_size``, twice the width): top-level fields the class does not declare whose
+    value, in a config made without them, moves from the default's. Given, a guessed value would override the one
+    the config derives from the shrunk sizes (and the model would mix the two); left out, the config derives it
+    again. ``small`` as it is if that config fails."""
+    import dataclasses
+
+    import transformers
+
+    cls = type(default)
+    fields = default.to_dict()
+    if not dataclasses.is_dataclass(cls):
+        return small
+    declared = {f.name for f in dataclasses.fields(cls)} | set(getattr(cls, "attribute_map", {}))
+    guessed = _prefixed_sizes(fields, _small_low_rank(fields, {}))  # low-rank sizes have their own rule
+    undeclared = [k for k in guessed if k in small and k not in declared]
+    if not undeclared:
+        return small
+    try:
+        made = transformers.AutoConfig.for_model(model_type, **{k: v for k, v in small.items() if k in declared})
+    except Exception:  # any type: a config that needs the undeclared fields keeps them
+        return small
+    moved = {k for k in undeclared if k in fields and getattr(made, k, fields[k]) != fields[k]}
+    return {k: v for k, v in small.items() if k not in moved}
 
 
 def tiny_config(model_type: str, overrides: dict | None = None):

@@ -34,20 +34,27 @@ _TIED = re.compile(r"`?(?P<field>\w+)`? must (?:equal|match) `?(?P<a>[a-z_]\w*)`
 without values."""
 
 _UNDECLARED = re.compile(r"'\w+Config' object has no attribute '(?P<field>\w+)'")
-"""A model reading a size its config does not declare (``num_key_value_heads`` of a config without one): the
-size takes its small value."""
+"""A model reading a field its config does not declare: a size (``num_key_value_heads`` of a config without one)
+takes its small value; another field the value another part of the config holds under that name."""
 
 
-def repaired(make, small: dict, sizes: dict):
+def repaired(make, small: dict, sizes: dict, defaults: dict | None = None):
     """``make()``, with the fields its errors require set in ``small`` and tried again (a few times). ``sizes``:
-    the small value of each size field by name, for a field the config reads but does not declare."""
+    the small value of each size field by name, for a field the config reads but does not declare; ``defaults``:
+    the default config's fields (where another part may hold such a field)."""
     for _ in range(8):
         try:
             return make()
         except Exception as e:  # any type: the message is what is read
-            if not apply_required(small, _messages(e), sizes):
+            if not apply_required(small, _messages(e), sizes, defaults):
                 raise
     return make()
+
+
+def _held_elsewhere(fields: dict, name: str):
+    """The value a config's ``fields`` hold under ``name`` one level down (DBRX's attention sub-config read for a
+    ``rope_theta`` the config keeps in its ``rope_parameters``); None if no part holds it."""
+    return next((v[name] for v in fields.values() if isinstance(v, dict) and v.get(name) is not None), None)
 
 
 def _messages(e: BaseException) -> str:
@@ -74,20 +81,23 @@ def _requirement(message: str) -> tuple[str, object] | None:
     return None
 
 
-def apply_required(small: dict, message: str, sizes: dict) -> bool:
+def apply_required(small: dict, message: str, sizes: dict, defaults: dict | None = None) -> bool:
     """Set the field a message requires, in the sub-config its dotted name or its presence points to (else the
     config itself); False if no message states one, or the field already has that value. ``sizes``: the small
-    value of each size field by name (a field the config does not declare takes it)."""
+    value of each size field by name (a field the config does not declare takes it); ``defaults``: the default
+    config's fields, where another part may hold a field the config does not declare."""
     undeclared = _UNDECLARED.search(message)
-    if undeclared and undeclared["field"] in sizes:
-        # set where it is missing: the config itself, else the first sub-config without it
-        holders = [small] + [v for v in small.values() if isinstance(v, dict)]
+    held = _held_elsewhere((defaults or {}) | small, undeclared["field"]) if undeclared else None
+    if undeclared and (undeclared["field"] in sizes or held is not None):
+        # set where it is missing: the config itself, else the first sub-config without it (a retry that still
+        # misses it moves on to the next)
+        holders = [small] + [v for v in small.values() if isinstance(v, dict) and "model_type" in v]
         target = next((h for h in holders if undeclared["field"] not in h), None)
         if target is not None:
             name = undeclared["field"]
             # a config without key-value heads has one per attention head
             same = target.get("num_attention_heads") if name == "num_key_value_heads" else None
-            target[name] = same if isinstance(same, int) else sizes[name]
+            target[name] = same if isinstance(same, int) else sizes[name] if name in sizes else held
             return True
     tied = _TIED.search(message)
     if tied:  # head_dim must equal qk_nope_head_dim + qk_rope_head_dim: the parts' sum as they now are

@@ -1,0 +1,54 @@
+"""Per-architecture values of the zoo's tiny configs (``autotp.tools.tiny``): sizes one architecture ties together
+in a way no general rule reads, and defaults of a model's config that do not build or run. Type names appear only
+here and in the zoo's other tables, never in autotp's logic.
+"""
+
+TYPE_OVERRIDES = {
+    "mamba2": {"num_heads": 8},  # hidden_size * expand must equal num_heads * head_dim
+    "xmod": {"default_language": "en_XX"},  # its forward asks for a language adapter
+    # every stage's resolution at least the window (16, 8, 4, 2 patches across): the relative-position tables
+    # are made for the configured window
+    **{t: {"image_size": 64, "patch_size": 4, "window_size": 2}
+       for t in ("swin", "swinv2", "donut-swin", "maskformer-swin")},
+    # each stage reads its layers' drop-path rates at the stage's index (not the layer's): stage i needs more than
+    # i layers
+    "cvt": {"depth": [1, 2, 3]},
+    "esm": {"pad_token_id": 1, "mask_token_id": 32},
+    # its stem is four stride-2 convolutions (16 pixels a patch whatever patch_size says), and patch_size sizes the
+    # attention biases: it stays 16, with four patches across
+    "levit": {"patch_size": 16, "image_size": 64},
+    # the config carries the tokenizer's vocabulary (None by default), where the model looks up its image tokens
+    # by name: those it reads, at the top of the small vocabulary
+    "chameleon": {"vocabulary_map": {"<image>": 127}},
+    "emu3": {"vocabulary_map": {"<image>": 127, "<|extra_200|>": 126}},
+    # its default config leaves the kinds of MLP per layer None, which the model indexes by layer: a dense first
+    # layer and a mixture of experts, as DeepSeek's models start
+    "deepseek_ocr2": {"text_config": {"mlp_layer_types": ["dense", "sparse"]}},
+    # its default config leaves the kinds of layer None, which the model indexes by layer: a short convolution and
+    # an attention layer, as its released configs interleave them; one dense MLP first (two by default), then experts
+    "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},
+    # its default leaves the clipping of queries, keys and values None, which the forward passes to clamp as both
+    # bounds (a crash): the released model clips at 8
+    "dbrx": {"attn_config": {"clip_qkv": 8}},
+    # its vision tower is timm's MobileNet-V5 (300M parameters), whose widths no config field sets: timm's builder
+    # takes a width multiplier, which the config passes on (``model_args``)
+    "gemma3n": {"vision_config": {"model_args": {"channel_multiplier": 0.1}}},
+    # its model reads the ids of the yes and no tokens from fields its config does not declare, by default ids of
+    # the full vocabulary
+    "shieldgemma2": {"yes_token_index": 126, "no_token_index": 125},
+    # the last convolution's width is the model's constant 1280 scaled by width_coefficient, and hidden_dim must
+    # equal it (its batch norm): a tenth of 1280 is the tiny width
+    "efficientnet": {"width_coefficient": 0.1, "hidden_dim": 128},
+    # windowed attention over the patch grid: the window count a square that divides the tiny image's grid
+    "lw_detr_vit": {"num_windows": 4},
+    # a token's layout embedding is its box's four coordinates and two sides side by side: the width six parts
+    "layoutlmv3": {"hidden_size": 96, "coordinate_size": 16, "shape_size": 16},
+    "lilt": {"hidden_size": 96},  # its default config has no padding id, which it needs
+    # the axial position table factors the hidden size and the sequence (32 tokens), chunks divide it
+    "reformer": {"axial_pos_embds_dim": [32, 32], "axial_pos_shape": [4, 8], "local_attn_chunk_length": 16,
+                 "lsh_attn_chunk_length": 16},
+    # its default text config fails its own validation (per-layer inputs and MoE must be off)
+    "gemma4_assistant": {"text_config": {"hidden_size_per_layer_input": 0, "vocab_size_per_layer_input": 0,
+                                         "enable_moe_block": False, "use_double_wide_mlp": False}},
+}
+"""Sizes that one architecture ties together in a way no general rule reads (its validation says which)."""
