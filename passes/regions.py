@@ -292,7 +292,7 @@ class _RegionFinder:
         key = (frozenset(layouts.items()), self.tp)
         if self.index.positions[node] >= self.shared_from or key in self.propagations:
             return False
-        watch = DeadEndWatch(node, self.index.rank(node) + proj.feature_axis, self._upstream([proj]), self.grad,
+        watch = DeadEndWatch(node, self.index.rank(node) + proj.out_axis, self._upstream([proj]), self.grad,
                              self.projections.keys() | self.embeddings.keys(), self.index)
         prop = propagate(self.graph, self.projections, self.embeddings, layouts, self.tp, self.trainable,
                          auto_rows=True, grad=self.grad, index=self.index, decisions=self.decisions, stop=watch)
