@@ -16,19 +16,22 @@ from collections.abc import Container
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import torch
 from autotp.passes.graph import arg_or_default, meta_val, rank, sizes
 from autotp.passes.placement import Shard
 from autotp.passes.projections import Embedding, Projection, segment_of
 from autotp.passes.reshapes import broadcast_dim, map_reshape
 from autotp.passes.rule_kit import like_first, norm_dim, pointwise
 from autotp.passes.rules import rule_for
-from autotp.passes.rules_compute import along_dim, layer_norm, reduction
+from autotp.passes.rules_compute import along_dim, batched_matmul, layer_norm, reduction
 from autotp.passes.rules_shape import (
     cat,
     expand,
+    getitem,
     gather,
     gathers_within,
     index,
+    index_select,
     new_filled,
     permutation,
     permute,
@@ -37,6 +40,7 @@ from autotp.passes.rules_shape import (
     reshape,
     select,
     slice_,
+    split,
 )
 from torch import fx
 
@@ -44,6 +48,7 @@ if TYPE_CHECKING:
     from autotp.passes.propagate import GraphIndex
 
 _MAX_DEPTH = 16
+aten = torch.ops.aten
 
 
 @dataclass
@@ -87,14 +92,22 @@ def _input_shard(node: fx.Node, source: fx.Node, shard: Shard, tp: int) -> Shard
             and shard.dim >= rank(ids) else None
     if rule is slice_:  # a slice along another dim keeps the split where it is
         return shard if arg_or_default(node, 1, "dim", 0) % rank(source) != shard.dim else None
+    if rule is index_select:  # positions picked along another dim: the split dim stays
+        return shard if source is node.args[0] and node.args[1] % rank(source) != shard.dim else None
     if rule is gather:  # a per-bucket table picked per position: the split dim stays
         return shard if source is node.args[0] and gathers_within(node, shard) else None
     if rule is new_filled:  # a tensor made like the value heads, then filled: made split like them
         return shard if source is node.args[0] and len(node.args[1]) == rank(source) else None
     if rule is select:  # the selected dim is gone from the output
         return shard.moved(shard.dim + (node.args[1] % rank(source) <= shard.dim))
+    if rule is getitem and rule_for(source.target) is split:  # one part of a split: its input split (below)
+        return _split_input(node, source, shard)
+    if rule is split:  # the split's input, whose split ``_split_input`` already found
+        return shard
     if rule is repeat:  # a per-head table repeated over the batch: the split of one copy
         return _repeated_input(node, source, shard)
+    if rule is batched_matmul:  # scores or outputs per head (another layer's, meeting a shared per-head bias)
+        return _batched_input(node, source, shard)
     if rule in (reduction, along_dim, layer_norm):  # a per-head norm: its statistic is over another dim
         return _normalised_input(node, source, shard)
     if rule is cat:  # parts joined along the split dim (a bias of q, k and v biases): each part's own segments
@@ -115,6 +128,32 @@ def _joined_input(node: fx.Node, source: fx.Node, shard: Shard) -> Shard | None:
     return segment_of(shard, (start, sizes(source)[dim], shard.size))
 
 
+def _batched_input(node: fx.Node, source: fx.Node, shard: Shard) -> Shard | bool | None:
+    """The split ``source`` needs for a batched matmul to come out split as ``shard`` along a batch dim (the
+    heads): the same batch dim of each operand, aligned from the right as broadcasting aligns them (True where
+    the operand broadcasts along it); None for a split of the matrix dims."""
+    if shard.dim >= rank(node) - 2 or shard.blocks != 1 or shard.replicas != 1:
+        return None
+    d = broadcast_dim(rank(node), rank(source), shard.dim)
+    return True if d < 0 or sizes(source)[d] == 1 else shard.moved(d)
+
+
+def _split_input(node: fx.Node, parts: fx.Node, shard: Shard) -> Shard | None:
+    """The split the input of ``parts`` (a split, a chunk) needs for its part ``node`` to come out split as
+    ``shard``: the same, when it cuts along another dim; when it cuts along the split dim, each part one segment
+    (K and V of a fused projection cut with ``chunk``: each split by its heads)."""
+    x = parts.args[0]
+    dim = norm_dim(arg_or_default(parts, 1 if parts.target is aten.unbind.int else 2, "dim", 0), rank(x))
+    if parts.target is aten.unbind.int:
+        return shard.moved(shard.dim + (dim <= shard.dim))
+    if dim != shard.dim:
+        return shard
+    sizes_ = tuple(int(p.shape[dim]) for p in meta_val(parts))
+    if shard.segments != (sizes_[node.args[1]],) or shard.blocks != 1 or shard.replicas != 1:
+        return None
+    return Shard(dim, sizes_)
+
+
 def _repeated_input(node: fx.Node, source: fx.Node, shard: Shard) -> Shard | None:
     """The split ``source`` needs for ``repeat`` to come out split as ``shard``: the same along a dim repeated
     once, or one copy's split where the copies are ``shard``'s blocks."""
@@ -124,6 +163,9 @@ def _repeated_input(node: fx.Node, source: fx.Node, shard: Shard) -> Shard | Non
     repeats = node.args[1][shard.dim]
     if isinstance(repeats, int) and repeats == 1:
         return shard.moved(dim)
+    one = shard.segments[:len(shard.segments) // repeats] if isinstance(repeats, int) else ()
+    if shard.blocks == 1 and one and one * repeats == shard.segments:  # the copies written as segments: one copy's
+        return Shard(dim, one)
     plain = dataclasses.replace(shard, dim=dim, blocks=1)
     return plain if repeat_blocks(node, plain) == shard.blocks else None
 
@@ -164,7 +206,7 @@ def trace(g: SourceGraph, node: fx.Node, shard: Shard, upstream: Container[str],
         return Sources(params={node.target: shard}) if node.target in g.trainable else None
     proj = g.projections.get(node.name)
     if proj is not None:
-        return Sources(projections={node.name: proj}) if shard.dim == rank(node) + proj.feature_axis else None
+        return Sources(projections={node.name: proj}) if shard.dim == rank(node) + proj.out_axis else None
     emb = g.embeddings.get(node.name)
     if emb is not None:
         return Sources(params={emb.weight: Shard(1, shard.segments)}) if shard.dim == rank(node) - 1 else None
@@ -207,3 +249,31 @@ class Ancestors:
                     if a.name not in self.found:
                         heapq.heappush(self.frontier, (-self.index.positions[a], a.name, a))
         return name in self.found
+
+
+def repeated(node: fx.Node, shard: Shard, tp: int) -> bool:
+    """Whether ``node`` is one value expanded along ``shard``'s dim (a single K/V head repeated to every query
+    head: ``kv[:, :, None].expand(...).reshape(b, heads, s, d)``), through reshapes, transposes and casts: each
+    rank's slice is that same value, so slicing it is what replicating K/V (Megatron's multi-query attention)
+    does, its gradient summed over every head."""
+    for _ in range(_MAX_REPEAT_DEPTH):
+        if node.op != "call_function" or not node.args or not isinstance(node.args[0], fx.Node):
+            return False
+        rule, source = rule_for(node.target), node.args[0]
+        if rule is expand:
+            d = shard.dim - (rank(node) - rank(source))
+            return d < 0 or sizes(source)[d] == 1
+        if rule is reshape:
+            shard = map_reshape(sizes(node), sizes(source), shard, tp)
+        elif rule is permute:
+            shard = shard.moved(permutation(node)[shard.dim])
+        elif rule is not like_first:
+            return False
+        if shard is None:
+            return False
+        node = source
+    return False
+
+
+_MAX_REPEAT_DEPTH = 6
+"""How many reshapes, transposes and casts may lie between a repeated value and its expand."""

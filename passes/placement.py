@@ -58,6 +58,20 @@ class Shard:
         return dataclasses.replace(self, dim=dim)
 
 
+def same_split(a, b) -> bool:
+    """Whether two layouts hold the same slice on every rank: equal, or one's blocks written as the other's
+    segments (``Shard(1, (2,), blocks=2)``, K/V heads repeated per block, and ``Shard(1, (2, 2))``)."""
+    if a == b:
+        return True
+    if not (isinstance(a, Shard) and isinstance(b, Shard)):
+        return False
+    if (a.dim, a.replicas, a.spread) != (b.dim, b.replicas, b.spread):
+        return False
+    blocks = [int(x.blocks) if isinstance(x.blocks, int) or getattr(x.blocks, "is_Integer", False) else None
+              for x in (a, b)]  # a count of blocks may be a sympy integer
+    return None not in blocks and a.segments * blocks[0] == b.segments * blocks[1]
+
+
 class PlacementKind(str, Enum):
     """How one parameter is laid out across the tensor-parallel ranks (the one vocabulary of split kinds)."""
 

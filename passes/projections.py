@@ -38,9 +38,13 @@ class Projection:
     out_features: int
     in_dim: int
     """Storage dim of the weight indexing input features (the other of the last two dims)."""
-    left: bool = False
-    """``W @ x``: the weight multiplies from the left, so features run along the second-last dim of ``x`` and of
-    the output (Mamba's time-step projection, ``dt_proj.weight @ dt.transpose(1, 2)``)."""
+    in_axis: int = -1
+    """The dim of the input (counted from the end) that holds the input features: -2 for ``W @ x`` (Mamba's
+    time-step projection, ``dt_proj.weight @ dt.transpose(1, 2)``), or the first of several contracted dims
+    (``"ibnd,hnd->ibh"``: the heads)."""
+    out_axis: int = -1
+    """The dim of the output (counted from the end) that holds the output features: -2 for ``W @ x``, or the
+    first of several (``"ibh,hnd->ibnd"``: the heads)."""
     packed: tuple[int, int, int] | None = None
     """(start, length, the parameter's size) along ``out_dim`` when the weight is a slice of a packed parameter
     (cross-attention's ``w_q, w_kv = in_proj_weight.split([E, 2 * E])``): a projection on that segment, the
@@ -49,11 +53,6 @@ class Projection:
     """The bias is parameters and buffers concatenated (BEiT's ``cat(q_bias, zeros_k, v_bias)``), not one parameter:
     a column split asks for it split as its outputs are, which splits those parts (or slices a buffer, which no
     gradient reaches); a row split is not offered (its bias, added once after the all-reduce, must be one tensor)."""
-
-    @property
-    def feature_axis(self) -> int:
-        """The dim of the input and output (counted from the end) that holds the features."""
-        return -2 if self.left else -1
 
 
 @dataclass(frozen=True)
@@ -138,6 +137,14 @@ def _transposed_attr(node) -> str | None:
     return _attr(node.args[0]) if swaps else None
 
 
+def _expert_attr(node) -> str | None:
+    """The ``get_attr`` target if ``node`` is one expert's matrix of a parameter bank, ``W[e]`` (``select`` along
+    the bank's first dim: JetMoE's ``F.linear(x_e, self.weight[e])`` per expert)."""
+    if not isinstance(node, fx.Node) or node.target is not aten.select.int or node.args[1] != 0:
+        return None
+    return _attr(node.args[0])
+
+
 def _projection(node: fx.Node, specs: dict) -> Projection | None:
     """A Projection if ``node`` multiplies an activation by a parameter (2-D, or 3-D for a grouped matmul)."""
     spec = specs.get(node.target)
@@ -150,6 +157,9 @@ def _projection(node: fx.Node, specs: dict) -> Projection | None:
     weight = _attr(weight_node)
     ndim = 2 if node.target in _PROJECTION_OPS else 3
     out_dim += ndim - 2
+    bank = 0  # the dims before the matrix in the parameter's storage: one for an expert's matrix of a bank
+    if weight is None and ndim == 2 and _expert_attr(weight_node) is not None:
+        weight, bank = _expert_attr(weight_node), 1
     if weight is None and _transposed_attr(weight_node) is not None:
         # x @ W.t(): the parameter's output features sit on the other storage dim.
         weight, out_dim, weight_node = _transposed_attr(weight_node), 2 * ndim - 3 - out_dim, weight_node.args[0]
@@ -169,10 +179,9 @@ def _projection(node: fx.Node, specs: dict) -> Projection | None:
     joined = bias is None and packed is None and _joined(bias_node)
     if bias_node is not None and bias is None and not joined:
         return None  # a computed bias: leave the op alone
-    return Projection(node=node.name, input=x.name, weight=weight, bias=bias, out_dim=out_dim,
-                      in_features=int(shape[in_dim]), out_features=int(shape[out_dim]), in_dim=in_dim, packed=packed,
-                      joined_bias=joined)
-
+    return Projection(node=node.name, input=x.name, weight=weight, bias=bias, out_dim=out_dim + bank,
+                      in_features=int(shape[in_dim]), out_features=int(shape[out_dim]), in_dim=in_dim + bank,
+                      packed=packed, joined_bias=joined)
 
 def _joined(node) -> bool:
     """Whether ``node`` concatenates parameters and buffers end to end (``cat([q_bias, k_bias, v_bias])``)."""
@@ -233,13 +242,15 @@ def _left_projection(node: fx.Node) -> Projection | None:
     shape = meta_val(weight_node).shape
     return Projection(node=node.name, input=x.name, weight=weight, bias=None, out_dim=out_dim,
                       in_features=int(shape[1 - out_dim]), out_features=int(shape[out_dim]), in_dim=1 - out_dim,
-                      left=True)
+                      in_axis=-2, out_axis=-2)
 
 
 def _einsum_projection(node: fx.Node) -> Projection | None:
-    """A Projection if ``node`` is an einsum that is ``x @ W`` (or ``x @ W.T``) with ``W`` a 2-D parameter: x's
-    last index contracted with one of W's, W's other index last in the output, x's others kept in order
-    (``"btf,fd->btd"``)."""
+    """A Projection if ``node`` is an einsum that is ``x @ W`` with ``W`` a parameter: x's trailing indices
+    contracted with some of W's, W's other indices last in the output, x's others kept in order before them
+    (``"btf,fd->btd"``; a parameter with a dim per head, as XLNet's ``"ibh,hnd->ibnd"`` and ``"ibnd,hnd->ibh"``).
+    The features split are the first contracted index and the first of W's output indices: a contraction
+    over a slice of one of them is a partial sum, and a slice of one of them slices the output alike."""
     if node.target is not aten.einsum.default or len(node.args) != 2 or len(node.args[1]) != 2:
         return None
     x, weight_node = node.args[1]
@@ -248,14 +259,19 @@ def _einsum_projection(node: fx.Node) -> Projection | None:
         return None
     inputs, out = node.args[0].replace(" ", "").split("->")
     xs, ws = inputs.split(",")
-    if len(ws) != 2 or len(xs) != len(meta_val(x).shape) or "." in xs or len(set(xs + ws)) != len(xs) + 1:
+    if "." in xs + ws or len(xs) != len(meta_val(x).shape) or len(set(xs)) != len(xs) or len(set(ws)) != len(ws):
         return None
-    if xs[-1] not in ws or out != xs[:-1] + ws.replace(xs[-1], ""):
+    contracted = [i for i in xs if i in ws]
+    kept = [i for i in ws if i not in xs]
+    batch = xs[:len(xs) - len(contracted)]
+    if (not contracted or not kept or xs[len(batch):] != "".join(contracted) or out != batch + "".join(kept)
+            or len(contracted) + len(kept) != len(ws)):
         return None
     shape = meta_val(weight_node).shape
-    in_dim = ws.index(xs[-1])
-    return Projection(node=node.name, input=x.name, weight=weight, bias=None, out_dim=1 - in_dim,
-                      in_features=int(shape[in_dim]), out_features=int(shape[1 - in_dim]), in_dim=in_dim)
+    in_dim, out_dim = ws.index(contracted[0]), ws.index(kept[0])
+    return Projection(node=node.name, input=x.name, weight=weight, bias=None, out_dim=out_dim,
+                      in_features=int(shape[in_dim]), out_features=int(shape[out_dim]), in_dim=in_dim,
+                      in_axis=-len(contracted), out_axis=-len(kept))
 
 
 def find_projections(graph: fx.Graph) -> dict[str, Projection]:

@@ -261,7 +261,7 @@ class _Walker:
             return None if proj.joined_bias else Role(PlacementKind.ROWWISE, _fused(weight.segments))
         x = self.graph_node(proj.input)
         x_layout = self.layout(x)
-        features = self.index.rank(x) + proj.feature_axis
+        features = self.index.rank(x) + proj.in_axis
         if self.auto_rows and not proj.joined_bias and _row_input(x_layout, features, proj.in_features):
             self.result.rows.append(proj.node)
             return Role(PlacementKind.ROWWISE, _fused(x_layout.segments))
@@ -274,14 +274,14 @@ class _Walker:
         x_path = next(p for p, n in tensor_args(node) if n.name == proj.input)
         x = self.graph_node(proj.input)
         if role.kind is PlacementKind.COLWISE:
-            out = Shard(self.index.rank(node) + proj.feature_axis, role.segments, replicas=role.replicas)
+            out = Shard(self.index.rank(node) + proj.out_axis, role.segments, replicas=role.replicas)
             wants = {x_path: COPY}
             if proj.joined_bias:  # its parts are split (or sliced) as the outputs are
                 bias = next(p for p, n in tensor_args(node) if n.target is aten.cat.default)
                 wants[bias] = Shard(0, role.segments, replicas=role.replicas)
             return Decision(out, wants=wants, checks=size_checks(out, "output features"))
         out = self.sequence_shard(node)
-        wants = {x_path: Shard(self.index.rank(x) + proj.feature_axis, role.segments or (proj.in_features,))}
+        wants = {x_path: Shard(self.index.rank(x) + proj.in_axis, role.segments or (proj.in_features,))}
         bias = next(((p, n) for p, n in tensor_args(node) if n.op == "get_attr" and n.target == proj.bias), None)
         if out is not None and bias is not None and bias[1].name in self.ctx.grad:
             wants[bias[0]] = COPY  # added after the reduce-scatter, to this rank's tokens: its gradient is a share

@@ -16,7 +16,7 @@ from enum import Enum
 import torch
 from autotp.passes.dead_ends import DeadEndWatch, Unexplained, shared_from
 from autotp.passes.graph import grad_nodes
-from autotp.passes.origins import Ancestors, SourceGraph, trace
+from autotp.passes.origins import Ancestors, SourceGraph, repeated, trace
 from autotp.passes.placement import Shard
 from autotp.passes.projections import Projection, packed_by_weight, packed_segments
 from autotp.passes.propagate import GraphIndex, propagate
@@ -75,11 +75,21 @@ class RegionMatch:
 
 
 def _sibling_groups(projections: dict[str, Projection], skip: set[str]) -> list[list[Projection]]:
-    """Projections grouped by the tensor they read, in graph order."""
-    groups: dict[str, list[Projection]] = {}
-    for p in projections.values():
-        if p.node not in skip:
-            groups.setdefault(p.input, []).append(p)
+    """Projections grouped by the tensor they read, in graph order; groups that use one parameter are one group
+    (each expert's matrix of a bank, ``W[e]``, reads its own tokens: the experts split together or not at all)."""
+    parent: dict[tuple, tuple] = {}
+
+    def root(key: tuple) -> tuple:
+        while parent.setdefault(key, key) != key:
+            key = parent[key]
+        return key
+
+    kept = [p for p in projections.values() if p.node not in skip]
+    for p in kept:  # the tensor read and the weight used join one group
+        parent[root(("weight", p.weight))] = root(("input", p.input))
+    groups: dict[tuple, list[Projection]] = {}
+    for p in kept:
+        groups.setdefault(root(("input", p.input)), []).append(p)
     return list(groups.values())
 
 
@@ -147,7 +157,7 @@ class _RegionFinder:
         traced_here: dict = {}
         for _ in range(8):
             prop = self._propagate(_layouts(columns, segments, shared) | params, tp)
-            learnt = segments | {origin: parts for o, hint in prop.hints.items() if len(o) == 1
+            learnt = segments | {origin: parts for o, hint in prop.hints.items() if self._one_weight(o)
                                  for origin in o if (parts := _scaled(hint, self.projections[origin]))}
             if learnt != segments:
                 segments, params = learnt, {}  # parameters are re-learnt against the new segments
@@ -175,6 +185,11 @@ class _RegionFinder:
         tiled = {w for w, ps in packed_by_weight(list(group) + siblings).items() if packed_segments(ps, {})}
         # slices that do not tile their parameter (a slice read by something else) cannot be split: left out
         return [p for p in list(group) + siblings if p.packed is None or p.weight in tiled]
+
+    def _one_weight(self, origins: frozenset) -> bool:
+        """Whether the projections a split value comes from use one weight: one projection, or the experts of
+        a bank whose outputs were joined (fused gate/up columns cut after the experts' outputs are concatenated)."""
+        return len({self.projections[o].weight for o in origins}) == 1
 
     def _propagate(self, layouts: dict[str, Shard], tp: int) -> Propagation:
         """A candidate's propagation (``auto_rows``, windowed), kept for the next few: a search often asks for the
@@ -220,10 +235,12 @@ class _RegionFinder:
     def _sliced(self, prop: Propagation) -> list:
         """Slices of values gradients flow through (a value no gradient reaches, a per-head table or a mask,
         is sliced for free), other than values made from the region's own rows (a time-step projection reading
-        V's split features, all-reduced, then taken per head: only its small gradient is gathered)."""
+        V's split features, all-reduced, then taken per head: only its small gradient is gathered) and values
+        repeated along the split dim (``repeated``)."""
         rows = set(prop.rows)
         return [c for c in prop.steps_of(Operator.SCATTER) if c.source in self.grad
-                and not self._from_rows(rows, c.source, c.steps[-1].shard)]
+                and not self._from_rows(rows, c.source, c.steps[-1].shard)
+                and not repeated(self.nodes[c.source], c.steps[-1].shard, self.tp)]
 
     def _from_rows(self, rows: set[str], source: str, shard: Shard) -> bool:
         key = (source, shard)
@@ -294,7 +311,7 @@ class _RegionFinder:
         key = (frozenset(layouts.items()), self.tp)
         if self.index.positions[node] >= self.shared_from or key in self.propagations:
             return False
-        watch = DeadEndWatch(node, self.index.rank(node) + proj.feature_axis, self._upstream([proj]), self.grad,
+        watch = DeadEndWatch(node, self.index.rank(node) + proj.out_axis, self._upstream([proj]), self.grad,
                              self.projections.keys() | self.embeddings.keys(), self.index)
         prop = propagate(self.graph, self.projections, self.embeddings, layouts, self.tp, self.trainable,
                          auto_rows=True, grad=self.grad, index=self.index, decisions=self.decisions, stop=watch)

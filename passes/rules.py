@@ -33,6 +33,7 @@ from autotp.passes.rules_shape import (
     index_copy,
     new_filled,
     index,
+    index_select,
     pad,
     permute,
     repeat,
@@ -74,7 +75,7 @@ RULES = {
     aten.matmul.default: batched_matmul, aten.bmm.default: batched_matmul,
     aten.scaled_dot_product_attention.default: attention, aten.conv1d.default: conv1d,
     aten.view_as.default: view_as, aten.reshape_as.default: view_as, aten.einsum.default: einsum,
-    aten.log_sigmoid.default: pointwise, aten.sym_size.int: sym_size, aten.index.Tensor: index, aten.repeat.default: repeat,
+    aten.log_sigmoid.default: pointwise, aten.sym_size.int: sym_size, aten.index.Tensor: index, aten.index_select.default: index_select, aten.repeat.default: repeat,
     aten.logsumexp.default: reduction, aten.copy_.default: copy_into, aten.tril.default: last_two_dims, aten.triu.default: last_two_dims, aten.pad.default: pad, aten.constant_pad_nd.default: pad, aten.repeat_interleave.self_int: repeat_interleave, aten.baddbmm.default: baddbmm, aten.layer_norm.default: layer_norm, aten.rms_norm.default: layer_norm, aten.view_as_complex.default: view_as_complex,
     aten.view_as_real.default: view_as_complex,
     # pointwise, though not tagged so: a scalar on one side, or a 0-d tensor fill value
@@ -83,7 +84,7 @@ RULES = {
     aten._assert_tensor_metadata.default: no_output,
     aten.new_empty.default: new_filled, aten.new_zeros.default: new_filled, aten.new_ones.default: new_filled,
     aten.new_full.default: new_filled,
-    aten.index_copy.default: index_copy,
+    aten.index_copy.default: index_copy, aten.index_add.default: index_copy,
 }
 
 
@@ -95,7 +96,7 @@ for _op in (aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten._to_copy.d
 
 
 BLOCK_AWARE = frozenset({reshape, permute, like_first, getitem, pointwise, batched_matmul, baddbmm, along_dim,
-                         reduction, no_output, gather})
+                         reduction, no_output, gather, attention})
 """The rules that keep a split repeated over blocks (``Shard.blocks``) meaningful; others see such inputs whole."""
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 from autotp.passes.graph import arg_or_default, named_arg, rank, sizes
-from autotp.passes.placement import Shard
+from autotp.passes.placement import Shard, same_split
 from autotp.passes.reshapes import static
 from autotp.passes.rule_kit import (
     Context,
@@ -150,7 +150,10 @@ def attention(node: fx.Node, ins: Inputs, ctx: Context) -> Decision:
     if not leading:
         return replicate_all(node, ins, ctx) if sharded_inputs(ins) else Decision(None)
     lay = leading[0]
-    if arg_or_default(node, 7, "enable_gqa", False):
+    gqa = arg_or_default(node, 7, "enable_gqa", False)
+    if gqa and lay.blocks != 1:
+        return replicate_all(node, ins, ctx)
+    if gqa:
         # Each query head reads KV head h // (H / KV): contiguous chunks of both keep that on every rank.
         counts = [static(sizes(ins[p][0])[heads]) for p in ((0,), (1,), (2,))]
         if any(len(v[1].segments) != 1 for v in ins.values() if isinstance(v[1], Shard)) or \
@@ -161,12 +164,15 @@ def attention(node: fx.Node, ins: Inputs, ctx: Context) -> Decision:
         lay = own[(0,)]
         checks = [(c, "attention heads") for c in counts]
     else:
-        wants = {p: Shard(heads, lay.segments) for p in ((0,), (1,), (2,)) if ins[p][1] != lay}
+        # heads split within blocks (JetMoE's query heads, [experts chosen, heads], beside K/V repeated per
+        # expert chosen): each rank's heads of every block, on Q, K and V alike
+        wants = {p: Shard(heads, lay.segments, lay.blocks) for p in ((0,), (1,), (2,))
+                 if not same_split(ins[p][1], lay)}
         checks = []
     mask = {p: v for p, v in ins.items() if p not in ((0,), (1,), (2,))}
     if any(isinstance(v[1], Shard) and v[1] != lay for v in mask.values()):
         return replicate_all(node, ins, ctx)
-    wants |= join(node, mask, ctx, heads, lay.segments)
+    wants |= join(node, mask, ctx, heads, lay.segments, blocks=lay.blocks)
     return Decision(lay, wants=wants, checks=checks)
 
 

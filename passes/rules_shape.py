@@ -197,6 +197,15 @@ def select(node: fx.Node, ins: Inputs, ctx: Context, x: fx.Node, lay: Shard) -> 
     return Decision(lay.moved(lay.dim - (dim < lay.dim)))
 
 
+@on_split_input
+def index_select(node: fx.Node, ins: Inputs, ctx: Context, x: fx.Node, lay: Shard) -> Decision:
+    """``x.index_select(dim, ids)`` along another dim than the split one (XLNet's relative shift picks key
+    positions of split heads): each rank picks from its own slice; the ids stay whole."""
+    if norm_dim(node.args[1], rank(x)) == lay.dim:
+        return replicate_all(node, ins, ctx)
+    return Decision(lay, wants={p: None for p in ins if p != (0,)})
+
+
 def _fused_hint(decision: Decision, lay: Shard) -> Decision:
     """Picking one entry of a split dim (Q of ``qkv.unflatten(-1, (3, E))[..., 0, :]``): its projection is that
     many parts fused, each to be split on its own (the hint, in proportions the planner scales)."""
@@ -356,8 +365,9 @@ def new_filled(node: fx.Node, ins: Inputs, ctx: Context) -> Decision:
 
 
 def index_copy(node: fx.Node, ins: Inputs, ctx: Context) -> Decision:
-    """``x.index_copy(dim, index, src)`` (a static KV cache written at the new tokens' positions) split along any
-    dim but ``dim``: each rank writes its part of ``src`` into its part of ``x`` (a cache placed like the K/V heads
+    """``x.index_copy(dim, index, src)`` (a static KV cache written at the new tokens' positions) and
+    ``x.index_add(dim, index, src)`` (mixture-of-experts outputs put back in token order) split along any dim but
+    ``dim``: each rank writes or adds its part of ``src`` into its part of ``x`` (a cache placed like the K/V heads
     written into it); the positions are whole."""
     if (2,) in ins and isinstance(ins[(2,)][1], Shard):
         return replicate_all(node, ins, ctx)

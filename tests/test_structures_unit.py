@@ -338,7 +338,7 @@ def test_weight_on_the_left_row_projection_closes_the_region():
 def test_weight_on_the_left_is_found_as_a_left_projection():
     cap = captured(_model(LeftColumn), _x(B, T, D))
     left = [p for p in find_projections(cap.graph).values() if cap.param_name(p.weight) == "w"]
-    assert len(left) == 1 and left[0].left and left[0].feature_axis == -2
+    assert len(left) == 1 and (left[0].in_axis, left[0].out_axis) == (-2, -2)
     assert (left[0].out_dim, left[0].in_features, left[0].out_features) == (0, 4, 32)
 
 

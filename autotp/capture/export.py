@@ -27,7 +27,12 @@ from autotp.capture.examples import (
 )
 from autotp.capture.dynamic import dynamic_shapes
 from autotp.capture.grad_modes import inline_no_grad
-from autotp.capture.guards import export_taking_example_branches, training_branch_settings, training_setting_error
+from autotp.capture.guards import (
+    distribution_checks_off,
+    export_taking_example_branches,
+    training_branch_settings,
+    training_setting_error,
+)
 from autotp.capture.hidden_gradients import refuse_hidden_gradients
 from autotp.capture.meta_buffers import buffers_on_meta, put_back
 from autotp.capture.replay import check_gradient_replay, check_replay
@@ -346,7 +351,7 @@ def capture(model: nn.Module, example_inputs, training: bool | None = None) -> C
     for dynamic in (True, False):
         try:
             with _quiet_torch_logs(), _in_mode(model, training), applied_functions(functions), \
-                    buffers_on_meta(model) as copies:
+                    distribution_checks_off(), buffers_on_meta(model) as copies:
                 gm = _export(wrapper, inputs, dynamic)
                 put_back(gm, copies)
             break
@@ -356,7 +361,8 @@ def capture(model: nn.Module, example_inputs, training: bool | None = None) -> C
             errors.append((dynamic, e))
     else:
         try:  # branches on tensor values: taken as the example takes them, kept as runtime assertions
-            with _quiet_torch_logs(), _in_mode(model, training), applied_functions(functions):
+            with _quiet_torch_logs(), _in_mode(model, training), applied_functions(functions), \
+                    distribution_checks_off():
                 gm, assumptions = export_taking_example_branches(wrapper, inputs, dynamic_shapes(inputs), config)
         except TimeoutError:  # the caller's time limit: no further attempt
             raise

@@ -16,6 +16,7 @@ captures are refused, with the setting that switches the randomness off, read fr
 from __future__ import annotations
 
 import ast
+import contextlib
 import linecache
 import os
 import random
@@ -26,6 +27,7 @@ from functools import lru_cache
 import torch
 from torch import fx
 
+from autotp.capture.torch_private import distribution_validation
 from autotp.errors import CaptureError, TrainingSettingError
 
 aten = torch.ops.aten
@@ -90,6 +92,20 @@ def export_taking_example_branches(wrapper: torch.nn.Module, inputs: tuple, dyna
                                  "numbers", [(file, line)], config)
         assumptions.append(f"`{code}` ({os.path.basename(file)}:{line})")
     return gm, tuple(dict.fromkeys(assumptions))
+
+
+@contextlib.contextmanager
+def distribution_checks_off():
+    """torch.distributions' argument validation off while a model is captured (restored after). The check only
+    raises on arguments outside a distribution's support (BLT's ``Categorical(logits=...).entropy()`` checks its
+    logits are real numbers, not NaN), computes nothing the forward uses, and asks ``.all()`` of a tensor, a
+    branch on data that export cannot trace; the captured graph computes the same values without it."""
+    previous = distribution_validation()
+    torch.distributions.Distribution.set_default_validate_args(False)
+    try:
+        yield
+    finally:
+        torch.distributions.Distribution.set_default_validate_args(previous)
 
 
 def _host_rng_states() -> tuple:

@@ -81,3 +81,12 @@ def applied_functions(found: set[str]):
         yield
     finally:
         torch.autograd.Function.apply = original
+
+
+def distribution_validation() -> bool:
+    """torch.distributions' default for validating a distribution's arguments (private:
+    ``Distribution._validate_args``; ``set_default_validate_args`` is its public setter)."""
+    value = getattr(torch.distributions.Distribution, "_validate_args", None)
+    if not isinstance(value, bool):
+        raise _changed("where distributions keep their validation default", "Distribution._validate_args")
+    return value

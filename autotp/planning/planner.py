@@ -62,7 +62,7 @@ def _chosen_whole(analysis: Analysis, unmatched) -> dict[str, str]:
 def _unmatched_note(analysis: Analysis, nodes: tuple[str, ...], why: str, chosen: dict[str, str]) -> str:
     """Why projections were kept whole: by choice (a transform before the LM head, a router), else the
     blocking op."""
-    layers = ", ".join(analysis.layer(n) for n in nodes)
+    layers = ", ".join(dict.fromkeys(analysis.layer(n) for n in nodes))  # a bank's experts: its name once
     reasons = {chosen.get(n) for n in nodes}
     if len(reasons) == 1 and None not in reasons:
         return f"{layers} kept whole by choice: {reasons.pop()}"
