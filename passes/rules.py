@@ -17,7 +17,6 @@ from autotp.passes.rules_compute import (
     attention,
     baddbmm,
     batched_matmul,
-    conv1d,
     copy_into,
     cross_entropy,
     einsum,
@@ -25,6 +24,7 @@ from autotp.passes.rules_compute import (
     layer_norm,
     reduction,
 )
+from autotp.passes.rules_channels import CHANNEL_RULES
 from autotp.passes.rules_shape import (
     cat,
     expand,
@@ -72,7 +72,7 @@ RULES = {
     # ``x.expand_as(y)`` broadcasts like ``x + y``, to y's (local) shape: F.normalize's norm to the heads it divides
     aten.expand_as.default: pointwise,
     aten.matmul.default: batched_matmul, aten.bmm.default: batched_matmul,
-    aten.scaled_dot_product_attention.default: attention, aten.conv1d.default: conv1d,
+    aten.scaled_dot_product_attention.default: attention,
     aten.view_as.default: view_as, aten.reshape_as.default: view_as, aten.einsum.default: einsum,
     aten.log_sigmoid.default: pointwise, aten.sym_size.int: sym_size, aten.index.Tensor: index, aten.repeat.default: repeat,
     aten.logsumexp.default: reduction, aten.copy_.default: copy_into, aten.tril.default: last_two_dims, aten.triu.default: last_two_dims, aten.pad.default: pad, aten.constant_pad_nd.default: pad, aten.repeat_interleave.self_int: repeat_interleave, aten.baddbmm.default: baddbmm, aten.layer_norm.default: layer_norm, aten.rms_norm.default: layer_norm, aten.view_as_complex.default: view_as_complex,
@@ -84,6 +84,7 @@ RULES = {
     aten.new_empty.default: new_filled, aten.new_zeros.default: new_filled, aten.new_ones.default: new_filled,
     aten.new_full.default: new_filled,
     aten.index_copy.default: index_copy,
+    **CHANNEL_RULES,
 }
 
 
