@@ -101,3 +101,15 @@ def test_transformers_tiny_resnet_is_exact(resnet, tp):
     convolutions = [n for n, p in model.named_parameters() if n.endswith("convolution.weight")]
     split = [n for n in convolutions if n in _split(report.plan)]
     assert len(split) >= len(convolutions) - 1, sorted(set(convolutions) - set(split))  # all but the stem
+
+
+def test_convolution_regions_are_named_so_and_not_exported_as_linear_styles():
+    from autotp.passes.regions import RegionKind
+    from autotp.tools.exports import to_hf_tp_plan
+
+    torch.manual_seed(0)
+    plan = autotp.plan(conv_models.Bottleneck(), 2, (torch.randn(2, 32, 6, 6),))
+    region, = [r for r in plan.regions if "conv1" in r.columns]
+    assert region.kind is RegionKind.CONVOLUTION and region.rows == ("conv2",)
+    # HF's colwise/rowwise would shard conv1 and conv2 but not bn1 between them: left out, never half-exported
+    assert to_hf_tp_plan(plan, strict=False) == {}
