@@ -80,6 +80,7 @@ RULES = {
     # pointwise, though not tagged so: a scalar on one side, or a 0-d tensor fill value
     aten.where.ScalarOther: pointwise, aten.where.ScalarSelf: pointwise, aten.where.Scalar: pointwise,
     aten.masked_fill.Tensor: pointwise,
+    aten.hardswish.default: pointwise,  # elementwise, not tagged so (MobileNet-v3's and PP-LCNet's activation)
     aten._assert_tensor_metadata.default: no_output,
     aten.new_empty.default: new_filled, aten.new_zeros.default: new_filled, aten.new_ones.default: new_filled,
     aten.new_full.default: new_filled,

@@ -26,7 +26,8 @@ class Bottleneck(nn.Module):
 
 class InvertedResidual(nn.Module):
     """MobileNet-v2's block: a 1x1 expansion, a depthwise 3x3 (one group per channel), a 1x1 projection, with
-    batch norms, ReLU6 and the residual add; then average pooling and a classifier."""
+    batch norms, ReLU6 (hardswish after the depthwise, as v3 has it) and the residual add; then average pooling
+    and a classifier."""
 
     def __init__(self, channels: int = 16, expand: int = 4, classes: int = 10):
         super().__init__()
@@ -39,7 +40,7 @@ class InvertedResidual(nn.Module):
 
     def forward(self, x):
         y = F.relu6(self.bn1(self.expand(x)))
-        y = F.relu6(self.bn2(self.depthwise(y)))
+        y = F.hardswish(self.bn2(self.depthwise(y)))  # MobileNet-v3's activation
         x = x + self.bn3(self.project(y))
         return self.head(F.adaptive_avg_pool2d(x, 1).flatten(1))
 
