@@ -113,3 +113,11 @@ def test_convolution_regions_are_named_so_and_not_exported_as_linear_styles():
     assert region.kind is RegionKind.CONVOLUTION and region.rows == ("conv2",)
     # HF's colwise/rowwise would shard conv1 and conv2 but not bn1 between them: left out, never half-exported
     assert to_hf_tp_plan(plan, strict=False) == {}
+
+
+def test_channels_that_do_not_divide_by_tp_keep_their_convolutions_whole_with_a_note():
+    torch.manual_seed(0)
+    plan = _checked(conv_models.Bottleneck(mid=6).train(), 4, (torch.randn(2, 32, 6, 6),))  # 6 channels, 4 ranks
+    assert "conv1.weight" not in _split(plan)
+    assert any(n.startswith("conv1 kept whole: a dense convolution") and "do not divide by tp=4" in n
+               for n in plan.notes), plan.notes

@@ -341,6 +341,14 @@ def make_plan(captured: Captured, options: Options = Options(), machine: Machine
     by_target: dict[str, Placement] = {}
     plan_regions: list[Region] = []
     sizes = cost_sizes(captured, options.batch, options.seq)
+    whys = {n: why for nodes, why in search.unmatched for n in nodes}
+    # Channels a CNN's width does not divide by tp (55 at tp=2) keep those convolutions whole, with a note; the
+    # transformer regions' sizes (heads, widths) are the user's to match, so tp is refused there.
+    uneven = [r for r in regions if r.violations and r.kind is RegionKind.CONVOLUTION]
+    for region in uneven:
+        v = region.violations[0]
+        whys |= dict.fromkeys((*region.columns, *region.rows), f"its {v.what} ({v.size}) do not divide by tp={tp}")
+    regions = [r for r in regions if not (r.violations and r.kind is RegionKind.CONVOLUTION)]
     for region in regions:
         if region.violations:
             raise _divisibility_error(analysis, region, tp, _valid_tp(analysis, regions))
@@ -361,7 +369,7 @@ def make_plan(captured: Captured, options: Options = Options(), machine: Machine
                          "each rank selects the heads it needs")
         plan_regions.append(Region(region.kind, tuple(analysis.layer(c) for c in region.columns),
                                    tuple(analysis.layer(r) for r in region.rows), kept))
-    notes += _whole_convolution_notes(analysis, by_target, {n: why for nodes, why in search.unmatched for n in nodes})
+    notes += _whole_convolution_notes(analysis, by_target, whys)
     vocab_placements, vocab_regions, vocab_kept = _vocab_placements(analysis, tp, notes, options, machine, sizes, by_target)
     by_target |= vocab_placements
     plan_regions = vocab_regions[:1] + plan_regions + vocab_regions[1:]
