@@ -45,7 +45,7 @@ class Mismatch:
     """The first thing that differs from the unsharded model."""
 
     what: str
-    """``output``, ``loss``, ``gradient``, ``parameter after a step`` or ``activation``."""
+    """``output``, ``loss``, ``gradient``, ``parameter after a step``, ``buffer after a step`` or ``activation``."""
     where: str
     """The module (and parameter or op) at fault."""
     detail: str
@@ -304,6 +304,19 @@ def _compare_step(compare: _Compare, plan: Plan, captured: Captured, reference: 
             continue
         after = [rank[name].detach() - LR * g for rank, g in zip(per_rank, grads)]
         compare("parameter after a step", name, full_tensor(plan.placements.get(name), after), ref_param.detach() - LR * want)
+    _compare_buffers(compare, captured, reference, ranks)
+
+
+def _compare_buffers(compare: _Compare, captured: Captured, reference: nn.Module, ranks: list[_Rank]) -> None:
+    """Every rank's floating-point buffers after the step (a batch norm's running statistics, which the forward
+    updates): buffers are never split, so each rank's must equal the unsharded model's."""
+    ref_buffers = dict(reference.named_buffers())
+    for r in ranks:
+        for target, got in r.module.named_buffers():
+            name = captured.aliases.get(captured.param_name(target), captured.param_name(target))
+            want = ref_buffers.get(name)
+            if want is not None and want.is_floating_point() and got.shape == want.shape:
+                compare("buffer after a step", f"{name} on rank {r.comm.rank}", got, want)
 
 
 def _values(module: fx.GraphModule, inputs: tuple) -> dict[str, torch.Tensor]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 from autotp.passes.graph import arg_or_default, sizes
-from autotp.passes.projections import Projection
+from autotp.passes.projections import CONVOLUTIONS, Projection
 from autotp.passes.reshapes import static
 from autotp.passes.vocab import feeds_only_heads
 from torch import fx
@@ -47,14 +47,13 @@ def kept_by_choice(node: fx.Node, projections: dict[str, Projection], heads: tup
     return None
 
 
-_CONVOLUTIONS = {aten.conv1d.default, aten.conv2d.default, aten.conv3d.default, aten.convolution.default,
-                 aten.conv_transpose1d.default, aten.conv_transpose2d.input}
+_CONVOLUTIONS = {*CONVOLUTIONS, aten.conv_transpose1d.default, aten.conv_transpose2d.input}
 
 
 def whole_convolutions(graph: fx.Graph, split_targets: set[str]) -> list[tuple[fx.Node, str]]:
-    """The convolutions whose weight stays whole (patch embeddings, audio front ends): (node, weight target),
-    for a plan note. Only a depthwise conv1d is split (by channels, with the region around it); a dense
-    convolution would need its own column split, which autotp does not make."""
+    """The convolutions whose weight stays whole (patch embeddings, audio front ends, any that no exact split
+    reaches): (node, weight target), for a plan note. A dense convolution is split as a projection of its
+    channels, a grouped one with its channels split (``rules_channels``); transposed ones never are."""
     out = []
     for node in graph.nodes:
         if node.op != "call_function" or node.target not in _CONVOLUTIONS:

@@ -16,7 +16,7 @@ import torch
 from torch import fx
 
 from autotp.passes.graph import arg_or_default, is_tensor, meta_val, sizes
-from autotp.passes.projections import grouped_ops
+from autotp.passes.projections import CONVOLUTIONS, grouped_ops
 from autotp.passes.reshapes import static
 
 aten = torch.ops.aten
@@ -74,6 +74,9 @@ def node_cost(node: fx.Node) -> NodeCost:
         # A grouped matmul's rows are the tokens routed to its experts (k per token under top-k routing): the
         # sum of every expert's load, each row multiplied by its expert's matrix.
         flops = _matmul_flops(node)
+    elif node.target in CONVOLUTIONS:
+        # each output element sums its group's input channels over the kernel: the weight's sizes after the first
+        flops = 2 * out * _numel(sizes(node.args[1])[1:])
     elif node.target in _ATTENTION:
         flops = _attention_flops(node)
     elif node.target in _NORMS:

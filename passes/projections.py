@@ -3,7 +3,8 @@
 Found from the ops and their operands, not from module or parameter names: ``nn.Linear`` shows up
 as ``aten.linear``, Hugging Face's transposed ``Conv1D`` as ``aten.addmm`` with the weight last, a
 mixture-of-experts bank as a grouped matmul against a 3-D ``[experts, in, out]`` weight (each token's
-rows multiplied by its expert's matrix), which splits like a plain projection inside every expert.
+rows multiplied by its expert's matrix), which splits like a plain projection inside every expert, a dense
+convolution (one group) as a projection of its channels at every position (features on dim 1).
 """
 
 from __future__ import annotations
@@ -53,6 +54,10 @@ class Projection:
     """The bias is parameters and buffers concatenated (BEiT's ``cat(q_bias, zeros_k, v_bias)``), not one parameter:
     a column split asks for it split as its outputs are, which splits those parts (or slices a buffer, which no
     gradient reaches); a row split is not offered (its bias, added once after the all-reduce, must be one tensor)."""
+    spatial: int = 0
+    """A dense convolution over this many trailing spatial dims (``N, C, *spatial``): a projection of the
+    channels at every position, so its features are dim 1 (weight ``[out, in, *kernel]``), ``in_axis`` and
+    ``out_axis`` ``-1 - spatial``."""
 
 
 @dataclass(frozen=True)
@@ -274,10 +279,45 @@ def _einsum_projection(node: fx.Node) -> Projection | None:
                       in_axis=-len(contracted), out_axis=-len(kept))
 
 
+# op -> index of ``groups`` (a convolution's; ``aten.convolution`` also says whether it is transposed, at 6)
+CONVOLUTIONS = {aten.conv1d.default: 6, aten.conv2d.default: 6, aten.conv3d.default: 6,
+                aten.convolution.default: 8}
+
+
+def conv_groups(node: fx.Node) -> int:
+    """The ``groups`` of a convolution node (1 when not given)."""
+    index = CONVOLUTIONS[node.target]
+    return node.args[index] if len(node.args) > index else node.kwargs.get("groups", 1)
+
+
+def _conv_projection(node: fx.Node) -> Projection | None:
+    """A Projection if ``node`` is a dense (one group, not transposed) convolution of a batched activation by a
+    parameter: column-split, it slices the weight's output channels; row-split, its input channels, the
+    partial sums all-reduced. Grouped convolutions are split with their channels by their own rule."""
+    if node.target not in CONVOLUTIONS or conv_groups(node) != 1 or len(node.args) < 2 or "bias" in node.kwargs:
+        return None
+    if node.target is aten.convolution.default and node.args[6]:
+        return None
+    x, weight_node = node.args[0], node.args[1]
+    weight = _attr(weight_node)
+    if weight is None or not isinstance(x, fx.Node) or _attr(x) is not None:
+        return None
+    shape = meta_val(weight_node).shape
+    if len(meta_val(x).shape) != len(shape):
+        return None  # an unbatched input (``C, L``): its channels are dim 0
+    bias_node = node.args[2] if len(node.args) > 2 else None
+    bias = _attr(bias_node)
+    if bias_node is not None and bias is None:
+        return None
+    return Projection(node=node.name, input=x.name, weight=weight, bias=bias, out_dim=0, in_dim=1,
+                      in_features=int(shape[1]), out_features=int(shape[0]), spatial=len(shape) - 2,
+                      in_axis=1 - len(shape), out_axis=1 - len(shape))
+
+
 def find_projections(graph: fx.Graph) -> dict[str, Projection]:
     """Every projection in ``graph``, keyed by node name, in graph order."""
     specs = _PROJECTION_OPS | grouped_ops()
-    found = (_projection(n, specs) or _left_projection(n) or _einsum_projection(n)
+    found = (_projection(n, specs) or _left_projection(n) or _einsum_projection(n) or _conv_projection(n)
              for n in graph.nodes if n.op == "call_function")
     return {p.node: p for p in found if p is not None}
 

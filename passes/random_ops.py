@@ -35,6 +35,7 @@ class RandomKind(str, Enum):
 
 _BY_OP = {
     aten.dropout.default: RandomKind.DROPOUT,
+    aten.dropout_.default: RandomKind.DROPOUT,  # ``nn.Dropout(inplace=True)`` (MobileNet's classifier)
     aten.native_dropout.default: RandomKind.DROPOUT,
     aten.rand_like.default: RandomKind.SIZE_ONLY,
     aten.randn_like.default: RandomKind.SIZE_ONLY,

@@ -40,6 +40,9 @@ class RegionKind(str, Enum):
     ROW = "row"
     """A lone projection between whole values, split by its input features: its input sliced (an all-gather of
     the gradient backward), its output all-reduced (Megatron's ``RowParallelLinear(input_is_parallel=False)``)."""
+    CONVOLUTION = "convolution"
+    """Convolutions split by channels (dim 1 of ``N, C, ...``): dense ones column- then row-split, the norms,
+    grouped convolutions and pooling between them per channel."""
     EMBEDDING = "embedding"
     """The vocabulary-split token embedding."""
     LM_HEAD = "lm_head"
@@ -269,7 +272,9 @@ class _RegionFinder:
     def match(self, columns: list[Projection], prop: Propagation, segments: dict, params: dict,
               replicated=(), shared: dict[str, int] | None = None) -> RegionMatch:
         sizes = tuple(s for p in columns for s in (segments.get(p.node) or (p.out_features,)))
-        return RegionMatch(kind=_classify(self.nodes, prop), columns=tuple(p.node for p in columns),
+        convolutions = any(self.projections[n].spatial for n in (*(p.node for p in columns), *prop.rows))
+        kind = RegionKind.CONVOLUTION if convolutions else _classify(self.nodes, prop)
+        return RegionMatch(kind=kind, columns=tuple(p.node for p in columns),
                            rows=tuple(prop.rows), segments=tuple(segments.get(p.node, ()) for p in columns),
                            replicated=tuple(replicated), params=tuple(params.items()),
                            shared=tuple((shared or {}).items()),

@@ -17,7 +17,6 @@ from autotp.passes.rules_compute import (
     attention,
     baddbmm,
     batched_matmul,
-    conv1d,
     copy_into,
     cross_entropy,
     einsum,
@@ -25,6 +24,7 @@ from autotp.passes.rules_compute import (
     layer_norm,
     reduction,
 )
+from autotp.passes.rules_channels import CHANNEL_RULES
 from autotp.passes.rules_shape import (
     cat,
     expand,
@@ -73,7 +73,7 @@ RULES = {
     # ``x.expand_as(y)`` broadcasts like ``x + y``, to y's (local) shape: F.normalize's norm to the heads it divides
     aten.expand_as.default: pointwise,
     aten.matmul.default: batched_matmul, aten.bmm.default: batched_matmul,
-    aten.scaled_dot_product_attention.default: attention, aten.conv1d.default: conv1d,
+    aten.scaled_dot_product_attention.default: attention,
     aten.view_as.default: view_as, aten.reshape_as.default: view_as, aten.einsum.default: einsum,
     aten.log_sigmoid.default: pointwise, aten.sym_size.int: sym_size, aten.index.Tensor: index, aten.index_select.default: index_select, aten.repeat.default: repeat,
     aten.logsumexp.default: reduction, aten.copy_.default: copy_into, aten.tril.default: last_two_dims, aten.triu.default: last_two_dims, aten.pad.default: pad, aten.constant_pad_nd.default: pad, aten.repeat_interleave.self_int: repeat_interleave, aten.baddbmm.default: baddbmm, aten.layer_norm.default: layer_norm, aten.rms_norm.default: layer_norm, aten.view_as_complex.default: view_as_complex,
@@ -81,10 +81,12 @@ RULES = {
     # pointwise, though not tagged so: a scalar on one side, or a 0-d tensor fill value
     aten.where.ScalarOther: pointwise, aten.where.ScalarSelf: pointwise, aten.where.Scalar: pointwise,
     aten.masked_fill.Tensor: pointwise,
+    aten.hardswish.default: pointwise,  # elementwise, not tagged so (MobileNet-v3's and PP-LCNet's activation)
     aten._assert_tensor_metadata.default: no_output,
     aten.new_empty.default: new_filled, aten.new_zeros.default: new_filled, aten.new_ones.default: new_filled,
     aten.new_full.default: new_filled,
     aten.index_copy.default: index_copy, aten.index_add.default: index_copy,
+    **CHANNEL_RULES,
 }
 
 

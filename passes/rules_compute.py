@@ -1,5 +1,5 @@
 """Sharding rules of ops that compute along dims: reductions (an all-reduce when over the split dim), matmuls,
-attention, convolutions, norms. Each keeps a split where the computation is per slice, or sees its input whole."""
+attention, norms (convolutions and other ops over channels: ``rules_channels``). Each keeps a split where the computation is per slice, or sees its input whole."""
 
 from __future__ import annotations
 
@@ -174,22 +174,6 @@ def attention(node: fx.Node, ins: Inputs, ctx: Context) -> Decision:
         return replicate_all(node, ins, ctx)
     wants |= join(node, mask, ctx, heads, lay.segments, blocks=lay.blocks)
     return Decision(lay, wants=wants, checks=checks)
-
-
-@on_split_input
-def conv1d(node: fx.Node, ins: Inputs, ctx: Context, x: fx.Node, lay: Shard) -> Decision:
-    """A depthwise conv1d (one group per channel, as in Mamba's and short-conv mixers) with its channels
-    split: each rank convolves its own channels with its rows of the weight; ``groups`` becomes local."""
-    weight, _ = ins[(1,)]
-    channels = sizes(x)[1] if rank(x) == 3 else None
-    groups = arg_or_default(node, 6, "groups", 1)
-    if lay.dim != 1 or groups != channels or sizes(weight)[0] != channels or sizes(weight)[1] != 1:
-        return replicate_all(node, ins, ctx)
-    others = [p for p in ins if p != (0,)]
-    if any(isinstance(ins[p][1], Shard) and ins[p][1] != Shard(0, lay.segments) for p in others):
-        return replicate_all(node, ins, ctx)
-    wants = {p: Shard(0, lay.segments) for p in others if not isinstance(ins[p][1], Shard)}
-    return Decision(lay, wants=wants, fixes={(6,): groups // ctx.tp}, checks=size_checks(lay, "conv channels"))
 
 
 def _einsum_specs(equation: str, ranks: list[int]) -> tuple[list[str], str] | None:

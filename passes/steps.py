@@ -43,6 +43,9 @@ class Operator(str, Enum):
     CROSS_ENTROPY = "cross_entropy"
     """Cross-entropy of class-split logits: each rank's max, sum of exponentials and target logit, all-gathered
     forward (Megatron's vocab-parallel cross-entropy; backward local)."""
+    RUNNING_STATS = "running_stats"
+    """A batch norm of channels split, in training: each rank updates its channels' running mean and variance,
+    all-gathered forward into the whole buffers every rank keeps (no gradient flows through them)."""
 
 
 class CollectiveOp(str, Enum):
@@ -89,6 +92,7 @@ COMMUNICATION: dict[Operator, tuple[Communication, ...]] = {
                                 Communication(CollectiveOp.REDUCE_SCATTER, Direction.BACKWARD, at_source=True)),
     Operator.SHARED_GRAD: (Communication(CollectiveOp.ALL_GATHER, Direction.BACKWARD, at_source=True),),
     Operator.CROSS_ENTROPY: (Communication(CollectiveOp.ALL_GATHER, Direction.FORWARD, at_source=True),),
+    Operator.RUNNING_STATS: (Communication(CollectiveOp.ALL_GATHER, Direction.FORWARD, at_source=True),),
 }
 
 

@@ -2,8 +2,8 @@
 
 Mixture-of-experts (a 3-D expert bank), QK-norm over all heads, interleaved rotary with a parallel block,
 encoder-decoders (cross-attention, per-head relative position bias, ``nn.Transformer``'s packed cross-attention
-projections), ``nn.TransformerEncoder``, einsum attention
-with a gathered per-head bias and a projection split alone, and a Mamba mixer. Each rank builds every model from one seed, keeps an
+projections), ``nn.TransformerEncoder``, einsum attention with a gathered per-head bias and a projection split alone,
+a Mamba mixer, and convolutions split by channels. Each rank builds every model from one seed, keeps an
 unsharded copy, and compares outputs, the loss of every step and every parameter after AdamW steps; dropout
 is off in every config.
 """
@@ -20,7 +20,7 @@ from torch.utils._pytree import tree_leaves
 
 import autotp
 from autotp.capture import model_kwargs
-from tests import models
+from tests import conv_models, models
 
 SEED = 0
 STEPS = 2
@@ -215,6 +215,11 @@ CASES = {
     "mamba (conv1d and scan split by channel)": Case(mamba, _ids, _layers(
         "mixer.conv1d.weight", "mixer.in_proj.weight", "mixer.x_proj.weight", "mixer.dt_proj.weight",
         "mixer.A_log", "mixer.D", "mixer.out_proj.weight", stem="backbone.layers"), example_seq=8, seq=8),
+    # batch norms in training: their running statistics (in the state dict compared) must match after the steps
+    "convolutions (bottleneck, depthwise, batch and group norms)": Case(
+        lambda: conv_models.ConvLM(VOCAB), _positional, (
+            "conv1.weight", "conv2.weight", "block.conv1.weight", "block.bn1.weight", "block.conv2.weight",
+            "expand.weight", "bn.weight", "depthwise.weight", "norm.weight", "project.weight")),
 }
 
 

@@ -104,3 +104,15 @@ def test_looped_experts_cost_the_routings_expected_load():
     assert len(experts) == 4
     for node in experts:
         assert evaluate(table[node.name].flops, sizes) == 2 * (3 * 10 * 2 / 4) * 32 * 32
+
+
+def test_convolution_flops_count_each_output_over_its_groups_kernel():
+    from tests.conv_models import InvertedResidual
+
+    captured = capture(InvertedResidual(channels=16, expand=4), (torch.randn(2, 16, 6, 6),))
+    table = costs(captured.graph, trainable_attrs(captured.module))
+    batch = {v: k for k, v in captured.dim_names.items()}["B"]
+    expand, depthwise, project = _by_target(captured, torch.ops.aten.conv2d.default)
+    assert evaluate(table[expand.name].flops, {batch: 3}) == 2 * (3 * 64 * 6 * 6) * 16  # 1x1 over 16 channels
+    assert evaluate(table[depthwise.name].flops, {batch: 3}) == 2 * (3 * 64 * 6 * 6) * 9  # 3x3 over its one channel
+    assert evaluate(table[project.name].flops, {batch: 3}) == 2 * (3 * 16 * 6 * 6) * 64

@@ -5,7 +5,9 @@ QK-norm across all heads, interleaved rotary with a parallel block,
 encoder-decoders (cross-attention; per-head relative position bias; ``nn.Transformer`` with a causal mask, its
 cross-attention's packed projections sliced), ``nn.TransformerEncoder``, einsum attention
 with a per-head bias picked by ``gather`` and a projection split alone by its input features, and a Mamba
-mixer (its depthwise conv1d, scan parameters and time-step projection split by channel).
+mixer (its depthwise conv1d, scan parameters and time-step projection split by channel), and convolutions split by
+channels (a conv1d pair, a ResNet bottleneck and an inverted residual, with batch norms in training and a group
+norm).
 The workers measure; this test asserts: outputs, the loss of 2 AdamW steps and every parameter afterwards agree
 to 1e-5 (relative, beyond it: 0), each structure's matrices named in its case are split, and both ranks applied
 the same plan.

@@ -69,12 +69,20 @@ def _unmatched_note(analysis: Analysis, nodes: tuple[str, ...], why: str, chosen
     return f"{layers} kept replicated: {why}"
 
 
-def _whole_convolution_notes(analysis: Analysis, by_target: dict[str, Placement]) -> list[str]:
-    """One note per convolution kept whole (a patch embedding, an audio front end), saying why."""
+def _whole_convolution_notes(analysis: Analysis, by_target: dict[str, Placement], whys: dict[str, str]) -> list[str]:
+    """One note per convolution kept whole (a patch embedding, an audio front end), saying why: ``whys``, by node,
+    the region search's reason for a dense one (a projection that closed no region)."""
     split = {t for t, p in by_target.items() if p.is_split}
-    return [f"{analysis.module(node.name) or weight} kept whole: a dense convolution (weight sizes "
-            f"{list(sizes(node.args[1]))}); autotp splits only depthwise conv1d (by channels), so it runs whole "
-            "on every rank" for node, weight in whole_convolutions(analysis.graph, split)]
+    notes = []
+    for node, weight in whole_convolutions(analysis.graph, split):
+        dense = node.name in analysis.projections
+        why = whys.get(node.name, "no split of its input channels reaches it by whole groups")
+        notes.append(f"{analysis.module(node.name) or weight} kept whole: a {'dense' if dense else 'grouped'} "
+                     f"convolution (weight sizes {list(sizes(node.args[1]))}) that no exact split reaches ({why}); "
+                     "autotp splits a dense convolution by its output channels up to one split by its input channels "
+                     "(or alone by its input channels), a grouped one with its channels by whole groups, so it runs "
+                     "whole on every rank")
+    return notes
 
 
 def _valid_tp(analysis: Analysis, regions: list[RegionMatch]) -> list[int]:
@@ -263,6 +271,8 @@ def _communicated_shape(analysis: Analysis, operator: Operator, value: str) -> t
         node = analysis.nodes[value]
         stats = "4" if named_arg(node, "label_smoothing", 0.0) else "3"
         return (*_shape(analysis, node.args[1].name), stats)
+    if operator is Operator.RUNNING_STATS:  # the running mean and variance of every channel
+        return ("2", *_shape(analysis, analysis.nodes[value].args[3].name))
     return _shape(analysis, value)
 
 
@@ -325,7 +335,9 @@ def make_plan(captured: Captured, options: Options = Options(), machine: Machine
     search = analysis.regions(tp)
     regions = search.regions
     chosen = _chosen_whole(analysis, search.unmatched)
-    notes: list[str] = [_unmatched_note(analysis, nodes, why, chosen) for nodes, why in search.unmatched]
+    convolutions = {n for nodes, _ in search.unmatched for n in nodes if analysis.projections[n].spatial}
+    notes: list[str] = [_unmatched_note(analysis, nodes, why, chosen) for nodes, why in search.unmatched
+                        if not convolutions.issuperset(nodes) or chosen.keys() & set(nodes)]
     if captured.custom_functions:
         notes.append(f"the forward applies custom autograd Function(s) {', '.join(captured.custom_functions)}: "
                      "torch.export keeps their forward only, so training uses autograd's gradient of that forward, "
@@ -334,6 +346,14 @@ def make_plan(captured: Captured, options: Options = Options(), machine: Machine
     by_target: dict[str, Placement] = {}
     plan_regions: list[Region] = []
     sizes = cost_sizes(captured, options.batch, options.seq)
+    whys = {n: why for nodes, why in search.unmatched for n in nodes}
+    # Channels a CNN's width does not divide by tp (55 at tp=2) keep those convolutions whole, with a note; the
+    # transformer regions' sizes (heads, widths) are the user's to match, so tp is refused there.
+    uneven = [r for r in regions if r.violations and r.kind is RegionKind.CONVOLUTION]
+    for region in uneven:
+        v = region.violations[0]
+        whys |= dict.fromkeys((*region.columns, *region.rows), f"its {v.what} ({v.size}) do not divide by tp={tp}")
+    regions = [r for r in regions if not (r.violations and r.kind is RegionKind.CONVOLUTION)]
     for region in regions:
         if region.violations:
             raise _divisibility_error(analysis, region, tp, _valid_tp(analysis, regions))
@@ -354,7 +374,7 @@ def make_plan(captured: Captured, options: Options = Options(), machine: Machine
                          "each rank selects the heads it needs")
         plan_regions.append(Region(region.kind, tuple(analysis.layer(c) for c in region.columns),
                                    tuple(analysis.layer(r) for r in region.rows), kept))
-    notes += _whole_convolution_notes(analysis, by_target)
+    notes += _whole_convolution_notes(analysis, by_target, whys)
     vocab_placements, vocab_regions, vocab_kept = _vocab_placements(analysis, tp, notes, options, machine, sizes, by_target)
     by_target |= vocab_placements
     plan_regions = vocab_regions[:1] + plan_regions + vocab_regions[1:]

@@ -24,6 +24,7 @@ from autotp.errors import InputError
 from autotp.passes.placement import Shard, assemble, assemble_blocks, local_shard
 from autotp.passes.steps import Operator
 from autotp.rewrite.comm import Communicator
+from autotp.rewrite.running_stats import ChannelBatchNorm
 from autotp.rewrite.shards import local_value, runtime_segments
 
 
@@ -365,6 +366,7 @@ IMPLEMENTATIONS: dict[Operator, Callable[[Communicator, Shard | None], nn.Module
     Operator.SHARED_GRAD: lambda comm, shard: SharedGrad(comm, shard.replicas),
     Operator.REDUCE_SCATTER: lambda comm, shard: ReduceScatterToTP(comm, *split_args(shard)),
     Operator.GATHER_TO_REGION: lambda comm, shard: GatherToRegion(comm, *split_args(shard)),
+    Operator.RUNNING_STATS: lambda comm, shard: ChannelBatchNorm(comm, split_args(shard)[1]),
 }
 """Operator -> a factory of the module that runs it, given the communicator and (for gathers and slices)
 the split."""

@@ -67,7 +67,8 @@ class _Random(nn.Module):
 
 
 class Dropout(_Random):
-    """``dropout(x, p, train)`` (or ``native_dropout``): the full-size noise, this rank's slice applied."""
+    """``dropout(x, p, train)`` (or ``native_dropout``, or in place): the full-size noise, this rank's slice
+    applied."""
 
     def __init__(self, stream, layout, rank, tp, target, p: float, train: bool):
         super().__init__(stream, layout if not isinstance(layout, tuple) else layout[0], rank, tp)
@@ -81,6 +82,8 @@ class Dropout(_Random):
         with self.stream.drawing(x.device):
             # dropout(ones) is exactly the scaled noise dropout multiplies its input by.
             noise = aten.dropout.default(_full_like(x, self.layout, self.tp), self.p, True)
+        if self.target is aten.dropout_.default:  # in place, as the model wrote it: later readers of x see it
+            return x.mul_(self.local(noise))
         return x * self.local(noise)
 
     def _native(self, x):

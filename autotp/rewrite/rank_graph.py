@@ -202,6 +202,13 @@ class _Surgeon:
         if node.target is aten.addmm.default:
             bias = node.args[0]
             node.target, node.args = aten.mm.default, (node.args[1], node.args[2])
+        elif proj.bias is not None and proj.spatial:
+            # a convolution keeps its later arguments (stride, padding); its bias, per channel, is added across
+            # the spatial dims after the reduction
+            bias = node.args[2]
+            node.args = (*node.args[:2], None, *node.args[3:])
+            with self.graph.inserting_before(node):
+                bias = self.graph.call_function(aten.view.default, (bias, [-1] + [1] * proj.spatial))
         elif proj.bias is not None:
             bias = node.args[2]
             node.args = node.args[:2]
@@ -230,6 +237,8 @@ class _Surgeon:
                 self.embedding(node, self.analysis.embeddings[name].num_embeddings, reduction, shard)
             elif reduction is Operator.CROSS_ENTROPY:
                 self.replace(node, collective_module(reduction, self.comm))
+            elif reduction is Operator.RUNNING_STATS:
+                self.replace(node, collective_module(reduction, self.comm, shard))
             elif name in self.analysis.projections:
                 self.row(node, self.analysis.projections[name], reduction, shard)
             else:  # a sum or mean over a split dim, a parameter chunk several ranks hold

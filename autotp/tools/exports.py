@@ -13,7 +13,7 @@ vocab-split LM head           ``colwise_gather_output``    ``ColwiseParallel(out
 fused weight of 2 equal parts ``packed_colwise``           (none)
 ============================  ===========================  =================================================
 
-What does not: a fused weight of other parts (nanoGPT's QKV ``c_attn``: each rank needs a share of Q,
+What does not: convolutions split by channels, a fused weight of other parts (nanoGPT's QKV ``c_attn``: each rank needs a share of Q,
 of K and of V, but those styles cut contiguous blocks), weights stored transposed (HF's ``Conv1D``),
 bare parameters (``x @ W``), and K/V kept whole when tp does not divide the KV heads. The whole region
 (say, an attention) of such a module is then left out, so what is exported still computes the same
@@ -100,6 +100,9 @@ def _region_styles(plan: Plan, region: Region, target: Target) -> tuple[dict[str
     if region.kind is RegionKind.ROW:
         return {}, ("is split alone by its input features, reading a whole input it slices itself; these styles' "
                     "rowwise expects an input that is already split")
+    if region.kind is RegionKind.CONVOLUTION:
+        return {}, ("splits convolutions by channels (and the norms between them), which these styles, made for "
+                    "nn.Linear and nn.Embedding, cannot express")
     if region.replicated:
         return {}, (f"tp={plan.tp} does not divide the KV heads, so autotp keeps {', '.join(region.replicated)} "
                     "whole and each rank slices its heads; these styles cannot express that")

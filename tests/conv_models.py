@@ -1,0 +1,85 @@
+"""Tiny convolutional models of the structures autotp splits by channels: a ResNet bottleneck (batch norm in
+training), a MobileNet-v2 inverted residual (a depthwise convolution in the middle), a Whisper-style conv1d front
+end, and a token model made of them for the gloo structure tests."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+
+class Bottleneck(nn.Module):
+    """ResNet's bottleneck: 1x1 down, 3x3, 1x1 up, each followed by batch norm, and the residual add."""
+
+    def __init__(self, channels: int = 32, mid: int = 16):
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(channels, mid, 1, bias=False), nn.BatchNorm2d(mid)
+        self.conv2, self.bn2 = nn.Conv2d(mid, mid, 3, padding=1, bias=False), nn.BatchNorm2d(mid)
+        self.conv3, self.bn3 = nn.Conv2d(mid, channels, 1, bias=False), nn.BatchNorm2d(channels)
+
+    def forward(self, x):
+        y = F.relu(self.bn1(self.conv1(x)))
+        y = F.relu(self.bn2(self.conv2(y)))
+        return F.relu(x + self.bn3(self.conv3(y)))
+
+
+class InvertedResidual(nn.Module):
+    """MobileNet-v2's block: a 1x1 expansion, a depthwise 3x3 (one group per channel), a 1x1 projection, with
+    batch norms, ReLU6 (hardswish after the depthwise, as v3 has it) and the residual add; then average pooling
+    and a classifier."""
+
+    def __init__(self, channels: int = 16, expand: int = 4, classes: int = 10):
+        super().__init__()
+        wide = channels * expand
+        self.expand, self.bn1 = nn.Conv2d(channels, wide, 1, bias=False), nn.BatchNorm2d(wide)
+        self.depthwise = nn.Conv2d(wide, wide, 3, padding=1, groups=wide, bias=False)
+        self.bn2 = nn.BatchNorm2d(wide)
+        self.project, self.bn3 = nn.Conv2d(wide, channels, 1, bias=False), nn.BatchNorm2d(channels)
+        self.head = nn.Linear(channels, classes)
+
+    def forward(self, x):
+        y = F.relu6(self.bn1(self.expand(x)))
+        y = F.hardswish(self.bn2(self.depthwise(y)))  # MobileNet-v3's activation
+        x = x + self.bn3(self.project(y))
+        return self.head(F.adaptive_avg_pool2d(x, 1).flatten(1))
+
+
+class SpeechFrontEnd(nn.Module):
+    """Whisper's encoder front end: conv1d (k=3) and a strided conv1d (k=3, stride 2), each with a bias and GELU,
+    then positions added and an MLP over the frames."""
+
+    def __init__(self, mels: int = 8, dim: int = 32, frames: int = 16):
+        super().__init__()
+        self.conv1 = nn.Conv1d(mels, dim, 3, padding=1)
+        self.conv2 = nn.Conv1d(dim, dim, 3, stride=2, padding=1)
+        self.positions = nn.Parameter(torch.randn(frames // 2, dim) * 0.02)
+        self.up, self.down = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+
+    def forward(self, features):
+        x = F.gelu(self.conv2(F.gelu(self.conv1(features)))).transpose(1, 2) + self.positions
+        return x + self.down(F.gelu(self.up(x)))
+
+
+class ConvLM(nn.Module):
+    """Token ids through a conv1d pair, a bottleneck and an inverted residual over the positions (as a
+    ``[B, D, T, 1]`` image), then a head: every channel structure trained on gloo ranks, at any length."""
+
+    def __init__(self, vocab: int, dim: int = 32):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.conv1, self.conv2 = nn.Conv1d(dim, 2 * dim, 3, padding=1), nn.Conv1d(2 * dim, dim, 3, padding=1)
+        self.block = Bottleneck(dim, dim // 2)
+        wide = 2 * dim
+        self.expand, self.bn = nn.Conv2d(dim, wide, 1), nn.BatchNorm2d(wide)
+        self.depthwise = nn.Conv2d(wide, wide, (3, 1), padding=(1, 0), groups=wide)
+        self.norm, self.project = nn.GroupNorm(4, wide), nn.Conv2d(wide, dim, 1)
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, ids):
+        x = self.embed(ids).transpose(1, 2)
+        x = x + self.conv2(F.gelu(self.conv1(x)))
+        x = self.block(x.unsqueeze(-1))
+        y = F.relu6(self.norm(self.depthwise(F.relu6(self.bn(self.expand(x))))))
+        x = x + self.project(y)
+        return self.head(x.squeeze(-1).transpose(1, 2))
