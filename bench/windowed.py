@@ -44,7 +44,7 @@ torch.set_num_threads(1)
 from autotp.checker import check_prepared, prepare
 from autotp.options import Options
 from autotp.planning import make_plan
-from autotp.passes.regions import RegionKind
+from autotp.passes.region_match import RegionKind
 name, tp, vit, text, relative = sys.argv[1], int(sys.argv[2]), *map(json.loads, sys.argv[3:6])
 torch.manual_seed(0)
 if name == "vit-matched":

@@ -14,7 +14,7 @@ from autotp.passes.projections import (
 )
 from autotp.passes.propagate import propagate
 from autotp.passes.propagation import Propagation
-from autotp.passes.regions import RegionKind
+from autotp.passes.region_match import RegionKind
 from autotp.passes.steps import COMMUNICATION, CollectiveOp, Direction, Operator, Step
 
 __all__ = ["COMMUNICATION", "Analysis", "CollectiveOp", "Direction", "Embedding", "Operator", "PlacementKind",

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from collections.abc import Container
 from dataclasses import dataclass
-from enum import Enum
 
 import torch
 from autotp.passes.dead_ends import DeadEndWatch, Unexplained, shared_from
@@ -20,61 +19,13 @@ from autotp.passes.origins import Ancestors, SourceGraph, repeated, trace
 from autotp.passes.placement import Shard
 from autotp.passes.projections import Projection, packed_by_weight, packed_segments
 from autotp.passes.propagate import GraphIndex, propagate
-from autotp.passes.propagation import Propagation, Violation
+from autotp.passes.propagation import Propagation
+from autotp.passes.region_match import RegionKind, RegionMatch
 from autotp.passes.steps import Operator
 from torch import fx
 
 aten = torch.ops.aten
 _ATTENTION_OPS = {aten.scaled_dot_product_attention.default, aten.softmax.int, aten._softmax.default}
-
-
-class RegionKind(str, Enum):
-    """What a block of layers sharded together is, told from the graph's structure."""
-
-    ATTENTION = "attention"
-    """Split outputs meet attention ops (SDPA, a softmax of QKᵀ)."""
-    GATED_MLP = "gated_mlp"
-    """Two split branches from different projections are multiplied (SwiGLU)."""
-    MLP = "mlp"
-    """Any other column→row region."""
-    ROW = "row"
-    """A lone projection between whole values, split by its input features: its input sliced (an all-gather of
-    the gradient backward), its output all-reduced (Megatron's ``RowParallelLinear(input_is_parallel=False)``)."""
-    CONVOLUTION = "convolution"
-    """Convolutions split by channels (dim 1 of ``N, C, ...``): dense ones column- then row-split, the norms,
-    grouped convolutions and pooling between them per channel."""
-    EMBEDDING = "embedding"
-    """The vocabulary-split token embedding."""
-    LM_HEAD = "lm_head"
-    """The vocabulary-split output projection."""
-
-
-@dataclass(frozen=True)
-class RegionMatch:
-    """A closed column→row region found in the graph."""
-
-    kind: RegionKind
-    columns: tuple[str, ...]
-    """Column-split projection nodes."""
-    rows: tuple[str, ...]
-    """Row-split projection nodes."""
-    segments: tuple[tuple[int, ...], ...]
-    """Fused segments of each column projection (empty tuple: plain)."""
-    replicated: tuple[str, ...] = ()
-    """Projections of the region kept whole (K/V when tp does not divide the KV heads)."""
-    params: tuple[tuple[str, Shard], ...] = ()
-    """Other parameters split with the region (a bias added by hand after ``x @ W``): target, layout."""
-    violations: tuple[Violation, ...] = ()
-    """Sizes that do not divide by tp (the region cannot be split at this tp)."""
-    sizes: tuple[int, ...] = ()
-    """Every size the split must divide; their common divisors are the valid tp values."""
-    why: str = ""
-    """For a lone row: why its projection closes no column→row region."""
-    shared: tuple[tuple[str, int], ...] = ()
-    """Column projections whose chunks several ranks hold, with how many (K/V when tp exceeds the KV heads)."""
-    row_segments: tuple[tuple[int, ...], ...] = ()
-    """Fused segments of each row projection's input features (empty tuple: plain): parts concatenated before
-    it, each split on its own (a single-stream block's attention heads beside its MLP channels)."""
 
 
 def _sibling_groups(projections: dict[str, Projection], skip: set[str]) -> list[list[Projection]]:

@@ -104,7 +104,7 @@ def test_transformers_tiny_resnet_is_exact(resnet, tp):
 
 
 def test_convolution_regions_are_named_so_and_not_exported_as_linear_styles():
-    from autotp.passes.regions import RegionKind
+    from autotp.passes.region_match import RegionKind
     from autotp.tools.exports import to_hf_tp_plan
 
     torch.manual_seed(0)

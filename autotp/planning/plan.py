@@ -17,7 +17,7 @@ import sympy
 from autotp.errors import InputError, PlanError
 from autotp.options import Balance, Options
 from autotp.passes.placement import Placement, PlacementKind
-from autotp.passes.regions import RegionKind
+from autotp.passes.region_match import RegionKind
 from autotp.passes.steps import CollectiveOp, Direction, Operator
 from autotp.planning.layout_cost import Prediction
 from autotp.planning.plan_file import check_plan_data

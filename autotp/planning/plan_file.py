@@ -14,7 +14,7 @@ from enum import Enum
 from autotp.errors import InputError
 from autotp.options import Balance, DataParallelMode, Options, Recompute, Schedule
 from autotp.passes.placement import PlacementKind
-from autotp.passes.regions import RegionKind
+from autotp.passes.region_match import RegionKind
 from autotp.passes.steps import CollectiveOp, Direction, Operator
 from autotp.planning.shape_expr import ShapeSyntaxError, parse_size
 

@@ -21,7 +21,7 @@ from autotp.passes.placement import REPLICATED, Placement, PlacementKind
 from autotp.passes.projections import packed_by_weight, packed_segments
 from autotp.passes.propagation import Propagation
 from autotp.passes.random_ops import random_refusal
-from autotp.passes.regions import RegionKind, RegionMatch
+from autotp.passes.region_match import RegionKind, RegionMatch
 from autotp.passes.steps import COMMUNICATION, Direction, Operator, fused
 from autotp.planning.consistency import check_biases_follow_weights
 from autotp.planning.plan import Collective, Plan, Region, check_schedule_fits, region_contradictions

@@ -25,7 +25,7 @@ import torch
 from autotp.passes.analysis import Analysis
 from autotp.passes.costs import evaluate, node_cost
 from autotp.passes.graph import sizes
-from autotp.passes.regions import RegionKind, RegionMatch
+from autotp.passes.region_match import RegionKind, RegionMatch
 
 TRAINING_COPIES = 4
 """Bytes per parameter byte while training with AdamW: the parameter, its gradient and two moments."""

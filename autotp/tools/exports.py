@@ -27,7 +27,7 @@ from enum import Enum
 
 from autotp.errors import PlanError
 from autotp.names import block_pattern, within
-from autotp.passes.regions import RegionKind
+from autotp.passes.region_match import RegionKind
 from autotp.planning import PlacementKind, Plan, Region
 from autotp.tools.report import module_params
 
