@@ -12,6 +12,8 @@ from autotp.checker import build_ranks
 from autotp.options import Options, Recompute
 from autotp.planning import make_plan
 from autotp.planning.recompute_cost import RecomputeCost, plan_recompute_cost
+from autotp.rewrite.recompute import Recomputed
+from autotp.rewrite.streams import RankStream
 from bench.memory import SavedActivations
 from examples.gpt import build_gpt
 from tests import models, recompute_workers
@@ -54,6 +56,50 @@ def test_checker_finds_recompute_exact_with_dropout():
     model = build_gpt(n_layer=2, dropout=0.2).train()
     report = autotp.check(model, tp=2, example_inputs=(models.tokens(2, 16, 1),), recompute="blocks")
     assert report.exact, report
+
+
+
+class _SeesTheGenerator(torch.nn.Module):
+    """Records the process-wide generator's state each time it runs (a leaf of the traced block)."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def forward(self, x):
+        self.seen.append(torch.get_rng_state())
+        return x * 2
+
+
+class _LeafTracer(torch.fx.Tracer):
+    def is_leaf_module(self, m, name):
+        return isinstance(m, _SeesTheGenerator) or super().is_leaf_module(m, name)
+
+
+class _Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.sees = _SeesTheGenerator()
+
+    def forward(self, x):
+        return self.sees(x).sin()
+
+
+def test_a_recomputed_block_with_a_stream_leaves_the_process_generator_alone():
+    """With a rank stream the stream replays the masks, so the recompute must not set torch's process-wide
+    generator (checkpoint's own restore of it is unlocked, and races the stream's swaps when the checker runs
+    ranks as threads). The block's recompute sees the generator as it stands, not as it stood in forward."""
+    block = _Block()
+    traced = torch.fx.GraphModule(block, _LeafTracer().trace(block))
+    x = torch.randn(4, requires_grad=True)
+    torch.manual_seed(1)
+    out = Recomputed(traced, RankStream(0))(x)
+    torch.manual_seed(2)
+    now = torch.get_rng_state()
+    out.sum().backward()
+    forward, recompute = block.sees.seen[-2:]
+    assert not torch.equal(forward, now) and torch.equal(recompute, now)
+    assert torch.equal(x.grad, 2 * torch.cos(2 * x.detach()))
 
 
 def _saved_bytes(gm, x) -> int:

@@ -249,7 +249,12 @@ def test_composite_configs_build_their_causal_lm():
 
     from autotp.tools.tiny import MAX_PARAMS
 
-    for entry in zoo.entries({"llama4", "dbrx", "lfm2_moe", "gemma3n"}):
+    import importlib.util
+
+    names = {"llama4", "dbrx", "lfm2_moe"}
+    if importlib.util.find_spec("timm") is not None:  # Gemma 3n's tower is timm's: not in the test install
+        names.add("gemma3n")
+    for entry in zoo.entries(names):
         model = entry.build()
         assert sum(p.numel() for p in model.parameters()) < MAX_PARAMS, entry.name
         with torch.no_grad():
