@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from autotp.capture.kv_cache import output_cache
 from bench import ranks
 
 RESULTS = Path(__file__).parent / "results" / "generation.json"
@@ -143,7 +144,7 @@ def paired(rank: int, world: int, args) -> dict:
         with torch.inference_mode():
             out = model.generate(_prompts(1, args.prompt), max_new_tokens=args.new, do_sample=False,
                                  return_dict_in_generate=True)
-        found["single_cache_bytes"] = sum(t.numel() * t.element_size() for layer in out.past_key_values.layers
+        found["single_cache_bytes"] = sum(t.numel() * t.element_size() for layer in output_cache(out).layers
                                           for t in (layer.keys, layer.values))
     # This rank's split of a cache as long as the one the single process held after the same generation (its
     # last token is never written).

@@ -200,10 +200,13 @@ def trace(g: SourceGraph, node: fx.Node, shard: Shard, upstream: Container[str],
     them would change the region's own input, so a trace reaching one fails."""
     if node.name not in g.grad:
         return Sources()  # no gradient reaches it: slicing it is free
+    if node.op == "get_attr":
+        # before the upstream test: a parameter an earlier block also reads (a looped block's per-channel scale) is
+        # upstream through that use, yet splitting it changes no value by itself; the propagation from the split
+        # parameter judges the earlier use, as it judges every other
+        return Sources(params={node.target: shard}) if node.target in g.trainable else None
     if node.name in upstream:
         return None
-    if node.op == "get_attr":
-        return Sources(params={node.target: shard}) if node.target in g.trainable else None
     proj = g.projections.get(node.name)
     if proj is not None:
         return Sources(projections={node.name: proj}) if shard.dim == rank(node) + proj.out_axis else None

@@ -156,8 +156,40 @@ def test_recurrent_cache_layers_and_no_cache_re_run_and_say_why():
             return input_ids
 
     assert "linear_attention" in why_no_cache(Hybrid()) and "re-runs" in why_no_cache(Hybrid())
-    assert "takes no past_key_values" in why_no_cache(generation_workers.build_gpt())
+    assert "takes no cache" in why_no_cache(generation_workers.build_gpt())
     assert why_no_cache(generation_workers._small("llama", 2)) == ""
+
+
+def test_the_cache_is_found_by_either_name_in_the_signature_and_the_output():
+    """transformers 5.24 renamed the decoders' past_key_values keyword and output field to cache: both are read
+    from the forward's signature and the output's fields (no version check)."""
+    from autotp.capture.examples import Signature
+    from autotp.capture.kv_cache import cache_keyword, output_cache, why_no_cache
+
+    class New(torch.nn.Module):
+        def forward(self, input_ids, position_ids=None, cache=None):
+            return input_ids
+
+    class Old(torch.nn.Module):
+        def forward(self, input_ids, position_ids=None, past_key_values=None):
+            return input_ids
+
+    class Neither(torch.nn.Module):
+        def forward(self, input_ids, position_ids=None, state=None):
+            return input_ids
+
+    assert cache_keyword(Signature.of(New())) == "cache"
+    assert cache_keyword(Signature.of(Old())) == "past_key_values"
+    assert cache_keyword(Signature.of(Neither())) is None
+    assert "takes no cache" in why_no_cache(Neither())
+    held = object()
+    assert output_cache({"logits": 0, "cache": held}) is held
+    assert output_cache({"logits": 0, "past_key_values": held}) is held
+    assert output_cache({"logits": 0}) is None
+    # the installed transformers' own decoder: whichever name it uses, its cache is found and sized
+    model = generation_workers._small("llama", 2)
+    assert cache_keyword(Signature.of(model)) in ("cache", "past_key_values")
+    assert output_cache(model(input_ids=torch.zeros(1, 2, dtype=torch.long), use_cache=True)) is not None
 
 
 def test_the_parallel_module_keeps_no_copy_of_the_users_weights():

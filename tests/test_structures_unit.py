@@ -342,6 +342,28 @@ def test_weight_on_the_left_is_found_as_a_left_projection():
     assert (left[0].out_dim, left[0].in_features, left[0].out_features) == (0, 4, 32)
 
 
+class LoopedScaled(nn.Module):
+    """One MLP block run twice (a looped, recurrent-depth stack), its up projection scaled per channel by a
+    parameter times a constant (nGPT's ``suv``): the scale is read by the first run too, so it lies upstream of
+    the second, yet splitting it with the projection keeps both runs exact."""
+
+    def __init__(self, inner=32):
+        super().__init__()
+        self.up = nn.Linear(D, inner, bias=False)
+        self.scale = nn.Parameter(torch.rand(inner) + 0.5)
+        self.down = nn.Linear(inner, D, bias=False)
+
+    def forward(self, x):
+        for _ in range(2):
+            x = x + self.down(F.silu(self.up(x) * (self.scale * 3.0)))
+        return x
+
+
+def test_a_looped_block_splits_its_scaled_per_channel_parameter():
+    report = _check(_model(LoopedScaled), _x(B, T, D))
+    _split(report, "up.weight", "scale", "down.weight")
+
+
 # 11. Negative: a column split that cannot be exact is refused; each projection is then split alone, by its
 # input features (its input sliced, its output all-reduced), which is exact.
 

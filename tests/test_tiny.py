@@ -17,6 +17,18 @@ def test_per_layer_lists_follow_the_layer_count_and_keep_each_kind():
     assert set(config.attention_layers) == {"global", "local"}
 
 
+def test_a_stack_of_sections_keeps_a_layer_in_each():
+    """Dory's sections (run once, looped, run once) must sum to the depth: shrinking the depth alone left counts
+    of 4, -7 and 4 over one layer (transformers 5.24 added it)."""
+    import transformers
+
+    if "dory" not in transformers.CONFIG_MAPPING:
+        pytest.skip("this transformers has no dory (5.24 added it)")
+    config = tiny_config("dory")
+    sections = (config.n_input_layers, config.n_recurrent_layers, config.n_output_layers)
+    assert sections == (1, 1, 1) and sum(sections) == config.num_hidden_layers == len(config.layer_types)
+
+
 def test_sub_configs_of_a_multimodal_model_shrink_too():
     config = tiny_config("gemma3")
     text, vision = config.text_config, config.vision_config

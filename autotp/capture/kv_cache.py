@@ -27,6 +27,10 @@ from autotp.errors import CaptureError
 #: Layer kinds whose cache is a plain key/value store readable under a position mask (transformers' names).
 _SUPPORTED_LAYERS = ("full_attention", "sliding_attention")
 
+#: The forward keyword a decoder takes its cache by, newest first (transformers 5.24 renamed past_key_values to
+#: cache, and its outputs' attribute likewise): read from each model's signature, never from a version number.
+CACHE_NAMES = ("cache", "past_key_values")
+
 PREFILL_EXAMPLE = (2, 5, 11)
 """Batch, prompt length and cache length the prefill graph is captured with (distinct, so none is specialised)."""
 
@@ -54,6 +58,18 @@ class CacheShape:
             for dim in (layer.key_dim, layer.value_dim):
                 out.append(torch.zeros(batch, layer.heads, length, dim, dtype=layer.dtype, device=device))
         return out
+
+
+def cache_keyword(signature: Signature) -> str | None:
+    """The keyword ``signature``'s forward takes a KV cache by (``cache`` or ``past_key_values``); None if neither."""
+    return next((name for name in CACHE_NAMES if name in signature.keywords), None)
+
+
+def output_cache(out):
+    """The cache a model's output returns (its ``cache`` or ``past_key_values`` field); None if it has neither.
+    Read as fields, not attributes: 5.24's outputs keep ``past_key_values`` as a property that warns."""
+    fields = out.keys() if hasattr(out, "keys") else ()
+    return next((out[name] for name in CACHE_NAMES if name in fields), None)
 
 
 def _cache_classes():
@@ -110,14 +126,15 @@ class CachedStep(nn.Module):
             self.register_buffer(name, b)
         object.__setattr__(self, "_target", model)
         self.sliding = sliding
-        self.keep_last = "logits_to_keep" in Signature.of(model).keywords
+        signature = Signature.of(model)
+        self.keep_last = "logits_to_keep" in signature.keywords
+        self.cache_keyword = cache_keyword(signature)
 
     def forward(self, *inputs):
         ids, mask, positions, offset, *keys_values = inputs
         extra = {"logits_to_keep": 1} if self.keep_last else {}
-        out = self._target(input_ids=ids, attention_mask=mask, position_ids=positions,
-                           past_key_values=_tensor_cache(tuple(keys_values), offset, self.sliding), use_cache=True,
-                           **extra)
+        extra[self.cache_keyword] = _tensor_cache(tuple(keys_values), offset, self.sliding)
+        out = self._target(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, **extra)
         logits = out.logits if hasattr(out, "logits") else out[0]
         return logits[:, -1:]
 
@@ -125,10 +142,10 @@ class CachedStep(nn.Module):
 def why_no_cache(model: nn.Module) -> str:
     """'' when ``model`` can be captured with a tensor cache; else why not (a plan note: generation re-runs)."""
     signature = Signature.of(model)
-    if "past_key_values" not in signature.keywords or "position_ids" not in signature.keywords:
-        return (f"{type(model).__name__}.forward takes no past_key_values/position_ids (no KV cache): generate "
-                "re-runs the whole sequence for every token; add a cache (as transformers' decoders take "
-                "past_key_values) to decode at a cost independent of the position")
+    if cache_keyword(signature) is None or "position_ids" not in signature.keywords:
+        return (f"{type(model).__name__}.forward takes no cache (or past_key_values) and position_ids (no KV "
+                "cache): generate re-runs the whole sequence for every token; add a cache (as transformers' "
+                "decoders take one) to decode at a cost independent of the position")
     config = getattr(model, "config", None)
     try:
         from transformers.cache_utils import get_layer_types_and_kwargs
@@ -179,8 +196,12 @@ def cache_shape(model: nn.Module) -> CacheShape:
         first = (str(e).strip().splitlines() or [""])[0]
         raise CaptureError(f"{type(model).__name__} did not run one token with its own cache on {device} to size "
                            f"the cache ({type(e).__name__}: {first})") from e
+    cache = output_cache(out)
+    if cache is None or not hasattr(cache, "layers"):
+        raise CaptureError(f"{type(model).__name__} ran one token with use_cache=True but returned no cache of "
+                           f"layers (its output has {', '.join(out.keys()) if hasattr(out, 'keys') else type(out)})")
     layers = []
-    for layer in out.past_key_values.layers:
+    for layer in cache.layers:
         k, v = layer.keys, layer.values
         layers.append(LayerCache(int(k.shape[1]), int(k.shape[-1]), int(v.shape[-1]), k.dtype))
     return CacheShape(tuple(layers))

@@ -50,5 +50,10 @@ TYPE_OVERRIDES = {
     # its default text config fails its own validation (per-layer inputs and MoE must be off)
     "gemma4_assistant": {"text_config": {"hidden_size_per_layer_input": 0, "vocab_size_per_layer_input": 0,
                                          "enable_moe_block": False, "use_double_wide_mlp": False}},
+    # its stack is three sections (layers run once, layers looped n_recurrent_loops times, layers run once) whose
+    # counts must sum to the depth, and its config counts an attention block and an MLP block as two layers (halved
+    # on loading): one layer per section, so the looped section exists and is looped
+    "dory": {"num_hidden_layers": 6, "n_input_layers": 2, "n_recurrent_layers": 2, "n_output_layers": 2,
+             "layer_types": ["sliding_attention", "mlp", "sliding_attention", "mlp", "full_attention", "mlp"]},
 }
 """Sizes that one architecture ties together in a way no general rule reads (its validation says which)."""
