@@ -62,14 +62,14 @@ def test_heads_repeat_only_along_the_new_dimension():
     assert torch.equal(grouped_attention(q, k, v, sizes, sizes), F.scaled_dot_product_attention(q, *rep))
 
 
-def test_tensor_parallel_modules_lose_their_autograd_functions():
+def test_tensor_parallel_modules_lose_their_autograd_functions_and_tensors_are_read_directly():
     root = nn.Module()
     comm = Doubling()
     root.f, root.g, root.column = CopyToTP(comm), ReduceFromTP(comm), OverlappedColumnLinear(comm)
-    root.weight = nn.Parameter(torch.randn(6, 4))
+    root.inner = nn.Linear(4, 6, bias=False)
     graph = fx.Graph()
     x = graph.placeholder("x")
-    y = graph.call_module("column", (graph.call_module("f", (x,)), graph.get_attr("weight")))
+    y = graph.call_module("column", (graph.call_module("f", (x,)), graph.get_attr("inner.weight")))
     graph.output(graph.call_module("g", (y,)))
     gm = fx.GraphModule(root, graph)
     x = torch.randn(2, 4)
@@ -79,4 +79,6 @@ def test_tensor_parallel_modules_lose_their_autograd_functions():
         got = gm(x)
     assert [n.target for n in gm.graph.nodes if n.op == "call_module"] == ["g"] and type(gm.g) is AllReduce
     assert len(_calls(gm, linear)) == 1
+    read = [n.target for n in gm.graph.nodes if n.op == "get_attr"]
+    assert len(read) == 1 and "." not in read[0] and getattr(gm, read[0]) is root.inner.weight  # no copy
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
