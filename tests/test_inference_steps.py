@@ -60,6 +60,12 @@ def test_heads_repeat_only_along_the_new_dimension():
     sizes = ([3, 2, 4, 5, 8], [3, 8, 5, 8])
     rep = k.unsqueeze(2).expand(*sizes[0]).reshape(sizes[1]), v.unsqueeze(2).expand(*sizes[0]).reshape(sizes[1])
     assert torch.equal(grouped_attention(q, k, v, sizes, sizes), F.scaled_dot_product_attention(q, *rep))
+    k, v = torch.randn(3, 2, 5, 8), torch.randn(3, 2, 5, 8)
+    rep = k.unsqueeze(2).expand(*sizes[0]).reshape(sizes[1]), v.unsqueeze(2).expand(*sizes[0]).reshape(sizes[1])
+    with torch.profiler.profile() as prof:
+        got = grouped_attention(q, k, v, sizes, sizes)
+    assert "aten::expand" not in {e.name for e in prof.events()}  # the heads were not repeated
+    assert torch.equal(got, F.scaled_dot_product_attention(q, *rep))
 
 
 def test_tensor_parallel_modules_lose_their_autograd_functions_and_tensors_are_read_directly():

@@ -58,8 +58,12 @@ def _repeats_heads(kv: torch.Tensor, expanded: list, merged: list) -> bool:
 def grouped_attention(query, key, value, key_sizes, value_sizes, *args, **kwargs):
     """``scaled_dot_product_attention(query, repeat(key), repeat(value), ...)``, where ``repeat`` is ``unsqueeze(2)``,
     ``expand`` to the given ``(expanded, merged)`` sizes and ``reshape``: with ``enable_gqa`` when those repeat each
-    head for a group of query heads (checked at run time: the sizes are symbolic in the graph), else as written."""
-    if _repeats_heads(key, *key_sizes) and _repeats_heads(value, *value_sizes) and key_sizes[0][2] == value_sizes[0][2]:
+    head for a group of query heads (checked at run time: the sizes are symbolic in the graph) on the CPU (where
+    the kernel was measured to give the same bits), else as written."""
+    group = key_sizes[0][2]
+    if (query.is_cpu and query.dim() == 4 and _repeats_heads(key, *key_sizes) and _repeats_heads(value, *value_sizes)
+            and value_sizes[0][2] == group and value.shape[1] == key.shape[1]
+            and query.shape[1] == key.shape[1] * group):
         return aten.scaled_dot_product_attention.default(query, key, value, *args, enable_gqa=True, **kwargs)
     key, value = (t.unsqueeze(2).expand(e).reshape(m) for t, (e, m) in ((key, key_sizes), (value, value_sizes)))
     return aten.scaled_dot_product_attention.default(query, key, value, *args, **kwargs)
