@@ -26,6 +26,7 @@ from autotp.passes.placement import Shard
 from autotp.planning.plan import Plan
 from autotp.rewrite.comm import Communicator
 from autotp.rewrite.graph_edit import set_tensor
+from autotp.rewrite.inference_steps import inference_step
 from autotp.rewrite.lean_steps import lean_step
 from autotp.rewrite.rank_graph import build_graph
 
@@ -91,7 +92,7 @@ def build_cache_steps(model: nn.Module, plan: Plan, rank: int, comm: Communicato
             raise InternalError(f"the {kind} step takes {len(inputs)} cache tensors, the decode step {len(names)}")
         gm = build_step_graph(captured, plan, rank, comm, dict(zip(inputs, layouts)))
         share_tensors(gm, captured, tensors)
-        steps[kind] = lean_step(gm, casts_hold)
+        steps[kind] = inference_step(lean_step(gm, casts_hold))
     return CacheSteps(shape, layouts, steps)
 
 

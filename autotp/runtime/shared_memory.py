@@ -55,6 +55,8 @@ SPIN_SECONDS = 2e-3
 machine, batch 1 decode: 1.29x one process against 1.24x with ``SHORT_SPIN_SECONDS``)."""
 SHORT_SPIN_SECONDS = 1e-4
 """How long it polls on a host with fewer cores than processes."""
+_KEPT_VIEWS = 64
+"""Slot views kept per communicator (by bank, dtype and shape); a prefill's shapes vary with the prompt."""
 
 
 def spin_seconds(processes: int) -> float:
@@ -89,6 +91,7 @@ class SharedMemoryComm:
         self._slots = torch.frombuffer(self._map, dtype=torch.uint8, offset=size * _LINE).view(2, size, SLOT_BYTES)
         self._wake = os.open(_pipe(folder, rank), os.O_RDONLY | os.O_NONBLOCK)
         self._peers: list[int] = []
+        self._views: dict = {}
 
     def connect(self) -> None:
         """Open the peers' pipes for writing (once every rank has opened its own for reading)."""
@@ -98,9 +101,30 @@ class SharedMemoryComm:
     def _exchange(self, data: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's ``data`` (flat bytes, at most ``SLOT_BYTES``), as views of the shared slots: read them before
         this rank's next collective."""
-        self.count += 1
-        bank = self._slots[self.count % 2]
+        bank = self._slots[(self.count + 1) % 2]
         bank[self.rank, :data.numel()].copy_(data)
+        self._arrive()
+        return [bank[r, :data.numel()] for r in range(self.size)]
+
+    def _slot_views(self, x: torch.Tensor) -> list[torch.Tensor] | None:
+        """Every rank's slot of the next collective, as views of ``x``'s dtype and shape (kept: a decode step makes
+        the same few collectives every token, and building views is most of a small one's cost); None for a value
+        larger than a slot."""
+        key = ((self.count + 1) % 2, x.dtype, x.shape)
+        views = self._views.get(key)
+        if views is None:
+            nbytes = x.numel() * x.element_size()
+            if nbytes > SLOT_BYTES:
+                return None
+            if len(self._views) >= _KEPT_VIEWS:
+                self._views.clear()
+            views = self._views[key] = [self._slots[key[0], r, :nbytes].view(x.dtype).view(x.shape)
+                                        for r in range(self.size)]
+        return views
+
+    def _arrive(self) -> None:
+        """Announce this rank's value of the next collective (written into its slot) and wait for every peer's."""
+        self.count += 1
         self._counters[self.rank] = self.count  # after the slot: a peer that sees the count sees the value
         for fd in self._peers:
             try:
@@ -111,7 +135,6 @@ class SharedMemoryComm:
                 raise RankFailure(f"rank {self.rank}: a peer of a collective over shared memory closed its end "
                                   f"({e}): another rank stopped (look for its own error above)") from e
         self._wait(self.count)
-        return [bank[r, :data.numel()] for r in range(self.size)]
 
     def _wait(self, count: int) -> None:
         start = time.perf_counter()
@@ -148,18 +171,24 @@ class SharedMemoryComm:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of ``x`` over the ranks, added in rank order on every rank (the same bits everywhere)."""
         self._check_open()
+        views = self._slot_views(x)
+        if views is not None:
+            views[self.rank].copy_(x)
+            self._arrive()
+            return _sum_in_order(views)
         out = []
         for piece in self._pieces(x):
-            parts = [p.view(x.dtype) for p in self._exchange(piece)]
-            total = parts[0].clone()
-            for p in parts[1:]:
-                total += p
-            out.append(total)
+            out.append(_sum_in_order([p.view(x.dtype) for p in self._exchange(piece)]))
         return torch.cat(out).view(x.shape) if len(out) > 1 else out[0].view(x.shape)
 
     def all_gather(self, x: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's ``x``, in rank order."""
         self._check_open()
+        views = self._slot_views(x)
+        if views is not None:
+            views[self.rank].copy_(x)
+            self._arrive()
+            return [v.clone() for v in views]
         gathered: list[list[torch.Tensor]] = [[] for _ in range(self.size)]
         for piece in self._pieces(x):
             for r, p in enumerate(self._exchange(piece)):
@@ -183,12 +212,21 @@ class SharedMemoryComm:
     def close(self) -> None:
         """Unmap the shared file (a later collective raises ``RankFailure``)."""
         self.closed = True
+        self._views = {}
         self._counters = None
         self._slots = None
         self._map.close()
         for fd in (self._wake, *self._peers):
             os.close(fd)
         self._peers = []
+
+
+def _sum_in_order(parts: list[torch.Tensor]) -> torch.Tensor:
+    """``parts[0] + parts[1] + ...``, added left to right (a new tensor)."""
+    total = parts[0] + parts[1] if len(parts) > 1 else parts[0].clone()
+    for p in parts[2:]:
+        total += p
+    return total
 
 
 def _file_bytes(size: int) -> int:
