@@ -17,6 +17,7 @@ Megatron's regions does: kept whole by choice, with that reason (``Opening.why``
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -24,18 +25,12 @@ import torch
 from autotp.passes.graph import sizes
 from autotp.passes.placement import Shard
 from autotp.passes.projections import CONVOLUTIONS, conv_groups
-from autotp.passes.propagate import propagate
 from autotp.passes.propagation import Propagation
 from autotp.passes.region_match import RegionKind, RegionMatch
 from autotp.passes.steps import Operator
 from torch import fx
 
 aten = torch.ops.aten
-
-_REFINEMENTS = 8
-"""How many times an opening's propagation is run again with the parameters it learnt to split (its norms'
-weights, the next grouped convolution's)."""
-
 
 @dataclass(frozen=True)
 class Opening:
@@ -57,24 +52,16 @@ def grouped_convolutions(graph: fx.Graph) -> list[fx.Node]:
 
 def try_opening(finder, conv: fx.Node, claimed: set[str]) -> Opening:
     """``conv`` (a grouped convolution reading a whole value) split by its output channels, with what that split
-    reaches learnt as the region search learns a column's (``_RegionFinder.attempt``): the region it opens, or why
+    reaches learnt as the region search learns a column's (``_RegionFinder.attempt``: the parameters it meets, the
+    projections whose whole outputs it would slice, a squeeze-and-excitation gate's): the region it opens, or why
     none. ``claimed``: projections other regions split already (a split reaching one as a row would change it)."""
     weight = conv.args[1]
-    params = {weight.target: Shard(0, (int(sizes(weight)[0]),))}
-    for _ in range(_REFINEMENTS):
-        prop = propagate(finder.graph, finder.projections, finder.embeddings, params, finder.tp, finder.trainable,
-                         auto_rows=True, grad=finder.grad, index=finder.index, decisions=finder.decisions)
-        learnt = params | {finder.nodes[c.source].target: c.steps[0].shard for c in prop.steps_of(Operator.SCATTER)
-                           if len(c.steps) == 1 and finder.nodes[c.source].op == "get_attr"
-                           and finder.nodes[c.source].target in finder.trainable}
-        if learnt == params:
-            break
-        params = learnt
+    seed = {weight.target: Shard(0, (int(sizes(weight)[0]),))}
+    prop, columns, segments, params = finder.attempt([], finder.tp, seed=seed, reads=(conv.args[0],))
     why = _open(finder, prop, conv, claimed)
-    if why is None:
-        region = RegionMatch(kind=RegionKind.CONVOLUTION, columns=(), rows=tuple(prop.rows), segments=(),
-                             params=tuple(params.items()), sizes=tuple(prop.checked))
-        return Opening(conv.name, region=region)
+    if why is None:  # the projections grown as columns are unclaimed (``_feeding`` leaves claimed ones out)
+        return Opening(conv.name, region=dataclasses.replace(finder.match(columns, prop, segments, params),
+                                                             kind=RegionKind.CONVOLUTION))
     return Opening(conv.name, why=why[0], by_choice=why[1])
 
 
@@ -88,14 +75,13 @@ def _open(finder, prop: Propagation, conv: fx.Node, claimed: set[str]) -> tuple[
         return f"its {v.what} ({v.size}) do not divide by tp={finder.tp}", False
     taken = [r for r in prop.rows if r in claimed or r in finder.heads]
     gathered = prop.steps_of(Operator.GATHER)
-    sliced = [c for c in prop.steps_of(Operator.SCATTER) if c.source in finder.grad
-              and finder.nodes[c.source].op != "get_attr"
-              and (c.source != conv.args[0].name or {n for n, _ in c.consumers} != {conv.name})]
+    sliced = [c for c in finder._sliced(prop)
+              if c.source != conv.args[0].name or {n for n, _ in c.consumers} != {conv.name}]
     if not (taken or gathered or sliced) and prop.rows:
         return None
-    if sliced:
-        return "its split would slice another value gradients flow through", False
     if not (taken or gathered):
+        if sliced:
+            return "its split would slice another value gradients flow through", False
         return "no projection downstream takes its split output as input", False
     at = "a projection another region splits by its output features" if taken else _reader(finder, gathered[0])
     return (f"a grouped convolution ({_macs(conv)} multiply-adds per output value) whose input is whole: split by "

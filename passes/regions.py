@@ -95,9 +95,11 @@ class _RegionFinder:
         self.shared_from = shared_from(self.index)
         """Lone tries are judged early only before this graph position (``dead_ends.shared_from``)."""
 
-    def attempt(self, group: list[Projection], tp: int, grow: bool = True,
-                shared: dict[str, int] | None = None) -> tuple[Propagation, list[Projection], dict, dict]:
-        """Propagate with ``group`` column-split; refine until nothing more is learnt.
+    def attempt(self, group: list[Projection], tp: int, grow: bool = True, shared: dict[str, int] | None = None,
+                seed: dict[str, Shard] | None = None,
+                reads: tuple[fx.Node, ...] = ()) -> tuple[Propagation, list[Projection], dict, dict]:
+        """Propagate with ``group`` column-split (and the parameters ``seed`` split, reading ``reads``: a grouped
+        convolution a region opens at, ``openings``); refine until nothing more is learnt.
 
         A split that cuts the output into parts makes the projection fused (segments); a parameter
         that would be sliced where it meets a split value (a bias added after ``x @ W``) is split too;
@@ -106,20 +108,21 @@ class _RegionFinder:
         propagation, the column projections, their segments and the other split parameters.
         """
         columns = self._with_packed_siblings(group)
-        upstream = self._upstream(group) if grow else set()
+        upstream = Ancestors([*(self.nodes[p.input] for p in group), *reads], self.index) if grow else set()
+        seed = seed or {}
         segments: dict[str, tuple[int, ...]] = {}
-        params: dict[str, Shard] = {}
+        params: dict[str, Shard] = dict(seed)
         traced_here: dict = {}
         for _ in range(8):
             prop = self._propagate(_layouts(columns, segments, shared) | params, tp)
             learnt = segments | {origin: parts for o, hint in prop.hints.items() if self._one_weight(o)
                                  for origin in o if (parts := _scaled(hint, self.projections[origin]))}
             if learnt != segments:
-                segments, params = learnt, {}  # parameters are re-learnt against the new segments
+                segments, params = learnt, dict(seed)  # parameters are re-learnt against the new segments
                 continue
             grown, traced = self._feeding(prop, columns, upstream, traced_here) if grow else ([], {})
             if grown or traced.keys() - params.keys():
-                columns, params = columns + grown, ({} if grown else params | traced)
+                columns, params = columns + grown, (dict(seed) if grown else params | traced)
                 continue
             learnt_params = params | {self.nodes[c.source].target: c.steps[0].shard for c in prop.steps_of(Operator.SCATTER)
                                       if len(c.steps) == 1 and self.nodes[c.source].op == "get_attr"
@@ -239,10 +242,13 @@ class _RegionFinder:
         return lay.segments if isinstance(lay, Shard) and len(lay.segments) > 1 else ()
 
     def _unblamed(self, prop: Propagation, group: list[Projection]) -> list[Projection]:
-        """The members of ``group`` whose split values reach no blocking conversion, when some do (a
-        router read together with a shared expert's gate and up projections)."""
+        """The members of ``group`` whose split values reach no blocking conversion and no refused op, when some
+        do (a router read together with a shared expert's gate and up projections; a shortcut convolution beside
+        a bottleneck's first one, whose split output a residual ``+=`` would write into)."""
         blocking = prop.steps_of(Operator.GATHER) + self._sliced(prop)
-        blamed = set().union(*(prop.origins.get(c.source, frozenset()) for c in blocking))
+        blamed = set().union(*(prop.origins.get(c.source, frozenset()) for c in blocking),
+                             *(prop.origins.get(a.name, frozenset()) for node, _ in prop.refusals
+                               for a in self.nodes[node].all_input_nodes))
         rest = [p for p in group if p.node not in blamed]
         return rest if 0 < len(rest) < len(group) else []
 
@@ -347,7 +353,7 @@ def _open_at_grouped_convolutions(finder: _RegionFinder, search: RegionSearch, c
             search.openings.append(opening)
             continue
         search.regions.append(opening.region)
-        claimed.update(opening.region.rows)
+        claimed.update(opening.region.rows, opening.region.columns)
         split.update(t for t, _ in opening.region.params)
 
 
