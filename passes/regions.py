@@ -300,14 +300,33 @@ class _RegionFinder:
         """``proj`` row-split alone, when that needs nothing but slicing its own whole input and all-reducing
         its output (a projection into the residual stream, a pooler), or None."""
         layout = {proj.weight: Shard(proj.in_dim, (proj.in_features,))}
-        prop = propagate(self.graph, self.projections, self.embeddings, layout, self.tp, self.trainable,
-                         grad=self.grad, index=self.index, windowed=True, decisions=self.decisions)
+        prop = self._lone_row(layout)
         sliced = [c for c in prop.steps_of(Operator.SCATTER) if c.source in self.grad]
         if (prop.refusals or prop.violations or prop.steps_of(Operator.GATHER)
                 or any(c.source != proj.input or {n for n, _ in c.consumers} != {proj.node} for c in sliced)):
             return None
+        params = self._table_split(sliced)
+        if params:  # the input is made from a parameter alone (a position table): split it, not the input
+            split = self._lone_row(layout | params)
+            if not split.refusals and not split.violations and not split.steps_of(Operator.GATHER) and not [
+                    c for c in split.steps_of(Operator.SCATTER) if c.source in self.grad]:
+                return RegionMatch(kind=RegionKind.ROW, columns=(), rows=(proj.node,), segments=(),
+                                   params=tuple(params.items()), sizes=(proj.in_features,), why=why)
         return RegionMatch(kind=RegionKind.ROW, columns=(), rows=(proj.node,), segments=(),
                            sizes=(proj.in_features,), why=why)
+
+    def _lone_row(self, layouts: dict[str, Shard]) -> Propagation:
+        return propagate(self.graph, self.projections, self.embeddings, layouts, self.tp, self.trainable,
+                         grad=self.grad, index=self.index, windowed=True, decisions=self.decisions)
+
+    def _table_split(self, sliced: list) -> dict[str, Shard]:
+        """The parameters to split so that a lone row's input arrives split with no slice: where the input is
+        computed from parameters alone (a learnt position table, expanded to the batch), never through a
+        projection; else none."""
+        if len(sliced) != 1:
+            return {}
+        traced = trace(self.sources, self.nodes[sliced[0].source], sliced[0].steps[-1].shard, set())
+        return dict(traced.params) if traced is not None and traced.params and not traced.projections else {}
 
     def find(self, group: list[Projection], early: bool = True) -> RegionMatch | str:
         """The region ``group`` starts (with a fallback that keeps failing projections whole), or why none

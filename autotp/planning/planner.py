@@ -367,8 +367,10 @@ def make_plan(captured: Captured, options: Options = Options(), machine: Machine
     for region in regions:
         by_target |= _region_placements(analysis, region)
         if region.kind is RegionKind.ROW:
-            notes.append(f"{analysis.layer(region.rows[0])} split alone by its input features (its whole input "
-                         f"sliced, its output all-reduced), as no column split closes around it: {region.why}")
+            made = (f"its input, made from {', '.join(analysis.captured.param_name(t) for t, _ in region.params)} "
+                    "alone, split with it" if region.params else "its whole input sliced")
+            notes.append(f"{analysis.layer(region.rows[0])} split alone by its input features ({made}, its output "
+                         f"all-reduced), as no column split closes around it: {region.why}")
         if region.shared:
             holders = max(n for _, n in region.shared)
             notes.append(f"{', '.join(analysis.layer(n) for n, _ in region.shared)}: tp={tp} exceeds their heads, so "
