@@ -129,13 +129,14 @@ def _stage_kind(name: str) -> str | None:
 
 def _small_stages(name: str, values: list) -> list:
     """Stages kept, each small: at most two blocks deep, widths a quarter (at least 16), heads rounded up to a
-    power of two (so that tp divides them and the widths, multiples of 16 times the stage's scale, split
-    into heads of equal size)."""
+    power of two, at least four as ``SMALL_HF``'s (so that tp in {1, 2, 4} divides them, an early stage's one or
+    two heads included, and the widths, multiples of 16 times the stage's scale, split into heads of equal
+    size)."""
     kind = _stage_kind(name)
     if kind == "depth":
         return [min(v, 2) for v in values]
     if kind == "heads":
-        return [1 << (v - 1).bit_length() for v in values]
+        return [max(4, 1 << (v - 1).bit_length()) for v in values]
     return [v if v <= 64 else max(16, v // 4) for v in values]
 
 
