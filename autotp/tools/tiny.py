@@ -186,6 +186,7 @@ def shrink(fields: dict, sub_configs: dict | None = None, mixed: bool = True, co
             small[name] = None  # a backbone's outputs named after layers that no longer exist: its last
         elif isinstance(value, list) and depth and len(value) == depth and depth > LAYERS:
             small[name] = _fit_list(value, LAYERS) if mixed else value[:LAYERS]
+            small[name] = _scaled_heads(name, small[name], fields, small)
         elif isinstance(value, list) and depth and _is_layer_indices(value, depth) and depth > LAYERS:
             kept = [v for v in value if v < LAYERS] or [LAYERS - 1]
             small[name] = kept
@@ -217,6 +218,16 @@ def shrink(fields: dict, sub_configs: dict | None = None, mixed: bool = True, co
         small |= {k: vocab - 1 - i for i, k in enumerate(ids) if isinstance(fields[k], int) and fields[k] >= vocab
                   or fields[k] is None and _PLACEHOLDER.search(k)}
     return small
+
+
+def _scaled_heads(name: str, values: list, fields: dict, small: dict) -> list:
+    """A per-layer list of head counts (Sapiens2's ``num_key_value_heads_per_layer``) scaled as the heads shrank:
+    each layer's key-value heads must still divide the query heads; other lists as they are."""
+    heads, fewer = fields.get("num_attention_heads"), small.get("num_attention_heads")
+    if "heads" not in name or not isinstance(heads, int) or not isinstance(fewer, int) or fewer >= heads \
+            or not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+        return values
+    return [max(1, v * fewer // heads) for v in values]
 
 
 def _config_class(fields: dict, declared):
