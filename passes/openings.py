@@ -50,6 +50,24 @@ def grouped_convolutions(graph: fx.Graph) -> list[fx.Node]:
             and isinstance(n.args[1], fx.Node) and n.args[1].op == "get_attr"]
 
 
+def open_at_grouped_convolutions(finder, search, claimed: set[str]) -> None:
+    """Regions opened at the grouped convolutions no region split, added to ``search`` (the region search's
+    ``RegionSearch``, ``finder`` its ``_RegionFinder``); those that open none are kept in ``search.openings`` with
+    why. Run before the lone rows: a projection a grouped convolution's split reaches is better closed as its row,
+    the convolution split too, than split alone."""
+    split = {t for r in search.regions for t, _ in r.params}
+    for conv in grouped_convolutions(finder.graph):
+        if conv.args[1].target in split:
+            continue  # its input arrives split by a region
+        opening = try_opening(finder, conv, claimed)
+        if opening.region is None:
+            search.openings.append(opening)
+            continue
+        search.regions.append(opening.region)
+        claimed.update(opening.region.rows, opening.region.columns)
+        split.update(t for t, _ in opening.region.params)
+
+
 def try_opening(finder, conv: fx.Node, claimed: set[str]) -> Opening:
     """``conv`` (a grouped convolution reading a whole value) split by its output channels, with what that split
     reaches learnt as the region search learns a column's (``_RegionFinder.attempt``: the parameters it meets, the

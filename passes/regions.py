@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 from autotp.passes.dead_ends import DeadEndWatch, Unexplained, shared_from
 from autotp.passes.graph import grad_nodes
-from autotp.passes.openings import Opening, grouped_convolutions, try_opening
+from autotp.passes.openings import Opening, open_at_grouped_convolutions
 from autotp.passes.origins import Ancestors, SourceGraph, repeated, trace
 from autotp.passes.placement import Shard
 from autotp.passes.projections import Projection, packed_by_weight, packed_segments
@@ -359,23 +359,6 @@ class _RegionFinder:
         return full
 
 
-def _open_at_grouped_convolutions(finder: _RegionFinder, search: RegionSearch, claimed: set[str]) -> None:
-    """Regions opened at the grouped convolutions no region split (``openings``), added to ``search``; those
-    that open none are kept in ``search.openings`` with why. Before the lone rows: a projection a grouped
-    convolution's split reaches is better closed as its row, the convolution split too, than split alone."""
-    split = {t for r in search.regions for t, _ in r.params}
-    for conv in grouped_convolutions(finder.graph):
-        if conv.args[1].target in split:
-            continue  # its input arrives split by a region
-        opening = try_opening(finder, conv, claimed)
-        if opening.region is None:
-            search.openings.append(opening)
-            continue
-        search.regions.append(opening.region)
-        claimed.update(opening.region.rows, opening.region.columns)
-        split.update(t for t, _ in opening.region.params)
-
-
 _KEPT = 16
 """Propagations a region search keeps (``_RegionFinder._propagate``): those of one group's attempts."""
 
@@ -447,7 +430,7 @@ def find_regions(graph: fx.Graph, projections: dict[str, Projection], embeddings
     # A group tried alone may have been split later with the region that reaches it (K/V of cross-attention).
     search.unmatched = [(nodes, finder.explain(why)) for nodes, why in search.unmatched
                         if not claimed.issuperset(nodes)]
-    _open_at_grouped_convolutions(finder, search, claimed)
+    open_at_grouped_convolutions(finder, search, claimed)
     # What is left and only reads and writes whole values is split alone, by its input features, unless it is
     # kept whole on purpose (``choices``).
     rows = [row for nodes, why in search.unmatched for n in nodes if n not in claimed and n not in whole
