@@ -279,8 +279,10 @@ def _einsum_projection(node: fx.Node) -> Projection | None:
                       in_axis=-len(contracted), out_axis=-len(kept))
 
 
-# op -> index of ``groups`` (a convolution's; ``aten.convolution`` also says whether it is transposed, at 6)
+# op -> index of ``groups`` (a convolution's; ``aten.convolution`` also says whether it is transposed, at 6); the
+# ``padding`` overloads take the padding as a word (``padding="valid"``, as SigLIP's patch embedding gives it)
 CONVOLUTIONS = {aten.conv1d.default: 6, aten.conv2d.default: 6, aten.conv3d.default: 6,
+                aten.conv1d.padding: 6, aten.conv2d.padding: 6, aten.conv3d.padding: 6,
                 aten.convolution.default: 8}
 
 

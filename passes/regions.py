@@ -10,11 +10,12 @@ a product of two split branches), never by names.
 from __future__ import annotations
 
 from collections.abc import Container
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from autotp.passes.dead_ends import DeadEndWatch, Unexplained, shared_from
 from autotp.passes.graph import grad_nodes
+from autotp.passes.openings import Opening, open_at_grouped_convolutions
 from autotp.passes.origins import Ancestors, SourceGraph, repeated, trace
 from autotp.passes.placement import Shard
 from autotp.passes.projections import Projection, packed_by_weight, packed_segments
@@ -94,9 +95,11 @@ class _RegionFinder:
         self.shared_from = shared_from(self.index)
         """Lone tries are judged early only before this graph position (``dead_ends.shared_from``)."""
 
-    def attempt(self, group: list[Projection], tp: int, grow: bool = True,
-                shared: dict[str, int] | None = None) -> tuple[Propagation, list[Projection], dict, dict]:
-        """Propagate with ``group`` column-split; refine until nothing more is learnt.
+    def attempt(self, group: list[Projection], tp: int, grow: bool = True, shared: dict[str, int] | None = None,
+                seed: dict[str, Shard] | None = None,
+                reads: tuple[fx.Node, ...] = ()) -> tuple[Propagation, list[Projection], dict, dict]:
+        """Propagate with ``group`` column-split (and the parameters ``seed`` split, reading ``reads``: a grouped
+        convolution a region opens at, ``openings``); refine until nothing more is learnt.
 
         A split that cuts the output into parts makes the projection fused (segments); a parameter
         that would be sliced where it meets a split value (a bias added after ``x @ W``) is split too;
@@ -105,20 +108,21 @@ class _RegionFinder:
         propagation, the column projections, their segments and the other split parameters.
         """
         columns = self._with_packed_siblings(group)
-        upstream = self._upstream(group) if grow else set()
+        upstream = Ancestors([*(self.nodes[p.input] for p in group), *reads], self.index) if grow else set()
+        seed = seed or {}
         segments: dict[str, tuple[int, ...]] = {}
-        params: dict[str, Shard] = {}
+        params: dict[str, Shard] = dict(seed)
         traced_here: dict = {}
         for _ in range(8):
             prop = self._propagate(_layouts(columns, segments, shared) | params, tp)
             learnt = segments | {origin: parts for o, hint in prop.hints.items() if self._one_weight(o)
                                  for origin in o if (parts := _scaled(hint, self.projections[origin]))}
             if learnt != segments:
-                segments, params = learnt, {}  # parameters are re-learnt against the new segments
+                segments, params = learnt, dict(seed)  # parameters are re-learnt against the new segments
                 continue
             grown, traced = self._feeding(prop, columns, upstream, traced_here) if grow else ([], {})
             if grown or traced.keys() - params.keys():
-                columns, params = columns + grown, ({} if grown else params | traced)
+                columns, params = columns + grown, (dict(seed) if grown else params | traced)
                 continue
             learnt_params = params | {self.nodes[c.source].target: c.steps[0].shard for c in prop.steps_of(Operator.SCATTER)
                                       if len(c.steps) == 1 and self.nodes[c.source].op == "get_attr"
@@ -238,10 +242,13 @@ class _RegionFinder:
         return lay.segments if isinstance(lay, Shard) and len(lay.segments) > 1 else ()
 
     def _unblamed(self, prop: Propagation, group: list[Projection]) -> list[Projection]:
-        """The members of ``group`` whose split values reach no blocking conversion, when some do (a
-        router read together with a shared expert's gate and up projections)."""
+        """The members of ``group`` whose split values reach no blocking conversion and no refused op, when some
+        do (a router read together with a shared expert's gate and up projections; a shortcut convolution beside
+        a bottleneck's first one, whose split output a residual ``+=`` would write into)."""
         blocking = prop.steps_of(Operator.GATHER) + self._sliced(prop)
-        blamed = set().union(*(prop.origins.get(c.source, frozenset()) for c in blocking))
+        blamed = set().union(*(prop.origins.get(c.source, frozenset()) for c in blocking),
+                             *(prop.origins.get(a.name, frozenset()) for node, _ in prop.refusals
+                               for a in self.nodes[node].all_input_nodes))
         rest = [p for p in group if p.node not in blamed]
         return rest if 0 < len(rest) < len(group) else []
 
@@ -293,14 +300,33 @@ class _RegionFinder:
         """``proj`` row-split alone, when that needs nothing but slicing its own whole input and all-reducing
         its output (a projection into the residual stream, a pooler), or None."""
         layout = {proj.weight: Shard(proj.in_dim, (proj.in_features,))}
-        prop = propagate(self.graph, self.projections, self.embeddings, layout, self.tp, self.trainable,
-                         grad=self.grad, index=self.index, windowed=True, decisions=self.decisions)
+        prop = self._lone_row(layout)
         sliced = [c for c in prop.steps_of(Operator.SCATTER) if c.source in self.grad]
         if (prop.refusals or prop.violations or prop.steps_of(Operator.GATHER)
                 or any(c.source != proj.input or {n for n, _ in c.consumers} != {proj.node} for c in sliced)):
             return None
+        params = self._table_split(sliced)
+        if params:  # the input is made from a parameter alone (a position table): split it, not the input
+            split = self._lone_row(layout | params)
+            if not split.refusals and not split.violations and not split.steps_of(Operator.GATHER) and not [
+                    c for c in split.steps_of(Operator.SCATTER) if c.source in self.grad]:
+                return RegionMatch(kind=RegionKind.ROW, columns=(), rows=(proj.node,), segments=(),
+                                   params=tuple(params.items()), sizes=(proj.in_features,), why=why)
         return RegionMatch(kind=RegionKind.ROW, columns=(), rows=(proj.node,), segments=(),
                            sizes=(proj.in_features,), why=why)
+
+    def _lone_row(self, layouts: dict[str, Shard]) -> Propagation:
+        return propagate(self.graph, self.projections, self.embeddings, layouts, self.tp, self.trainable,
+                         grad=self.grad, index=self.index, windowed=True, decisions=self.decisions)
+
+    def _table_split(self, sliced: list) -> dict[str, Shard]:
+        """The parameters to split so that a lone row's input arrives split with no slice: where the input is
+        computed from parameters alone (a learnt position table, expanded to the batch), never through a
+        projection; else none."""
+        if len(sliced) != 1:
+            return {}
+        traced = trace(self.sources, self.nodes[sliced[0].source], sliced[0].steps[-1].shard, set())
+        return dict(traced.params) if traced is not None and traced.params and not traced.projections else {}
 
     def find(self, group: list[Projection], early: bool = True) -> RegionMatch | str:
         """The region ``group`` starts (with a fallback that keeps failing projections whole), or why none
@@ -358,6 +384,8 @@ class RegionSearch:
 
     regions: list[RegionMatch]
     unmatched: list[tuple[tuple[str, ...], str]]
+    openings: list[Opening] = field(default_factory=list)
+    """Grouped convolutions reading whole values that open no region, with why (``openings``)."""
 
 
 def find_regions(graph: fx.Graph, projections: dict[str, Projection], embeddings: dict, trainable: set[str],
@@ -402,6 +430,7 @@ def find_regions(graph: fx.Graph, projections: dict[str, Projection], embeddings
     # A group tried alone may have been split later with the region that reaches it (K/V of cross-attention).
     search.unmatched = [(nodes, finder.explain(why)) for nodes, why in search.unmatched
                         if not claimed.issuperset(nodes)]
+    open_at_grouped_convolutions(finder, search, claimed)
     # What is left and only reads and writes whole values is split alone, by its input features, unless it is
     # kept whole on purpose (``choices``).
     rows = [row for nodes, why in search.unmatched for n in nodes if n not in claimed and n not in whole

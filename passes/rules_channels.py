@@ -36,25 +36,44 @@ def _like_input(ins: Inputs, params: tuple, segments: tuple[int, ...]) -> Decisi
     return Decision(Shard(1, segments), wants=wants)
 
 
-@on_split_input
-def grouped_conv(node: fx.Node, ins: Inputs, ctx: Context, x: fx.Node, lay: Shard) -> Decision:
+def grouped_conv(node: fx.Node, ins: Inputs, ctx: Context) -> Decision:
     """A grouped convolution (depthwise: one group per channel, as in MobileNet's blocks and Mamba's mixers) with
-    its input channels split so that each rank holds whole groups: each rank convolves its own groups with its
-    rows of the weight, ``groups`` becoming local. A dense one (one group) reaching here is kept whole: it is
-    split as a projection when it is."""
-    weight, _ = ins[(1,)]
+    its channels split so that each rank holds whole groups: each rank convolves its own groups with its rows of
+    the weight, ``groups`` becoming local. Its input arrives split so, or whole with the weight split by its
+    output channels (a split that opens here, ``openings``): each rank then reads only its own channels of the
+    whole input, a slice that costs nothing going forward. A dense one (one group) reaching here is kept whole:
+    it is split as a projection when it is."""
+    x, lay = ins[(0,)]
+    weight, weight_lay = ins[(1,)]
     groups = conv_groups(node)
     spatial = rank(weight) - 2
     transposed = node.target is aten.convolution.default and node.args[6]
-    if groups == 1 or transposed or not _channels(node, x, lay, spatial):
+    if groups == 1 or transposed:
         return replicate_all(node, ins, ctx)
     per_group_in, per_group_out = sizes(x)[1] // groups, sizes(weight)[0] // groups
+    if lay is None and isinstance(weight_lay, Shard) and weight_lay.dim == 0 and rank(x) == spatial + 2:
+        if any(s % per_group_out for s in weight_lay.segments):
+            return replicate_all(node, ins, ctx)  # a part would cut a group
+        lay = Shard(1, tuple(s // per_group_out * per_group_in for s in weight_lay.segments))
+        decision = _grouped(node, ins, ctx, lay, groups, per_group_in, per_group_out)
+        if decision is not None:
+            decision.wants[(0,)] = lay  # this rank's channels of the whole input
+        return decision or replicate_all(node, ins, ctx)
+    if not isinstance(lay, Shard) or not _channels(node, x, lay, spatial):
+        return replicate_all(node, ins, ctx)
+    return _grouped(node, ins, ctx, lay, groups, per_group_in, per_group_out) or replicate_all(node, ins, ctx)
+
+
+def _grouped(node: fx.Node, ins: Inputs, ctx: Context, lay: Shard, groups: int, per_group_in: int,
+             per_group_out: int) -> Decision | None:
+    """A grouped convolution's decision for its input channels split as ``lay``, or None when a part would cut a
+    group or a parameter arrives split otherwise."""
     if any(s % per_group_in for s in lay.segments):
-        return replicate_all(node, ins, ctx)  # a part would cut a group
+        return None  # a part would cut a group
     out_segments = tuple(s // per_group_in * per_group_out for s in lay.segments)
     decision = _like_input(ins, tuple(p for p in ins if p != (0,)), out_segments)
     if decision is None:
-        return replicate_all(node, ins, ctx)
+        return None
     decision.out = Shard(1, out_segments)
     decision.fixes = {(CONVOLUTIONS[node.target],): groups // ctx.tp}
     decision.checks = [(s // per_group_in, "groups of the convolution") for s in lay.segments]

@@ -83,3 +83,47 @@ class ConvLM(nn.Module):
         y = F.relu6(self.norm(self.depthwise(F.relu6(self.bn(self.expand(x))))))
         x = x + self.project(y)
         return self.head(x.squeeze(-1).transpose(1, 2))
+
+
+class SeparableStack(nn.Module):
+    """Two depthwise-separable residual blocks (depthwise 3x3, batch norm, ReLU, then a pointwise 1x1 added to the
+    residual stream, the first block's sum normalised over every channel), pooling and a classifier: each depthwise
+    convolution reads the whole residual stream, and no pointwise convolution closes a column split."""
+
+    def __init__(self, channels: int = 16, classes: int = 10):
+        super().__init__()
+        self.dw1, self.bn1 = nn.Conv2d(channels, channels, 3, padding=1, groups=channels), nn.BatchNorm2d(channels)
+        self.pw1 = nn.Conv2d(channels, channels, 1)
+        self.dw2 = nn.Conv2d(channels, 2 * channels, 3, padding=1, groups=channels, bias=False)  # two per channel
+        self.bn2, self.pw2 = nn.BatchNorm2d(2 * channels), nn.Conv2d(2 * channels, channels, 1, bias=False)
+        self.head = nn.Linear(channels, classes)
+
+    def forward(self, x):
+        x = F.group_norm(x + self.pw1(F.relu(self.bn1(self.dw1(x)))), 1)  # one group: over every channel
+        x = x + self.pw2(F.relu(self.bn2(self.dw2(x))))
+        return self.head(F.adaptive_avg_pool2d(x, 1).flatten(1))
+
+
+class ConvNeXtBlock(nn.Module):
+    """ConvNeXt's block: a depthwise 7x7 on the residual stream, a LayerNorm over the channels (channels last),
+    then an MLP of two linears added back; before it, MobileNet-v1's alternation of pointwise and depthwise
+    convolutions: dw1 inside the split of pw1 and pw2, dw2 between pw2's and pw3's."""
+
+    def __init__(self, channels: int = 16, classes: int = 10):
+        super().__init__()
+        self.pw1, self.dw1 = nn.Conv2d(channels, 2 * channels, 1), nn.Conv2d(2 * channels, 2 * channels, 3, padding=1,
+                                                                              groups=2 * channels)
+        self.pw2, self.dw2 = nn.Conv2d(2 * channels, channels, 1), nn.Conv2d(channels, channels, 3, padding=1,
+                                                                              groups=channels)
+        self.pw3, self.pw4 = nn.Conv2d(channels, 4 * channels, 1), nn.Conv2d(4 * channels, 2 * channels, 1)
+        self.dwconv = nn.Conv2d(2 * channels, 2 * channels, 7, padding=3, groups=2 * channels)
+        self.norm = nn.LayerNorm(2 * channels)
+        self.up, self.down = nn.Linear(2 * channels, 8 * channels), nn.Linear(8 * channels, 2 * channels)
+        self.head = nn.Linear(2 * channels, classes)
+
+    def forward(self, x):
+        x = self.pw2(F.relu(self.dw1(F.relu(self.pw1(x)))))
+        x = self.pw4(F.relu(self.pw3(F.relu(self.dw2(x)))))
+        y = self.norm(self.dwconv(x).permute(0, 2, 3, 1))
+        x = x + self.down(F.gelu(self.up(y))).permute(0, 3, 1, 2)
+        return self.head(x.mean((2, 3)))

@@ -121,3 +121,11 @@ def test_channels_that_do_not_divide_by_tp_keep_their_convolutions_whole_with_a_
     assert "conv1.weight" not in _split(plan)
     assert any(n.startswith("conv1 kept whole: a dense convolution") and "do not divide by tp=4" in n
                for n in plan.notes), plan.notes
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_a_convolution_with_its_padding_given_as_a_word_is_split_too(tp):
+    model = conv_models.Bottleneck().train()
+    model.conv2.padding = "same"  # aten.conv2d.padding, the overload SigLIP's patch embedding ("valid") exports as
+    plan = _checked(model, tp, (torch.randn(2, 32, 6, 6),))
+    assert (_split(plan)["conv1.weight"], _split(plan)["conv2.weight"]) == ("colwise", "rowwise")

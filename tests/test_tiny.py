@@ -54,6 +54,16 @@ def test_stages_of_a_hierarchical_model_shrink_and_keep_heads_dividing_widths():
     assert all(w % h == 0 and h % 2 == 0 for w, h in zip(widths, config.num_heads))
 
 
+def test_early_stages_of_one_or_two_heads_get_four_so_tp_4_divides_them():
+    config = tiny_config("pvt_v2")  # heads [1, 2, 5, 8] by default
+    assert all(h % 4 == 0 and w % h == 0 for w, h in zip(config.hidden_sizes, config.num_attention_heads))
+
+
+def test_key_value_heads_given_per_layer_shrink_with_the_heads():
+    config = tiny_config("sapiens2")  # 16 heads, 16 or 8 key-value heads per layer by default
+    assert all(config.num_attention_heads % kv == 0 for kv in config.num_key_value_heads_per_layer)
+
+
 def test_layer_indices_keep_only_layers_that_exist():
     config = tiny_config("zamba2")
     assert all(i < LAYERS for i in getattr(config, "hybrid_layer_ids", []) or [])

@@ -69,12 +69,17 @@ def _unmatched_note(analysis: Analysis, nodes: tuple[str, ...], why: str, chosen
     return f"{layers} kept replicated: {why}"
 
 
-def _whole_convolution_notes(analysis: Analysis, by_target: dict[str, Placement], whys: dict[str, str]) -> list[str]:
+def _whole_convolution_notes(analysis: Analysis, by_target: dict[str, Placement], whys: dict[str, str],
+                             chosen: dict[str, str]) -> list[str]:
     """One note per convolution kept whole (a patch embedding, an audio front end), saying why: ``whys``, by node,
-    the region search's reason for a dense one (a projection that closed no region)."""
+    the region search's reason (a projection that closed no region, a grouped convolution that opened none);
+    ``chosen``: grouped convolutions kept whole on purpose (``openings``), by node, with why."""
     split = {t for t, p in by_target.items() if p.is_split}
     notes = []
     for node, weight in whole_convolutions(analysis.graph, split):
+        if node.name in chosen:
+            notes.append(f"{analysis.layer(node.name)} kept whole by choice: {chosen[node.name]}")
+            continue
         dense = node.name in analysis.projections
         why = whys.get(node.name, "no split of its input channels reaches it by whole groups")
         notes.append(f"{analysis.module(node.name) or weight} kept whole: a {'dense' if dense else 'grouped'} "
@@ -346,7 +351,8 @@ def make_plan(captured: Captured, options: Options = Options(), machine: Machine
     by_target: dict[str, Placement] = {}
     plan_regions: list[Region] = []
     sizes = cost_sizes(captured, options.batch, options.seq)
-    whys = {n: why for nodes, why in search.unmatched for n in nodes}
+    whys = {n: why for nodes, why in search.unmatched for n in nodes} | {o.node: o.why for o in search.openings}
+    convolutions_kept = {o.node: o.why for o in search.openings if o.by_choice}
     # Channels a CNN's width does not divide by tp (55 at tp=2) keep those convolutions whole, with a note; the
     # transformer regions' sizes (heads, widths) are the user's to match, so tp is refused there.
     uneven = [r for r in regions if r.violations and r.kind is RegionKind.CONVOLUTION]
@@ -361,8 +367,10 @@ def make_plan(captured: Captured, options: Options = Options(), machine: Machine
     for region in regions:
         by_target |= _region_placements(analysis, region)
         if region.kind is RegionKind.ROW:
-            notes.append(f"{analysis.layer(region.rows[0])} split alone by its input features (its whole input "
-                         f"sliced, its output all-reduced), as no column split closes around it: {region.why}")
+            made = (f"its input, made from {', '.join(analysis.captured.param_name(t) for t, _ in region.params)} "
+                    "alone, split with it" if region.params else "its whole input sliced")
+            notes.append(f"{analysis.layer(region.rows[0])} split alone by its input features ({made}, its output "
+                         f"all-reduced), as no column split closes around it: {region.why}")
         if region.shared:
             holders = max(n for _, n in region.shared)
             notes.append(f"{', '.join(analysis.layer(n) for n, _ in region.shared)}: tp={tp} exceeds their heads, so "
@@ -374,7 +382,7 @@ def make_plan(captured: Captured, options: Options = Options(), machine: Machine
                          "each rank selects the heads it needs")
         plan_regions.append(Region(region.kind, tuple(analysis.layer(c) for c in region.columns),
                                    tuple(analysis.layer(r) for r in region.rows), kept))
-    notes += _whole_convolution_notes(analysis, by_target, whys)
+    notes += _whole_convolution_notes(analysis, by_target, whys, convolutions_kept)
     vocab_placements, vocab_regions, vocab_kept = _vocab_placements(analysis, tp, notes, options, machine, sizes, by_target)
     by_target |= vocab_placements
     plan_regions = vocab_regions[:1] + plan_regions + vocab_regions[1:]
@@ -394,7 +402,8 @@ def make_plan(captured: Captured, options: Options = Options(), machine: Machine
     plan = Plan(tp=tp, placements=placements, collectives=tuple(_collectives(analysis, prop)),
                 regions=tuple(plan_regions), notes=tuple(notes), model=captured.model_name, pp=options.pp,
                 stages=planned_stages, balance=options.balance, batch=by_name.get("B", 0), seq=by_name.get("T", 0),
-                by_choice=tuple(sorted({*(analysis.layer(n) for n in chosen), *vocab_kept, *regions_kept})),
+                by_choice=tuple(sorted({*(analysis.layer(n) for n in {*chosen, *convolutions_kept}), *vocab_kept,
+                                        *regions_kept})),
                 sequence_parallel=sequence_parallel, options=options)
     return check_schedule_fits(plan, options)
 

@@ -129,13 +129,14 @@ def _stage_kind(name: str) -> str | None:
 
 def _small_stages(name: str, values: list) -> list:
     """Stages kept, each small: at most two blocks deep, widths a quarter (at least 16), heads rounded up to a
-    power of two (so that tp divides them and the widths, multiples of 16 times the stage's scale, split
-    into heads of equal size)."""
+    power of two, at least four as ``SMALL_HF``'s (so that tp in {1, 2, 4} divides them, an early stage's one or
+    two heads included, and the widths, multiples of 16 times the stage's scale, split into heads of equal
+    size)."""
     kind = _stage_kind(name)
     if kind == "depth":
         return [min(v, 2) for v in values]
     if kind == "heads":
-        return [1 << (v - 1).bit_length() for v in values]
+        return [max(4, 1 << (v - 1).bit_length()) for v in values]
     return [v if v <= 64 else max(16, v // 4) for v in values]
 
 
@@ -185,6 +186,7 @@ def shrink(fields: dict, sub_configs: dict | None = None, mixed: bool = True, co
             small[name] = None  # a backbone's outputs named after layers that no longer exist: its last
         elif isinstance(value, list) and depth and len(value) == depth and depth > LAYERS:
             small[name] = _fit_list(value, LAYERS) if mixed else value[:LAYERS]
+            small[name] = _scaled_heads(name, small[name], fields, small)
         elif isinstance(value, list) and depth and _is_layer_indices(value, depth) and depth > LAYERS:
             kept = [v for v in value if v < LAYERS] or [LAYERS - 1]
             small[name] = kept
@@ -216,6 +218,16 @@ def shrink(fields: dict, sub_configs: dict | None = None, mixed: bool = True, co
         small |= {k: vocab - 1 - i for i, k in enumerate(ids) if isinstance(fields[k], int) and fields[k] >= vocab
                   or fields[k] is None and _PLACEHOLDER.search(k)}
     return small
+
+
+def _scaled_heads(name: str, values: list, fields: dict, small: dict) -> list:
+    """A per-layer list of head counts (Sapiens2's ``num_key_value_heads_per_layer``) scaled as the heads shrank:
+    each layer's key-value heads must still divide the query heads; other lists as they are."""
+    heads, fewer = fields.get("num_attention_heads"), small.get("num_attention_heads")
+    if "heads" not in name or not isinstance(heads, int) or not isinstance(fewer, int) or fewer >= heads \
+            or not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+        return values
+    return [max(1, v * fewer // heads) for v in values]
 
 
 def _config_class(fields: dict, declared):
