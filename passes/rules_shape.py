@@ -154,8 +154,8 @@ def slice_(node: fx.Node, ins: Inputs, ctx: Context, x: fx.Node, lay: Shard) -> 
     step = arg_or_default(node, 4, "step", 1)
     if dim != lay.dim:
         return Decision(lay)
-    if lay.replicas != 1:
-        return replicate_all(node, ins, ctx)
+    if lay.replicas != 1 and (step != 1 or static(lay.size) is None):
+        return replicate_all(node, ins, ctx)  # chunks several ranks hold: only whole segments are taken apart
     if static(lay.size) is None:  # split along the sequence: only a slice keeping all of it keeps the split
         everything = start in (None, 0) and step == 1 and end in (None, sys.maxsize)
         return Decision(lay) if everything else replicate_all(node, ins, ctx)
@@ -173,15 +173,17 @@ def slice_(node: fx.Node, ins: Inputs, ctx: Context, x: fx.Node, lay: Shard) -> 
 
 
 def _segment_slice(node: fx.Node, ins: Inputs, ctx: Context, lay: Shard, start: int, end: int) -> Decision:
-    """A slice of whole segments (Q, K or V of a fused projection) is those segments, at local offsets;
-    a slice elsewhere asks for the projection to be split in segments cut where it cuts (the hint)."""
+    """A slice of whole segments (Q, K or V of a fused projection) is those segments, at local offsets (held by
+    as many ranks as the value's chunks are); a slice elsewhere asks for the projection to be split in segments
+    cut where it cuts (the hint)."""
     bounds = [sum(lay.segments[:i]) for i in range(len(lay.segments) + 1)]
     if start in bounds and end in bounds and start < end:
         i, j = bounds.index(start), bounds.index(end)
-        fixes = {(2,): start // ctx.tp} if start else {}
+        chunks = lay.chunks(ctx.tp)
+        fixes = {(2,): start // chunks} if start else {}
         if len(node.args) > 3 and node.args[3] is not None and end < lay.size:
-            fixes[(3,)] = end // ctx.tp
-        return Decision(Shard(lay.dim, lay.segments[i:j]), fixes=fixes)
+            fixes[(3,)] = end // chunks
+        return Decision(Shard(lay.dim, lay.segments[i:j], replicas=lay.replicas), fixes=fixes)
     decision = replicate_all(node, ins, ctx)
     cuts = sorted(set(bounds) | {start, end})
     decision.hint = tuple(b - a for a, b in zip(cuts, cuts[1:]) if b > a)
