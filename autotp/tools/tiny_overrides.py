@@ -50,5 +50,9 @@ TYPE_OVERRIDES = {
     # its default text config fails its own validation (per-layer inputs and MoE must be off)
     "gemma4_assistant": {"text_config": {"hidden_size_per_layer_input": 0, "vocab_size_per_layer_input": 0,
                                          "enable_moe_block": False, "use_double_wide_mlp": False}},
+    # its rotary embedding reads sections the default config does not set, defaulting to those of the full head
+    # (16 + 24 + 24 of 64 rotary pairs): the tiny head's 8 pairs in the same proportions
+    "paddleocr_vl": {"text_config": {"rope_parameters": {"rope_type": "default", "rope_theta": 500000.0,
+                                                         "mrope_section": [2, 3, 3]}}},
 }
 """Sizes that one architecture ties together in a way no general rule reads (its validation says which)."""
