@@ -48,7 +48,11 @@ def reshape(node: fx.Node, ins: Inputs, ctx: Context, x: fx.Node, lay: Shard) ->
         if 0 <= index < len(node.args[2]) and isinstance(node.args[2][index], int) and node.args[2][index] != -1:
             fixes[(2, index)] = node.args[2][index] // chunks
     shape = ", ".join(str(d) if isinstance(d, int) else "?" for d in sizes(node))
-    return Decision(new, fixes=fixes, checks=size_checks(new, f"dim {new.dim} of the reshape to ({shape})"))
+    what = f"dim {new.dim} of the reshape to ({shape})"
+    parts = len(new.segments) if len(new.segments) > 1 else new.blocks if isinstance(new.blocks, int) else 1
+    if parts != 1:  # the sizes checked are one part's each, not the dim's: say so
+        what += f" per part (it holds {parts} parts side by side, each split alike)"
+    return Decision(new, fixes=fixes, checks=size_checks(new, what))
 
 
 @on_split_input
