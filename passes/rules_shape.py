@@ -228,6 +228,8 @@ def cat(node: fx.Node, ins: Inputs, ctx: Context) -> Decision:
     if not sharded:
         return Decision(None)
     lays = {lay for _, _, lay in sharded}
+    if any(rank(n) != rank(node) for n, _ in ins.values()):
+        return replicate_all(node, ins, ctx)  # a part of another rank (an empty 1-D tensor, which torch.cat skips)
     dim = norm_dim(arg_or_default(node, 1, "dim", 0), rank(node))
     # a whole part no gradient reaches (BEiT's zero key bias between split query and value biases) is sliced
     # for free, as if split there
