@@ -10,6 +10,7 @@ their weight, so the same code checks a candidate plan and drives the final rewr
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 import heapq
 from dataclasses import dataclass, field
@@ -40,7 +41,7 @@ from autotp.passes.rules import (
     replicate_all,
     rule_for,
 )
-from autotp.passes.steps import COPY, Operator, Step, gather, scatter
+from autotp.passes.steps import COPY, Operator, Step, gather, narrow, narrows, scatter
 from torch import fx
 
 aten = torch.ops.aten
@@ -62,15 +63,31 @@ def _fused(segments: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def _row_input(layout: Layout, features: int, in_features: int) -> bool:
-    """Whether a projection's input arrives split along its input features, plainly or in segments."""
+    """Whether a projection's input arrives split along its input features, plainly or in segments (or in chunks
+    several ranks hold, which each narrows to its plain part for free: ``steps.narrow``)."""
     return (isinstance(layout, Shard) and layout.dim == features and layout.size == in_features
-            and layout.blocks == 1 and layout.replicas == 1 and not layout.spread)
+            and layout.blocks == 1 and not layout.spread)
+
+
+def _narrowed(ins: dict, tp: int) -> dict | None:
+    """The plain splits of the inputs whose chunks several ranks hold (each rank's part of its chunk, which
+    ``steps.narrow`` keeps for free), for a rule that knows no such chunks; None where one cannot be narrowed
+    (folded in blocks, or a segment tp does not divide)."""
+    out = {}
+    for path, (_, lay) in ins.items():
+        if isinstance(lay, Shard) and lay.replicas != 1:
+            if lay.blocks != 1 or any(static(s) is None or s % tp for s in lay.segments):
+                return None
+            out[path] = dataclasses.replace(lay, replicas=1)
+    return out
 
 
 def _steps(have: Layout, want: Layout | Step) -> tuple[Step, ...]:
     """The conversion steps from layout ``have`` to ``want``."""
     if want == have:
         return ()
+    if narrows(have, want):
+        return (narrow(have),)
     steps: list[Step] = []
     if isinstance(have, Shard):
         steps.append(gather(have))
@@ -221,9 +238,15 @@ class _Walker:
         shards = [lay for _, lay in ins.values() if isinstance(lay, Shard)]
         if rule not in BLOCK_AWARE and any(lay.blocks != 1 for lay in shards):
             rule = replicate_all  # a rule outside BLOCK_AWARE would drop the blocks of a folded split
-        if (rule not in REPLICA_AWARE and any(lay.replicas != 1 for lay in shards)
-                or rule not in SPREAD_AWARE and any(lay.spread for lay in shards)):
-            rule = replicate_all  # likewise for chunks several ranks hold
+        narrowed = {}
+        if rule not in SPREAD_AWARE and any(lay.spread for lay in shards):
+            rule = replicate_all  # likewise for chunks several ranks hold, spread over them
+        elif rule not in REPLICA_AWARE and any(lay.replicas != 1 for lay in shards):
+            narrowed = _narrowed(ins, self.ctx.tp)
+            if narrowed is None:
+                rule = replicate_all  # likewise for chunks several ranks hold
+            else:
+                ins = {p: (n, narrowed.get(p, lay)) for p, (n, lay) in ins.items()}
         try:
             decision = rule(node, ins, self.ctx)
         except TypeError:
@@ -237,6 +260,8 @@ class _Walker:
             # Sequence shards side by side (a cat along the sequence): each rank's chunk of every part has a size
             # known only at run time, which no collective could find from the tensor: keep it whole.
             return replicate_all(node, ins, self.ctx)
+        for path, lay in narrowed.items():  # the rule read them as plain splits: each rank narrows to its part
+            decision.wants.setdefault(path, lay)
         return decision
 
     def projected(self, node: fx.Node, proj: Projection, role: Role) -> Decision:

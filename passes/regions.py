@@ -96,8 +96,8 @@ class _RegionFinder:
         """Lone tries are judged early only before this graph position (``dead_ends.shared_from``)."""
 
     def attempt(self, group: list[Projection], tp: int, grow: bool = True, shared: dict[str, int] | None = None,
-                seed: dict[str, Shard] | None = None,
-                reads: tuple[fx.Node, ...] = ()) -> tuple[Propagation, list[Projection], dict, dict]:
+                seed: dict[str, Shard] | None = None, reads: tuple[fx.Node, ...] = (),
+                segments: dict[str, tuple[int, ...]] | None = None) -> tuple[Propagation, list[Projection], dict, dict]:
         """Propagate with ``group`` column-split (and the parameters ``seed`` split, reading ``reads``: a grouped
         convolution a region opens at, ``openings``); refine until nothing more is learnt.
 
@@ -105,12 +105,12 @@ class _RegionFinder:
         that would be sliced where it meets a split value (a bias added after ``x @ W``) is split too;
         with ``grow``, so is a projection whose whole output would be sliced there (cross-attention's K/V
         meeting split queries, a gate or time-step projection meeting split channels). Returns the
-        propagation, the column projections, their segments and the other split parameters.
+        propagation, the column projections, their segments and the other split parameters. ``segments``: those
+        learnt already (a fused projection's parts, which its chunks held by several ranks do not show).
         """
         columns = self._with_packed_siblings(group)
         upstream = Ancestors([*(self.nodes[p.input] for p in group), *reads], self.index) if grow else set()
-        seed = seed or {}
-        segments: dict[str, tuple[int, ...]] = {}
+        seed, segments = seed or {}, dict(segments or {})
         params: dict[str, Shard] = dict(seed)
         traced_here: dict = {}
         for _ in range(8):
@@ -212,16 +212,17 @@ class _RegionFinder:
         return (bool(prop.rows) and not prop.refusals and not prop.steps_of(Operator.GATHER)
                 and not self.heads & set(prop.rows) and (allow_slices or not self._sliced(prop)))
 
-    def _shared(self, columns: list[Projection], failing: set[str], prop: Propagation) -> RegionMatch | None:
+    def _shared(self, columns: list[Projection], failing: set[str], prop: Propagation,
+                segments: dict[str, tuple[int, ...]]) -> RegionMatch | None:
         """The region with the ``failing`` projections (K/V whose heads tp does not divide) split into fewer chunks
         than ranks, each held by several ranks: the KV head the holders' query heads use (most chunks first)."""
         if any(p.packed is not None for p in columns if p.node in failing):
             return None  # a packed parameter's slices are split alike (one placement), never held by several ranks
         for chunks in [c for c in range(self.tp - 1, 1, -1) if self.tp % c == 0]:
             shared = {p.node: self.tp // chunks for p in columns if p.node in failing}
-            sub, _, segments, params = self.attempt(columns, self.tp, grow=False, shared=shared)
+            sub, _, learnt, params = self.attempt(columns, self.tp, grow=False, shared=shared, segments=segments)
             if self.closed(sub, allow_slices=False) and not sub.violations and set(sub.rows) == set(prop.rows):
-                return self.match(columns, sub, segments, params, shared=shared)
+                return self.match(columns, sub, learnt, params, shared=shared)
         return None
 
     def match(self, columns: list[Projection], prop: Propagation, segments: dict, params: dict,
@@ -348,15 +349,23 @@ class _RegionFinder:
             return full
         failing = set().union(*(v.origins for v in prop.violations))
         kept = [p for p in columns if p.node not in failing]
-        if kept and len(kept) < len(columns):
-            shared = self._shared(columns, failing, prop)
+        if (kept or _fused_alone(columns, segments)) and len(kept) < len(columns):
+            shared = self._shared(columns, failing, prop, segments)
             if shared is not None:
                 return shared
+        if kept and len(kept) < len(columns):
             sub, _, sub_segments, sub_params = self.attempt(kept, self.tp, grow=False)
             if self.closed(sub, allow_slices=True) and not sub.violations and set(sub.rows) == set(prop.rows):
                 return self.match(kept, sub, sub_segments, sub_params,
                                   replicated=[p.node for p in columns if p not in kept])
         return full
+
+
+def _fused_alone(columns: list[Projection], segments: dict[str, tuple[int, ...]]) -> bool:
+    """Whether ``columns`` is one projection whose output holds several parts (a fused QKV): its parts cannot be
+    held apart, so where K/V's heads are fewer than the ranks the whole projection is held by several ranks per
+    chunk, and each narrows its queries to its own heads where they meet the keys (``steps.narrow``)."""
+    return len(columns) == 1 and len(segments.get(columns[0].node, ())) > 1
 
 
 _KEPT = 16

@@ -48,7 +48,11 @@ def reshape(node: fx.Node, ins: Inputs, ctx: Context, x: fx.Node, lay: Shard) ->
         if 0 <= index < len(node.args[2]) and isinstance(node.args[2][index], int) and node.args[2][index] != -1:
             fixes[(2, index)] = node.args[2][index] // chunks
     shape = ", ".join(str(d) if isinstance(d, int) else "?" for d in sizes(node))
-    return Decision(new, fixes=fixes, checks=size_checks(new, f"dim {new.dim} of the reshape to ({shape})"))
+    what = f"dim {new.dim} of the reshape to ({shape})"
+    parts = len(new.segments) if len(new.segments) > 1 else new.blocks if isinstance(new.blocks, int) else 1
+    if parts != 1:  # the sizes checked are one part's each, not the dim's: say so
+        what += f" per part (it holds {parts} parts side by side, each split alike)"
+    return Decision(new, fixes=fixes, checks=size_checks(new, what))
 
 
 @on_split_input
@@ -154,8 +158,8 @@ def slice_(node: fx.Node, ins: Inputs, ctx: Context, x: fx.Node, lay: Shard) -> 
     step = arg_or_default(node, 4, "step", 1)
     if dim != lay.dim:
         return Decision(lay)
-    if lay.replicas != 1:
-        return replicate_all(node, ins, ctx)
+    if lay.replicas != 1 and (step != 1 or static(lay.size) is None):
+        return replicate_all(node, ins, ctx)  # chunks several ranks hold: only whole segments are taken apart
     if static(lay.size) is None:  # split along the sequence: only a slice keeping all of it keeps the split
         everything = start in (None, 0) and step == 1 and end in (None, sys.maxsize)
         return Decision(lay) if everything else replicate_all(node, ins, ctx)
@@ -173,15 +177,17 @@ def slice_(node: fx.Node, ins: Inputs, ctx: Context, x: fx.Node, lay: Shard) -> 
 
 
 def _segment_slice(node: fx.Node, ins: Inputs, ctx: Context, lay: Shard, start: int, end: int) -> Decision:
-    """A slice of whole segments (Q, K or V of a fused projection) is those segments, at local offsets;
-    a slice elsewhere asks for the projection to be split in segments cut where it cuts (the hint)."""
+    """A slice of whole segments (Q, K or V of a fused projection) is those segments, at local offsets (held by
+    as many ranks as the value's chunks are); a slice elsewhere asks for the projection to be split in segments
+    cut where it cuts (the hint)."""
     bounds = [sum(lay.segments[:i]) for i in range(len(lay.segments) + 1)]
     if start in bounds and end in bounds and start < end:
         i, j = bounds.index(start), bounds.index(end)
-        fixes = {(2,): start // ctx.tp} if start else {}
+        chunks = lay.chunks(ctx.tp)
+        fixes = {(2,): start // chunks} if start else {}
         if len(node.args) > 3 and node.args[3] is not None and end < lay.size:
-            fixes[(3,)] = end // ctx.tp
-        return Decision(Shard(lay.dim, lay.segments[i:j]), fixes=fixes)
+            fixes[(3,)] = end // chunks
+        return Decision(Shard(lay.dim, lay.segments[i:j], replicas=lay.replicas), fixes=fixes)
     decision = replicate_all(node, ins, ctx)
     cuts = sorted(set(bounds) | {start, end})
     decision.hint = tuple(b - a for a, b in zip(cuts, cuts[1:]) if b > a)
@@ -222,6 +228,8 @@ def cat(node: fx.Node, ins: Inputs, ctx: Context) -> Decision:
     if not sharded:
         return Decision(None)
     lays = {lay for _, _, lay in sharded}
+    if any(rank(n) != rank(node) for n, _ in ins.values()):
+        return replicate_all(node, ins, ctx)  # a part of another rank (an empty 1-D tensor, which torch.cat skips)
     dim = norm_dim(arg_or_default(node, 1, "dim", 0), rank(node))
     # a whole part no gradient reaches (BEiT's zero key bias between split query and value biases) is sliced
     # for free, as if split there

@@ -10,6 +10,7 @@ by the same ``Operator`` (``autotp.rewrite.collectives.IMPLEMENTATIONS``).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from enum import Enum
 
@@ -37,6 +38,10 @@ class Operator(str, Enum):
     GATHER_TO_REGION = "gather_to_region"
     """A gather, then ``f``, fused (sequence parallelism's way into a column-split region): all-gather forward,
     reduce-scatter of the gradient backward (half the bytes of ``f``'s all-reduce)."""
+    NARROW = "narrow"
+    """Keep this rank's part of a chunk it holds with other ranks (``Shard.replicas``), the part a plain split
+    gives it: slice forward, no communication; backward, the gradient in that part and zeros in the rest of the
+    chunk (each holder's share, which the holders' sum makes whole)."""
     SHARED_GRAD = "shared_grad"
     """A parameter chunk several ranks hold (grouped-query attention's KV heads above their count): identity
     forward; backward, the holders' gradient shares summed (all-gather of the shares)."""
@@ -90,6 +95,7 @@ COMMUNICATION: dict[Operator, tuple[Communication, ...]] = {
                               Communication(CollectiveOp.ALL_GATHER, Direction.BACKWARD, at_source=True)),
     Operator.GATHER_TO_REGION: (Communication(CollectiveOp.ALL_GATHER, Direction.FORWARD, at_source=True),
                                 Communication(CollectiveOp.REDUCE_SCATTER, Direction.BACKWARD, at_source=True)),
+    Operator.NARROW: (),
     Operator.SHARED_GRAD: (Communication(CollectiveOp.ALL_GATHER, Direction.BACKWARD, at_source=True),),
     Operator.CROSS_ENTROPY: (Communication(CollectiveOp.ALL_GATHER, Direction.FORWARD, at_source=True),),
     Operator.RUNNING_STATS: (Communication(CollectiveOp.ALL_GATHER, Direction.FORWARD, at_source=True),),
@@ -98,7 +104,7 @@ COMMUNICATION: dict[Operator, tuple[Communication, ...]] = {
 
 @dataclass(frozen=True)
 class Step:
-    """One conversion on an edge: ``F`` (no shard), or ``GATHER``/``SCATTER`` of ``shard``."""
+    """One conversion on an edge: ``F`` (no shard), or ``GATHER``/``SCATTER``/``NARROW`` of ``shard``."""
 
     operator: Operator
     shard: Shard | None = None
@@ -110,7 +116,7 @@ class Step:
             raise ValueError(f"step {self.operator.value} needs a shard iff it gathers or slices, got {self.shard}")
 
 
-CONVERSIONS = frozenset({Operator.F, Operator.GATHER, Operator.SCATTER, Operator.GATHER_TO_REGION})
+CONVERSIONS = frozenset({Operator.F, Operator.GATHER, Operator.SCATTER, Operator.GATHER_TO_REGION, Operator.NARROW})
 """The operators that convert a value on an edge (the others reduce a node's own output)."""
 
 COPY = Step(Operator.F)
@@ -125,6 +131,19 @@ def gather(shard: Shard) -> Step:
 def scatter(shard: Shard) -> Step:
     """Keep this rank's part (as ``shard``) of a whole value."""
     return Step(Operator.SCATTER, shard)
+
+
+def narrow(shard: Shard) -> Step:
+    """Keep this rank's part, as a plain split (``replicas`` 1), of a value split as ``shard``, whose chunks
+    several ranks hold."""
+    return Step(Operator.NARROW, shard)
+
+
+def narrows(have, want) -> bool:
+    """Whether ``want`` is ``have``'s plain split, which ``narrow`` reaches without communication: ``have`` a
+    chunk several ranks hold (not spread, not in blocks), ``want`` the same split with one rank per chunk."""
+    return (isinstance(have, Shard) and isinstance(want, Shard) and have.replicas != 1 and not have.spread
+            and have.blocks == 1 and want == dataclasses.replace(have, replicas=1))
 
 
 def fused(steps: tuple[Step, ...]) -> tuple[Step, ...]:

@@ -88,3 +88,18 @@ def test_a_forward_taking_use_cache_through_kwargs_is_captured_without_its_cache
     captured = capture(model, (torch.randn(2, 3, 8),))
     assert [n.op for n in captured.graph.nodes].count("output") == 1
     assert model.config.use_cache is True  # the user's model untouched
+
+
+class _PolicyKeywordsOnlyLM(_KeywordsOnlyLM):
+    """The same, its config keeping ``use_cache`` two levels down (a policy's language model's text config, PI0's)."""
+
+    def __init__(self):
+        super().__init__()
+        text = type("TextConfig", (), {"use_cache": True})()
+        language = type("LanguageConfig", (), {"sub_configs": {"text_config": object}, "text_config": text})()
+        self.config = type("PolicyConfig", (), {"sub_configs": {"vlm_config": object}, "vlm_config": language})()
+
+
+def test_use_cache_is_passed_where_only_a_nested_sub_config_has_it():
+    captured = capture(_PolicyKeywordsOnlyLM(), (torch.randn(2, 3, 8),))
+    assert [n.op for n in captured.graph.nodes].count("output") == 1

@@ -90,3 +90,25 @@ def test_plan_for_another_tp_is_refused():
     plan = autotp.plan(model, tp=2, example_inputs=EXAMPLE)
     with pytest.raises(autotp.PlanError, match="made for tp=2"):
         autotp.parallelize(model, tp=1, example_inputs=EXAMPLE, plan=plan)
+
+
+class _HeadsInBlocks(nn.Module):
+    """Two heads of 16 per slot, two slots folded into the heads dim (JetMoE's queries per expert slot): the heads
+    dim holds 2 parts of 2 heads, so tp=4 cannot split it."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(64, 32), nn.Linear(32, 64)
+
+    def forward(self, x):
+        b, t, slots, _ = x.shape
+        h = torch.softmax(self.up(x).view(b, t, slots * 2, 16), dim=-1)
+        return self.down(h.view(b, t, slots, 32))
+
+
+def test_a_size_checked_per_part_says_so():
+    with pytest.raises(autotp.PlanError) as err:
+        autotp.plan(_HeadsInBlocks(), tp=4, example_inputs=(torch.randn(2, 3, 2, 64),))
+    text = str(err.value)
+    assert "reshape to (?, 3, 4, 16) per part (it holds 2 parts side by side, each split alike)" in text, text
+    assert "has size 2" in text and "Valid tp values for this model: 1, 2" in text, text

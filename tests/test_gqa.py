@@ -118,3 +118,74 @@ def test_a_per_head_norm_weight_of_shared_kv_heads_is_shared_like_them():
     assert report.exact, str(report)
     assert report.plan.placements["norm_weight"] == Placement("colwise", 0, (), replicas=2)
     assert report.plan.placements["norm_bias"] == Placement("colwise", 0, (), replicas=2)
+
+
+class _ValueBiasAttention(torch.nn.Module):
+    """Attention with 2 KV heads whose values' features feed a small projection giving each KV head a bias per key
+    (Doge's dynamic mask): at tp=4 that projection reads chunks two ranks hold, each narrowing to its plain part."""
+
+    def __init__(self, width: int = 64, heads: int = 4, kv: int = 2):
+        super().__init__()
+        self.heads, self.kv, self.dim = heads, kv, width // heads
+        self.q = torch.nn.Linear(width, width, bias=False)
+        self.k = torch.nn.Linear(width, kv * self.dim, bias=False)
+        self.v = torch.nn.Linear(width, kv * self.dim, bias=False)
+        self.dt = torch.nn.Linear(kv * self.dim, kv)
+        self.o = torch.nn.Linear(width, width, bias=False)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        group = self.heads // self.kv
+        q = self.q(x).view(b, t, self.heads, self.dim).transpose(1, 2)
+        k = self.k(x).view(b, t, self.kv, self.dim).transpose(1, 2)
+        v = self.v(x).view(b, t, self.kv, self.dim).transpose(1, 2)
+        bias = self.dt(v.transpose(1, 2).reshape(b, t, -1)).transpose(1, 2)  # [b, kv, keys]
+        bias = bias[:, :, None, None, :].expand(b, self.kv, group, t, t).reshape(b, self.heads, t, t)
+        k = k[:, :, None].expand(b, self.kv, group, t, self.dim).reshape(b, self.heads, t, self.dim)
+        v = v[:, :, None].expand(b, self.kv, group, t, self.dim).reshape(b, self.heads, t, self.dim)
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+        return self.o(y.transpose(1, 2).reshape(b, t, -1))
+
+
+@pytest.mark.parametrize("tp, holders", [(2, 1), (4, 2)])
+def test_a_projection_of_shared_value_heads_is_split_by_rows(tp, holders):
+    """The bias projection reads V's features: split by rows at both tp, at tp=4 from the chunks two ranks hold."""
+    torch.manual_seed(0)
+    report = autotp.check(_ValueBiasAttention(), tp, torch.randn(2, 8, 64))
+    assert report.exact, str(report)
+    assert report.plan.placements["dt.weight"] == Placement("rowwise", 1)
+    assert report.plan.placements["v.weight"] == Placement("colwise", 0, (), replicas=holders)
+
+
+class _FusedQKVAttention(torch.nn.Module):
+    """Attention with 4 query heads and 2 KV heads from one fused projection (Phi-3's ``qkv_proj``), sliced."""
+
+    def __init__(self, width: int = 64, heads: int = 4, kv: int = 2):
+        super().__init__()
+        self.heads, self.kv, self.dim = heads, kv, width // heads
+        self.qkv = torch.nn.Linear(width, width + 2 * kv * self.dim, bias=False)
+        self.o = torch.nn.Linear(width, width, bias=False)
+
+    def forward(self, x):
+        b, t, width = x.shape
+        group, kv_width = self.heads // self.kv, self.kv * self.dim
+        qkv = self.qkv(x)
+        q = qkv[..., :width].view(b, t, self.heads, self.dim).transpose(1, 2)
+        k = qkv[..., width:width + kv_width].view(b, t, self.kv, self.dim).transpose(1, 2)
+        v = qkv[..., width + kv_width:].view(b, t, self.kv, self.dim).transpose(1, 2)
+        k = k[:, :, None].expand(b, self.kv, group, t, self.dim).reshape(b, self.heads, t, self.dim)
+        v = v[:, :, None].expand(b, self.kv, group, t, self.dim).reshape(b, self.heads, t, self.dim)
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(y.transpose(1, 2).reshape(b, t, -1))
+
+
+@pytest.mark.parametrize("tp, holders", [(2, 1), (4, 2)])
+def test_a_fused_qkv_past_its_kv_heads_is_held_by_several_ranks_per_chunk(tp, holders):
+    """At tp=4 the fused projection's K/V segments have 2 heads: every segment is cut in 2 chunks held by 2 ranks
+    each, and each rank narrows its queries to its own head where they meet the keys; the output projection is
+    split 4 ways."""
+    torch.manual_seed(0)
+    report = autotp.check(_FusedQKVAttention(), tp, torch.randn(2, 8, 64))
+    assert report.exact, str(report)
+    assert report.plan.placements["qkv.weight"] == Placement("colwise", 0, (64, 32, 32), replicas=holders)
+    assert report.plan.placements["o.weight"] == Placement("rowwise", 1)

@@ -165,3 +165,22 @@ def test_a_value_of_no_elements_read_through_f_plans_and_checks_exactly():
     report = autotp.check(_RotaryPartOfSizeZero(), 2, torch.randn(2, 8, 64))
     assert report.exact, str(report)
     assert report.plan.placements["kv_b.weight"].is_split and report.plan.placements["o.weight"].is_split
+
+
+class _CatWithEmptyPart(torch.nn.Module):
+    """A split value concatenated after an empty 1-D tensor, which torch.cat skips (PI0 builds its prefix so)."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(16, 32), torch.nn.Linear(32, 16)
+
+    def forward(self, x):
+        return self.down(torch.cat([x.new_zeros(0), torch.relu(self.up(x))], dim=-1))
+
+
+def test_a_cat_with_a_part_of_another_rank_is_planned_and_exact():
+    import autotp
+
+    torch.manual_seed(0)
+    report = autotp.check(_CatWithEmptyPart(), 2, torch.randn(2, 3, 16))
+    assert report.exact, str(report)

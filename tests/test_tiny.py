@@ -233,3 +233,28 @@ def test_an_adapter_into_the_text_model_takes_the_text_width():
     """Dots 3 Note's vision and audio adapters project into the text model: their output widths follow it."""
     config = tiny_config("dots3_note")
     assert config.vision_config.adapter_out_dim == config.audio_config.adapter_out_dim == config.text_config.hidden_size
+
+
+def test_layer_indices_a_validation_finds_past_the_tiny_tower_move_into_it_in_order():
+    """molmo2's validation says ``adapter_config.vision_feature_layer [24, 18] must index the 2 layers of
+    vision_config``: the deepest index becomes the last layer, the next the one below."""
+    from autotp.tools.tiny_repairs import apply_required
+
+    small = {"adapter_config": {}}
+    message = "`adapter_config.vision_feature_layer` [24, 18] must index the 2 layers of `vision_config`."
+    assert apply_required(small, message, {}) and small["adapter_config"]["vision_feature_layer"] == [1, 0]
+    config = tiny_config("molmo2")
+    assert config.adapter_config.vision_feature_layer == [1, 0] and config.vision_config.num_hidden_layers == 2
+
+
+def test_a_layer_count_that_counts_per_stage_lists_takes_their_length_where_they_are():
+    """muse_spark's audio tower says ``patch_sizes, hidden_sizes and depths must have one entry per layer, got 4, 4
+    and 4 for num_hidden_layers=2``: the count is set in the sub-config holding the lists, not the text model's."""
+    from autotp.tools.tiny_repairs import apply_required
+
+    small = {"text_config": {"num_hidden_layers": 2}, "audio_config": {"depths": [2, 2, 2, 2], "num_hidden_layers": 2}}
+    message = ("`patch_sizes`, `hidden_sizes` and `depths` must have one entry per layer, got 4, 4 and 4 for "
+               "`num_hidden_layers`=2.")
+    assert apply_required(small, message, {})
+    assert small == {"text_config": {"num_hidden_layers": 2}, "audio_config": {"depths": [2, 2, 2, 2],
+                                                                              "num_hidden_layers": 4}}

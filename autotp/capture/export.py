@@ -141,12 +141,22 @@ def model_kwargs(model: nn.Module) -> dict:
     which makes a Hugging Face model traceable. A forward that takes ``use_cache`` only through ``**kwargs``
     gets it when its config (or its text sub-config) has one (such models pass their keyword arguments down to the decoder)."""
     signature = Signature.of(model)
-    config = getattr(model, "config", None)
-    # a multimodal config keeps use_cache in its text sub-config, which its forward passes the kwargs down to
-    text = getattr(config, "get_text_config", None)
-    config_has_it = hasattr(config, "use_cache") or (callable(text) and hasattr(text(), "use_cache"))
-    takes_it = "use_cache" in signature.keywords or (signature.var_keyword and config_has_it)
+    # a multimodal config keeps use_cache in a sub-config (its text model's, a policy's language model's), which
+    # its forward passes the kwargs down to
+    takes_it = "use_cache" in signature.keywords or (signature.var_keyword
+                                                     and _sets_use_cache(getattr(model, "config", None)))
     return {"use_cache": False} if takes_it else {}
+
+
+def _sets_use_cache(config, depth: int = 3) -> bool:
+    """Whether ``config`` or one of its sub-configs (a few levels down) has ``use_cache``."""
+    if config is None or depth == 0:
+        return False
+    text = getattr(config, "get_text_config", None)
+    if hasattr(config, "use_cache") or (callable(text) and hasattr(text(), "use_cache")):
+        return True
+    subs = (getattr(config, name, None) for name in getattr(type(config), "sub_configs", {}) or {})
+    return any(_sets_use_cache(sub, depth - 1) for sub in subs)
 
 
 def _user_frame(exc: BaseException) -> str:

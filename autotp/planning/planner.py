@@ -90,6 +90,19 @@ def _whole_convolution_notes(analysis: Analysis, by_target: dict[str, Placement]
     return notes
 
 
+def _shared_note(analysis: Analysis, region: RegionMatch, tp: int) -> str:
+    """What a region whose K/V heads tp exceeds keeps: each rank the KV heads its query heads use, and a fused
+    projection (all of the region's columns) its queries too, each chunk held by several ranks."""
+    holders = max(n for _, n in region.shared)
+    layers = ", ".join(analysis.layer(n) for n, _ in region.shared)
+    if len(region.shared) == len(region.columns):
+        return (f"{layers}: tp={tp} exceeds the heads of its K/V parts, so each of its parts is cut in {tp // holders} "
+                f"chunks held by {holders} ranks each (the KV heads the holders' query heads use), each rank taking its "
+                "own query heads where they meet the keys, and its gradient is summed over the holders")
+    return (f"{layers}: tp={tp} exceeds their heads, so each rank keeps only the heads its query heads use, {holders} "
+            "ranks per head, and their gradients are summed over those ranks")
+
+
 def _valid_tp(analysis: Analysis, regions: list[RegionMatch]) -> list[int]:
     """Every tp at which each region splits. The sizes one tp checks are not those another does (past the KV
     heads, ranks share K/V instead of splitting them), so each candidate (a divisor of a size checked here)
@@ -372,10 +385,7 @@ def make_plan(captured: Captured, options: Options = Options(), machine: Machine
             notes.append(f"{analysis.layer(region.rows[0])} split alone by its input features ({made}, its output "
                          f"all-reduced), as no column split closes around it: {region.why}")
         if region.shared:
-            holders = max(n for _, n in region.shared)
-            notes.append(f"{', '.join(analysis.layer(n) for n, _ in region.shared)}: tp={tp} exceeds their heads, so "
-                         f"each rank keeps only the heads its query heads use, {holders} ranks per head, and their "
-                         "gradients are summed over those ranks")
+            notes.append(_shared_note(analysis, region, tp))
         kept = tuple(analysis.layer(n) for n in region.replicated)
         if kept:
             notes.append(f"{', '.join(kept)} kept replicated: tp={tp} does not divide their heads; "

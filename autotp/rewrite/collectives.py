@@ -6,7 +6,8 @@
 ``ScatterToTP``: keep-own-slice forward, all-gather backward; when a whole value meets a split one.
 ``OutputGather``: a ``GatherFromTP`` at the model's output, which a training step may defer.
 ``ReduceScatterToTP`` and ``GatherToRegion``: sequence parallelism's ``g`` and the gather into a region.
-``GatherShared``, ``ScatterShared``, ``SharedGrad``: the same for chunks several ranks hold (``Shard.replicas``).
+``GatherShared``, ``ScatterShared``, ``SharedGrad``: the same for chunks several ranks hold (``Shard.replicas``);
+``Narrow`` keeps a rank's plain part of such a chunk, with no communication.
 ``VocabParallelCrossEntropy``: Megatron's cross-entropy over class-split logits (the logits never gathered).
 
 ``IMPLEMENTATIONS`` maps each ``Operator`` (whose wire behaviour ``autotp.passes.steps.COMMUNICATION``
@@ -128,6 +129,23 @@ class _ScatterShared(torch.autograd.Function):
         return assemble(_groups(comm, comm.all_gather(grad), replicas), dim, segments), None, None, None, None
 
 
+class _Narrow(torch.autograd.Function):
+    """Keep this rank's part (its plain split's) of the chunk it shares with others; backward, the gradient in that
+    part and zeros in the rest of the chunk: each holder's share, their sum the chunk's gradient."""
+
+    @staticmethod
+    def forward(ctx, x, dim, segments, comm, replicas):
+        local = tuple(s // (comm.size // replicas) for s in segments)  # the chunk's segments, as this rank has them
+        ctx.args = (dim, local, replicas, comm.rank % replicas)
+        return local_shard(x, dim, local, comm.rank % replicas, replicas)
+
+    @staticmethod
+    def backward(ctx, grad):
+        dim, local, replicas, mine = ctx.args
+        parts = [grad if i == mine else torch.zeros_like(grad) for i in range(replicas)]
+        return assemble(parts, dim, local), None, None, None, None
+
+
 class _SharedGrad(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, comm, replicas):
@@ -233,6 +251,12 @@ class ScatterShared(_OnShared):
     """Keep the chunk this rank shares; backward, the holders' gradient shares summed and all-gathered."""
 
     function = _ScatterShared
+
+
+class Narrow(_OnShared):
+    """Keep this rank's plain part of a chunk several ranks hold (no communication); backward, zeros elsewhere."""
+
+    function = _Narrow
 
 
 class SharedGrad(_Collective):
@@ -364,6 +388,7 @@ IMPLEMENTATIONS: dict[Operator, Callable[[Communicator, Shard | None], nn.Module
     Operator.SCATTER: lambda comm, shard: (ScatterToTP(comm, *split_args(shard)) if shard.replicas == 1 else
                                            ScatterShared(comm, shard.dim, shard.segments, shard.replicas)),
     Operator.SHARED_GRAD: lambda comm, shard: SharedGrad(comm, shard.replicas),
+    Operator.NARROW: lambda comm, shard: Narrow(comm, shard.dim, runtime_segments(shard.segments), shard.replicas),
     Operator.REDUCE_SCATTER: lambda comm, shard: ReduceScatterToTP(comm, *split_args(shard)),
     Operator.GATHER_TO_REGION: lambda comm, shard: GatherToRegion(comm, *split_args(shard)),
     Operator.RUNNING_STATS: lambda comm, shard: ChannelBatchNorm(comm, split_args(shard)[1]),

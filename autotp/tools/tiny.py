@@ -64,7 +64,7 @@ TINY_EXTRA = {
     # 32 groups, a constant of the model)
     "base_channels": 32,
     # learned queries a Q-Former reads the image with (each a token of the text model's input)
-    "num_query_tokens": 8,
+    "num_query_tokens": 8, "latent_query_num": 8,
 }
 """Fields besides ``SMALL_HF``'s that size a model, shrunk where the architecture has them."""
 

@@ -55,5 +55,9 @@ TYPE_OVERRIDES = {
     # on loading): one layer per section, so the looped section exists and is looped
     "dory": {"num_hidden_layers": 6, "n_input_layers": 2, "n_recurrent_layers": 2, "n_output_layers": 2,
              "layer_types": ["sliding_attention", "mlp", "sliding_attention", "mlp", "full_attention", "mlp"]},
+    # its rotary embedding reads sections the default config does not set, defaulting to those of the full head
+    # (16 + 24 + 24 of 64 rotary pairs): the tiny head's 8 pairs in the same proportions
+    "paddleocr_vl": {"text_config": {"rope_parameters": {"rope_type": "default", "rope_theta": 500000.0,
+                                                         "mrope_section": [2, 3, 3]}}},
 }
 """Sizes that one architecture ties together in a way no general rule reads (its validation says which)."""

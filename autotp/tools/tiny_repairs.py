@@ -29,6 +29,24 @@ _DIVISOR = re.compile(r"`?[\w.]+`? \((?P<size>\d+)\) (?:must|should) be divisibl
 channels shrunk more than their group count): the field takes the largest value dividing both."""
 
 
+_INDICES = re.compile(r"`?(?:config\.)?(?P<field>[\w.]+)`? \[(?P<values>-?\d+(?:, -?\d+)*)\] must index the "
+                      r"(?P<count>\d+) layers")
+"""Layer indices (Molmo2's ``vision_feature_layer``, ``[24, 18]``) past the layers a tiny tower has: each takes the
+layer of its rank among them counted from the last, so the deepest stays the last layer."""
+
+
+def _within(values: list[int], count: int) -> list[int]:
+    """``values`` (layer indices) moved into ``count`` layers, their order kept: the largest the last layer, the next
+    below it, and so on (never below the first)."""
+    ranked = sorted(set(values), reverse=True)
+    return [max(0, count - 1 - ranked.index(v)) for v in values]
+
+
+_PER_STAGE = re.compile(r"(?P<lists>`\w+`(?:, `\w+`)* and `\w+`) must have one entry per layer, got (?P<value>\d+)"
+                        r"(?:, \d+)* and (?P=value) for `(?P<field>\w+)`=\d+")
+"""A layer count that counts the stages of per-stage lists (``patch_sizes``, ``hidden_sizes`` and ``depths``, kept
+at their stage count): it takes the lists' length, in the (sub-)config that holds them."""
+
 _TIED = re.compile(r"`?(?P<field>\w+)`? must (?:equal|match) `?(?P<a>[a-z_]\w*)`?(?: \+ `?(?P<b>[a-z_]\w*)`?)?(?! \()")
 """A size that must equal another field, or the sum of two (a head of a non-rotary and a rotary part), named
 without values."""
@@ -75,6 +93,9 @@ def _requirement(message: str) -> tuple[str, object] | None:
         if match:
             text = match["value"]
             return match["field"], _LITERALS[text] if text in _LITERALS else int(text)
+    match = _INDICES.search(message)
+    if match:
+        return match["field"], _within([int(v) for v in match["values"].split(", ")], int(match["count"]))
     match = _DIVISOR.search(message)
     if match:
         return match["field"], math.gcd(int(match["size"]), int(match["value"]))
@@ -98,6 +119,13 @@ def apply_required(small: dict, message: str, sizes: dict, defaults: dict | None
             # a config without key-value heads has one per attention head
             same = target.get("num_attention_heads") if name == "num_key_value_heads" else None
             target[name] = same if isinstance(same, int) else sizes[name] if name in sizes else held
+            return True
+    staged = _PER_STAGE.search(message)
+    if staged:
+        holder = next((h for name in re.findall(r"`(\w+)`", staged["lists"])
+                       if (h := _holding(small, name)) is not None), None)
+        if holder is not None and holder.get(staged["field"]) != int(staged["value"]):
+            holder[staged["field"]] = int(staged["value"])
             return True
     tied = _TIED.search(message)
     if tied:  # head_dim must equal qk_nope_head_dim + qk_rope_head_dim: the parts' sum as they now are
@@ -135,3 +163,11 @@ def _holder(small: dict, part: str) -> dict:
             if isinstance(found.get(part), dict):
                 return found
     return small
+
+
+def _holding(small: dict, name: str) -> dict | None:
+    """The (sub-)config dict in ``small`` that sets ``name``, the top one first; None if none does."""
+    if name in small:
+        return small
+    return next((found for v in small.values() if isinstance(v, dict) and (found := _holding(v, name)) is not None),
+                None)

@@ -110,7 +110,8 @@ def vision_text_inputs(model: nn.Module) -> tuple | dict:
     """Token ids alone where the forward runs on them (the vision tower built but not reached); else, by keyword,
     what the forward's signature asks for: images where it requires them, its main input is images, or it refuses
     text alone; every other required ``*input_ids`` (a Q-Former's) as the token ids; decoder ids for an
-    encoder-decoder; a box per token where it takes ``bbox``."""
+    encoder-decoder; a box per token where it takes ``bbox``; each token's modality (``mm_token_type_ids``, all
+    text) where the forward requires it; the places of an image's latent queries where it takes them."""
     (ids,) = token_ids(model)
     parameters = inspect.signature(model.forward).parameters
     required = {k for k, p in parameters.items()
@@ -130,10 +131,18 @@ def vision_text_inputs(model: nn.Module) -> tuple | dict:
         text |= flattened_patches(model.config)
     if getattr(model.config, "is_encoder_decoder", False) and "decoder_input_ids" in parameters:
         text["decoder_input_ids"] = ids[:, : EXAMPLE_SEQ // 2]
+    latents = getattr(model.config, "latent_query_num", None)
+    if "image_embeds_position_mask" in parameters and isinstance(latents, int):
+        # the image's latent queries take the places the mask marks, after the first token (Kosmos-2's layout)
+        text["image_embeds_position_mask"] = torch.zeros_like(ids)
+        text["image_embeds_position_mask"][:, 1:1 + latents] = 1
     if "bbox" in parameters:
         text["bbox"] = _boxes(ids)
     if getattr(model, "main_input_name", "") == "state":
         text |= {k: v for k, v in policy_inputs(model.config).items() if k in parameters}
+    types = {k: torch.zeros_like(ids) for k in parameters if k.endswith("token_type_ids") and k not in text}
+    if types and not _runs(model, text) and _runs(model, text | types):
+        text |= types  # each token's modality (all text here), which a forward may require in training
     if not needs_images and takes_images and not _runs(model, text):
         needs_images = True  # it refuses text alone (an image-conditioned decoder)
     if not needs_images:
