@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 from autotp.passes.dead_ends import DeadEndWatch, Unexplained, shared_from
 from autotp.passes.graph import grad_nodes
+from autotp.passes.group_splits import lone_grouped_convolutions
 from autotp.passes.origins import Ancestors, SourceGraph, repeated, trace
 from autotp.passes.placement import Shard
 from autotp.passes.projections import Projection, packed_by_weight, packed_segments
@@ -409,5 +410,8 @@ def find_regions(graph: fx.Graph, projections: dict[str, Projection], embeddings
     search.regions += rows
     claimed.update(n for r in rows for n in r.rows)
     search.unmatched = [(kept, why) for nodes, why in search.unmatched if (kept := tuple(n for n in nodes if n not in claimed))]
+    placed = {projections[n].weight for n in claimed if n in projections} | {t for r in search.regions for t, _ in r.params}
+    search.regions += lone_grouped_convolutions(graph, projections, embeddings, trainable, tp, finder.grad, finder.index,
+                                                finder.decisions, placed)
     return search
 

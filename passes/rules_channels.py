@@ -36,17 +36,55 @@ def _like_input(ins: Inputs, params: tuple, segments: tuple[int, ...]) -> Decisi
     return Decision(Shard(1, segments), wants=wants)
 
 
-@on_split_input
-def grouped_conv(node: fx.Node, ins: Inputs, ctx: Context, x: fx.Node, lay: Shard) -> Decision:
+def grouped_conv(node: fx.Node, ins: Inputs, ctx: Context) -> Decision:
+    """A grouped convolution split by whole groups: from its input's channels (``by_input``) or, its input whole,
+    from its weight's output channels (``by_weight``). A dense one (one group) or a transposed one reaching here
+    is kept whole: a dense one is split as a projection when it is."""
+    x, lay = ins[(0,)]
+    weight, weight_lay = ins[(1,)]
+    transposed = node.target is aten.convolution.default and node.args[6]
+    if conv_groups(node) == 1 or transposed:
+        return replicate_all(node, ins, ctx)
+    if isinstance(lay, Shard):
+        return _by_input(node, ins, ctx, x, lay)
+    if isinstance(weight_lay, Shard):
+        return _by_weight(node, ins, ctx, x, weight_lay)
+    return replicate_all(node, ins, ctx)
+
+
+def _by_weight(node: fx.Node, ins: Inputs, ctx: Context, x: fx.Node, lay: Shard) -> Decision:
+    """A grouped convolution of a whole input by a weight split along its output channels by whole groups (a
+    weight-normalised positional convolution, wav2vec2's, split alone): the output channels of this rank's groups
+    read only those groups' input channels, so each rank slices its groups' channels of the input (no
+    communication forward; its gradient is all-gathered backward) and convolves them, its output split along its
+    channels. The bias is split with the output channels."""
+    weight = ins[(1,)][0]
+    groups, spatial = conv_groups(node), rank(weight) - 2
+    if lay.dim != 0 or rank(x) != spatial + 2 or lay.blocks != 1 or lay.replicas != 1 or lay.spread:
+        return replicate_all(node, ins, ctx)
+    per_group_in, per_group_out = sizes(x)[1] // groups, sizes(weight)[0] // groups
+    if any(s % per_group_out for s in lay.segments):
+        return replicate_all(node, ins, ctx)  # a part would cut a group
+    in_segments = tuple(s // per_group_out * per_group_in for s in lay.segments)
+    wants = {(0,): Shard(1, in_segments)}
+    if (2,) in ins:
+        bias = ins[(2,)][1]
+        if isinstance(bias, Shard) and bias != Shard(0, lay.segments):
+            return replicate_all(node, ins, ctx)
+        if bias is None:
+            wants[(2,)] = Shard(0, lay.segments)
+    return Decision(Shard(1, lay.segments), wants=wants, fixes={(CONVOLUTIONS[node.target],): groups // ctx.tp},
+                    checks=[(s // per_group_out, "groups of the convolution") for s in lay.segments])
+
+
+def _by_input(node: fx.Node, ins: Inputs, ctx: Context, x: fx.Node, lay: Shard) -> Decision:
     """A grouped convolution (depthwise: one group per channel, as in MobileNet's blocks and Mamba's mixers) with
     its input channels split so that each rank holds whole groups: each rank convolves its own groups with its
-    rows of the weight, ``groups`` becoming local. A dense one (one group) reaching here is kept whole: it is
-    split as a projection when it is."""
+    rows of the weight, ``groups`` becoming local."""
     weight, _ = ins[(1,)]
     groups = conv_groups(node)
     spatial = rank(weight) - 2
-    transposed = node.target is aten.convolution.default and node.args[6]
-    if groups == 1 or transposed or not _channels(node, x, lay, spatial):
+    if not _channels(node, x, lay, spatial):
         return replicate_all(node, ins, ctx)
     per_group_in, per_group_out = sizes(x)[1] // groups, sizes(weight)[0] // groups
     if any(s % per_group_in for s in lay.segments):

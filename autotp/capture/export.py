@@ -43,6 +43,7 @@ from autotp.capture.torch_private import (
     output_spec,
     plain_sizes,
 )
+from autotp.capture.weight_norms import expand_weight_norms
 from autotp.capture.weight_writes import FAKE_CONSTANT, weight_write
 from autotp.errors import CaptureError, InputError, TrainingSettingError
 from autotp.passes.analysis import Analysis
@@ -397,6 +398,7 @@ def capture(model: nn.Module, example_inputs, training: bool | None = None) -> C
     signature = Signature.of(model)
     _check_inputs_read(gm, example, signature)
     inline_no_grad(gm)
+    expand_weight_norms(gm)
     aliases = tensor_aliases(model)
     _merge_tied_reads(gm, aliases)
     _meta_devices_to_cpu(gm)
