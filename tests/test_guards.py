@@ -100,6 +100,37 @@ def test_a_layer_drop_rate_copied_from_the_config_is_named_by_its_config_field()
     assert refused.value.settings == {"encoder_layerdrop": 0}
 
 
+class _EncoderWithHead(nn.Module):
+    """A head over an encoder built from a config nested in the model's (a CTC head's ``encoder_config``)."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.encoder = _LayerDropStack(config.encoder_config)
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.head(self.encoder(x))
+
+
+def test_a_setting_of_a_nested_config_is_named_by_its_path_and_the_zoo_rebuilds_with_it():
+    """The encoder reads its own config, nested in the model's: the refusal names the setting by its path from the
+    model's config, and the zoo's re-check sets it there."""
+    transformers = pytest.importorskip("transformers")
+    from autotp.errors import TrainingSettingError
+    from autotp.tools.zoo import _with_settings
+
+    config = transformers.PretrainedConfig()
+    config.encoder_config = transformers.PretrainedConfig(encoder_layerdrop=0.1)
+    model = _EncoderWithHead(config)
+    with pytest.raises(TrainingSettingError, match=r"^set encoder_config.encoder_layerdrop=0 ") as refused:
+        capture(model, (_seeded(2, 16),), training=True)
+    assert refused.value.settings == {"encoder_config.encoder_layerdrop": 0}
+    rebuilt = _with_settings(model, refused.value.settings)
+    assert rebuilt.encoder.layerdrop == 0 and model.encoder.layerdrop == 0.1
+    capture(rebuilt, (_seeded(2, 16),), training=True)
+
+
 class _ClampsItsWeight(nn.Module):
     """A training forward that clamps its own weight outside autograd, as Gemma 3n's AltUp does."""
 
