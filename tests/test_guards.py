@@ -151,3 +151,40 @@ def test_a_forward_writing_into_a_weights_data_is_refused_naming_it_and_left_unc
         capture(model, _seeded(2, 16), training=True)
     assert torch.equal(model.proj.weight, before)  # the write was found, not made
     capture(model, _seeded(2, 16), training=False)  # in eval mode the forward makes no write
+
+
+class _MaskedSoftmax(torch.autograd.Function):
+    """SEW-D's ``XSoftmax``: a softmax whose masked entries are zeroed in place on its own output, with a
+    hand-written backward that never reads what autograd would have saved."""
+
+    @staticmethod
+    def forward(ctx, x, mask):
+        out = torch.softmax(x.masked_fill(mask, torch.finfo(x.dtype).min), -1)
+        out.masked_fill_(mask, 0)
+        ctx.save_for_backward(out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        (out,) = ctx.saved_tensors
+        return out * (grad - (grad * out).sum(-1, keepdim=True)), None
+
+
+class _ScoresModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        # no key bias: its true gradient is zero (a constant per query row under a softmax), only rounding
+        self.q, self.k = nn.Linear(16, 16), nn.Linear(16, 16, bias=False)
+
+    def forward(self, x):
+        scores = self.q(x) @ self.k(x).transpose(-1, -2)
+        mask = torch.ones(x.shape[1], x.shape[1], dtype=torch.bool).triu(1)
+        return _MaskedSoftmax.apply(scores, mask) @ x
+
+
+def test_a_function_writing_in_place_to_what_autograd_saves_is_captured_out_of_place():
+    torch.manual_seed(0)
+    model = _ScoresModel()
+    captured = capture(model, (_seeded(2, 6, 16),), training=True)
+    targets = {str(n.target) for n in captured.module.graph.nodes}
+    assert "aten.masked_fill.Scalar" in targets and "aten.masked_fill_.Scalar" not in targets
