@@ -54,6 +54,8 @@ class RegionMatch:
     """For a lone row: why its projection closes no column→row region."""
     shared: tuple[tuple[str, int], ...] = ()
     """Column projections whose chunks several ranks hold, with how many (K/V when tp exceeds the KV heads)."""
+    convolutions: tuple[str, ...] = ()
+    """Grouped convolutions split alone by whole groups (``group_splits``), their weights' parameters in ``params``."""
     row_segments: tuple[tuple[int, ...], ...] = ()
     """Fused segments of each row projection's input features (empty tuple: plain): parts concatenated before
     it, each split on its own (a single-stream block's attention heads beside its MLP channels)."""

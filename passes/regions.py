@@ -16,6 +16,7 @@ import torch
 from autotp.passes.dead_ends import DeadEndWatch, Unexplained, shared_from
 from autotp.passes.graph import grad_nodes
 from autotp.passes.openings import Opening, open_at_grouped_convolutions
+from autotp.passes.group_splits import lone_grouped_convolutions
 from autotp.passes.origins import Ancestors, SourceGraph, repeated, trace
 from autotp.passes.placement import Shard
 from autotp.passes.projections import Projection, packed_by_weight, packed_segments
@@ -447,5 +448,10 @@ def find_regions(graph: fx.Graph, projections: dict[str, Projection], embeddings
     search.regions += rows
     claimed.update(n for r in rows for n in r.rows)
     search.unmatched = [(kept, why) for nodes, why in search.unmatched if (kept := tuple(n for n in nodes if n not in claimed))]
+    placed = {projections[n].weight for n in claimed if n in projections} | {t for r in search.regions for t, _ in r.params}
+    # a grouped convolution an opening kept whole by choice (a gather to save a few multiply-adds) stays whole
+    placed |= {finder.nodes[o.node].args[1].target for o in search.openings if o.by_choice}
+    search.regions += lone_grouped_convolutions(graph, projections, embeddings, trainable, tp, finder.grad, finder.index,
+                                                finder.decisions, placed)
     return search
 

@@ -127,3 +127,25 @@ class ConvNeXtBlock(nn.Module):
         y = self.norm(self.dwconv(x).permute(0, 2, 3, 1))
         x = x + self.down(F.gelu(self.up(y))).permute(0, 3, 1, 2)
         return self.head(x.mean((2, 3)))
+
+
+class PositionalConvLM(nn.Module):
+    """wav2vec2's positional convolution over token embeddings: a grouped conv1d (4 groups, an even kernel padded
+    on both sides, its last frame trimmed) whose weight is normalised over its output and input channels for each
+    kernel tap (``weight_norm(dim=2)``), its GELU added to the residual stream, then a layer norm, an MLP and a
+    head. Its weight splits only by whole groups, the norm's sum of squares over the split channels all-reduced."""
+
+    def __init__(self, vocab: int, dim: int = 32, groups: int = 4, kernel: int = 4):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        conv = nn.Conv1d(dim, dim, kernel, padding=kernel // 2, groups=groups)
+        self.pos_conv = nn.utils.parametrizations.weight_norm(conv, name="weight", dim=2)
+        self.norm = nn.LayerNorm(dim)
+        self.up, self.down = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        positions = F.gelu(self.pos_conv(x.transpose(1, 2))[:, :, :-1]).transpose(1, 2)
+        x = self.norm(x + positions)
+        return self.head(x + self.down(F.gelu(self.up(x))))

@@ -220,6 +220,9 @@ CASES = {
         lambda: conv_models.ConvLM(VOCAB), _positional, (
             "conv1.weight", "conv2.weight", "block.conv1.weight", "block.bn1.weight", "block.conv2.weight",
             "expand.weight", "bn.weight", "depthwise.weight", "norm.weight", "project.weight")),
+    "weight-normed grouped convolution split by groups": Case(
+        lambda: conv_models.PositionalConvLM(VOCAB), _positional, (
+            "pos_conv.parametrizations.weight.original1", "pos_conv.bias", "up.weight", "down.weight")),
 }
 
 

@@ -129,3 +129,24 @@ def test_a_convolution_with_its_padding_given_as_a_word_is_split_too(tp):
     model.conv2.padding = "same"  # aten.conv2d.padding, the overload SigLIP's patch embedding ("valid") exports as
     plan = _checked(model, tp, (torch.randn(2, 32, 6, 6),))
     assert (_split(plan)["conv1.weight"], _split(plan)["conv2.weight"]) == ("colwise", "rowwise")
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_a_weight_normed_grouped_convolution_over_the_residual_splits_by_whole_groups(tp):
+    """wav2vec2's positional convolution: its whole input sliced by this rank's groups, its weight's parameter split
+    along the output channels, the norm's sum of squares over them all-reduced (the gain kept whole)."""
+    torch.manual_seed(0)
+    plan = _checked(conv_models.PositionalConvLM(50), tp, (torch.randint(0, 50, (2, 8)),))
+    split = _split(plan)
+    assert split["pos_conv.parametrizations.weight.original1"] == "colwise"
+    assert split["pos_conv.bias"] == "colwise"
+    assert not plan.placements["pos_conv.parametrizations.weight.original0"].is_split
+    assert any(c.operator is Operator.G and "pos_conv" in c.module for c in plan.collectives)
+
+
+def test_a_grouped_convolution_whose_groups_tp_does_not_divide_is_kept_whole_with_a_note():
+    torch.manual_seed(0)
+    model = conv_models.PositionalConvLM(50, dim=24, groups=3)
+    plan = _checked(model, 2, (torch.randint(0, 50, (2, 8)),))
+    assert not plan.placements["pos_conv.parametrizations.weight.original1"].is_split
+    assert any("pos_conv kept whole: a grouped convolution" in n for n in plan.notes), plan.notes

@@ -100,6 +100,37 @@ def test_a_layer_drop_rate_copied_from_the_config_is_named_by_its_config_field()
     assert refused.value.settings == {"encoder_layerdrop": 0}
 
 
+class _EncoderWithHead(nn.Module):
+    """A head over an encoder built from a config nested in the model's (a CTC head's ``encoder_config``)."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.encoder = _LayerDropStack(config.encoder_config)
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.head(self.encoder(x))
+
+
+def test_a_setting_of_a_nested_config_is_named_by_its_path_and_the_zoo_rebuilds_with_it():
+    """The encoder reads its own config, nested in the model's: the refusal names the setting by its path from the
+    model's config, and the zoo's re-check sets it there."""
+    transformers = pytest.importorskip("transformers")
+    from autotp.errors import TrainingSettingError
+    from autotp.tools.zoo import _with_settings
+
+    config = transformers.PretrainedConfig()
+    config.encoder_config = transformers.PretrainedConfig(encoder_layerdrop=0.1)
+    model = _EncoderWithHead(config)
+    with pytest.raises(TrainingSettingError, match=r"^set encoder_config.encoder_layerdrop=0 ") as refused:
+        capture(model, (_seeded(2, 16),), training=True)
+    assert refused.value.settings == {"encoder_config.encoder_layerdrop": 0}
+    rebuilt = _with_settings(model, refused.value.settings)
+    assert rebuilt.encoder.layerdrop == 0 and model.encoder.layerdrop == 0.1
+    capture(rebuilt, (_seeded(2, 16),), training=True)
+
+
 class _ClampsItsWeight(nn.Module):
     """A training forward that clamps its own weight outside autograd, as Gemma 3n's AltUp does."""
 
@@ -120,3 +151,40 @@ def test_a_forward_writing_into_a_weights_data_is_refused_naming_it_and_left_unc
         capture(model, _seeded(2, 16), training=True)
     assert torch.equal(model.proj.weight, before)  # the write was found, not made
     capture(model, _seeded(2, 16), training=False)  # in eval mode the forward makes no write
+
+
+class _MaskedSoftmax(torch.autograd.Function):
+    """SEW-D's ``XSoftmax``: a softmax whose masked entries are zeroed in place on its own output, with a
+    hand-written backward that never reads what autograd would have saved."""
+
+    @staticmethod
+    def forward(ctx, x, mask):
+        out = torch.softmax(x.masked_fill(mask, torch.finfo(x.dtype).min), -1)
+        out.masked_fill_(mask, 0)
+        ctx.save_for_backward(out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        (out,) = ctx.saved_tensors
+        return out * (grad - (grad * out).sum(-1, keepdim=True)), None
+
+
+class _ScoresModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        # no key bias: its true gradient is zero (a constant per query row under a softmax), only rounding
+        self.q, self.k = nn.Linear(16, 16), nn.Linear(16, 16, bias=False)
+
+    def forward(self, x):
+        scores = self.q(x) @ self.k(x).transpose(-1, -2)
+        mask = torch.ones(x.shape[1], x.shape[1], dtype=torch.bool).triu(1)
+        return _MaskedSoftmax.apply(scores, mask) @ x
+
+
+def test_a_function_writing_in_place_to_what_autograd_saves_is_captured_out_of_place():
+    torch.manual_seed(0)
+    model = _ScoresModel()
+    captured = capture(model, (_seeded(2, 6, 16),), training=True)
+    targets = {str(n.target) for n in captured.module.graph.nodes}
+    assert "aten.masked_fill.Scalar" in targets and "aten.masked_fill_.Scalar" not in targets

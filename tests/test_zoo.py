@@ -259,3 +259,26 @@ def test_composite_configs_build_their_causal_lm():
         assert sum(p.numel() for p in model.parameters()) < MAX_PARAMS, entry.name
         with torch.no_grad():
             model(*entry.inputs(model))
+
+
+def test_audio_features_are_as_wide_as_the_first_projection_reads_them():
+    """A front end that stacks mel frames before its first projection (Granite Speech 5's reads four mel bins'
+    worth per frame) names that width in no config field: the projection's refusal states it."""
+    import torch
+    from types import SimpleNamespace
+
+    from autotp.tools.zoo_inputs import audio_inputs
+
+    class Stacked(torch.nn.Module):
+        main_input_name = "input_features"
+
+        def __init__(self):
+            super().__init__()
+            self.config = SimpleNamespace(num_mel_bins=16)
+            self.input_linear = torch.nn.Linear(4 * 16, 32)
+
+        def forward(self, input_features):
+            return self.input_linear(input_features)
+
+    features = audio_inputs(Stacked())["input_features"]
+    assert features.shape[-1] == 64

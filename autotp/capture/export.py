@@ -34,6 +34,7 @@ from autotp.capture.guards import (
     training_setting_error,
 )
 from autotp.capture.hidden_gradients import refuse_hidden_gradients
+from autotp.capture.inplace import out_of_place_writes
 from autotp.capture.meta_buffers import buffers_on_meta, put_back
 from autotp.capture.replay import check_gradient_replay, check_replay
 from autotp.capture.torch_private import (
@@ -43,6 +44,7 @@ from autotp.capture.torch_private import (
     output_spec,
     plain_sizes,
 )
+from autotp.capture.weight_norms import expand_weight_norms
 from autotp.capture.weight_writes import FAKE_CONSTANT, weight_write
 from autotp.errors import CaptureError, InputError, TrainingSettingError
 from autotp.passes.analysis import Analysis
@@ -407,6 +409,7 @@ def capture(model: nn.Module, example_inputs, training: bool | None = None) -> C
     signature = Signature.of(model)
     _check_inputs_read(gm, example, signature)
     inline_no_grad(gm)
+    expand_weight_norms(gm)
     aliases = tensor_aliases(model)
     _merge_tied_reads(gm, aliases)
     _meta_devices_to_cpu(gm)
@@ -417,7 +420,14 @@ def capture(model: nn.Module, example_inputs, training: bool | None = None) -> C
     with _in_mode(model, training):
         check_replay(gm, wrapper, inputs, model)
         if mode:
-            check_gradient_replay(gm, wrapper, inputs, model, functions, names)
+            try:
+                check_gradient_replay(gm, wrapper, inputs, model, functions, names)
+            except CaptureError as e:  # a Function's forward wrote in place to what autograd saved: out of place
+                if "inplace operation" not in str(e) or not out_of_place_writes(gm):
+                    raise
+                _record_facts(gm)
+                check_replay(gm, wrapper, inputs, model)
+                check_gradient_replay(gm, wrapper, inputs, model, functions, names)
     return Captured(module=gm, model_name=type(model).__name__, state_keys=tuple(model.state_dict().keys()),
                     aliases=aliases, dim_names=_dim_names(gm), example_sizes=_example_sizes(gm, inputs),
                     param_names=tuple(n for n, _ in model.named_parameters(remove_duplicate=False)),

@@ -149,7 +149,8 @@ def _settings_at(places: list[tuple[str, int]], config=None, only_training: bool
     """Config settings read by the innermost ``if`` test (or the line itself) around each place, innermost place
     first; with ``only_training``, only tests that also read ``training``. A setting is read as ``config.<field>``
     or as ``self.<name>`` that the class set from ``config.<field>`` (or that ``config`` has); given ``config``,
-    only its fields holding a nonzero number count (the ones that switch something on)."""
+    only its fields holding a nonzero number count (the ones that switch something on), named by their path
+    from ``config`` when they live on a config nested in it (``encoder.mask_time_prob``)."""
     out: list[str] = []
     for file, line in reversed(places):
         copied = _copied_settings(file, line)
@@ -157,7 +158,8 @@ def _settings_at(places: list[tuple[str, int]], config=None, only_training: bool
             if only_training and "training" not in test:
                 continue
             names = _SETTING.findall(test) + [copied.get(n, n) for n in _SELF.findall(test)]
-            out += [s for s in names if s not in out and _switches_on(config, s, direct=s in _SETTING.findall(test))]
+            found = [_setting_path(config, s, direct=s in _SETTING.findall(test)) for s in names]
+            out += [s for s in found if s is not None and s not in out]
         if out:
             break
     return out
@@ -166,13 +168,31 @@ def _settings_at(places: list[tuple[str, int]], config=None, only_training: bool
 _SELF = re.compile(r"\bself\.(\w+)\b(?!\s*\()")
 
 
-def _switches_on(config, name: str, direct: bool) -> bool:
-    """Whether ``name`` is a setting of ``config`` that is switched on (a nonzero number); without a config, any
-    name read as ``config.<name>``."""
-    if config is None:
-        return direct
+def _switches_on(config, name: str) -> bool:
+    """Whether ``name`` is a setting of ``config`` that is switched on (a nonzero number)."""
     value = getattr(config, name, None)
     return isinstance(value, (int, float)) and not isinstance(value, bool) and value != 0
+
+
+def _sub_configs(config) -> list[tuple[str, object]]:
+    """The configs nested in ``config`` (an encoder-decoder's ``encoder``, a CTC head's ``encoder_config``), by
+    attribute name: the model's parts are built from them, so a part's code reads its own config's settings."""
+    return [(name, value) for name, value in vars(config).items()
+            if any(c.__name__.lower() == "pretrainedconfig" for c in type(value).__mro__)]
+
+
+def _setting_path(config, name: str, direct: bool) -> str | None:
+    """Where the switched-on setting ``name`` lives: ``name`` on ``config`` itself, else ``part.name`` on a config
+    nested in it (breadth first), else None; without a config, ``name`` when read as ``config.<name>``."""
+    if config is None:
+        return name if direct else None
+    level = [("", config)]
+    for _ in range(3):
+        for prefix, c in level:
+            if _switches_on(c, name):
+                return prefix + name
+        level = [(f"{prefix}{n}.", sub) for prefix, c in level for n, sub in _sub_configs(c)]
+    return None
 
 
 def _copied_settings(file: str, line: int) -> dict[str, str]:

@@ -372,6 +372,8 @@ def make_plan(captured: Captured, options: Options = Options(), machine: Machine
     for region in uneven:
         v = region.violations[0]
         whys |= dict.fromkeys((*region.columns, *region.rows), f"its {v.what} ({v.size}) do not divide by tp={tp}")
+        notes += [f"{analysis.layer(c)} kept whole: a grouped convolution whose {v.what} ({v.size}) do not divide "
+                  f"by tp={tp}" for c in region.convolutions]
     regions = [r for r in regions if not (r.violations and r.kind is RegionKind.CONVOLUTION)]
     for region in regions:
         if region.violations:
@@ -390,7 +392,7 @@ def make_plan(captured: Captured, options: Options = Options(), machine: Machine
         if kept:
             notes.append(f"{', '.join(kept)} kept replicated: tp={tp} does not divide their heads; "
                          "each rank selects the heads it needs")
-        plan_regions.append(Region(region.kind, tuple(analysis.layer(c) for c in region.columns),
+        plan_regions.append(Region(region.kind, tuple(analysis.layer(c) for c in (*region.columns, *region.convolutions)),
                                    tuple(analysis.layer(r) for r in region.rows), kept))
     notes += _whole_convolution_notes(analysis, by_target, whys, convolutions_kept)
     vocab_placements, vocab_regions, vocab_kept = _vocab_placements(analysis, tp, notes, options, machine, sizes, by_target)

@@ -151,8 +151,12 @@ def _with_settings(model: nn.Module, settings: dict) -> nn.Module:
     """A fresh model of ``model``'s class from a copy of its config with ``settings`` set (the same seed the
     zoo builds with)."""
     config = copy.deepcopy(model.config)
-    for name, value in settings.items():
-        setattr(config, name, value)
+    for path, value in settings.items():  # a setting of a nested config is named by its path: encoder.layerdrop
+        *parts, name = path.split(".")
+        owner = config
+        for part in parts:
+            owner = getattr(owner, part)
+        setattr(owner, name, value)
     torch.manual_seed(0)
     rebuilt = type(model)(config)
     rebuilt.train(model.training)

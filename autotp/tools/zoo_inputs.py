@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import re
 
 import torch
 from torch import nn
@@ -196,7 +197,26 @@ def audio_inputs(model: nn.Module) -> dict:
     name = getattr(model, "main_input_name", "input_values")
     # a wrapper's generic input (``inputs``) is its encoder's main input: raw samples or features as that says
     kind = getattr(getattr(model, "encoder", None), "main_input_name", name) if name == "inputs" else name
-    return {name: _seeded(EXAMPLE_BATCH, 4000) if kind == "input_values" else _features(model)}
+    if kind == "input_values":
+        return {name: _seeded(EXAMPLE_BATCH, 4000)}
+    return {name: _read_width(model, name, _features(model))}
+
+
+_MATMUL = re.compile(r"mat1 and mat2 shapes cannot be multiplied \((\d+)x(\d+) and (\d+)x(\d+)\)")
+
+
+def _read_width(model: nn.Module, name: str, features: torch.Tensor) -> torch.Tensor:
+    """``features``, or features as wide as the model's first projection reads them where that differs: a front end
+    may stack frames or deltas before it (Granite Speech 5's reads four mel bins' worth per frame), which no config
+    field names, and the projection's refusal states the width it takes."""
+    try:
+        with torch.no_grad(), torch.random.fork_rng():
+            model(**{name: features})
+    except RuntimeError as e:
+        found = _MATMUL.search(str(e))
+        if found and int(found[2]) == features.shape[-1] and int(found[3]) != features.shape[-1]:
+            return _seeded(*features.shape[:-1], int(found[3]))
+    return features
 
 
 def speech_seq2seq_inputs(model: nn.Module) -> dict:

@@ -1,0 +1,104 @@
+"""Grouped convolutions between whole values, split alone by whole groups.
+
+A grouped convolution of a whole input (wav2vec2's positional convolution reads the residual stream and its
+output is added back to it) is in no column→row region: nothing split reaches it. Split by the output channels of
+whole groups, each rank's groups read only their own input channels: the rank slices those from the whole input
+(no communication forward; the input's gradient all-gathered backward), convolves them with its rows of the weight,
+and the output is gathered where a whole value needs it. The weight may be computed from a parameter (weight
+normalisation, ``capture.weight_norms``): the parameter of the weight's shape is split along its first dim, and
+the propagation carries that through the ops in between (a norm over the split dim all-reduced).
+"""
+
+from __future__ import annotations
+
+import torch
+from autotp.passes.graph import sizes
+from autotp.passes.placement import Shard
+from autotp.passes.projections import CONVOLUTIONS, conv_groups
+from autotp.passes.propagate import GraphIndex, propagate
+from autotp.passes.propagation import Propagation
+from autotp.passes.region_match import RegionKind, RegionMatch
+from autotp.passes.steps import Operator
+from torch import fx
+
+aten = torch.ops.aten
+
+_WEIGHT_DEPTH = 8
+"""How many ops may lie between a convolution's weight and the parameter it is computed from (weight
+normalisation writes out as five)."""
+
+MAX_GATHERS = 1
+"""A split made whole more than once (a residual stream kept split through later layers, each gathering it
+again) costs more than it saves: such a convolution is kept whole."""
+
+
+def _grouped(node: fx.Node) -> bool:
+    if node.op != "call_function" or node.target not in CONVOLUTIONS or conv_groups(node) == 1:
+        return False
+    return not (node.target is aten.convolution.default and node.args[6])
+
+
+def weight_parameter(conv: fx.Node, trainable: set[str]) -> fx.Node | None:
+    """The trainable parameter a convolution's weight is, or is computed from (within ``_WEIGHT_DEPTH`` ops that
+    read parameters only): the one of the weight's own shape."""
+    weight = conv.args[1]
+    if not isinstance(weight, fx.Node):
+        return None
+    shape = sizes(weight)
+    frontier, seen = [weight], set()
+    for _ in range(_WEIGHT_DEPTH):
+        found = [n for n in frontier if n.op == "get_attr" and n.target in trainable and sizes(n) == shape]
+        if found:
+            return found[0]
+        if any(n.op == "placeholder" for n in frontier):
+            return None  # the weight depends on the inputs: not a parameter
+        frontier = [a for n in frontier for a in n.all_input_nodes if a not in seen and not seen.add(a)]
+    return None
+
+
+def _accepted(prop: Propagation, conv: fx.Node) -> bool:
+    """Whether a propagation of the split is worth planning: the convolution itself split, nothing the rewrite
+    cannot make exact, no projection reached, and made whole at most ``MAX_GATHERS`` times (sizes tp does not
+    divide are the planner's to report)."""
+    return (isinstance(prop.layouts.get(conv.name), Shard) and not prop.refusals and not prop.rows
+            and len(prop.steps_of(Operator.GATHER)) <= MAX_GATHERS)
+
+
+def _propagated(graph, projections, embeddings, trainable, tp, grad, index, decisions,
+                layouts: dict[str, Shard]) -> tuple[Propagation, dict[str, Shard]]:
+    """The propagation of ``layouts``, with every trainable parameter it slices (the convolution's bias) split
+    too, until nothing more is learnt."""
+    nodes = index.nodes
+    for _ in range(4):
+        prop = propagate(graph, projections, embeddings, layouts, tp, trainable, grad=grad, index=index,
+                         windowed=True, decisions=decisions)
+        sliced = {nodes[c.source].target: c.steps[0].shard for c in prop.steps_of(Operator.SCATTER)
+                  if len(c.steps) == 1 and nodes[c.source].op == "get_attr" and nodes[c.source].target in trainable}
+        if sliced.keys() <= layouts.keys():
+            break
+        layouts = layouts | sliced
+    return prop, layouts
+
+
+def lone_grouped_convolutions(graph: fx.Graph, projections: dict, embeddings: dict, trainable: set[str], tp: int,
+                              grad: set[str], index: GraphIndex, decisions: dict,
+                              placed: set[str]) -> list[RegionMatch]:
+    """A region for each grouped convolution whose weight parameter no region placed (``placed``: ``get_attr``
+    targets) and whose split by whole groups is exact and gathered at most ``MAX_GATHERS`` times. One that tp does
+    not divide comes back with its violations (the planner keeps it whole, with a note)."""
+    out = []
+    for conv in graph.nodes:
+        if not _grouped(conv):
+            continue
+        param = weight_parameter(conv, trainable)
+        if param is None or param.target in placed:
+            continue
+        layouts = {param.target: Shard(0, (int(sizes(param)[0]),))}
+        prop, layouts = _propagated(graph, projections, embeddings, trainable, tp, grad, index, decisions, layouts)
+        if not _accepted(prop, conv):
+            continue
+        placed.update(layouts)
+        out.append(RegionMatch(kind=RegionKind.CONVOLUTION, columns=(), rows=(), segments=(),
+                               params=tuple(layouts.items()), violations=tuple(prop.violations),
+                               sizes=tuple(prop.checked), convolutions=(conv.name,)))
+    return out
