@@ -124,7 +124,10 @@ def _joined_input(node: fx.Node, source: fx.Node, shard: Shard) -> Shard | None:
         return shard if rank(source) == rank(node) else None
     if shard.blocks != 1 or shard.replicas != 1 or parts.count(source) != 1:
         return None
-    start = sum(sizes(p)[dim] for p in parts[:parts.index(source)])
+    if rank(source) != rank(node):
+        return None
+    # an empty 1-D part (torch.cat skips it, as PI0's prefix) adds nothing along the dim
+    start = sum(sizes(p)[dim] for p in parts[:parts.index(source)] if rank(p) == rank(node))
     return segment_of(shard, (start, sizes(source)[dim], shard.size))
 
 

@@ -212,7 +212,7 @@ def _read_width(model: nn.Module, name: str, features: torch.Tensor) -> torch.Te
     try:
         with torch.no_grad(), torch.random.fork_rng():
             model(**{name: features})
-    except RuntimeError as e:
+    except Exception as e:  # a forward that needs more than the features (a decoder's ids) says nothing of widths
         found = _MATMUL.search(str(e))
         if found and int(found[2]) == features.shape[-1] and int(found[3]) != features.shape[-1]:
             return _seeded(*features.shape[:-1], int(found[3]))
