@@ -161,9 +161,11 @@ def test_a_vision_language_model_is_fed_what_its_forward_asks_for():
 def test_the_time_limit_counts_cpu_time_with_a_clock_backstop():
     import time
 
-    with pytest.raises(TimeoutError, match="of CPU time"), zoo._TimeLimit(0.25):
-        while True:  # busy: CPU time runs out first
+    start = time.process_time()
+    with pytest.raises(TimeoutError) as stopped, zoo._TimeLimit(0.25):
+        while True:  # busy: CPU time runs out first, unless a loaded machine gives it under a quarter of a core
             pass
+    assert "of CPU time" in str(stopped.value) or time.process_time() - start < 0.25, stopped.value
     with pytest.raises(TimeoutError, match="by the clock"), zoo._TimeLimit(0.25):
         time.sleep(5)  # waiting uses no CPU time: the clock's limit, WALL_FACTOR times as long, stops it
 
