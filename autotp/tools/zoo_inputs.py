@@ -209,6 +209,8 @@ def _read_width(model: nn.Module, name: str, features: torch.Tensor) -> torch.Te
     """``features``, or features as wide as the model's first projection reads them where that differs: a front end
     may stack frames or deltas before it (Granite Speech 5's reads four mel bins' worth per frame), which no config
     field names, and the projection's refusal states the width it takes."""
+    if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+        return features  # fed with decoder ids too: a forward on features alone is no probe (it may change state)
     try:
         with torch.no_grad(), torch.random.fork_rng():
             model(**{name: features})
