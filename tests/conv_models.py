@@ -149,3 +149,18 @@ class PositionalConvLM(nn.Module):
         positions = F.gelu(self.pos_conv(x.transpose(1, 2))[:, :, :-1]).transpose(1, 2)
         x = self.norm(x + positions)
         return self.head(x + self.down(F.gelu(self.up(x))))
+
+
+def checked_plan(model, tp, inputs):
+    """The plan of ``model`` at ``tp``, after the one-process checker found it exact."""
+    import autotp
+
+    torch.manual_seed(0)
+    report = autotp.check(model, tp, inputs)
+    assert report.exact, report.mismatch
+    return report.plan
+
+
+def split_kinds(plan) -> dict[str, str]:
+    """Each split parameter's kind (colwise, rowwise, ...)."""
+    return {name: p.kind.value for name, p in plan.placements.items() if p.is_split}

@@ -8,19 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-import autotp
 from tests import conv_models
 
 
-def _checked(model, tp, inputs):
-    torch.manual_seed(0)
-    report = autotp.check(model, tp, inputs)
-    assert report.exact, report.mismatch
-    return report.plan
-
-
-def _split(plan) -> dict[str, str]:
-    return {name: p.kind.value for name, p in plan.placements.items() if p.is_split}
+_checked, _split = conv_models.checked_plan, conv_models.split_kinds
 
 
 @pytest.mark.parametrize("tp", [2, 4])

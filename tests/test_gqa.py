@@ -83,6 +83,12 @@ def test_shared_kv_heads_train_clip_and_checkpoint_on_four_ranks(tmp_path):
         assert r["local_params"] == r["planned_params"] and r["whole_kv_params"] > 0, r
 
 
+def _repeated(kv: torch.Tensor, group: int) -> torch.Tensor:
+    """K or V ``[batch, kv heads, length, dim]`` with each head repeated for its ``group`` query heads."""
+    b, heads, t, dim = kv.shape
+    return kv[:, :, None].expand(b, heads, group, t, dim).reshape(b, heads * group, t, dim)
+
+
 class _HeadNormAttention(torch.nn.Module):
     """Attention with 2 KV heads whose keys are normalised per head with a weight per head ([heads, head_dim],
     as Chameleon's k_norm): at tp=4 each KV head, and its row of the norm's weight, is held by two ranks."""
@@ -105,8 +111,7 @@ class _HeadNormAttention(torch.nn.Module):
         k = k.reshape(b, t, self.kv, self.dim).transpose(1, 2)
         v = self.v(x).view(b, t, self.kv, self.dim).transpose(1, 2)
         group = self.heads // self.kv  # repeat_kv: each KV head expanded over its query heads
-        k = k[:, :, None].expand(b, self.kv, group, t, self.dim).reshape(b, self.heads, t, self.dim)
-        v = v[:, :, None].expand(b, self.kv, group, t, self.dim).reshape(b, self.heads, t, self.dim)
+        k, v = _repeated(k, group), _repeated(v, group)
         y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.o(y.transpose(1, 2).reshape(b, t, -1))
 
@@ -141,8 +146,7 @@ class _ValueBiasAttention(torch.nn.Module):
         v = self.v(x).view(b, t, self.kv, self.dim).transpose(1, 2)
         bias = self.dt(v.transpose(1, 2).reshape(b, t, -1)).transpose(1, 2)  # [b, kv, keys]
         bias = bias[:, :, None, None, :].expand(b, self.kv, group, t, t).reshape(b, self.heads, t, t)
-        k = k[:, :, None].expand(b, self.kv, group, t, self.dim).reshape(b, self.heads, t, self.dim)
-        v = v[:, :, None].expand(b, self.kv, group, t, self.dim).reshape(b, self.heads, t, self.dim)
+        k, v = _repeated(k, group), _repeated(v, group)
         y = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bias)
         return self.o(y.transpose(1, 2).reshape(b, t, -1))
 
@@ -173,8 +177,7 @@ class _FusedQKVAttention(torch.nn.Module):
         q = qkv[..., :width].view(b, t, self.heads, self.dim).transpose(1, 2)
         k = qkv[..., width:width + kv_width].view(b, t, self.kv, self.dim).transpose(1, 2)
         v = qkv[..., width + kv_width:].view(b, t, self.kv, self.dim).transpose(1, 2)
-        k = k[:, :, None].expand(b, self.kv, group, t, self.dim).reshape(b, self.heads, t, self.dim)
-        v = v[:, :, None].expand(b, self.kv, group, t, self.dim).reshape(b, self.heads, t, self.dim)
+        k, v = _repeated(k, group), _repeated(v, group)
         y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.o(y.transpose(1, 2).reshape(b, t, -1))
 
