@@ -140,37 +140,3 @@ def test_a_custom_backward_that_is_not_the_forwards_derivative_is_refused_for_tr
         autotp.plan(model.train(), 2, (x,))
     assert all(p.grad is None for p in model.parameters())  # the check leaves no gradients behind
     assert autotp.plan(model.eval(), 2, (x,)).tp == 2  # inference has no backward to differ
-
-
-class _MaskedSoftmax(torch.autograd.Function):
-    """A softmax whose masked entries are zeroed in place after it, with a backward of its own (DeBERTa's and
-    SEW-D's ``XSoftmax``): autograd through the traced forward finds softmax's saved output overwritten."""
-
-    @staticmethod
-    def forward(ctx, x, mask):
-        out = torch.softmax(x.masked_fill(~mask, torch.finfo(x.dtype).min), -1)
-        out.masked_fill_(~mask, 0)
-        ctx.save_for_backward(out)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        (out,) = ctx.saved_tensors
-        return out * (grad - (grad * out).sum(-1, keepdim=True)), None
-
-
-class _MaskedSoftmaxNet(nn.Module):
-    def __init__(self, d=16):
-        super().__init__()
-        self.score, self.out = nn.Linear(d, d), nn.Linear(d, d)
-
-    def forward(self, x):
-        mask = torch.ones(x.shape[-2], x.shape[-1], dtype=torch.bool).tril()
-        return self.out(_MaskedSoftmax.apply(self.score(x), mask))
-
-
-def test_a_custom_function_that_autograd_cannot_differentiate_traced_is_refused_not_crashed():
-    torch.manual_seed(0)
-    model, x = _MaskedSoftmaxNet(), torch.randn(2, 16, 16)
-    with pytest.raises(CaptureError, match=r"_MaskedSoftmax, and autograd through their traced forwards fails"):
-        autotp.plan(model.train(), 2, (x,))
