@@ -11,17 +11,15 @@ the propagation carries that through the ops in between (a norm over the split d
 
 from __future__ import annotations
 
-import torch
 from autotp.passes.graph import sizes
 from autotp.passes.placement import Shard
-from autotp.passes.projections import CONVOLUTIONS, conv_groups
+from autotp.passes.projections import is_grouped_convolution
 from autotp.passes.propagate import GraphIndex, propagate
 from autotp.passes.propagation import Propagation
 from autotp.passes.region_match import RegionKind, RegionMatch
 from autotp.passes.steps import Operator
 from torch import fx
 
-aten = torch.ops.aten
 
 _WEIGHT_DEPTH = 8
 """How many ops may lie between a convolution's weight and the parameter it is computed from (weight
@@ -30,12 +28,6 @@ normalisation writes out as five)."""
 MAX_GATHERS = 1
 """A split made whole more than once (a residual stream kept split through later layers, each gathering it
 again) costs more than it saves: such a convolution is kept whole."""
-
-
-def _grouped(node: fx.Node) -> bool:
-    if node.op != "call_function" or node.target not in CONVOLUTIONS or conv_groups(node) == 1:
-        return False
-    return not (node.target is aten.convolution.default and node.args[6])
 
 
 def weight_parameter(conv: fx.Node, trainable: set[str]) -> fx.Node | None:
@@ -88,7 +80,7 @@ def lone_grouped_convolutions(graph: fx.Graph, projections: dict, embeddings: di
     not divide comes back with its violations (the planner keeps it whole, with a note)."""
     out = []
     for conv in graph.nodes:
-        if not _grouped(conv):
+        if not is_grouped_convolution(conv):
             continue
         param = weight_parameter(conv, trainable)
         if param is None or param.target in placed:

@@ -21,16 +21,14 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-import torch
 from autotp.passes.graph import sizes
 from autotp.passes.placement import Shard
-from autotp.passes.projections import CONVOLUTIONS, conv_groups
+from autotp.passes.projections import is_grouped_convolution
 from autotp.passes.propagation import Propagation
 from autotp.passes.region_match import RegionKind, RegionMatch
 from autotp.passes.steps import Operator
 from torch import fx
 
-aten = torch.ops.aten
 
 @dataclass(frozen=True)
 class Opening:
@@ -45,8 +43,7 @@ class Opening:
 
 def grouped_convolutions(graph: fx.Graph) -> list[fx.Node]:
     """The grouped (not dense, not transposed) convolutions of a parameter, in graph order."""
-    return [n for n in graph.nodes if n.op == "call_function" and n.target in CONVOLUTIONS and conv_groups(n) > 1
-            and not (n.target is aten.convolution.default and n.args[6])
+    return [n for n in graph.nodes if is_grouped_convolution(n)
             and isinstance(n.args[1], fx.Node) and n.args[1].op == "get_attr"]
 
 

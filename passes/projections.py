@@ -292,6 +292,13 @@ def conv_groups(node: fx.Node) -> int:
     return node.args[index] if len(node.args) > index else node.kwargs.get("groups", 1)
 
 
+def is_grouped_convolution(node: fx.Node) -> bool:
+    """Whether ``node`` is a grouped convolution: more than one group, not transposed (split by whole groups)."""
+    if node.op != "call_function" or node.target not in CONVOLUTIONS or conv_groups(node) == 1:
+        return False
+    return not (node.target is aten.convolution.default and node.args[6])
+
+
 def _conv_projection(node: fx.Node) -> Projection | None:
     """A Projection if ``node`` is a dense (one group, not transposed) convolution of a batched activation by a
     parameter: column-split, it slices the weight's output channels; row-split, its input channels, the
