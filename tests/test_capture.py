@@ -35,6 +35,23 @@ def test_private_torch_apis_are_where_autotp_reads_them():
     assert isinstance(torch_private.size_expr(symbolic), sympy.Expr)
 
 
+def test_draft_exports_expression_tracing_is_silenced_and_restored_other_traces_kept():
+    """The fallback capture drops draft_export's per-expression tracing (most of its time) and nothing else."""
+    from torch.fx.experimental import sym_node
+
+    original, seen = sym_node.dtrace_structured, []
+    sym_node.dtrace_structured = lambda name, *args, **kwargs: seen.append(name)
+    recorder = sym_node.dtrace_structured
+    try:
+        with torch_private.expression_tracing_off():
+            sym_node.dtrace_structured("expression_created", dict)
+            sym_node.dtrace_structured("guard_added", dict)
+        assert seen == ["guard_added"]
+        assert sym_node.dtrace_structured is recorder
+    finally:
+        sym_node.dtrace_structured = original
+
+
 def test_a_changed_private_api_says_which_torch_changed_it():
     class Unknown:
         node = None
