@@ -27,7 +27,8 @@ from functools import lru_cache
 import torch
 from torch import fx
 
-from autotp.capture.torch_private import distribution_validation, expression_tracing_off
+from autotp.capture.fake_kernels import fake_kernels_registered
+from autotp.capture.torch_private import decompositions_off, distribution_validation, expression_tracing_off
 from autotp.errors import CaptureError, TrainingSettingError
 
 aten = torch.ops.aten
@@ -73,7 +74,7 @@ def export_taking_example_branches(wrapper: torch.nn.Module, inputs: tuple, dyna
     ``CaptureError`` where a branch depends on random numbers (``TrainingSettingError`` naming the settings of
     ``config``, the model's config, that switch them off, where the branch's code reads some)."""
     host = _host_rng_states()
-    with expression_tracing_off():
+    with expression_tracing_off(), decompositions_off(), fake_kernels_registered():
         program = torch.export.draft_export(wrapper, inputs, strict=False, dynamic_shapes=dynamic_shapes)
     if _host_rng_states() != host:
         raise random_refusal("the forward draws from numpy's or Python's random generator, which a captured "

@@ -112,3 +112,25 @@ def expression_tracing_off():
         yield
     finally:
         sym_node.dtrace_structured = traced
+
+
+DECOMPOSITIONS_UNSOUND_IN_DRAFT_EXPORT = ("div.Tensor_mode", "div.Scalar_mode", "floor_divide.default")
+"""Ops whose Python decomposition fails under draft_export's real-tensor propagation (torch 2.13): an integer
+floor division by a Python number (``torch.div(lengths - k, stride, rounding_mode="floor")``, every CTC head's
+output lengths) makes an unbacked symbol it never returns (``PendingUnbackedSymbolNotFound``). Their C++ meta
+kernels handle symbolic sizes, so the fake tensors use those instead."""
+
+
+@contextlib.contextmanager
+def decompositions_off(names=DECOMPOSITIONS_UNSOUND_IN_DRAFT_EXPORT):
+    """The Python decompositions of the aten ops ``names`` (``"div.Tensor_mode"``) out of torch's table while
+    inside (restored after), so fake tensors run those ops' own meta kernels."""
+    from torch._decomp import decomposition_table  # private: the table fake tensors consult first
+
+    ops = [getattr(getattr(torch.ops.aten, packet), overload)
+           for packet, overload in (name.split(".") for name in names)]
+    saved = {op: decomposition_table.pop(op) for op in ops if op in decomposition_table}
+    try:
+        yield
+    finally:
+        decomposition_table.update(saved)
