@@ -125,6 +125,37 @@ def test_a_per_head_norm_weight_of_shared_kv_heads_is_shared_like_them():
     assert report.plan.placements["norm_bias"] == Placement("colwise", 0, (), replicas=2)
 
 
+class _StackedKVAttention(torch.nn.Module):
+    """Attention with 2 KV heads whose keys and values are stacked into one tensor and taken apart again (as BLT's
+    cross-attention does): at tp=4 the stack meets chunks two ranks hold, which tp does not divide."""
+
+    def __init__(self, width: int = 64, heads: int = 4, kv: int = 2):
+        super().__init__()
+        self.heads, self.kv, self.dim = heads, kv, width // heads
+        self.q = torch.nn.Linear(width, width, bias=False)
+        self.k = torch.nn.Linear(width, kv * self.dim, bias=False)
+        self.v = torch.nn.Linear(width, kv * self.dim, bias=False)
+        self.o = torch.nn.Linear(width, width, bias=False)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q = self.q(x).view(b, t, self.heads, self.dim).transpose(1, 2)
+        k = self.k(x).view(b, t, self.kv, self.dim).transpose(1, 2)
+        v = self.v(x).view(b, t, self.kv, self.dim).transpose(1, 2)
+        k, v = torch.stack((k, v)).unbind(0)
+        group = self.heads // self.kv
+        y = torch.nn.functional.scaled_dot_product_attention(q, _repeated(k, group), _repeated(v, group))
+        return self.o(y.transpose(1, 2).reshape(b, t, -1))
+
+
+def test_shared_kv_heads_meeting_an_op_that_cannot_narrow_them_are_gathered_exactly():
+    """A stack of K and V heads two ranks hold each (tp=4, 2 KV heads): the stack's rule knows no such chunks and
+    they cannot be narrowed four ways, so it reads them whole (this crashed the planner once)."""
+    torch.manual_seed(0)
+    report = autotp.check(_StackedKVAttention(), 4, torch.randn(2, 8, 64))
+    assert report.exact, str(report)
+
+
 class _ValueBiasAttention(torch.nn.Module):
     """Attention with 2 KV heads whose values' features feed a small projection giving each KV head a bias per key
     (Doge's dynamic mask): at tp=4 that projection reads chunks two ranks hold, each narrowing to its plain part."""
