@@ -198,8 +198,27 @@ def audio_inputs(model: nn.Module) -> dict:
     # a wrapper's generic input (``inputs``) is its encoder's main input: raw samples or features as that says
     kind = getattr(getattr(model, "encoder", None), "main_input_name", name) if name == "inputs" else name
     if kind == "input_values":
-        return {name: _seeded(EXAMPLE_BATCH, 4000)}
+        return {name: _read_channels(model, name, _seeded(EXAMPLE_BATCH, 4000))}
     return {name: _read_width(model, name, _features(model))}
+
+
+_CHANNELS = re.compile(r"expected input\[1, (\d+), (\d+)\] to have (\d+) channels")
+
+
+def _read_channels(model: nn.Module, name: str, samples: torch.Tensor) -> torch.Tensor:
+    """``samples`` (batch, samples), or (batch, channels, samples) where the model's first convolution takes the
+    samples with a channel axis (OmniASR's): it then reads the 2-D batch as one unbatched example, and its
+    refusal states the channels it takes."""
+    if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+        return samples  # as in _read_width: no probe of a forward that needs decoder ids too
+    try:
+        with torch.no_grad(), torch.random.fork_rng():
+            model(**{name: samples})
+    except Exception as e:  # a forward failing for another reason says nothing of channels
+        found = _CHANNELS.search(str(e))
+        if found and (int(found[1]), int(found[2])) == tuple(samples.shape):
+            return _seeded(samples.shape[0], int(found[3]), samples.shape[1])
+    return samples
 
 
 _MATMUL = re.compile(r"mat1 and mat2 shapes cannot be multiplied \((\d+)x(\d+) and (\d+)x(\d+)\)")
