@@ -216,3 +216,35 @@ def test_the_fallback_captures_kernels_are_in_place_only_while_it_runs():
     assert torch.ops.aten.div.Tensor_mode in decomposition_table
     with pytest.raises(Exception, match="_ctc_loss"):
         _fake_ctc_loss()
+
+
+class _UnguardedLayerDrop(nn.Module):
+    """LayerDrop as OmniASR writes it: a draw every step in training, compared with the rate even when it is 0."""
+
+    def __init__(self, layerdrop: float):
+        super().__init__()
+        self.layerdrop = layerdrop
+        self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(2))
+
+    def forward(self, x):
+        for layer in self.layers:
+            to_drop = False
+            if self.training:
+                dropout_probability = torch.rand([])
+                if dropout_probability < self.layerdrop:
+                    to_drop = True
+            if not to_drop:
+                x = layer(x)
+        return x
+
+
+def test_a_branch_no_draw_can_change_is_captured_and_exact():
+    """``torch.rand([]) < 0`` is False whatever is drawn: the branch the example takes is every step's."""
+    torch.manual_seed(0)
+    report = check(_UnguardedLayerDrop(0.0), 2, (_seeded(2, 16),))
+    assert report.exact, report.mismatch
+
+
+def test_a_branch_a_draw_decides_is_still_refused():
+    with pytest.raises(CaptureError, match="depends on random numbers"):
+        capture(_UnguardedLayerDrop(0.1), (_seeded(2, 16),), training=True)

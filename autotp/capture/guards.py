@@ -89,11 +89,34 @@ def export_taking_example_branches(wrapper: torch.nn.Module, inputs: tuple, dyna
         if not any(n.target in SCALAR_READS for n in inputs_of):
             continue  # a check on input sizes, not on values
         file, line, code = _source_line(node)
-        if any(_packet(n) in RANDOM_OPS for n in inputs_of):
+        if any(_packet(n) in RANDOM_OPS for n in inputs_of) and not _decided_by_any_draw(inputs_of):
             raise random_refusal(f"a branch at {os.path.basename(file)}:{line} (`{code}`) depends on random "
                                  "numbers", [(file, line)], config)
         assumptions.append(f"`{code}` ({os.path.basename(file)}:{line})")
     return gm, tuple(dict.fromkeys(assumptions))
+
+
+_UNIT_DRAW_TESTS = {
+    # op packet -> (always False, always True) for ``u <op> c`` with u drawn from [0, 1), as functions of c
+    aten.lt: (lambda c: c <= 0, lambda c: c >= 1), aten.le: (lambda c: c < 0, lambda c: c >= 1),
+    aten.gt: (lambda c: c >= 1, lambda c: c < 0), aten.ge: (lambda c: c >= 1, lambda c: c <= 0)}
+
+
+def _decided_by_any_draw(nodes: set[fx.Node]) -> bool:
+    """Whether every random draw among ``nodes`` is a uniform [0, 1) draw (``torch.rand``) read only by comparisons
+    with a number whose outcome no draw changes: LayerDrop's ``torch.rand([]) < layerdrop`` with the rate set to 0
+    skips no layer whatever it draws, so the branch the example takes is every step's."""
+    draws = [n for n in nodes if _packet(n) in RANDOM_OPS]
+    for draw in draws:
+        if _packet(draw) is not aten.rand:
+            return False
+        for test in draw.users:
+            always = _UNIT_DRAW_TESTS.get(_packet(test))
+            limit = test.args[1] if len(test.args) > 1 else None
+            if always is None or test.args[0] is not draw or not isinstance(limit, (int, float)) \
+                    or not (always[0](limit) or always[1](limit)):
+                return False
+    return True
 
 
 @contextlib.contextmanager
