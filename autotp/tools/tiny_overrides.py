@@ -36,6 +36,11 @@ TYPE_OVERRIDES = {
     # its model reads the ids of the yes and no tokens from fields its config does not declare, by default ids of
     # the full vocabulary
     "shieldgemma2": {"yes_token_index": 126, "no_token_index": 125},
+    # its vocabulary holds the image tokenizer's codebook and then the audio codec's, each range starting at an
+    # offset the config sets (the first ending where the second starts): both codebooks small, side by side in the
+    # small vocabulary, below its special tokens
+    "apertus1p5": {"vision_config": {"codebook_size": 32}, "audio_config": {"codebook_size": 32},
+                   "image_token_offset": 32, "audio_token_offset": 64},
     # the last convolution's width is the model's constant 1280 scaled by width_coefficient, and hidden_dim must
     # equal it (its batch norm): a tenth of 1280 is the tiny width
     "efficientnet": {"width_coefficient": 0.1, "hidden_dim": 128},
