@@ -328,10 +328,11 @@ def default_config(model_type: str):
 
 def _rederived(model_type: str, small: dict, default) -> dict:
     """``small`` less the prefixed sizes (``_prefixed_sizes``: a guess from the name) its config computes from the
-    others (Zamba2's ``attention_hidden_size``, twice the width): top-level fields the class does not declare whose
-    value, in a config made without them, moves from the default's. Given, a guessed value would override the one
-    the config derives from the shrunk sizes (and the model would mix the two); left out, the config derives it
-    again. ``small`` as it is if that config fails."""
+    others (Zamba2's ``attention_hidden_size``, twice the width; MobileBERT's ``true_hidden_size``, its bottleneck's
+    width): top-level fields the class does not declare that a config made without them still has. The default
+    config was made from no fields, so it set them itself. Given, a guessed value would override the one the config
+    derives from the shrunk sizes (and the model would mix the two); left out, the config derives it again.
+    ``small`` as it is if that config fails."""
     import dataclasses
 
     import transformers
@@ -349,8 +350,8 @@ def _rederived(model_type: str, small: dict, default) -> dict:
         made = transformers.AutoConfig.for_model(model_type, **{k: v for k, v in small.items() if k in declared})
     except Exception:  # any type: a config that needs the undeclared fields keeps them
         return small
-    moved = {k for k in undeclared if k in fields and getattr(made, k, fields[k]) != fields[k]}
-    return {k: v for k, v in small.items() if k not in moved}
+    derived = {k for k in undeclared if hasattr(made, k)}
+    return {k: v for k, v in small.items() if k not in derived}
 
 
 def tiny_config(model_type: str, overrides: dict | None = None):
