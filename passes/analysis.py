@@ -17,7 +17,7 @@ from typing import Protocol
 
 import sympy
 from autotp.passes.choices import kept_by_choice
-from autotp.passes.graph import sizes, trainable_attrs
+from autotp.passes.graph import grad_nodes, sizes, trainable_attrs
 from autotp.passes.placement import Placement, Shard
 from autotp.passes.projections import find_embeddings, find_projections
 from autotp.passes.propagate import propagate
@@ -115,7 +115,13 @@ class Analysis:
         """Column→row regions for ``tp`` (LM heads are planned separately)."""
         skip = set(self.vocab.heads) if self.vocab else set()
         return find_regions(self.graph, self.projections, self.embeddings, self.trainable, tp, skip=skip,
-                            whole=set(self.chosen_whole))
+                            whole=set(self.chosen_whole), grad=self.grad)
+
+    @functools.cached_property
+    def grad(self) -> set[str]:
+        """The nodes gradients flow through (``graph.grad_nodes``), found once: the region search, the full
+        propagations, the pipeline cuts and the collectives all read them."""
+        return grad_nodes(self.graph, self.trainable)
 
     @functools.cached_property
     def chosen_whole(self) -> dict[str, str]:
@@ -149,7 +155,7 @@ class Analysis:
         stream split along the sequence when ``sequence_parallel``; ``inputs``: placeholders given split."""
         sequence = self.sequence_sizes if sequence_parallel else frozenset()
         return propagate(self.graph, self.projections, self.embeddings, layouts, tp, self.trainable, sequence=sequence,
-                         inputs=inputs)
+                         inputs=inputs, grad=self.grad)
 
     @functools.cached_property
     def sequence_sizes(self) -> frozenset:

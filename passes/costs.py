@@ -42,19 +42,32 @@ class NodeCost:
 
 
 def _numel(shape) -> sympy.Expr:
+    return _product(tuple(shape))
+
+
+@functools.lru_cache(maxsize=4096)
+def _product(shape: tuple) -> sympy.Expr:
+    # ``_numel`` by the sizes as a tuple (hashable): the costs and the pricing ask it of every node, and a model's
+    # blocks repeat their shapes.
     return sympy.Mul(*[sympy.sympify(d) for d in shape]) if shape else sympy.Integer(1)
+
+
+@functools.lru_cache(maxsize=4096)
+def _times(*factors) -> sympy.Expr:
+    """The product of ``factors`` (ints and sympy expressions), found once per distinct factors, as ``_product``."""
+    return sympy.Mul(*[sympy.sympify(f) for f in factors])
 
 
 def _matmul_flops(node: fx.Node) -> sympy.Expr:
     """2·(output elements)·(contraction size); the contraction is the last dim of the activation input."""
     x = node.args[1] if node.target is aten.addmm.default else node.args[0]
-    return 2 * _numel(sizes(node)) * sympy.sympify(sizes(x)[-1])
+    return _times(2, _numel(sizes(node)), sizes(x)[-1])
 
 
 def _attention_flops(node: fx.Node) -> sympy.Expr:
     """QKᵀ and (softmax)·V: 2·2·B·H·T·S·D, the quadratic term in sequence length."""
     q, k = sizes(node.args[0]), sizes(node.args[1])
-    return 4 * _numel(q) * sympy.sympify(k[-2])
+    return _times(4, _numel(q), k[-2])
 
 
 def node_cost(node: fx.Node) -> NodeCost:
@@ -76,16 +89,16 @@ def node_cost(node: fx.Node) -> NodeCost:
         flops = _matmul_flops(node)
     elif node.target in CONVOLUTIONS:
         # each output element sums its group's input channels over the kernel: the weight's sizes after the first
-        flops = 2 * out * _numel(sizes(node.args[1])[1:])
+        flops = _times(2, out, _numel(sizes(node.args[1])[1:]))
     elif node.target in _ATTENTION:
         flops = _attention_flops(node)
     elif node.target in _NORMS:
-        flops = 5 * out  # mean, variance, normalise, scale, shift
+        flops = _times(5, out)  # mean, variance, normalise, scale, shift
     elif node.target is aten.embedding.default:
         flops = sympy.Integer(0)  # a lookup
     else:
         flops = out  # elementwise and the rest: one operation per output element
-    return NodeCost(flops, out * itemsize)
+    return NodeCost(flops, _times(out, itemsize))
 
 
 def costs(graph: fx.Graph, trainable: set[str] | None = None) -> dict[str, NodeCost]:

@@ -9,9 +9,9 @@ part; they only label the result.
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 
-import networkx as nx
 import torch
 from torch import fx
 
@@ -26,15 +26,6 @@ class Cut:
     """The node whose tensor is sent to the next stage."""
     position: int
     """Index (in graph order) of the last node before the boundary."""
-
-
-def dataflow(graph: fx.Graph) -> nx.DiGraph:
-    """The graph as a networkx DiGraph of node names (edges from producer to consumer)."""
-    g = nx.DiGraph()
-    for node in graph.nodes:
-        g.add_node(node.name, position=len(g))
-        g.add_edges_from((a.name, node.name) for a in node.all_input_nodes)
-    return g
 
 
 def param_users(graph: fx.Graph, trainable: set[str]) -> list[str]:
@@ -55,14 +46,17 @@ def _first_of_runs(cuts: list[Cut], weighted: list[int]) -> list[Cut]:
     return kept
 
 
-def find_cuts(graph: fx.Graph, trainable: set[str]) -> list[Cut]:
-    """Every place the parameter-dependent dataflow narrows to a single hidden-state tensor."""
-    flow = dataflow(graph)
-    order = list(nx.lexicographical_topological_sort(flow, key=lambda n: flow.nodes[n]["position"]))
+def find_cuts(graph: fx.Graph, trainable: set[str], grad: set[str] | None = None) -> list[Cut]:
+    """Every place the parameter-dependent dataflow narrows to a single hidden-state tensor, in graph order.
+    ``grad`` (``graph.grad_nodes``) may be passed in when known."""
+    # An fx graph lists every node after its inputs: its own order is the walk's order (a topological order that
+    # takes the earliest node ready at each step), with no dataflow graph to build and sort.
+    order = [n.name for n in graph.nodes]
     position = {name: i for i, name in enumerate(order)}
     nodes = {n.name: n for n in graph.nodes}
-    computed = {n for n in grad_nodes(graph, trainable) if nodes[n].op == "call_function"}
-    last_use = {n: max((position[u] for u in flow.successors(n)), default=position[n]) for n in computed}
+    grad = grad_nodes(graph, trainable) if grad is None else grad
+    computed = {n for n in grad if nodes[n].op == "call_function"}
+    last_use = {n: max((position[u.name] for u in nodes[n].users), default=position[n]) for n in computed}
     remaining = len(computed)
     without_grad = _inside_no_grad(graph)
     live: set[str] = set()
@@ -96,8 +90,9 @@ def _inside_no_grad(graph: fx.Graph) -> set[str]:
 
 
 def unit_index(cuts: list[Cut], position: int) -> int:
-    """The unit (run of nodes between consecutive cuts) holding graph position ``position``."""
-    return sum(c.position < position for c in cuts)
+    """The unit (run of nodes between consecutive cuts, in graph order as ``find_cuts`` gives them) holding graph
+    position ``position``."""
+    return bisect.bisect_left(cuts, position, key=lambda c: c.position)
 
 
 def module_starts(analysis) -> dict[str, int]:

@@ -43,6 +43,8 @@ _BY_OP = {
     aten.randint_like.low_dtype: RandomKind.SIZE_ONLY,
     aten.bernoulli.p: RandomKind.SIZE_ONLY,
 }
+SIZE_ONLY_OPS = frozenset(op for op, kind in _BY_OP.items() if kind is RandomKind.SIZE_ONLY)
+"""The ops that draw a tensor the size of their first input (when they read no other tensor)."""
 _UNSUPPORTED = {aten.feature_dropout.default, aten.alpha_dropout.default, aten.feature_alpha_dropout.default,
                 aten.rrelu.default, aten.rrelu_with_noise.default}
 """Random ops autotp does not reproduce under a split (none of them appears in the transformers zoo)."""

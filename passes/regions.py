@@ -75,11 +75,11 @@ def _classify(graph_nodes: dict[str, fx.Node], prop: Propagation) -> RegionKind:
 
 
 class _RegionFinder:
-    def __init__(self, graph, projections, embeddings, trainable, tp):
+    def __init__(self, graph, projections, embeddings, trainable, tp, grad=None):
         self.graph, self.projections, self.embeddings = graph, projections, embeddings
         self.trainable, self.tp = trainable, tp
         self.nodes = {n.name: n for n in graph.nodes}
-        self.grad = grad_nodes(graph, trainable)
+        self.grad = grad_nodes(graph, trainable) if grad is None else grad
         self.index = GraphIndex.of(graph)
         self.decisions: dict = {}
         """Rule decisions by node and input layouts, shared by every candidate's propagation (``propagate``)."""
@@ -399,14 +399,16 @@ class RegionSearch:
 
 
 def find_regions(graph: fx.Graph, projections: dict[str, Projection], embeddings: dict, trainable: set[str],
-                 tp: int, skip: set[str] = frozenset(), whole: set[str] = frozenset()) -> RegionSearch:
+                 tp: int, skip: set[str] = frozenset(), whole: set[str] = frozenset(),
+                 grad: set[str] | None = None) -> RegionSearch:
     """Every column→row region of ``graph`` for ``tp`` ranks, in graph order.
 
     A region whose sizes do not divide by tp is still returned, with ``violations`` set, so the
     planner can say which layer and size are at fault. ``skip``: projections planned elsewhere (the LM
-    heads); ``whole``: projections that are never split alone (kept whole by choice).
+    heads); ``whole``: projections that are never split alone (kept whole by choice); ``grad``: the nodes
+    gradients flow through (``graph.grad_nodes``), when known.
     """
-    finder = _RegionFinder(graph, projections, embeddings, trainable, tp)
+    finder = _RegionFinder(graph, projections, embeddings, trainable, tp, grad)
     claimed = finder.claimed = set(skip)
     finder.heads = set(skip)
     search = RegionSearch([], [])

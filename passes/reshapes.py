@@ -4,6 +4,7 @@ another shape, with the shape algebra (prefix products, reshape groups) that dec
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import sympy
@@ -76,6 +77,14 @@ def map_reshape(in_sizes, out_sizes, shard: Shard, tp: int) -> Shard | None:
     segments become whole runs along one output dim. Among the dims that allow it, the outermost
     one whose segments all divide by ``tp`` wins (``(3*H*D,) -> (3, H, D)`` shards H, not the 3).
     """
+    return _mapped(tuple(in_sizes), tuple(out_sizes), shard, tp)
+
+
+@functools.lru_cache(maxsize=4096)
+def _mapped(in_sizes: tuple, out_sizes: tuple, shard: Shard, tp: int) -> Shard | None:
+    # ``map_reshape`` by hashable sizes: the shape algebra (sympy prefix products) is most of a reshape's rule, and
+    # a search meets the same reshapes of the same splits again and again (every candidate, every repeated block;
+    # a windowed model's window partitions and reverses, many to a layer).
     group = _group(in_sizes, out_sizes, shard.dim)
     if group is None:
         return None

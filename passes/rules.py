@@ -24,6 +24,7 @@ from autotp.passes.rules_compute import (
     layer_norm,
     reduction,
 )
+from autotp.passes.random_ops import SIZE_ONLY_OPS, RandomKind, random_kind
 from autotp.passes.rules_channels import CHANNEL_RULES
 from autotp.passes.rules_shape import (
     cat,
@@ -95,6 +96,19 @@ for _op in (aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten._to_copy.d
             aten.lift_fresh_copy.default, aten.zeros_like.default, aten.ones_like.default, aten.empty_like.default,
             aten.full_like.default, aten.clone.default):
     RULES[_op] = like_first
+
+
+def size_only_draw(node, ins, ctx: Context) -> Decision:
+    """A draw the size of its first input that ignores its values (``rand_like``, ``bernoulli(x, p)``): laid out like
+    that input, as the rewriter draws it full-size and keeps this rank's part (``rewrite.random_draws``); one that
+    reads another tensor (``bernoulli(x, p)`` with ``p`` a tensor) takes every input whole."""
+    if random_kind(node) is not RandomKind.SIZE_ONLY:
+        return replicate_all(node, ins, ctx)
+    return like_first(node, ins, ctx)
+
+
+for _op in SIZE_ONLY_OPS:
+    RULES[_op] = size_only_draw
 
 
 BLOCK_AWARE = frozenset({reshape, permute, like_first, getitem, pointwise, batched_matmul, baddbmm, along_dim,

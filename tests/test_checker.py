@@ -226,3 +226,55 @@ def test_a_custom_backward_other_than_the_derivative_is_refused_for_training_and
     assert torch.autograd.Function.__dict__["apply"].__func__.__name__ == "apply"  # restored after capture
     plan = autotp.plan(model.eval(), 2, vocab="split", example_inputs=(x,))
     assert any("_Reverse" in n and "backward" in n for n in plan.notes), plan.notes
+
+
+class _DrawnDropout(torch.autograd.Function):
+    """SEW-D's ``XDropout``: the mask drawn in place into a fresh tensor, ``empty_like(x).bernoulli_(1 - p)``."""
+
+    @staticmethod
+    def forward(ctx, x, p):
+        mask = (1 - torch.empty_like(x).bernoulli_(1 - p)).to(torch.bool)
+        ctx.save_for_backward(mask)
+        ctx.scale = 1 / (1 - p)
+        return x.masked_fill(mask, 0) * ctx.scale
+
+    @staticmethod
+    def backward(ctx, grad):
+        (mask,) = ctx.saved_tensors
+        return grad.masked_fill(mask, 0) * ctx.scale, None
+
+
+class _FoldedHeadsAttention(torch.nn.Module):
+    """SEW-D's attention in small: heads folded into the batch for ``bmm`` ([batch * heads, tokens, head dim]), its
+    probabilities dropped by ``_DrawnDropout``."""
+
+    def __init__(self, width=32, heads=4):
+        super().__init__()
+        self.heads = heads
+        self.q, self.k, self.v, self.out = (torch.nn.Linear(width, width) for _ in range(4))
+
+    def fold(self, x):
+        b, t, _ = x.shape
+        return x.view(b, t, self.heads, -1).permute(0, 2, 1, 3).contiguous().view(-1, t, x.shape[-1] // self.heads)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.fold(self.q(x)), self.fold(self.k(x)), self.fold(self.v(x))
+        probs = torch.softmax(torch.bmm(q, k.transpose(-1, -2)) / 4, -1).view(b, self.heads, t, t)
+        probs = _DrawnDropout.apply(probs, 0.3).view(-1, t, t)
+        context = torch.bmm(probs, v).view(b, self.heads, t, -1).permute(0, 2, 1, 3).reshape(b, t, d)
+        return self.out(context)
+
+
+def test_attention_with_heads_in_the_batch_and_an_in_place_drawn_dropout_splits_by_heads_exactly():
+    """The mask drawn in place into a fresh value is drawn out of place at capture, laid out like the split
+    probabilities, full-size on every rank and sliced: the attention splits by heads (it was kept whole: an
+    in-place write to a split value) and stays exact."""
+    torch.manual_seed(0)
+    model, x = _FoldedHeadsAttention(), torch.randn(2, 6, 32)
+    plan = autotp.plan(model, tp=2, example_inputs=(x,))
+    regions = [r for r in plan.regions if r.columns]
+    assert len(regions) == 1, plan.notes
+    assert set(regions[0].columns) == {"q", "k", "v"} and regions[0].rows == ("out",), plan
+    report = autotp.check(model, tp=2, example_inputs=(x,))
+    assert report.exact, str(report)

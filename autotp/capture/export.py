@@ -34,7 +34,7 @@ from autotp.capture.guards import (
     training_setting_error,
 )
 from autotp.capture.hidden_gradients import refuse_hidden_gradients
-from autotp.capture.inplace import out_of_place_writes
+from autotp.capture.inplace import out_of_place_draws, out_of_place_writes
 from autotp.capture.meta_buffers import buffers_on_meta, put_back
 from autotp.capture.replay import check_gradient_replay, check_replay
 from autotp.capture.torch_private import (
@@ -409,6 +409,7 @@ def capture(model: nn.Module, example_inputs, training: bool | None = None) -> C
     signature = Signature.of(model)
     _check_inputs_read(gm, example, signature)
     inline_no_grad(gm)
+    out_of_place_draws(gm)
     expand_weight_norms(gm)
     aliases = tensor_aliases(model)
     _merge_tied_reads(gm, aliases)

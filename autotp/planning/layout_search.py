@@ -148,7 +148,7 @@ def search_layouts(captured: Captured, world: int, options: Options, fixed: Mapp
         profiles = _profiles(captured, world, options, fixed, cluster)
     batch = options.batch or cost_sizes(captured, None, None).get(_batch_symbol(captured), 1)
     # The cut candidates are the graph's, the same at every tp.
-    forced = forced_units(analysis, find_cuts(analysis.graph, analysis.trainable), options.cuts) if options.cuts else []
+    forced = forced_units(analysis, find_cuts(analysis.graph, analysis.trainable, analysis.grad), options.cuts) if options.cuts else []
     found = rank_layouts(profiles, world, batch, fixed, cluster, budget if budget is not None else
                          options.memory_budget, options.balance, forced)
     if not found:

@@ -7,6 +7,7 @@ anything unmatched replicated, and lists the collectives the rewrite will insert
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 
 import sympy
@@ -16,7 +17,7 @@ from autotp.errors import PlanError
 from autotp.options import Options, VocabChoice
 from autotp.passes.analysis import Analysis
 from autotp.passes.choices import whole_convolutions
-from autotp.passes.graph import arg_or_default, grad_nodes, named_arg, sizes
+from autotp.passes.graph import arg_or_default, named_arg, sizes
 from autotp.passes.placement import REPLICATED, Placement, PlacementKind
 from autotp.passes.projections import packed_by_weight, packed_segments
 from autotp.passes.propagation import Propagation
@@ -272,13 +273,17 @@ def _refuse_inexact(analysis: Analysis, prop: Propagation) -> None:
 
 def _shape(analysis: Analysis, node_name: str) -> tuple[str, ...]:
     """A node's shape with the capture's size symbols renamed (``s70*s72`` -> ``B*T``)."""
-    names = analysis.captured.dim_names
+    names = tuple(sorted(analysis.captured.dim_names.items()))
+    return tuple(_readable(d, names) for d in sizes(analysis.nodes[node_name]))
 
-    def readable(size) -> str:
-        expr = sympy.sympify(size)  # shape-env symbols carry assumptions: match them by name
-        return str(expr.subs({s: sympy.Symbol(names[s.name]) for s in expr.free_symbols if s.name in names}))
 
-    return tuple(readable(d) for d in sizes(analysis.nodes[node_name]))
+@functools.lru_cache(maxsize=4096)
+def _readable(size, names: tuple[tuple[str, str], ...]) -> str:
+    """``size`` with the size symbols renamed by ``names`` (symbol name -> readable name), found once per size: the
+    collectives of every block repeat their shapes."""
+    expr = sympy.sympify(size)  # shape-env symbols carry assumptions: match them by name
+    renamed = dict(names)
+    return str(expr.subs({s: sympy.Symbol(renamed[s.name]) for s in expr.free_symbols if s.name in renamed}))
 
 
 def _communicated_shape(analysis: Analysis, operator: Operator, value: str) -> tuple[str, ...]:
@@ -307,7 +312,7 @@ def _collectives_of(analysis: Analysis, operator: Operator, value: str, reader: 
 def _collectives(analysis: Analysis, prop: Propagation) -> list[Collective]:
     """The collectives the rewrite will insert, in graph order, for people and cost models."""
     order = {name: i for i, name in enumerate(analysis.nodes)}
-    grad = grad_nodes(analysis.graph, analysis.trainable)
+    grad = analysis.grad
     found = [(order[conv.source], c) for conv in prop.conversions.values() for step in fused(conv.steps)
              for reader, in_step in _readers_by_step(analysis, conv)
              for c in _collectives_of(analysis, step.operator, conv.source, reader, grad, in_step)]

@@ -47,7 +47,7 @@ class Units:
 def build_units(analysis, prop, tp: int, sizes: dict[str, int]) -> Units:
     """Cut the graph at every candidate and cost each unit; work on split values counts 1/tp."""
     graph = analysis.graph
-    cuts = find_cuts(graph, analysis.trainable)
+    cuts = find_cuts(graph, analysis.trainable, analysis.grad)
     n = len(cuts) + 1
     units = Units(cuts, {}, [0.0] * n, [0.0] * n, [0.0] * n, [set() for _ in range(n)])
     node_costs = costs(graph, analysis.trainable)

@@ -116,7 +116,7 @@ def _replace(gm: fx.GraphModule, run: list[fx.Node], name: str, stream: RankStre
 def recompute_blocks(gm: fx.GraphModule, analysis: Analysis, stream: RankStream | None) -> int:
     """Make every block of ``gm`` (a rank graph or a pipeline stage of the capture ``analysis`` describes)
     recompute its activations in backward; returns how many blocks. Edits ``gm`` in place."""
-    cuts = find_cuts(analysis.graph, analysis.trainable)
+    cuts = find_cuts(analysis.graph, analysis.trainable, analysis.grad)
     position = {n.name: i for i, n in enumerate(analysis.graph.nodes)}
     unit_of = unit_of_nodes(gm, position, cuts)
     runs = _runs(gm, unit_of, grad_nodes(gm.graph, analysis.trainable), len(cuts))

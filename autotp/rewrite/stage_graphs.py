@@ -33,7 +33,7 @@ class Boundaries:
 
 def stage_boundaries(analysis: Analysis, plan: Plan) -> Boundaries:
     """The cut ending each stage, re-derived from each next stage's first module."""
-    cuts = find_cuts(analysis.graph, analysis.trainable)
+    cuts = find_cuts(analysis.graph, analysis.trainable, analysis.grad)
     starts = module_starts(analysis)
     chosen = []
     for stage in plan.stages[1:]:
