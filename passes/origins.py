@@ -23,7 +23,7 @@ from autotp.passes.projections import Embedding, Projection, segment_of
 from autotp.passes.reshapes import broadcast_dim, map_reshape
 from autotp.passes.rule_kit import like_first, norm_dim, pointwise
 from autotp.passes.rules import rule_for
-from autotp.passes.rules_compute import along_dim, batched_matmul, layer_norm, reduction
+from autotp.passes.rules_compute import along_dim, batched_matmul, layer_norm, reduction, shared_linear
 from autotp.passes.rules_shape import (
     cat,
     expand,
@@ -110,6 +110,8 @@ def _input_shard(node: fx.Node, source: fx.Node, shard: Shard, tp: int) -> Shard
         return _batched_input(node, source, shard)
     if rule in (reduction, along_dim, layer_norm):  # a per-head norm: its statistic is over another dim
         return _normalised_input(node, source, shard)
+    if rule is shared_linear:  # rows projected by a whole weight (heads sharing one): the input split alike
+        return shard if source is node.args[0] and shard.dim < rank(node) - 1 else True
     if rule is cat:  # parts joined along the split dim (a bias of q, k and v biases): each part's own segments
         return _joined_input(node, source, shard)
     return None
@@ -196,11 +198,15 @@ def _normalised_input(node: fx.Node, source: fx.Node, shard: Shard) -> Shard | b
     return shard if shard.dim not in dims else None
 
 
-def trace(g: SourceGraph, node: fx.Node, shard: Shard, upstream: Container[str], depth: int = 0) -> Sources | None:
+def trace(g: SourceGraph, node: fx.Node, shard: Shard, upstream: Container[str], depth: int = 0,
+          inputs: Container[str] = ()) -> Sources | None:
     """What to split for ``node`` to come out split as ``shard``, or None when something on the way cannot.
 
     ``upstream`` are the values the region itself reads (the residual stream before it): splitting one of
-    them would change the region's own input, so a trace reaching one fails."""
+    them would change the region's own input, so a trace reaching one fails. ``inputs`` are values the region
+    reads whole (its columns' inputs): a trace reaching one reads it whole (a per-head gate computed from the
+    input by a linear the heads share, which each rank computes whole and slices to its heads). A projection's output wanted split along a batch dim (the heads) is its input split alike, its weight
+    whole."""
     if node.name not in g.grad:
         return Sources()  # no gradient reaches it: slicing it is free
     if node.op == "get_attr":
@@ -208,11 +214,15 @@ def trace(g: SourceGraph, node: fx.Node, shard: Shard, upstream: Container[str],
         # upstream through that use, yet splitting it changes no value by itself; the propagation from the split
         # parameter judges the earlier use, as it judges every other
         return Sources(params={node.target: shard}) if node.target in g.trainable else None
+    if node.name in inputs:
+        return Sources()  # read whole, as the region already holds it
     if node.name in upstream:
         return None
     proj = g.projections.get(node.name)
-    if proj is not None:
-        return Sources(projections={node.name: proj}) if shard.dim == rank(node) + proj.out_axis else None
+    if proj is not None and shard.dim == rank(node) + proj.out_axis:
+        return Sources(projections={node.name: proj})
+    if proj is not None and rule_for(node.target) is not shared_linear:
+        return None
     emb = g.embeddings.get(node.name)
     if emb is not None:
         return Sources(params={emb.weight: Shard(1, shard.segments)}) if shard.dim == rank(node) - 1 else None
@@ -225,7 +235,7 @@ def trace(g: SourceGraph, node: fx.Node, shard: Shard, upstream: Container[str],
         wanted = _input_shard(node, source, shard, g.tp)
         if wanted is True:
             continue
-        inner = trace(g, source, wanted, upstream, depth + 1) if wanted is not None else None
+        inner = trace(g, source, wanted, upstream, depth + 1, inputs) if wanted is not None else None
         if inner is None:
             return None
         found.projections |= inner.projections

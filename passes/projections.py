@@ -105,25 +105,53 @@ def grouped_ops() -> dict:
 def _segment(node) -> tuple[str, int, int, int, int] | None:
     """(``get_attr`` target, dim, start, length, the parameter's size along dim) if ``node`` is a contiguous slice
     of a parameter along one dim: ``W.split(sizes)[i]`` (``split``, ``split_with_sizes``, ``chunk``) or ``W[a:b]``."""
+    cut = _slice_of(node)
+    if cut is None:
+        return None
+    source, dim, start, length, size = cut
+    target = _attr(source)
+    return (target, dim, start, length, size) if target is not None and 0 < length < size else None
+
+
+def _slice_of(node) -> tuple[fx.Node, int, int, int, int] | None:
+    """(the value sliced, dim, start, length, its size along dim) if ``node`` is a contiguous slice of a value
+    along one dim (``split``, ``split_with_sizes`` or ``chunk`` then one part, or ``x[a:b]``)."""
     if not isinstance(node, fx.Node) or node.op != "call_function":
         return None
     if node.target is operator.getitem and isinstance(node.args[0], fx.Node) and node.args[0].target in _SPLITS:
         split, i = node.args[0], node.args[1]
-        target, parts = _attr(split.args[0]), meta_val(split)
+        source, parts = split.args[0], meta_val(split)
         dim = arg_or_default(split, 2, "dim", 0) % len(parts[i].shape)
         start = sum(int(p.shape[dim]) for p in parts[:i])
-        size = int(meta_val(split.args[0]).shape[dim])
     elif node.target is aten.slice.Tensor and arg_or_default(node, 4, "step", 1) == 1:
-        target, dim = _attr(node.args[0]), arg_or_default(node, 1, "dim", 0) % len(meta_val(node).shape)
-        size = int(meta_val(node.args[0]).shape[dim])
+        source, dim = node.args[0], arg_or_default(node, 1, "dim", 0) % len(meta_val(node).shape)
+        size = int(meta_val(source).shape[dim])
         start = arg_or_default(node, 2, "start", None) or 0
         if not isinstance(start, int):
             return None
         start = max(start + size, 0) if start < 0 else min(start, size)
     else:
         return None
-    length = int(meta_val(node).shape[dim])
-    return (target, dim, start, length, size) if target is not None and 0 < length < size else None
+    if not isinstance(source, fx.Node):
+        return None
+    return source, dim, start, int(meta_val(node).shape[dim]), int(meta_val(source).shape[dim])
+
+
+def _part_of_joined(node) -> str | None:
+    """The ``get_attr`` target of the one parameter ``node`` is, cut back out of parameters concatenated end to end:
+    torch's ``multi_head_attention_forward`` given separate Q/K/V weights joins their biases and chunks them again
+    (``cat([q_bias, k_bias, v_bias]).chunk(3)[i]``, WavLM's attention). None if it is not exactly one part."""
+    cut = _slice_of(node)
+    if cut is None or not _joined(cut[0]):
+        return None
+    source, _, start, length, _ = cut
+    at = 0
+    for part in source.args[0]:
+        size = int(meta_val(part).shape[0])
+        if at == start and size == length:
+            return _attr(part)
+        at += size
+    return None
 
 
 _SPLITS = {aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default}
@@ -181,6 +209,8 @@ def _projection(node: fx.Node, specs: dict) -> Projection | None:
     in_dim = 2 * ndim - 3 - out_dim
     bias_node = node.args[bi] if bi is not None and len(node.args) > bi else None
     bias = _attr(bias_node) if packed is None else _packed_bias(bias_node, packed)
+    if bias is None and packed is None:
+        bias = _part_of_joined(bias_node)
     joined = bias is None and packed is None and _joined(bias_node)
     if bias_node is not None and bias is None and not joined:
         return None  # a computed bias: leave the op alone

@@ -23,6 +23,9 @@ from autotp.passes.projections import Projection, packed_by_weight, packed_segme
 from autotp.passes.propagate import GraphIndex, propagate
 from autotp.passes.propagation import Propagation
 from autotp.passes.region_match import RegionKind, RegionMatch
+from autotp.passes.rule_kit import like_first
+from autotp.passes.rules import rule_for
+from autotp.passes.rules_shape import permute, reshape
 from autotp.passes.steps import Operator
 from torch import fx
 
@@ -176,9 +179,10 @@ class _RegionFinder:
         for conv in self._sliced(prop):
             if self.nodes[conv.source].op == "get_attr":
                 continue  # a parameter sliced: learnt by ``attempt`` itself
-            key = (conv.source, conv.steps[-1].shard)
+            key = (conv.source, conv.steps[-1].shard, len(columns))
             if key not in traced_here:
-                traced_here[key] = trace(self.sources, self.nodes[conv.source], conv.steps[-1].shard, upstream)
+                traced_here[key] = trace(self.sources, self.nodes[conv.source], conv.steps[-1].shard, upstream,
+                                         inputs=self._inputs(columns))
             traced = traced_here[key]
             if traced is None or taken & traced.projections.keys():
                 continue
@@ -194,12 +198,44 @@ class _RegionFinder:
     def _sliced(self, prop: Propagation) -> list:
         """Slices of values gradients flow through (a value no gradient reaches, a per-head table or a mask,
         is sliced for free), other than values made from the region's own rows (a time-step projection reading
-        V's split features, all-reduced, then taken per head: only its small gradient is gathered) and values
-        repeated along the split dim (``repeated``)."""
+        V's split features, all-reduced, then taken per head: only its small gradient is gathered), values
+        repeated along the split dim (``repeated``) and values computed per head from the region's own whole input
+        alone (``_per_head_of_input``)."""
         rows = set(prop.rows)
         return [c for c in prop.steps_of(Operator.SCATTER) if c.source in self.grad
                 and not self._from_rows(rows, c.source, c.steps[-1].shard)
-                and not repeated(self.nodes[c.source], c.steps[-1].shard, self.tp)]
+                and not repeated(self.nodes[c.source], c.steps[-1].shard, self.tp)
+                and not self._per_head_of_input(prop, c.source, c.steps[-1].shard)]
+
+    def _per_head_of_input(self, prop: Propagation, source: str, shard: Shard) -> bool:
+        """Whether ``source`` is computed per head from the whole inputs of the region's columns alone, through ops
+        that keep its heads apart (WavLM's gate of its relative position bias: the input taken per head, by a
+        linear the heads share): every rank computes it whole and keeps its heads, its gradient (a few numbers per
+        head and position) gathered."""
+        columns = [self.projections[o] for o in sorted({o for origins in prop.origins.values() for o in origins})
+                   if o in self.projections and o not in prop.rows]
+        if not columns:
+            return False
+        key = (source, shard, tuple(p.node for p in columns))
+        if key not in self.traced:
+            self.traced[key] = trace(self.sources, self.nodes[source], shard, set(), inputs=self._inputs(columns))
+        traced = self.traced[key]
+        # nothing to split on the way: it reads whole values only (the region's input, values no gradient reaches)
+        return traced is not None and not traced.projections and not traced.params
+
+    def _inputs(self, columns: list[Projection]) -> set[str]:
+        """The values the ``columns`` read whole (through ``f``), and those these are reshapes, transposes or casts
+        of: what the region already holds whole on every rank."""
+        out = set()
+        for p in columns:
+            node = self.nodes[p.input]
+            while node.name not in out:
+                out.add(node.name)
+                if node.op != "call_function" or rule_for(node.target) not in (reshape, permute, like_first) \
+                        or not node.args or not isinstance(node.args[0], fx.Node):
+                    break
+                node = node.args[0]
+        return out
 
     def _from_rows(self, rows: set[str], source: str, shard: Shard) -> bool:
         key = (source, shard)

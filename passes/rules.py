@@ -23,6 +23,7 @@ from autotp.passes.rules_compute import (
     last_two_dims,
     layer_norm,
     reduction,
+    shared_linear,
 )
 from autotp.passes.random_ops import SIZE_ONLY_OPS, RandomKind, random_kind
 from autotp.passes.rules_channels import CHANNEL_RULES
@@ -73,6 +74,7 @@ RULES = {
     aten.max.dim: reduction, aten.min.dim: reduction, aten.linalg_vector_norm.default: reduction,
     # ``x.expand_as(y)`` broadcasts like ``x + y``, to y's (local) shape: F.normalize's norm to the heads it divides
     aten.expand_as.default: pointwise,
+    aten.linear.default: shared_linear,
     aten.matmul.default: batched_matmul, aten.bmm.default: batched_matmul,
     aten.scaled_dot_product_attention.default: attention,
     aten.view_as.default: view_as, aten.reshape_as.default: view_as, aten.einsum.default: einsum,
@@ -112,7 +114,7 @@ for _op in SIZE_ONLY_OPS:
 
 
 BLOCK_AWARE = frozenset({reshape, permute, like_first, getitem, pointwise, batched_matmul, baddbmm, along_dim,
-                         reduction, no_output, gather, attention})
+                         reduction, no_output, gather, attention, shared_linear})
 """The rules that keep a split repeated over blocks (``Shard.blocks``) meaningful; others see such inputs whole."""
 
 

@@ -101,6 +101,17 @@ def layer_norm(node: fx.Node, ins: Inputs, ctx: Context, x: fx.Node, lay: Shard)
 
 
 @on_split_input
+def shared_linear(node: fx.Node, ins: Inputs, ctx: Context, x: fx.Node, lay: Shard) -> Decision:
+    """``aten.linear`` by a whole weight (one that is no split projection here) of an input split along a batch dim:
+    the heads, each multiplied by one small matrix they share (WavLM's gate of its relative position bias). Each
+    rank projects its own rows with the whole weight and bias, whose gradients are then this rank's share (through
+    ``f``). Split along the features it multiplies, or with a split weight, it takes whole values."""
+    if lay.dim >= rank(x) - 1 or any(isinstance(other, Shard) for p, (_, other) in ins.items() if p != (0,)):
+        return replicate_all(node, ins, ctx)
+    return Decision(lay, wants={p: COPY if n.name in ctx.grad else None for p, (n, _) in ins.items() if p != (0,)})
+
+
+@on_split_input
 def last_two_dims(node: fx.Node, ins: Inputs, ctx: Context, x: fx.Node, lay: Shard) -> Decision:
     """Ops on each matrix of a batch (tril, triu): fine when the split is a batch dim (the heads)."""
     return Decision(lay) if lay.dim < rank(x) - 2 else replicate_all(node, ins, ctx)

@@ -1,6 +1,7 @@
 """Attention split by heads wherever heads are independent (issue 25): a per-head norm between the projections
 and a concatenation of two streams (SD3 with QK norm, Flux's dual- and single-stream blocks), and DeBERTa-v2's
-disentangled attention (a per-head position table repeated over the batch, scores picked per head by ``gather``).
+disentangled attention (a per-head position table repeated over the batch, scores picked per head by ``gather``),
+and WavLM's gated relative position bias (a per-head gate computed by a small linear the heads share).
 Each is checked exact in one process; the forward all-reduces are counted against Megatron's: one per output
 projection of each stream's attention and MLP."""
 
@@ -80,6 +81,63 @@ def test_deberta_v2_disentangled_attention_is_split_by_heads():
     for layer in ("query_proj", "key_proj", "value_proj", "pos_key_proj", "pos_query_proj"):
         assert f"deberta.encoder.layer.0.attention.self.{layer}.weight" in split, layer
     assert "deberta.encoder.layer.0.attention.output.dense.weight" in split
+
+
+class GatedBiasAttention(torch.nn.Module):
+    """WavLM's attention, hand-written: a per-head relative position bias (a table of one column per head) scaled by
+    a per-head gate that one small linear, shared by the heads, computes from each head's slice of the input (or of
+    the queries, ``gate_from="query"``). With ``joined_biases``, the attention is torch's
+    ``multi_head_attention_forward`` given separate Q/K/V weights, which joins their biases and chunks them again."""
+
+    def __init__(self, width: int = 64, heads: int = 4, gate_from: str = "input", joined_biases: bool = True):
+        super().__init__()
+        self.heads, self.gate_from, self.joined_biases = heads, gate_from, joined_biases
+        self.q_proj, self.k_proj, self.v_proj, self.out_proj = (torch.nn.Linear(width, width) for _ in range(4))
+        self.gate = torch.nn.Linear(width // heads, 8)
+        self.gate_const = torch.nn.Parameter(torch.ones(1, heads, 1, 1))
+        self.table = torch.nn.Embedding(16, heads)
+        self.head = torch.nn.Linear(width, 8)
+
+    def forward(self, x):
+        b, t, width = x.shape
+        h = self.heads
+        positions = torch.arange(t)
+        buckets = (positions[None, :] - positions[:, None]).clamp(-7, 8) + 7
+        bias = self.table(buckets).permute(2, 0, 1)[None].repeat(b, 1, 1, 1)  # [b, h, t, t]
+        source = self.q_proj(x) if self.gate_from == "query" else x
+        gate = self.gate(source.view(b, t, h, -1).transpose(1, 2)).view(b, h, t, 2, 4).sum(-1)
+        gate_a, gate_b = torch.sigmoid(gate).chunk(2, dim=-1)
+        bias = (gate_a * (gate_b * self.gate_const - 1.0) + 2.0) * bias
+        if self.joined_biases:
+            out, _ = torch.nn.functional.multi_head_attention_forward(
+                x.transpose(0, 1), x.transpose(0, 1), x.transpose(0, 1), width, h, torch.empty([0]),
+                torch.cat((self.q_proj.bias, self.k_proj.bias, self.v_proj.bias)), None, None, False, 0.0,
+                self.out_proj.weight, self.out_proj.bias, training=self.training, need_weights=False,
+                attn_mask=bias.reshape(b * h, t, t), use_separate_proj_weight=True, q_proj_weight=self.q_proj.weight,
+                k_proj_weight=self.k_proj.weight, v_proj_weight=self.v_proj.weight)
+            out = out.transpose(0, 1)
+        else:
+            q, k, v = (p(x).view(b, t, h, -1).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj))
+            scores = torch.softmax(q @ k.transpose(-1, -2) / 4.0 + bias, dim=-1)
+            out = self.out_proj((scores @ v).transpose(1, 2).reshape(b, t, width))
+        return self.head(x + out)
+
+
+@pytest.mark.parametrize("gate_from, joined_biases", [("input", True), ("query", False)])
+def test_a_gated_relative_position_bias_follows_the_head_split(gate_from, joined_biases):
+    """The gate is per head: the attention splits by heads, with the bias table's and the gate constant's heads;
+    the gate's small linear, shared by the heads, is kept whole (each rank computes its heads' gates). Q/K/V whose
+    biases torch joins and chunks again are projections all the same."""
+    torch.manual_seed(0)
+    model = GatedBiasAttention(gate_from=gate_from, joined_biases=joined_biases)
+    report = autotp.check(model, 2, (torch.randn(2, 12, 64),))
+    assert report.exact, report
+    placements = report.plan.placements
+    for name in ("q_proj.weight", "q_proj.bias", "k_proj.weight", "v_proj.weight"):
+        assert placements[name].kind.value == "colwise", (name, placements[name])
+    assert placements["out_proj.weight"].kind.value == "rowwise"
+    assert placements["table.weight"].is_split and placements["gate_const"].is_split
+    assert placements["gate.weight"].kind.value != "colwise"
 
 
 def test_head_split_attention_trains_exactly_on_two_gloo_ranks():

@@ -258,3 +258,33 @@ def test_a_layer_count_that_counts_per_stage_lists_takes_their_length_where_they
     assert apply_required(small, message, {})
     assert small == {"text_config": {"num_hidden_layers": 2}, "audio_config": {"depths": [2, 2, 2, 2],
                                                                               "num_hidden_layers": 4}}
+
+
+def test_key_value_heads_as_many_as_heads_where_the_default_has_as_many():
+    """The fallback for a model written for multi-head attention alone (Moonshine views its queries by the
+    key-value count): key-value heads follow the query heads where the default config has the two equal, under any
+    prefix and in sub-configs; grouped-query defaults keep their fewer key-value heads."""
+    from autotp.tools.tiny import same_heads
+
+    fields = {"encoder_num_attention_heads": 8, "encoder_num_key_value_heads": 8, "num_attention_heads": 32,
+              "num_key_value_heads": 8, "text_config": {"model_type": "t", "num_attention_heads": 16,
+                                                        "num_key_value_heads": 16}}
+    small = {"encoder_num_attention_heads": 4, "encoder_num_key_value_heads": 2, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "text_config": {"model_type": "t", "num_attention_heads": 4,
+                                                       "num_key_value_heads": 2}}
+    assert same_heads(fields, small) == {"encoder_num_key_value_heads": 4, "text_config": {
+        "model_type": "t", "num_attention_heads": 4, "num_key_value_heads": 4}}
+    assert same_heads(fields, small | same_heads(fields, small)) == {}  # once equal, nothing changes
+
+
+def test_a_tiny_model_that_builds_only_with_as_many_key_value_heads_as_heads_gets_them():
+    """A build that refuses fewer key-value heads than heads (as a model that does not repeat them fails to run)
+    gets the multi-head variant of the tiny config."""
+    def build(config):
+        if config.encoder_num_key_value_heads != config.encoder_num_attention_heads:
+            raise RuntimeError("shape '[2, 9, 2, 16]' is invalid for input of size 1152")
+        return config
+
+    config = tiny_model("moonshine", build)
+    assert config.encoder_num_key_value_heads == config.encoder_num_attention_heads == 4
+    assert config.decoder_num_key_value_heads == config.decoder_num_attention_heads

@@ -263,6 +263,23 @@ def test_composite_configs_build_their_causal_lm():
             model(*entry.inputs(model))
 
 
+def test_a_model_that_runs_only_with_as_many_key_value_heads_as_heads_is_built_so():
+    """Moonshine's attention views its queries by the key-value head count and Granite Speech 5's never repeats its
+    key-value heads: each builds from the tiny config with fewer, and fails only when run. The zoo's build runs the
+    model and falls back to as many key-value heads as heads (its default config's)."""
+    import torch
+
+    for entry in zoo.entries({"moonshine:speech", "granite_speech5_ctc:ctc"}):
+        model = entry.build()
+        config = getattr(model.config, "encoder_config", model.config)
+        heads = ("encoder_num_attention_heads", "encoder_num_key_value_heads") if hasattr(
+            config, "encoder_num_key_value_heads") else ("num_attention_heads", "num_key_value_heads")
+        assert getattr(config, heads[0]) == getattr(config, heads[1]), entry.name
+        with torch.no_grad():
+            inputs = entry.inputs(model)
+            model(**inputs) if isinstance(inputs, dict) else model(*inputs)
+
+
 def test_audio_features_are_as_wide_as_the_first_projection_reads_them():
     """A front end that stacks mel frames before its first projection (Granite Speech 5's reads four mel bins'
     worth per frame) names that width in no config field: the projection's refusal states it."""

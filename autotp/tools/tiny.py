@@ -303,17 +303,46 @@ def tiny_model(model_type: str, build, overrides: dict | None = None):
 
     fixed = TYPE_OVERRIDES.get(model_type, {})
     default = default_config(model_type)
+    fields = default.to_dict()
     error = None
     for mixed in (True, False):
-        shrunk = shrink(default.to_dict(), getattr(type(default), "sub_configs", None), mixed, type(default))
-        small = _merged(_merged(shrunk, fixed), overrides or {})
-        small = _rederived(model_type, small, default)
-        try:
-            return repaired(lambda: build(transformers.AutoConfig.for_model(model_type, **small)), small,
-                            SMALL_HF | TINY_EXTRA, default.to_dict())
-        except Exception as e:  # transformers and huggingface_hub raise many types for values a config rejects
-            error = error or e
+        shrunk = shrink(fields, getattr(type(default), "sub_configs", None), mixed, type(default))
+        for variant in _head_variants(fields, shrunk):
+            small = _merged(_merged(variant, fixed), overrides or {})
+            small = _rederived(model_type, small, default)
+            try:
+                return repaired(lambda: build(transformers.AutoConfig.for_model(model_type, **small)), small,
+                                SMALL_HF | TINY_EXTRA, fields)
+            except Exception as e:  # transformers and huggingface_hub raise many types for values a config rejects
+                error = error or e
     raise error
+
+
+def _head_variants(fields: dict, small: dict) -> list[dict]:
+    """The shrunk fields ``small`` as they are (fewer key-value heads than heads: grouped-query attention, which
+    the split of key-value heads must handle), then, if it differs, with as many key-value heads as heads wherever
+    the default config has as many (``same_heads``): a model written for multi-head attention alone may not
+    repeat its key-value heads (Moonshine views its queries by the key-value count)."""
+    same = same_heads(fields, small)
+    return [small, small | same] if same else [small]
+
+
+def same_heads(fields: dict, small: dict) -> dict:
+    """The key-value head counts of ``small`` (shrunk ``fields``, sub-configs included) set to its query heads' where
+    the default ``fields`` have the two equal; {} if none changes. The query count of ``X_key_value_heads``
+    (``encoder_num_key_value_heads``) is ``X_attention_heads`` beside it."""
+    out = {}
+    for name, value in fields.items():
+        if isinstance(value, dict) and isinstance(small.get(name), dict):
+            inner = same_heads(value, small[name])
+            if inner:
+                out[name] = small[name] | inner
+        elif isinstance(name, str) and name.endswith("key_value_heads") and isinstance(value, int):
+            heads = name[: -len("key_value_heads")] + "attention_heads"
+            count = small.get(heads, fields.get(heads))
+            if fields.get(heads) == value and isinstance(count, int) and small.get(name, value) != count:
+                out[name] = count
+    return out
 
 
 def default_config(model_type: str):

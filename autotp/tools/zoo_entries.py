@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 from collections.abc import Callable
+from copy import deepcopy
 from dataclasses import dataclass
 
 import torch
@@ -76,7 +77,10 @@ GROUPS = (
 forward allows it: their vision tower is built but not reached, and not counted in the split fraction."""
 
 
-def _hf_build(model_type: str, class_names: str | tuple[str, ...]) -> Callable[[], nn.Module]:
+def _hf_build(model_type: str, class_names: str | tuple[str, ...],
+              inputs: Callable[[nn.Module], tuple | dict] | None = None) -> Callable[[], nn.Module]:
+    """The build of ``model_type``'s tiny model (the mapping's class), which must run on ``inputs`` (if given): a
+    tiny config the model builds from but does not run on (one of ``tiny_model``'s variants) is not the one."""
     def build() -> nn.Module:
         import transformers
 
@@ -84,31 +88,52 @@ def _hf_build(model_type: str, class_names: str | tuple[str, ...]) -> Callable[[
         # the config's architectures, which a fresh config does not name
         cls = getattr(transformers, class_names if isinstance(class_names, str) else class_names[0])
 
-        def on_meta(config):
+        def made(config):
             config = config_of(cls, config)
-            with torch.device("meta"):
-                cls(config)
-            return config
+            with torch.device("meta"):  # on the meta device first: no memory, and errors read as they come
+                counts = _counts_by_part(cls(config))
+            _check_size(counts)
+            torch.manual_seed(0)
+            model = cls(config)
+            if inputs is not None:
+                _runs(model, inputs)
+            return model
 
         with quiet():
-            try:  # on the meta device: no memory, and errors read as they come
-                config = tiny_model(model_type, on_meta)
+            try:
+                return tiny_model(model_type, made)
+            except _TooLarge:
+                raise
             except Exception as e:  # whose fault: the tiny config's, or the model's own default config's too
                 own = _default_failure(model_type, cls)
                 if own is None:
                     raise
                 raise ValueError(f"the model does not build from its own default config either: {own}") from e
-            with torch.device("meta"):
-                counts = _counts_by_part(cls(config))
-            count = sum(counts.values())
-            if count > MAX_PARAMS:
-                part, most = max(counts.items(), key=lambda kv: kv[1])
-                raise ValueError(f"the tiny config still has {count / 1e6:.0f}M parameters in parts whose sizes no "
-                                 f"config field sets ({most / 1e6:.0f}M in {part}); not built")
-            torch.manual_seed(0)
-            return cls(config)
 
     return build
+
+
+class _TooLarge(ValueError):
+    """A tiny config whose model still has more than ``MAX_PARAMS`` parameters."""
+
+
+def _check_size(counts: dict[str, int]) -> None:
+    count = sum(counts.values())
+    if count > MAX_PARAMS:
+        part, most = max(counts.items(), key=lambda kv: kv[1])
+        raise _TooLarge(f"the tiny config still has {count / 1e6:.0f}M parameters in parts whose sizes no "
+                        f"config field sets ({most / 1e6:.0f}M in {part}); not built")
+
+
+def _runs(model: nn.Module, inputs: Callable[[nn.Module], tuple | dict]) -> None:
+    """Run a copy of ``model`` on its inputs as the zoo will (raising the model's error if it fails), leaving the
+    model and the random state as they were."""
+    from autotp.capture import model_kwargs
+    from autotp.capture.examples import example_inputs_of
+
+    with torch.random.fork_rng(), torch.no_grad():
+        copy = deepcopy(model)
+        example_inputs_of(copy, inputs(copy)).call(copy, model_kwargs(copy))
 
 
 def config_of(cls, config):
@@ -153,7 +178,7 @@ def hf_entries() -> list[Entry]:
     for group in GROUPS:
         mapping = getattr(modeling_auto, group.mapping, {})
         types = [t for t in mapping if not (group.new_trunks_only and t in seen)]
-        out += [Entry(t + group.suffix, group.family, _hf_build(t, mapping[t]), group.inputs) for t in types]
+        out += [Entry(t + group.suffix, group.family, _hf_build(t, mapping[t], group.inputs), group.inputs) for t in types]
         if group.family in ("causal-lm", "masked-lm", "seq2seq-lm"):
             seen |= set(types)
     return out
