@@ -7,10 +7,6 @@ tokens are compared across ranks and with one process's after the same seed.
 
 from __future__ import annotations
 
-import atexit
-import os
-import sys
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -150,39 +146,3 @@ def generation_at_four(rank: int, world: int) -> dict:
     """tp=4 above Llama's 2 KV heads (each rank holds the head it shares), and GPT-2 over gloo."""
     return {"llama": _compare_hf("llama", 2, world), "gpt2": _compare_hf("gpt2", 2, world, over_gloo=True)}
 
-
-GLOO_OUTLIVED_ITS_GROUP = 86
-"""The exit status of a rank whose gloo threads were still running at interpreter exit (``generation_then_exit``)."""
-
-
-def _gloo_threads() -> list[str]:
-    """The names of this process's gloo threads (a group's workers and its transport's event loop)."""
-    names = []
-    for task in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{task}/comm") as f:
-                names.append(f.read().strip())
-        except FileNotFoundError:  # a thread that ended since the listing
-            pass
-    return [n for n in names if "gloo" in n]
-
-
-def _exit_if_gloo_outlived_its_group() -> None:
-    left = _gloo_threads()
-    if left:  # left to interpreter shutdown, where one that needs Python aborts the process (issue 23)
-        print(f"rank {os.environ.get('LOCAL_RANK')}: gloo threads {left} outlived destroy_process_group",
-              file=sys.stderr, flush=True)
-        os._exit(GLOO_OUTLIVED_ITS_GROUP)
-
-
-def generation_then_exit(rank: int, world: int) -> dict:
-    """A short greedy generation at tp=``world``, bench.generation's path: the model (its config) built after the
-    group exists, tokens over shared memory; then the harness's teardown. At interpreter exit, which follows that
-    teardown, the group's gloo threads must be gone: joined by ``destroy_process_group`` while Python still runs."""
-    ids, mask = _prompts()
-    model = _small("llama", 2).eval()
-    pm = autotp.parallelize(model, tp=world, example_inputs=(ids,), quiet=True)
-    out = pm.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
-    assert _gloo_threads(), "gloo's threads are not found by name: the exit check would pass vacuously"
-    atexit.register(_exit_if_gloo_outlived_its_group)
-    return {"transport": type(pm.generation.comm).__name__, "tokens": out.tolist()}

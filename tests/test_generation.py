@@ -49,8 +49,9 @@ def test_a_spawned_generation_run_tears_its_group_down_before_exit():
     shutdown. Spawned ranks (as the benchmark runs; forked ones skip interpreter shutdown) generate over shared
     memory and must exit 0 with no gloo thread left at exit."""
     from bench import ranks
+    from tests import teardown_workers
 
-    results = ranks.run_on_ranks(generation_workers.generation_then_exit, "cpu", [1, 1], start_method="spawn")
+    results = ranks.run_on_ranks(teardown_workers.generation_then_exit, "cpu", [1, 1], start_method="spawn")
     assert [r["transport"] for r in results] == ["SharedMemoryComm"] * 2
     assert results[0]["tokens"] == results[1]["tokens"]
 
