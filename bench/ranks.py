@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from autotp.runtime.process import free_default_group_on_destroy
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -38,14 +40,17 @@ def _entry(rank: int, world: int, port: int, device: str, threads: list[int], fn
         torch.set_num_threads(threads[rank])
     if device == "cuda":
         torch.cuda.set_device(rank)
+    free_default_group_on_destroy()  # else destroy_process_group may leave gloo's threads to interpreter shutdown
     dist.init_process_group(backend_for(device), rank=rank, world_size=world)
     try:
         result = fn(rank, world, *args)
         with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
             json.dump(result, f)
+        if dist.is_initialized():
+            dist.barrier()  # no rank tears its group down while a peer may still talk to it
     finally:
         if dist.is_initialized():  # a rank left out by ``reform_world`` has no group any more
-            dist.destroy_process_group()
+            dist.destroy_process_group()  # gloo's threads joined here, while Python can still run their clean-up
 
 
 def reform_world(size: int, device: str) -> bool:

@@ -145,3 +145,4 @@ def generation_at_two(rank: int, world: int) -> dict:
 def generation_at_four(rank: int, world: int) -> dict:
     """tp=4 above Llama's 2 KV heads (each rank holds the head it shares), and GPT-2 over gloo."""
     return {"llama": _compare_hf("llama", 2, world), "gpt2": _compare_hf("gpt2", 2, world, over_gloo=True)}
+

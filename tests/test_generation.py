@@ -43,6 +43,19 @@ def test_generation_at_two_ranks_equals_model_generate():
         assert result["training"]["after"], result["training"]
 
 
+def test_a_spawned_generation_run_tears_its_group_down_before_exit():
+    """Issue 23: a benchmark rank aborted at exit (``terminate called without an active exception``) when its gloo
+    group, kept alive past ``destroy_process_group`` by torch's own module defaults, was freed during interpreter
+    shutdown. Spawned ranks (as the benchmark runs; forked ones skip interpreter shutdown) generate over shared
+    memory and must exit 0 with no gloo thread left at exit."""
+    from bench import ranks
+    from tests import teardown_workers
+
+    results = ranks.run_on_ranks(teardown_workers.generation_then_exit, "cpu", [1, 1], start_method="spawn")
+    assert [r["transport"] for r in results] == ["SharedMemoryComm"] * 2
+    assert results[0]["tokens"] == results[1]["tokens"]
+
+
 def test_generation_at_four_ranks_above_the_kv_heads():
     results = run_on_ranks(generation_workers.generation_at_four, 4)
     _check(results, ("llama", "gpt2"))
@@ -266,6 +279,23 @@ def test_shared_memory_names_the_rank_that_never_came():
     comm.close()
     with pytest.raises(autotp.RankFailure, match="closed"):
         comm.all_reduce(torch.ones(3))
+
+
+def test_shared_memory_completes_a_collective_whose_peer_already_left():
+    """A peer that wrote its value and saw this rank's (its counter, written before this rank wakes it) may
+    finish the collective and close its pipe, or exit, before the wake-up is written: this rank still
+    completes it. A peer that closed its pipe before coming still fails it."""
+    comm, peer = _shared_pair()
+    peer._slot_views(torch.ones(3))[1].copy_(torch.full((3,), 2.0))  # the peer's value of collective 1,
+    peer.count += 1
+    peer._counters[1] = peer.count  # then its count, as _arrive writes them
+    peer.close()
+    assert torch.equal(comm.all_reduce(torch.ones(3)), torch.full((3,), 3.0))
+
+    waiting, gone = _shared_pair()
+    gone.close()
+    with pytest.raises(autotp.RankFailure, match="closed its end"):
+        waiting.all_reduce(torch.ones(3))
 
 
 def test_shared_memory_polls_long_only_with_a_core_per_process(monkeypatch):

@@ -4,7 +4,8 @@
 bounded timeout) or with a group the caller already made; gloo on CPU, NCCL on GPU. ``group=None``
 means torch's default group throughout: autotp holds no reference to it, so ``destroy_process_group``
 frees it (a reference kept past it left gloo's threads to be freed during interpreter shutdown, which
-aborted). Modules that hold other groups are closed at exit (``close_at_exit``).
+aborted; ``free_default_group_on_destroy`` keeps torch's own modules from keeping one). Modules that hold other
+groups are closed at exit (``close_at_exit``).
 """
 
 from __future__ import annotations
@@ -26,6 +27,23 @@ DEFAULT_TIMEOUT = timedelta(minutes=10)
 30 minutes): a rank that died or hangs stops the others within this bound."""
 
 
+def free_default_group_on_destroy() -> None:
+    """Import ``torch.distributed.nn.functional`` now if no process group exists yet (call it before
+    ``init_process_group``; importing autotp does).
+
+    Its functions take ``group=group.WORLD`` as a default argument, evaluated once, at import. Imported while a
+    default group exists (``torch.distributed.fsdp`` imports it: transformers does when it builds a config, autotp
+    for ``dp_mode="fsdp"``), they keep that group alive after ``destroy_process_group``: gloo's threads are then
+    joined only during interpreter shutdown, where one that needs Python aborts the process with ``terminate
+    called without an active exception`` (issue 23; measured: the group outlived ``destroy_process_group`` in every
+    generation benchmark rank). Imported first, the defaults are None."""
+    if dist.is_available() and not dist.is_initialized():
+        import torch.distributed.nn.functional  # noqa: F401
+
+
+free_default_group_on_destroy()
+
+
 def ensure_process_group(world_needed: int, timeout: timedelta | float | None = None) -> bool:
     """Whether a process group exists, initialising the default one from torchrun's environment if needed.
 
@@ -36,6 +54,7 @@ def ensure_process_group(world_needed: int, timeout: timedelta | float | None = 
         return True
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
+        free_default_group_on_destroy()
         dist.init_process_group(backend, timeout=_timedelta(timeout))
         return True
     if world_needed == 1:

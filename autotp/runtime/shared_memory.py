@@ -90,12 +90,13 @@ class SharedMemoryComm:
         self._counters = np.frombuffer(self._map, dtype=np.int64, count=size * _LINE // 8)[::_LINE // 8]
         self._slots = torch.frombuffer(self._map, dtype=torch.uint8, offset=size * _LINE).view(2, size, SLOT_BYTES)
         self._wake = os.open(_pipe(folder, rank), os.O_RDONLY | os.O_NONBLOCK)
-        self._peers: list[int] = []
+        self._peers: list[tuple[int, int]] = []
+        """(rank, write end of its pipe) of every peer."""
         self._views: dict = {}
 
     def connect(self) -> None:
         """Open the peers' pipes for writing (once every rank has opened its own for reading)."""
-        self._peers = [os.open(_pipe(self.folder, r), os.O_WRONLY | os.O_NONBLOCK) for r in range(self.size)
+        self._peers = [(r, os.open(_pipe(self.folder, r), os.O_WRONLY | os.O_NONBLOCK)) for r in range(self.size)
                        if r != self.rank]
 
     def _exchange(self, data: torch.Tensor) -> list[torch.Tensor]:
@@ -126,14 +127,17 @@ class SharedMemoryComm:
         """Announce this rank's value of the next collective (written into its slot) and wait for every peer's."""
         self.count += 1
         self._counters[self.rank] = self.count  # after the slot: a peer that sees the count sees the value
-        for fd in self._peers:
+        for peer, fd in self._peers:
             try:
                 os.write(fd, b"\0")
             except BlockingIOError:  # a full pipe already holds wake-ups for a peer that never had to block
                 pass
             except OSError as e:
-                raise RankFailure(f"rank {self.rank}: a peer of a collective over shared memory closed its end "
-                                  f"({e}): another rank stopped (look for its own error above)") from e
+                # A peer that already wrote this collective's value may have read ours (written before this wake-up)
+                # and closed its pipe or exited since: this collective still completes.
+                if self._counters[peer] < self.count:
+                    raise RankFailure(f"rank {self.rank}: a peer of a collective over shared memory closed its end "
+                                      f"({e}): another rank stopped (look for its own error above)") from e
         self._wait(self.count)
 
     def _wait(self, count: int) -> None:
@@ -216,7 +220,7 @@ class SharedMemoryComm:
         self._counters = None
         self._slots = None
         self._map.close()
-        for fd in (self._wake, *self._peers):
+        for fd in (self._wake, *(fd for _, fd in self._peers)):
             os.close(fd)
         self._peers = []
 
