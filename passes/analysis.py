@@ -21,8 +21,9 @@ from autotp.passes.graph import sizes, trainable_attrs
 from autotp.passes.placement import Placement, Shard
 from autotp.passes.projections import find_embeddings, find_projections
 from autotp.passes.propagate import propagate
-from autotp.passes.propagation import Propagation, Violation
+from autotp.passes.propagation import Propagation
 from autotp.passes.regions import RegionSearch, find_regions
+from autotp.passes.uneven_vocab import is_the_vocabulary, uneven_violations, uneven_vocabulary
 from autotp.passes.vocab import VocabMatch, find_vocab
 from torch import fx
 
@@ -150,18 +151,11 @@ class Analysis:
         sequence = self.sequence_sizes if sequence_parallel else frozenset()
         prop = propagate(self.graph, self.projections, self.embeddings, layouts, tp, self.trainable, sequence=sequence,
                          inputs=inputs)
-        prop.violations[:] = [v for v in prop.violations if not self.uneven_vocabulary(v, tp)]
+        size = uneven_vocabulary(self.vocab, tp)
+        if size is not None:  # cut unevenly where it stays the vocabulary, refused where it cannot (uneven_vocab)
+            prop.violations[:] = [v for v in prop.violations if not is_the_vocabulary(v, self.vocab)]
+            prop.violations.extend(uneven_violations(self.graph, prop, layouts, size, set(self.vocab.embeddings)))
         return prop
-
-    def uneven_vocabulary(self, violation: Violation, tp: int) -> bool:
-        """Whether ``violation`` is the vocabulary itself, which a split may cut unevenly (``chunk_span``: the
-        first ``V % tp`` ranks one row more; Megatron pads it instead): at an embedding's lookup, or where a head's
-        split logits keep it as one dim (rules that cannot cut it unevenly take it whole or change its size, which
-        stays a violation). At least one row per rank."""
-        vocab = self.vocab
-        if vocab is None or violation.size != vocab.vocab_size or vocab.vocab_size < tp:
-            return False
-        return violation.node in vocab.embeddings or bool(violation.origins) and violation.origins <= set(vocab.heads)
 
     @functools.cached_property
     def sequence_sizes(self) -> frozenset:

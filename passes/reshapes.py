@@ -81,10 +81,6 @@ def map_reshape(in_sizes, out_sizes, shard: Shard, tp: int) -> Shard | None:
         return None
     if shard.replicas != 1:
         return _shared(in_sizes, out_sizes, shard, group, tp)
-    if any(static(s) is not None and static(s) % tp for s in shard.segments):
-        # cut unevenly (a vocabulary tp does not divide): its chunks stay chunks only in a dim left as it is
-        kept = kept_dim(in_sizes, out_sizes, shard.dim)
-        return None if kept is None else shard.moved(kept)
     i0, i1, j0, j1 = group
     outer_in = static(math.prod(in_sizes[i0:shard.dim])) if shard.dim > i0 else 1
     inner_in = static(math.prod(in_sizes[shard.dim + 1:i1])) if shard.dim + 1 < i1 else 1

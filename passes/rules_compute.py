@@ -29,8 +29,7 @@ aten = torch.ops.aten
 
 _ACROSS_SHARDS = {aten.sum.dim_IntList: Operator.G, aten.mean.dim: Operator.MEAN}
 """Reductions over the split dim that an all-reduce of the per-rank results completes (a norm's statistic:
-RMSNorm's mean of squares over all heads is the average of the ranks' means, every shard being equal; a mean over
-a vocabulary cut unevenly is taken whole)."""
+RMSNorm's mean of squares over all heads is the average of the ranks' means, every shard being equal)."""
 
 
 @on_split_input
@@ -49,8 +48,7 @@ def reduction(node: fx.Node, ins: Inputs, ctx: Context, x: fx.Node, lay: Shard) 
         return replicate_all(node, ins, ctx)
     dims = [norm_dim(d, rank(x)) for d in ([dims] if isinstance(dims, int) else dims)]
     if lay.dim in dims:
-        uneven = node.target is aten.mean.dim and static(lay.size) is not None and lay.size % ctx.tp
-        if node.target in _ACROSS_SHARDS and ctx.tp > 1 and lay.blocks == 1 and lay.replicas == 1 and not uneven:
+        if node.target in _ACROSS_SHARDS and ctx.tp > 1 and lay.blocks == 1 and lay.replicas == 1:
             return Decision(None, reduce=_ACROSS_SHARDS[node.target])
         return replicate_all(node, ins, ctx)
     keepdim = named_arg(node, "keepdim", False)

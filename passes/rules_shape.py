@@ -181,10 +181,9 @@ def _segment_slice(node: fx.Node, ins: Inputs, ctx: Context, lay: Shard, start: 
     as many ranks as the value's chunks are); a slice elsewhere asks for the projection to be split in segments
     cut where it cuts (the hint)."""
     bounds = [sum(lay.segments[:i]) for i in range(len(lay.segments) + 1)]
-    chunks = lay.chunks(ctx.tp)
-    if start in bounds and end in bounds and start < end and all(s % chunks == 0 for s in lay.segments):
-        # (segments cut unevenly, a vocabulary's, would put the slice at different offsets on each rank)
+    if start in bounds and end in bounds and start < end:
         i, j = bounds.index(start), bounds.index(end)
+        chunks = lay.chunks(ctx.tp)
         fixes = {(2,): start // chunks} if start else {}
         if len(node.args) > 3 and node.args[3] is not None and end < lay.size:
             fixes[(3,)] = end // chunks
@@ -269,8 +268,6 @@ def repeat_interleave(node: fx.Node, ins: Inputs, ctx: Context, x: fx.Node, lay:
         return replicate_all(node, ins, ctx)
     if norm_dim(dim, rank(x)) != lay.dim:
         return Decision(lay)
-    if any(static(s) is not None and static(s) % lay.chunks(ctx.tp) for s in lay.segments):  # cut unevenly: repeats move the cuts
-        return replicate_all(node, ins, ctx)
     return Decision(Shard(lay.dim, tuple(s * repeats for s in lay.segments), lay.blocks))
 
 
