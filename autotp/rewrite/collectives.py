@@ -24,19 +24,9 @@ from torch import nn
 from autotp.errors import InputError
 from autotp.passes.placement import Shard, assemble, assemble_blocks, chunk_lengths, chunk_span, local_shard
 from autotp.passes.steps import Operator
-from autotp.rewrite.comm import Communicator
+from autotp.rewrite.comm import Communicator, all_gather_chunks
 from autotp.rewrite.running_stats import ChannelBatchNorm
 from autotp.rewrite.shards import local_value, runtime_segments
-
-
-def all_gather_chunks(comm: Communicator, x: torch.Tensor, dim: int, lengths: list[int]) -> list[torch.Tensor]:
-    """Every rank's ``x``, of ``lengths[rank]`` along ``dim`` (a vocabulary cut unevenly): padded to the longest
-    for the collective, which takes equal shapes, and trimmed after."""
-    longest = max(lengths)
-    if min(lengths) == longest:
-        return comm.all_gather(x)
-    padded = torch.nn.functional.pad(x.movedim(dim, -1), (0, longest - x.shape[dim])).movedim(-1, dim)
-    return [part.narrow(dim, 0, length) for part, length in zip(comm.all_gather(padded), lengths)]
 
 
 def _gathered(comm: Communicator, x: torch.Tensor, dim: int, segments: tuple[int, ...],

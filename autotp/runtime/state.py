@@ -12,8 +12,7 @@ from torch import nn
 from autotp.capture import Captured
 from autotp.passes.placement import Part, Source, Want, full_tensor, own_tensors, part_of
 from autotp.planning.plan import Plan
-from autotp.rewrite.collectives import all_gather_chunks
-from autotp.rewrite.comm import Communicator
+from autotp.rewrite.comm import Communicator, all_gather_chunks
 
 
 @dataclass
