@@ -23,6 +23,7 @@ from autotp.passes.projections import find_embeddings, find_projections
 from autotp.passes.propagate import propagate
 from autotp.passes.propagation import Propagation
 from autotp.passes.regions import RegionSearch, find_regions
+from autotp.passes.uneven_vocab import is_the_vocabulary, uneven_violations, uneven_vocabulary
 from autotp.passes.vocab import VocabMatch, find_vocab
 from torch import fx
 
@@ -154,8 +155,13 @@ class Analysis:
         """Propagate parameter layouts (keyed by ``get_attr`` target) through the whole graph, with the residual
         stream split along the sequence when ``sequence_parallel``; ``inputs``: placeholders given split."""
         sequence = self.sequence_sizes if sequence_parallel else frozenset()
-        return propagate(self.graph, self.projections, self.embeddings, layouts, tp, self.trainable, sequence=sequence,
+        prop = propagate(self.graph, self.projections, self.embeddings, layouts, tp, self.trainable, sequence=sequence,
                          inputs=inputs, grad=self.grad)
+        size = uneven_vocabulary(self.vocab, tp)
+        if size is not None:  # cut unevenly where it stays the vocabulary, refused where it cannot (uneven_vocab)
+            prop.violations[:] = [v for v in prop.violations if not is_the_vocabulary(v, self.vocab)]
+            prop.violations.extend(uneven_violations(self.graph, prop, layouts, size, set(self.vocab.embeddings)))
+        return prop
 
     @functools.cached_property
     def sequence_sizes(self) -> frozenset:

@@ -21,6 +21,20 @@ class DividedBy:
     by: int
 
 
+@dataclass(frozen=True)
+class ChunkOf:
+    """A fix whose value is each rank's chunk of ``size`` cut into ``chunks`` (``placement.chunk_span``): a
+    size of the vocabulary that tp does not divide, so that the ranks' values differ."""
+
+    size: int
+    chunks: int
+
+
+def chunk_size(size: int, chunks: int) -> int | ChunkOf:
+    """A static split size's value on each rank: the same on all when ``chunks`` divides it, else ``ChunkOf``."""
+    return size // chunks if size % chunks == 0 else ChunkOf(size, chunks)
+
+
 def meta_val(node) -> object:
     """The example value recorded for ``node`` by torch.export (a FakeTensor, a tuple, a SymInt)."""
     return node.meta.get("val") if isinstance(node, fx.Node) else None

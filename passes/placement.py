@@ -8,7 +8,9 @@
   checkpoints record; ``Placement.part`` gives it.
 
 Along the split dim each segment is cut into ``tp // replicas`` contiguous chunks and rank r holds chunk
-``r // replicas`` of every segment: for a fused QKV weight, its share of Q, of K and of V, side by side.
+``r // replicas`` of every segment: for a fused QKV weight, its share of Q, of K and of V, side by side. The
+chunks are equal when their count divides the segment; otherwise the first ones are one longer
+(``chunk_span``, as ``torch.tensor_split`` cuts): a vocabulary tp does not divide, which Megatron pads instead.
 ``local_shard`` takes a rank's slice of a full tensor and ``full_tensor`` puts every rank's back together;
 every layer (the rewriter, the runtime, the checker, the tests) calls these and no other. A rank's tensors
 come from a ``Source`` asked for ``Want``s (a tensor and the ``Part`` the rank holds of it).
@@ -150,8 +152,8 @@ class Placement:
         runs, base = [], 0
         chunks, chunk = self.chunks(tp), rank // self.replicas
         for segment in segments_or_whole(self.segments, shape[self.dim]):
-            share = segment // chunks
-            runs.append((base + chunk * share, share))
+            start, length = chunk_span(segment, chunks, chunk)
+            runs.append((base + start, length))
             base += segment
         return Part(shape, self.dim, tuple(runs))
 
@@ -230,8 +232,22 @@ class Part:
         return torch.cat([full.narrow(self.dim, start, length) for start, length in self.runs], dim=self.dim)
 
 
+def chunk_span(size: int, chunks: int, chunk: int) -> tuple[int, int]:
+    """(start, length) of chunk ``chunk`` of ``size`` cut into ``chunks`` contiguous chunks: equal ones when
+    ``chunks`` divides ``size``, else the first ``size % chunks`` one longer (``torch.tensor_split``'s cut). Only
+    a vocabulary split is ever uneven (propagation refuses every other size tp does not divide)."""
+    base, extra = divmod(size, chunks)
+    return chunk * base + min(chunk, extra), base + (chunk < extra)
+
+
+def chunk_lengths(segments: tuple[int, ...], chunks: int) -> list[int]:
+    """Each chunk's length along the split dim (its part of every segment), in chunk order."""
+    return [sum(chunk_span(s, chunks, c)[1] for s in segments) for c in range(chunks)]
+
+
 def local_shape(shape: tuple[int, ...], shard: Shard | None, tp: int) -> tuple[int, ...]:
-    """A rank's shape of a whole ``shape`` split as ``shard`` (None: whole)."""
+    """A rank's shape of a whole ``shape`` split evenly as ``shard`` (None: whole): a split state (a KV cache's
+    heads), which is never the unevenly split vocabulary."""
     if shard is None:
         return tuple(shape)
     out = list(shape)
@@ -248,7 +264,7 @@ def local_shard(full: torch.Tensor, dim: int, segments: tuple[int, ...], rank: i
     """Rank ``rank``'s shard of ``full`` along ``dim`` (``segments`` empty: one segment, the whole dim, which the
     caller has checked ``tp`` divides)."""
     parts = full.split(list(segments_or_whole(segments, full.shape[dim])), dim=dim)
-    return torch.cat([p.narrow(dim, rank * (p.shape[dim] // tp), p.shape[dim] // tp) for p in parts], dim=dim)
+    return torch.cat([p.narrow(dim, *chunk_span(p.shape[dim], tp, rank)) for p in parts], dim=dim)
 
 
 def assemble(shards: list[torch.Tensor], dim: int, segments: tuple[int, ...]) -> torch.Tensor:
@@ -256,8 +272,7 @@ def assemble(shards: list[torch.Tensor], dim: int, segments: tuple[int, ...]) ->
     tp = len(shards)
     if not segments:
         return torch.cat(shards, dim=dim)
-    local = [s // tp for s in segments]
-    pieces = [shard.split(local, dim=dim) for shard in shards]
+    pieces = [shard.split([chunk_span(s, tp, r)[1] for s in segments], dim=dim) for r, shard in enumerate(shards)]
     return torch.cat([pieces[r][i] for i in range(len(segments)) for r in range(tp)], dim=dim)
 
 
@@ -269,8 +284,8 @@ def local_blocks(full: torch.Tensor, dim: int, segments: tuple[int, ...], rank: 
 
 def assemble_blocks(shards: list[torch.Tensor], dim: int, segments: tuple[int, ...]) -> torch.Tensor:
     """The full tensor from every rank's ``local_blocks``; inverse of it."""
-    local = sum(segments) // len(shards)
-    parts = [s.unflatten(dim, (-1, local)) for s in shards]
+    lengths = chunk_lengths(segments, len(shards))
+    parts = [s.unflatten(dim, (-1, length)) for s, length in zip(shards, lengths)]
     return assemble(parts, dim + 1, segments).flatten(dim, dim + 1)
 
 
@@ -281,7 +296,7 @@ def full_tensor(placement: Placement | None, shards: list[torch.Tensor]) -> torc
     if placement is None or not placement.is_split or len(shards) == 1:
         return shards[0]
     chunks = shards[::placement.replicas]
-    size = chunks[0].shape[placement.dim] * len(chunks)
+    size = sum(c.shape[placement.dim] for c in chunks)
     return assemble(chunks, placement.dim, segments_or_whole(placement.segments, size))
 
 

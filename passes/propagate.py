@@ -19,6 +19,7 @@ import sympy
 import torch
 from autotp.passes.graph import (
     ArgPath,
+    chunk_size,
     grad_nodes,
     is_tensor,
     mutated_args,
@@ -352,7 +353,7 @@ class _Walker:
         if d < 0 or sizes(x)[d] != 1 or shape[want.dim] != want.size or self.layout(x) is not None:
             return False
         self.result.layouts[source.name] = want
-        self.result.fixes.append((source.name, (1, want.dim), want.size // want.chunks(self.ctx.tp)))
+        self.result.fixes.append((source.name, (1, want.dim), chunk_size(want.size, want.chunks(self.ctx.tp))))
         self.convert(source, (0,), x, None, COPY if x.name in self.ctx.grad else None)
         return True
 

@@ -8,7 +8,7 @@ import sys
 
 import sympy
 import torch
-from autotp.passes.graph import DividedBy, arg_or_default, meta_val, rank, sizes
+from autotp.passes.graph import DividedBy, arg_or_default, chunk_size, meta_val, rank, sizes
 from autotp.passes.placement import Shard
 from autotp.passes.reshapes import map_reshape, static
 from autotp.passes.rule_kit import (
@@ -40,13 +40,13 @@ def reshape(node: fx.Node, ins: Inputs, ctx: Context, x: fx.Node, lay: Shard) ->
     shape = node.args[1] if node.target in _SHAPE_ARG_OPS else None
     chunks = new.chunks(ctx.tp)
     if shape is not None and isinstance(shape[new.dim], int) and shape[new.dim] != -1:
-        fixes[(1, new.dim)] = shape[new.dim] // chunks
+        fixes[(1, new.dim)] = chunk_size(shape[new.dim], chunks)
     elif shape is not None and isinstance(shape[new.dim], fx.Node):
         fixes[(1, new.dim)] = DividedBy(chunks)  # heads folded into the batch: ``B * H`` computed in the graph
     if node.target is aten.unflatten.int:  # (x, dim, sizes): the sizes replace dim
         index = new.dim - norm_dim(node.args[1], rank(x))
         if 0 <= index < len(node.args[2]) and isinstance(node.args[2][index], int) and node.args[2][index] != -1:
-            fixes[(2, index)] = node.args[2][index] // chunks
+            fixes[(2, index)] = chunk_size(node.args[2][index], chunks)
     shape = ", ".join(str(d) if isinstance(d, int) else "?" for d in sizes(node))
     what = f"dim {new.dim} of the reshape to ({shape})"
     parts = len(new.segments) if len(new.segments) > 1 else new.blocks if isinstance(new.blocks, int) else 1
@@ -63,7 +63,7 @@ def expand(node: fx.Node, ins: Inputs, ctx: Context, x: fx.Node, lay: Shard) -> 
     out_dim = lay.dim + offset
     size, fixes = shape[out_dim], {}
     if isinstance(size, int) and size != -1:
-        fixes[(1, out_dim)] = size // lay.chunks(ctx.tp)
+        fixes[(1, out_dim)] = chunk_size(size, lay.chunks(ctx.tp))
     elif isinstance(size, fx.Node):
         fixes[(1, out_dim)] = DividedBy(lay.chunks(ctx.tp))  # a sequence split: its size is computed
     out = lay.moved(out_dim)
@@ -368,7 +368,7 @@ def new_filled(node: fx.Node, ins: Inputs, ctx: Context) -> Decision:
     size = shape[lay.dim]
     if not isinstance(size, int) or size != lay.size:
         return Decision(None)
-    return Decision(lay, fixes={(1, lay.dim): size // lay.chunks(ctx.tp)},
+    return Decision(lay, fixes={(1, lay.dim): chunk_size(size, lay.chunks(ctx.tp))},
                     checks=size_checks(lay, f"dim {lay.dim} of the new tensor"))
 
 

@@ -133,7 +133,31 @@ def workflow(rank: int, world: int, folder: str) -> dict:
     _same_state(exported.state_dict(), saved, "export -> from_pretrained", exact=True)
     results["export_files"] = sorted(p.name for p in (folder / "export").iterdir())
     results["dcp_keys"] = sorted(_dcp_keys(folder / "dcp"))
+    results["odd_vocabulary"] = _odd_vocabulary(folder, rank)
     return results
+
+
+def _odd_vocabulary(folder: Path, rank: int) -> dict[str, list[int]]:
+    """A vocabulary of 81 split 41 + 40 at tp=2: saved as DCP and as safetensors with the full 81 rows, loaded back
+    at tp=2 and at tp=1 (whole); the shapes the safetensors file holds."""
+    from safetensors import safe_open
+
+    torch.manual_seed(0)
+    ref, ids = models.PaddedLM(tied=False, vocab=81, pad=80), models.padded_ids(80, 81)
+    pm = autotp.parallelize(ref, tp=2, example_inputs=(ids,), vocab="split", quiet=True)
+    assert pm.plan.placements["head.weight"].is_split
+    pm.save(folder / "odd_dcp")
+    pm.save(folder / "odd_st", format="safetensors")
+    for tp in (2, 1):
+        group = dist.new_group([rank]) if tp == 1 else None  # every rank makes each group, in the same order
+        with autotp.empty_weights():
+            bare = models.PaddedLM(tied=False, vocab=81, pad=80)
+        back = autotp.parallelize(bare, tp=tp, example_inputs=(ids,), vocab="split", checkpoint=folder / "odd_dcp",
+                                  quiet=True, **({"group": group} if tp == 1 else {}))
+        _same_state(back.full_state_dict(), ref.state_dict(), f"81 rows: DCP at tp=2 -> tp={tp}", exact=True)
+        assert_close(back(ids), ref(ids), rtol=1e-6, atol=1e-6)
+    with safe_open(str(folder / "odd_st" / "model.safetensors"), "pt") as f:
+        return {k: list(f.get_slice(k).get_shape()) for k in f.keys()}
 
 
 def _dcp_keys(path: Path) -> list[str]:

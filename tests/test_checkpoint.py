@@ -36,6 +36,9 @@ def test_workflow_checked_on_every_rank(workflow):
     assert "model.model.layers.0.self_attn.q_proj.weight" in keys
     assert "optimizer.state.model.layers.0.self_attn.q_proj.weight.exp_avg" in keys
     assert "model.lm_head.weight" not in keys, "a tied weight is saved once, under its first name"
+    # A vocabulary tp does not divide is saved with its full rows (the worker loads it back at tp=2 and tp=1).
+    odd = workflow[0]["odd_vocabulary"]
+    assert odd["embed.weight"] == [81, 32] and odd["head.weight"] == [81, 32], odd
     # Each pipeline rank holds its stages only.
     assert all(0 < r["pipeline_local_params"] for r in workflow)
 

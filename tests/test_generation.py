@@ -64,6 +64,7 @@ def test_generation_at_four_ranks_above_the_kv_heads():
         assert result["llama"]["replicas"] == [2] and 2 * mine == whole, result["llama"]  # one KV head of two
         mine, whole = result["gpt2"]["cache_bytes"]
         assert 4 * mine == whole
+        assert result["gpt2"]["vocab_split"]  # 127 rows over 4 ranks: generated from the unevenly split head
 
 
 def test_sampling_processing_is_transformers():

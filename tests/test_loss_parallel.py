@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 import autotp
+from autotp.passes.placement import chunk_span
 from autotp.passes.steps import Operator
 from autotp.rewrite.collectives import vocab_parallel_cross_entropy
 from tests import models
@@ -17,7 +18,7 @@ from tests.loss_workers import captured_user_loss, loss_parallel_on_ranks
 
 
 @pytest.mark.parametrize("tp", [2, 4])
-@pytest.mark.parametrize("shape", [(12, 16), (16,), (3, 16, 5)])
+@pytest.mark.parametrize("shape", [(12, 16), (16,), (3, 16, 5), (12, 17), (3, 17, 5)])  # 17: cut unevenly
 @pytest.mark.parametrize("reduction", [0, 1, 2])
 @pytest.mark.parametrize("smoothing", [0.0, 0.1])
 def test_vocab_parallel_cross_entropy_equals_torchs(tp, shape, reduction, smoothing):
@@ -35,11 +36,12 @@ def test_vocab_parallel_cross_entropy_equals_torchs(tp, shape, reduction, smooth
     want = torch.nn.functional.cross_entropy(logits, target, reduction=mode, ignore_index=ignore,
                                              label_smoothing=smoothing)
     (want * weights if reduction == 0 else want).sum().backward()
-    local = shape[classes] // tp
 
     def rank_loss(comm):
-        mine = logits.detach().narrow(classes, comm.rank * local, local).clone().requires_grad_()
-        loss = vocab_parallel_cross_entropy(mine, target, comm, reduction, ignore, label_smoothing=smoothing)
+        span = chunk_span(shape[classes], tp, comm.rank)
+        mine = logits.detach().narrow(classes, *span).clone().requires_grad_()
+        loss = vocab_parallel_cross_entropy(mine, target, comm, reduction, ignore, label_smoothing=smoothing,
+                                            classes=shape[classes])
         (loss * weights if reduction == 0 else loss).sum().backward()
         return loss.detach(), mine.grad
 

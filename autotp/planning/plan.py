@@ -352,7 +352,8 @@ def region_contradictions(region: Region, placements: Mapping[str, Placement]) -
 
 
 def _split_problem(placement: Placement, shape: tuple, tp: int) -> str | None:
-    """Why ``placement`` cannot give each of ``tp`` ranks an equal whole share of a tensor of ``shape``."""
+    """Why ``placement`` cannot give each of ``tp`` ranks an equal whole share of a tensor of ``shape`` (or, split
+    along a vocabulary tp does not divide, a share one row longer on the first ranks)."""
     if not placement.is_split:
         return None
     if not 0 <= placement.dim < len(shape):
@@ -364,6 +365,9 @@ def _split_problem(placement: Placement, shape: tuple, tp: int) -> str | None:
     if tp % placement.replicas:
         return f"its {placement.replicas} replicas do not divide tp={tp}"
     chunks = placement.chunks(tp)
+    if placement.kind is PlacementKind.VOCAB and len(parts) == 1 and placement.replicas == 1:
+        # a vocabulary tp does not divide is cut unevenly (``chunk_span``), at least one row per rank
+        return None if size >= tp else f"its {size} rows cannot give each of {tp} ranks one"
     if any(p % chunks for p in parts):
         return f"{chunks} chunks do not divide {'every segment' if placement.segments else 'its size'} {list(parts)}"
     return None

@@ -170,8 +170,8 @@ def _vocab_placements(analysis: Analysis, tp: int, notes: list[str], options: Op
     if options.vocab is VocabChoice.WHOLE:
         notes.append("embedding and LM head kept whole: vocab='whole' was asked for")
         return {}, [], layers
-    if vocab.vocab_size % tp:
-        notes.append(f"vocabulary of {vocab.vocab_size} is not divisible by tp={tp}: embedding and LM head not split along it")
+    if vocab.vocab_size < tp:
+        notes.append(f"vocabulary of {vocab.vocab_size} is smaller than tp={tp}: embedding and LM head not split along it")
         return {}, [], ()
     out = {analysis.embeddings[e].weight: Placement(PlacementKind.VOCAB, 0) for e in vocab.embeddings}
     for head in vocab.heads:
@@ -191,6 +191,12 @@ def _vocab_placements(analysis: Analysis, tp: int, notes: list[str], options: Op
                      f"plan's batch and sequence): {why}; vocab='split' or 'whole' overrides it")
         if whole:
             return {}, [], layers
+    if vocab.vocab_size % tp:
+        longer = vocab.vocab_size % tp
+        rows = vocab.vocab_size // tp
+        notes.append(f"vocabulary of {vocab.vocab_size} is not divisible by tp={tp}: split unevenly, {longer} "
+                     f"rank{'s' if longer > 1 else ''} holding {rows + 1} rows and {tp - longer} holding {rows} (Megatron "
+                     "pads it instead; the logits keep their size)")
     regions = [Region(RegionKind.EMBEDDING, tuple(analysis.layer(e) for e in vocab.embeddings), ())]
     regions += [Region(RegionKind.LM_HEAD, (analysis.layer(h),), ()) for h in vocab.heads]
     return out, regions, ()

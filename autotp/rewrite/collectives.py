@@ -22,16 +22,22 @@ import torch
 from torch import nn
 
 from autotp.errors import InputError
-from autotp.passes.placement import Shard, assemble, assemble_blocks, local_shard
+from autotp.passes.placement import Shard, assemble, assemble_blocks, chunk_lengths, chunk_span, local_shard
 from autotp.passes.steps import Operator
-from autotp.rewrite.comm import Communicator
+from autotp.rewrite.comm import Communicator, all_gather_chunks
 from autotp.rewrite.running_stats import ChannelBatchNorm
 from autotp.rewrite.shards import local_value, runtime_segments
 
 
 def _gathered(comm: Communicator, x: torch.Tensor, dim: int, segments: tuple[int, ...],
               blocked: bool = False) -> torch.Tensor:
-    return (assemble_blocks if blocked else assemble)(comm.all_gather(x), dim, segments)
+    if segments:  # of static sizes, which a vocabulary's may cut unevenly (repeated over ``blocks`` or not)
+        lengths = chunk_lengths(segments, comm.size)
+        blocks = x.shape[dim] // lengths[comm.rank]
+        parts = all_gather_chunks(comm, x, dim, [blocks * n for n in lengths])
+    else:  # sized at run time: the sequence, checked to divide evenly
+        parts = comm.all_gather(x)
+    return (assemble_blocks if blocked else assemble)(parts, dim, segments)
 
 
 def _sliced(x: torch.Tensor, dim: int, segments: tuple[int, ...], comm: Communicator, blocked: bool,
@@ -295,9 +301,10 @@ class _CrossEntropy(torch.autograd.Function):
     smoothing ``eps``, ``(1 - eps)`` of it plus ``eps`` of the mean over every class of ``-log p`` (torch's)."""
 
     @staticmethod
-    def forward(ctx, logits, target, comm, ignore_index, overwrite, smoothing=0.0):
+    def forward(ctx, logits, target, comm, ignore_index, overwrite, smoothing=0.0, classes=None):
         local = logits.shape[-1]
-        offset = target - comm.rank * local
+        classes = local * comm.size if classes is None else classes
+        offset = target - chunk_span(classes, comm.size, comm.rank)[0]
         valid = target != ignore_index
         mine = valid & (offset >= 0) & (offset < local)
         index = offset.clamp(0, local - 1).unsqueeze(-1)
@@ -318,7 +325,7 @@ class _CrossEntropy(torch.autograd.Function):
         lse = highest + (totals * (tops - highest).exp()).sum(0).log()
         softmax = exp.mul_((top - lse).exp().unsqueeze(-1))  # exp(x - top) * exp(top - lse), in place
         ctx.save_for_backward(softmax, index, mine, valid)
-        ctx.spent, ctx.smoothing, ctx.classes = False, smoothing, local * comm.size
+        ctx.spent, ctx.smoothing, ctx.classes = False, smoothing, classes
         loss = lse - picks.sum(0)
         if smoothing:
             loss = (1 - smoothing) * loss + smoothing * (lse - gathered[1].sum(0) / ctx.classes)
@@ -339,7 +346,7 @@ class _CrossEntropy(torch.autograd.Function):
         if ctx.smoothing:
             out.sub_(grad * (ctx.smoothing / ctx.classes))
         out.scatter_add_(-1, index, -(1 - ctx.smoothing) * mine.unsqueeze(-1).to(out.dtype) * grad)
-        return out, None, None, None, None, None
+        return out, None, None, None, None, None, None
 
 
 MEAN, SUM = 1, 2
@@ -348,14 +355,15 @@ MEAN, SUM = 1, 2
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, comm: Communicator,
                                  reduction: int = MEAN, ignore_index: int = -100, overwrite: bool = False,
-                                 label_smoothing: float = 0.0) -> torch.Tensor:
-    """``F.cross_entropy(logits, target)`` of logits whose class dim (dim 1, or 0 when 1-d) is split evenly
-    over ``comm``'s ranks, in rank order, computed without gathering them: Megatron's vocab-parallel
-    cross-entropy. The mean is over the targets that are not ``ignore_index``, as torch's. ``overwrite``: the
-    logits are the loss's to overwrite (nothing else reads them, no backward needs them), saving a buffer."""
+                                 label_smoothing: float = 0.0, classes: int | None = None) -> torch.Tensor:
+    """``F.cross_entropy(logits, target)`` of logits whose class dim (dim 1, or 0 when 1-d) is split over
+    ``comm``'s ranks, in rank order, computed without gathering them: Megatron's vocab-parallel cross-entropy.
+    ``classes``: how many in all, cut as ``chunk_span`` cuts them (None: evenly, as many on every rank). The mean
+    is over the targets that are not ``ignore_index``, as torch's. ``overwrite``: the logits are the loss's to
+    overwrite (nothing else reads them, no backward needs them), saving a buffer."""
     if logits.dim() >= 2:
         logits = logits.movedim(1, -1)
-    losses = _CrossEntropy.apply(logits, target, comm, ignore_index, overwrite, float(label_smoothing))
+    losses = _CrossEntropy.apply(logits, target, comm, ignore_index, overwrite, float(label_smoothing), classes)
     if reduction == SUM:
         return losses.sum()
     if reduction == MEAN:
@@ -365,11 +373,21 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, com
 
 class VocabParallelCrossEntropy(_Collective):
     """``aten.cross_entropy_loss`` on class-split logits, label smoothing included (the rule admits no class
-    weights)."""
+    weights); ``classes``: how many in all (None: as many on every rank)."""
+
+    def __init__(self, comm: Communicator, classes: int | None = None):
+        super().__init__(comm)
+        self.classes = classes
 
     def forward(self, logits, target, weight=None, reduction=MEAN, ignore_index=-100, label_smoothing=0.0):
         return vocab_parallel_cross_entropy(logits, target, self.comm, reduction, ignore_index,
-                                            label_smoothing=label_smoothing)
+                                            label_smoothing=label_smoothing, classes=self.classes)
+
+
+def _classes(shard: Shard | None) -> int | None:
+    """The classes in all of logits split as ``shard`` (None: sized at run time, or not told)."""
+    segments = runtime_segments(shard.segments) if shard is not None else ()
+    return segments[0] if len(segments) == 1 else None
 
 
 def split_args(shard: Shard) -> tuple:
@@ -382,7 +400,7 @@ IMPLEMENTATIONS: dict[Operator, Callable[[Communicator, Shard | None], nn.Module
     Operator.G: lambda comm, shard: ReduceFromTP(comm),
     Operator.VOCAB_EMBEDDING: lambda comm, shard: ReduceFromTP(comm),
     Operator.MEAN: lambda comm, shard: MeanFromTP(comm),
-    Operator.CROSS_ENTROPY: lambda comm, shard: VocabParallelCrossEntropy(comm),
+    Operator.CROSS_ENTROPY: lambda comm, shard: VocabParallelCrossEntropy(comm, _classes(shard)),
     Operator.GATHER: lambda comm, shard: (GatherFromTP(comm, *split_args(shard)) if shard.replicas == 1 else
                                           GatherShared(comm, shard.dim, shard.segments, shard.replicas)),
     Operator.SCATTER: lambda comm, shard: (ScatterToTP(comm, *split_args(shard)) if shard.replicas == 1 else

@@ -48,6 +48,16 @@ class Communicator(Protocol):
         the function that waits for it and gives the sum, so that work in between overlaps the communication."""
 
 
+def all_gather_chunks(comm: Communicator, x: torch.Tensor, dim: int, lengths: list[int]) -> list[torch.Tensor]:
+    """Every rank's ``x``, of ``lengths[rank]`` along ``dim`` (a vocabulary cut unevenly): padded to the longest
+    for the collective, which takes equal shapes, and trimmed after."""
+    longest = max(lengths)
+    if min(lengths) == longest:
+        return comm.all_gather(x)
+    padded = torch.nn.functional.pad(x.movedim(dim, -1), (0, longest - x.shape[dim])).movedim(-1, dim)
+    return [part.narrow(dim, 0, length) for part, length in zip(comm.all_gather(padded), lengths)]
+
+
 def settle(comm) -> None:
     """Run and clear ``comm.pending`` (each communicator calls this as a collective begins)."""
     pending, comm.pending = comm.pending, None

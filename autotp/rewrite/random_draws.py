@@ -18,6 +18,7 @@ from torch import fx, nn
 from autotp.errors import InternalError
 from autotp.passes.placement import Layout, Shard
 from autotp.passes.random_ops import RandomKind, attention_dropout, random_kind
+from autotp.passes.reshapes import static
 from autotp.rewrite.graph_edit import STANDS_FOR
 from autotp.rewrite.shards import local_part
 from autotp.rewrite.streams import RankStream
@@ -31,7 +32,10 @@ def _full_size(x: torch.Tensor, layout: Layout, tp: int) -> list[int]:
     if isinstance(layout, Shard):
         if layout.spread:
             raise InternalError("a random op on a KV head spread over its query heads: autotp merges those first")
-        size[layout.dim] *= layout.chunks(tp)
+        if layout.blocks == 1 and static(layout.size) is not None:
+            size[layout.dim] = int(layout.size)  # also where the chunks differ (a vocabulary cut unevenly)
+        else:
+            size[layout.dim] *= layout.chunks(tp)
     return size
 
 

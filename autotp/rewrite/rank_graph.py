@@ -15,8 +15,8 @@ from torch import fx, nn
 from autotp.capture import Captured
 from autotp.errors import InternalError
 from autotp.passes.analysis import Analysis
-from autotp.passes.graph import DividedBy, arg_or_default, get_arg
-from autotp.passes.placement import Source, Want, own_tensors, part_of
+from autotp.passes.graph import ChunkOf, DividedBy, arg_or_default, get_arg
+from autotp.passes.placement import Source, Want, chunk_span, own_tensors, part_of
 from autotp.passes.projections import Projection
 from autotp.passes.propagation import Conversion, Propagation
 from autotp.passes.steps import COPY, Operator, fused
@@ -215,8 +215,7 @@ class _Surgeon:
         self.reduce_after(node, reduction, bias, shard)
 
     def embedding(self, node: fx.Node, vocab_rows: int, reduction: Operator, shard) -> None:
-        local = vocab_rows // self.tp
-        start = self.rank * local
+        start, local = chunk_span(vocab_rows, self.tp, self.rank)  # this rank's rows, as the table was cut
         padding_idx = arg_or_default(node, 2, "padding_idx", -1)  # the planner refused the other options
         node.target = masked_embedding
         node.args, node.kwargs = (node.args[0], node.args[1], start, start + local, padding_idx), {}
@@ -228,6 +227,8 @@ class _Surgeon:
             if isinstance(value, DividedBy):  # a size the graph computes (``B * H``): divide it where it is read
                 with self.graph.inserting_before(node):
                     value = self.graph.call_function(operator.floordiv, (get_arg(node, path), value.by))
+            elif isinstance(value, ChunkOf):  # a vocabulary cut unevenly: this rank's chunk of it
+                value = chunk_span(value.size, value.chunks, self.rank // (self.tp // value.chunks))[1]
             with_arg(node, path, value)
         for conv in prop.conversions.values():
             self.convert(conv)
@@ -235,8 +236,8 @@ class _Surgeon:
             node, shard = self.nodes[name], prop.layouts.get(name)  # a shard: reduce-scattered onto it
             if name in self.analysis.embeddings and reduction in (Operator.VOCAB_EMBEDDING, Operator.REDUCE_SCATTER):
                 self.embedding(node, self.analysis.embeddings[name].num_embeddings, reduction, shard)
-            elif reduction is Operator.CROSS_ENTROPY:
-                self.replace(node, collective_module(reduction, self.comm))
+            elif reduction is Operator.CROSS_ENTROPY:  # told the logits' split, to find this rank's classes
+                self.replace(node, collective_module(reduction, self.comm, prop.layouts[node.args[0].name]))
             elif reduction is Operator.RUNNING_STATS:
                 self.replace(node, collective_module(reduction, self.comm, shard))
             elif name in self.analysis.projections:

@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from autotp.passes.placement import assemble
-from autotp.rewrite.comm import Communicator
+from autotp.passes.placement import assemble, chunk_lengths
+from autotp.rewrite.comm import Communicator, all_gather_chunks
 from autotp.rewrite.shards import local_value
 
 
@@ -31,7 +31,8 @@ class ChannelBatchNorm(nn.Module):
         kept = [(whole, part) for whole, part in zip((mean, var), own) if whole is not None]
         if training and kept:
             with torch.no_grad():  # one all-gather for both statistics
-                parts = self.comm.all_gather(torch.stack([part for _, part in kept]))
+                mine = torch.stack([part for _, part in kept])  # a vocabulary's channels may be cut unevenly
+                parts = all_gather_chunks(self.comm, mine, 1, chunk_lengths(self.segments, self.comm.size))
                 updated = assemble(parts, 1, self.segments)
                 for (whole, _), new in zip(kept, updated):
                     whole.copy_(new)

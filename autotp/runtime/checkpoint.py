@@ -58,18 +58,18 @@ class Holding:
 
 
 def holding(plan: Plan, tp_rank: int, own: dict[str, torch.Tensor], params: dict[str, nn.Parameter],
-            extra: dict[str, object], aliases: dict[str, str], group, distributed: bool) -> Holding:
+            extra: dict[str, object], aliases: dict[str, str], group, distributed: bool,
+            shapes: dict[str, tuple[int, ...]]) -> Holding:
     """The ``Holding`` of a rank whose tensors are ``own`` (tp shards under original names; FSDP DTensors are
     gathered over dp, a collective), plus ``extra`` state every rank keeps whole (tensors only are saved).
-    With data parallelism every replica holds the same chunks: a save over the whole world writes each once."""
+    With data parallelism every replica holds the same chunks: a save over the whole world writes each once.
+    ``shapes``: the full tensors' shapes by name (a shard does not tell them where its chunks differ)."""
     tensors, sharded = {}, {name: t for name, t in own.items() if isinstance(t, DTensor)}
     for name, tensor in own.items():
         tensor = gathered(tensor)
         placement = plan.placements.get(name)
-        shape = list(tensor.shape)
-        if placement is not None and placement.is_split:
-            shape[placement.dim] *= placement.chunks(plan.tp)
-        tensors[name] = (tensor, part_of(placement, tuple(shape), tp_rank, plan.tp))
+        shape = shapes[name] if placement is not None and placement.is_split else tuple(tensor.shape)
+        tensors[name] = (tensor, part_of(placement, shape, tp_rank, plan.tp))
     for name, value in extra.items():
         if isinstance(value, torch.Tensor):
             tensors.setdefault(name, (value, Part(tuple(value.shape))))

@@ -84,7 +84,7 @@ def default_loss(output, target: torch.Tensor, split: SplitOutputs | None = None
                              f"shape {tuple(target.shape)}")
         # Classes last, in whatever layout the model left them (no B×T×V/tp copy to flatten them).
         return vocab_parallel_cross_entropy(logits.movedim(-1, 1), target.reshape(logits.shape[:-1]), gather.comm,
-                                            overwrite=gather.overwritable)
+                                            overwrite=gather.overwritable, classes=gather.segments[0])
     if gather is not None:  # split some other way: made whole for the plain loss
         logits = gather.whole(logits)
     return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))

@@ -143,7 +143,7 @@ class ParallelBase(Checkpointing, nn.Module):
         params = {n: p for module in self.rank_modules() for n, p in self._names.params(module).items()}
         group = self._checkpoint_group()
         return holding(self.plan, self.tp_rank, own, params, self._names.extra_state, self._names.aliases, group,
-                       self.comm is not None)
+                       self.comm is not None, self._names.shapes)
 
     def _checkpoint_group(self):
         """The group a checkpoint's collectives span (None: the whole world)."""
@@ -155,7 +155,8 @@ class ParallelBase(Checkpointing, nn.Module):
         A collective call: every rank must make it (a rank calling it alone fails once the group's timeout
         passes, with ``RankFailure``).
         """
-        mine = {name: gather_tp(self.plan, name, t, self.comm) for name, t in self.local_state_dict().items()}
+        mine = {name: gather_tp(self.plan, name, t, self.comm, self._names.shapes.get(name))
+                for name, t in self.local_state_dict().items()}
         return self._names.complete(self._collect_stages(mine))
 
     def close(self) -> None:

@@ -10,9 +10,9 @@ import torch
 from torch import nn
 
 from autotp.capture import Captured
-from autotp.passes.placement import Part, Source, Want, full_tensor, own_tensors
+from autotp.passes.placement import Part, Source, Want, full_tensor, own_tensors, part_of
 from autotp.planning.plan import Plan
-from autotp.rewrite.comm import Communicator
+from autotp.rewrite.comm import Communicator, all_gather_chunks
 
 
 @dataclass
@@ -28,6 +28,9 @@ class StateNames:
     extra_state: dict[str, object]
     """State the graph never reads (unused buffers, ``None`` or other extra state), kept so full_state_dict
     has every key."""
+    shapes: dict[str, tuple[int, ...]]
+    """Kept name -> the full tensor's shape, which a rank's shard does not tell where the chunks differ (a
+    vocabulary tp does not divide)."""
 
     def local(self, module: nn.Module) -> dict[str, torch.Tensor]:
         """A rank module's tensors (shards for split parameters) under the original names."""
@@ -56,7 +59,9 @@ def state_names(model: nn.Module, captured: Captured, modules, source: Source | 
     tensors = [k for k, v in extra.items() if isinstance(v, torch.Tensor)]
     wants = [Want(captured.aliases.get(k, k), extra[k], Part(tuple(extra[k].shape))) for k in tensors]
     extra |= dict(zip(tensors, (source or own_tensors)(wants)))
-    return StateNames(captured.state_keys, captured.aliases, captured.param_name, extra)
+    shapes = {captured.aliases.get(k, k): tuple(v.shape) for k, v in model.state_dict(keep_vars=True).items()
+              if isinstance(v, torch.Tensor)}
+    return StateNames(captured.state_keys, captured.aliases, captured.param_name, extra, shapes)
 
 
 def split_param(plan: Plan, names: StateNames, target: str, tp_rank: int = 0) -> bool:
@@ -67,9 +72,14 @@ def split_param(plan: Plan, names: StateNames, target: str, tp_rank: int = 0) ->
     return placement is not None and placement.is_split and plan.tp > 1 and tp_rank % placement.replicas == 0
 
 
-def gather_tp(plan: Plan, name: str, local: torch.Tensor, comm: Communicator | None) -> torch.Tensor:
-    """The full tensor of parameter ``name`` from every tensor-parallel rank's shard (collective)."""
+def gather_tp(plan: Plan, name: str, local: torch.Tensor, comm: Communicator | None,
+              shape: tuple[int, ...] | None = None) -> torch.Tensor:
+    """The full tensor of parameter ``name`` (of ``shape``; None: cut in equal chunks) from every
+    tensor-parallel rank's shard (collective)."""
     placement = plan.placements.get(name)
     if placement is None or not placement.is_split or plan.tp == 1:
         return local.detach().clone()
-    return full_tensor(placement, comm.all_gather(local.detach()))
+    if shape is None:
+        return full_tensor(placement, comm.all_gather(local.detach()))
+    lengths = [part_of(placement, shape, r, plan.tp).local_shape[placement.dim] for r in range(plan.tp)]
+    return full_tensor(placement, all_gather_chunks(comm, local.detach(), placement.dim, lengths))

@@ -92,7 +92,7 @@ def shard_shape(shape: tuple[int, ...], placement: Placement, tp: int) -> tuple[
     """The shape one rank holds."""
     if not placement.is_split:
         return shape
-    return tuple(d // placement.chunks(tp) if i == placement.dim else d for i, d in enumerate(shape))
+    return tuple(-(-d // placement.chunks(tp)) if i == placement.dim else d for i, d in enumerate(shape))  # the longest
 
 
 def _fmt(shape: tuple[int, ...]) -> str:
