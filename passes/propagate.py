@@ -244,7 +244,7 @@ class _Walker:
         elif rule not in REPLICA_AWARE and any(lay.replicas != 1 for lay in shards):
             narrowed = _narrowed(ins, self.ctx.tp)
             if narrowed is None:
-                rule = replicate_all  # likewise for chunks several ranks hold
+                rule, narrowed = replicate_all, {}  # likewise for chunks several ranks hold
             else:
                 ins = {p: (n, narrowed.get(p, lay)) for p, (n, lay) in ins.items()}
         try:
