@@ -91,16 +91,31 @@ def _patched(loops: _Loops):
         except GuardOnDataDependentSymNode:
             if not loops.in_body:
                 raise
-            # an expert's selection being empty: the branch that computes it (the same ops, on no rows)
+            # an expert's selection being empty: the branch that computes it (the same ops, on no rows), where
+            # that is the branch every non-empty selection takes
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", FutureWarning)
-                return guard_size_oblivious(self)
+                taken = guard_size_oblivious(self)
+            if not _same_for_any_rows(self, taken):
+                raise
+            return taken
 
     torch.Tensor.nonzero, torch.Tensor.__iter__, torch.SymBool.__bool__ = routed_nonzero, routed_iter, oblivious_truth
     try:
         yield loops
     finally:
         torch.Tensor.nonzero, torch.Tensor.__iter__, torch.SymBool.__bool__ = nonzero, iterate, truth
+
+
+def _same_for_any_rows(condition: torch.SymBool, taken: bool) -> bool:
+    """Whether ``condition`` (on sizes only) is ``taken`` whatever nonzero sizes its symbols have (tried at 1, 2, 3
+    and a large one): ``numel() == 0`` is, ``numel() == 1`` is not."""
+    expr = condition.node.expr
+    for size in (1, 2, 3, 1 << 20):
+        value = expr.subs({symbol: size for symbol in expr.free_symbols})
+        if value not in (True, False) or bool(value) != taken:
+            return False
+    return True
 
 
 def _experts(loops: _Loops, rows: torch.Tensor, routing: torch.Tensor, place: str):
