@@ -378,7 +378,7 @@ def capture(model: nn.Module, example_inputs, training: bool | None = None) -> C
         try:
             with _quiet_torch_logs(), _in_mode(model, training), applied_functions(functions), \
                     distribution_checks_off():
-                routed = export_over_routed_experts(wrapper, inputs, dynamic_shapes(inputs))
+                routed = export_over_routed_experts(wrapper, inputs, dynamic_shapes(inputs), errors[-1][1])
                 gm, assumptions = routed or export_taking_example_branches(wrapper, inputs, dynamic_shapes(inputs),
                                                                            config)
         except TimeoutError:  # the caller's time limit: no further attempt

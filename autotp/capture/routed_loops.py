@@ -145,11 +145,26 @@ def example_hits(run) -> dict[int, set[int]]:
     return loops.hits
 
 
-def export_over_routed_experts(wrapper: torch.nn.Module, inputs: tuple, dynamic_shapes):
-    """Capture ``wrapper(*inputs)`` with each loop over ``routing.nonzero()`` run over the experts the example
-    routes tokens to (checked by ``check_routed_writes``). Returns the module and one line per loop (where it is,
-    what the capture assumes), or None when the forward has no such loop."""
-    hits = example_hits(lambda: wrapper(*inputs))
+def iterates_data(error: BaseException) -> bool:
+    """Whether a failed capture broke iterating over a tensor whose length is data (``for e in x.nonzero()``)."""
+    return isinstance(error, GuardOnDataDependentSymNode) and any(
+        f.name == "__iter__" for f in traceback.extract_tb(error.__traceback__))
+
+
+def export_over_routed_experts(wrapper: torch.nn.Module, inputs: tuple, dynamic_shapes, error: BaseException):
+    """Where the plain capture's ``error`` is a loop over a data-dependent length, capture ``wrapper(*inputs)`` with
+    each loop over ``routing.nonzero()`` run over the experts the example routes tokens to (checked by
+    ``check_routed_writes``). Returns the module and one line per loop (where it is, what the capture assumes),
+    or None when the forward has no such loop. The example's eager run leaves the buffers as they were."""
+    if not iterates_data(error):
+        return None
+    buffers = [(b, b.detach().clone()) for b in wrapper.buffers()]
+    try:
+        hits = example_hits(lambda: wrapper(*inputs))
+    finally:
+        with torch.no_grad():
+            for b, kept in buffers:
+                b.copy_(kept)
     if not hits:
         return None
     with routed_loops_over(hits) as places, preserve_node_meta():
