@@ -59,6 +59,47 @@ class LoopedExperts(nn.Module):
         return self.head(h + out.view_as(h))
 
 
+class HitExperts(nn.Module):
+    """Experts in banks, run in a loop over those the batch routes tokens to (``nonzero`` of a one-hot mask with a
+    class for no expert, skipped, and again when an expert's tokens are none), as eager transformers MoE layers
+    are written. ``extra``: each iteration also adds its expert's bias to every token, which is not a write of
+    its tokens' rows (an expert with no token would still change the result)."""
+
+    def __init__(self, dim: int = 32, experts: int = 4, k: int = TOP_K, extra: bool = False):
+        super().__init__()
+        self.k, self.experts, self.extra = k, experts, extra
+        self.embed, self.head = nn.Embedding(64, dim), nn.Linear(dim, 64)
+        self.router = nn.Linear(dim, experts, bias=False)
+        self.up = nn.Parameter(torch.randn(experts, 2 * dim, dim) * 0.1)
+        self.down = nn.Parameter(torch.randn(experts, dim, 2 * dim) * 0.1)
+        self.bias = nn.Parameter(torch.randn(experts, dim) * 0.1)
+
+    def routes(self, ids: torch.Tensor) -> torch.Tensor:
+        """The experts each token is routed to."""
+        return self.router(self.embed(ids)).topk(self.k, dim=-1).indices
+
+    def forward(self, ids):
+        h = self.embed(ids)
+        x = h.flatten(0, 1)
+        weights, chosen = self.router(x).softmax(-1).topk(self.k, dim=-1)
+        out = torch.zeros_like(x)
+        with torch.no_grad():
+            mask = torch.nn.functional.one_hot(chosen, self.experts + 1).permute(2, 1, 0)
+            hit = (mask.sum(dim=(-1, -2)) > 0).nonzero()
+        for expert in hit:
+            expert = expert[0]
+            if expert == self.experts:
+                continue
+            slot, token = torch.where(mask[expert])
+            if token.numel() == 0:
+                continue
+            y = nn.functional.linear(torch.relu(nn.functional.linear(x[token], self.up[expert])), self.down[expert])
+            out.index_add_(0, token, y * weights[token, slot, None])
+            if self.extra:
+                out = out + self.bias[expert]
+        return self.head(h + out.view_as(h))
+
+
 def _step_bytes(build, world: int) -> dict:
     """All-reduce bytes and counts of one forward and backward of ``build()`` at tp=``world``, vocabulary whole
     (so every all-reduce is the model's own layers')."""

@@ -8,12 +8,15 @@ counted at run time against the dense twin of each model (``tests/moe_workers.py
 from __future__ import annotations
 
 import pytest
+import torch
 
 import autotp
+from autotp.capture import capture
+from autotp.errors import CaptureError
 from autotp.passes.steps import Direction, Operator
 from tests import models
 from tests.distributed import run_on_ranks
-from tests.moe_workers import BATCH, BUILDERS, MOE_LAYERS, SEQ, TOP_K, TRAINED_HERE, LoopedExperts, moe
+from tests.moe_workers import BATCH, BUILDERS, MOE_LAYERS, SEQ, TOP_K, TRAINED_HERE, HitExperts, LoopedExperts, moe
 
 
 def _ids():
@@ -51,6 +54,38 @@ def test_looped_experts_share_one_f_and_one_g():
     assert sorted((c.direction, c.operator, c.shape) for c in hidden) == [
         (Direction.BACKWARD, Operator.F, ("B*T", "32")), (Direction.FORWARD, Operator.G, ("B*T", "32"))]
     assert autotp.check(LoopedExperts(), tp=2, example_inputs=(ids,)).exact
+
+
+def _hit_model() -> HitExperts:
+    torch.manual_seed(0)
+    return HitExperts()
+
+
+def test_a_loop_over_the_experts_hit_is_exact_and_stays_exact_for_an_expert_without_tokens():
+    """``for e in hit.nonzero()``: captured over every expert the example routes to (a loop as long as a tensor's
+    value cannot be traced), exact in the checker; the captured graph agrees with the model on a batch that routes
+    no token to one of them (its iteration, on no rows, adds nothing), and refuses a batch routing to an expert
+    the example never did."""
+    ids = models.tokens(2, 8, 0) % 64
+    assert autotp.check(_hit_model(), tp=2, example_inputs=(ids,)).exact
+    model = _hit_model()
+    routes = model.routes(torch.arange(64))
+    never_3 = torch.arange(64)[(routes != 3).all(-1)]
+    captured = capture(model, (ids,), training=False)
+    assert captured.assumptions and "experts the example routes to" in captured.assumptions[0]
+    empty = never_3[:16].view(2, 8)
+    with torch.no_grad():
+        assert torch.allclose(captured.module(empty)[0] if isinstance(captured.module(empty), tuple)
+                              else captured.module(empty), model.eval()(empty), atol=1e-6)
+    narrow = capture(model, (empty,), training=False)  # an example that routes no token to expert 3
+    with pytest.raises(RuntimeError, match="Runtime assertion failed"):
+        narrow.module(ids)
+
+
+def test_a_loop_over_the_experts_hit_that_does_more_than_write_their_tokens_is_refused():
+    torch.manual_seed(0)
+    with pytest.raises(CaptureError, match="not a write of its tokens' rows"):
+        capture(HitExperts(extra=True), (models.tokens(2, 8, 0) % 64,), training=False)
 
 
 def test_moe_trains_exactly_and_all_reduces_what_its_dense_twin_does_on_two_ranks():

@@ -96,6 +96,19 @@ def test_overlapped_columns_train_exactly():
         assert report.exact, f"{type(model).__name__}: {report}"
 
 
+def test_an_overlapped_column_takes_the_gradient_of_no_rows():
+    """A projection of no rows (an expert no token was routed to) has an empty gradient of the input's shape."""
+
+    class Alone:  # one rank: the all-reduce is the identity
+        def all_reduce_started(self, x):
+            return lambda: x
+
+    x = torch.zeros(0, 8, requires_grad=True)
+    weight = torch.randn(6, 8, requires_grad=True)
+    OverlappedColumnLinear(Alone())(x, weight).sum().backward()
+    assert x.grad.shape == (0, 8) and torch.equal(weight.grad, torch.zeros(6, 8))
+
+
 def test_row_bias_is_added_once_after_the_reduction():
     torch.manual_seed(0)
     model, x = MLP(bias=True), torch.randn(2, 3, 8)

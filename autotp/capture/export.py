@@ -37,6 +37,7 @@ from autotp.capture.hidden_gradients import refuse_hidden_gradients
 from autotp.capture.inplace import out_of_place_draws, out_of_place_writes
 from autotp.capture.meta_buffers import buffers_on_meta, put_back
 from autotp.capture.replay import check_gradient_replay, check_replay
+from autotp.capture.routed_loops import export_over_routed_experts
 from autotp.capture.torch_private import (
     applied_functions,
     is_guard_call,
@@ -372,10 +373,14 @@ def capture(model: nn.Module, example_inputs, training: bool | None = None) -> C
         except Exception as e:  # torch.export raises many unrelated types; all mean "could not capture"
             errors.append((dynamic, e))
     else:
-        try:  # branches on tensor values: taken as the example takes them, kept as runtime assertions
+        # a loop over the experts a batch routes to: run over every expert the example routes to; other branches
+        # on tensor values: taken as the example takes them; both kept as runtime assertions
+        try:
             with _quiet_torch_logs(), _in_mode(model, training), applied_functions(functions), \
                     distribution_checks_off():
-                gm, assumptions = export_taking_example_branches(wrapper, inputs, dynamic_shapes(inputs), config)
+                routed = export_over_routed_experts(wrapper, inputs, dynamic_shapes(inputs), errors[-1][1])
+                gm, assumptions = routed or export_taking_example_branches(wrapper, inputs, dynamic_shapes(inputs),
+                                                                           config)
         except TimeoutError:  # the caller's time limit: no further attempt
             raise
         except CaptureError as e:  # a refusal; one without a setting yields to the plain error's, if that names one

@@ -64,7 +64,7 @@ class _RegatheredLinear(torch.autograd.Function):
         flat = flat_grad(grad)
         grad_weight = flat.t() @ x.reshape(-1, x.shape[-1])
         grad_bias = flat.sum(0) if ctx.has_bias else None
-        return (flat @ weight).view(*grad.shape[:-1], -1), None, grad_weight, grad_bias, None
+        return (flat @ weight).view(*grad.shape[:-1], weight.shape[-1]), None, grad_weight, grad_bias, None
 
 
 class RegatheredLinear(nn.Module):
@@ -91,7 +91,7 @@ class _OverlappedColumn(torch.autograd.Function):
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
         flat = flat_grad(grad)
-        finish = (ctx.comm.all_reduce_started((flat @ weight).view(*grad.shape[:-1], -1))
+        finish = (ctx.comm.all_reduce_started((flat @ weight).view(*grad.shape[:-1], weight.shape[-1]))
                   if ctx.needs_input_grad[0] else None)
         grad_weight = flat.t() @ x.reshape(-1, x.shape[-1]) if ctx.needs_input_grad[1] else None
         grad_bias = flat.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None

@@ -37,7 +37,7 @@ TINY_EXTRA = {
     "num_experts_per_token": 2, "top_k_experts": 2, "moe_intermediate_size": 64, "n_shared_experts": 1, "num_shared_experts": 1,
     "shared_expert_intermediate_size": 64, "moe_num_experts": 4, "moe_k": 2, "moe_topk": 2, "top_k": 2,
     "expert_intermediate_size": 64, "moe_ffn_hidden_size": 64, "n_group": 1, "topk_group": 1,
-    "num_expert_group": 1, "num_group": 1,
+    "num_expert_group": 1, "num_group": 1, "zero_expert_num": 2,  # identity ("zero-computation") experts
     # per-layer inputs and vocabularies besides the main one
     "hidden_size_per_layer_input": 16, "vocab_size_per_layer_input": 128,
     # state-space mixers

@@ -1,0 +1,225 @@
+"""Capture of a loop over the experts a batch routes tokens to, as eager mixture-of-experts layers write it:
+
+    hit = (expert_mask.sum(dim=(-1, -2)) > 0).nonzero()     # which experts got tokens: data-dependent
+    for expert in hit:
+        slot, token = torch.where(expert_mask[expert[0]])  # that expert's tokens
+        if token.numel() == 0: continue                    # (some models check again)
+        out.index_add_(0, token, expert_mlp(x[token]) * weights[token, slot, None])
+
+torch.export cannot trace a loop whose length is a tensor's value. Running the body for an expert that got no
+token changes nothing (its tokens select nothing, so it adds nothing), so the loop is captured over every expert
+the example routes tokens to, in order, whether or not a later batch routes any to it: the expert is a constant
+in each iteration, its tokens an empty selection when it has none, and a guard on that selection being empty
+takes the branch that computes it (the same ops, on no rows). Sound only if each iteration's effect is such a
+write, so the captured graph is checked for it (``check_routed_writes``). A batch that routes tokens to an
+expert the example never did (which the loop would then miss) fails a runtime assertion instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import traceback
+import warnings
+
+import torch
+from torch import fx
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, guard_size_oblivious
+from torch.fx.traceback import annotate, preserve_node_meta
+
+from autotp.errors import CaptureError
+
+aten = torch.ops.aten
+
+ITERATION = "autotp_routed_iteration"
+"""``node.meta["custom"]`` key naming the loop and expert of each node traced inside a routed loop's body."""
+
+WRITES = frozenset({aten.index_add.default, aten.index_add_.default, aten.index_put.default, aten.index_put_.default,
+                    aten.index_copy.default, aten.index_copy_.default, aten.scatter_add.default,
+                    aten.scatter_add_.default, aten.scatter.src, aten.scatter_.src})
+"""Writes of rows picked by an index into a tensor: with no rows picked, they leave it as it is."""
+
+_MAX_EXPERTS = 4096
+"""Longest routing vector treated as experts (a mask over tokens, far longer, is not a loop over experts)."""
+
+
+class _Loops:
+    """What the patched ``nonzero`` and ``__iter__`` see: the routing vectors (1-D boolean tensors whose ``nonzero``
+    is taken), the experts hit per vector length, and whether a routed loop's body is being traced."""
+
+    def __init__(self, hits: dict[int, set[int]] | None = None):
+        self.sources: dict[int, tuple[torch.Tensor, torch.Tensor, str]] = {}
+        self.hits = {} if hits is None else hits
+        self.recording = hits is None
+        self.in_body = False
+        self.loops = 0
+        self.places: list[str] = []
+
+
+def _caller() -> str:
+    """The model's line that took the ``nonzero`` (outside torch and this file)."""
+    torch_dir = os.path.dirname(torch.__file__)
+    for frame in reversed(traceback.extract_stack()[:-2]):
+        if not frame.filename.startswith(torch_dir) and frame.filename != __file__:
+            return f"`{(frame.line or '').strip()}` ({os.path.basename(frame.filename)}:{frame.lineno})"
+    return "?"
+
+
+@contextlib.contextmanager
+def _patched(loops: _Loops):
+    nonzero, iterate, truth = torch.Tensor.nonzero, torch.Tensor.__iter__, torch.SymBool.__bool__
+
+    def routed_nonzero(self, *args, **kwargs):
+        out = nonzero(self, *args, **kwargs)
+        if not args and not kwargs.get("as_tuple") and self.dim() == 1 and self.dtype == torch.bool \
+                and isinstance(self.shape[0], int) and self.shape[0] <= _MAX_EXPERTS:
+            loops.sources[id(out)] = (out, self, _caller())
+        return out
+
+    def routed_iter(self):
+        source = loops.sources.get(id(self))
+        if source is None or source[0] is not self:
+            return iterate(self)
+        if loops.recording:
+            loops.hits.setdefault(source[1].shape[0], set()).update(self.flatten().tolist())
+            return iterate(self)
+        return _experts(loops, self, source[1], source[2])
+
+    def oblivious_truth(self):
+        try:
+            return truth(self)
+        except GuardOnDataDependentSymNode:
+            if not loops.in_body:
+                raise
+            # an expert's selection being empty: the branch that computes it (the same ops, on no rows), where
+            # that is the branch every non-empty selection takes
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)
+                taken = guard_size_oblivious(self)
+            if not _same_for_any_rows(self, taken):
+                raise
+            return taken
+
+    torch.Tensor.nonzero, torch.Tensor.__iter__, torch.SymBool.__bool__ = routed_nonzero, routed_iter, oblivious_truth
+    try:
+        yield loops
+    finally:
+        torch.Tensor.nonzero, torch.Tensor.__iter__, torch.SymBool.__bool__ = nonzero, iterate, truth
+
+
+def _same_for_any_rows(condition: torch.SymBool, taken: bool) -> bool:
+    """Whether ``condition`` (on sizes only) is ``taken`` whatever nonzero sizes its symbols have (tried at 1, 2, 3
+    and a large one): ``numel() == 0`` is, ``numel() == 1`` is not."""
+    expr = condition.node.expr
+    for size in (1, 2, 3, 1 << 20):
+        value = expr.subs({symbol: size for symbol in expr.free_symbols})
+        if value not in (True, False) or bool(value) != taken:
+            return False
+    return True
+
+
+def _experts(loops: _Loops, rows: torch.Tensor, routing: torch.Tensor, place: str):
+    """The rows ``routing.nonzero()`` gives for every expert the example hit (constants), after a runtime check
+    that the batch hits no other."""
+    hit = sorted(loops.hits.get(routing.shape[0], ()))
+    loop = loops.loops
+    loops.loops += 1
+    loops.places.append(place)
+    outside = torch.ones(routing.shape[0], dtype=torch.bool, device=routing.device)
+    outside[hit] = False
+    missed = (routing & outside).sum().item()
+    torch._check(missed == 0, lambda: f"the batch routes tokens to an expert the example inputs did not ({place})")
+    for expert in hit:
+        loops.in_body = True
+        with annotate({ITERATION: (loop, expert)}):
+            yield torch.tensor([expert], dtype=rows.dtype, device=rows.device)
+        loops.in_body = False
+
+
+def example_hits(run) -> dict[int, set[int]]:
+    """Run ``run()`` (the model on its example) and return, per length of a routing vector whose ``nonzero`` a
+    loop iterates over, the experts it hits; empty when the forward has no such loop. The random generators are
+    left as they were (a dropout before the router draws)."""
+    with _patched(_Loops()) as loops, torch.no_grad(), torch.random.fork_rng():
+        run()
+    return loops.hits
+
+
+def iterates_data(error: BaseException) -> bool:
+    """Whether a failed capture broke iterating over a tensor whose length is data (``for e in x.nonzero()``)."""
+    return isinstance(error, GuardOnDataDependentSymNode) and any(
+        f.name == "__iter__" for f in traceback.extract_tb(error.__traceback__))
+
+
+def export_over_routed_experts(wrapper: torch.nn.Module, inputs: tuple, dynamic_shapes, error: BaseException):
+    """Where the plain capture's ``error`` is a loop over a data-dependent length, capture ``wrapper(*inputs)`` with
+    each loop over ``routing.nonzero()`` run over the experts the example routes tokens to (checked by
+    ``check_routed_writes``). Returns the module and one line per loop (where it is, what the capture assumes),
+    or None when the forward has no such loop. The example's eager run leaves the buffers as they were."""
+    if not iterates_data(error):
+        return None
+    buffers = [(b, b.detach().clone()) for b in wrapper.buffers()]
+    try:
+        hits = example_hits(lambda: wrapper(*inputs))
+    finally:
+        with torch.no_grad():
+            for b, kept in buffers:
+                b.copy_(kept)
+    if not hits:
+        return None
+    with routed_loops_over(hits) as places, preserve_node_meta():
+        program = torch.export.export(wrapper, inputs, strict=False, dynamic_shapes=dynamic_shapes)
+    check_routed_writes(program.graph_module)
+    return program.module(), tuple(
+        f"the loop over the experts the batch routes to at {place} runs over the experts the example routes to, "
+        "each adding nothing when no token is routed to it; a batch routing to another expert raises"
+        for place in dict.fromkeys(places))
+
+
+@contextlib.contextmanager
+def routed_loops_over(hits: dict[int, set[int]]):
+    """Within the body, a loop over ``routing.nonzero()`` runs over the experts ``hits`` names (see the module's
+    docstring); yields the list of the loops' places, filled as they are traced."""
+    with _patched(_Loops(hits)) as loops:
+        yield loops.places
+
+
+def check_routed_writes(gm: fx.GraphModule) -> None:
+    """Refuse a routed loop whose body does more than write its expert's rows: each iteration's values may leave
+    it only through a write (``index_add_``, ``index_put_``, ``scatter_add_``) of rows whose count is a size
+    first seen in that iteration (its tokens), which writes nothing for an expert without tokens."""
+    by_iteration: dict[tuple, list[fx.Node]] = {}
+    for node in gm.graph.nodes:
+        key = (node.meta.get("custom") or {}).get(ITERATION)
+        if key is not None:
+            by_iteration.setdefault(key, []).append(node)
+    seen: set = set()
+    for key, nodes in by_iteration.items():
+        inside = set(nodes)
+        born = _unbacked(nodes) - seen
+        seen |= born
+        for node in nodes:
+            leaves = [u for u in node.users if u not in inside] + ([node] if node.op == "output" else [])
+            if leaves and not _empty_write(node, born):
+                raise CaptureError(f"cannot capture the loop over the experts the batch routes to: expert {key[1]}'s "
+                                   f"iteration passes `{node.name}` ({node.target}) on, which is not a write of its "
+                                   "tokens' rows, so an expert without tokens would still change the result")
+
+
+def _unbacked(nodes: list[fx.Node]) -> set:
+    out = set()
+    for node in nodes:
+        val = node.meta.get("val")
+        for v in (val if isinstance(val, (tuple, list)) else [val]):
+            for d in getattr(v, "shape", ()):
+                if isinstance(d, torch.SymInt):
+                    out |= {s for s in d.node.expr.free_symbols if str(s).startswith("u")}
+    return out
+
+
+def _empty_write(node: fx.Node, born: set) -> bool:
+    """Whether ``node`` writes rows picked by an index whose size is one of ``born`` (nothing, when it is 0)."""
+    if node.op != "call_function" or node.target not in WRITES:
+        return False
+    sources = [a for a in node.args[1:] if isinstance(a, fx.Node)]
+    return bool(sources) and all(_unbacked([s]) & born for s in sources)
