@@ -72,13 +72,24 @@ def _propagated(graph, projections, embeddings, trainable, tp, grad, index, deci
     return prop, layouts
 
 
+def _gathered_too_often(prop: Propagation, conv: fx.Node) -> str | None:
+    """Why ``conv``'s exact split is not worth making: made whole more than ``MAX_GATHERS`` times; else None."""
+    gathers = len(prop.steps_of(Operator.GATHER))
+    if not isinstance(prop.layouts.get(conv.name), Shard) or prop.refusals or prop.rows or gathers <= MAX_GATHERS:
+        return None
+    return (f"a grouped convolution whose input is whole: split by whole groups, its output would have to be made "
+            f"whole again {gathers} times per step (all-gathers, and their gradients' slices back) to save each rank a "
+            "few multiply-adds; it runs whole on every rank, as a norm between Megatron's regions does")
+
+
 def lone_grouped_convolutions(graph: fx.Graph, projections: dict, embeddings: dict, trainable: set[str], tp: int,
                               grad: set[str], index: GraphIndex, decisions: dict,
-                              placed: set[str]) -> list[RegionMatch]:
+                              placed: set[str]) -> tuple[list[RegionMatch], dict[str, str]]:
     """A region for each grouped convolution whose weight parameter no region placed (``placed``: ``get_attr``
     targets) and whose split by whole groups is exact and gathered at most ``MAX_GATHERS`` times. One that tp does
-    not divide comes back with its violations (the planner keeps it whole, with a note)."""
-    out = []
+    not divide comes back with its violations (the planner keeps it whole, with a note). Also, by node, why the
+    ones whose exact split would be gathered more often are kept whole (a choice: a cost)."""
+    out, kept = [], {}
     for conv in graph.nodes:
         if not is_grouped_convolution(conv):
             continue
@@ -88,9 +99,12 @@ def lone_grouped_convolutions(graph: fx.Graph, projections: dict, embeddings: di
         layouts = {param.target: Shard(0, (int(sizes(param)[0]),))}
         prop, layouts = _propagated(graph, projections, embeddings, trainable, tp, grad, index, decisions, layouts)
         if not _accepted(prop, conv):
+            why = _gathered_too_often(prop, conv)
+            if why:
+                kept[conv.name] = why
             continue
         placed.update(layouts)
         out.append(RegionMatch(kind=RegionKind.CONVOLUTION, columns=(), rows=(), segments=(),
                                params=tuple(layouts.items()), violations=tuple(prop.violations),
                                sizes=tuple(prop.checked), convolutions=(conv.name,)))
-    return out
+    return out, kept

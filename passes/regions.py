@@ -489,7 +489,9 @@ def find_regions(graph: fx.Graph, projections: dict[str, Projection], embeddings
     placed = {projections[n].weight for n in claimed if n in projections} | {t for r in search.regions for t, _ in r.params}
     # a grouped convolution an opening kept whole by choice (a gather to save a few multiply-adds) stays whole
     placed |= {finder.nodes[o.node].args[1].target for o in search.openings if o.by_choice}
-    search.regions += lone_grouped_convolutions(graph, projections, embeddings, trainable, tp, finder.grad, finder.index,
-                                                finder.decisions, placed)
+    lone, kept = lone_grouped_convolutions(graph, projections, embeddings, trainable, tp, finder.grad, finder.index,
+                                           finder.decisions, placed)
+    search.regions += lone
+    search.openings += [Opening(node, why=why, by_choice=True) for node, why in kept.items()]
     return search
 

@@ -142,3 +142,26 @@ def test_a_grouped_convolution_whose_groups_tp_does_not_divide_is_kept_whole_wit
     plan = _checked(model, 2, (torch.randint(0, 50, (2, 8)),))
     assert not plan.placements["pos_conv.parametrizations.weight.original1"].is_split
     assert any("pos_conv kept whole: a grouped convolution" in n for n in plan.notes), plan.notes
+
+
+class _PositionsReadTwice(conv_models.PositionalConvLM):
+    """The positional convolution's output read twice by whole values (added to the stream, and a softmax over
+    its channels gating it): split by groups it would be made whole twice a step."""
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        positions = self.pos_conv(x.transpose(1, 2))[:, :, :-1]
+        gate = torch.softmax(positions, dim=1).transpose(1, 2)
+        x = self.norm(x + positions.transpose(1, 2)) * gate
+        return self.head(x + self.down(torch.nn.functional.gelu(self.up(x))))
+
+
+def test_a_weight_normed_grouped_convolution_gathered_twice_is_kept_whole_by_choice_with_a_note():
+    """As the openings keep a grouped convolution whose split would only be gathered again: a choice (a cost), in
+    ``Plan.by_choice`` and a note, where a weight-normed one (SEW-D's) was kept whole with no word."""
+    torch.manual_seed(0)
+    plan = _checked(_PositionsReadTwice(50), 2, (torch.randint(0, 50, (2, 8)),))
+    assert not plan.placements["pos_conv.parametrizations.weight.original1"].is_split
+    assert "pos_conv" in plan.by_choice, plan.by_choice
+    assert any(n.startswith("pos_conv kept whole by choice: a grouped convolution") and "2 times" in n
+               for n in plan.notes), plan.notes

@@ -88,6 +88,9 @@ def _whole_convolution_notes(analysis: Analysis, by_target: dict[str, Placement]
                      "autotp splits a dense convolution by its output channels up to one split by its input channels "
                      "(or alone by its input channels), a grouped one with its channels by whole groups, so it runs "
                      "whole on every rank")
+    noted = {node.name for node, _ in whole_convolutions(analysis.graph, split)}
+    # one whose weight is computed from a parameter (weight normalisation) is not among them: noted here
+    notes += [f"{analysis.layer(node)} kept whole by choice: {why}" for node, why in chosen.items() if node not in noted]
     return notes
 
 
