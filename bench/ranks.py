@@ -12,6 +12,7 @@ import os
 import socket
 import tempfile
 from collections.abc import Callable
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -46,11 +47,29 @@ def _entry(rank: int, world: int, port: int, device: str, threads: list[int], fn
         result = fn(rank, world, *args)
         with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
             json.dump(result, f)
-        if dist.is_initialized():
-            dist.barrier()  # no rank tears its group down while a peer may still talk to it
+        _meet_before_teardown(device)
     finally:
         if dist.is_initialized():  # a rank left out by ``reform_world`` has no group any more
             dist.destroy_process_group()  # gloo's threads joined here, while Python can still run their clean-up
+
+
+TEARDOWN_WAIT = timedelta(seconds=60)
+"""How long a rank that finished waits for its peers before tearing its group down."""
+
+
+def _meet_before_teardown(device: str) -> None:
+    """Wait, bounded, until every rank finished, so that no rank tears its group down while a peer may still talk
+    to it. A peer that already left its group (a test of a stopped rank does so on purpose) cannot meet: its result
+    is written, so that is not a failure of the run."""
+    if not dist.is_initialized():
+        return
+    try:
+        if backend_for(device) == "gloo":
+            dist.monitored_barrier(timeout=TEARDOWN_WAIT)
+        else:
+            dist.barrier()
+    except (RuntimeError, dist.DistError):
+        pass
 
 
 def reform_world(size: int, device: str) -> bool:
