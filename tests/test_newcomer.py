@@ -34,7 +34,9 @@ def test_the_table_says_both_and_names_modules_not_graph_nodes(capsys, monkeypat
     assert cli.main(["plan", "hf:llama", "--tp", "2", "--pp", "2", "--sequence-parallel"]) == 0
     table = capsys.readouterr().out
     assert "balanced for both)" in table and "Balance." not in table
-    assert "before lm_head" in table  # the top-level gather of the sequence, before the head
+    # top-level collectives are named by their module: the head (its weight's gradient all-reduced, as it computes
+    # on each rank's part of the sequence) and the final norm's
+    assert "\nlm_head " in table and "\nmodel.norm " in table
     assert "slice_" not in table and "model_model_" not in table
 
 
