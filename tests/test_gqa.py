@@ -89,9 +89,8 @@ def _repeated(kv: torch.Tensor, group: int) -> torch.Tensor:
     return kv[:, :, None].expand(b, heads, group, t, dim).reshape(b, heads * group, t, dim)
 
 
-class _HeadNormAttention(torch.nn.Module):
-    """Attention with 2 KV heads whose keys are normalised per head with a weight per head ([heads, head_dim],
-    as Chameleon's k_norm): at tp=4 each KV head, and its row of the norm's weight, is held by two ranks."""
+class _GroupedQuery(torch.nn.Module):
+    """Q/K/V/O projections of attention with ``kv`` KV heads for ``heads`` query heads (the forwards below use them)."""
 
     def __init__(self, width: int = 64, heads: int = 4, kv: int = 2):
         super().__init__()
@@ -100,6 +99,14 @@ class _HeadNormAttention(torch.nn.Module):
         self.k = torch.nn.Linear(width, kv * self.dim, bias=False)
         self.v = torch.nn.Linear(width, kv * self.dim, bias=False)
         self.o = torch.nn.Linear(width, width, bias=False)
+
+
+class _HeadNormAttention(_GroupedQuery):
+    """Attention with 2 KV heads whose keys are normalised per head with a weight per head ([heads, head_dim],
+    as Chameleon's k_norm): at tp=4 each KV head, and its row of the norm's weight, is held by two ranks."""
+
+    def __init__(self, width: int = 64, heads: int = 4, kv: int = 2):
+        super().__init__(width, heads, kv)
         self.norm_weight = torch.nn.Parameter(1 + 0.1 * torch.randn(kv, self.dim))
         self.norm_bias = torch.nn.Parameter(0.1 * torch.randn(kv, self.dim))
 
@@ -125,17 +132,9 @@ def test_a_per_head_norm_weight_of_shared_kv_heads_is_shared_like_them():
     assert report.plan.placements["norm_bias"] == Placement("colwise", 0, (), replicas=2)
 
 
-class _StackedKVAttention(torch.nn.Module):
+class _StackedKVAttention(_GroupedQuery):
     """Attention with 2 KV heads whose keys and values are stacked into one tensor and taken apart again (as BLT's
     cross-attention does): at tp=4 the stack meets chunks two ranks hold, which tp does not divide."""
-
-    def __init__(self, width: int = 64, heads: int = 4, kv: int = 2):
-        super().__init__()
-        self.heads, self.kv, self.dim = heads, kv, width // heads
-        self.q = torch.nn.Linear(width, width, bias=False)
-        self.k = torch.nn.Linear(width, kv * self.dim, bias=False)
-        self.v = torch.nn.Linear(width, kv * self.dim, bias=False)
-        self.o = torch.nn.Linear(width, width, bias=False)
 
     def forward(self, x):
         b, t, _ = x.shape
