@@ -202,6 +202,20 @@ def audio_inputs(model: nn.Module) -> dict:
     return {name: _read_width(model, name, _features(model))}
 
 
+def _refusal(model: nn.Module, name: str, value: torch.Tensor) -> str:
+    """What the model's forward on ``value`` alone (under ``name``) raises, in words; "" where it runs, or where
+    it is an encoder-decoder (fed with decoder ids too: a forward on audio alone is no probe, it may change state).
+    The probes below read the sizes a model wants from the refusal of the ones it was given."""
+    if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+        return ""
+    try:
+        with torch.no_grad(), torch.random.fork_rng():
+            model(**{name: value})
+    except Exception as e:  # any type: only its words are read, and words of another failure match nothing
+        return str(e)
+    return ""
+
+
 _CHANNELS = re.compile(r"expected input\[1, (\d+), (\d+)\] to have (\d+) channels")
 
 
@@ -209,15 +223,9 @@ def _read_channels(model: nn.Module, name: str, samples: torch.Tensor) -> torch.
     """``samples`` (batch, samples), or (batch, channels, samples) where the model's first convolution takes the
     samples with a channel axis (OmniASR's): it then reads the 2-D batch as one unbatched example, and its
     refusal states the channels it takes."""
-    if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
-        return samples  # as in _read_width: no probe of a forward that needs decoder ids too
-    try:
-        with torch.no_grad(), torch.random.fork_rng():
-            model(**{name: samples})
-    except Exception as e:  # a forward failing for another reason says nothing of channels
-        found = _CHANNELS.search(str(e))
-        if found and (int(found[1]), int(found[2])) == tuple(samples.shape):
-            return _seeded(samples.shape[0], int(found[3]), samples.shape[1])
+    found = _CHANNELS.search(_refusal(model, name, samples))
+    if found and (int(found[1]), int(found[2])) == tuple(samples.shape):
+        return _seeded(samples.shape[0], int(found[3]), samples.shape[1])
     return samples
 
 
@@ -228,15 +236,9 @@ def _read_width(model: nn.Module, name: str, features: torch.Tensor) -> torch.Te
     """``features``, or features as wide as the model's first projection reads them where that differs: a front end
     may stack frames or deltas before it (Granite Speech 5's reads four mel bins' worth per frame), which no config
     field names, and the projection's refusal states the width it takes."""
-    if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
-        return features  # fed with decoder ids too: a forward on features alone is no probe (it may change state)
-    try:
-        with torch.no_grad(), torch.random.fork_rng():
-            model(**{name: features})
-    except Exception as e:  # a forward that needs more than the features (a decoder's ids) says nothing of widths
-        found = _MATMUL.search(str(e))
-        if found and int(found[2]) == features.shape[-1] and int(found[3]) != features.shape[-1]:
-            return _seeded(*features.shape[:-1], int(found[3]))
+    found = _MATMUL.search(_refusal(model, name, features))
+    if found and int(found[2]) == features.shape[-1] and int(found[3]) != features.shape[-1]:
+        return _seeded(*features.shape[:-1], int(found[3]))
     return features
 
 
