@@ -64,5 +64,24 @@ TYPE_OVERRIDES = {
     # (16 + 24 + 24 of 64 rotary pairs): the tiny head's 8 pairs in the same proportions
     "paddleocr_vl": {"text_config": {"rope_parameters": {"rope_type": "default", "rope_theta": 500000.0,
                                                          "mrope_section": [2, 3, 3]}}},
+    # timm's own models by name: the defaults (ResNet-50 and none) are not small; timm ships tiny test models of
+    # the same families (its ``test_*`` registry entries), which the wrapper builds as it would a released one
+    "timm_wrapper": {"architecture": "test_vit"},
+    "timm_backbone": {"backbone": "test_resnet"},
+    # vision towers that are timm models: FastVLM's hybrid FastViT (123M) reads the tower's last feature map, as
+    # wide as the config's hidden size; Perception LM's (a ResNet-50 by default, where the model needs a ViT with
+    # a class token and its width in model_args)
+    "fast_vlm": {"vision_config": {"architecture": "test_resnet", "model_args": None, "hidden_size": 96}},
+    # its default config leaves the Window Q-Former's rate and the vision-to-decoder layer map None, which the
+    # model reads (the released configs set them): windows of 2 patches pooled to 1 query, the last vision
+    # layer feeding the first decoder layer, the spatial groups on the tiny decoder's layers
+    "granite4_vision": {"downsample_rate": "1/2", "deepstack_layer_map": [[-1, 0]], "spatial_target_layers": [0, 1, 0, 1]},
+    # its decoder's layer kinds include sliding-window attention where its default config sets no window
+    "step3p7": {"text_config": {"sliding_window": 16}},
+    "perception_lm": {"vision_config": {"architecture": "test_vit", "model_args": {"embed_dim": 64}}},
+    # its acoustic tokenizers' stages double a filter count seven times, with depths no rule shrinks (lists): one
+    # block a stage, from 4 filters
+    "vibevoice": {"audio_config": {"depths": [1] * 7, "num_filters": 4},
+                  "semantic_model_config": {"depths": [1] * 7, "num_filters": 4}},
 }
 """Sizes that one architecture ties together in a way no general rule reads (its validation says which)."""
