@@ -100,6 +100,32 @@ class HitExperts(nn.Module):
         return self.head(h + out.view_as(h))
 
 
+class NamedExperts(nn.Module):
+    """Experts as a ``ModuleDict`` keyed by name, picked in the loop over those hit with the expert read as a
+    Python number (``self.experts[f"expert_{e[0]}"]``), and the router cast to the dtype it has on every call
+    (Switch Transformers' layout: fp32 routing under mixed precision)."""
+
+    def __init__(self, dim: int = 32, experts: int = 4):
+        super().__init__()
+        self.embed, self.head = nn.Embedding(64, dim), nn.Linear(dim, 64)
+        self.router = nn.Linear(dim, experts, bias=False)
+        self.experts = nn.ModuleDict({f"expert_{i}": nn.Sequential(nn.Linear(dim, 2 * dim), nn.ReLU(),
+                                                                   nn.Linear(2 * dim, dim)) for i in range(experts)})
+
+    def forward(self, ids):
+        h = self.embed(ids)
+        x = h.flatten(0, 1)
+        self.router = self.router.to(torch.float32)
+        weights, chosen = self.router(x).softmax(-1).max(dim=-1)
+        out = torch.zeros_like(x)
+        mask = torch.nn.functional.one_hot(chosen, len(self.experts)).T
+        for expert in (mask.sum(-1) > 0).nonzero():
+            token = torch.where(mask[expert[0]])[0]
+            y = self.experts[f"expert_{expert[0]}"](x[token]) * weights[token, None]
+            out.index_add_(0, token, y)
+        return self.head(h + out.view_as(h))
+
+
 def _step_bytes(build, world: int) -> dict:
     """All-reduce bytes and counts of one forward and backward of ``build()`` at tp=``world``, vocabulary whole
     (so every all-reduce is the model's own layers')."""

@@ -16,7 +16,7 @@ from autotp.errors import CaptureError
 from autotp.passes.steps import Direction, Operator
 from tests import models
 from tests.distributed import run_on_ranks
-from tests.moe_workers import BATCH, BUILDERS, MOE_LAYERS, SEQ, TOP_K, TRAINED_HERE, HitExperts, LoopedExperts, moe
+from tests.moe_workers import BATCH, BUILDERS, MOE_LAYERS, SEQ, TOP_K, TRAINED_HERE, HitExperts, LoopedExperts, NamedExperts, moe
 
 
 def _ids():
@@ -80,6 +80,18 @@ def test_a_loop_over_the_experts_hit_is_exact_and_stays_exact_for_an_expert_with
     narrow = capture(model, (empty,), training=False)  # an example that routes no token to expert 3
     with pytest.raises(RuntimeError, match="Runtime assertion failed"):
         narrow.module(ids)
+
+
+def test_experts_picked_by_name_in_the_loop_and_a_router_cast_to_its_own_dtype_are_captured_and_exact():
+    """``self.experts[f"expert_{e[0]}"]`` reads the loop's expert as a number, and ``router.to(its dtype)`` each
+    call: both failed the capture (a fake tensor formats as its description; ``Module._apply`` cannot swap a fake
+    parameter), although neither changes what the model computes."""
+    torch.manual_seed(0)
+    model = NamedExperts()
+    captured = capture(model, (models.tokens(2, 8, 0) % 64,), training=False)
+    assert captured.assumptions and "experts the example routes to" in captured.assumptions[0]
+    torch.manual_seed(0)
+    assert autotp.check(NamedExperts(), tp=2, example_inputs=(models.tokens(2, 8, 0) % 64,)).exact
 
 
 def test_a_loop_over_the_experts_hit_that_does_more_than_write_their_tokens_is_refused():

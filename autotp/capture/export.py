@@ -43,6 +43,7 @@ from autotp.capture.torch_private import (
     is_guard_call,
     mutated_args,
     output_spec,
+    unchanged_module_casts,
     plain_sizes,
 )
 from autotp.capture.weight_norms import expand_weight_norms
@@ -364,7 +365,7 @@ def capture(model: nn.Module, example_inputs, training: bool | None = None) -> C
     for dynamic in (True, False):
         try:
             with _quiet_torch_logs(), _in_mode(model, training), applied_functions(functions), \
-                    distribution_checks_off(), buffers_on_meta(model) as copies:
+                    distribution_checks_off(), unchanged_module_casts(), buffers_on_meta(model) as copies:
                 gm = _export(wrapper, inputs, dynamic)
                 put_back(gm, copies)
             break
@@ -377,7 +378,7 @@ def capture(model: nn.Module, example_inputs, training: bool | None = None) -> C
         # on tensor values: taken as the example takes them; both kept as runtime assertions
         try:
             with _quiet_torch_logs(), _in_mode(model, training), applied_functions(functions), \
-                    distribution_checks_off():
+                    distribution_checks_off(), unchanged_module_casts():
                 routed = export_over_routed_experts(wrapper, inputs, dynamic_shapes(inputs), errors[-1][1])
                 gm, assumptions = routed or export_taking_example_branches(wrapper, inputs, dynamic_shapes(inputs),
                                                                            config)

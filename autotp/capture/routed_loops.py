@@ -10,7 +10,8 @@ torch.export cannot trace a loop whose length is a tensor's value. Running the b
 token changes nothing (its tokens select nothing, so it adds nothing), so the loop is captured over every expert
 the example routes tokens to, in order, whether or not a later batch routes any to it: the expert is a constant
 in each iteration, its tokens an empty selection when it has none, and a guard on that selection being empty
-takes the branch that computes it (the same ops, on no rows). Sound only if each iteration's effect is such a
+takes the branch that computes it (the same ops, on no rows); a body that reads its expert as a Python number
+(``experts[f"expert_{e[0]}"]``) reads the constant. Sound only if each iteration's effect is such a
 write, so the captured graph is checked for it (``check_routed_writes``). A batch that routes tokens to an
 expert the example never did (which the loop would then miss) fails a runtime assertion instead.
 """
@@ -68,6 +69,7 @@ def _caller() -> str:
 @contextlib.contextmanager
 def _patched(loops: _Loops):
     nonzero, iterate, truth = torch.Tensor.nonzero, torch.Tensor.__iter__, torch.SymBool.__bool__
+    form = torch.Tensor.__format__
 
     def routed_nonzero(self, *args, **kwargs):
         out = nonzero(self, *args, **kwargs)
@@ -100,11 +102,21 @@ def _patched(loops: _Loops):
                 raise
             return taken
 
+    def constant_format(self, spec):
+        # an expert read as a Python number (``self[f"expert_{idx[0]}"]``, a ModuleDict of experts): the body's
+        # expert is a constant, which its fake tensor carries; a fake tensor formats as its description otherwise
+        constant = getattr(self, "constant", None)
+        if loops.in_body and constant is not None and self.dim() == 0:
+            return constant.item().__format__(spec)
+        return form(self, spec)
+
     torch.Tensor.nonzero, torch.Tensor.__iter__, torch.SymBool.__bool__ = routed_nonzero, routed_iter, oblivious_truth
+    torch.Tensor.__format__ = constant_format
     try:
         yield loops
     finally:
         torch.Tensor.nonzero, torch.Tensor.__iter__, torch.SymBool.__bool__ = nonzero, iterate, truth
+        torch.Tensor.__format__ = form
 
 
 def _same_for_any_rows(condition: torch.SymBool, taken: bool) -> bool:

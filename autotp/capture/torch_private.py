@@ -134,3 +134,39 @@ def decompositions_off(names=DECOMPOSITIONS_UNSOUND_IN_DRAFT_EXPORT):
         yield
     finally:
         decomposition_table.update(saved)
+
+
+@contextlib.contextmanager
+def unchanged_module_casts():
+    """``module.to(...)`` that would convert no parameter or buffer returns the module as it is.
+
+    A forward may cast a submodule to the dtype it already has, every step (Switch Transformers' router:
+    ``self.classifier = self.classifier.to(self.dtype)``, for fp32 routing under mixed precision). Run, that is a
+    no-op; traced by torch.export, ``Module._apply`` tries to swap each fake parameter for its "converted" self and
+    fails. A cast that changes nothing has nothing to record, so it is skipped while capturing; a real conversion
+    still goes through (and fails the capture as before). ``torch._C._nn._parse_to`` is private: it is what
+    ``Module.to`` itself parses its arguments with."""
+    parse = getattr(torch._C._nn, "_parse_to", None)
+    if parse is None:
+        raise _changed("how Module.to parses its arguments", "torch._C._nn._parse_to")
+    original = torch.nn.Module.to
+
+    def to(module, *args, **kwargs):
+        device, dtype, _non_blocking, memory_format = parse(*args, **kwargs)
+        tensors = [*module.parameters(), *module.buffers()]
+        if memory_format is None and all(_kept(t, device, dtype) for t in tensors):
+            return module
+        return original(module, *args, **kwargs)
+
+    torch.nn.Module.to = to
+    try:
+        yield
+    finally:
+        torch.nn.Module.to = original
+
+
+def _kept(tensor: torch.Tensor, device, dtype) -> bool:
+    """Whether ``Module.to(device, dtype)`` leaves ``tensor`` as it is (it casts floating and complex tensors only)."""
+    same_device = device is None or tensor.device == device
+    same_dtype = dtype is None or not (tensor.is_floating_point() or tensor.is_complex()) or tensor.dtype == dtype
+    return same_device and same_dtype
