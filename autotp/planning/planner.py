@@ -2,7 +2,8 @@
 
 It runs the read-only passes, turns the regions they find into per-parameter placements, refuses
 sizes that tp does not divide (naming the layer, the size and the tp values that work), keeps
-anything unmatched replicated, and lists the collectives the rewrite will insert.
+anything unmatched replicated, and lists the collectives the rewrite will insert. The vocabulary's split is
+``vocab_split``'s, the list of collectives ``planned_collectives``'.
 """
 
 from __future__ import annotations
