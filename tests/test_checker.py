@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import autotp
-from autotp.rewrite.collectives import masked_embedding
+from autotp.rewrite.vocab_parallel import masked_embedding
 from examples.gpt import build_gpt
 from tests import models
 

@@ -105,9 +105,10 @@ def test_the_checker_sees_a_back_edge(tmp_path):
     assert _layer("autotp.tools.viz.model") == len(LAYERS) - 1
 
 
-RUNTIME_MAY_USE_FROM_REWRITE = ("autotp.rewrite.comm", "autotp.rewrite.streams", "autotp.rewrite.collectives")
+RUNTIME_MAY_USE_FROM_REWRITE = ("autotp.rewrite.comm", "autotp.rewrite.streams", "autotp.rewrite.collectives",
+                                "autotp.rewrite.vocab_parallel")
 """The rewrite objects a running module holds: its communicators (and the collectives its outputs and loss run
-through) and its random stream. Everything else the runtime needs of a rank's tensors (placements, parts, weight
+through, the vocab-parallel cross-entropy among them) and its random stream. Everything else the runtime needs of a rank's tensors (placements, parts, weight
 sources) lives in ``autotp.passes.placement``."""
 
 

@@ -10,7 +10,7 @@ from torch import nn
 import autotp
 from autotp.passes.placement import chunk_span
 from autotp.passes.steps import Operator
-from autotp.rewrite.collectives import vocab_parallel_cross_entropy
+from autotp.rewrite.vocab_parallel import vocab_parallel_cross_entropy
 from tests import models
 from tests.distributed import on_threads, run_on_ranks
 from tests.inputs_workers import hf_llama, padded_batch

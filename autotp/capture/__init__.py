@@ -4,6 +4,7 @@ The first stage of autotp; ``inputs`` names, orders and synthesises the inputs a
 ``torch_private`` holds every private torch API autotp relies on.
 """
 
+from autotp.capture.captured import Captured
 from autotp.capture.examples import (
            ExampleInputs,
            Signature,
@@ -12,7 +13,7 @@ from autotp.capture.examples import (
            synthesise,
            vocab_size,
 )
-from autotp.capture.export import Captured, capture, model_kwargs, tensor_aliases
+from autotp.capture.export import capture, model_kwargs, tensor_aliases
 from autotp.capture.repeats import capture_repeated
 
 __all__ = ["Captured", "ExampleInputs", "Signature", "capture", "capture_repeated", "example_inputs_of", "model_kwargs", "name_inputs",

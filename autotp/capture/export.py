@@ -10,28 +10,25 @@ from __future__ import annotations
 
 import contextlib
 import difflib
-import functools
 import logging
-import os
-import traceback
-from dataclasses import dataclass, field
 
 import torch
 from torch import fx, nn
 
+from autotp.capture.capture_failure import raise_capture_failure
+from autotp.capture.captured import WRAPPER_PREFIX, Captured
+from autotp.capture.dynamic import dynamic_shapes
 from autotp.capture.examples import (
     ExampleInputs,
     Signature,
     example_inputs_of,
     require_module,
 )
-from autotp.capture.dynamic import dynamic_shapes
 from autotp.capture.grad_modes import inline_no_grad
 from autotp.capture.guards import (
     distribution_checks_off,
     export_taking_example_branches,
     training_branch_settings,
-    training_setting_error,
 )
 from autotp.capture.hidden_gradients import refuse_hidden_gradients
 from autotp.capture.inplace import out_of_place_draws, out_of_place_writes
@@ -42,17 +39,12 @@ from autotp.capture.torch_private import (
     applied_functions,
     is_guard_call,
     mutated_args,
-    output_spec,
     unchanged_module_casts,
     plain_sizes,
 )
 from autotp.capture.weight_norms import expand_weight_norms
-from autotp.capture.weight_writes import FAKE_CONSTANT, weight_write
 from autotp.errors import CaptureError, InputError, TrainingSettingError
-from autotp.passes.analysis import Analysis
 from autotp.passes.graph import MUTATES_META, SHAPE_META
-
-_WRAPPER_PREFIX = "model."
 
 
 class _CaptureWrapper(nn.Module):
@@ -62,7 +54,7 @@ class _CaptureWrapper(nn.Module):
 
     def __init__(self, model: nn.Module, example: ExampleInputs, fixed_kwargs: dict):
         super().__init__()
-        self.model = model
+        self.model = model  # hence every name the graph holds starts with captured.WRAPPER_PREFIX
         self.positional = len(example.args)
         self.keywords = tuple(name for name, _ in example.kwargs)
         self.fixed_kwargs = fixed_kwargs
@@ -70,74 +62,6 @@ class _CaptureWrapper(nn.Module):
     def forward(self, *inputs):  # the graph's placeholders are named after this: inputs_0, inputs_1, ...
         kwargs = dict(zip(self.keywords, inputs[self.positional:]))
         return self.model(*inputs[:self.positional], **kwargs, **self.fixed_kwargs)
-
-
-@dataclass
-class Captured:
-    """A captured model: the exported GraphModule plus the names that map it back to the original."""
-
-    module: fx.GraphModule
-    """The exported module; parameters live under ``model.<original name>``."""
-    model_name: str
-    """The class name of the captured model."""
-    state_keys: tuple[str, ...]
-    """Keys of the original ``model.state_dict()``, in order."""
-    aliases: dict[str, str] = field(default_factory=dict)
-    """Every parameter/buffer name of the model -> its first name, which the graph reads it by."""
-    param_names: tuple[str, ...] = ()
-    """Every parameter name of the model, tied ones under each of their names."""
-    dim_names: dict[str, str] = field(default_factory=dict)
-    """Symbol of each dynamic input size (``s72``) -> a readable name (``B``, ``T``)."""
-    custom_functions: tuple[str, ...] = ()
-    """User-defined autograd Functions the forward applies: the graph has their forward, not their backward."""
-    example_sizes: dict[str, int] = field(default_factory=dict)
-    """Symbol of each dynamic input size -> its value in the example inputs."""
-    training: bool = True
-    """Whether the graph is the model's train-mode graph (dropout applied) or its eval-mode one."""
-    input_names: tuple[str, ...] = ()
-    """The name of each graph input (the forward parameter it binds to), in placeholder order."""
-    signature: Signature | None = None
-    """What the model's forward accepts, to name the inputs of a later call."""
-    assumptions: tuple[str, ...] = ()
-    """Branches on tensor values taken as the example took them (the model's code and where it is); each is a
-    runtime assertion in the graph, so an input that would take another branch raises."""
-
-    @property
-    def graph(self) -> fx.Graph:
-        """The captured graph."""
-        return self.module.graph
-
-    @functools.cached_property
-    def analysis(self) -> Analysis:
-        """The passes' results for this capture, made once and shared by the planner, the rewriter of every rank,
-        the checker and the runtime's input checks (the graph is never edited after capture)."""
-        return Analysis(self)
-
-    @property
-    def out_spec(self):
-        """The pytree spec that rebuilds the model's output from the graph's flat outputs."""
-        return output_spec(self.module)
-
-    @staticmethod
-    def param_name(target: str) -> str:
-        """The original parameter name of a ``get_attr`` target (static: modules that keep it keep no capture,
-        whose graph holds the original model's tensors)."""
-        return _strip(target)
-
-    def attr_target(self, param_name: str) -> str:
-        """The ``get_attr`` target of an original parameter name (inverse of ``param_name``)."""
-        return _WRAPPER_PREFIX + param_name
-
-    def module_name(self, node: fx.Node) -> str:
-        """The original module a node was traced in ('' for the top level)."""
-        stack = node.meta.get("nn_module_stack") or {}
-        if not stack:
-            return ""
-        path = list(stack.values())[-1][0]
-        path = path if isinstance(path, str) else ""
-        if path == "model":
-            return ""
-        return path[len(_WRAPPER_PREFIX):] if path.startswith(_WRAPPER_PREFIX) else path
 
 
 def model_kwargs(model: nn.Module) -> dict:
@@ -161,18 +85,6 @@ def _sets_use_cache(config, depth: int = 3) -> bool:
         return True
     subs = (getattr(config, name, None) for name in getattr(type(config), "sub_configs", {}) or {})
     return any(_sets_use_cache(sub, depth - 1) for sub in subs)
-
-
-def _user_frame(exc: BaseException) -> str:
-    """The innermost traceback frame outside torch, i.e. where in the user's code capture broke."""
-    torch_dir = os.path.dirname(torch.__file__)
-    here = os.path.dirname(__file__)
-    frames = [f for f in traceback.extract_tb(exc.__traceback__)
-              if not f.filename.startswith((torch_dir, here))]
-    if not frames:
-        return "inside torch"
-    f = frames[-1]
-    return f"{f.filename}:{f.lineno} in {f.name}"
 
 
 @contextlib.contextmanager
@@ -248,7 +160,8 @@ def _merge_tied_reads(gm: fx.GraphModule, aliases: dict[str, str]) -> None:
         value = _attr_value(gm, node.target)
         if not isinstance(value, torch.Tensor):
             continue
-        canonical = _WRAPPER_PREFIX + aliases.get(_strip(node.target), _strip(node.target))
+        name = Captured.param_name(node.target)
+        canonical = WRAPPER_PREFIX + aliases.get(name, name)
         if _attr_value(gm, canonical) is value:
             node.target = canonical
         if id(value) in kept:
@@ -305,34 +218,6 @@ def _check_inputs_read(gm: fx.GraphModule, example: ExampleInputs, signature: Si
                              f"the forward's inputs are {', '.join(sorted(signature.keywords))}")
 
 
-def _refuse_float_ids(example: ExampleInputs, err: Exception) -> None:
-    """Floating-point example inputs where an embedding wanted token ids: a mistake in the inputs, said in one
-    line (the export's own chain of errors is long and its advice, to make the forward traceable, is wrong)."""
-    floats = [name for name, x in zip(example.names, example.flat) if x.is_floating_point()]
-    if floats and "'indices'" in str(err):
-        raise InputError(f"example input {floats[0]} is a {example.flat[example.names.index(floats[0])].dtype} "
-                         "tensor, but the model looks it up in an embedding, which takes integer token ids: pass "
-                         "torch.long ids (ids.long())") from None
-
-
-def _refuse_weight_writes(model: nn.Module, wrapper: nn.Module, inputs: tuple, training: bool | None,
-                          err: Exception) -> None:
-    """A forward that writes into a parameter's ``.data``: refused naming the parameter and the line (torch's own
-    error names only a lifted constant)."""
-    if FAKE_CONSTANT not in str(err):
-        return
-    with _in_mode(model, training):
-        where = weight_write(model, lambda: wrapper(*inputs))
-    if where:
-        raise CaptureError(f"cannot capture {type(model).__name__}{' for training' if training else ''}: {where}, an "
-                           "update of its weights no captured graph can replay; capture it in eval mode (for "
-                           "inference), or make the update a step after the optimizer's") from err
-
-
-def _strip(target: str) -> str:
-    return target[len(_WRAPPER_PREFIX):] if target.startswith(_WRAPPER_PREFIX) else target
-
-
 @contextlib.contextmanager
 def _in_mode(model: nn.Module, training: bool | None):
     """The model in train (or eval) mode for the body, every module's own flag restored afterwards."""
@@ -346,6 +231,12 @@ def _in_mode(model: nn.Module, training: bool | None):
     finally:
         for module, flag in flags.items():
             module.training = flag
+
+
+def _called_in_mode(model: nn.Module, training: bool | None, wrapper: nn.Module, inputs: tuple):
+    """The wrapped forward on ``inputs``, run with ``model`` in the capture's mode."""
+    with _in_mode(model, training):
+        return wrapper(*inputs)
 
 
 def capture(model: nn.Module, example_inputs, training: bool | None = None) -> Captured:
@@ -391,27 +282,7 @@ def capture(model: nn.Module, example_inputs, training: bool | None = None) -> C
         except Exception as e:  # the fallback failed too: report the plain capture's error, and the fallback's
             gm, errors = None, errors + [(None, e)]
     if gm is None:
-        fallback = next((e for dynamic, e in errors if dynamic is None), None)
-        _, err = [(d, e) for d, e in errors if d is not None][-1]
-        _refuse_float_ids(example, err)
-        _refuse_weight_writes(model, wrapper, inputs, training, err)
-        first_line = (str(err).strip().splitlines() or [type(err).__name__])[0]
-        settings = training_branch_settings(err, config)
-        if settings:  # the failure is in training-only code a setting switches on: that setting is the fix
-            raise training_setting_error(settings, f"{type(model).__name__} failed in a branch it takes only in "
-                                         f"training with {', '.join(settings)} set (data-dependent, as augmentation "
-                                         f"is): {type(err).__name__}: {first_line[:200]} (at {_user_frame(err)})"
-                                         ) from err
-        made = (" No example_inputs were given, so the model ran on synthesised token ids, which it may not take; "
-                "pass its inputs as example_inputs." if example.synthesised else "")
-        raise CaptureError(
-            f"could not capture {type(model).__name__}: torch.export.export(strict=False) failed with dynamic and "
-            f"with static shapes; the static attempt said: {type(err).__name__}: {first_line} (at {_user_frame(err)}). "
-            "Make the forward traceable (no data-dependent Python control flow on tensor values, no .item()), "
-            f"or pass example_inputs the forward accepts (a tuple of positional tensors or a dict of keyword ones).{made}"
-            + (f" (Capturing the branches the example takes failed too: {type(fallback).__name__}: "
-               f"{(str(fallback).strip().splitlines() or [''])[0][:200]})" if fallback is not None else "")
-        ) from err
+        raise_capture_failure(model, example, errors, training, lambda: _called_in_mode(model, training, wrapper, inputs))
     signature = Signature.of(model)
     _check_inputs_read(gm, example, signature)
     inline_no_grad(gm)
@@ -422,7 +293,7 @@ def capture(model: nn.Module, example_inputs, training: bool | None = None) -> C
     _meta_devices_to_cpu(gm)
     _record_facts(gm)
     mode = model.training if training is None else training
-    names = {name: _strip(name) for name, _ in gm.named_parameters()}
+    names = {name: Captured.param_name(name) for name, _ in gm.named_parameters()}
     refuse_hidden_gradients(gm, functions, names, mode)
     with _in_mode(model, training):
         check_replay(gm, wrapper, inputs, model)

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from autotp.capture.export import Captured, capture
+from autotp.capture.captured import Captured
+from autotp.capture.export import capture
 from autotp.capture.examples import Signature
 from autotp.capture.torch_private import is_guard_call
 from autotp.errors import CaptureError

@@ -22,7 +22,8 @@ import torch
 from torch import fx, nn
 from torch.utils._pytree import tree_flatten
 
-from autotp.capture.export import _WRAPPER_PREFIX, Captured, capture, tensor_aliases
+from autotp.capture.captured import WRAPPER_PREFIX, Captured
+from autotp.capture.export import capture, tensor_aliases
 from autotp.errors import CaptureError
 
 _LEAST = 3
@@ -196,7 +197,7 @@ def _renamed(text: str, path: str, old: str, new: str) -> str:
 
 def _attr_path(run: Run) -> str:
     """The run's list as the captured module names it (``get_attr`` targets, module paths)."""
-    return _WRAPPER_PREFIX + run.path
+    return WRAPPER_PREFIX + run.path
 
 
 def _chain(first: list[fx.Node], second: list[fx.Node], run: Run) -> dict[fx.Node, fx.Node]:
@@ -274,7 +275,7 @@ def _param_reads(graph: fx.Graph, run: Run) -> list[fx.Node]:
 
 def _by_kind(model: nn.Module, reads: list[fx.Node]) -> tuple[list[fx.Node], list[fx.Node]]:
     """The reads of parameters, and of buffers."""
-    params = [r for r in reads if isinstance(_tensor(model, r.target[len(_WRAPPER_PREFIX):]), nn.Parameter)]
+    params = [r for r in reads if isinstance(_tensor(model, r.target[len(WRAPPER_PREFIX):]), nn.Parameter)]
     return params, [r for r in reads if r not in params]
 
 
@@ -285,7 +286,7 @@ def _copy_param_reads(new: fx.Graph, root: nn.Module, model: nn.Module, run: Run
     for key in run.stamped:
         for read in reads:
             target = _renamed(read.target, _attr_path(run), run.keys[1], key)
-            _register(root, target, _tensor(model, target[len(_WRAPPER_PREFIX):]))
+            _register(root, target, _tensor(model, target[len(WRAPPER_PREFIX):]))
             copied = new.get_attr(target)
             copied.meta = dict(read.meta)
             env[key, read] = copied

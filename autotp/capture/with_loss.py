@@ -14,7 +14,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from autotp.capture.export import Captured, capture, model_kwargs
+from autotp.capture.captured import Captured
+from autotp.capture.export import capture, model_kwargs
 
 
 class _WithLoss(nn.Module):

@@ -2,40 +2,44 @@
 
 It runs the read-only passes, turns the regions they find into per-parameter placements, refuses
 sizes that tp does not divide (naming the layer, the size and the tp values that work), keeps
-anything unmatched replicated, and lists the collectives the rewrite will insert.
+anything unmatched replicated, and lists the collectives the rewrite will insert. The vocabulary's split is
+``vocab_split``'s, the list of collectives ``planned_collectives``'.
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Mapping
-
-import sympy
 
 from autotp.capture import Captured
 from autotp.errors import PlanError
-from autotp.options import Options, VocabChoice
+from autotp.options import Options
 from autotp.passes.analysis import Analysis
 from autotp.passes.choices import whole_convolutions
-from autotp.passes.graph import arg_or_default, named_arg, sizes
+from autotp.passes.graph import sizes
 from autotp.passes.placement import REPLICATED, Placement, PlacementKind
 from autotp.passes.projections import packed_by_weight, packed_segments
 from autotp.passes.propagation import Propagation
 from autotp.passes.random_ops import random_refusal
 from autotp.passes.region_match import RegionKind, RegionMatch
-from autotp.passes.steps import COMMUNICATION, Direction, Operator, fused
+from autotp.passes.steps import Operator
 from autotp.planning.consistency import check_biases_follow_weights
-from autotp.planning.plan import Collective, Plan, Region, check_schedule_fits, region_contradictions
+from autotp.planning.plan import (
+    Collective,
+    Plan,
+    Region,
+    check_schedule_fits,
+    region_contradictions,
+)
+from autotp.planning.planned_collectives import planned_collectives
 from autotp.planning.pricing import (
     CPU,
     Machine,
     region_cost,
     regions_kept_whole,
     training_bytes_per_rank,
-    vocab_cost,
-    vocab_verdict,
 )
 from autotp.planning.stage_split import plan_stages
+from autotp.planning.vocab_split import vocab_placements
 
 
 def _divisibility_error(analysis: Analysis, region: RegionMatch, tp: int, valid: list[int]) -> PlanError:
@@ -160,78 +164,6 @@ def _choose_regions(analysis: Analysis, regions: list[RegionMatch], tp: int, val
     return [r for r in regions if id(r) not in whole], layers
 
 
-def _vocab_placements(analysis: Analysis, tp: int, notes: list[str], options: Options, machine: Machine,
-                      values: dict[str, int], others: dict[str, Placement]) -> tuple[dict[str, Placement], list[Region], tuple[str, ...]]:
-    """The vocabulary split (placements and regions), unless it cannot be exact or ``choices`` keep it whole
-    (then the layers kept whole by choice, as ``options`` ask or the cost model on ``machine`` finds); the reason
-    goes to ``notes``. ``others``: the plan's other split
-    parameters."""
-    vocab = analysis.vocab
-    if vocab is None or tp == 1:
-        return {}, [], ()
-    layers = tuple(analysis.layer(n) for n in (*vocab.embeddings, *vocab.heads))
-    if options.vocab is VocabChoice.WHOLE:
-        notes.append("embedding and LM head kept whole: vocab='whole' was asked for")
-        return {}, [], layers
-    if vocab.vocab_size < tp:
-        notes.append(f"vocabulary of {vocab.vocab_size} is smaller than tp={tp}: embedding and LM head not split along it")
-        return {}, [], ()
-    out = {analysis.embeddings[e].weight: Placement(PlacementKind.VOCAB, 0) for e in vocab.embeddings}
-    for head in vocab.heads:
-        p = analysis.projections[head]
-        out[p.weight] = Placement(PlacementKind.VOCAB, p.out_dim)
-        if p.bias:
-            out[p.bias] = Placement(PlacementKind.VOCAB, 0)
-    blocker = _vocab_blocker(analysis, out, tp)
-    if blocker:
-        notes.append(f"embedding and LM head replicated: {blocker}")
-        return {}, [], ()
-    if options.vocab is VocabChoice.AUTO:
-        cost = vocab_cost(analysis, tp, values, machine)
-        whole, why = vocab_verdict(cost, training_bytes_per_rank(analysis, others | out, tp), options.memory_budget)
-        verdict = "kept whole" if whole else "split"
-        notes.append(f"vocabulary of {vocab.vocab_size} {verdict} by the cost model ({machine.name}, at the "
-                     f"plan's batch and sequence): {why}; vocab='split' or 'whole' overrides it")
-        if whole:
-            return {}, [], layers
-    if vocab.vocab_size % tp:
-        longer = vocab.vocab_size % tp
-        rows = vocab.vocab_size // tp
-        notes.append(f"vocabulary of {vocab.vocab_size} is not divisible by tp={tp}: split unevenly, {longer} "
-                     f"rank{'s' if longer > 1 else ''} holding {rows + 1} rows and {tp - longer} holding {rows} (Megatron "
-                     "pads it instead; the logits keep their size)")
-    regions = [Region(RegionKind.EMBEDDING, tuple(analysis.layer(e) for e in vocab.embeddings), ())]
-    regions += [Region(RegionKind.LM_HEAD, (analysis.layer(h),), ()) for h in vocab.heads]
-    return out, regions, ()
-
-
-_UNSPLITTABLE_EMBEDDING = {3: "scale_grad_by_freq", 4: "sparse"}
-"""``aten.embedding`` options a vocabulary split cannot honour: per-row counts and sparse gradients would be
-of this rank's rows only (``padding_idx`` it honours)."""
-
-
-def _vocab_blocker(analysis: Analysis, placements: dict[str, Placement], tp: int) -> str | None:
-    """Why the vocabulary cannot be split exactly (an option the split lookup cannot honour, an op writing
-    to the table, a size the split reaches that tp does not divide), or None."""
-    for e in analysis.vocab.embeddings:
-        node = analysis.nodes[e]
-        for index, name in _UNSPLITTABLE_EMBEDDING.items():
-            if arg_or_default(node, index, name, False):
-                return f"{analysis.layer(e)} uses {name}=True, which a vocabulary split cannot honour"
-    prop = analysis.propagate_placements(_named(analysis, placements), tp)
-    if prop.refusals:
-        node, why = prop.refusals[0]
-        return f"{why} (at {analysis.module(node) or node}; e.g. an embedding's max_norm renormalises its rows)"
-    if prop.violations:
-        # the split vocabulary reaches a size tp does not divide (logits of 9 codebooks viewed as [9, vocab]: each
-        # rank's rows would end inside a codebook), which no rewrite can keep exact
-        v = prop.violations[0]
-        split = ", ".join(sorted(analysis.layer(o) for o in v.origins)) or "the vocabulary"
-        return (f"the vocabulary split of {split} reaches {v.what} at {analysis.module(v.node) or v.node}, of size "
-                f"{v.size}, which tp={tp} does not divide")
-    return None
-
-
 def verify_plan(captured: Captured, plan: Plan) -> Plan:
     """Re-check a plan made elsewhere (a file, a hand edit) the way the planner checks its own: every size it
     splits divides by tp, nothing it splits needs what the rewrite cannot do, and its regions agree with its
@@ -248,7 +180,7 @@ def verify_plan(captured: Captured, plan: Plan) -> Plan:
                         f"size of {v.size} would be split, which tp={plan.tp} does not divide; fix the placements "
                         "of the layers before it or re-plan with autotp.plan")
     _refuse_inexact(analysis, prop)
-    return _reported(plan, tuple(_collectives(analysis, prop)))
+    return _reported(plan, tuple(planned_collectives(analysis, prop)))
 
 
 def _reported(plan: Plan, collectives: tuple[Collective, ...]) -> Plan:
@@ -280,72 +212,10 @@ def _refuse_inexact(analysis: Analysis, prop: Propagation) -> None:
                         "Use a tp that keeps this part whole, or change the model so the op reads whole values.")
 
 
-def _shape(analysis: Analysis, node_name: str) -> tuple[str, ...]:
-    """A node's shape with the capture's size symbols renamed (``s70*s72`` -> ``B*T``)."""
-    names = tuple(sorted(analysis.captured.dim_names.items()))
-    return tuple(_readable(d, names) for d in sizes(analysis.nodes[node_name]))
-
-
-@functools.lru_cache(maxsize=4096)
-def _readable(size, names: tuple[tuple[str, str], ...]) -> str:
-    """``size`` with the size symbols renamed by ``names`` (symbol name -> readable name), found once per size: the
-    collectives of every block repeat their shapes."""
-    expr = sympy.sympify(size)  # shape-env symbols carry assumptions: match them by name
-    renamed = dict(names)
-    return str(expr.subs({s: sympy.Symbol(renamed[s.name]) for s in expr.free_symbols if s.name in renamed}))
-
-
-def _communicated_shape(analysis: Analysis, operator: Operator, value: str) -> tuple[str, ...]:
-    """The shape of what ``operator`` sends for ``value``: the value, except for a vocab-parallel cross-entropy,
-    which sends three statistics (max, sum of exponentials, target logit) per target, four with label smoothing
-    (each rank's sum of logits too)."""
-    if operator is Operator.CROSS_ENTROPY:
-        node = analysis.nodes[value]
-        stats = "4" if named_arg(node, "label_smoothing", 0.0) else "3"
-        return (*_shape(analysis, node.args[1].name), stats)
-    if operator is Operator.RUNNING_STATS:  # the running mean and variance of every channel
-        return ("2", *_shape(analysis, analysis.nodes[value].args[3].name))
-    return _shape(analysis, value)
-
-
-def _collectives_of(analysis: Analysis, operator: Operator, value: str, reader: str, grad: set[str],
-                    in_step: bool = True) -> list[Collective]:
-    """The collectives ``operator`` runs on ``value`` (one per pass it communicates in, none backward when no
-    gradient flows through ``value``: slices of token ids), each listed at the value or at its ``reader``."""
-    shape = _communicated_shape(analysis, operator, value)
-    return [Collective(comm.op, comm.direction, operator, analysis.layer(value if comm.at_source else reader), shape,
-                       in_step=in_step) for comm in COMMUNICATION[operator]
-            if comm.direction is Direction.FORWARD or value in grad]
-
-
-def _collectives(analysis: Analysis, prop: Propagation) -> list[Collective]:
-    """The collectives the rewrite will insert, in graph order, for people and cost models."""
-    order = {name: i for i, name in enumerate(analysis.nodes)}
-    grad = analysis.grad
-    found = [(order[conv.source], c) for conv in prop.conversions.values() for step in fused(conv.steps)
-             for reader, in_step in _readers_by_step(analysis, conv)
-             for c in _collectives_of(analysis, step.operator, conv.source, reader, grad, in_step)]
-    found += [(order[node], c) for node, operator in prop.reduced.items()
-              for c in _collectives_of(analysis, operator, node, node, grad)]
-    return [c for _, c in sorted(found, key=lambda item: item[0])]
-
-
-def _readers_by_step(analysis: Analysis, conv) -> list[tuple[str, bool]]:
-    """One reader of ``conv`` per copy the rewrite inserts, with whether a training step runs it: a model
-    output's gather is inserted apart from the one the graph's other readers use, and the step defers it."""
-    inside, outputs = conv.by_reader(analysis.graph.output_node().name)
-    return [*([(inside[0][0], True)] if inside else []), *([(outputs[0][0], False)] if outputs else [])]
-
-
 def _by_target(analysis: Analysis, by_name: Mapping[str, Placement]) -> dict[str, Placement]:
     """Placements keyed by original name keyed by the ``get_attr`` target each parameter is read through."""
     captured = analysis.captured
     return {captured.attr_target(captured.aliases.get(n, n)): p for n, p in by_name.items()}
-
-
-def _named(analysis: Analysis, by_target: Mapping[str, Placement]) -> dict[str, Placement]:
-    """Placements keyed by ``get_attr`` target (as the planner builds them) keyed by original name instead."""
-    return {analysis.captured.param_name(t): p for t, p in by_target.items()}
 
 
 def cost_sizes(captured: Captured, batch: int | None, seq: int | None) -> dict[str, int]:
@@ -409,8 +279,8 @@ def make_plan(captured: Captured, options: Options = Options(), machine: Machine
         plan_regions.append(Region(region.kind, tuple(analysis.layer(c) for c in (*region.columns, *region.convolutions)),
                                    tuple(analysis.layer(r) for r in region.rows), kept))
     notes += _whole_convolution_notes(analysis, by_target, whys, convolutions_kept)
-    vocab_placements, vocab_regions, vocab_kept = _vocab_placements(analysis, tp, notes, options, machine, sizes, by_target)
-    by_target |= vocab_placements
+    vocab, vocab_regions, vocab_kept = vocab_placements(analysis, tp, notes, options, machine, sizes, by_target)
+    by_target |= vocab
     plan_regions = vocab_regions[:1] + plan_regions + vocab_regions[1:]
     if tp == 1:
         by_target = {}  # one rank holds everything: the regions are found, but nothing is split
@@ -425,7 +295,7 @@ def make_plan(captured: Captured, options: Options = Options(), machine: Machine
     _refuse_inexact(analysis, prop)
     planned_stages = plan_stages(analysis, prop, tp, options.stages, options.balance, sizes, options.cuts)
     by_name = {captured.dim_names.get(k, k): v for k, v in sizes.items()}
-    plan = Plan(tp=tp, placements=placements, collectives=tuple(_collectives(analysis, prop)),
+    plan = Plan(tp=tp, placements=placements, collectives=tuple(planned_collectives(analysis, prop)),
                 regions=tuple(plan_regions), notes=tuple(notes), model=captured.model_name, pp=options.pp,
                 stages=planned_stages, balance=options.balance, batch=by_name.get("B", 0), seq=by_name.get("T", 0),
                 by_choice=tuple(sorted({*(analysis.layer(n) for n in {*chosen, *convolutions_kept}), *vocab_kept,

@@ -25,7 +25,6 @@ from autotp.rewrite.collectives import (
     GatherToRegion,
     OutputGather,
     collective_module,
-    masked_embedding,
     split_args,
 )
 from autotp.rewrite.columns import OverlappedColumnLinear, Regather, RegatheredLinear
@@ -39,6 +38,7 @@ from autotp.rewrite.graph_edit import (
 from autotp.rewrite.output_values import layout_copy, overwritable
 from autotp.rewrite.random_draws import replace_random_ops
 from autotp.rewrite.streams import RankStream
+from autotp.rewrite.vocab_parallel import masked_embedding
 
 aten = torch.ops.aten
 

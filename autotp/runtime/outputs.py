@@ -16,7 +16,8 @@ from torch import nn
 from torch.utils._pytree import tree_map_only
 
 from autotp.errors import InputError
-from autotp.rewrite.collectives import OutputGather, vocab_parallel_cross_entropy
+from autotp.rewrite.collectives import OutputGather
+from autotp.rewrite.vocab_parallel import vocab_parallel_cross_entropy
 
 
 class SplitOutputs:

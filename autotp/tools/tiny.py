@@ -16,6 +16,13 @@ import re
 from autotp.tools.model_spec import SMALL_HF, _small_low_rank
 from autotp.tools.tiny_overrides import TYPE_OVERRIDES
 from autotp.tools.tiny_repairs import repaired
+from autotp.tools.tiny_rotary import rotary_sections
+from autotp.tools.tiny_stages import (
+    is_stage_list,
+    small_stages,
+    spelled_out_blocks,
+    stage_kind,
+)
 
 LAYERS = 2
 """Layers of a tiny model: two, so a pattern of layer kinds (sliding and full attention, mixer and
@@ -110,53 +117,6 @@ def _fit_list(values: list, layers: int) -> list:
     return [values[i] for i in sorted(chosen)]
 
 
-def _is_stage_list(name: str, value) -> bool:
-    """Per-stage sizes of a hierarchical model (Swin's ``depths`` and ``num_heads``, a ResNet's
-    ``hidden_sizes``): a short list of positive ints."""
-    return isinstance(value, list) and 1 < len(value) <= 8 and all(
-        isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value) and _stage_kind(name) is not None
-
-
-def _stage_kind(name: str) -> str | None:
-    if "depth" in name or name in ("num_layers", "layers"):
-        return "depth"
-    if "heads" in name:
-        return "heads"
-    if name.endswith(("hidden_sizes", "embed_dims", "embed_dim", "dims", "channels", "widths", "hidden_size")):
-        return "width"
-    return None
-
-
-def _small_stages(name: str, values: list) -> list:
-    """Stages kept, each small: at most two blocks deep, widths a quarter (at least 16), heads rounded up to a
-    power of two, at least four as ``SMALL_HF``'s (so that tp in {1, 2, 4} divides them, an early stage's one or
-    two heads included, and the widths, multiples of 16 times the stage's scale, split into heads of equal
-    size)."""
-    kind = _stage_kind(name)
-    if kind == "depth":
-        return [min(v, 2) for v in values]
-    if kind == "heads":
-        return [max(4, 1 << (v - 1).bit_length()) for v in values]
-    return [v if v <= 64 else max(16, v // 4) for v in values]
-
-
-def _spelled_out_blocks(fields: dict) -> bool:
-    """Whether the config lists its blocks one by one with their channel counts (PP-LCNet's ``block_configs``: per
-    stage, per block, kernel, input and output widths...) repeating the widths of its per-stage lists: shrinking
-    the per-stage lists alone would break the tie."""
-    widths = {v for k, value in fields.items() if _is_stage_list(k, value) and _stage_kind(k) == "width"
-              for v in value if v > 64}
-    nested = [value for value in fields.values()
-              if isinstance(value, list) and value and all(isinstance(v, list) for v in value)]
-    return bool(widths & set(_ints_within(nested)))
-
-
-def _ints_within(value) -> list:
-    if isinstance(value, list):
-        return [i for v in value for i in _ints_within(v)]
-    return [value] if isinstance(value, int) and not isinstance(value, bool) else []
-
-
 def _is_layer_indices(values: list, depth: int) -> bool:
     return bool(values) and all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < depth for v in values) \
         and values == sorted(set(values))
@@ -166,8 +126,8 @@ def shrink(fields: dict, sub_configs: dict | None = None, mixed: bool = True, co
     """The small values of a config's fields (only those it has), its sub-configs shrunk too. ``mixed``: per-layer
     lists keep one layer of each kind; else their first layers. ``config_class``: the config's class (its
     sub-configs' classes are in ``sub_configs``), which says whether it takes multimodal rotary sections."""
-    staged = any(_is_stage_list(k, v) and _stage_kind(k) == "depth" for k, v in fields.items())
-    spelled = _spelled_out_blocks(fields)
+    staged = any(is_stage_list(k, v) and stage_kind(k) == "depth" for k, v in fields.items())
+    spelled = spelled_out_blocks(fields)
     depth = None if staged else _depth(fields)  # a hierarchical model's layer count counts its stages
     sizes = SMALL_HF | TINY_EXTRA
     small = {k: v for k, v in sizes.items() if k in fields and _shrinks(fields[k], v)}
@@ -177,9 +137,9 @@ def shrink(fields: dict, sub_configs: dict | None = None, mixed: bool = True, co
         if name in sizes and isinstance(value, list) and depth and len(value) == depth \
                 and all(isinstance(v, int) for v in value):
             small[name] = [min(v, sizes[name]) for v in value][:LAYERS]  # a size given per layer
-        elif _is_stage_list(name, value):
+        elif is_stage_list(name, value):
             if not spelled:  # blocks listed one by one (with their widths) tie the stages to them: kept
-                small[name] = _small_stages(name, value)
+                small[name] = small_stages(name, value)
         elif name == "out_indices" and isinstance(value, list) and depth and depth > LAYERS:
             small[name] = [v for v in value if isinstance(v, int) and 0 <= v < LAYERS] or [LAYERS - 1]
         elif name == "out_features" and isinstance(value, list) and depth and depth > LAYERS:
@@ -209,7 +169,7 @@ def shrink(fields: dict, sub_configs: dict | None = None, mixed: bool = True, co
         # the trunk divides the image by output_stride, and its last stage still folds patches: at least one
         small["image_size"] = max(small["image_size"], stride * patch)
     takes_sections = "mrope_section" in getattr(config_class, "ignore_keys_at_rope_validation", ())
-    small |= _rotary_sections(fields, small, takes_sections)
+    small |= rotary_sections(fields, small, takes_sections)
     text = small.get("text_config") if isinstance(small.get("text_config"), dict) else {}
     # a multimodal config's token ids (image, video, audio tokens) index its text model's vocabulary
     vocab = small.get("vocab_size", fields.get("vocab_size", text.get("vocab_size")))
@@ -240,48 +200,6 @@ def _config_class(fields: dict, declared):
         # the lazy mapping's get() does not load the class: indexing does
         return CONFIG_MAPPING[fields["model_type"]] if fields["model_type"] in CONFIG_MAPPING else declared
     return declared
-
-
-def _rotary_sections(fields: dict, small: dict, takes_sections: bool = False) -> dict:
-    """Multimodal rotary sections (``rope_parameters.mrope_section``: the rotary half of a head split among time,
-    height and width) scaled to the shrunk head, in the same proportions; {} if there are none or they fit. A
-    config that ``takes_sections`` but leaves them to the model's code (sized for the full head) gets three equal
-    ones. Rotary settings per kind of layer (``{"full_attention": {...}}``) are scaled kind by kind; where the
-    default config leaves them empty for the model to read by kind, each kind of layer gets the default rotary
-    embedding."""
-    rope = fields.get("rope_parameters")
-    kinds = fields.get("layer_types")
-    if rope == {} and takes_sections and isinstance(kinds, list) and kinds:
-        rope = {kind: {"rope_type": "default", "rope_theta": 10000.0} for kind in dict.fromkeys(kinds)}
-    if not isinstance(rope, dict) or not rope:
-        return {}
-    merged = fields | small
-    if all(isinstance(v, dict) for v in rope.values()):
-        out = {kind: _scaled_sections(v, merged, takes_sections) or v for kind, v in rope.items()}
-        return {"rope_parameters": out} if out != fields.get("rope_parameters") else {}
-    scaled = _scaled_sections(rope, merged, takes_sections)
-    return {"rope_parameters": scaled} if scaled else {}
-
-
-def _scaled_sections(rope: dict, merged: dict, takes_sections: bool) -> dict | None:
-    """One rotary setting with its sections scaled to the head of ``merged`` (a config's fields); None if it has
-    none to scale or they fit."""
-    sections = rope.get("mrope_section")
-    if sections is None and takes_sections:
-        sections = [1, 1, 1]
-    if not isinstance(sections, list) or not all(isinstance(v, int) for v in sections):
-        return None  # before the head's width, which a model with heads per stage (a list) does not have
-    head = merged.get("head_dim") or (merged.get("hidden_size") or 0) // (merged.get("num_attention_heads") or 1)
-    # a partial rotary embedding turns only this share of each head
-    share = rope.get("partial_rotary_factor") or merged.get("partial_rotary_factor") or 1
-    half = int(head * share) // 2
-    if not half or sum(sections) == half:
-        return None
-    shares = [v * half / sum(sections) for v in sections]
-    scaled = [int(v) for v in shares]
-    for i in sorted(range(len(shares)), key=lambda i: scaled[i] - shares[i])[: half - sum(scaled)]:
-        scaled[i] += 1  # the largest remainders take what rounding down left
-    return rope | {"mrope_section": scaled}
 
 
 def _shrinks(old, new) -> bool:
