@@ -63,6 +63,19 @@ def test_float_token_ids_in_example_inputs_are_one_input_error():
     assert err.value.__cause__ is None and err.value.__suppress_context__
 
 
+def test_token_ids_past_the_vocabulary_are_one_input_error_and_one_cli_line(capsys):
+    """Tracing on fake tensors reads no values, so ids past the embedding's rows capture; the model's own forward,
+    run to check the capture, then fails: that is the inputs' fault, said in one line (the CLI printed torch's
+    IndexError traceback)."""
+    model = models.build("gpt")
+    too_large = models.tokens(2, 16, 0) + model.transformer.wte.num_embeddings
+    with pytest.raises(autotp.InputError, match="own forward fails on the example inputs: IndexError"):
+        autotp.plan(model, tp=2, example_inputs=(too_large,))
+    assert cli.main(["plan", "examples/train_gpt.py:build_model", "--tp", "2", "--vocab-size", "100000"]) != 0
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "--vocab-size at most the model's" in err, err
+
+
 def test_a_short_attention_mask_and_an_empty_batch_say_so():
     torch.manual_seed(0)
     batch = inputs_workers.padded_batch("right")

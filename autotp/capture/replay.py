@@ -23,7 +23,7 @@ import torch
 from torch import fx, nn
 from torch.utils._pytree import tree_leaves
 
-from autotp.errors import CaptureError
+from autotp.errors import AutotpError, CaptureError, InputError
 
 SEED = 0
 """Both runs draw from torch's generator seeded alike (dropout in a train-mode capture), restored afterwards."""
@@ -47,7 +47,7 @@ def check_replay(gm: fx.GraphModule, run_model, inputs: tuple, model: nn.Module)
     devices = _cuda_devices(inputs)
     with torch.no_grad(), _buffers_restored(model, gm), torch.random.fork_rng(devices=devices):
         torch.manual_seed(SEED)
-        want = run_model(*inputs)
+        want = _own_forward(run_model, inputs, model)
         torch.manual_seed(SEED)
         got = gm(*inputs)
     pairs = [(g, w) for g, w in zip(tree_leaves(got), tree_leaves(want))
@@ -56,6 +56,19 @@ def check_replay(gm: fx.GraphModule, run_model, inputs: tuple, model: nn.Module)
         error = _relative_error(g, w)
         if error > TOLERANCE.get(w.dtype, 1e-4):
             raise CaptureError(_message(type(model).__name__, i, w, error))
+
+
+def _own_forward(run_model, inputs: tuple, model: nn.Module):
+    """``run_model(*inputs)``; the model's own failure on them (tracing on fake tensors checks no values: token ids
+    past the embedding's rows trace, and fail here) is the inputs' fault, said as an ``InputError``."""
+    try:
+        return run_model(*inputs)
+    except (AutotpError, TimeoutError):  # ours, or a caller's time limit
+        raise
+    except Exception as e:  # the user's forward: any type
+        raise InputError(f"{type(model).__name__}'s own forward fails on the example inputs: {type(e).__name__}: "
+                         f"{str(e).splitlines()[0] if str(e) else ''}; pass inputs it accepts (token ids below its "
+                         "vocabulary: on the command line, --vocab-size at most the model's)") from e
 
 
 def check_gradient_replay(gm: fx.GraphModule, run_model, inputs: tuple, model: nn.Module, functions: set[str],
