@@ -59,13 +59,14 @@ def test_each_rank_convolves_its_one_head_through_single_group_conv():
     (1, (7,), (1,), (3,), (1,)),
     (1, (4,), (2,), (2,), (1,)),
     (1, (4,), (1,), "same", (2,)),
+    (3, (3, 2, 3), (1, 2, 1), (1, 0, 2), (1, 1, 2)),
 ])
 def test_single_group_conv_computes_torch_s_convolution_and_its_gradients(spatial, kernel, stride, padding, dilation):
     torch.manual_seed(0)
-    x = torch.randn(2, 3, *(9,) * spatial, requires_grad=True)
+    x = torch.randn(2, 3, *(9, 8, 7)[:spatial], requires_grad=True)
     weight = torch.randn(4, 3, *kernel, requires_grad=True)
     bias = torch.randn(4, requires_grad=True)
-    conv = {1: F.conv1d, 2: F.conv2d}[spatial]
+    conv = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}[spatial]
     want = conv(x, weight, bias, stride, padding, dilation)
     got = single_group_conv(x, weight, bias, stride, padding, dilation)
     assert_close(got, want)
