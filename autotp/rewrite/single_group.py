@@ -7,8 +7,8 @@ torch sends to oneDNN's dense kernel instead. That kernel's weight gradient (``j
 its input: Nystromformer's value convolution (kernel 65 over 32 positions, padding 32, one head per rank at tp=4)
 aborts the process ("corrupted size vs. prev_size", a segfault) or hangs, in plain torch with no autotp involved.
 The unsharded model never reaches that kernel, so its parallel version must not either: the rank computes the
-same convolution as im2col and one matrix product (the algorithm of torch's own native ``slow_conv2d``), from
-slices, a stack and a matmul whose backwards are native too. Off the CPU the convolution runs as it was: only
+same convolution as im2col and a matrix product: torch's own native ``slow_conv2d`` (whose backward is native
+too), or, dilated or over three dims, slices, a stack and a matmul. Off the CPU the convolution runs as it was: only
 torch's CPU backend picks oneDNN.
 """
 
@@ -50,8 +50,28 @@ def single_group_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     spatial = weight.dim() - 2
     if x.device.type != "cpu":
         return _DENSE[spatial](x, weight, bias, stride, padding, dilation)
-    kernel = weight.shape[2:]
-    x = F.pad(x, [p for pair in reversed(_pads(kernel, padding, dilation)) for p in pair])  # last dim first
+    pads = _pads(weight.shape[2:], padding, dilation)
+    if any(before != after for before, after in pads):  # padded explicitly, as torch pads an odd "same"
+        x, pads = F.pad(x, [p for pair in reversed(pads) for p in pair]), [(0, 0)] * spatial  # last dim first
+    padding = tuple(before for before, _ in pads)
+    if spatial == 3 or any(d != 1 for d in dilation):
+        return _windows_conv(x, weight, bias, stride, padding, dilation)
+    if spatial == 1:  # as a 2-d convolution over (length, 1)
+        return _native_conv2d(x.unsqueeze(-1), weight.unsqueeze(-1), bias, (*stride, 1), (*padding, 0)).squeeze(-1)
+    return _native_conv2d(x, weight, bias, stride, padding)
+
+
+def _native_conv2d(x, weight, bias, stride, padding) -> torch.Tensor:
+    """torch's own CPU im2col convolution (what it runs for a small batch of one), backward included."""
+    return torch.ops.aten._slow_conv2d_forward(x.contiguous(), weight.contiguous(), weight.shape[2:], bias, stride,
+                                               padding)
+
+
+def _windows_conv(x, weight, bias, stride, padding, dilation) -> torch.Tensor:
+    """A dilated or 3-d convolution (no native CPU kernel whose backward avoids oneDNN): every kernel tap's window
+    of ``x`` sliced, stacked into columns, times the flattened weight."""
+    kernel, spatial = weight.shape[2:], weight.dim() - 2
+    x = F.pad(x, [p for p in reversed(padding) for _ in range(2)])  # last dim first
     sizes = [(size - d * (k - 1) - 1) // s + 1 for size, d, k, s in zip(x.shape[2:], dilation, kernel, stride)]
     windows = [x[(..., *(slice(o * d, o * d + s * (n - 1) + 1, s)
                          for o, d, s, n in zip(offset, dilation, stride, sizes)))]
