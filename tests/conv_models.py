@@ -151,6 +151,28 @@ class PositionalConvLM(nn.Module):
         return self.head(x + self.down(F.gelu(self.up(x))))
 
 
+class HeadwiseConvAttention(nn.Module):
+    """Nystromformer's value convolution: each head's values convolved along the positions by a depthwise Conv2d
+    (one channel per head, a kernel of ``kernel`` positions by 1, padded to keep the length) and added to the
+    head's output, between a column-split value projection and a row-split output one. Split by heads with tp =
+    heads, every rank convolves one head: a dense convolution of one channel."""
+
+    def __init__(self, vocab: int = 64, dim: int = 64, heads: int = 4, kernel: int = 65):
+        super().__init__()
+        self.heads = heads
+        self.embed = nn.Embedding(vocab, dim)
+        self.value, self.out = nn.Linear(dim, dim), nn.Linear(dim, dim)
+        self.conv = nn.Conv2d(heads, heads, (kernel, 1), padding=(kernel // 2, 0), groups=heads, bias=False)
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        b, s, d = x.shape
+        v = self.value(x).view(b, s, self.heads, d // self.heads).transpose(1, 2)  # B, H, S, D
+        v = F.gelu(v) + self.conv(v)
+        return self.head(x + self.out(v.transpose(1, 2).reshape(b, s, d)))
+
+
 def checked_plan(model, tp, inputs):
     """The plan of ``model`` at ``tp``, after the one-process checker found it exact."""
     import autotp

@@ -17,7 +17,7 @@ from autotp.errors import InternalError
 from autotp.passes.analysis import Analysis
 from autotp.passes.graph import ChunkOf, DividedBy, arg_or_default, get_arg
 from autotp.passes.placement import Source, Want, chunk_span, own_tensors, part_of
-from autotp.passes.projections import Projection
+from autotp.passes.projections import CONVOLUTIONS, Projection
 from autotp.passes.propagation import Conversion, Propagation
 from autotp.passes.steps import COPY, Operator, fused
 from autotp.planning.plan import Plan
@@ -37,6 +37,7 @@ from autotp.rewrite.graph_edit import (
 )
 from autotp.rewrite.output_values import layout_copy, overwritable
 from autotp.rewrite.random_draws import replace_random_ops
+from autotp.rewrite.single_group import route_single_group
 from autotp.rewrite.streams import RankStream
 from autotp.rewrite.vocab_parallel import masked_embedding
 
@@ -230,6 +231,8 @@ class _Surgeon:
             elif isinstance(value, ChunkOf):  # a vocabulary cut unevenly: this rank's chunk of it
                 value = chunk_span(value.size, value.chunks, self.rank // (self.tp // value.chunks))[1]
             with_arg(node, path, value)
+            if node.target in CONVOLUTIONS and path == (CONVOLUTIONS[node.target],) and value == 1:
+                route_single_group(node)  # one group per rank: a dense convolution (``single_group``)
         for conv in prop.conversions.values():
             self.convert(conv)
         for name, reduction in prop.reduced.items():
