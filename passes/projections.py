@@ -172,7 +172,10 @@ def _transposed_attr(node) -> str | None:
 
 def _expert_attr(node) -> str | None:
     """The ``get_attr`` target if ``node`` is one expert's matrix of a parameter bank, ``W[e]`` (``select`` along
-    the bank's first dim: JetMoE's ``F.linear(x_e, self.weight[e])`` per expert)."""
+    the bank's first dim: JetMoE's ``F.linear(x_e, self.weight[e])`` per expert), or a cast of it (an expert
+    computed in float32: ``x_e.float() @ self.gate_up_proj[e].float()``)."""
+    if isinstance(node, fx.Node) and node.op == "call_function" and node.target in _CASTS:
+        node = node.args[0]
     if not isinstance(node, fx.Node) or node.target is not aten.select.int or node.args[1] != 0:
         return None
     return _attr(node.args[0])
