@@ -202,9 +202,9 @@ def _merged_picks(prop, nodes: dict[str, fx.Node], grad: set[str], pending: set[
     (k of E experts per token: k times): {conversion key: (the value, the pick reading it)}."""
     by_value: dict[str, list] = {}
     for key, conv in prop.conversions.items():
-        pick = nodes[conv.source]
-        if conv.steps == (COPY,) and pick.target is aten.index.Tensor and \
-                _hoistable(pick, set(conv.consumers), prop.layouts, grad, pending):
+        pick = _pick_under(nodes[conv.source], set(conv.consumers), prop.layouts, grad, pending) \
+            if conv.steps == (COPY,) else None
+        if pick is not None:
             by_value.setdefault(pick.args[0].name, []).append((key, pick))
     load = expert_load(next(iter(nodes.values())).graph)
     merged = {}
@@ -216,3 +216,16 @@ def _merged_picks(prop, nodes: dict[str, fx.Node], grad: set[str], pending: set[
         if len(picks) > 1 and _at_least_one(ratio):
             merged |= {key: (value, pick.name) for key, pick in picks}
     return merged
+
+
+def _pick_under(node: fx.Node, readers: set, layouts: dict, grad: set[str], pending: set[str]) -> fx.Node | None:
+    """The rows picked from a whole value (``x[token]``) that ``f`` on ``node`` may stand on: ``node`` itself, or
+    the pick it is a same-sized move of (``x[token].float()``, an expert computed in float32); None otherwise."""
+    while _hoistable(node, readers, layouts, grad, pending):
+        if node.target is aten.index.Tensor:
+            return node
+        first = node.args[0]
+        if sympy.simplify(_numel(node) - _numel(first)) != 0:
+            return None
+        readers, node = {(node.name, (0,))}, first
+    return None

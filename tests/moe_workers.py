@@ -59,20 +59,16 @@ class LoopedExperts(nn.Module):
         return self.head(h + out.view_as(h))
 
 
-class HitExperts(nn.Module):
-    """Experts in banks, run in a loop over those the batch routes tokens to (``nonzero`` of a one-hot mask with a
-    class for no expert, skipped, and again when an expert's tokens are none), as eager transformers MoE layers
-    are written. ``extra``: each iteration also adds its expert's bias to every token, which is not a write of
-    its tokens' rows (an expert with no token would still change the result)."""
+class _ExpertsHit(nn.Module):
+    """Between an embedding and a head, experts run in a loop over those the batch routes tokens to (``nonzero``
+    of a one-hot mask with a class for no expert, skipped, and again when an expert's tokens are none), as eager
+    transformers MoE layers are written; ``expert(e, rows)`` is expert ``e`` on its tokens' rows."""
 
-    def __init__(self, dim: int = 32, experts: int = 4, k: int = TOP_K, extra: bool = False):
+    def __init__(self, dim: int, experts: int, k: int, extra: bool = False):
         super().__init__()
         self.k, self.experts, self.extra = k, experts, extra
         self.embed, self.head = nn.Embedding(64, dim), nn.Linear(dim, 64)
         self.router = nn.Linear(dim, experts, bias=False)
-        self.up = nn.Parameter(torch.randn(experts, 2 * dim, dim) * 0.1)
-        self.down = nn.Parameter(torch.randn(experts, dim, 2 * dim) * 0.1)
-        self.bias = nn.Parameter(torch.randn(experts, dim) * 0.1)
 
     def routes(self, ids: torch.Tensor) -> torch.Tensor:
         """The experts each token is routed to."""
@@ -93,11 +89,44 @@ class HitExperts(nn.Module):
             slot, token = torch.where(mask[expert])
             if token.numel() == 0:
                 continue
-            y = nn.functional.linear(torch.relu(nn.functional.linear(x[token], self.up[expert])), self.down[expert])
-            out.index_add_(0, token, y * weights[token, slot, None])
+            out.index_add_(0, token, self.expert(expert, x[token]) * weights[token, slot, None])
             if self.extra:
                 out = out + self.bias[expert]
         return self.head(h + out.view_as(h))
+
+
+class HitExperts(_ExpertsHit):
+    """Experts in banks (``F.linear(x, W[e])``), run over the experts hit. ``extra``: each iteration also adds its
+    expert's bias to every token, which is not a write of its tokens' rows (an expert with no token would still
+    change the result)."""
+
+    def __init__(self, dim: int = 32, experts: int = 4, k: int = TOP_K, extra: bool = False):
+        super().__init__(dim, experts, k, extra)
+        self.up = nn.Parameter(torch.randn(experts, 2 * dim, dim) * 0.1)
+        self.down = nn.Parameter(torch.randn(experts, dim, 2 * dim) * 0.1)
+        self.bias = nn.Parameter(torch.randn(experts, dim) * 0.1)
+
+    def expert(self, e, rows):
+        up = nn.functional.linear(rows, self.up[e])
+        return nn.functional.linear(torch.relu(up), self.down[e])
+
+
+class GatedBankExperts(_ExpertsHit):
+    """The OpenAI privacy filter's experts, run over the experts hit: ``rows.float() @ W[e].float()`` plus the
+    expert's bias, gate and up side by side in one bank (cut apart by ``chunk``), GPT-OSS's clamped SwiGLU, then
+    the down bank and its bias. Split, each rank holds matching gate and up columns of every expert."""
+
+    def __init__(self, dim: int = 32, ffn: int = 32, experts: int = 4, k: int = TOP_K):
+        super().__init__(dim, experts, k)
+        self.gate_up = nn.Parameter(torch.randn(experts, dim, 2 * ffn) * 0.1)
+        self.gate_up_bias = nn.Parameter(torch.randn(experts, 2 * ffn) * 0.1)
+        self.down = nn.Parameter(torch.randn(experts, ffn, dim) * 0.1)
+        self.down_bias = nn.Parameter(torch.randn(experts, dim) * 0.1)
+
+    def expert(self, e, rows):
+        gate, up = (rows.float() @ self.gate_up[e].float() + self.gate_up_bias[e].float()).chunk(2, dim=-1)
+        gate, up = gate.clamp(max=7.0), up.clamp(-7.0, 7.0)
+        return ((up + 1) * gate * torch.sigmoid(1.702 * gate)) @ self.down[e].float() + self.down_bias[e].float()
 
 
 def _step_bytes(build, world: int) -> dict:
