@@ -54,10 +54,29 @@ class Projection:
     """The bias is parameters and buffers concatenated (BEiT's ``cat(q_bias, zeros_k, v_bias)``), not one parameter:
     a column split asks for it split as its outputs are, which splits those parts (or slices a buffer, which no
     gradient reaches); a row split is not offered (its bias, added once after the all-reduce, must be one tensor)."""
+    experts: int = 1
+    """The experts whose matrices lie one after another along the parameter's first storage dim, when the weight
+    is one of them (a 2-D parameter viewed as ``(experts, rows, ...)`` and indexed per expert, as DBRX's
+    ``w1.view(-1, ffn, hidden)[e]``): its features are one expert's, and the parameter is split as that expert
+    is, once per expert (``per_expert``)."""
     spatial: int = 0
     """A dense convolution over this many trailing spatial dims (``N, C, *spatial``): a projection of the
     channels at every position, so its features are dim 1 (weight ``[out, in, *kernel]``), ``in_axis`` and
     ``out_axis`` ``-1 - spatial``."""
+
+
+def per_expert(proj: Projection, segments: tuple[int, ...]) -> tuple[int, ...]:
+    """The parameter's segments along a storage dim its experts lie along (``Projection.experts``), for one
+    expert's ``segments``: the same split in every expert's block."""
+    return tuple(segments) * proj.experts
+
+
+def one_expert(proj: Projection, segments: tuple[int, ...]) -> tuple[int, ...] | None:
+    """One expert's segments of a parameter's split along the dim its experts lie along (the inverse of
+    ``per_expert``), or None when the experts are not split alike."""
+    count, rest = divmod(len(segments), proj.experts)
+    first = tuple(segments[:count])
+    return first if not rest and first and first * proj.experts == tuple(segments) else None
 
 
 @dataclass(frozen=True)
@@ -160,6 +179,12 @@ _SPLITS = {aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default}
 def _transposed_attr(node) -> str | None:
     """The ``get_attr`` target if ``node`` is a parameter with its last two dims swapped (``W.t()``, as in
     ``x @ W.t()``, or ``W.transpose(-2, -1)`` of a 3-D expert bank)."""
+    swapped = _swapped(node)
+    return _attr(swapped) if swapped is not None else None
+
+
+def _swapped(node) -> fx.Node | None:
+    """The value ``node`` is with its last two dims swapped (``W.t()``, ``W.T``, ``W.transpose(-2, -1)``), or None."""
     if not isinstance(node, fx.Node) or node.op != "call_function":
         return None
     n = len(meta_val(node).shape)
@@ -167,7 +192,7 @@ def _transposed_attr(node) -> str | None:
     swaps = (node.target is aten.t.default or (node.target is aten.numpy_T.default and n == 2)
              or (node.target is aten.transpose.int and {node.args[1] % n, node.args[2] % n} == last_two)
              or (node.target is aten.permute.default and n == 2 and list(node.args[1]) in ([1, 0], [-1, -2])))
-    return _attr(node.args[0]) if swaps else None
+    return node.args[0] if swaps else None
 
 
 def _expert_attr(node) -> str | None:
@@ -179,6 +204,26 @@ def _expert_attr(node) -> str | None:
     if not isinstance(node, fx.Node) or node.target is not aten.select.int or node.args[1] != 0:
         return None
     return _attr(node.args[0])
+
+
+_VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
+
+
+def _folded_expert(node) -> tuple[str, int] | None:
+    """(``get_attr`` target, experts) if ``node`` is one expert's matrix of a parameter whose first dim holds the
+    experts' rows one after another: ``W.view(experts, rows, ...)[e]`` (DBRX's ``w1.view(-1, ffn, hidden)[e]``),
+    or a cast of it."""
+    if isinstance(node, fx.Node) and node.op == "call_function" and node.target in _CASTS:
+        node = node.args[0]
+    if not isinstance(node, fx.Node) or node.target is not aten.select.int or node.args[1] != 0:
+        return None
+    view = node.args[0]
+    if not isinstance(view, fx.Node) or view.target not in _VIEWS or _attr(view.args[0]) is None:
+        return None
+    whole, banked = tuple(meta_val(view.args[0]).shape), tuple(meta_val(view).shape)
+    if len(banked) != len(whole) + 1 or banked[2:] != whole[1:] or banked[0] * banked[1] != whole[0]:
+        return None
+    return _attr(view.args[0]), int(banked[0])
 
 
 def _projection(node: fx.Node, specs: dict) -> Projection | None:
@@ -194,11 +239,17 @@ def _projection(node: fx.Node, specs: dict) -> Projection | None:
     ndim = 2 if node.target in _PROJECTION_OPS else 3
     out_dim += ndim - 2
     bank = 0  # the dims before the matrix in the parameter's storage: one for an expert's matrix of a bank
+    experts = 1  # the experts' matrices one after another along the storage's first dim (``_folded_expert``)
     if weight is None and ndim == 2 and _expert_attr(weight_node) is not None:
         weight, bank = _expert_attr(weight_node), 1
+    if weight is None and ndim == 2 and _folded_expert(weight_node) is not None:
+        weight, experts = _folded_expert(weight_node)
     if weight is None and _transposed_attr(weight_node) is not None:
         # x @ W.t(): the parameter's output features sit on the other storage dim.
         weight, out_dim, weight_node = _transposed_attr(weight_node), 2 * ndim - 3 - out_dim, weight_node.args[0]
+    if weight is None and ndim == 2 and _folded_expert(_swapped(weight_node)) is not None:
+        (weight, experts), out_dim = _folded_expert(_swapped(weight_node)), 1 - out_dim
+        weight_node = _swapped(weight_node)
     segment = _segment(weight_node) if weight is None and ndim == 2 else None
     packed = None
     if segment is not None and segment[1] == out_dim:  # a slice of a packed parameter's output features
@@ -219,7 +270,7 @@ def _projection(node: fx.Node, specs: dict) -> Projection | None:
         return None  # a computed bias: leave the op alone
     return Projection(node=node.name, input=x.name, weight=weight, bias=bias, out_dim=out_dim + bank,
                       in_features=int(shape[in_dim]), out_features=int(shape[out_dim]), in_dim=in_dim + bank,
-                      packed=packed, joined_bias=joined)
+                      packed=packed, joined_bias=joined, experts=experts)
 
 def _joined(node) -> bool:
     """Whether ``node`` concatenates parameters and buffers end to end (``cat([q_bias, k_bias, v_bias])``)."""
