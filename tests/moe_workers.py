@@ -64,10 +64,10 @@ class _ExpertsHit(nn.Module):
     of a one-hot mask with a class for no expert, skipped, and again when an expert's tokens are none), as eager
     transformers MoE layers are written; ``expert(e, rows)`` is expert ``e`` on its tokens' rows."""
 
-    def __init__(self, dim: int, experts: int, k: int, extra: bool = False):
+    def __init__(self, dim: int, experts: int, k: int, extra: bool = False, vocab: int = 64):
         super().__init__()
         self.k, self.experts, self.extra = k, experts, extra
-        self.embed, self.head = nn.Embedding(64, dim), nn.Linear(dim, 64)
+        self.embed, self.head = nn.Embedding(vocab, dim), nn.Linear(dim, vocab)
         self.router = nn.Linear(dim, experts, bias=False)
 
     def routes(self, ids: torch.Tensor) -> torch.Tensor:
@@ -117,7 +117,7 @@ class GatedBankExperts(_ExpertsHit):
     the down bank and its bias. Split, each rank holds matching gate and up columns of every expert."""
 
     def __init__(self, dim: int = 32, ffn: int = 32, experts: int = 4, k: int = TOP_K):
-        super().__init__(dim, experts, k)
+        super().__init__(dim, experts, k, vocab=models.VOCAB)
         self.gate_up = nn.Parameter(torch.randn(experts, dim, 2 * ffn) * 0.1)
         self.gate_up_bias = nn.Parameter(torch.randn(experts, 2 * ffn) * 0.1)
         self.down = nn.Parameter(torch.randn(experts, ffn, dim) * 0.1)
@@ -127,6 +127,27 @@ class GatedBankExperts(_ExpertsHit):
         gate, up = (rows.float() @ self.gate_up[e].float() + self.gate_up_bias[e].float()).chunk(2, dim=-1)
         gate, up = gate.clamp(max=7.0), up.clamp(-7.0, 7.0)
         return ((up + 1) * gate * torch.sigmoid(1.702 * gate)) @ self.down[e].float() + self.down_bias[e].float()
+
+
+class FoldedBankExperts(_ExpertsHit):
+    """DBRX's experts, run over the experts hit: each bank a 2-D parameter holding the experts' rows one after
+    another, viewed as ``(experts, ffn, dim)`` and indexed per expert (``w1.view(-1, ffn, dim)[e]``); gate and up
+    read through ``.T``. Split, each rank holds the same columns of every expert's block."""
+
+    def __init__(self, dim: int = 32, ffn: int = 32, experts: int = 4, k: int = TOP_K):
+        super().__init__(dim, experts, k, vocab=models.VOCAB)
+        self.ffn = ffn
+        self.w1, self.v1, self.w2 = (nn.Parameter(torch.randn(experts * ffn, dim) * 0.1) for _ in range(3))
+
+    def expert(self, e, rows):
+        w1, v1, w2 = (w.view(-1, self.ffn, w.shape[-1])[e] for w in (self.w1, self.v1, self.w2))
+        return (nn.functional.silu(rows.matmul(w1.T)) * rows.matmul(v1.T)).matmul(w2)
+
+
+BANK_LOOPS = {"privacy filter (gated bank)": GatedBankExperts, "dbrx (folded bank)": FoldedBankExperts}
+"""Loops over the experts hit whose banks are indexed per expert (``W[e]``, ``W.view(E, F, D)[e]``)."""
+BANKS = {"privacy filter (gated bank)": ("gate_up", "down"), "dbrx (folded bank)": ("w1", "v1", "w2")}
+"""Their banks, which must be split."""
 
 
 def _step_bytes(build, world: int) -> dict:
@@ -155,4 +176,10 @@ def moe(rank: int, world: int) -> dict:
         if name in TRAINED_HERE:
             case = CASES["deepseek_v3 (low-rank attention)"]
             out[name]["trained"] = check_case(name, structures_workers.Case(build, case.inputs, case.must_split), world)
+    for name, build in BANK_LOOPS.items():  # trained only: their all-reduces are test_moe's plan checks
+        out[name] = {"trained": check_case(name, structures_workers.Case(build, _bank_ids, BANKS[name]), world)}
     return out
+
+
+def _bank_ids(batch: int, seq: int, seed: int) -> tuple[torch.Tensor]:
+    return (models.tokens(batch, seq, seed),)

@@ -16,7 +16,19 @@ from autotp.errors import CaptureError
 from autotp.passes.steps import Direction, Operator
 from tests import models
 from tests.distributed import run_on_ranks
-from tests.moe_workers import BATCH, BUILDERS, MOE_LAYERS, SEQ, TOP_K, TRAINED_HERE, HitExperts, LoopedExperts, moe
+from autotp.passes.placement import Placement, PlacementKind
+from tests.moe_workers import (
+    BANK_LOOPS,
+    BATCH,
+    BUILDERS,
+    MOE_LAYERS,
+    SEQ,
+    TOP_K,
+    TRAINED_HERE,
+    HitExperts,
+    LoopedExperts,
+    moe,
+)
 
 
 def _ids():
@@ -88,18 +100,52 @@ def test_a_loop_over_the_experts_hit_that_does_more_than_write_their_tokens_is_r
         capture(HitExperts(extra=True), (models.tokens(2, 8, 0) % 64,), training=False)
 
 
+COLUMN, ROW = PlacementKind.COLWISE, PlacementKind.ROWWISE
+BANK_SPLITS = {
+    # gate and up side by side in one [E, D, 2F] bank, cut apart after the matmul: each rank its share of both
+    "privacy filter (gated bank)": {"gate_up": Placement(COLUMN, 2, (32, 32)), "gate_up_bias": Placement(COLUMN, 1, (32, 32)),
+                                    "down": Placement(ROW, 1)},
+    # [E*F, D] viewed as [E, F, D]: the same rows of every expert's block
+    "dbrx (folded bank)": {"w1": Placement(COLUMN, 0, (32,) * 4), "v1": Placement(COLUMN, 0, (32,) * 4),
+                           "w2": Placement(ROW, 0, (32,) * 4)},
+}
+
+
+@pytest.mark.parametrize("name", sorted(BANK_LOOPS))
+def test_a_loop_over_banks_indexed_per_expert_splits_each_expert_alike_exactly(name):
+    """Banks read one expert's matrix at a time in a loop over the experts hit (``x.float() @ W[e].float()``,
+    ``W.view(E, F, D)[e].T``) split as column and row projections inside every expert, exact at tp=2 and 4; the
+    experts' picks of the hidden state share one ``f`` (the partial outputs are all-reduced per expert where each
+    adds its own bias, here the privacy filter's, else once after they are combined)."""
+    ids = models.tokens(2, 8, 0) % 64
+    torch.manual_seed(0)
+    plan = autotp.plan(BANK_LOOPS[name](), tp=2, vocab="whole", example_inputs=(ids,))
+    assert {k: plan.placements[k] for k in BANK_SPLITS[name]} == BANK_SPLITS[name]
+    hidden = [(c.direction, c.shape) for c in plan.collectives if c.shape[-1] == "32" and c.operator is Operator.F]
+    assert hidden == [(Direction.BACKWARD, ("B*T", "32"))], plan.collectives
+    combined = [c.shape for c in plan.collectives if c.operator is Operator.G]
+    assert combined == ([("B*T", "32")] if name.startswith("dbrx") else [(f"u{i}", "32") for i in range(2, 6)])
+    for tp in (2, 4):
+        torch.manual_seed(0)
+        assert autotp.check(BANK_LOOPS[name](), tp=tp, example_inputs=(ids,)).exact
+
+
 def test_moe_trains_exactly_and_all_reduces_what_its_dense_twin_does_on_two_ranks():
     """Forward, every all-reduce of the MoE model is one its dense twin also runs; backward, the routing weights'
     gradient (top-k numbers per token and layer) is the only addition: it is summed over the ranks because each
-    rank multiplies them by its partial expert outputs."""
+    rank multiplies them by its partial expert outputs. The loops over banks indexed per expert train exactly too,
+    their banks split."""
     results = run_on_ranks(moe, 2)
     for rank in results:
-        assert sorted(name for name, r in rank.items() if "trained" in r) == sorted(TRAINED_HERE)
+        assert sorted(name for name, r in rank.items() if "trained" in r) == sorted((*TRAINED_HERE, *BANK_LOOPS))
         for name, r in rank.items():
-            if name in TRAINED_HERE:  # Mixtral's training: test_structures
+            if "trained" in r:  # Mixtral's training: test_structures
                 trained = r["trained"]
                 assert trained["output"] < 1e-5 and max(trained["losses"]) < 1e-5, (name, trained)
                 assert max(trained["params"].values()) < 1e-5, (name, trained["params"])
+                assert set(trained["must_split"]) <= set(trained["split"]), (name, trained)
+            if name in BANK_LOOPS:
+                continue  # trained only (their all-reduces: the plan checks above)
             assert r["moe"]["forward"] == r["dense"]["forward"], (name, r)
             routing = MOE_LAYERS * BATCH * SEQ * TOP_K * 4
             assert r["moe"]["backward"] == {"count": r["dense"]["backward"]["count"] + MOE_LAYERS,
