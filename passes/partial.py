@@ -26,7 +26,7 @@ from autotp.passes.costs import expert_load
 from autotp.passes.graph import ArgPath, get_arg, is_tensor, meta_val, sizes, tensor_args
 from autotp.passes.projections import Projection
 from autotp.passes.propagation import Conversion
-from autotp.passes.steps import COPY, Operator
+from autotp.passes.steps import COPY, ONCE, Operator
 
 aten = torch.ops.aten
 
@@ -65,9 +65,10 @@ def _zeros(node) -> bool:
 
 
 def linear_in(node: fx.Node, partial: set[str]) -> list[ArgPath] | None:
-    """Whether ``node`` is linear in its partial inputs (the others whole, none added as such): the paths of
-    the whole tensor operands multiplying a partial one (each rank's gradient of those is a share, read
-    through ``f``), or None when it is not."""
+    """Whether ``node`` is linear in its partial inputs (the others whole): the paths of the whole tensor operands
+    multiplying a partial one (each rank's gradient of those is a share, read through ``f``), or None when it is
+    not. A whole addend is not linear as it stands (each rank would add it: ``added_once`` says where it may be
+    added by one rank only)."""
     if not is_tensor(node) or not meta_val(node).dtype.is_floating_point:
         return None
     args = list(tensor_args(node))
@@ -75,7 +76,7 @@ def linear_in(node: fx.Node, partial: set[str]) -> list[ArgPath] | None:
     target = node.target
     if target in _MOVES or target in _SUMS:
         return [] if held == [(0,)] and _same_dtype(node) else None
-    if target in (aten.add.Tensor, aten.sub.Tensor):
+    if target in _ADDS:
         return [] if len(held) == 2 and len(node.args) == 2 else None  # a whole addend would be added tp times
     if target in (aten.mul.Tensor, aten.div.Tensor):
         allowed = [(0,), (1,)] if target is aten.mul.Tensor else [(0,)]
@@ -89,6 +90,22 @@ def linear_in(node: fx.Node, partial: set[str]) -> list[ArgPath] | None:
     return None
 
 
+_ADDS = {aten.add.Tensor, aten.sub.Tensor}
+
+
+def added_once(node: fx.Node, partial: set[str]) -> ArgPath | None:
+    """The path of the whole tensor ``node`` adds to (or subtracts from, or subtracts) one partial value, if it
+    does (an expert's bias added to its partial output, before the router's weight multiplies it): added by one
+    rank only (``steps.ONCE``), the sum over the ranks adds it once, so the ``g`` may move past the add."""
+    if node.target not in _ADDS or len(node.args) != 2 or node.kwargs or not is_tensor(node) \
+            or not meta_val(node).dtype.is_floating_point:
+        return None
+    args = list(tensor_args(node))
+    held = [p for p, a in args if a.name in partial]
+    whole = [p for p, a in args if a.name not in partial]
+    return whole[0] if len(args) == 2 and len(held) == 1 and len(whole) == 1 else None
+
+
 def _deferrable(name: str, nodes: dict[str, fx.Node], projections: dict[str, Projection]) -> bool:
     """A ``g`` that may move later: not a projection whose bias the rewrite adds after it."""
     proj = projections.get(name)
@@ -98,8 +115,9 @@ def _deferrable(name: str, nodes: dict[str, fx.Node], projections: dict[str, Pro
 def defer_reductions(order: list[fx.Node], reduced: dict[str, Operator], projections: dict[str, Projection],
                      layouts: dict, grad: set[str], consumed: set) -> tuple[dict[str, str], list, set[str]]:
     """Where each deferrable ``g`` of ``reduced`` moves: {node whose ``g`` moves: node after which it runs},
-    the (node, path) edges of whole operands that must be read through ``f`` (``consumed``: the edges that
-    already have a conversion, whose operands are not whole as read), and every node holding a partial sum."""
+    the (node, path, step) edges of whole operands that must be read through ``f`` or added by one rank (``ONCE``)
+    (``consumed``: the edges that already have a conversion, whose operands are not whole as read), and every node
+    holding a partial sum."""
     nodes = {n.name: n for n in order}
     partial = {n for n, op in reduced.items() if op is Operator.G and layouts.get(n) is None
                and _deferrable(n, nodes, projections)}
@@ -109,7 +127,8 @@ def defer_reductions(order: list[fx.Node], reduced: dict[str, Operator], project
         held = [a for a in node.all_input_nodes if a.name in partial]
         if not held or any(len(_readers(a)) != 1 for a in held) or layouts.get(node.name) is not None:
             continue
-        whole = linear_in(node, partial)
+        once = added_once(node, partial)
+        whole = [once] if once is not None else linear_in(node, partial)
         reads = [p for p, _ in tensor_args(node)]
         if whole is None or any((node.name, p) in consumed for p in reads) or \
                 any(layouts.get(get_arg(node, p).name) is not None for p in whole):
@@ -118,7 +137,10 @@ def defer_reductions(order: list[fx.Node], reduced: dict[str, Operator], project
         chain.add(node.name)
         source_of[node.name] = set().union(*(source_of.pop(a.name) for a in held))
         partial -= {a.name for a in held}
-        copies += [(node.name, p) for p in whole if get_arg(node, p).name in grad]
+        if once is not None:  # its gradient, the sum's, is whole on every rank: no ``f``
+            copies.append((node.name, once, ONCE))
+        else:
+            copies += [(node.name, p, COPY) for p in whole if get_arg(node, p).name in grad]
     moved = {s: end for end, sources in source_of.items() for s in sources if s != end}
     return moved, copies, chain
 
@@ -179,21 +201,21 @@ def carry_partial_sums(prop, order: list[fx.Node], projections: dict[str, Projec
     prop.deferred.update(moved)
     nodes = {n.name: n for n in order}
 
-    def read_through_f(value: str, edge: tuple[str, ArgPath]) -> None:
-        prop.conversions.setdefault((value, (COPY,)), Conversion(value, (COPY,))).consumers.append(edge)
+    def read_through(value: str, edge: tuple[str, ArgPath], step=COPY) -> None:
+        prop.conversions.setdefault((value, (step,)), Conversion(value, (step,))).consumers.append(edge)
 
-    for node, path in copies:
-        read_through_f(get_arg(nodes[node], path).name, (node, path))
+    for node, path, step in copies:
+        read_through(get_arg(nodes[node], path).name, (node, path), step)
     pending = chain | set(prop.reduced)
     for key, conv in list(prop.conversions.items()):
         found = hoisted_copy(nodes[conv.source], set(conv.consumers), prop.layouts, grad, pending) \
             if conv.steps == (COPY,) else None
         if found is not None:
             del prop.conversions[key]
-            read_through_f(found[0].name, (found[1], (0,)))
+            read_through(found[0].name, (found[1], (0,)))
     for key, (value, reader) in _merged_picks(prop, nodes, grad, pending).items():
         del prop.conversions[key]
-        read_through_f(value, (reader, (0,)))
+        read_through(value, (reader, (0,)))
 
 
 def _merged_picks(prop, nodes: dict[str, fx.Node], grad: set[str], pending: set[str]) -> dict:
