@@ -91,13 +91,14 @@ def linear_in(node: fx.Node, partial: set[str]) -> list[ArgPath] | None:
 
 
 _ADDS = {aten.add.Tensor, aten.sub.Tensor}
+_ADDS_IN_PLACE = {aten.add_.Tensor, aten.sub_.Tensor}
 
 
 def added_once(node: fx.Node, partial: set[str]) -> ArgPath | None:
     """The path of the whole tensor ``node`` adds to (or subtracts from, or subtracts) one partial value, if it
     does (an expert's bias added to its partial output, before the router's weight multiplies it): added by one
     rank only (``steps.ONCE``), the sum over the ranks adds it once, so the ``g`` may move past the add."""
-    if node.target not in _ADDS or len(node.args) != 2 or node.kwargs or not is_tensor(node) \
+    if node.target not in _ADDS | _ADDS_IN_PLACE or len(node.args) != 2 or node.kwargs or not is_tensor(node) \
             or not meta_val(node).dtype.is_floating_point:
         return None
     args = list(tensor_args(node))
@@ -117,17 +118,43 @@ def defer_reductions(order: list[fx.Node], reduced: dict[str, Operator], project
     """Where each deferrable ``g`` of ``reduced`` moves: {node whose ``g`` moves: node after which it runs},
     the (node, path, step) edges of whole operands that must be read through ``f`` or added by one rank (``ONCE``)
     (``consumed``: the edges that already have a conversion, whose operands are not whole as read), and every node
-    holding a partial sum."""
+    holding a partial sum. A ``g`` moves past a whole addend (added once) only where that pays: where the sum
+    joins other reductions after it, or is all-reduced smaller than it is there (not past a residual add, which
+    would only move the all-reduce)."""
+    nodes = {n.name: n for n in order}
+    unpaid: set[str] = set()
+    while True:
+        moved, copies, chain, gathered, onces = _deferred(order, reduced, projections, layouts, grad, consumed, unpaid)
+        ends = {n: moved.get(next(iter(before)), n) for n, (before, _) in onces.items()}
+        # an addend after the last reduction joined the sum, and before nothing smaller: the g may stay before it
+        more = {n for n, (before, held) in onces.items()
+                if before == gathered[ends[n]] and not _smaller(nodes[ends[n]], nodes[held])}
+        if not more:
+            return moved, copies, chain
+        unpaid |= more
+
+
+def _smaller(node: fx.Node, than: fx.Node) -> bool:
+    """Whether ``node`` is known to have fewer elements than ``than``."""
+    ratio = sympy.simplify(_numel(than) / _numel(node))
+    return bool(ratio.is_number and ratio.is_finite and ratio > 1)
+
+
+def _deferred(order, reduced, projections, layouts, grad, consumed, unpaid: set[str]):
+    """``defer_reductions``'s walk, adding no whole addend once at the nodes ``unpaid``; also the reductions each
+    chain gathers (by the node it ends at), and by each node adding a whole value once, the reductions its
+    partial operand gathers and that operand."""
     nodes = {n.name: n for n in order}
     partial = {n for n, op in reduced.items() if op is Operator.G and layouts.get(n) is None
                and _deferrable(n, nodes, projections)}
     source_of = {n: {n} for n in partial}
+    onces: dict[str, tuple[set[str], str]] = {}
     chain, copies = set(partial), []
     for node in order:
         held = [a for a in node.all_input_nodes if a.name in partial]
         if not held or any(len(_readers(a)) != 1 for a in held) or layouts.get(node.name) is not None:
             continue
-        once = added_once(node, partial)
+        once = added_once(node, partial) if node.name not in unpaid else None
         whole = [once] if once is not None else linear_in(node, partial)
         reads = [p for p, _ in tensor_args(node)]
         if whole is None or any((node.name, p) in consumed for p in reads) or \
@@ -135,6 +162,8 @@ def defer_reductions(order: list[fx.Node], reduced: dict[str, Operator], project
             continue  # an edge with a conversion reads its value otherwise than as it is
         partial.add(node.name)
         chain.add(node.name)
+        if once is not None:
+            onces[node.name] = (set(source_of[held[0].name]), held[0].name)
         source_of[node.name] = set().union(*(source_of.pop(a.name) for a in held))
         partial -= {a.name for a in held}
         if once is not None:  # its gradient, the sum's, is whole on every rank: no ``f``
@@ -142,7 +171,7 @@ def defer_reductions(order: list[fx.Node], reduced: dict[str, Operator], project
         else:
             copies += [(node.name, p, COPY) for p in whole if get_arg(node, p).name in grad]
     moved = {s: end for end, sources in source_of.items() for s in sources if s != end}
-    return moved, copies, chain
+    return moved, copies, chain, source_of, onces
 
 
 def _numel(node: fx.Node) -> sympy.Expr:
