@@ -12,7 +12,7 @@ import torch
 
 import autotp
 from autotp.capture import capture
-from autotp.errors import CaptureError
+from autotp.errors import CaptureError, UnseenExpertError
 from autotp.passes.steps import Direction, Operator
 from tests import models
 from tests.distributed import run_on_ranks
@@ -77,7 +77,7 @@ def test_a_loop_over_the_experts_hit_is_exact_and_stays_exact_for_an_expert_with
     """``for e in hit.nonzero()``: captured over every expert the example routes to (a loop as long as a tensor's
     value cannot be traced), exact in the checker; the captured graph agrees with the model on a batch that routes
     no token to one of them (its iteration, on no rows, adds nothing), and refuses a batch routing to an expert
-    the example never did."""
+    the example never did, with an autotp error."""
     ids = models.tokens(2, 8, 0) % 64
     assert autotp.check(_hit_model(), tp=2, example_inputs=(ids,)).exact
     model = _hit_model()
@@ -90,7 +90,7 @@ def test_a_loop_over_the_experts_hit_is_exact_and_stays_exact_for_an_expert_with
         assert torch.allclose(captured.module(empty)[0] if isinstance(captured.module(empty), tuple)
                               else captured.module(empty), model.eval()(empty), atol=1e-6)
     narrow = capture(model, (empty,), training=False)  # an example that routes no token to expert 3
-    with pytest.raises(RuntimeError, match="Runtime assertion failed"):
+    with pytest.raises(UnseenExpertError, match="routes tokens to an expert that the loop over the experts hit at"):
         narrow.module(ids)
 
 
