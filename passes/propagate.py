@@ -29,7 +29,8 @@ from autotp.passes.graph import (
 )
 from autotp.passes.partial import carry_partial_sums
 from autotp.passes.placement import Layout, PlacementKind, Shard
-from autotp.passes.projections import Embedding, Projection, one_expert, segment_of
+from autotp.passes.expert_banks import one_expert
+from autotp.passes.projections import Embedding, Projection, segment_of
 from autotp.passes.propagation import Conversion, Propagation, Violation
 from autotp.passes.reshapes import static
 from autotp.passes.rule_kit import size_checks

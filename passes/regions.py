@@ -19,7 +19,8 @@ from autotp.passes.openings import Opening, open_at_grouped_convolutions
 from autotp.passes.group_splits import lone_grouped_convolutions
 from autotp.passes.origins import Ancestors, SourceGraph, repeated, trace
 from autotp.passes.placement import Shard
-from autotp.passes.projections import Projection, packed_by_weight, packed_segments, per_expert
+from autotp.passes.expert_banks import per_expert
+from autotp.passes.projections import Projection, packed_by_weight, packed_segments
 from autotp.passes.propagate import GraphIndex, propagate
 from autotp.passes.propagation import Propagation
 from autotp.passes.region_match import RegionKind, RegionMatch

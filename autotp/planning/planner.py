@@ -19,7 +19,8 @@ from autotp.passes.analysis import Analysis
 from autotp.passes.choices import whole_convolutions
 from autotp.passes.graph import arg_or_default, named_arg, sizes
 from autotp.passes.placement import REPLICATED, Placement, PlacementKind
-from autotp.passes.projections import packed_by_weight, packed_segments, per_expert
+from autotp.passes.expert_banks import per_expert
+from autotp.passes.projections import packed_by_weight, packed_segments
 from autotp.passes.propagation import Propagation
 from autotp.passes.random_ops import random_refusal
 from autotp.passes.region_match import RegionKind, RegionMatch
