@@ -33,7 +33,16 @@ def deepseek(dense: bool = False) -> nn.Module:
                first_k_dense_replace=2 if dense else 0, n_group=1, topk_group=1)
 
 
+def gpt_oss() -> nn.Module:
+    """GPT-OSS's routed experts (4, top-2): a grouped matmul per bank, each expert's bias picked per token and added
+    in place to its partial output before the router's weight multiplies it."""
+    return _hf("GptOssConfig", "GptOssForCausalLM", **_DECODER, head_dim=16, num_local_experts=4,
+               num_experts_per_tok=TOP_K, layer_types=["full_attention"] * 2)
+
+
 BUILDERS = {"mixtral": mixtral, "deepseek": deepseek}
+PLANNED = BUILDERS | {"gpt_oss": gpt_oss}
+"""The models whose plans and one-process checks test_moe asserts on (BUILDERS also on gloo)."""
 
 
 class LoopedExperts(nn.Module):
