@@ -250,23 +250,36 @@ def carry_partial_sums(prop, order: list[fx.Node], projections: dict[str, Projec
 def _merged_picks(prop, nodes: dict[str, fx.Node], grad: set[str], pending: set[str]) -> dict:
     """``f`` on rows picked from one whole value (``x[token]``, each expert of a loop over experts), to be one
     ``f`` on that value where together they pick at least as many rows as it has at the routing's expected load
-    (k of E experts per token: k times): {conversion key: (the value, the pick reading it)}."""
+    (k of E experts per token: k times): {conversion key: (the value, the node reading it)}. A pick of a same-sized
+    move of the value made for it alone (``weights.unsqueeze(-1)[token, slot]``, the move repeated in every
+    iteration) counts as a pick of the value."""
     by_value: dict[str, list] = {}
     for key, conv in prop.conversions.items():
         pick = _pick_under(nodes[conv.source], set(conv.consumers), prop.layouts, grad, pending) \
             if conv.steps == (COPY,) else None
         if pick is not None:
-            by_value.setdefault(pick.args[0].name, []).append((key, pick))
+            value, reader = _moved_from(pick, prop.layouts, grad, pending)
+            by_value.setdefault(value.name, []).append((key, pick, reader))
     load = expert_load(next(iter(nodes.values())).graph)
     merged = {}
     for value, picks in by_value.items():
-        rows = sum(_numel(pick) for _, pick in picks)
+        rows = sum(_numel(pick) for _, pick, _ in picks)
         if load is not None:
             rows = rows.subs({u: load for u in rows.free_symbols if u.name.startswith("u")})
         ratio = sympy.simplify(rows / _numel(nodes[value]))
         if len(picks) > 1 and _at_least_one(ratio):
-            merged |= {key: (value, pick.name) for key, pick in picks}
+            merged |= {key: (value, reader.name) for key, _, reader in picks}
     return merged
+
+
+def _moved_from(pick: fx.Node, layouts: dict, grad: set[str], pending: set[str]) -> tuple[fx.Node, fx.Node]:
+    """The value ``pick`` picks rows of, looking up through same-sized moves read by nothing else, and the node
+    reading that value on the way to ``pick``."""
+    value, reader = pick.args[0], pick
+    while _hoistable(value, {(reader.name, (0,))}, layouts, grad, pending) and \
+            sympy.simplify(_numel(value) - _numel(value.args[0])) == 0:
+        value, reader = value.args[0], value
+    return value, reader
 
 
 def _pick_under(node: fx.Node, readers: set, layouts: dict, grad: set[str], pending: set[str]) -> fx.Node | None:

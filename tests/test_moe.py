@@ -117,15 +117,16 @@ BANK_SPLITS = {
 def test_a_loop_over_banks_indexed_per_expert_splits_each_expert_alike_exactly(name):
     """Banks read one expert's matrix at a time in a loop over the experts hit (``x.float() @ W[e].float()``,
     ``W.view(E, F, D)[e].T``) split as column and row projections inside every expert, exact at tp=2 and 4; the
-    experts' picks of the hidden state share one ``f``, and their partial outputs one ``g`` after they are combined
-    (the privacy filter's per-expert bias, added to a partial output, is added by one rank: ``Operator.ONCE``)."""
+    experts' picks of the hidden state share one ``f``, as do their picks of the routing weights (each iteration's
+    ``weights.unsqueeze(-1)[token, slot]``), and their partial outputs one ``g`` after they are combined (the privacy
+    filter's per-expert bias, added to a partial output, is added by one rank: ``Operator.ONCE``)."""
     ids = models.tokens(2, 8, 0) % 64
     torch.manual_seed(0)
     plan = autotp.plan(BANK_LOOPS[name](), tp=2, vocab="whole", example_inputs=(ids,))
     assert {k: plan.placements[k] for k in BANK_SPLITS[name]} == BANK_SPLITS[name]
-    hidden = [(c.direction, c.shape) for c in plan.collectives if c.shape[-1] == "32" and c.operator is Operator.F]
-    assert hidden == [(Direction.BACKWARD, ("B*T", "32"))], plan.collectives
-    assert [c.shape for c in plan.collectives if c.operator is Operator.G] == [("B*T", "32")]
+    found = sorted((c.direction, c.operator, c.shape) for c in plan.collectives)
+    assert found == [(Direction.BACKWARD, Operator.F, ("B*T", "2")), (Direction.BACKWARD, Operator.F, ("B*T", "32")),
+                     (Direction.FORWARD, Operator.G, ("B*T", "32"))], plan.collectives
     for tp in (2, 4):
         torch.manual_seed(0)
         assert autotp.check(BANK_LOOPS[name](), tp=tp, example_inputs=(ids,)).exact
