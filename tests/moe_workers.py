@@ -123,17 +123,20 @@ class HitExperts(_ExpertsHit):
 class GatedBankExperts(_ExpertsHit):
     """The OpenAI privacy filter's experts, run over the experts hit: ``rows.float() @ W[e].float()`` plus the
     expert's bias, gate and up side by side in one bank (cut apart by ``chunk``), GPT-OSS's clamped SwiGLU, then
-    the down bank and its bias. Split, each rank holds matching gate and up columns of every expert."""
+    the down bank and its bias. Split, each rank holds matching gate and up columns of every expert. ``interleaved``:
+    gate and up alternate along the bank's columns (GPT-OSS's ``[..., ::2]`` and ``[..., 1::2]``)."""
 
-    def __init__(self, dim: int = 32, ffn: int = 32, experts: int = 4, k: int = TOP_K):
+    def __init__(self, dim: int = 32, ffn: int = 32, experts: int = 4, k: int = TOP_K, interleaved: bool = False):
         super().__init__(dim, experts, k, vocab=models.VOCAB)
+        self.interleaved = interleaved
         self.gate_up = nn.Parameter(torch.randn(experts, dim, 2 * ffn) * 0.1)
         self.gate_up_bias = nn.Parameter(torch.randn(experts, 2 * ffn) * 0.1)
         self.down = nn.Parameter(torch.randn(experts, ffn, dim) * 0.1)
         self.down_bias = nn.Parameter(torch.randn(experts, dim) * 0.1)
 
     def expert(self, e, rows):
-        gate, up = (rows.float() @ self.gate_up[e].float() + self.gate_up_bias[e].float()).chunk(2, dim=-1)
+        gate_up = rows.float() @ self.gate_up[e].float() + self.gate_up_bias[e].float()
+        gate, up = (gate_up[..., ::2], gate_up[..., 1::2]) if self.interleaved else gate_up.chunk(2, dim=-1)
         gate, up = gate.clamp(max=7.0), up.clamp(-7.0, 7.0)
         return ((up + 1) * gate * torch.sigmoid(1.702 * gate)) @ self.down[e].float() + self.down_bias[e].float()
 

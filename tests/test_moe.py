@@ -7,16 +7,18 @@ counted at run time against the dense twin of each model (``tests/moe_workers.py
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 
 import autotp
 from autotp.capture import capture
 from autotp.errors import CaptureError, UnseenExpertError
+from autotp.passes.placement import Placement, PlacementKind
 from autotp.passes.steps import Direction, Operator
 from tests import models
 from tests.distributed import run_on_ranks
-from autotp.passes.placement import Placement, PlacementKind
 from tests.moe_workers import (
     BANK_LOOPS,
     BATCH,
@@ -25,6 +27,7 @@ from tests.moe_workers import (
     SEQ,
     TOP_K,
     TRAINED_HERE,
+    GatedBankExperts,
     HitExperts,
     LoopedExperts,
     moe,
@@ -108,12 +111,19 @@ BANK_SPLITS = {
     "privacy filter (gated bank)": {"gate_up": Placement(COLUMN, 2, (32, 32)), "gate_up_bias": Placement(COLUMN, 1, (32, 32)),
                                     "down": Placement(ROW, 1)},
     # [E*F, D] viewed as [E, F, D]: the same rows of every expert's block
+    # gate and up alternating: a plain split keeps each rank's gate and up columns in pairs
+    "gpt-oss style (interleaved gate/up bank)": {"gate_up": Placement(COLUMN, 2), "gate_up_bias": Placement(COLUMN, 1),
+                                                 "down": Placement(ROW, 1)},
     "dbrx (folded bank)": {"w1": Placement(COLUMN, 0, (32,) * 4), "v1": Placement(COLUMN, 0, (32,) * 4),
                            "w2": Placement(ROW, 0, (32,) * 4)},
 }
 
 
-@pytest.mark.parametrize("name", sorted(BANK_LOOPS))
+CHECKED_LOOPS = BANK_LOOPS | {"gpt-oss style (interleaved gate/up bank)": partial(GatedBankExperts, interleaved=True)}
+"""The loops over banks checked in one process (BANK_LOOPS also train on gloo)."""
+
+
+@pytest.mark.parametrize("name", sorted(CHECKED_LOOPS))
 def test_a_loop_over_banks_indexed_per_expert_splits_each_expert_alike_exactly(name):
     """Banks read one expert's matrix at a time in a loop over the experts hit (``x.float() @ W[e].float()``,
     ``W.view(E, F, D)[e].T``) split as column and row projections inside every expert, exact at tp=2 and 4; the
@@ -122,14 +132,14 @@ def test_a_loop_over_banks_indexed_per_expert_splits_each_expert_alike_exactly(n
     filter's per-expert bias, added to a partial output, is added by one rank: ``Operator.ONCE``)."""
     ids = models.tokens(2, 8, 0) % 64
     torch.manual_seed(0)
-    plan = autotp.plan(BANK_LOOPS[name](), tp=2, vocab="whole", example_inputs=(ids,))
+    plan = autotp.plan(CHECKED_LOOPS[name](), tp=2, vocab="whole", example_inputs=(ids,))
     assert {k: plan.placements[k] for k in BANK_SPLITS[name]} == BANK_SPLITS[name]
     found = sorted((c.direction, c.operator, c.shape) for c in plan.collectives)
     assert found == [(Direction.BACKWARD, Operator.F, ("B*T", "2")), (Direction.BACKWARD, Operator.F, ("B*T", "32")),
                      (Direction.FORWARD, Operator.G, ("B*T", "32"))], plan.collectives
     for tp in (2, 4):
         torch.manual_seed(0)
-        assert autotp.check(BANK_LOOPS[name](), tp=tp, example_inputs=(ids,)).exact
+        assert autotp.check(CHECKED_LOOPS[name](), tp=tp, example_inputs=(ids,)).exact
 
 
 def test_moe_trains_exactly_and_all_reduces_what_its_dense_twin_does_on_two_ranks():
