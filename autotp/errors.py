@@ -22,6 +22,11 @@ class TrainingSettingError(CaptureError):
         self.settings = dict(settings)
 
 
+class UnseenExpertError(AutotpError, RuntimeError):
+    """A batch routes tokens to an expert that a loop over the experts hit was not captured for (the capture runs
+    the loop over the experts the example inputs route tokens to)."""
+
+
 class PlanError(AutotpError):
     """No exact plan exists for the requested setting (say, tp does not divide the heads)."""
 

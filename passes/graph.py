@@ -134,3 +134,15 @@ def _integral(node: fx.Node) -> bool:
     """An integer or boolean tensor (indices, masks): no gradient flows through it."""
     value = meta_val(node)
     return isinstance(value, torch.Tensor) and not (value.dtype.is_floating_point or value.dtype.is_complex)
+
+
+CASTS = {torch.ops.aten.to.dtype, torch.ops.aten._to_copy.default}
+"""Casts a parameter may be read through where it is used as it is (a router computed in float32)."""
+
+
+def param_attr(node) -> str | None:
+    """The ``get_attr`` target if ``node`` reads a module attribute directly, or a cast of it (a router computed
+    in float32: ``F.linear(x.float(), W.float())``)."""
+    if isinstance(node, fx.Node) and node.op == "call_function" and node.target in CASTS:
+        node = node.args[0]
+    return node.target if isinstance(node, fx.Node) and node.op == "get_attr" else None

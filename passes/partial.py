@@ -26,7 +26,7 @@ from autotp.passes.costs import expert_load
 from autotp.passes.graph import ArgPath, get_arg, is_tensor, meta_val, sizes, tensor_args
 from autotp.passes.projections import Projection
 from autotp.passes.propagation import Conversion
-from autotp.passes.steps import COPY, Operator
+from autotp.passes.steps import COPY, ONCE, Operator
 
 aten = torch.ops.aten
 
@@ -65,9 +65,10 @@ def _zeros(node) -> bool:
 
 
 def linear_in(node: fx.Node, partial: set[str]) -> list[ArgPath] | None:
-    """Whether ``node`` is linear in its partial inputs (the others whole, none added as such): the paths of
-    the whole tensor operands multiplying a partial one (each rank's gradient of those is a share, read
-    through ``f``), or None when it is not."""
+    """Whether ``node`` is linear in its partial inputs (the others whole): the paths of the whole tensor operands
+    multiplying a partial one (each rank's gradient of those is a share, read through ``f``), or None when it is
+    not. A whole addend is not linear as it stands (each rank would add it: ``added_once`` says where it may be
+    added by one rank only)."""
     if not is_tensor(node) or not meta_val(node).dtype.is_floating_point:
         return None
     args = list(tensor_args(node))
@@ -75,7 +76,7 @@ def linear_in(node: fx.Node, partial: set[str]) -> list[ArgPath] | None:
     target = node.target
     if target in _MOVES or target in _SUMS:
         return [] if held == [(0,)] and _same_dtype(node) else None
-    if target in (aten.add.Tensor, aten.sub.Tensor):
+    if target in _ADDS:
         return [] if len(held) == 2 and len(node.args) == 2 else None  # a whole addend would be added tp times
     if target in (aten.mul.Tensor, aten.div.Tensor):
         allowed = [(0,), (1,)] if target is aten.mul.Tensor else [(0,)]
@@ -89,6 +90,23 @@ def linear_in(node: fx.Node, partial: set[str]) -> list[ArgPath] | None:
     return None
 
 
+_ADDS = {aten.add.Tensor, aten.sub.Tensor}
+_ADDS_IN_PLACE = {aten.add_.Tensor, aten.sub_.Tensor}
+
+
+def added_once(node: fx.Node, partial: set[str]) -> ArgPath | None:
+    """The path of the whole tensor ``node`` adds to (or subtracts from, or subtracts) one partial value, if it
+    does (an expert's bias added to its partial output, before the router's weight multiplies it): added by one
+    rank only (``steps.ONCE``), the sum over the ranks adds it once, so the ``g`` may move past the add."""
+    if node.target not in _ADDS | _ADDS_IN_PLACE or len(node.args) != 2 or node.kwargs or not is_tensor(node) \
+            or not meta_val(node).dtype.is_floating_point:
+        return None
+    args = list(tensor_args(node))
+    held = [p for p, a in args if a.name in partial]
+    whole = [p for p, a in args if a.name not in partial]
+    return whole[0] if len(args) == 2 and len(held) == 1 and len(whole) == 1 else None
+
+
 def _deferrable(name: str, nodes: dict[str, fx.Node], projections: dict[str, Projection]) -> bool:
     """A ``g`` that may move later: not a projection whose bias the rewrite adds after it."""
     proj = projections.get(name)
@@ -98,29 +116,62 @@ def _deferrable(name: str, nodes: dict[str, fx.Node], projections: dict[str, Pro
 def defer_reductions(order: list[fx.Node], reduced: dict[str, Operator], projections: dict[str, Projection],
                      layouts: dict, grad: set[str], consumed: set) -> tuple[dict[str, str], list, set[str]]:
     """Where each deferrable ``g`` of ``reduced`` moves: {node whose ``g`` moves: node after which it runs},
-    the (node, path) edges of whole operands that must be read through ``f`` (``consumed``: the edges that
-    already have a conversion, whose operands are not whole as read), and every node holding a partial sum."""
+    the (node, path, step) edges of whole operands that must be read through ``f`` or added by one rank (``ONCE``)
+    (``consumed``: the edges that already have a conversion, whose operands are not whole as read), and every node
+    holding a partial sum. A ``g`` moves past a whole addend (added once) only where that pays: where the sum
+    joins other reductions after it, or is all-reduced smaller than it is there (not past a residual add, which
+    would only move the all-reduce)."""
+    nodes = {n.name: n for n in order}
+    unpaid: set[str] = set()
+    while True:
+        moved, copies, chain, gathered, onces = _deferred(order, reduced, projections, layouts, grad, consumed, unpaid)
+        ends = {n: moved.get(next(iter(before)), n) for n, (before, _) in onces.items()}
+        # an addend after the last reduction joined the sum, and before nothing smaller: the g may stay before it
+        more = {n for n, (before, held) in onces.items()
+                if before == gathered[ends[n]] and not _smaller(nodes[ends[n]], nodes[held])}
+        if not more:
+            return moved, copies, chain
+        unpaid |= more
+
+
+def _smaller(node: fx.Node, than: fx.Node) -> bool:
+    """Whether ``node`` is known to have fewer elements than ``than``."""
+    ratio = sympy.simplify(_numel(than) / _numel(node))
+    return bool(ratio.is_number and ratio.is_finite and ratio > 1)
+
+
+def _deferred(order, reduced, projections, layouts, grad, consumed, unpaid: set[str]):
+    """``defer_reductions``'s walk, adding no whole addend once at the nodes ``unpaid``; also the reductions each
+    chain gathers (by the node it ends at), and by each node adding a whole value once, the reductions its
+    partial operand gathers and that operand."""
     nodes = {n.name: n for n in order}
     partial = {n for n, op in reduced.items() if op is Operator.G and layouts.get(n) is None
                and _deferrable(n, nodes, projections)}
     source_of = {n: {n} for n in partial}
+    onces: dict[str, tuple[set[str], str]] = {}
     chain, copies = set(partial), []
     for node in order:
         held = [a for a in node.all_input_nodes if a.name in partial]
         if not held or any(len(_readers(a)) != 1 for a in held) or layouts.get(node.name) is not None:
             continue
-        whole = linear_in(node, partial)
+        once = added_once(node, partial) if node.name not in unpaid else None
+        whole = [once] if once is not None else linear_in(node, partial)
         reads = [p for p, _ in tensor_args(node)]
         if whole is None or any((node.name, p) in consumed for p in reads) or \
                 any(layouts.get(get_arg(node, p).name) is not None for p in whole):
             continue  # an edge with a conversion reads its value otherwise than as it is
         partial.add(node.name)
         chain.add(node.name)
+        if once is not None:
+            onces[node.name] = (set(source_of[held[0].name]), held[0].name)
         source_of[node.name] = set().union(*(source_of.pop(a.name) for a in held))
         partial -= {a.name for a in held}
-        copies += [(node.name, p) for p in whole if get_arg(node, p).name in grad]
+        if once is not None:  # its gradient, the sum's, is whole on every rank: no ``f``
+            copies.append((node.name, once, ONCE))
+        else:
+            copies += [(node.name, p, COPY) for p in whole if get_arg(node, p).name in grad]
     moved = {s: end for end, sources in source_of.items() for s in sources if s != end}
-    return moved, copies, chain
+    return moved, copies, chain, source_of, onces
 
 
 def _numel(node: fx.Node) -> sympy.Expr:
@@ -179,40 +230,66 @@ def carry_partial_sums(prop, order: list[fx.Node], projections: dict[str, Projec
     prop.deferred.update(moved)
     nodes = {n.name: n for n in order}
 
-    def read_through_f(value: str, edge: tuple[str, ArgPath]) -> None:
-        prop.conversions.setdefault((value, (COPY,)), Conversion(value, (COPY,))).consumers.append(edge)
+    def read_through(value: str, edge: tuple[str, ArgPath], step=COPY) -> None:
+        prop.conversions.setdefault((value, (step,)), Conversion(value, (step,))).consumers.append(edge)
 
-    for node, path in copies:
-        read_through_f(get_arg(nodes[node], path).name, (node, path))
+    for node, path, step in copies:
+        read_through(get_arg(nodes[node], path).name, (node, path), step)
     pending = chain | set(prop.reduced)
     for key, conv in list(prop.conversions.items()):
         found = hoisted_copy(nodes[conv.source], set(conv.consumers), prop.layouts, grad, pending) \
             if conv.steps == (COPY,) else None
         if found is not None:
             del prop.conversions[key]
-            read_through_f(found[0].name, (found[1], (0,)))
+            read_through(found[0].name, (found[1], (0,)))
     for key, (value, reader) in _merged_picks(prop, nodes, grad, pending).items():
         del prop.conversions[key]
-        read_through_f(value, (reader, (0,)))
+        read_through(value, (reader, (0,)))
 
 
 def _merged_picks(prop, nodes: dict[str, fx.Node], grad: set[str], pending: set[str]) -> dict:
     """``f`` on rows picked from one whole value (``x[token]``, each expert of a loop over experts), to be one
     ``f`` on that value where together they pick at least as many rows as it has at the routing's expected load
-    (k of E experts per token: k times): {conversion key: (the value, the pick reading it)}."""
+    (k of E experts per token: k times): {conversion key: (the value, the node reading it)}. A pick of a same-sized
+    move of the value made for it alone (``weights.unsqueeze(-1)[token, slot]``, the move repeated in every
+    iteration) counts as a pick of the value."""
     by_value: dict[str, list] = {}
     for key, conv in prop.conversions.items():
-        pick = nodes[conv.source]
-        if conv.steps == (COPY,) and pick.target is aten.index.Tensor and \
-                _hoistable(pick, set(conv.consumers), prop.layouts, grad, pending):
-            by_value.setdefault(pick.args[0].name, []).append((key, pick))
+        pick = _pick_under(nodes[conv.source], set(conv.consumers), prop.layouts, grad, pending) \
+            if conv.steps == (COPY,) else None
+        if pick is not None:
+            value, reader = _moved_from(pick, prop.layouts, grad, pending)
+            by_value.setdefault(value.name, []).append((key, pick, reader))
     load = expert_load(next(iter(nodes.values())).graph)
     merged = {}
     for value, picks in by_value.items():
-        rows = sum(_numel(pick) for _, pick in picks)
+        rows = sum(_numel(pick) for _, pick, _ in picks)
         if load is not None:
             rows = rows.subs({u: load for u in rows.free_symbols if u.name.startswith("u")})
         ratio = sympy.simplify(rows / _numel(nodes[value]))
         if len(picks) > 1 and _at_least_one(ratio):
-            merged |= {key: (value, pick.name) for key, pick in picks}
+            merged |= {key: (value, reader.name) for key, _, reader in picks}
     return merged
+
+
+def _moved_from(pick: fx.Node, layouts: dict, grad: set[str], pending: set[str]) -> tuple[fx.Node, fx.Node]:
+    """The value ``pick`` picks rows of, looking up through same-sized moves read by nothing else, and the node
+    reading that value on the way to ``pick``."""
+    value, reader = pick.args[0], pick
+    while _hoistable(value, {(reader.name, (0,))}, layouts, grad, pending) and \
+            sympy.simplify(_numel(value) - _numel(value.args[0])) == 0:
+        value, reader = value.args[0], value
+    return value, reader
+
+
+def _pick_under(node: fx.Node, readers: set, layouts: dict, grad: set[str], pending: set[str]) -> fx.Node | None:
+    """The rows picked from a whole value (``x[token]``) that ``f`` on ``node`` may stand on: ``node`` itself, or
+    the pick it is a same-sized move of (``x[token].float()``, an expert computed in float32); None otherwise."""
+    while _hoistable(node, readers, layouts, grad, pending):
+        if node.target is aten.index.Tensor:
+            return node
+        first = node.args[0]
+        if sympy.simplify(_numel(node) - _numel(first)) != 0:
+            return None
+        readers, node = {(node.name, (0,))}, first
+    return None

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
-from autotp.passes.graph import arg_or_default, meta_val
+from autotp.passes.expert_banks import expert_attr, folded_expert
+from autotp.passes.graph import arg_or_default, meta_val, param_attr
 
 aten = torch.ops.aten
 
@@ -54,6 +55,11 @@ class Projection:
     """The bias is parameters and buffers concatenated (BEiT's ``cat(q_bias, zeros_k, v_bias)``), not one parameter:
     a column split asks for it split as its outputs are, which splits those parts (or slices a buffer, which no
     gradient reaches); a row split is not offered (its bias, added once after the all-reduce, must be one tensor)."""
+    experts: int = 1
+    """The experts whose matrices lie one after another along the parameter's first storage dim, when the weight
+    is one of them (a 2-D parameter viewed as ``(experts, rows, ...)`` and indexed per expert, as DBRX's
+    ``w1.view(-1, ffn, hidden)[e]``): its features are one expert's, and the parameter is split as that expert
+    is, once per expert (``per_expert``)."""
     spatial: int = 0
     """A dense convolution over this many trailing spatial dims (``N, C, *spatial``): a projection of the
     channels at every position, so its features are dim 1 (weight ``[out, in, *kernel]``), ``in_axis`` and
@@ -68,17 +74,6 @@ class Embedding:
     weight: str
     ids: str
     num_embeddings: int
-
-
-_CASTS = {aten.to.dtype, aten._to_copy.default}
-
-
-def _attr(node) -> str | None:
-    """The ``get_attr`` target if ``node`` reads a module attribute directly, or a cast of it (a router computed
-    in float32: ``F.linear(x.float(), W.float())``)."""
-    if isinstance(node, fx.Node) and node.op == "call_function" and node.target in _CASTS:
-        node = node.args[0]
-    return node.target if isinstance(node, fx.Node) and node.op == "get_attr" else None
 
 
 # op -> (index of x, index of weight, index of bias or None, weight storage dim of output features)
@@ -109,7 +104,7 @@ def _segment(node) -> tuple[str, int, int, int, int] | None:
     if cut is None:
         return None
     source, dim, start, length, size = cut
-    target = _attr(source)
+    target = param_attr(source)
     return (target, dim, start, length, size) if target is not None and 0 < length < size else None
 
 
@@ -149,7 +144,7 @@ def _part_of_joined(node) -> str | None:
     for part in source.args[0]:
         size = int(meta_val(part).shape[0])
         if at == start and size == length:
-            return _attr(part)
+            return param_attr(part)
         at += size
     return None
 
@@ -160,6 +155,12 @@ _SPLITS = {aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default}
 def _transposed_attr(node) -> str | None:
     """The ``get_attr`` target if ``node`` is a parameter with its last two dims swapped (``W.t()``, as in
     ``x @ W.t()``, or ``W.transpose(-2, -1)`` of a 3-D expert bank)."""
+    swapped = _swapped(node)
+    return param_attr(swapped) if swapped is not None else None
+
+
+def _swapped(node) -> fx.Node | None:
+    """The value ``node`` is with its last two dims swapped (``W.t()``, ``W.T``, ``W.transpose(-2, -1)``), or None."""
     if not isinstance(node, fx.Node) or node.op != "call_function":
         return None
     n = len(meta_val(node).shape)
@@ -167,15 +168,7 @@ def _transposed_attr(node) -> str | None:
     swaps = (node.target is aten.t.default or (node.target is aten.numpy_T.default and n == 2)
              or (node.target is aten.transpose.int and {node.args[1] % n, node.args[2] % n} == last_two)
              or (node.target is aten.permute.default and n == 2 and list(node.args[1]) in ([1, 0], [-1, -2])))
-    return _attr(node.args[0]) if swaps else None
-
-
-def _expert_attr(node) -> str | None:
-    """The ``get_attr`` target if ``node`` is one expert's matrix of a parameter bank, ``W[e]`` (``select`` along
-    the bank's first dim: JetMoE's ``F.linear(x_e, self.weight[e])`` per expert)."""
-    if not isinstance(node, fx.Node) or node.target is not aten.select.int or node.args[1] != 0:
-        return None
-    return _attr(node.args[0])
+    return node.args[0] if swaps else None
 
 
 def _projection(node: fx.Node, specs: dict) -> Projection | None:
@@ -187,28 +180,34 @@ def _projection(node: fx.Node, specs: dict) -> Projection | None:
     if len(node.args) <= wi:
         return None
     weight_node = node.args[wi]
-    weight = _attr(weight_node)
+    weight = param_attr(weight_node)
     ndim = 2 if node.target in _PROJECTION_OPS else 3
     out_dim += ndim - 2
     bank = 0  # the dims before the matrix in the parameter's storage: one for an expert's matrix of a bank
-    if weight is None and ndim == 2 and _expert_attr(weight_node) is not None:
-        weight, bank = _expert_attr(weight_node), 1
+    experts = 1  # the experts' matrices one after another along the storage's first dim (``expert_banks.folded_expert``)
+    if weight is None and ndim == 2 and expert_attr(weight_node) is not None:
+        weight, bank = expert_attr(weight_node), 1
+    if weight is None and ndim == 2 and folded_expert(weight_node) is not None:
+        weight, experts = folded_expert(weight_node)
     if weight is None and _transposed_attr(weight_node) is not None:
         # x @ W.t(): the parameter's output features sit on the other storage dim.
         weight, out_dim, weight_node = _transposed_attr(weight_node), 2 * ndim - 3 - out_dim, weight_node.args[0]
+    if weight is None and ndim == 2 and folded_expert(_swapped(weight_node)) is not None:
+        (weight, experts), out_dim = folded_expert(_swapped(weight_node)), 1 - out_dim
+        weight_node = _swapped(weight_node)
     segment = _segment(weight_node) if weight is None and ndim == 2 else None
     packed = None
     if segment is not None and segment[1] == out_dim:  # a slice of a packed parameter's output features
         weight, packed = segment[0], segment[2:]
     x = node.args[xi]
-    if weight is None or not isinstance(x, fx.Node) or _attr(x) is not None:
+    if weight is None or not isinstance(x, fx.Node) or param_attr(x) is not None:
         return None
     shape = meta_val(weight_node).shape
     if len(shape) != ndim:
         return None
     in_dim = 2 * ndim - 3 - out_dim
     bias_node = node.args[bi] if bi is not None and len(node.args) > bi else None
-    bias = _attr(bias_node) if packed is None else _packed_bias(bias_node, packed)
+    bias = param_attr(bias_node) if packed is None else _packed_bias(bias_node, packed)
     if bias is None and packed is None:
         bias = _part_of_joined(bias_node)
     joined = bias is None and packed is None and _joined(bias_node)
@@ -216,12 +215,12 @@ def _projection(node: fx.Node, specs: dict) -> Projection | None:
         return None  # a computed bias: leave the op alone
     return Projection(node=node.name, input=x.name, weight=weight, bias=bias, out_dim=out_dim + bank,
                       in_features=int(shape[in_dim]), out_features=int(shape[out_dim]), in_dim=in_dim + bank,
-                      packed=packed, joined_bias=joined)
+                      packed=packed, joined_bias=joined, experts=experts)
 
 def _joined(node) -> bool:
     """Whether ``node`` concatenates parameters and buffers end to end (``cat([q_bias, k_bias, v_bias])``)."""
     return (isinstance(node, fx.Node) and node.target is aten.cat.default and len(meta_val(node).shape) == 1
-            and all(_attr(part) is not None for part in node.args[0]))
+            and all(param_attr(part) is not None for part in node.args[0]))
 
 
 def _packed_bias(node, packed: tuple[int, int, int]) -> str | None:
@@ -269,10 +268,10 @@ def _left_projection(node: fx.Node) -> Projection | None:
     if node.target is not aten.matmul.default or len(node.args) < 2 or not isinstance(node.args[1], fx.Node):
         return None
     weight_node, x = node.args
-    weight, out_dim = _attr(weight_node), 0
+    weight, out_dim = param_attr(weight_node), 0
     if weight is None and _transposed_attr(weight_node) is not None:
         weight, out_dim, weight_node = _transposed_attr(weight_node), 1, weight_node.args[0]
-    if weight is None or _attr(x) is not None or len(meta_val(weight_node).shape) != 2 or len(meta_val(x).shape) < 2:
+    if weight is None or param_attr(x) is not None or len(meta_val(weight_node).shape) != 2 or len(meta_val(x).shape) < 2:
         return None
     shape = meta_val(weight_node).shape
     return Projection(node=node.name, input=x.name, weight=weight, bias=None, out_dim=out_dim,
@@ -289,8 +288,8 @@ def _einsum_projection(node: fx.Node) -> Projection | None:
     if node.target is not aten.einsum.default or len(node.args) != 2 or len(node.args[1]) != 2:
         return None
     x, weight_node = node.args[1]
-    weight = _attr(weight_node)
-    if weight is None or not isinstance(x, fx.Node) or _attr(x) is not None or "->" not in node.args[0]:
+    weight = param_attr(weight_node)
+    if weight is None or not isinstance(x, fx.Node) or param_attr(x) is not None or "->" not in node.args[0]:
         return None
     inputs, out = node.args[0].replace(" ", "").split("->")
     xs, ws = inputs.split(",")
@@ -338,14 +337,14 @@ def _conv_projection(node: fx.Node) -> Projection | None:
     if node.target is aten.convolution.default and node.args[6]:
         return None
     x, weight_node = node.args[0], node.args[1]
-    weight = _attr(weight_node)
-    if weight is None or not isinstance(x, fx.Node) or _attr(x) is not None:
+    weight = param_attr(weight_node)
+    if weight is None or not isinstance(x, fx.Node) or param_attr(x) is not None:
         return None
     shape = meta_val(weight_node).shape
     if len(meta_val(x).shape) != len(shape):
         return None  # an unbatched input (``C, L``): its channels are dim 0
     bias_node = node.args[2] if len(node.args) > 2 else None
-    bias = _attr(bias_node)
+    bias = param_attr(bias_node)
     if bias_node is not None and bias is None:
         return None
     return Projection(node=node.name, input=x.name, weight=weight, bias=bias, out_dim=0, in_dim=1,
@@ -365,7 +364,7 @@ def find_embeddings(graph: fx.Graph) -> dict[str, Embedding]:
     """Every embedding lookup of a parameter table, keyed by node name."""
     out = {}
     for node in graph.find_nodes(op="call_function", target=aten.embedding.default):
-        weight = _attr(node.args[0])
+        weight = param_attr(node.args[0])
         if weight is not None and isinstance(node.args[1], fx.Node):
             out[node.name] = Embedding(node=node.name, weight=weight, ids=node.args[1].name,
                                        num_embeddings=int(meta_val(node.args[0]).shape[0]))

@@ -29,6 +29,7 @@ from autotp.passes.graph import (
 )
 from autotp.passes.partial import carry_partial_sums
 from autotp.passes.placement import Layout, PlacementKind, Shard
+from autotp.passes.expert_banks import one_expert
 from autotp.passes.projections import Embedding, Projection, segment_of
 from autotp.passes.propagation import Conversion, Propagation, Violation
 from autotp.passes.reshapes import static
@@ -281,6 +282,11 @@ class _Walker:
             weight = segment_of(weight, proj.packed)  # this projection's slice of the packed parameter
             if weight is None:
                 return None  # a slice across segments: its rule (the split of the parameter) keeps it whole
+        if isinstance(weight, Shard) and proj.experts > 1:
+            segments = one_expert(proj, weight.segments)  # the parameter holds every expert's: this one's split
+            if segments is None:
+                return None
+            weight = dataclasses.replace(weight, segments=segments)
         if isinstance(weight, Shard):
             if weight.dim == proj.out_dim:
                 return Role(PlacementKind.COLWISE, weight.segments, weight.replicas)

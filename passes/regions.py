@@ -19,6 +19,7 @@ from autotp.passes.openings import Opening, open_at_grouped_convolutions
 from autotp.passes.group_splits import lone_grouped_convolutions
 from autotp.passes.origins import Ancestors, SourceGraph, repeated, trace
 from autotp.passes.placement import Shard
+from autotp.passes.expert_banks import per_expert
 from autotp.passes.projections import Projection, packed_by_weight, packed_segments
 from autotp.passes.propagate import GraphIndex, propagate
 from autotp.passes.propagation import Propagation
@@ -55,7 +56,8 @@ def _sibling_groups(projections: dict[str, Projection], skip: set[str]) -> list[
 def _layouts(columns: list[Projection], segments: dict[str, tuple[int, ...]],
              shared: dict[str, int] | None = None) -> dict[str, Shard]:
     shared = shared or {}
-    out = {p.weight: Shard(p.out_dim, segments.get(p.node) or (p.out_features,), replicas=shared.get(p.node, 1))
+    out = {p.weight: Shard(p.out_dim, per_expert(p, segments.get(p.node) or (p.out_features,)),
+                           replicas=shared.get(p.node, 1))
            for p in columns if p.packed is None}
     for weight, packed in packed_by_weight(columns).items():
         parts = packed_segments(packed, segments)
@@ -337,7 +339,7 @@ class _RegionFinder:
     def lone_row(self, proj: Projection, why: str) -> RegionMatch | None:
         """``proj`` row-split alone, when that needs nothing but slicing its own whole input and all-reducing
         its output (a projection into the residual stream, a pooler), or None."""
-        layout = {proj.weight: Shard(proj.in_dim, (proj.in_features,))}
+        layout = {proj.weight: Shard(proj.in_dim, per_expert(proj, (proj.in_features,)))}
         prop = self._lone_row(layout)
         sliced = [c for c in prop.steps_of(Operator.SCATTER) if c.source in self.grad]
         if (prop.refusals or prop.violations or prop.steps_of(Operator.GATHER)

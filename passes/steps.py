@@ -48,6 +48,10 @@ class Operator(str, Enum):
     CROSS_ENTROPY = "cross_entropy"
     """Cross-entropy of class-split logits: each rank's max, sum of exponentials and target logit, all-gathered
     forward (Megatron's vocab-parallel cross-entropy; backward local)."""
+    ONCE = "once"
+    """A whole value added to a partial sum (an expert's bias before the router's weight): itself on the first
+    rank, zeros on the others, so the sum over the ranks adds it once; no communication (its gradient, the sum's,
+    is whole on every rank: identity backward)."""
     RUNNING_STATS = "running_stats"
     """A batch norm of channels split, in training: each rank updates its channels' running mean and variance,
     all-gathered forward into the whole buffers every rank keeps (no gradient flows through them)."""
@@ -96,6 +100,7 @@ COMMUNICATION: dict[Operator, tuple[Communication, ...]] = {
     Operator.GATHER_TO_REGION: (Communication(CollectiveOp.ALL_GATHER, Direction.FORWARD, at_source=True),
                                 Communication(CollectiveOp.REDUCE_SCATTER, Direction.BACKWARD, at_source=True)),
     Operator.NARROW: (),
+    Operator.ONCE: (),
     Operator.SHARED_GRAD: (Communication(CollectiveOp.ALL_GATHER, Direction.BACKWARD, at_source=True),),
     Operator.CROSS_ENTROPY: (Communication(CollectiveOp.ALL_GATHER, Direction.FORWARD, at_source=True),),
     Operator.RUNNING_STATS: (Communication(CollectiveOp.ALL_GATHER, Direction.FORWARD, at_source=True),),
@@ -112,15 +117,19 @@ class Step:
     def __post_init__(self):
         if self.operator not in CONVERSIONS:
             raise ValueError(f"{self.operator} is not a conversion step (one of {sorted(CONVERSIONS)})")
-        if (self.shard is None) != (self.operator is Operator.F):
+        if (self.shard is None) != (self.operator in (Operator.F, Operator.ONCE)):
             raise ValueError(f"step {self.operator.value} needs a shard iff it gathers or slices, got {self.shard}")
 
 
-CONVERSIONS = frozenset({Operator.F, Operator.GATHER, Operator.SCATTER, Operator.GATHER_TO_REGION, Operator.NARROW})
+CONVERSIONS = frozenset({Operator.F, Operator.GATHER, Operator.SCATTER, Operator.GATHER_TO_REGION, Operator.NARROW,
+                         Operator.ONCE})
 """The operators that convert a value on an edge (the others reduce a node's own output)."""
 
 COPY = Step(Operator.F)
 """Pass a whole value through ``f``: its reader sees only this rank's share of the gradient."""
+
+ONCE = Step(Operator.ONCE)
+"""Add a whole value to a partial sum on one rank only (``Operator.ONCE``)."""
 
 
 def gather(shard: Shard) -> Step:

@@ -33,7 +33,16 @@ def deepseek(dense: bool = False) -> nn.Module:
                first_k_dense_replace=2 if dense else 0, n_group=1, topk_group=1)
 
 
+def gpt_oss() -> nn.Module:
+    """GPT-OSS's routed experts (4, top-2): a grouped matmul per bank, each expert's bias picked per token and added
+    in place to its partial output before the router's weight multiplies it."""
+    return _hf("GptOssConfig", "GptOssForCausalLM", **_DECODER, head_dim=16, num_local_experts=4,
+               num_experts_per_tok=TOP_K, layer_types=["full_attention"] * 2)
+
+
 BUILDERS = {"mixtral": mixtral, "deepseek": deepseek}
+PLANNED = BUILDERS | {"gpt_oss": gpt_oss}
+"""The models whose plans and one-process checks test_moe asserts on (BUILDERS also on gloo)."""
 
 
 class LoopedExperts(nn.Module):
@@ -59,20 +68,16 @@ class LoopedExperts(nn.Module):
         return self.head(h + out.view_as(h))
 
 
-class HitExperts(nn.Module):
-    """Experts in banks, run in a loop over those the batch routes tokens to (``nonzero`` of a one-hot mask with a
-    class for no expert, skipped, and again when an expert's tokens are none), as eager transformers MoE layers
-    are written. ``extra``: each iteration also adds its expert's bias to every token, which is not a write of
-    its tokens' rows (an expert with no token would still change the result)."""
+class _ExpertsHit(nn.Module):
+    """Between an embedding and a head, experts run in a loop over those the batch routes tokens to (``nonzero``
+    of a one-hot mask with a class for no expert, skipped, and again when an expert's tokens are none), as eager
+    transformers MoE layers are written; ``expert(e, rows)`` is expert ``e`` on its tokens' rows."""
 
-    def __init__(self, dim: int = 32, experts: int = 4, k: int = TOP_K, extra: bool = False):
+    def __init__(self, dim: int, experts: int, k: int, extra: bool = False, vocab: int = 64):
         super().__init__()
         self.k, self.experts, self.extra = k, experts, extra
-        self.embed, self.head = nn.Embedding(64, dim), nn.Linear(dim, 64)
+        self.embed, self.head = nn.Embedding(vocab, dim), nn.Linear(dim, vocab)
         self.router = nn.Linear(dim, experts, bias=False)
-        self.up = nn.Parameter(torch.randn(experts, 2 * dim, dim) * 0.1)
-        self.down = nn.Parameter(torch.randn(experts, dim, 2 * dim) * 0.1)
-        self.bias = nn.Parameter(torch.randn(experts, dim) * 0.1)
 
     def routes(self, ids: torch.Tensor) -> torch.Tensor:
         """The experts each token is routed to."""
@@ -93,8 +98,7 @@ class HitExperts(nn.Module):
             slot, token = torch.where(mask[expert])
             if token.numel() == 0:
                 continue
-            y = nn.functional.linear(torch.relu(nn.functional.linear(x[token], self.up[expert])), self.down[expert])
-            out.index_add_(0, token, y * weights[token, slot, None])
+            out.index_add_(0, token, self.expert(expert, x[token]) * weights[token, slot, None])
             if self.extra:
                 out = out + self.bias[expert]
         return self.head(h + out.view_as(h))
@@ -126,6 +130,64 @@ class NamedExperts(nn.Module):
         return self.head(h + out.view_as(h))
 
 
+class HitExperts(_ExpertsHit):
+    """Experts in banks (``F.linear(x, W[e])``), run over the experts hit. ``extra``: each iteration also adds its
+    expert's bias to every token, which is not a write of its tokens' rows (an expert with no token would still
+    change the result)."""
+
+    def __init__(self, dim: int = 32, experts: int = 4, k: int = TOP_K, extra: bool = False):
+        super().__init__(dim, experts, k, extra)
+        self.up = nn.Parameter(torch.randn(experts, 2 * dim, dim) * 0.1)
+        self.down = nn.Parameter(torch.randn(experts, dim, 2 * dim) * 0.1)
+        self.bias = nn.Parameter(torch.randn(experts, dim) * 0.1)
+
+    def expert(self, e, rows):
+        up = nn.functional.linear(rows, self.up[e])
+        return nn.functional.linear(torch.relu(up), self.down[e])
+
+
+class GatedBankExperts(_ExpertsHit):
+    """The OpenAI privacy filter's experts, run over the experts hit: ``rows.float() @ W[e].float()`` plus the
+    expert's bias, gate and up side by side in one bank (cut apart by ``chunk``), GPT-OSS's clamped SwiGLU, then
+    the down bank and its bias. Split, each rank holds matching gate and up columns of every expert. ``interleaved``:
+    gate and up alternate along the bank's columns (GPT-OSS's ``[..., ::2]`` and ``[..., 1::2]``)."""
+
+    def __init__(self, dim: int = 32, ffn: int = 32, experts: int = 4, k: int = TOP_K, interleaved: bool = False):
+        super().__init__(dim, experts, k, vocab=models.VOCAB)
+        self.interleaved = interleaved
+        self.gate_up = nn.Parameter(torch.randn(experts, dim, 2 * ffn) * 0.1)
+        self.gate_up_bias = nn.Parameter(torch.randn(experts, 2 * ffn) * 0.1)
+        self.down = nn.Parameter(torch.randn(experts, ffn, dim) * 0.1)
+        self.down_bias = nn.Parameter(torch.randn(experts, dim) * 0.1)
+
+    def expert(self, e, rows):
+        gate_up = rows.float() @ self.gate_up[e].float() + self.gate_up_bias[e].float()
+        gate, up = (gate_up[..., ::2], gate_up[..., 1::2]) if self.interleaved else gate_up.chunk(2, dim=-1)
+        gate, up = gate.clamp(max=7.0), up.clamp(-7.0, 7.0)
+        return ((up + 1) * gate * torch.sigmoid(1.702 * gate)) @ self.down[e].float() + self.down_bias[e].float()
+
+
+class FoldedBankExperts(_ExpertsHit):
+    """DBRX's experts, run over the experts hit: each bank a 2-D parameter holding the experts' rows one after
+    another, viewed as ``(experts, ffn, dim)`` and indexed per expert (``w1.view(-1, ffn, dim)[e]``); gate and up
+    read through ``.T``. Split, each rank holds the same columns of every expert's block."""
+
+    def __init__(self, dim: int = 32, ffn: int = 32, experts: int = 4, k: int = TOP_K):
+        super().__init__(dim, experts, k, vocab=models.VOCAB)
+        self.ffn = ffn
+        self.w1, self.v1, self.w2 = (nn.Parameter(torch.randn(experts * ffn, dim) * 0.1) for _ in range(3))
+
+    def expert(self, e, rows):
+        w1, v1, w2 = (w.view(-1, self.ffn, w.shape[-1])[e] for w in (self.w1, self.v1, self.w2))
+        return (nn.functional.silu(rows.matmul(w1.T)) * rows.matmul(v1.T)).matmul(w2)
+
+
+BANK_LOOPS = {"privacy filter (gated bank)": GatedBankExperts, "dbrx (folded bank)": FoldedBankExperts}
+"""Loops over the experts hit whose banks are indexed per expert (``W[e]``, ``W.view(E, F, D)[e]``)."""
+BANKS = {"privacy filter (gated bank)": ("gate_up", "down"), "dbrx (folded bank)": ("w1", "v1", "w2")}
+"""Their banks, which must be split."""
+
+
 def _step_bytes(build, world: int) -> dict:
     """All-reduce bytes and counts of one forward and backward of ``build()`` at tp=``world``, vocabulary whole
     (so every all-reduce is the model's own layers')."""
@@ -152,4 +214,10 @@ def moe(rank: int, world: int) -> dict:
         if name in TRAINED_HERE:
             case = CASES["deepseek_v3 (low-rank attention)"]
             out[name]["trained"] = check_case(name, structures_workers.Case(build, case.inputs, case.must_split), world)
+    for name, build in BANK_LOOPS.items():  # trained only: their all-reduces are test_moe's plan checks
+        out[name] = {"trained": check_case(name, structures_workers.Case(build, _bank_ids, BANKS[name]), world)}
     return out
+
+
+def _bank_ids(batch: int, seq: int, seed: int) -> tuple[torch.Tensor]:
+    return (models.tokens(batch, seq, seed),)

@@ -13,7 +13,8 @@ in each iteration, its tokens an empty selection when it has none, and a guard o
 takes the branch that computes it (the same ops, on no rows); a body that reads its expert as a Python number
 (``experts[f"expert_{e[0]}"]``) reads the constant. Sound only if each iteration's effect is such a
 write, so the captured graph is checked for it (``check_routed_writes``). A batch that routes tokens to an
-expert the example never did (which the loop would then miss) fails a runtime assertion instead.
+expert the example never did (which the loop would then miss) raises ``UnseenExpertError`` instead (the graph's
+runtime assertion of that, ``unseen_experts``).
 """
 
 from __future__ import annotations
@@ -28,12 +29,16 @@ from torch import fx
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, guard_size_oblivious
 from torch.fx.traceback import annotate, preserve_node_meta
 
-from autotp.errors import CaptureError
+from autotp.errors import CaptureError, UnseenExpertError
 
 aten = torch.ops.aten
 
 ITERATION = "autotp_routed_iteration"
 """``node.meta["custom"]`` key naming the loop and expert of each node traced inside a routed loop's body."""
+
+UNSEEN = "autotp_unseen_experts"
+"""``node.meta["custom"]`` key naming the place of the loop whose check (no token routed to another expert) the
+node computes."""
 
 WRITES = frozenset({aten.index_add.default, aten.index_add_.default, aten.index_put.default, aten.index_put_.default,
                     aten.index_copy.default, aten.index_copy_.default, aten.scatter_add.default,
@@ -139,7 +144,8 @@ def _experts(loops: _Loops, rows: torch.Tensor, routing: torch.Tensor, place: st
     loops.places.append(place)
     outside = torch.ones(routing.shape[0], dtype=torch.bool, device=routing.device)
     outside[hit] = False
-    missed = (routing & outside).sum().item()
+    with annotate({UNSEEN: place}):
+        missed = (routing & outside).sum().item()
     torch._check(missed == 0, lambda: f"the batch routes tokens to an expert the example inputs did not ({place})")
     for expert in hit:
         loops.in_body = True
@@ -182,7 +188,10 @@ def export_over_routed_experts(wrapper: torch.nn.Module, inputs: tuple, dynamic_
     with routed_loops_over(hits) as places, preserve_node_meta():
         program = torch.export.export(wrapper, inputs, strict=False, dynamic_shapes=dynamic_shapes)
     check_routed_writes(program.graph_module)
-    return program.module(), tuple(
+    module = program.module()
+    unseen_experts(module.graph)
+    module.recompile()
+    return module, tuple(
         f"the loop over the experts the batch routes to at {place} runs over the experts the example routes to, "
         "each adding nothing when no token is routed to it; a batch routing to another expert raises"
         for place in dict.fromkeys(places))
@@ -194,6 +203,35 @@ def routed_loops_over(hits: dict[int, set[int]]):
     docstring); yields the list of the loops' places, filled as they are traced."""
     with _patched(_Loops(hits)) as loops:
         yield loops.places
+
+
+def unseen_experts(graph: fx.Graph) -> None:
+    """Make the runtime assertions that a batch routes no token to an expert the capture did not loop over raise
+    ``UnseenExpertError`` (``unseen_expert_check``) instead of torch's assertion on an unnamed size."""
+    counts = {n for n in graph.nodes if (n.meta.get("custom") or {}).get(UNSEEN) is not None}
+    for node in graph.find_nodes(op="call_function", target=aten._assert_scalar.default):
+        read = [c for c in counts if c in _inputs_upstream(node)]
+        if read:
+            node.target = unseen_expert_check
+            node.args = (node.args[0], read[0].meta["custom"][UNSEEN])
+
+
+def _inputs_upstream(node: fx.Node, depth: int = 3) -> set[fx.Node]:
+    """The nodes ``node`` reads, and those they read, ``depth`` steps up (a check compares the count it reads)."""
+    seen, frontier = set(), [node]
+    for _ in range(depth):
+        frontier = [a for n in frontier for a in n.all_input_nodes if a not in seen]
+        seen.update(frontier)
+    return seen
+
+
+def unseen_expert_check(condition, place: str) -> None:
+    """Raise ``UnseenExpertError`` unless ``condition`` (no token of the batch is routed to an expert the loop at
+    ``place`` was not captured for)."""
+    if not condition:
+        raise UnseenExpertError(f"the batch routes tokens to an expert that the loop over the experts hit at {place} "
+                                "was not captured for (the example inputs route no token to it): capture with example "
+                                "inputs that route tokens to every expert, or a longer example")
 
 
 def check_routed_writes(gm: fx.GraphModule) -> None:

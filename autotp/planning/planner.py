@@ -17,6 +17,7 @@ from autotp.passes.analysis import Analysis
 from autotp.passes.choices import whole_convolutions
 from autotp.passes.graph import sizes
 from autotp.passes.placement import REPLICATED, Placement, PlacementKind
+from autotp.passes.expert_banks import per_expert
 from autotp.passes.projections import packed_by_weight, packed_segments
 from autotp.passes.propagation import Propagation
 from autotp.passes.random_ops import random_refusal
@@ -128,12 +129,16 @@ def _region_placements(analysis: Analysis, region: RegionMatch) -> dict[str, Pla
         p = analysis.projections[col]
         if p.packed is not None:  # the parameter holds every slice's segments side by side
             segments = packed_segments(packed[p.weight], segments_of)
-        out[p.weight] = Placement(PlacementKind.COLWISE, p.out_dim, segments, shared.get(col, 1))
+        # every expert's columns split alike: the parameter's segments are those of each expert
+        stored = per_expert(p, segments or (p.out_features,)) if p.experts > 1 else segments
+        out[p.weight] = Placement(PlacementKind.COLWISE, p.out_dim, stored, shared.get(col, 1))
         if p.bias:
             out[p.bias] = Placement(PlacementKind.COLWISE, 0, segments, shared.get(col, 1))
     for row, segments in zip(region.rows, region.row_segments or [()] * len(region.rows)):
-        out[analysis.projections[row].weight] = Placement(PlacementKind.ROWWISE, analysis.projections[row].in_dim,
-                                                          segments)
+        p = analysis.projections[row]
+        if p.experts > 1:  # every expert's rows split alike: the parameter's segments are those of each expert
+            segments = per_expert(p, segments or (p.in_features,))
+        out[p.weight] = Placement(PlacementKind.ROWWISE, p.in_dim, segments)
     for target, shard in region.params:
         whole = shard.segments == (analysis.param_size(target, shard.dim),)
         # a parameter met by a chunk several ranks hold (a per-head norm weight of shared KV heads) is held alike:

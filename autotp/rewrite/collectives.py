@@ -193,6 +193,25 @@ class ReduceFromTP(_Collective):
         return _Reduce.apply(x, self.comm)
 
 
+class _Once(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm):
+        return x.clone() if comm.rank == 0 else torch.zeros_like(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class AddOnce(_Collective):
+    """A whole value about to be added to a partial sum: itself on rank 0, zeros on the others, so the sum over
+    the ranks holds it once. Backward identity: the gradient of a partial sum is whole on every rank, and so is
+    this value's."""
+
+    def forward(self, x):
+        return _Once.apply(x, self.comm)
+
+
 class MeanFromTP(_Collective):
     """The mean over a split dim from the ranks' means over their equal shares: ``g``, then divide by tp."""
 
@@ -338,6 +357,7 @@ IMPLEMENTATIONS: dict[Operator, Callable[[Communicator, Shard | None], nn.Module
     Operator.SCATTER: lambda comm, shard: (ScatterToTP(comm, *split_args(shard)) if shard.replicas == 1 else
                                            ScatterShared(comm, shard.dim, shard.segments, shard.replicas)),
     Operator.SHARED_GRAD: lambda comm, shard: SharedGrad(comm, shard.replicas),
+    Operator.ONCE: lambda comm, shard: AddOnce(comm),
     Operator.NARROW: lambda comm, shard: Narrow(comm, shard.dim, runtime_segments(shard.segments), shard.replicas),
     Operator.REDUCE_SCATTER: lambda comm, shard: ReduceScatterToTP(comm, *split_args(shard)),
     Operator.GATHER_TO_REGION: lambda comm, shard: GatherToRegion(comm, *split_args(shard)),
