@@ -86,6 +86,43 @@ def test_layers_whose_gradient_only_a_custom_backward_gives_are_refused_for_trai
     assert plan.tp == 2
 
 
+class _Square(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * x
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return 2 * x * grad
+
+
+class _KeepsItsState(nn.Module):
+    """A recurrent layer that keeps its last state as a plain attribute (RecurrentGemma's ``recurrent_states``),
+    through a custom Function, so that capture runs it once more with gradients to compare them."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(16, 32), nn.Linear(32, 16)
+        self.state = torch.zeros(32)
+
+    def forward(self, x):
+        h = _Square.apply(self.up(x))
+        self.state = h[-1, -1]
+        return self.down(h)
+
+
+def test_a_state_the_forward_keeps_is_as_it_was_after_capture_and_the_checker_copies_the_model():
+    """The captures' own runs of the forward left it holding the autograd graph (a non-leaf tensor), which no
+    deepcopy takes: the checker crashed on RecurrentGemma."""
+    torch.manual_seed(0)
+    model = _KeepsItsState()
+    kept = model.state
+    assert autotp.check(model, tp=2, example_inputs=(torch.randn(2, 4, 16),)).exact
+    assert model.state is kept
+
+
 def test_a_custom_function_whose_forward_autograd_can_differentiate_is_still_captured():
     class Scale(torch.autograd.Function):
         @staticmethod

@@ -45,7 +45,8 @@ def check_replay(gm: fx.GraphModule, run_model, inputs: tuple, model: nn.Module)
     if _on_meta(model, inputs):
         return
     devices = _cuda_devices(inputs)
-    with torch.no_grad(), _buffers_restored(model, gm), torch.random.fork_rng(devices=devices):
+    with torch.no_grad(), _buffers_restored(model, gm), _tensor_attributes_restored(model), \
+            torch.random.fork_rng(devices=devices):
         torch.manual_seed(SEED)
         want = _own_forward(run_model, inputs, model)
         torch.manual_seed(SEED)
@@ -84,7 +85,8 @@ def check_gradient_replay(gm: fx.GraphModule, run_model, inputs: tuple, model: n
     if not theirs:
         return
     devices = _cuda_devices(inputs)
-    with torch.enable_grad(), _buffers_restored(model, gm), torch.random.fork_rng(devices=devices):
+    with torch.enable_grad(), _buffers_restored(model, gm), _tensor_attributes_restored(model), \
+            torch.random.fork_rng(devices=devices):
         torch.manual_seed(SEED)
         want = _gradients(run_model(*inputs), theirs)
         torch.manual_seed(SEED)
@@ -157,6 +159,23 @@ def _message(model_name: str, index: int, want: torch.Tensor, error: float) -> s
             "causal by itself. Every rank would follow the graph, so nothing is planned. Pass the inputs the model "
             "is trained with (a padded attention_mask, token_type_ids, ...) so that both take the same branch, or "
             "make the forward independent of torch.compiler.is_compiling()/is_exporting()")
+
+
+@contextlib.contextmanager
+def _tensor_attributes_restored(model: nn.Module):
+    """Every plain tensor attribute of ``model``'s modules as it was before the body, none added: a forward may
+    keep a state (RecurrentGemma's ``rg_lru.recurrent_states``), which one run with gradients would leave
+    holding the autograd graph, and a model holding a non-leaf tensor cannot be deep-copied (the checker does)."""
+    saved = [(module, {k: v for k, v in vars(module).items() if isinstance(v, torch.Tensor)})
+             for module in model.modules()]
+    try:
+        yield
+    finally:
+        for module, tensors in saved:
+            for name in [k for k, v in vars(module).items() if isinstance(v, torch.Tensor) and k not in tensors]:
+                delattr(module, name)
+            for name, value in tensors.items():
+                setattr(module, name, value)
 
 
 @contextlib.contextmanager
