@@ -76,6 +76,11 @@ TYPE_OVERRIDES = {
     # model reads (the released configs set them): windows of 2 patches pooled to 1 query, the last vision
     # layer feeding the first decoder layer, the spatial groups on the tiny decoder's layers
     "granite4_vision": {"downsample_rate": "1/2", "deepstack_layer_map": [[-1, 0]], "spatial_target_layers": [0, 1, 0, 1]},
+    # its vision adapter shuffles 2 x 2 patches into one (pixel_shuffle_ratio 0.5) before a projection as wide as
+    # the vision MLP's intermediate size: the released config ties that to 4 x the hidden size; the projector's
+    # widths (4096 by default) feed the text projection, which reads vision_output_dim
+    "llama4": {"vision_config": {"intermediate_size": 256, "projector_input_dim": 64, "projector_output_dim": 64,
+                                 "vision_output_dim": 64}},
     # its decoder's layer kinds include sliding-window attention where its default config sets no window
     "step3p7": {"text_config": {"sliding_window": 16}},
     "perception_lm": {"vision_config": {"architecture": "test_vit", "model_args": {"embed_dim": 64}}},
