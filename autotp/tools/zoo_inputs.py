@@ -157,7 +157,37 @@ def vision_text_inputs(model: nn.Module) -> tuple | dict:
         if "pixel_attention_mask" in parameters:  # which of a sample's images (cameras) are there
             grouped["pixel_attention_mask"] = torch.ones(ids.shape[0], 1, dtype=torch.bool)
         images = grouped if _runs(model, text | grouped) else images
+    if "input_ids" in text and not _runs(model, text | images):
+        text = _with_image_tokens(model, text, images) or text
     return text | images
+
+
+def _with_image_tokens(model: nn.Module, text: dict, images: dict) -> dict | None:
+    """``text`` with its image tokens where the images' features go: as many per sample, after the first token,
+    as the model's ``get_image_features`` gives per image (a forward that checks the two counts agree refuses
+    random ids); None where the model names no image token or has no such method."""
+    token = next((v for v in (getattr(model.config, f, None) for f in ("image_token_id", "image_token_index"))
+                  if isinstance(v, int)), None)
+    get = getattr(model, "get_image_features", None) or getattr(getattr(model, "model", None), "get_image_features",
+                                                                None)
+    if token is None or get is None:
+        return None
+    try:
+        with torch.no_grad():
+            features = get(**images)
+    except Exception:  # the method wants other arguments: leave the ids as they are
+        return None
+    pooled = getattr(features, "pooler_output", features)  # None for a tower whose last state is its features
+    features = getattr(features, "last_hidden_state", None) if pooled is None else pooled
+    parts = features if isinstance(features, (list, tuple)) else [features]
+    count = sum(p.shape[:-1].numel() for p in parts if isinstance(p, torch.Tensor))
+    ids = text["input_ids"]
+    per_sample, rest = divmod(count, ids.shape[0])
+    if rest or not 0 < per_sample < ids.shape[1]:
+        return None
+    ids = torch.where(ids == token, 0, ids)
+    ids[:, 1:1 + per_sample] = token
+    return text | {"input_ids": ids}
 
 
 def policy_inputs(config) -> dict:
