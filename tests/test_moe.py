@@ -31,6 +31,7 @@ from tests.moe_workers import (
     HitExperts,
     LoopedExperts,
     NamedExperts,
+    bank_loops,
     moe,
 )
 
@@ -155,23 +156,31 @@ def test_a_loop_over_banks_indexed_per_expert_splits_each_expert_alike_exactly(n
         assert autotp.check(CHECKED_LOOPS[name](), tp=tp, example_inputs=(ids,)).exact
 
 
+def _trained_exactly(name: str, trained: dict) -> None:
+    assert trained["output"] < 1e-5 and max(trained["losses"]) < 1e-5, (name, trained)
+    assert max(trained["params"].values()) < 1e-5, (name, trained["params"])
+    assert set(trained["must_split"]) <= set(trained["split"]), (name, trained)
+
+
 def test_moe_trains_exactly_and_all_reduces_what_its_dense_twin_does_on_two_ranks():
     """Forward, every all-reduce of the MoE model is one its dense twin also runs; backward, the routing weights'
     gradient (top-k numbers per token and layer) is the only addition: it is summed over the ranks because each
-    rank multiplies them by its partial expert outputs. The loops over banks indexed per expert train exactly too,
-    their banks split."""
+    rank multiplies them by its partial expert outputs."""
     results = run_on_ranks(moe, 2)
     for rank in results:
-        assert sorted(name for name, r in rank.items() if "trained" in r) == sorted((*TRAINED_HERE, *BANK_LOOPS))
+        assert sorted(name for name, r in rank.items() if "trained" in r) == sorted(TRAINED_HERE)
         for name, r in rank.items():
             if "trained" in r:  # Mixtral's training: test_structures
-                trained = r["trained"]
-                assert trained["output"] < 1e-5 and max(trained["losses"]) < 1e-5, (name, trained)
-                assert max(trained["params"].values()) < 1e-5, (name, trained["params"])
-                assert set(trained["must_split"]) <= set(trained["split"]), (name, trained)
-            if name in BANK_LOOPS:
-                continue  # trained only (their all-reduces: the plan checks above)
+                _trained_exactly(name, r["trained"])
             assert r["moe"]["forward"] == r["dense"]["forward"], (name, r)
             routing = MOE_LAYERS * BATCH * SEQ * TOP_K * 4
             assert r["moe"]["backward"] == {"count": r["dense"]["backward"]["count"] + MOE_LAYERS,
                                             "bytes": r["dense"]["backward"]["bytes"] + routing}, (name, r)
+
+
+def test_loops_over_banks_indexed_per_expert_train_exactly_on_two_ranks():
+    """The privacy filter's gated bank and DBRX's folded one, their banks split."""
+    for rank in run_on_ranks(bank_loops, 2):
+        assert sorted(rank) == sorted(BANK_LOOPS)
+        for name, r in rank.items():
+            _trained_exactly(name, r["trained"])
