@@ -125,8 +125,7 @@ def vision_text_inputs(model: nn.Module) -> tuple | dict:
     queries, image_token = (getattr(model.config, f, None) for f in ("num_query_tokens", "image_token_id"))
     if takes_images and isinstance(queries, int) and isinstance(image_token, int):
         # a Q-Former's queries take the places of that many image tokens in the text, and of no others
-        ids = torch.where(ids == image_token, 0, ids)
-        ids[:, :queries] = image_token
+        ids = _image_tokens_at(ids, image_token, 0, queries)
     text = {k: ids for k in parameters if k == "input_ids" or (k in required and k.endswith("input_ids"))}
     if getattr(model, "main_input_name", "") == "flattened_patches":
         text |= flattened_patches(model.config)
@@ -185,9 +184,14 @@ def _with_image_tokens(model: nn.Module, text: dict, images: dict) -> dict | Non
     per_sample, rest = divmod(count, ids.shape[0])
     if rest or not 0 < per_sample < ids.shape[1]:
         return None
+    return text | {"input_ids": _image_tokens_at(ids, token, 1, per_sample)}
+
+
+def _image_tokens_at(ids: torch.Tensor, token: int, start: int, count: int) -> torch.Tensor:
+    """``ids`` with ``count`` image tokens from position ``start`` in every sample, and none elsewhere."""
     ids = torch.where(ids == token, 0, ids)
-    ids[:, 1:1 + per_sample] = token
-    return text | {"input_ids": ids}
+    ids[:, start:start + count] = token
+    return ids
 
 
 def policy_inputs(config) -> dict:
