@@ -68,11 +68,12 @@ def is_guard_call(node: fx.Node) -> bool:
 @contextlib.contextmanager
 def applied_functions(found: set[str]):
     """Record in ``found`` the user-defined ``torch.autograd.Function`` subclasses applied inside the block: a
-    non-strict ``torch.export`` traces their forward only, so their own backward does not reach the graph."""
+    non-strict ``torch.export`` traces their forward only, so their own backward does not reach the graph. torch's
+    own and autotp's (``shape_kernels``' stand-in, applied only while tracing) are not the user's."""
     original = torch.autograd.Function.__dict__["apply"]
 
     def apply(cls, *args, **kwargs):
-        if not cls.__module__.startswith("torch."):
+        if not cls.__module__.startswith(("torch.", "autotp.")):
             found.add(f"{cls.__module__}.{cls.__qualname__}")
         return original.__func__(cls, *args, **kwargs)
 

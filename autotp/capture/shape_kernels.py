@@ -1,0 +1,227 @@
+"""Shape-only kernels for a few ops while ``torch.export`` traces, where torch's cost most per node.
+
+Export's training graph records ``linear``, ``layer_norm``, ``matmul`` and ``scaled_dot_product_attention`` as
+single nodes before their kernels run, yet to learn the outputs' sizes torch then runs their composite kernels on
+fake tensors: a ``linear`` of a 4-d input reshapes, multiplies and views it back; attention's math path (taken
+whenever the mask needs a gradient, as Swin's relative-position bias does) and every batched matmul (Swin V2's
+cosine attention) expand, reshape, copy and multiply. Each of those steps pays sympy for every size that holds
+the symbolic batch. On the tiny Swins the four composites were a fifth of the capture.
+
+A stand-in here gives the output torch's kernel would, computed directly: the size, a fresh contiguous layout
+(what the composites return, for the operand dtypes and shapes the stand-in accepts), and the gradient
+requirement (an autograd Function applied to the inputs). Anything else (mixed dtypes, broadcast batch dims, the
+fused attention kernel, a strided layer-norm input, sizes not statically equal) goes to torch's own kernel.
+(``view`` is not among them: its fake kernel writes merged dims' strides as ``Min`` expressions, contiguous
+strides written plainly change what later ops decide about layouts, and so the graph.) The captured graphs are node for node
+and meta for meta the same as without them (checked on the zoo, ``tests/test_shape_kernels.py``).
+
+They are registered only while ``shape_only_kernels()`` is open, so the process is left as it was found; eager
+runs never consult them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch._C import DispatchKey
+from torch._prims_common import is_contiguous_or_false
+from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+from autotp.errors import InternalError
+
+aten = torch.ops.aten
+_COMPOSITE = DispatchKey.CompositeImplicitAutograd
+
+
+class _SizedLike(torch.autograd.Function):
+    """A fresh tensor of ``size`` shaped like ``like``, marked as computed from ``inputs``, so it requires a
+    gradient exactly when the real op's output would. Used only on fake tensors while tracing."""
+
+    @staticmethod
+    def forward(ctx, size, strides, like, *inputs):
+        return like.new_empty_strided(size, strides)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise InternalError("a shape-only stand-in was differentiated; it exists only while torch.export traces")
+
+
+def _same_sizes(a, b) -> bool:
+    """Whether two size tuples are equal without adding a guard (symbolic sizes must be the same expression)."""
+    return len(a) == len(b) and all(statically_known_true(x == y) for x, y in zip(a, b))
+
+
+def _fresh(size):
+    """A symbolic size as a new SymInt of the same expression: torch's kernels compute their outputs' sizes, and
+    the tracer reads a size from the first tensor it met it on, so handing the input's own SymInt on would make
+    later ``x.size(d)`` read the input instead of the output."""
+    return size * 1 if isinstance(size, torch.SymInt) else size
+
+
+def _backed(size) -> tuple | None:
+    """``size`` where every symbolic size in it has an example value, else None: torch lays out outputs of
+    data-dependent sizes by other rules (``Max(1, u)`` strides), which are its kernels' to give."""
+    return size if all(_hint(n) is not None for n in size) else None
+
+
+def _sized(size, like, *inputs, strides=None):
+    """A fresh tensor of ``size`` like ``like``, laid out by ``strides`` (default: contiguous, written as plain
+    products, as torch's views of a matrix product write them), requiring a gradient if an input does."""
+    size = tuple(_fresh(n) for n in size)
+    if strides is None:
+        strides, inner = [], 1
+        for n in reversed(size):
+            strides.insert(0, inner)
+            inner = inner * n
+    return _SizedLike.apply(size, tuple(strides), like, *(t for t in inputs if isinstance(t, torch.Tensor)))
+
+
+def attention_size(query, key, value, enable_gqa: bool = False):
+    """The output size of ``scaled_dot_product_attention(query, key, value)``, or None where the shapes are not the
+    plain case (equal batch dims, heads equal or grouped with ``enable_gqa``) and torch's kernel should decide."""
+    if not (query.dim() == key.dim() == value.dim() >= 3):
+        return None
+    if not (_same_sizes(query.shape[-1:], key.shape[-1:]) and _same_sizes(key.shape[-2:-1], value.shape[-2:-1])):
+        return None
+    leading = 3 if enable_gqa and query.dim() == 4 else 2  # grouped heads: only the batch dims must match
+    batch_q, batch_k, batch_v = (t.shape[:-leading] for t in (query, key, value))
+    if not (_same_sizes(batch_q, batch_k) and _same_sizes(batch_q, batch_v)):
+        return None
+    return _backed((*query.shape[:-1], value.shape[-1]))
+
+
+def _hint(size) -> int | None:
+    """A size's value in the example (a symbolic size's hint), or None where it has none (data-dependent)."""
+    return size if isinstance(size, int) else size.node.hint
+
+
+def _real_probe(t):
+    """An uninitialised real CPU tensor with a fake tensor's sizes (the example's), strides, dtype and gradient
+    flag, for asking torch a question about metadata; None where a size has no example value."""
+    sizes, strides = [_hint(s) for s in t.shape], [_hint(s) for s in t.stride()]
+    if None in sizes or None in strides:
+        return None
+    return torch.empty_strided(sizes, strides, dtype=t.dtype).requires_grad_(t.requires_grad)
+
+
+def _math_path(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa) -> bool:
+    """Whether torch's attention would take its math path (whose output is a fresh contiguous tensor; the fused
+    CPU kernel's output is laid out otherwise). Asked of torch itself, on real stand-ins of the example's sizes."""
+    if query.device.type != "cpu":
+        return False
+    with unset_fake_temporarily():
+        probes = [_real_probe(t) for t in (query, key, value)]
+        mask = _real_probe(attn_mask) if isinstance(attn_mask, torch.Tensor) else None
+        if None in probes or (isinstance(attn_mask, torch.Tensor) and mask is None):
+            return False
+        choice = aten._fused_sdp_choice.default(*probes, mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+    return choice == int(torch.nn.attention.SDPBackend.MATH)
+
+
+def _attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    size = attention_size(query, key, value, enable_gqa)
+    if size is None or not _math_path(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
+        return _torchs(aten.scaled_dot_product_attention.default, query, key, value, attn_mask, dropout_p, is_causal,
+                       scale=scale, enable_gqa=enable_gqa)
+    return _sized(size, query, query, key, value, attn_mask)
+
+
+def matmul_size(a, b):
+    """The output size of ``a @ b`` for batched operands of one rank whose batch dims are the same, else None."""
+    if not (a.dim() == b.dim() >= 3 and _same_sizes(a.shape[:-2], b.shape[:-2])
+            and _same_sizes(a.shape[-1:], b.shape[-2:-1])):
+        return None
+    return _backed((*a.shape[:-1], b.shape[-1]))
+
+
+def _matmul(a, b):
+    size = matmul_size(a, b)
+    if size is None or a.dtype != b.dtype:
+        return _torchs(aten.matmul.default, a, b)
+    return _sized(size, a, a, b)
+
+
+def _one_dtype(*tensors) -> bool:
+    """Whether every tensor given (None skipped) has the first one's dtype: mixed precision is torch's to decide."""
+    given = [t for t in tensors if isinstance(t, torch.Tensor)]
+    return all(t.dtype == given[0].dtype for t in given)
+
+
+def linear_size(x, weight, bias=None):
+    """The output size of ``linear(x, weight, bias)`` for an input of rank 2 or more whose features are statically
+    the weight's, else None."""
+    if not (x.dim() >= 2 and weight.dim() == 2 and _same_sizes(x.shape[-1:], weight.shape[1:])):
+        return None
+    if bias is not None and not (bias.dim() == 1 and _same_sizes(bias.shape, weight.shape[:1])):
+        return None
+    return _backed((*x.shape[:-1], weight.shape[0]))
+
+
+def _linear(x, weight, bias=None):
+    size = linear_size(x, weight, bias)
+    if size is None or not _one_dtype(x, weight, bias):
+        return _torchs(aten.linear.default, x, weight, bias)
+    return _sized(size, x, x, weight, bias)
+
+
+def _layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5, cudnn_enable=True):
+    # a contiguous input only: torch's fake kernel lays a strided input's output out like the input
+    plain = (0 < len(normalized_shape) <= x.dim() and _one_dtype(x, weight, bias) and _backed(x.shape)
+             and is_contiguous_or_false(x)
+             and _same_sizes(x.shape[x.dim() - len(normalized_shape):], tuple(normalized_shape)))
+    if not plain:
+        return _torchs(aten.layer_norm.default, x, normalized_shape, weight, bias, eps, cudnn_enable)
+    return _sized(x.shape, x, x, weight, bias, strides=x.stride())  # elementwise: the input's layout
+
+
+STAND_INS = {aten.scaled_dot_product_attention.default: _attention, aten.matmul.default: _matmul,
+             aten.linear.default: _linear, aten.layer_norm.default: _layer_norm}
+"""Composite op -> its shape-only kernel while tracing."""
+
+
+_REPLACED: dict = {}
+"""Op -> the Python composite kernel torch had registered for it (matmul has one), while a stand-in replaces it."""
+
+
+def _torchs(op, *args, **kwargs):
+    """``op`` computed as torch would: its own Python composite kernel if it had one, else its C++ one."""
+    kernel = _REPLACED.get(op)
+    return kernel(*args, **kwargs) if kernel is not None else op._op_dk(_COMPOSITE, *args, **kwargs)
+
+
+@contextlib.contextmanager
+def shape_only_kernels():
+    """``STAND_INS`` registered as the ops' Python composite kernels while inside; torch's (where it had one in
+    Python) restored after. Not reentrant: a nested use leaves the outer one's in place."""
+    if _REPLACED:
+        yield
+        return
+    try:
+        for op, stand_in in STAND_INS.items():
+            _REPLACED[op] = op.py_kernels.pop(_COMPOSITE, None)
+            op.py_impl(_COMPOSITE)(stand_in)
+        yield
+    finally:
+        for op, kernel in _REPLACED.items():
+            op.py_kernels.pop(_COMPOSITE, None)
+            if kernel is not None:
+                op.py_kernels[_COMPOSITE] = kernel
+            op._dispatch_cache.clear()
+        _REPLACED.clear()
+
+
+@contextlib.contextmanager
+def no_stack_traces():
+    """Tracing without a Python stack trace per node: torch formats one for every node it creates, reading the
+    source line of each of some 90 frames (a seventh of a Swin's capture), and the main capture reads none.
+    (The fallback capture keeps them: it names the model's source line of a branch taken.)"""
+    import torch.fx.config as fx_config
+
+    before = fx_config.do_not_emit_stack_traces
+    fx_config.do_not_emit_stack_traces = True
+    try:
+        yield
+    finally:
+        fx_config.do_not_emit_stack_traces = before

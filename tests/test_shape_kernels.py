@@ -1,0 +1,117 @@
+"""The shape-only kernels the capture traces with (``autotp.capture.shape_kernels``): the graph torch.export makes
+with them is node for node and meta for meta the one it makes without (sizes, strides, dtypes, gradient flags);
+shapes they do not cover go to torch's kernels; the process is left as it was found; and autotp's own stand-in is
+not taken for a user's autograd Function."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch._C import DispatchKey
+
+from autotp.capture import capture
+from autotp.capture.shape_kernels import (STAND_INS, _SizedLike, attention_size, linear_size, matmul_size,
+                                          shape_only_kernels)
+from autotp.errors import InternalError
+from tests.test_capture_dynamic import _Windowed
+
+
+class _EveryStandIn(nn.Module):
+    """Each stand-in in the cases it covers and the ones it hands to torch: a linear of a 4-d input, layer norms of
+    contiguous and strided inputs, batched matmuls (same and broadcast batch dims), attention on the math path (a
+    mask that needs a gradient) and on the fused one (no mask)."""
+
+    def __init__(self, dim=16, heads=2):
+        super().__init__()
+        self.qkv, self.out = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.norm = nn.LayerNorm(dim)
+        self.bias = nn.Parameter(torch.randn(heads, 4, 4))
+        self.mix = nn.Parameter(torch.randn(heads, dim // heads, dim // heads))  # broadcast and 2-d: torch's
+        self.heads = heads
+
+    def forward(self, x):  # [B, 2, 4, dim]
+        b, h, t, d = x.shape
+        q, k, v = self.qkv(self.norm(x)).view(b * h, t, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        masked = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=self.bias)  # math path
+        fused = nn.functional.scaled_dot_product_attention(q, k, v)  # the fused CPU kernel: torch's
+        scores = (q @ k.transpose(-2, -1)).softmax(-1) @ v + q @ self.mix.unsqueeze(0) + q @ self.mix[0]
+        mixed = (masked + fused + scores).transpose(1, 2)
+        strided = self.norm(mixed.reshape(b * h, t, d).transpose(0, 1)).transpose(0, 1)  # a strided layer norm
+        viewed = x.transpose(2, 3).view(b * h, d, t).transpose(1, 2).view(b, h, t, d)  # strided, then contiguous
+        return self.out(strided.contiguous().view(b, h, t, -1)) + viewed
+
+
+def _signature(gm: torch.fx.GraphModule) -> list:
+    """Each node's op, target, arguments (by position) and output metas: what must not change."""
+    index = {n: i for i, n in enumerate(gm.graph.nodes)}
+    out = []
+    for n in gm.graph.nodes:
+        vals = n.meta.get("val")
+        vals = vals if isinstance(vals, (tuple, list)) else (vals,)
+        metas = [(tuple(map(str, v.shape)), tuple(map(str, v.stride())), v.dtype, v.requires_grad)
+                 for v in vals if isinstance(v, torch.Tensor)]
+        args = torch.fx.node.map_arg((n.args, n.kwargs), lambda a: f"%{index[a]}")
+        out.append((n.op, "" if n.op == "placeholder" else str(n.target), str(args), metas))
+    return out
+
+
+def _exported(model: nn.Module, inputs: tuple, stand_ins: bool) -> torch.fx.GraphModule:
+    model.train()
+    batch = ({0: torch.export.Dim.AUTO},)
+    if stand_ins:
+        with shape_only_kernels():
+            return torch.export.export(model, inputs, strict=False, dynamic_shapes=batch).module()
+    return torch.export.export(model, inputs, strict=False, dynamic_shapes=batch).module()
+
+
+@pytest.mark.parametrize("model, inputs", [
+    (_EveryStandIn(), (torch.randn(2, 2, 4, 16),)),
+    (_Windowed(), (torch.randn(2, 3, 16, 16),)),
+    (_Windowed(cosine=True), (torch.randn(2, 3, 16, 16),)),
+], ids=["every-stand-in", "windowed", "windowed-cosine"])
+def test_the_graph_and_every_meta_are_what_torch_makes_without_them(model, inputs):
+    torch.manual_seed(0)
+    plain, quick = _exported(model, inputs, False), _exported(model, inputs, True)
+    assert _signature(quick) == _signature(plain)
+    assert torch.equal(quick(*inputs), model(*inputs))
+
+
+def test_a_hugging_face_swin_captures_the_same_graph():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.SwinConfig(image_size=32, patch_size=4, embed_dim=16, depths=[2, 2], num_heads=[2, 4],
+                                     window_size=2, num_labels=3)
+    model = transformers.SwinForImageClassification(config)
+    inputs = (torch.randn(2, 3, 32, 32),)
+    assert _signature(_exported(model, inputs, True)) == _signature(_exported(model, inputs, False))
+
+
+def test_the_process_is_left_as_it_was_found_even_when_the_trace_fails():
+    before = {op: op.py_kernels.get(DispatchKey.CompositeImplicitAutograd) for op in STAND_INS}
+    with pytest.raises(RuntimeError, match="stop"), shape_only_kernels():
+        with shape_only_kernels():  # nested: the outer one's stand-ins stay
+            assert STAND_INS[torch.ops.aten.linear.default] is torch.ops.aten.linear.default.py_kernels[
+                DispatchKey.CompositeImplicitAutograd]
+        raise RuntimeError("stop")
+    assert {op: op.py_kernels.get(DispatchKey.CompositeImplicitAutograd) for op in STAND_INS} == before
+    assert before[torch.ops.aten.matmul.default] is not None  # torch's own Python kernel, put back
+
+
+def test_shapes_they_do_not_cover_go_to_torch():
+    x, w = torch.empty(2, 3, 8), torch.empty(4, 8)
+    assert linear_size(x, w) == (2, 3, 4) and linear_size(x, torch.empty(4, 5)) is None
+    assert linear_size(torch.empty(8), w) is None  # a vector: torch's
+    assert matmul_size(torch.empty(2, 3, 4), torch.empty(2, 4, 5)) == (2, 3, 5)
+    assert matmul_size(torch.empty(2, 3, 4), torch.empty(1, 4, 5)) is None  # broadcast batch dims: torch's
+    assert matmul_size(torch.empty(3, 4), torch.empty(2, 4, 5)) is None
+    q, kv = torch.empty(2, 4, 6, 8), torch.empty(2, 2, 7, 8)
+    assert attention_size(q, kv, kv) is None and attention_size(q, kv, kv, enable_gqa=True) == (2, 4, 6, 8)
+
+
+def test_the_stand_in_is_not_a_user_function_and_refuses_a_backward():
+    cap = capture(_EveryStandIn(), (torch.randn(2, 2, 4, 16),))
+    assert cap.custom_functions == ()  # else the capture would replay gradients for autotp's own stand-in
+    x = torch.randn(3, requires_grad=True)
+    with pytest.raises(InternalError, match="shape-only stand-in was differentiated"):
+        _SizedLike.apply((3,), (1,), x, x).sum().backward()
