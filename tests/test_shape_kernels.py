@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch import nn
 from torch._C import DispatchKey
+from torch._subclasses import fake_impls
 
 from autotp.capture import capture
 from autotp.capture.shape_kernels import (STAND_INS, _SizedLike, attention_size, linear_size, matmul_size,
@@ -20,7 +21,8 @@ from tests.test_capture_dynamic import _Windowed
 class _EveryStandIn(nn.Module):
     """Each stand-in in the cases it covers and the ones it hands to torch: a linear of a 4-d input, layer norms of
     contiguous and strided inputs, batched matmuls (same and broadcast batch dims), attention on the math path (a
-    mask that needs a gradient) and on the fused one (no mask)."""
+    mask that needs a gradient) and on the fused one (no mask), views that split and merge dims of contiguous and
+    strided inputs."""
 
     def __init__(self, dim=16, heads=2):
         super().__init__()
@@ -88,14 +90,17 @@ def test_a_hugging_face_swin_captures_the_same_graph():
 
 
 def test_the_process_is_left_as_it_was_found_even_when_the_trace_fails():
-    before = {op: op.py_kernels.get(DispatchKey.CompositeImplicitAutograd) for op in STAND_INS}
+    before = ({op: op.py_kernels.get(DispatchKey.CompositeImplicitAutograd) for op in STAND_INS},
+              fake_impls.op_implementations_dict[torch.ops.aten.view.default])
     with pytest.raises(RuntimeError, match="stop"), shape_only_kernels():
         with shape_only_kernels():  # nested: the outer one's stand-ins stay
             assert STAND_INS[torch.ops.aten.linear.default] is torch.ops.aten.linear.default.py_kernels[
                 DispatchKey.CompositeImplicitAutograd]
         raise RuntimeError("stop")
-    assert {op: op.py_kernels.get(DispatchKey.CompositeImplicitAutograd) for op in STAND_INS} == before
-    assert before[torch.ops.aten.matmul.default] is not None  # torch's own Python kernel, put back
+    after = ({op: op.py_kernels.get(DispatchKey.CompositeImplicitAutograd) for op in STAND_INS},
+             fake_impls.op_implementations_dict[torch.ops.aten.view.default])
+    assert after == before
+    assert before[0][torch.ops.aten.matmul.default] is not None  # torch's own Python kernel, put back
 
 
 def test_shapes_they_do_not_cover_go_to_torch():
@@ -115,3 +120,51 @@ def test_the_stand_in_is_not_a_user_function_and_refuses_a_backward():
     x = torch.randn(3, requires_grad=True)
     with pytest.raises(InternalError, match="shape-only stand-in was differentiated"):
         _SizedLike.apply((3,), (1,), x, x).sum().backward()
+
+
+def _symbolic(*sizes, dynamic=(0,)):
+    """A fake tensor of ``sizes`` whose dims in ``dynamic`` are symbolic, and its mode."""
+    from torch._dynamo.source import ConstantSource
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+    kinds = [DimDynamic.DYNAMIC if d in dynamic else DimDynamic.STATIC for d in range(len(sizes))]
+    return mode, mode.from_tensor(torch.empty(sizes), source=ConstantSource("x"),
+                                  symbolic_context=StatelessSymbolicContext(dynamic_sizes=kinds))
+
+
+@pytest.mark.parametrize("sizes, dynamic, make_view", [
+    ((2, 16, 64), (0, 1), lambda x: (-1, 64)),  # merges two symbolic dims (torch writes Min strides)
+    ((2, 16, 64), (0, 1), lambda x: (x.shape[0], x.shape[1], 4, -1)),  # splits the last
+    ((2, 8, 8, 32), (0,), lambda x: (x.shape[0], 4, 2, 4, 2, 32)),  # a window partition
+    ((2, 16, 64), (0, 1), lambda x: (x.shape[0], x.shape[1], 64, 1)),  # a trailing 1
+    ((8, 4, 3), (0,), lambda x: (2, -1, 12)),  # regroups a symbolic leading dim
+], ids=["merge", "split", "windows", "trailing-1", "regroup"])
+def test_a_view_s_sizes_and_strides_are_torch_s(sizes, dynamic, make_view):
+    from autotp.capture.shape_kernels import view_layout
+
+    mode, x = _symbolic(*sizes, dynamic=dynamic)
+    with mode:
+        for a in (x, x.transpose(-1, -2).contiguous().transpose(-1, -2)):  # contiguous, then strided
+            shape = make_view(a)
+            layout = view_layout(a, shape)
+            try:
+                want = a.view(shape)
+            except (RuntimeError, ValueError):  # no such view: torch's kernel raises it, the stand-in hands it over
+                assert layout is None
+                continue
+            assert layout is not None
+            assert tuple(map(str, layout[0])) == tuple(map(str, want.shape))
+            assert tuple(map(str, layout[1])) == tuple(map(str, want.stride()))
+
+
+def test_an_inferred_size_is_the_exact_quotient_or_torch_s():
+    from autotp.capture.shape_kernels import _exact_quotient
+
+    mode, x = _symbolic(2, 16, 64, dynamic=(0, 1))
+    b, t = x.shape[0], x.shape[1]
+    assert str(_exact_quotient(x.numel(), t * 64)) == str(b)
+    assert str(_exact_quotient(x.numel(), 4 * b * t)) == "16"
+    assert _exact_quotient(x.numel(), 3 * t) is None  # not a whole multiple: torch's floor division decides
+    assert _exact_quotient(96, 4) is None  # plain ints: torch's

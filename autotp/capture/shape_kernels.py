@@ -5,14 +5,16 @@ single nodes before their kernels run, yet to learn the outputs' sizes torch the
 fake tensors: a ``linear`` of a 4-d input reshapes, multiplies and views it back; attention's math path (taken
 whenever the mask needs a gradient, as Swin's relative-position bias does) and every batched matmul (Swin V2's
 cosine attention) expand, reshape, copy and multiply. Each of those steps pays sympy for every size that holds
-the symbolic batch. On the tiny Swins the four composites were a fifth of the capture.
+the symbolic batch; so does ``view``. On the tiny Swins the four composites and the views were a third of the
+capture.
 
 A stand-in here gives the output torch's kernel would, computed directly: the size, a fresh contiguous layout
 (what the composites return, for the operand dtypes and shapes the stand-in accepts), and the gradient
 requirement (an autograd Function applied to the inputs). Anything else (mixed dtypes, broadcast batch dims, the
-fused attention kernel, a strided layer-norm input, sizes not statically equal) goes to torch's own kernel.
-(``view`` is not among them: its fake kernel writes merged dims' strides as ``Min`` expressions, contiguous
-strides written plainly change what later ops decide about layouts, and so the graph.) The captured graphs are node for node
+fused attention kernel, a strided layer-norm input, sizes not statically equal or data-dependent) goes to
+torch's own kernel. ``view``'s fake kernel splits and merges dims one fake tensor at a time; its stand-in runs
+the same algorithm, comparison for comparison (so with the same expressions and guards), on tuples of sizes and
+strides, and makes one tensor at the end. The captured graphs are node for node
 and meta for meta the same as without them (checked on the zoo, ``tests/test_shape_kernels.py``).
 
 They are registered only while ``shape_only_kernels()`` is open, so the process is left as it was found; eager
@@ -25,7 +27,9 @@ import contextlib
 
 import torch
 from torch._C import DispatchKey
-from torch._prims_common import is_contiguous_or_false
+from torch._prims_common import extract_shape_from_varargs, is_contiguous_or_false
+from torch._subclasses import fake_impls
+from torch.fx.experimental import _config as fx_config
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
@@ -181,6 +185,147 @@ STAND_INS = {aten.scaled_dot_product_attention.default: _attention, aten.matmul.
 """Composite op -> its shape-only kernel while tracing."""
 
 
+def _collapsed(sizes: tuple, strides: tuple, numel, start: int, end: int) -> tuple | None:
+    """Dims ``start..end`` merged into one, as torch's ``prims._collapse_view_helper`` writes the result (the same
+    comparisons, in the same order, so the same expressions and guards), or None where no view exists."""
+    from torch.fx.experimental.symbolic_shapes import guard_or_false, guard_or_true, sym_and, sym_or
+
+    valid = True
+    if guard_or_false(numel != 0):
+        for i in range(end - 1, start - 1, -1):
+            valid = sym_and(valid, sym_or(sizes[i] == 1, sizes[i + 1] == 1, strides[i] == strides[i + 1] * sizes[i + 1]))
+            if guard_or_false(valid is False):
+                break
+    if not guard_or_false(sym_or(valid, numel == 0)):
+        return None
+    stride = strides[end]
+    for i in range(end - 1, start - 1, -1):
+        if sizes[i] != 1:
+            stride = min(stride, strides[i])
+    length = sizes[end]
+    if guard_or_true(length != 0):
+        for i in range(end - 1, start - 1, -1):
+            if guard_or_false(sizes[i] == 0):
+                length, stride = 0, 0
+                break
+            length = length * sizes[i]
+    else:
+        stride = 0
+    if guard_or_false(numel == 0):
+        return None  # an empty tensor is restrided as contiguous: torch's
+    return sizes[:start] + (length,) + sizes[end + 1:], strides[:start] + (stride,) + strides[end + 1:]
+
+
+def _split(sizes: tuple, strides: tuple, dim: int, outer) -> tuple | None:
+    """Dim ``dim`` split into ``outer`` and the rest, as torch's ``prims.split_dim`` writes it, or None where
+    ``outer`` does not divide it."""
+    inner = sizes[dim] // outer
+    if (sizes[dim] % outer) != 0:
+        return None
+    return (sizes[:dim] + (outer, inner) + sizes[dim + 1:],
+            strides[:dim] + (strides[dim] * inner, strides[dim]) + strides[dim + 1:])
+
+
+def _exact_quotient(numel, known):
+    """``numel / known`` where it is a polynomial in the size symbols with integer coefficients (so it is what
+    torch's floor division simplifies to, and its divisibility checks are statically true), else None. sympy
+    cancels a product by a product on construction; torch's ``FloorDiv`` instead finds the common factor and
+    calls ``sympy.simplify`` (whose first call imports ``sympy.physics``, a quarter of a second)."""
+    import sympy
+    from torch.fx.experimental.sym_node import SymNode
+
+    if not isinstance(numel, torch.SymInt) or isinstance(known, int) and known == 0:
+        return None
+    node = numel.node
+    quotient = node.expr / (known.node.expr if isinstance(known, torch.SymInt) else sympy.Integer(known))
+    for term in sympy.Add.make_args(quotient):
+        coefficient, rest = term.as_coeff_Mul()
+        powers = sympy.Mul.make_args(rest)
+        if not (coefficient.is_Integer and coefficient > 0 and all(
+                p.is_Symbol or (p.is_Pow and p.base.is_Symbol and p.exp.is_Integer and p.exp > 0) for p in powers
+                if p != 1)):
+            return None
+    hint = node.hint // (known.node.hint if isinstance(known, torch.SymInt) else known)
+    return torch.SymInt(SymNode(quotient, node.shape_env, int, hint))
+
+
+def _inferred(shape, numel) -> tuple:
+    """``shape`` with its ``-1`` inferred from ``numel`` (``torch._prims_common.infer_size``), by an exact
+    quotient where there is one."""
+    from torch._prims_common import infer_size
+
+    free = [i for i, d in enumerate(shape) if isinstance(d, int) and d == -1]
+    if len(free) != 1:
+        return infer_size(shape, numel)
+    known = 1
+    for i, d in enumerate(shape):
+        if i != free[0]:
+            known = known * d
+    quotient = _exact_quotient(numel, known)
+    if quotient is None:
+        return infer_size(shape, numel)
+    return (*shape[:free[0]], quotient, *shape[free[0] + 1:])
+
+
+def view_layout(a, shape) -> tuple | None:
+    """The sizes and strides ``a.view(shape)`` has, computed as torch's reshape algorithm computes them
+    (``torch._refs._reshape_view_helper``: the same checks and expressions, dim by dim) but on tuples, not on a
+    fake tensor per step; None for the cases torch's kernel must take (sizes without an example value, an empty or
+    0-d input or output, the 1-d special cases, a view that does not exist)."""
+    from functools import reduce
+    from operator import mul
+
+    if fx_config.backed_size_oblivious or fake_impls._view_has_unbacked_input(a, shape):
+        return None
+    shape = _inferred(extract_shape_from_varargs(shape, validate=False), a.numel())
+    if a.numel() == 0 or a.ndim == 0 or len(shape) == 0:
+        return None
+    if is_contiguous_or_false(a) and ((len(shape) == 1 and a.ndim > 1) or (len(shape) == 2 and a.ndim == 1)):
+        return None
+    torch._check(a.numel() == reduce(mul, shape, 1), lambda: f"Could not reshape {a.shape} as {shape}!")
+    sizes, strides, numel, i = tuple(a.shape), tuple(a.stride()), a.numel(), 0
+    for length in shape:
+        if i >= len(sizes):  # a trailing 1
+            if length != 1:
+                return None
+            sizes, strides = _split(sizes, strides, len(sizes) - 1, sizes[-1])
+            i += 1
+            continue
+        if length == sizes[i]:
+            i += 1
+            continue
+        accum, end = sizes[i], i
+        while accum % length != 0:
+            end += 1
+            accum *= sizes[end]
+        if end != i:
+            merged = _collapsed(sizes, strides, numel, i, end)
+            if merged is None:
+                return None
+            sizes, strides = merged
+        if accum != length:
+            split = _split(sizes, strides, i, length)
+            if split is None:
+                return None
+            sizes, strides = split
+        i += 1
+    while i < len(sizes):
+        torch._check(sizes[i] == 1, lambda: f"a.size({i}) expected to be 1 but got {sizes[i]}")
+        sizes, strides = sizes[:i] + sizes[i + 1:], strides[:i] + strides[i + 1:]
+    return sizes, strides
+
+
+def _view(fake_mode, func, a, *shape):
+    layout = view_layout(a, shape)
+    if layout is None:
+        return _TORCH_VIEW(fake_mode, func, a, *shape)
+    return torch.as_strided(a, *layout, a.storage_offset())
+
+
+_TORCH_VIEW = fake_impls.op_implementations_dict[aten.view.default]
+"""torch's fake kernel for ``view``, which ``_view`` stands in front of while tracing."""
+
+
 _REPLACED: dict = {}
 """Op -> the Python composite kernel torch had registered for it (matmul has one), while a stand-in replaces it."""
 
@@ -199,11 +344,13 @@ def shape_only_kernels():
         yield
         return
     try:
+        fake_impls.op_implementations_dict[aten.view.default] = _view
         for op, stand_in in STAND_INS.items():
             _REPLACED[op] = op.py_kernels.pop(_COMPOSITE, None)
             op.py_impl(_COMPOSITE)(stand_in)
         yield
     finally:
+        fake_impls.op_implementations_dict[aten.view.default] = _TORCH_VIEW
         for op, kernel in _REPLACED.items():
             op.py_kernels.pop(_COMPOSITE, None)
             if kernel is not None:
@@ -217,11 +364,11 @@ def no_stack_traces():
     """Tracing without a Python stack trace per node: torch formats one for every node it creates, reading the
     source line of each of some 90 frames (a seventh of a Swin's capture), and the main capture reads none.
     (The fallback capture keeps them: it names the model's source line of a branch taken.)"""
-    import torch.fx.config as fx_config
+    import torch.fx.config as tracing_config
 
-    before = fx_config.do_not_emit_stack_traces
-    fx_config.do_not_emit_stack_traces = True
+    before = tracing_config.do_not_emit_stack_traces
+    tracing_config.do_not_emit_stack_traces = True
     try:
         yield
     finally:
-        fx_config.do_not_emit_stack_traces = before
+        tracing_config.do_not_emit_stack_traces = before
