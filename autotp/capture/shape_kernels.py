@@ -65,9 +65,19 @@ def _fresh(size):
 
 
 def _backed(size) -> tuple | None:
-    """``size`` where every symbolic size in it has an example value, else None: torch lays out outputs of
-    data-dependent sizes by other rules (``Max(1, u)`` strides), which are its kernels' to give."""
-    return size if all(_hint(n) is not None for n in size) else None
+    """``size`` where every symbolic size in it is a product of size symbols (backed, so known positive), else
+    None. torch writes the strides of such sizes the same way on every path (``Max(1, s)`` is ``s``); for others
+    (a padded length's ``Mod`` and ``//``, a data-dependent size) its kernels differ in how they write them, and
+    theirs is the form the graph must keep."""
+    import sympy
+
+    for n in size:
+        if isinstance(n, torch.SymInt):
+            coefficient, rest = n.node.expr.as_coeff_Mul()
+            if n.node.hint is None or not (coefficient.is_Integer and coefficient > 0
+                                           and all(p.is_Symbol for p in sympy.Mul.make_args(rest) if p != 1)):
+                return None
+    return size
 
 
 def _sized(size, like, *inputs, strides=None):
