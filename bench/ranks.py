@@ -112,6 +112,16 @@ def _passive_openmp():
         del os.environ["OMP_WAIT_POLICY"]
 
 
+def _stop(processes) -> None:
+    """Kill the ranks still running, and reap them: a rank left behind by an interrupted caller would hold its
+    cores (and the port) while every later test ran beside it."""
+    for process in processes:
+        if process.is_alive():
+            process.kill()
+    for process in processes:
+        process.join(5)
+
+
 def run_on_ranks(fn: Callable, device: str, threads: list[int], *args, start_method: str = "spawn") -> list:
     """``fn(rank, world, *args)`` on ``len(threads)`` ranks; returns each rank's (JSON-able) result, in rank order.
 
@@ -123,8 +133,13 @@ def run_on_ranks(fn: Callable, device: str, threads: list[int], *args, start_met
     if device == "cuda" and torch.cuda.device_count() < world:
         raise RuntimeError(f"--device cuda needs {world} GPUs, found {torch.cuda.device_count()}")
     with tempfile.TemporaryDirectory() as out, _passive_openmp():
-        mp.start_processes(_entry, args=(world, _free_port(), device, threads, fn, args, out), nprocs=world, join=True,
-                           start_method=start_method)
+        context = mp.start_processes(_entry, args=(world, _free_port(), device, threads, fn, args, out),
+                                     nprocs=world, join=False, start_method=start_method)
+        try:
+            while not context.join():
+                pass
+        finally:  # a caller's time limit (pytest-timeout) or Ctrl-C interrupts the join: stop the ranks with it
+            _stop(context.processes)
         results = []
         for rank in range(world):
             with open(os.path.join(out, f"rank{rank}.json")) as f:

@@ -134,3 +134,32 @@ def test_windowed_models_are_measured_against_their_plain_model():
                       row("deberta-v2-8", 2.5, 0.0)], 2, (1.0, 1.0))
     lines = {line.split(" | ")[0].strip("| "): line.split(" | ") for line in table.splitlines() if line.startswith("| ")}
     assert lines["swin:image"][6] == "2.00" and lines["deberta-v2-8"][6] == "2.50" and lines["vit-matched"][6] == "-"
+
+
+def _sleeps(rank, world):
+    import time
+
+    time.sleep(60)
+    return rank
+
+
+def test_an_interrupted_run_leaves_no_rank_behind():
+    """A time limit (pytest-timeout's, a signal in the caller) stops the ranks too: left running, they would hold
+    the cores every later test runs on."""
+    import multiprocessing
+    import signal
+
+    from tests.distributed import run_on_ranks
+
+    def time_up(*_):
+        raise TimeoutError("time up")
+
+    previous = signal.signal(signal.SIGALRM, time_up)
+    signal.alarm(3)
+    try:
+        with pytest.raises(TimeoutError):
+            run_on_ranks(_sleeps, 2)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    assert multiprocessing.active_children() == []
