@@ -15,6 +15,7 @@ from autotp.capture import capture
 from autotp.capture.shape_kernels import (STAND_INS, _SizedLike, attention_size, linear_size, matmul_size,
                                           shape_only_kernels)
 from autotp.errors import InternalError
+from bench.shape_kernels import signature
 from tests.test_capture_dynamic import _Windowed
 
 
@@ -44,20 +45,6 @@ class _EveryStandIn(nn.Module):
         return self.out(strided.contiguous().view(b, h, t, -1)) + viewed
 
 
-def _signature(gm: torch.fx.GraphModule) -> list:
-    """Each node's op, target, arguments (by position) and output metas: what must not change."""
-    index = {n: i for i, n in enumerate(gm.graph.nodes)}
-    out = []
-    for n in gm.graph.nodes:
-        vals = n.meta.get("val")
-        vals = vals if isinstance(vals, (tuple, list)) else (vals,)
-        metas = [(tuple(map(str, v.shape)), tuple(map(str, v.stride())), v.dtype, v.requires_grad)
-                 for v in vals if isinstance(v, torch.Tensor)]
-        args = torch.fx.node.map_arg((n.args, n.kwargs), lambda a: f"%{index[a]}")
-        out.append((n.op, "" if n.op == "placeholder" else str(n.target), str(args), metas))
-    return out
-
-
 def _exported(model: nn.Module, inputs: tuple, stand_ins: bool) -> torch.fx.GraphModule:
     model.train()
     batch = ({0: torch.export.Dim.AUTO},)
@@ -75,7 +62,7 @@ def _exported(model: nn.Module, inputs: tuple, stand_ins: bool) -> torch.fx.Grap
 def test_the_graph_and_every_meta_are_what_torch_makes_without_them(model, inputs):
     torch.manual_seed(0)
     plain, quick = _exported(model, inputs, False), _exported(model, inputs, True)
-    assert _signature(quick) == _signature(plain)
+    assert signature(quick) == signature(plain)
     assert torch.equal(quick(*inputs), model(*inputs))
 
 
@@ -86,7 +73,7 @@ def test_a_hugging_face_swin_captures_the_same_graph():
                                      window_size=2, num_labels=3)
     model = transformers.SwinForImageClassification(config)
     inputs = (torch.randn(2, 3, 32, 32),)
-    assert _signature(_exported(model, inputs, True)) == _signature(_exported(model, inputs, False))
+    assert signature(_exported(model, inputs, True)) == signature(_exported(model, inputs, False))
 
 
 def test_the_process_is_left_as_it_was_found_even_when_the_trace_fails():
