@@ -80,15 +80,16 @@ def _backed(size) -> tuple | None:
     return size
 
 
-def _sized(size, like, *inputs, strides=None):
-    """A fresh tensor of ``size`` like ``like``, laid out by ``strides`` (default: contiguous, written as plain
-    products, as torch's views of a matrix product write them), requiring a gradient if an input does."""
-    size = tuple(_fresh(n) for n in size)
-    if strides is None:
-        strides, inner = [], 1
-        for n in reversed(size):
-            strides.insert(0, inner)
-            inner = inner * n
+def _sized(size, like, *inputs, computed: bool = True):
+    """A fresh tensor of ``size`` like ``like``, contiguous (its strides written as plain products, as torch's
+    kernels write them for such sizes), requiring a gradient if an input does. ``computed``: its sizes are new
+    SymInts, as a kernel that reshapes computes them; else the inputs' own, as an elementwise kernel passes them on
+    (which of the two a later size read finds decides whether torch elides a full slice of it)."""
+    size = tuple(_fresh(n) for n in size) if computed else tuple(size)
+    strides, inner = [], 1
+    for n in reversed(size):
+        strides.insert(0, inner)
+        inner = inner * n
     return _SizedLike.apply(size, tuple(strides), like, *(t for t in inputs if isinstance(t, torch.Tensor)))
 
 
@@ -139,7 +140,11 @@ def _attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False
     if size is None or not _math_path(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
         return _torchs(aten.scaled_dot_product_attention.default, query, key, value, attn_mask, dropout_p, is_causal,
                        scale=scale, enable_gqa=enable_gqa)
-    return _sized(size, query, query, key, value, attn_mask)
+    if isinstance(attn_mask, torch.Tensor):
+        # the math path adds the mask to the scores: the same broadcast check, so the shape environment learns
+        # what it would (a mask's length equal to the keys', found here, lets a later full slice be elided)
+        fake_impls.infer_size((*query.shape[:-1], key.shape[-2]), attn_mask.shape)
+    return _sized(size, query, query, key, value, attn_mask, computed=False)
 
 
 def matmul_size(a, b):
@@ -187,7 +192,7 @@ def _layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5, cudnn_ena
              and _same_sizes(x.shape[x.dim() - len(normalized_shape):], tuple(normalized_shape)))
     if not plain:
         return _torchs(aten.layer_norm.default, x, normalized_shape, weight, bias, eps, cudnn_enable)
-    return _sized(x.shape, x, x, weight, bias, strides=x.stride())  # elementwise: the input's layout
+    return _sized(x.shape, x, x, weight, bias, computed=False)  # elementwise: the input's sizes
 
 
 STAND_INS = {aten.scaled_dot_product_attention.default: _attention, aten.matmul.default: _matmul,
