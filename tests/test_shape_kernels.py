@@ -42,7 +42,8 @@ class _EveryStandIn(nn.Module):
         mixed = (masked + fused + scores).transpose(1, 2)
         strided = self.norm(mixed.reshape(b * h, t, d).transpose(0, 1)).transpose(0, 1)  # a strided layer norm
         viewed = x.transpose(2, 3).view(b * h, d, t).transpose(1, 2).view(b, h, t, d)  # strided, then contiguous
-        return self.out(strided.contiguous().view(b, h, t, -1)) + viewed
+        pooled = self.norm(x.permute(0, 3, 1, 2).mean((2, 3), keepdim=True).permute(0, 2, 3, 1))  # size-1 dims
+        return self.out(strided.contiguous().view(b, h, t, -1)) + viewed + pooled
 
 
 def _exported(model: nn.Module, inputs: tuple, stand_ins: bool) -> torch.fx.GraphModule:

@@ -14,8 +14,14 @@ requirement (an autograd Function applied to the inputs). Anything else (mixed d
 fused attention kernel, a strided layer-norm input, sizes not statically equal or data-dependent) goes to
 torch's own kernel. ``view``'s fake kernel splits and merges dims one fake tensor at a time; its stand-in runs
 the same algorithm, comparison for comparison (so with the same expressions and guards), on tuples of sizes and
-strides, and makes one tensor at the end. The captured graphs are node for node
-and meta for meta the same as without them (checked on the zoo, ``tests/test_shape_kernels.py``).
+strides, and makes one tensor at the end.
+
+Skipping torch's kernels must not skip what they teach the shape environment either: a check a kernel makes
+(attention's mask broadcast against the scores) can fix a symbol's range or tie two symbols, and a later op's
+choice reads that (whether a full slice is elided). The stand-ins make the checks torch's would and hand on the
+sizes torch's would (an elementwise kernel passes its input's sizes on; a reshaping one computes new ones). The
+captured graphs are node for node and meta for meta the same as without them: ``tests/test_shape_kernels.py``,
+and ``python -m bench.shape_kernels`` over the zoo.
 
 They are registered only while ``shape_only_kernels()`` is open, so the process is left as it was found; eager
 runs never consult them.
