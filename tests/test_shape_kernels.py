@@ -130,7 +130,7 @@ def _symbolic(*sizes, dynamic=(0,)):
     ((8, 4, 3), (0,), lambda x: (2, -1, 12)),  # regroups a symbolic leading dim
 ], ids=["merge", "split", "windows", "trailing-1", "regroup"])
 def test_a_view_s_sizes_and_strides_are_torch_s(sizes, dynamic, make_view):
-    from autotp.capture.shape_kernels import view_layout
+    from autotp.capture.view_layout import view_layout
 
     mode, x = _symbolic(*sizes, dynamic=dynamic)
     with mode:
@@ -148,7 +148,7 @@ def test_a_view_s_sizes_and_strides_are_torch_s(sizes, dynamic, make_view):
 
 
 def test_an_inferred_size_is_the_exact_quotient_or_torch_s():
-    from autotp.capture.shape_kernels import _exact_quotient
+    from autotp.capture.view_layout import _exact_quotient
 
     mode, x = _symbolic(2, 16, 64, dynamic=(0, 1))
     b, t = x.shape[0], x.shape[1]

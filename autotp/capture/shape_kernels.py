@@ -14,7 +14,7 @@ requirement (an autograd Function applied to the inputs). Anything else (mixed d
 fused attention kernel, a strided layer-norm input, sizes not statically equal or data-dependent) goes to
 torch's own kernel. ``view``'s fake kernel splits and merges dims one fake tensor at a time; its stand-in runs
 the same algorithm, comparison for comparison (so with the same expressions and guards), on tuples of sizes and
-strides, and makes one tensor at the end.
+strides, and makes one tensor at the end (``view_layout``).
 
 Skipping torch's kernels must not skip what they teach the shape environment either: a check a kernel makes
 (attention's mask broadcast against the scores) can fix a symbol's range or tie two symbols, and a later op's
@@ -33,12 +33,12 @@ import contextlib
 
 import torch
 from torch._C import DispatchKey
-from torch._prims_common import extract_shape_from_varargs, is_contiguous_or_false
+from torch._prims_common import is_contiguous_or_false
 from torch._subclasses import fake_impls
-from torch.fx.experimental import _config as fx_config
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
+from autotp.capture.view_layout import positive_product, view_layout
 from autotp.errors import InternalError
 
 aten = torch.ops.aten
@@ -75,14 +75,9 @@ def _backed(size) -> tuple | None:
     None. torch writes the strides of such sizes the same way on every path (``Max(1, s)`` is ``s``); for others
     (a padded length's ``Mod`` and ``//``, a data-dependent size) its kernels differ in how they write them, and
     theirs is the form the graph must keep."""
-    import sympy
-
     for n in size:
-        if isinstance(n, torch.SymInt):
-            coefficient, rest = n.node.expr.as_coeff_Mul()
-            if n.node.hint is None or not (coefficient.is_Integer and coefficient > 0
-                                           and all(p.is_Symbol for p in sympy.Mul.make_args(rest) if p != 1)):
-                return None
+        if isinstance(n, torch.SymInt) and (n.node.hint is None or not positive_product(n.node.expr, powers=False)):
+            return None
     return size
 
 
@@ -204,136 +199,6 @@ def _layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5, cudnn_ena
 STAND_INS = {aten.scaled_dot_product_attention.default: _attention, aten.matmul.default: _matmul,
              aten.linear.default: _linear, aten.layer_norm.default: _layer_norm}
 """Composite op -> its shape-only kernel while tracing."""
-
-
-def _collapsed(sizes: tuple, strides: tuple, numel, start: int, end: int) -> tuple | None:
-    """Dims ``start..end`` merged into one, as torch's ``prims._collapse_view_helper`` writes the result (the same
-    comparisons, in the same order, so the same expressions and guards), or None where no view exists."""
-    from torch.fx.experimental.symbolic_shapes import guard_or_false, guard_or_true, sym_and, sym_or
-
-    valid = True
-    if guard_or_false(numel != 0):
-        for i in range(end - 1, start - 1, -1):
-            valid = sym_and(valid, sym_or(sizes[i] == 1, sizes[i + 1] == 1, strides[i] == strides[i + 1] * sizes[i + 1]))
-            if guard_or_false(valid is False):
-                break
-    if not guard_or_false(sym_or(valid, numel == 0)):
-        return None
-    stride = strides[end]
-    for i in range(end - 1, start - 1, -1):
-        if sizes[i] != 1:
-            stride = min(stride, strides[i])
-    length = sizes[end]
-    if guard_or_true(length != 0):
-        for i in range(end - 1, start - 1, -1):
-            if guard_or_false(sizes[i] == 0):
-                length, stride = 0, 0
-                break
-            length = length * sizes[i]
-    else:
-        stride = 0
-    if guard_or_false(numel == 0):
-        return None  # an empty tensor is restrided as contiguous: torch's
-    return sizes[:start] + (length,) + sizes[end + 1:], strides[:start] + (stride,) + strides[end + 1:]
-
-
-def _split(sizes: tuple, strides: tuple, dim: int, outer) -> tuple | None:
-    """Dim ``dim`` split into ``outer`` and the rest, as torch's ``prims.split_dim`` writes it, or None where
-    ``outer`` does not divide it."""
-    inner = sizes[dim] // outer
-    if (sizes[dim] % outer) != 0:
-        return None
-    return (sizes[:dim] + (outer, inner) + sizes[dim + 1:],
-            strides[:dim] + (strides[dim] * inner, strides[dim]) + strides[dim + 1:])
-
-
-def _exact_quotient(numel, known):
-    """``numel / known`` where it is a polynomial in the size symbols with integer coefficients (so it is what
-    torch's floor division simplifies to, and its divisibility checks are statically true), else None. sympy
-    cancels a product by a product on construction; torch's ``FloorDiv`` instead finds the common factor and
-    calls ``sympy.simplify`` (whose first call imports ``sympy.physics``, a quarter of a second)."""
-    import sympy
-    from torch.fx.experimental.sym_node import SymNode
-
-    if not isinstance(numel, torch.SymInt) or isinstance(known, int) and known == 0:
-        return None
-    node = numel.node
-    quotient = node.expr / (known.node.expr if isinstance(known, torch.SymInt) else sympy.Integer(known))
-    for term in sympy.Add.make_args(quotient):
-        coefficient, rest = term.as_coeff_Mul()
-        powers = sympy.Mul.make_args(rest)
-        if not (coefficient.is_Integer and coefficient > 0 and all(
-                p.is_Symbol or (p.is_Pow and p.base.is_Symbol and p.exp.is_Integer and p.exp > 0) for p in powers
-                if p != 1)):
-            return None
-    hint = node.hint // (known.node.hint if isinstance(known, torch.SymInt) else known)
-    return torch.SymInt(SymNode(quotient, node.shape_env, int, hint))
-
-
-def _inferred(shape, numel) -> tuple:
-    """``shape`` with its ``-1`` inferred from ``numel`` (``torch._prims_common.infer_size``), by an exact
-    quotient where there is one."""
-    from torch._prims_common import infer_size
-
-    free = [i for i, d in enumerate(shape) if isinstance(d, int) and d == -1]
-    if len(free) != 1:
-        return infer_size(shape, numel)
-    known = 1
-    for i, d in enumerate(shape):
-        if i != free[0]:
-            known = known * d
-    quotient = _exact_quotient(numel, known)
-    if quotient is None:
-        return infer_size(shape, numel)
-    return (*shape[:free[0]], quotient, *shape[free[0] + 1:])
-
-
-def view_layout(a, shape) -> tuple | None:
-    """The sizes and strides ``a.view(shape)`` has, computed as torch's reshape algorithm computes them
-    (``torch._refs._reshape_view_helper``: the same checks and expressions, dim by dim) but on tuples, not on a
-    fake tensor per step; None for the cases torch's kernel must take (sizes without an example value, an empty or
-    0-d input or output, the 1-d special cases, a view that does not exist)."""
-    from functools import reduce
-    from operator import mul
-
-    if fx_config.backed_size_oblivious or fake_impls._view_has_unbacked_input(a, shape):
-        return None
-    shape = _inferred(extract_shape_from_varargs(shape, validate=False), a.numel())
-    if a.numel() == 0 or a.ndim == 0 or len(shape) == 0:
-        return None
-    if is_contiguous_or_false(a) and ((len(shape) == 1 and a.ndim > 1) or (len(shape) == 2 and a.ndim == 1)):
-        return None
-    torch._check(a.numel() == reduce(mul, shape, 1), lambda: f"Could not reshape {a.shape} as {shape}!")
-    sizes, strides, numel, i = tuple(a.shape), tuple(a.stride()), a.numel(), 0
-    for length in shape:
-        if i >= len(sizes):  # a trailing 1
-            if length != 1:
-                return None
-            sizes, strides = _split(sizes, strides, len(sizes) - 1, sizes[-1])
-            i += 1
-            continue
-        if length == sizes[i]:
-            i += 1
-            continue
-        accum, end = sizes[i], i
-        while accum % length != 0:
-            end += 1
-            accum *= sizes[end]
-        if end != i:
-            merged = _collapsed(sizes, strides, numel, i, end)
-            if merged is None:
-                return None
-            sizes, strides = merged
-        if accum != length:
-            split = _split(sizes, strides, i, length)
-            if split is None:
-                return None
-            sizes, strides = split
-        i += 1
-    while i < len(sizes):
-        torch._check(sizes[i] == 1, lambda: f"a.size({i}) expected to be 1 but got {sizes[i]}")
-        sizes, strides = sizes[:i] + sizes[i + 1:], strides[:i] + strides[i + 1:]
-    return sizes, strides
 
 
 def _view(fake_mode, func, a, *shape):
