@@ -7,6 +7,7 @@ benchmark, and one spawn runs every multi-process section so process start-up is
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import json
 import os
 import socket
@@ -33,7 +34,9 @@ def backend_for(device: str) -> str:
 
 
 def _entry(rank: int, world: int, port: int, device: str, threads: list[int], fn: Callable, args: tuple,
-           out: str) -> None:
+           out: str, limit_s: float | None) -> None:
+    if limit_s:  # a hung rank prints where every one of its threads is, then exits: its peers are stopped with it
+        faulthandler.dump_traceback_later(limit_s, exit=True)
     # LOCAL_RANK is how autotp (and torchrun users) pick this rank's GPU under NCCL.
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank))
     # Set once, before any work: changing it later stalls OpenMP for up to seconds (measured).
@@ -122,18 +125,20 @@ def _stop(processes) -> None:
         process.join(5)
 
 
-def run_on_ranks(fn: Callable, device: str, threads: list[int], *args, start_method: str = "spawn") -> list:
+def run_on_ranks(fn: Callable, device: str, threads: list[int], *args, start_method: str = "spawn",
+                 limit_s: float | None = None) -> list:
     """``fn(rank, world, *args)`` on ``len(threads)`` ranks; returns each rank's (JSON-able) result, in rank order.
 
     ``threads[r]`` is rank r's torch intra-op thread count: with tp ranks on a machine with tp cores,
     1 keeps every rank on its own core. ``start_method`` "fork" starts the ranks as copies of this process (CPU
-    only: what it holds, the tests' captures, comes with them); "spawn" starts fresh interpreters.
+    only: what it holds, the tests' captures, comes with them); "spawn" starts fresh interpreters. A rank still
+    running after ``limit_s`` seconds writes every thread's stack to stderr and exits, which fails the run naming it.
     """
     world = len(threads)
     if device == "cuda" and torch.cuda.device_count() < world:
         raise RuntimeError(f"--device cuda needs {world} GPUs, found {torch.cuda.device_count()}")
     with tempfile.TemporaryDirectory() as out, _passive_openmp():
-        context = mp.start_processes(_entry, args=(world, _free_port(), device, threads, fn, args, out),
+        context = mp.start_processes(_entry, args=(world, _free_port(), device, threads, fn, args, out, limit_s),
                                      nprocs=world, join=False, start_method=start_method)
         try:
             while not context.join():

@@ -13,6 +13,11 @@ from autotp.rewrite.comm import ThreadComm
 from bench import ranks
 
 
+RANK_LIMIT_S = 300
+"""A rank running longer (the longest group takes under a minute) is hung: it dumps its threads' stacks and exits,
+well inside pytest's 600 s per test, so the failure says where each rank waited."""
+
+
 def run_on_ranks(fn, world: int, *args) -> list:
     """``fn(rank, world, *args)`` on ``world`` gloo ranks; returns the per-rank results.
 
@@ -20,7 +25,7 @@ def run_on_ranks(fn, world: int, *args) -> list:
     ranks are forked from the test's process, so the models it (or an earlier test) captured are captured
     already in every rank (``capture_cache``), instead of once more per rank.
     """
-    return ranks.run_on_ranks(fn, "cpu", [1] * world, *args, start_method="fork")
+    return ranks.run_on_ranks(fn, "cpu", [1] * world, *args, start_method="fork", limit_s=RANK_LIMIT_S)
 
 
 def on_threads(tp: int, body) -> list:

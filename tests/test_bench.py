@@ -163,3 +163,15 @@ def test_an_interrupted_run_leaves_no_rank_behind():
         signal.alarm(0)
         signal.signal(signal.SIGALRM, previous)
     assert multiprocessing.active_children() == []
+
+
+def test_a_rank_past_its_time_limit_says_where_it_waited_and_fails_the_run(capfd):
+    """A hung rank must not hold the suite until pytest's limit with nothing to show: past ``limit_s`` each rank
+    writes its threads' stacks (here, the sleep) and exits, and the run fails naming the rank."""
+    from torch.multiprocessing import ProcessExitedException
+
+    from bench.ranks import run_on_ranks
+
+    with pytest.raises(ProcessExitedException, match="exit code 1"):
+        run_on_ranks(_sleeps, "cpu", [1, 1], start_method="fork", limit_s=3)
+    assert "in _sleeps" in capfd.readouterr().err
