@@ -22,7 +22,8 @@ import torch.multiprocessing as mp
 from autotp.runtime.process import free_default_group_on_destroy
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on this host now (for a group's rendezvous)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -87,7 +88,7 @@ def reform_world(size: int, device: str) -> bool:
         raise ValueError(f"cannot form a group of {size} ranks from {world}")
     if size == world:
         return True
-    port = [_free_port() if rank == 0 else None]
+    port = [free_port() if rank == 0 else None]
     dist.broadcast_object_list(port, src=0)
     dist.destroy_process_group()
     if rank >= size:
@@ -138,7 +139,7 @@ def run_on_ranks(fn: Callable, device: str, threads: list[int], *args, start_met
     if device == "cuda" and torch.cuda.device_count() < world:
         raise RuntimeError(f"--device cuda needs {world} GPUs, found {torch.cuda.device_count()}")
     with tempfile.TemporaryDirectory() as out, _passive_openmp():
-        context = mp.start_processes(_entry, args=(world, _free_port(), device, threads, fn, args, out, limit_s),
+        context = mp.start_processes(_entry, args=(world, free_port(), device, threads, fn, args, out, limit_s),
                                      nprocs=world, join=False, start_method=start_method)
         try:
             while not context.join():

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import tempfile
 import time
 from datetime import timedelta
@@ -19,6 +18,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import autotp
+from bench.ranks import free_port
 from tests import models
 
 
@@ -53,12 +53,6 @@ def inputs_on_ranks(rank: int, world: int) -> dict:
     return out
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _entry(rank: int, world: int, port: int, layout: dict, mode: str, timeout: float, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -91,7 +85,7 @@ def spawn_worlds(scenarios: list[tuple[dict, str, int]], timeout: float, limit: 
         for s, (layout, mode, world) in enumerate(scenarios):
             out = os.path.join(root, str(s))
             os.makedirs(out)
-            port = _free_port()
+            port = free_port()
             procs += [ctx.Process(target=_entry, args=(r, world, port, layout, mode, timeout, out))
                       for r in range(world)]
             if mode == "hang":

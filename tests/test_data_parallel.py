@@ -9,7 +9,6 @@ from __future__ import annotations
 import math
 import os
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +18,7 @@ import torch
 
 import autotp
 from autotp.runtime.process import check_world
+from bench.ranks import free_port
 from tests import dp_workers, models
 from tests.distributed import run_on_ranks
 
@@ -77,15 +77,9 @@ def test_bad_data_parallel_settings():
         check_world(None, False, 2, 2, 2)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_two_torchrun_nodes_on_localhost():
     """torchrun --nnodes 2 through the c10d rendezvous, as two machines would run it (about 20 s on 2 cores)."""
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     nodes = [subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),

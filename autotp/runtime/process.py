@@ -11,7 +11,9 @@ groups are closed at exit (``close_at_exit``).
 from __future__ import annotations
 
 import atexit
+import inspect
 import os
+import sys
 import weakref
 from datetime import timedelta
 
@@ -27,18 +29,50 @@ DEFAULT_TIMEOUT = timedelta(minutes=10)
 30 minutes): a rank that died or hangs stops the others within this bound."""
 
 
-def free_default_group_on_destroy() -> None:
-    """Import ``torch.distributed.nn.functional`` now if no process group exists yet (call it before
-    ``init_process_group``; importing autotp does).
+_HOLD_THE_GROUP_THEY_IMPORT_WITH = ("torch.distributed.nn.functional", "torch.distributed.optim.zero_redundancy_optimizer",
+                                    "torch.distributed.fsdp.sharded_grad_scaler")
+"""torch's modules whose functions default to ``group=group.WORLD``, a default evaluated once, at import."""
 
-    Its functions take ``group=group.WORLD`` as a default argument, evaluated once, at import. Imported while a
-    default group exists (``torch.distributed.fsdp`` imports it: transformers does when it builds a config, autotp
-    for ``dp_mode="fsdp"``), they keep that group alive after ``destroy_process_group``: gloo's threads are then
-    joined only during interpreter shutdown, where one that needs Python aborts the process with ``terminate
-    called without an active exception`` (issue 23; measured: the group outlived ``destroy_process_group`` in every
-    generation benchmark rank). Imported first, the defaults are None."""
-    if dist.is_available() and not dist.is_initialized():
-        import torch.distributed.nn.functional  # noqa: F401
+
+def free_default_group_on_destroy() -> None:
+    """Keep torch's own modules from holding the default process group past ``destroy_process_group``.
+
+    The functions of ``_HOLD_THE_GROUP_THEY_IMPORT_WITH`` take ``group=group.WORLD`` as a default argument.
+    Imported while a default group exists (``torch.distributed.fsdp`` imports ``torch.distributed.nn``:
+    transformers does when it builds a config, autotp when ``parallelize`` is first called after the user made
+    the group), they keep that group alive after ``destroy_process_group``. Gloo's threads then outlive it, and the
+    last collective's work, freed by one of them after the interpreter began to shut down, needs Python and
+    aborts the process: ``terminate called without an active exception`` (issue 23; caught again under load in
+    ``examples/tp_demo.py``, one run in four). Imported first, the defaults are None; imported late, they are set
+    back to None here, which torch reads as the default group at call time, as ``group.WORLD`` would be."""
+    if not dist.is_available():
+        return
+    import torch.distributed.nn.functional  # noqa: F401
+    for name in _HOLD_THE_GROUP_THEY_IMPORT_WITH:
+        module = sys.modules.get(name)
+        for function in _functions_of(module) if module is not None else ():
+            _default_groups_to_none(function)
+
+
+def _functions_of(module) -> list:
+    """The module's functions and the methods of the classes it defines."""
+    out = []
+    for value in vars(module).values():
+        if inspect.isfunction(value):
+            out.append(value)
+        elif inspect.isclass(value) and value.__module__ == module.__name__:
+            out += [f for f in vars(value).values() if inspect.isfunction(f)]
+    return out
+
+
+def _default_groups_to_none(function) -> None:
+    def none_for_groups(value):
+        return None if isinstance(value, dist.ProcessGroup) else value
+
+    if function.__defaults__:
+        function.__defaults__ = tuple(none_for_groups(v) for v in function.__defaults__)
+    if function.__kwdefaults__:
+        function.__kwdefaults__ = {k: none_for_groups(v) for k, v in function.__kwdefaults__.items()}
 
 
 free_default_group_on_destroy()
@@ -50,11 +84,11 @@ def ensure_process_group(world_needed: int, timeout: timedelta | float | None = 
     False when a single process suffices and none exists; ``timeout`` (seconds or a timedelta) bounds every
     collective of a group autotp creates.
     """
+    free_default_group_on_destroy()  # again: the caller's group may have been made before torch's modules loaded
     if dist.is_available() and dist.is_initialized():
         return True
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
-        free_default_group_on_destroy()
         dist.init_process_group(backend, timeout=_timedelta(timeout))
         return True
     if world_needed == 1:
