@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.no_early:
         import autotp.passes.regions  # noqa: F401  (the module; ``autotp.passes`` re-exports a function of its name)
 
-        sys.modules["autotp.passes.regions"]._RegionFinder._dead_end = lambda self, proj: False
+        sys.modules["autotp.passes.regions"].RegionFinder._dead_end = lambda self, proj: False
     wanted = [w for w in args.only.split(",") if w]
     results = {}
     for name, build, pairs in cases():

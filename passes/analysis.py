@@ -22,7 +22,7 @@ from autotp.passes.placement import Placement, Shard
 from autotp.passes.projections import find_embeddings, find_projections
 from autotp.passes.propagate import propagate
 from autotp.passes.propagation import Propagation
-from autotp.passes.regions import RegionSearch, find_regions
+from autotp.passes.region_search import RegionSearch, find_regions
 from autotp.passes.uneven_vocab import is_the_vocabulary, uneven_violations, uneven_vocabulary
 from autotp.passes.vocab import VocabMatch, find_vocab
 from torch import fx

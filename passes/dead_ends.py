@@ -4,11 +4,11 @@ can never close a region, so that its walk stops there instead of running to the
 A projection that writes into the residual stream (a mixture of experts' down-projection, deferred behind the
 up-projections' region because that region widens) is also tried alone as a column split. Its split then rides the
 residual stream through every later block, so each such try walked the rest of the graph, several times over
-(``_RegionFinder.attempt`` refines until nothing more is learnt): planning grew with depth squared. The try is
+(``RegionFinder.attempt`` refines until nothing more is learnt): planning grew with depth squared. The try is
 dead long before that: right after the projection, its split meets the stream it was computed from
 (``h + moe(norm(h))``), which is whole, and must be sliced there (or its own value gathered). Nothing a refinement
 learns can change that (``DeadEndWatch``), and a try that slices a value gradients flow through never closes
-(``_RegionFinder.closed``), so the verdict is known at that node.
+(``RegionFinder.closed``), so the verdict is known at that node.
 
 Why no refinement changes it. ``attempt`` only ever adds splits (projections grown, parameters split, segments
 cut): (1) the values the try's projection reads, and everything they are computed from (``upstream``), stay whole
@@ -19,7 +19,7 @@ refinement (its weight is), and so is each value on the path checked here, or th
 op whose rule, given one split input, splits its output along a dim found without the segments, or gathers
 (``_carried`` lists them, mirroring their rules). (3) The pointwise op where the path meets a whole upstream value
 of its own shape slices that value (``rule_kit.join``), or gathers; the slice cannot be excused as coming from
-the region's rows (``_RegionFinder._from_rows``), since what made that value is upstream too, and no upstream
+the region's rows (``RegionFinder._from_rows``), since what made that value is upstream too, and no upstream
 projection reads a split. A slice or a gather leaves the try open.
 """
 
@@ -30,7 +30,7 @@ from collections.abc import Container
 import torch
 from autotp.passes.graph import named_arg, rank, sizes
 from autotp.passes.placement import Shard
-from autotp.passes.propagate import GraphIndex
+from autotp.passes.graph_index import GraphIndex
 from autotp.passes.propagation import Propagation
 from autotp.passes.reshapes import kept_dim
 from autotp.passes.rule_kit import like_first, multi_output, no_output, norm_dim, pointwise

@@ -14,7 +14,8 @@ from __future__ import annotations
 from autotp.passes.graph import sizes
 from autotp.passes.placement import Shard
 from autotp.passes.projections import is_grouped_convolution
-from autotp.passes.propagate import GraphIndex, propagate
+from autotp.passes.graph_index import GraphIndex
+from autotp.passes.propagate import propagate
 from autotp.passes.propagation import Propagation
 from autotp.passes.region_match import RegionKind, RegionMatch
 from autotp.passes.steps import Operator

@@ -49,7 +49,7 @@ def grouped_convolutions(graph: fx.Graph) -> list[fx.Node]:
 
 def open_at_grouped_convolutions(finder, search, claimed: set[str]) -> None:
     """Regions opened at the grouped convolutions no region split, added to ``search`` (the region search's
-    ``RegionSearch``, ``finder`` its ``_RegionFinder``); those that open none are kept in ``search.openings`` with
+    ``RegionSearch``, ``finder`` its ``RegionFinder``); those that open none are kept in ``search.openings`` with
     why. Run before the lone rows: a projection a grouped convolution's split reaches is better closed as its row,
     the convolution split too, than split alone."""
     split = {t for r in search.regions for t, _ in r.params}
@@ -67,7 +67,7 @@ def open_at_grouped_convolutions(finder, search, claimed: set[str]) -> None:
 
 def try_opening(finder, conv: fx.Node, claimed: set[str]) -> Opening:
     """``conv`` (a grouped convolution reading a whole value) split by its output channels, with what that split
-    reaches learnt as the region search learns a column's (``_RegionFinder.attempt``: the parameters it meets, the
+    reaches learnt as the region search learns a column's (``RegionFinder.attempt``: the parameters it meets, the
     projections whose whole outputs it would slice, a squeeze-and-excitation gate's): the region it opens, or why
     none. ``claimed``: projections other regions split already (a split reaching one as a row would change it)."""
     weight = conv.args[1]

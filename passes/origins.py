@@ -45,7 +45,7 @@ from autotp.passes.rules_shape import (
 from torch import fx
 
 if TYPE_CHECKING:
-    from autotp.passes.propagate import GraphIndex
+    from autotp.passes.graph_index import GraphIndex
 
 _MAX_DEPTH = 16
 aten = torch.ops.aten

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 import heapq
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import sympy
 import torch
@@ -21,7 +21,6 @@ from autotp.passes.graph import (
     ArgPath,
     chunk_size,
     grad_nodes,
-    is_tensor,
     mutated_args,
     rank,
     sizes,
@@ -30,6 +29,7 @@ from autotp.passes.graph import (
 from autotp.passes.partial import carry_partial_sums
 from autotp.passes.placement import Layout, PlacementKind, Shard
 from autotp.passes.expert_banks import one_expert
+from autotp.passes.graph_index import GraphIndex
 from autotp.passes.projections import Embedding, Projection, segment_of
 from autotp.passes.propagation import Conversion, Propagation, Violation
 from autotp.passes.reshapes import static
@@ -43,7 +43,7 @@ from autotp.passes.rules import (
     replicate_all,
     rule_for,
 )
-from autotp.passes.steps import COPY, Operator, Step, gather, narrow, narrows, scatter
+from autotp.passes.steps import COPY, Operator, steps_between
 from torch import fx
 
 aten = torch.ops.aten
@@ -82,22 +82,6 @@ def _narrowed(ins: dict, tp: int) -> dict | None:
                 return None
             out[path] = dataclasses.replace(lay, replicas=1)
     return out
-
-
-def _steps(have: Layout, want: Layout | Step) -> tuple[Step, ...]:
-    """The conversion steps from layout ``have`` to ``want``."""
-    if want == have:
-        return ()
-    if narrows(have, want):
-        return (narrow(have),)
-    steps: list[Step] = []
-    if isinstance(have, Shard):
-        steps.append(gather(have))
-    if want is COPY:
-        steps.append(COPY)
-    elif isinstance(want, Shard):
-        steps.append(scatter(want))
-    return tuple(steps)
 
 
 def _finer(a: tuple[int, ...] | None, b: tuple[int, ...]) -> tuple[int, ...]:
@@ -182,7 +166,7 @@ class _Walker:
             decision = self.decide(node, ins)
         written = mutated_args(node)
         for path, want in decision.wants.items():
-            if path in written and _steps(ins[path][1], want):
+            if path in written and steps_between(ins[path][1], want):
                 res.refusals.append((node.name, f"{node.target} writes in place to a value split across ranks"))
             if not self.split_broadcast(ins[path][0], ins[path][1], want):
                 self.convert(node, path, ins[path][0], ins[path][1], want)
@@ -364,53 +348,12 @@ class _Walker:
         return True
 
     def convert(self, node: fx.Node, path: ArgPath, source: fx.Node, have: Layout, want) -> None:
-        steps = _steps(have, want)
+        steps = steps_between(have, want)
         if not steps:
             return
         key = (source.name, steps)
         conv = self.result.conversions.setdefault(key, Conversion(source.name, steps))
         conv.consumers.append((node.name, path))
-
-
-@dataclass
-class GraphIndex:
-    """Lookups over a graph that many propagations share (build once per graph)."""
-
-    order: list[fx.Node]
-    nodes: dict[str, fx.Node]
-    readers: dict[str, list[int]]
-    """``get_attr`` target -> positions of the nodes reading it."""
-    positions: dict[fx.Node, int]
-    """Node -> its position in ``order``."""
-    tensor_args: dict[fx.Node, list[tuple[ArgPath, fx.Node, bool]]] = field(default_factory=dict)
-    """Node -> ``graph.tensor_args`` with whether each carries a tensor (found once, read by every walk)."""
-    ranks: dict[fx.Node, int] = field(default_factory=dict)
-    """Node -> its tensor's rank (found once: every walk reads a projection's)."""
-
-    def rank(self, node: fx.Node) -> int:
-        """``graph.rank(node)``, found once."""
-        found = self.ranks.get(node)
-        if found is None:
-            found = self.ranks[node] = rank(node)
-        return found
-
-    def args(self, node: fx.Node) -> list[tuple[ArgPath, fx.Node, bool]]:
-        """``node``'s (path, input node, whether it holds a tensor)."""
-        found = self.tensor_args.get(node)
-        if found is None:
-            found = self.tensor_args[node] = [(p, n, is_tensor(n)) for p, n in tensor_args(node)]
-        return found
-
-    @classmethod
-    def of(cls, graph: fx.Graph) -> GraphIndex:
-        """Index ``graph``."""
-        order = list(graph.nodes)
-        readers: dict[str, list[int]] = {}
-        for i, node in enumerate(order):
-            for a in node.all_input_nodes:
-                if a.op == "get_attr":
-                    readers.setdefault(a.target, []).append(i)
-        return cls(order, {n.name: n for n in order}, readers, {n: i for i, n in enumerate(order)})
 
 
 def propagate(graph: fx.Graph, projections: Mapping[str, Projection], embeddings: Mapping[str, Embedding],

@@ -1,4 +1,4 @@
-"""What the region search finds: a region's kind and the projections it splits (``regions.find_regions`` finds
+"""What the region search finds: a region's kind and the projections it splits (``region_search.find_regions`` finds
 them; planning and the tools read them)."""
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ import dataclasses
 from dataclasses import dataclass
 from enum import Enum
 
-from autotp.passes.placement import Shard
+from autotp.passes.placement import Layout, Shard
 
 
 class Operator(str, Enum):
@@ -166,3 +166,19 @@ def fused(steps: tuple[Step, ...]) -> tuple[Step, ...]:
         else:
             out.append(step)
     return tuple(out)
+
+
+def steps_between(have: Layout, want: Layout | Step) -> tuple[Step, ...]:
+    """The conversion steps from layout ``have`` to ``want``."""
+    if want == have:
+        return ()
+    if narrows(have, want):
+        return (narrow(have),)
+    steps: list[Step] = []
+    if isinstance(have, Shard):
+        steps.append(gather(have))
+    if want is COPY:
+        steps.append(COPY)
+    elif isinstance(want, Shard):
+        steps.append(scatter(want))
+    return tuple(steps)

@@ -32,7 +32,7 @@ def _search(captured, tp: int, early: bool, monkeypatch) -> tuple[str, int, int]
     """The region search's whole output (as text), how many nodes its walks visited and how many tries it judged
     dead early."""
     visited, dead = [0], [0]
-    visit, dead_end = walker.visit, regions._RegionFinder._dead_end
+    visit, dead_end = walker.visit, regions.RegionFinder._dead_end
 
     def counting(self, node):
         visited[0] += 1
@@ -45,7 +45,7 @@ def _search(captured, tp: int, early: bool, monkeypatch) -> tuple[str, int, int]
 
     with monkeypatch.context() as m:
         m.setattr(walker, "visit", counting)
-        m.setattr(regions._RegionFinder, "_dead_end", judging)
+        m.setattr(regions.RegionFinder, "_dead_end", judging)
         search = captured.analysis.regions(tp)
     return repr((search.regions, search.unmatched)), visited[0], dead[0]
 
@@ -68,7 +68,7 @@ def test_region_search_walks_linearly_in_moe_depth(monkeypatch):
 
 class _Residual(torch.nn.Module):
     """One projection added into the stream it reads (``h + proj(h)``): its lone try is judged dead at the add, and
-    no region claims it later, so its reason is worded at the end (``_RegionFinder.explain``), and it is split
+    no region claims it later, so its reason is worded at the end (``RegionFinder.explain``), and it is split
     alone by its input features with that reason."""
 
     def __init__(self):

@@ -7,7 +7,7 @@ from torch import nn
 from autotp.capture import capture
 from autotp.passes import find_embeddings, find_projections
 from autotp.passes.graph import trainable_attrs
-from autotp.passes.regions import find_regions
+from autotp.passes.region_search import find_regions
 from autotp.passes.vocab import find_vocab
 from examples.llama import build_llama
 from tests import models

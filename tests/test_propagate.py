@@ -114,7 +114,7 @@ def test_a_windowed_walk_of_a_mixture_of_experts_finds_what_the_whole_walk_finds
 
 def test_ancestors_found_as_far_back_as_asked_are_all_of_them():
     """``origins.Ancestors`` walks back only as far as each question needs, and answers as the whole walk back."""
-    from autotp.passes.propagate import GraphIndex
+    from autotp.passes.graph_index import GraphIndex
     from autotp.passes.origins import Ancestors
 
     cap = capture(build("hf_llama", layers=2), tokens(2, 8, seed=0))

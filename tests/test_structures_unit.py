@@ -11,7 +11,7 @@ import pytest
 import sympy
 import torch
 import torch.nn.functional as F
-from autotp.passes.placement import PlacementKind, Shard
+from autotp.passes.placement import Shard
 from autotp.passes.projections import find_projections
 from autotp.passes.reshapes import map_reshape
 from torch import nn
@@ -362,42 +362,6 @@ class LoopedScaled(nn.Module):
 def test_a_looped_block_splits_its_scaled_per_channel_parameter():
     report = _check(_model(LoopedScaled), _x(B, T, D))
     _split(report, "up.weight", "scale", "down.weight")
-
-
-# 11. Negative: a column split that cannot be exact is refused; each projection is then split alone, by its
-# input features (its input sliced, its output all-reduced), which is exact.
-
-class SortedFeatures(nn.Module):
-    """A sort across the projection's features: no rank can sort its part alone."""
-
-    def __init__(self, inner=32):
-        super().__init__()
-        self.up = nn.Linear(D, inner, bias=False)
-        self.down = nn.Linear(inner, D, bias=False)
-
-    def forward(self, x):
-        return self.down(F.gelu(self.up(x).sort(dim=-1).values))
-
-
-class LayerNormedFeatures(nn.Module):
-    """A layer_norm over the projection's whole width, then a plain projection (no row split follows)."""
-
-    def __init__(self, inner=32):
-        super().__init__()
-        self.up = nn.Linear(D, inner, bias=False)
-        self.norm = nn.LayerNorm(inner)
-        self.head = nn.Linear(inner, D, bias=False)
-
-    def forward(self, x):
-        return self.head(F.layer_norm(self.up(x), self.norm.normalized_shape, self.norm.weight, self.norm.bias))
-
-
-@pytest.mark.parametrize("cls, op", [(SortedFeatures, "sort"), (LayerNormedFeatures, "layer_norm")])
-def test_unsplittable_structure_is_not_column_split(cls, op):
-    report = _check(_model(cls), _x(B, T, D))
-    assert not any(p.kind is PlacementKind.COLWISE for p in report.plan.placements.values()), report.plan
-    assert {r.kind.value for r in report.plan.regions} == {"row"}, report.plan.regions
-    assert report.plan.placements["up.weight"].kind is PlacementKind.ROWWISE
 
 
 # Known limitation: grouped-query attention through SDPA's enable_gqa is kept whole (safe, exact).
