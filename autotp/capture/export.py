@@ -42,7 +42,7 @@ from autotp.capture.torch_private import (
     unchanged_module_casts,
     plain_sizes,
 )
-from autotp.capture.shape_kernels import no_stack_traces, shape_only_kernels
+from autotp.capture.shape_kernels import no_cycle_collection, no_stack_traces, shape_only_kernels
 from autotp.capture.weight_norms import expand_weight_norms
 from autotp.errors import CaptureError, InputError, TrainingSettingError
 from autotp.passes.graph import MUTATES_META, SHAPE_META
@@ -110,7 +110,7 @@ def _quiet_torch_logs():
 def _export(wrapper: nn.Module, inputs: tuple, dynamic: bool) -> fx.GraphModule:
     """One torch.export attempt; with ``dynamic`` the input dimensions ``dynamic_shapes`` names are Dim.AUTO.
     Attention and batched matmuls learn their output sizes from shape-only kernels (``shape_kernels``)."""
-    with shape_only_kernels(), no_stack_traces():
+    with shape_only_kernels(), no_stack_traces(), no_cycle_collection():
         program = torch.export.export(wrapper, inputs, strict=False,
                                       dynamic_shapes=dynamic_shapes(inputs) if dynamic else None)
     return program.module()
