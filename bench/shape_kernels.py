@@ -41,8 +41,10 @@ def compare(entry) -> tuple[bool, float, float, int]:
     from autotp.capture import export
     from autotp.checker import prepare
 
-    def built():  # each capture its own model: one that changes itself in its forward (BigBird drops its block-
-        torch.manual_seed(0)  # sparse attention on short inputs) would otherwise give the second another graph
+    def built():
+        """A fresh model for each capture: one that changes itself in its forward (BigBird drops its block-sparse
+        attention on short inputs) would otherwise give the second capture another graph."""
+        torch.manual_seed(0)
         model = entry.build()
         return model, entry.inputs(model)
 

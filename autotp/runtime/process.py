@@ -30,7 +30,8 @@ DEFAULT_TIMEOUT = timedelta(minutes=10)
 30 minutes): a rank that died or hangs stops the others within this bound."""
 
 
-_HOLD_THE_GROUP_THEY_IMPORT_WITH = ("torch.distributed.nn.functional", "torch.distributed.optim.zero_redundancy_optimizer",
+_HOLD_THE_GROUP_THEY_IMPORT_WITH = ("torch.distributed.nn.functional",
+                                    "torch.distributed.optim.zero_redundancy_optimizer",
                                     "torch.distributed.fsdp.sharded_grad_scaler")
 """torch's modules whose functions default to ``group=group.WORLD``, a default evaluated once, at import."""
 
