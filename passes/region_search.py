@@ -105,8 +105,10 @@ def find_regions(graph: fx.Graph, projections: dict[str, Projection], embeddings
             and (row := finder.lone_row(projections[n], why)) is not None]
     search.regions += rows
     claimed.update(n for r in rows for n in r.rows)
-    search.unmatched = [(kept, why) for nodes, why in search.unmatched if (kept := tuple(n for n in nodes if n not in claimed))]
-    placed = {projections[n].weight for n in claimed if n in projections} | {t for r in search.regions for t, _ in r.params}
+    search.unmatched = [(kept, why) for nodes, why in search.unmatched
+                        if (kept := tuple(n for n in nodes if n not in claimed))]
+    placed = ({projections[n].weight for n in claimed if n in projections}
+              | {t for r in search.regions for t, _ in r.params})
     # a grouped convolution an opening kept whole by choice (a gather to save a few multiply-adds) stays whole
     placed |= {finder.nodes[o.node].args[1].target for o in search.openings if o.by_choice}
     lone, kept = lone_grouped_convolutions(graph, projections, embeddings, trainable, tp, finder.grad, finder.index,
