@@ -11,6 +11,7 @@ import threading
 
 from autotp.rewrite.comm import ThreadComm
 from bench import ranks
+from tests import FORK_SAFE
 
 
 RANK_LIMIT_S = 300
@@ -25,6 +26,9 @@ def run_on_ranks(fn, world: int, *args) -> list:
     ranks are forked from the test's process, so the models it (or an earlier test) captured are captured
     already in every rank (``capture_cache``), instead of once more per rank.
     """
+    if not FORK_SAFE:  # see tests/__init__.py: forked ranks could hang in MKL
+        raise RuntimeError("torch was imported before the tests package, without MKL_DISABLE_FAST_MM=1: forked "
+                           "ranks may hang; run pytest in a fresh process, or set MKL_DISABLE_FAST_MM=1 first")
     return ranks.run_on_ranks(fn, "cpu", [1] * world, *args, start_method="fork", limit_s=RANK_LIMIT_S)
 
 

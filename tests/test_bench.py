@@ -175,3 +175,23 @@ def test_a_rank_past_its_time_limit_says_where_it_waited_and_fails_the_run(capfd
     with pytest.raises(ProcessExitedException, match="exit code 1"):
         run_on_ranks(_sleeps, "cpu", [1, 1], start_method="fork", limit_s=3)
     assert "in _sleeps" in capfd.readouterr().err
+
+
+def test_ranks_are_forked_from_a_process_whose_mkl_memory_manager_is_off(monkeypatch):
+    """The tests fork their ranks; with MKL's memory manager on, a forked rank could hang in its first sgemm
+    (``bench.fork_hangs``). The tests package turns it off before torch loads, and the harness refuses to fork
+    when that came too late."""
+    import tests
+    from tests import distributed
+
+    assert os.environ.get("MKL_DISABLE_FAST_MM") == "1" and tests.FORK_SAFE
+    monkeypatch.setattr(distributed, "FORK_SAFE", False)
+    with pytest.raises(RuntimeError, match="MKL_DISABLE_FAST_MM=1"):
+        distributed.run_on_ranks(_sleeps, 2)
+
+
+def test_the_fork_hang_count_runs_its_rounds():
+    from bench.fork_hangs import count_hangs
+
+    result = count_hangs(2)  # in this process, whose MKL memory manager is off: no rank hangs
+    assert (result["forks"], result["hung"]) == (2, 0)
