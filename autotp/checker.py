@@ -26,7 +26,7 @@ from autotp.passes.placement import Shard, full_tensor
 from autotp.planning import Plan, check_plan_fits, make_plan
 from autotp.planning.planner import verify_plan
 from autotp.rewrite import rewrite
-from autotp.rewrite.comm import ThreadComm
+from autotp.rewrite.comm import ThreadComm, join_fully
 from autotp.rewrite.graph_edit import STANDS_FOR
 from autotp.rewrite.recompute import recompute_blocks
 from autotp.rewrite.shards import local_part
@@ -122,8 +122,7 @@ def _simulate(modules: list[fx.GraphModule], comms: list[ThreadComm], inputs: tu
     ranks = [_Rank(m, c, inputs, weights) for m, c in zip(modules, comms)]
     for r in ranks:
         r.start()
-    for r in ranks:
-        r.join()
+    join_fully(ranks)
     failed = [r for r in ranks if r.error is not None and not isinstance(r.error, AutotpError)]
     if failed:  # the unsharded model ran on these inputs, so a rank module that cannot is autotp's doing
         e = failed[0].error
@@ -356,8 +355,7 @@ def locate(captured: Captured, plan: Plan, modules: list[fx.GraphModule], comms:
     threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in range(plan.tp)]
     for t in threads:
         t.start()
-    for t in threads:
-        t.join()
+    join_fully(threads)
     for node in captured.graph.nodes:
         if node.name not in want or node.op in ("placeholder", "get_attr"):
             continue

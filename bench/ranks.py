@@ -132,9 +132,9 @@ def run_on_ranks(fn: Callable, device: str, threads: list[int], *args, start_met
 
     ``threads[r]`` is rank r's torch intra-op thread count: with tp ranks on a machine with tp cores,
     1 keeps every rank on its own core. ``start_method`` "fork" starts the ranks as copies of this process (CPU
-    only: what it holds, the tests' captures, comes with them; torch must have loaded with MKL_DISABLE_FAST_MM=1,
-    else a rank may hang in MKL, see tests/__init__.py); "spawn" starts fresh interpreters. A rank still running
-    after ``limit_s`` seconds writes every thread's stack to stderr and exits, which fails the run naming it.
+    only: what it holds, the tests' captures, comes with them; threads this process ran must be
+    gone, ``autotp.rewrite.comm.join_fully``); "spawn" starts fresh interpreters. A rank still running after
+    ``limit_s`` seconds writes every thread's stack to stderr and exits, which fails the run naming it.
     """
     world = len(threads)
     if device == "cuda" and torch.cuda.device_count() < world:

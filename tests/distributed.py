@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import threading
 
-from autotp.rewrite.comm import ThreadComm
+from autotp.rewrite.comm import ThreadComm, join_fully
 from bench import ranks
-from tests import FORK_SAFE
 
 
 RANK_LIMIT_S = 300
@@ -26,9 +25,6 @@ def run_on_ranks(fn, world: int, *args) -> list:
     ranks are forked from the test's process, so the models it (or an earlier test) captured are captured
     already in every rank (``capture_cache``), instead of once more per rank.
     """
-    if not FORK_SAFE:  # see tests/__init__.py: forked ranks could hang in MKL
-        raise RuntimeError("torch was imported before the tests package, without MKL_DISABLE_FAST_MM=1: forked "
-                           "ranks may hang; run pytest in a fresh process, or set MKL_DISABLE_FAST_MM=1 first")
     return ranks.run_on_ranks(fn, "cpu", [1] * world, *args, start_method="fork", limit_s=RANK_LIMIT_S)
 
 
@@ -45,7 +41,7 @@ def on_threads(tp: int, body) -> list:
 
     threads = [threading.Thread(target=run, args=(r,)) for r in range(tp)]
     [t.start() for t in threads]
-    [t.join() for t in threads]
+    join_fully(threads)  # a thread half-way out, holding MKL's allocator lock, would be copied into forked ranks
     if errors:
         raise errors[0]
     return results

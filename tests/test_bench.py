@@ -12,6 +12,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from bench import _depths
 from bench.comm import megatron_minimum, totals
@@ -177,21 +178,20 @@ def test_a_rank_past_its_time_limit_says_where_it_waited_and_fails_the_run(capfd
     assert "in _sleeps" in capfd.readouterr().err
 
 
-def test_ranks_are_forked_from_a_process_whose_mkl_memory_manager_is_off(monkeypatch):
-    """The tests fork their ranks; with MKL's memory manager on, a forked rank could hang in its first sgemm
-    (``bench.fork_hangs``). The tests package turns it off before torch loads, and the harness refuses to fork
-    when that came too late."""
-    import tests
-    from tests import distributed
+def test_ranks_forked_after_fully_joined_threads_of_matrix_products_finish():
+    from autotp.rewrite.comm import join_fully
+    from bench.fork_hangs import hangs_after
 
-    assert os.environ.get("MKL_DISABLE_FAST_MM") == "1" and tests.FORK_SAFE
-    monkeypatch.setattr(distributed, "FORK_SAFE", False)
-    with pytest.raises(RuntimeError, match="MKL_DISABLE_FAST_MM=1"):
-        distributed.run_on_ranks(_sleeps, 2)
+    result = hangs_after(join_fully, 3)
+    assert (result["rounds"], result["hung"]) == (3, 0)
 
 
-def test_the_fork_hang_count_runs_its_rounds():
-    from bench.fork_hangs import count_hangs
+def test_join_fully_returns_once_the_threads_have_left_the_os():
+    import threading
 
-    result = count_hangs(2)  # in this process, whose MKL memory manager is off: no rank hangs
-    assert (result["forks"], result["hung"]) == (2, 0)
+    from autotp.rewrite.comm import join_fully
+
+    threads = [threading.Thread(target=lambda: torch.randn(64, 64) @ torch.randn(64, 64)) for _ in range(4)]
+    [t.start() for t in threads]
+    join_fully(threads)
+    assert not any(os.path.exists(f"/proc/self/task/{t.native_id}") for t in threads)

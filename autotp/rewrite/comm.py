@@ -12,8 +12,10 @@ any collective whose shapes it vouches for.
 
 from __future__ import annotations
 
+import os
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterable
 from typing import Protocol
 
 import torch
@@ -135,6 +137,26 @@ class _Rendezvous:
         self.timeout = timeout
         self.barrier = threading.Barrier(size, timeout=timeout)
         self.slots: list[torch.Tensor | None] = [None] * size
+
+
+EXIT_WAIT_S = 1.0
+"""How long ``join_fully`` waits for a joined thread to leave the operating system."""
+
+
+def join_fully(threads: Iterable[threading.Thread]) -> None:
+    """Join ``threads``, then wait (up to ``EXIT_WAIT_S`` each, on Linux) until each has left the OS too.
+
+    ``join`` returns once a thread's Python part is done, while the thread may still run C libraries' exit
+    handlers: MKL's frees the thread's buffers holding its allocator's lock. A process that forks in that moment
+    (the tests' ranks, a DataLoader's workers) copies the lock held, and the child spins forever in its first
+    matrix product: in ``python -m bench.fork_hangs``, about 1 fork in 150 after threads of matrix products, none
+    once they were joined fully.
+    """
+    for thread in threads:
+        thread.join()
+        task, deadline = f"/proc/self/task/{thread.native_id}", time.monotonic() + EXIT_WAIT_S
+        while thread.native_id is not None and os.path.exists(task) and time.monotonic() < deadline:
+            time.sleep(0.0002)
 
 
 class ThreadComm:
