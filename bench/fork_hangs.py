@@ -22,6 +22,7 @@ import torch
 import torch.multiprocessing as mp
 
 from autotp.rewrite.comm import join_fully
+from bench.ranks import stop_ranks
 
 LIMIT_S = 10.0
 THREADS = 6
@@ -61,11 +62,8 @@ def hangs_after(join, rounds: int) -> dict:
         deadline = time.monotonic() + LIMIT_S
         while not context.join(timeout=1) and time.monotonic() < deadline:
             pass
-        alive = [p for p in context.processes if p.is_alive()]
-        hung += bool(alive)
-        for p in alive:
-            p.kill()
-            p.join()
+        hung += any(p.is_alive() for p in context.processes)
+        stop_ranks(context.processes)
         seconds += time.perf_counter() - started
     return {"rounds": rounds, "hung": hung, "seconds": round(seconds, 1)}
 

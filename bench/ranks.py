@@ -116,7 +116,7 @@ def _passive_openmp():
         del os.environ["OMP_WAIT_POLICY"]
 
 
-def _stop(processes) -> None:
+def stop_ranks(processes) -> None:
     """Kill the ranks still running, and reap them: a rank left behind by an interrupted caller would hold its
     cores (and the port) while every later test ran beside it."""
     for process in processes:
@@ -146,7 +146,7 @@ def run_on_ranks(fn: Callable, device: str, threads: list[int], *args, start_met
             while not context.join():
                 pass
         finally:  # a caller's time limit (pytest-timeout) or Ctrl-C interrupts the join: stop the ranks with it
-            _stop(context.processes)
+            stop_ranks(context.processes)
         results = []
         for rank in range(world):
             with open(os.path.join(out, f"rank{rank}.json")) as f:
