@@ -13,7 +13,7 @@ from torch._subclasses import fake_impls
 
 from autotp.capture import capture
 from autotp.capture.shape_kernels import (STAND_INS, _SizedLike, attention_size, linear_size, matmul_size,
-                                          shape_only_kernels)
+                                          no_symbolic_layout_probes, shape_only_kernels)
 from autotp.errors import InternalError
 from bench.shape_kernels import signature
 from tests.test_capture_dynamic import _Windowed
@@ -89,6 +89,25 @@ def test_the_process_is_left_as_it_was_found_even_when_the_trace_fails():
              fake_impls.op_implementations_dict[torch.ops.aten.view.default])
     assert after == before
     assert before[0][torch.ops.aten.matmul.default] is not None  # torch's own Python kernel, put back
+
+
+def test_only_symbolic_outputs_go_without_a_memory_format_and_torch_s_probe_is_put_back():
+    from torch.fx.experimental import proxy_tensor
+    torch_s = proxy_tensor._extract_tensor_metadata
+    model, inputs = nn.Sequential(nn.Linear(8, 8), nn.ReLU()), (torch.randn(2, 8),)
+    with pytest.raises(RuntimeError, match="stop"), no_symbolic_layout_probes():
+        gm = torch.export.export(model, inputs, strict=False, dynamic_shapes=({0: torch.export.Dim.AUTO},)).module()
+        static = torch.export.export(model, inputs, strict=False).module()
+        raise RuntimeError("stop")
+    assert proxy_tensor._extract_tensor_metadata is torch_s
+    def symbolic(node):
+        return any(isinstance(d, torch.SymInt) for d in node.meta["val"].shape)
+
+    metas = [(symbolic(n), n.meta["tensor_meta"].memory_format) for n in gm.graph.nodes if "tensor_meta" in n.meta]
+    assert {f for is_symbolic, f in metas if is_symbolic} == {None}
+    assert {f for is_symbolic, f in metas if not is_symbolic} == {torch.contiguous_format}  # the weights
+    static_formats = [n.meta["tensor_meta"].memory_format for n in static.graph.nodes if "tensor_meta" in n.meta]
+    assert static_formats and set(static_formats) == {torch.contiguous_format}  # torch's own answer
 
 
 def test_shapes_they_do_not_cover_go_to_torch():

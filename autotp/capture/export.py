@@ -42,7 +42,8 @@ from autotp.capture.torch_private import (
     unchanged_module_casts,
     plain_sizes,
 )
-from autotp.capture.shape_kernels import no_cycle_collection, no_stack_traces, shape_only_kernels
+from autotp.capture.shape_kernels import (no_cycle_collection, no_stack_traces, no_symbolic_layout_probes,
+                                          shape_only_kernels)
 from autotp.capture.weight_norms import expand_weight_norms
 from autotp.errors import CaptureError, InputError, TrainingSettingError
 from autotp.passes.graph import MUTATES_META, SHAPE_META
@@ -110,7 +111,7 @@ def _quiet_torch_logs():
 def _export(wrapper: nn.Module, inputs: tuple, dynamic: bool) -> fx.GraphModule:
     """One torch.export attempt; with ``dynamic`` the input dimensions ``dynamic_shapes`` names are Dim.AUTO.
     Attention and batched matmuls learn their output sizes from shape-only kernels (``shape_kernels``)."""
-    with shape_only_kernels(), no_stack_traces(), no_cycle_collection():
+    with shape_only_kernels(), no_stack_traces(), no_symbolic_layout_probes(), no_cycle_collection():
         program = torch.export.export(wrapper, inputs, strict=False,
                                       dynamic_shapes=dynamic_shapes(inputs) if dynamic else None)
     return program.module()
@@ -160,20 +161,23 @@ def _merge_tied_reads(gm: fx.GraphModule, aliases: dict[str, str]) -> None:
     one read per tensor keeps placements, which are keyed by name, consistent.
     """
     kept: dict[int, fx.Node] = {}
+    changed = False
     for node in list(gm.graph.find_nodes(op="get_attr")):
         value = _attr_value(gm, node.target)
         if not isinstance(value, torch.Tensor):
             continue
         name = Captured.param_name(node.target)
         canonical = WRAPPER_PREFIX + aliases.get(name, name)
-        if _attr_value(gm, canonical) is value:
-            node.target = canonical
+        if node.target != canonical and _attr_value(gm, canonical) is value:
+            node.target, changed = canonical, True
         if id(value) in kept:
             node.replace_all_uses_with(kept[id(value)])
             gm.graph.erase_node(node)
+            changed = True
         else:
             kept[id(value)] = node
-    gm.recompile()
+    if changed:  # the graph's code is regenerated only when it changed (a twentieth of a second at 1,000 nodes)
+        gm.recompile()
 
 
 def _record_facts(gm: fx.GraphModule) -> None:

@@ -37,6 +37,7 @@ from torch._C import DispatchKey
 from torch._prims_common import is_contiguous_or_false
 from torch._subclasses import fake_impls
 from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch.fx.experimental import proxy_tensor
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from autotp.capture.view_layout import positive_product, view_layout
@@ -259,6 +260,29 @@ def no_stack_traces():
         yield
     finally:
         tracing_config.do_not_emit_stack_traces = before
+
+
+def _metadata_without_symbolic_layouts(value: torch.Tensor):
+    """torch's ``tensor_meta`` of ``value``, its memory format left unset where a size is symbolic (static
+    tensors keep torch's own)."""
+    symbolic = any(isinstance(d, torch.SymInt) for d in value.shape)
+    return _TORCH_TENSOR_METADATA(value, include_contiguity=not symbolic)
+
+
+_TORCH_TENSOR_METADATA = proxy_tensor._extract_tensor_metadata
+
+
+@contextlib.contextmanager
+def no_symbolic_layout_probes():
+    """Tracing without asking, for every node's output, which of three memory formats its symbolic layout is
+    contiguous in. torch stores the answer in ``node.meta["tensor_meta"]`` for passes that rebuild a tensor from
+    it when the node has no fake value, which export's never lacks; each answer is sympy over the strides (6% of a
+    DeBERTa's capture). autotp reads fake values, never ``tensor_meta``."""
+    proxy_tensor._extract_tensor_metadata = _metadata_without_symbolic_layouts
+    try:
+        yield
+    finally:
+        proxy_tensor._extract_tensor_metadata = _TORCH_TENSOR_METADATA
 
 
 @contextlib.contextmanager
