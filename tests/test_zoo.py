@@ -301,3 +301,17 @@ def test_audio_features_are_as_wide_as_the_first_projection_reads_them():
 
     features = audio_inputs(Stacked())["input_features"]
     assert features.shape[-1] == 64
+
+
+def test_a_model_that_fails_in_its_own_code_is_named_at_the_line(tmp_path):
+    source = tmp_path / "models" / "toy" / "modeling_toy.py"
+    source.parent.mkdir(parents=True)
+    source.write_text("def forward(outputs):\n    return outputs.image_outputs\n")
+    namespace: dict = {}
+    exec(compile(source.read_text(), str(source), "exec"), namespace)
+    try:
+        namespace["forward"](object())
+    except AttributeError as e:
+        reason = zoo._build_reason(e)
+    assert reason == ("AttributeError: 'object' object has no attribute 'image_outputs' "
+                      "(raised by the model's own code, modeling_toy.py:2)")

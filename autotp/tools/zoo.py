@@ -12,10 +12,12 @@ Each runs through ``autotp.check`` (every rank simulated, one training step comp
 from __future__ import annotations
 
 import copy
+import os
 import re
 import signal
 import sys
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
@@ -270,7 +272,19 @@ def _build_reason(e: BaseException) -> str:
     (transformers' message, or a module not found) is named alone; else the error's own line."""
     found = _MISSING_LIBRARY.search(str(e)) if isinstance(e, ImportError) else None
     library = found[1] if found else getattr(e, "name", None) if isinstance(e, ModuleNotFoundError) else None
-    return f"needs the {library} library, not installed" if library else _line(e)
+    if library:
+        return f"needs the {library} library, not installed"
+    where = _raised_in_model_code(e)
+    return _line(e) + (f" (raised by the model's own code, {where})" if where else "")
+
+
+def _raised_in_model_code(e: BaseException) -> str | None:
+    """``file:line`` of the deepest frame of the traceback in a model's own source (a file of a ``models``
+    package, as transformers' ``models/<type>/modeling_<type>.py``): where the model itself gave up, whatever the
+    zoo's builder did before."""
+    frames = traceback.extract_tb(e.__traceback__)
+    own = [f for f in frames if f"{os.sep}models{os.sep}" in f.filename and "autotp" not in f.filename]
+    return f"{os.path.basename(own[-1].filename)}:{own[-1].lineno}" if own else None
 
 
 def _line(e: BaseException) -> str:
