@@ -144,6 +144,25 @@ class EinsumLM(nn.Module):
         return self.head(x + self.down(torch.relu(self.up(x))))
 
 
+class ClampedCoefficientsLM(nn.Module):
+    """Gemma 3n's AltUp pattern: in training, the forward clamps a projection's weight in place through
+    ``.data`` (outside autograd) before using it; the clip is tight, so it changes every step's weights. The
+    clamped projection opens the MLP, so it is split by columns and each rank clamps its shard."""
+
+    CLIP = 0.02
+
+    def __init__(self, dim: int = 64):
+        super().__init__()
+        self.embed, self.up = nn.Embedding(VOCAB, dim), nn.Linear(dim, 2 * dim)
+        self.down, self.head = nn.Linear(2 * dim, dim), nn.Linear(dim, VOCAB)
+
+    def forward(self, ids):
+        if self.training:
+            self.up.weight.data.clamp_(-self.CLIP, self.CLIP)
+        x = self.embed(ids)
+        return self.head(x + self.down(torch.relu(self.up(x))))
+
+
 def _ids(batch: int, seq: int, seed: int) -> dict[str, torch.Tensor]:
     return {"input_ids": models.tokens(batch, seq, seed)}
 
@@ -220,6 +239,8 @@ CASES = {
         lambda: conv_models.ConvLM(VOCAB), _positional, (
             "conv1.weight", "conv2.weight", "block.conv1.weight", "block.bn1.weight", "block.conv2.weight",
             "expand.weight", "bn.weight", "depthwise.weight", "norm.weight", "project.weight")),
+    "a weight clamped in place through .data (Gemma 3n's AltUp)": Case(
+        ClampedCoefficientsLM, _positional, ("up.weight", "down.weight")),
     "weight-normed grouped convolution split by groups": Case(
         lambda: conv_models.PositionalConvLM(VOCAB), _positional, (
             "pos_conv.parametrizations.weight.original1", "pos_conv.bias", "up.weight", "down.weight")),

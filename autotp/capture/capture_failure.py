@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import traceback
-from collections.abc import Callable
 from typing import NoReturn
 
 import torch
@@ -18,21 +17,18 @@ from torch import nn
 
 from autotp.capture.examples import ExampleInputs
 from autotp.capture.guards import training_branch_settings, training_setting_error
-from autotp.capture.weight_writes import FAKE_CONSTANT, weight_write
 from autotp.errors import CaptureError, InputError
 
 
 def raise_capture_failure(model: nn.Module, example: ExampleInputs, errors: list[tuple[bool | None, Exception]],
-                          training: bool | None, rerun: Callable[[], object]) -> NoReturn:
+                          training: bool | None) -> NoReturn:
     """Raise the error for a capture of ``model`` on ``example`` that failed with ``errors`` (whether the attempt
     was dynamic, or None for the branch-taking fallback, and what it raised), captured for ``training`` (None: in
-    the mode the model is in). ``rerun()`` runs the forward on the example again, in that mode, to find a write
-    into the weights."""
+    the mode the model is in)."""
     config = getattr(model, "config", None)  # a transformers model's settings, which a refusal may name
     fallback = next((e for dynamic, e in errors if dynamic is None), None)
     _, err = [(d, e) for d, e in errors if d is not None][-1]
     _refuse_float_ids(example, err)
-    _refuse_weight_writes(model, rerun, training, err)
     first_line = (str(err).strip().splitlines() or [type(err).__name__])[0]
     settings = training_branch_settings(err, config)
     if settings:  # the failure is in training-only code a setting switches on: that setting is the fix
@@ -74,14 +70,3 @@ def _refuse_float_ids(example: ExampleInputs, err: Exception) -> None:
                          "torch.long ids (ids.long())") from None
 
 
-def _refuse_weight_writes(model: nn.Module, rerun: Callable[[], object], training: bool | None,
-                          err: Exception) -> None:
-    """A forward that writes into a parameter's ``.data``: refused naming the parameter and the line (torch's own
-    error names only a lifted constant)."""
-    if FAKE_CONSTANT not in str(err):
-        return
-    where = weight_write(model, rerun)
-    if where:
-        raise CaptureError(f"cannot capture {type(model).__name__}{' for training' if training else ''}: {where}, an "
-                           "update of its weights no captured graph can replay; capture it in eval mode (for "
-                           "inference), or make the update a step after the optimizer's") from err

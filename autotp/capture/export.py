@@ -45,6 +45,7 @@ from autotp.capture.torch_private import (
 from autotp.capture.shape_kernels import (no_cycle_collection, no_stack_traces, no_symbolic_layout_probes,
                                           shape_only_kernels)
 from autotp.capture.weight_norms import expand_weight_norms
+from autotp.capture.weight_writes import data_as_no_grad, read_parameters_past_writes
 from autotp.errors import CaptureError, InputError, TrainingSettingError
 from autotp.passes.graph import MUTATES_META, SHAPE_META
 
@@ -63,7 +64,8 @@ class _CaptureWrapper(nn.Module):
 
     def forward(self, *inputs):  # the graph's placeholders are named after this: inputs_0, inputs_1, ...
         kwargs = dict(zip(self.keywords, inputs[self.positional:]))
-        return self.model(*inputs[:self.positional], **kwargs, **self.fixed_kwargs)
+        with data_as_no_grad():  # entered inside the forward: torch.export's tracing hides outer modes from it
+            return self.model(*inputs[:self.positional], **kwargs, **self.fixed_kwargs)
 
 
 def model_kwargs(model: nn.Module) -> dict:
@@ -241,12 +243,6 @@ def _in_mode(model: nn.Module, training: bool | None):
             module.training = flag
 
 
-def _called_in_mode(model: nn.Module, training: bool | None, wrapper: nn.Module, inputs: tuple):
-    """The wrapped forward on ``inputs``, run with ``model`` in the capture's mode."""
-    with _in_mode(model, training):
-        return wrapper(*inputs)
-
-
 def capture(model: nn.Module, example_inputs, training: bool | None = None) -> Captured:
     """Capture ``model`` on ``example_inputs`` with torch.export (dynamic sizes, then static).
 
@@ -290,10 +286,11 @@ def capture(model: nn.Module, example_inputs, training: bool | None = None) -> C
         except Exception as e:  # the fallback failed too: report the plain capture's error, and the fallback's
             gm, errors = None, errors + [(None, e)]
     if gm is None:
-        raise_capture_failure(model, example, errors, training, lambda: _called_in_mode(model, training, wrapper, inputs))
+        raise_capture_failure(model, example, errors, training)
     signature = Signature.of(model)
     _check_inputs_read(gm, example, signature)
     inline_no_grad(gm)
+    read_parameters_past_writes(gm)
     out_of_place_draws(gm)
     expand_weight_norms(gm)
     aliases = tensor_aliases(model)

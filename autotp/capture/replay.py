@@ -23,6 +23,7 @@ import torch
 from torch import fx, nn
 from torch.utils._pytree import tree_leaves
 
+from autotp.capture.weight_writes import written_parameters
 from autotp.errors import AutotpError, CaptureError, InputError
 
 SEED = 0
@@ -180,11 +181,14 @@ def _tensor_attributes_restored(model: nn.Module):
 
 @contextlib.contextmanager
 def _buffers_restored(*modules: nn.Module):
-    """Every buffer of ``modules`` as it was before the body (a train-mode forward updates running statistics)."""
+    """Every buffer of ``modules`` as it was before the body (a train-mode forward updates running statistics),
+    and every parameter a graph among them writes in place (its model's forward does too, outside autograd)."""
     saved = {}
     for module in modules:
         for buffer in module.buffers():
             saved.setdefault(id(buffer), (buffer, buffer.detach().clone()))
+        for parameter in written_parameters(module) if isinstance(module, fx.GraphModule) else ():
+            saved.setdefault(id(parameter), (parameter, parameter.detach().clone()))
     try:
         yield
     finally:

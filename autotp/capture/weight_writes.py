@@ -1,11 +1,18 @@
-"""Why a capture failed on a forward that writes into a parameter's ``.data``.
+"""Forwards that write into a parameter's ``.data``: captured as no-grad writes, or said why not.
 
 Some forwards change their own weights outside autograd while training (Gemma 3n's AltUp clamps its coefficient
-matrix in place, ``self.prediction_coefs.weight.data.clamp_(...)``, each training step): an update no captured
-graph can express, which torch.export reports only as "a fake tensor in the exported program constant's list".
-``weight_write`` finds the write by running the forward once more, eagerly, stopped just before it (nothing of the
-model changes: the write is not made, buffers and random generators are restored), and names the parameter and
-the model's line.
+matrix in place, ``self.prediction_coefs.weight.data.clamp_(...)``, each training step). torch.export cannot trace
+``.data`` (its result is a tensor made outside the trace, reported as "a fake tensor in the exported program
+constant's list"), but it traces what ``.data`` means: a view of the parameter that autograd does not see.
+``data_as_no_grad`` (open while the forward is traced) reads ``parameter.data`` as ``parameter.detach()`` and
+makes an in-place op on that view on the parameter itself under ``torch.no_grad()``: the graph then writes the
+parameter in place without gradient, as the model does, and the ops after it read the written value (the
+parameter, a leaf, still gets the whole gradient). Run on a rank's shard, an elementwise write is the whole
+write's shard; the planner keeps a parameter written in place by any other op whole.
+
+``p.data = value`` (same size and type) is ``p.copy_(value)`` under ``torch.no_grad()`` alike. A write into a
+part of ``p.data`` (``p.data[0].zero_()``) is refused, naming the model's line: on a rank holding a shard, the
+part is not the one the model means.
 """
 
 from __future__ import annotations
@@ -14,36 +21,111 @@ import os
 import traceback
 
 import torch
-from torch import nn
+from torch import fx
 from torch.overrides import TorchFunctionMode
 
-FAKE_CONSTANT = "fake tensor in the exported program constant"
-"""The words of torch.export's error for a tensor made outside the trace, as ``.data`` of a parameter is."""
+from autotp.errors import CaptureError
+
+_DATA = torch._C.TensorBase.data
+"""The ``.data`` descriptor: a read of it reaches a torch function mode as its ``__get__``."""
 
 
-class _Stop(Exception):
-    """Raised at the write, so the forward stops before making it."""
+def _on_data(func, args, method: str) -> bool:
+    """Whether ``func(*args)`` is ``method`` (``__get__``, ``__set__``) of ``.data`` on a parameter (a leaf that
+    requires grad)."""
+    return getattr(func, "__self__", None) is _DATA and getattr(func, "__name__", "") == method and bool(args) \
+        and isinstance(args[0], torch.Tensor) and args[0].is_leaf and args[0].requires_grad
 
 
-class _WatchData(TorchFunctionMode):
-    """Records each ``parameter.data`` read, and stops at the first in-place op on one (its name and the line)."""
+def _in_place(func) -> bool:
+    name = getattr(func, "__name__", "")
+    return name.endswith("_") and not name.endswith("__")
 
-    def __init__(self, names: dict[int, str]):
+
+class data_as_no_grad(TorchFunctionMode):
+    """While open: ``p.data`` of a parameter (a leaf that requires grad) is ``p.detach()``, an in-place op on
+    that view is made on ``p`` under ``torch.no_grad()``, and ``p.data = value`` is ``p.copy_(value)`` under
+    ``torch.no_grad()`` (see the module's docstring). Other tensors' ``.data`` is torch's."""
+
+    def __init__(self):
         super().__init__()
-        self.names, self.views = names, {}
-        self.kept: list[torch.Tensor] = []  # the views read, alive while recorded (an id is not reused)
-        self.found: tuple[str, str, str] | None = None
+        self.owners: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(view) -> (view, parameter)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        name = getattr(func, "__name__", "")
-        if name.endswith("_") and not name.endswith("__") and args and id(args[0]) in self.views:
-            self.found = (self.views[id(args[0])], name, _user_line())
-            raise _Stop
-        out = func(*args, **(kwargs or {}))
-        if name == "__get__" and args and id(args[0]) in self.names and isinstance(out, torch.Tensor):
-            self.views[id(out)] = self.names[id(args[0])]
-            self.kept.append(out)
-        return out
+        kwargs = kwargs or {}
+        if _on_data(func, args, "__get__"):
+            view = args[0].detach()
+            self.owners[id(view)] = (view, args[0])  # the view is kept alive here, so its id is not reused
+            return view
+        if _on_data(func, args, "__set__"):  # p.data = value: p holds value's elements from here on
+            parameter, value = args[0], args[1]
+            if not isinstance(value, torch.Tensor) or value.shape != parameter.shape or value.dtype != parameter.dtype:
+                raise CaptureError(f"the forward replaces a parameter's .data with a tensor of another size or type "
+                                   f"({tuple(parameter.shape)} {parameter.dtype} -> {getattr(value, 'shape', value)}): a "
+                                   "captured graph cannot change its parameters' sizes; write it in place instead")
+            with torch.no_grad():
+                parameter.copy_(value)
+            return None
+        if args and isinstance(args[0], torch.Tensor) and _in_place(func):
+            owner = self.owners.get(id(args[0]))
+            if owner is not None and owner[0] is args[0]:
+                with torch.no_grad():
+                    func(owner[1], *args[1:], **kwargs)
+                return owner[0]
+            self._refuse_partial_write(func, args[0])
+        return func(*args, **kwargs)
+
+    def _refuse_partial_write(self, func, target: torch.Tensor) -> None:
+        """Raise if ``target`` shares a ``.data`` view's storage without being it or its parameter."""
+        storage = target.untyped_storage()._cdata
+        for view, parameter in self.owners.values():
+            if target is not parameter and view.untyped_storage()._cdata == storage:
+                raise CaptureError(f"the forward writes in place into a part of a parameter's .data "
+                                   f"({func.__name__} at {_user_line()}): autotp captures writes to the whole "
+                                   ".data only (on a rank holding a shard, a part is not the model's part); "
+                                   "write the whole parameter, or capture the model in eval mode for inference")
+
+
+def _parameter_writes(gm: fx.GraphModule) -> list[tuple[fx.Node, fx.Node]]:
+    """(the op, the parameter's ``get_attr``) for every op of ``gm``'s graph that writes a parameter in place."""
+    out = []
+    for node in gm.graph.nodes:
+        schema = getattr(node.target, "_schema", None)
+        if node.op != "call_function" or schema is None or not node.args or not schema.arguments:
+            continue
+        first, target = schema.arguments[0], node.args[0]
+        if first.alias_info is not None and first.alias_info.is_write and isinstance(target, fx.Node) \
+                and target.op == "get_attr" and _is_parameter(gm, target.target):
+            out.append((node, target))
+    return out
+
+
+def _is_parameter(gm: fx.GraphModule, target: str) -> bool:
+    owner, _, name = target.rpartition(".")
+    return name in gm.get_submodule(owner)._parameters
+
+
+def written_parameters(gm: fx.GraphModule) -> list[torch.Tensor]:
+    """The parameters of ``gm`` an op of its graph writes in place (``data_as_no_grad``'s writes)."""
+    out: list[torch.Tensor] = []
+    for _, target in _parameter_writes(gm):
+        value = gm.get_parameter(target.target)
+        if all(value is not seen for seen in out):
+            out.append(value)
+    return out
+
+
+def read_parameters_past_writes(gm: fx.GraphModule) -> int:
+    """Make the ops after an in-place write to a parameter read the parameter's ``get_attr``, not the write's
+    output (the same tensor: an in-place op returns its input), so a projection reading the written weight is
+    seen as one; the write stays where it was, before them (an op that writes is never dropped as dead code).
+    Returns how many writes were."""
+    writes = _parameter_writes(gm)
+    for node, target in writes:
+        node.replace_all_uses_with(target)
+    if writes:
+        gm.recompile()
+    return len(writes)
 
 
 def _user_line() -> str:
@@ -54,26 +136,3 @@ def _user_line() -> str:
         return "inside torch"
     f = frames[-1]
     return f"{os.path.basename(f.filename)}:{f.lineno} `{(f.line or '').strip()}`"
-
-
-def weight_write(model: nn.Module, call) -> str | None:
-    """Where ``call()`` (the model's forward on the example) writes into a parameter's ``.data`` in place, in one
-    line (the parameter, the op, the model's line); None if it does not. ``model`` is left as it was."""
-    names = {id(p): n for n, p in model.named_parameters()}
-    buffers = [(b, b.detach().clone()) for b in model.buffers()]
-    watch = _WatchData(names)
-    with torch.random.fork_rng(devices=[]), torch.no_grad():
-        try:
-            with watch:
-                call()
-        except _Stop:
-            pass
-        except Exception:  # the forward failing for another reason: no write found
-            return None
-        finally:
-            for buffer, saved in buffers:
-                buffer.copy_(saved)
-    if watch.found is None:
-        return None
-    name, op, line = watch.found
-    return f"the forward changes parameter {name} in place outside autograd ({op} on its .data at {line})"
