@@ -11,6 +11,8 @@ import autotp
 from autotp.capture import capture
 from autotp.errors import CaptureError
 from tests import models
+from tests.distributed import run_on_ranks
+from tests.workers import ADAM
 from tests.structures_workers import ClampedCoefficientsLM
 
 
@@ -62,23 +64,87 @@ def test_a_data_read_is_a_detached_read():
     assert report.exact, report
 
 
-class _DataAssigned(nn.Module):
-    def __init__(self, rows: int = 16):
+class _DataWrites(nn.Module):
+    def __init__(self, write):
         super().__init__()
-        self.up, self.down, self.rows = nn.Linear(16, 64), nn.Linear(64, 16), rows
+        self.up, self.down, self.write = nn.Linear(16, 64), nn.Linear(64, 16), write
 
     def forward(self, x):
-        self.up.weight.data = self.up.weight.data[:self.rows].clamp(-0.05, 0.05)
+        self.write(self.up.weight)
         return self.down(torch.relu(self.up(x)))
 
 
-def test_a_data_assignment_is_a_no_grad_copy_and_one_of_another_size_is_refused():
-    torch.manual_seed(0)
-    model = _DataAssigned(rows=64)
+def _assign(weight):
+    weight.data = weight.data.clamp(-0.05, 0.05)
+
+
+@pytest.mark.parametrize("write, refused", [
+    (lambda w: w.data.mul_(0.99), "with mul_"),  # repeated by a pipeline's microbatches, it would compound
+    (lambda w: w.data.clamp_(-w.data.abs().mean(), 0.1), "with clamp_"),  # a bound that is a tensor
+    (_assign, r"replaces a parameter's \.data \(p\.data = \.\.\.\)"),
+    (lambda w: w.data[0].zero_(), r"into a part of a parameter's \.data \(zero_\)"),
+], ids=["mul_", "tensor-bound", "assigned", "part"])
+def test_a_write_that_is_not_a_repeatable_whole_write_is_refused_naming_the_line(write, refused):
+    model = _DataWrites(write)
     before = model.up.weight.detach().clone()
-    assert before.abs().max() > 0.1
-    report = autotp.check(model, 2, torch.randn(2, 5, 16))
-    assert report.exact, report
+    with pytest.raises(CaptureError, match=refused + r" at test_weight_writes\.py:\d+"):
+        capture(model, torch.randn(2, 5, 16), training=True)
     assert torch.equal(model.up.weight, before)
-    with pytest.raises(CaptureError, match="another size"):
-        capture(_DataAssigned(rows=8), torch.randn(2, 5, 16), training=True)
+
+
+class _Block(nn.Module):
+    def __init__(self, dim: int = 64):
+        super().__init__()
+        self.up, self.down = nn.Linear(dim, 2 * dim), nn.Linear(2 * dim, dim)
+
+    def forward(self, x):
+        if self.training:
+            self.up.weight.data.clamp_(-0.02, 0.02)  # in the block: written where it is read
+        return x + self.down(torch.relu(self.up(x)))
+
+
+class _PipelinedLM(nn.Module):
+    """Four clamping blocks; the top-level forward also clamps the last block's ``down`` weight, which a
+    two-stage pipeline holds in its second stage."""
+
+    def __init__(self, dim: int = 64):
+        super().__init__()
+        self.embed, self.head = nn.Embedding(models.VOCAB, dim), nn.Linear(dim, models.VOCAB)
+        self.blocks = nn.ModuleList(_Block(dim) for _ in range(4))
+
+    def forward(self, ids):
+        if self.training:
+            self.blocks[3].down.weight.data.clamp_(-0.01, 0.01)
+        x = self.embed(ids)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def _pipelined(rank: int, world: int) -> list:
+    """Two AdamW steps of ``_PipelinedLM`` at pp=2 (1F1B, 4 microbatches: each stage writes once per microbatch)
+    against the unsharded model: every loss and every parameter after."""
+    torch.manual_seed(0)
+    ref = _PipelinedLM()
+    pm = autotp.parallelize(ref, tp=1, pp=world, example_inputs=_ids(), microbatches=4, schedule="1f1b")
+    x, y = models.tokens(8, 12, seed=2), models.tokens(8, 12, seed=3)
+
+    def loss_fn(out, target):
+        return nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), target.reshape(-1))
+
+    opt, ref_opt = torch.optim.AdamW(pm.parameters(), **ADAM), torch.optim.AdamW(ref.parameters(), **ADAM)
+    for _ in range(2):
+        loss, ref_loss = pm.step(x, target=y, loss_fn=loss_fn), loss_fn(ref(x), y)
+        ref_loss.backward()
+        torch.testing.assert_close(loss, ref_loss.detach(), rtol=1e-5, atol=0)
+        opt.step(), ref_opt.step()
+        opt.zero_grad(), ref_opt.zero_grad()
+    full = pm.full_state_dict()
+    for key, want in ref.state_dict().items():
+        torch.testing.assert_close(full[key], want, rtol=1e-5, atol=1e-5, msg=lambda m: f"{key}: {m}")
+    return [list(stage.modules) for stage in pm.plan.stages]
+
+
+def test_a_pipeline_writes_each_weight_in_the_stage_that_reads_it_once_per_microbatch_exactly():
+    stages = run_on_ranks(_pipelined, 2)[0]
+    assert "blocks.3" in stages[1] and "blocks.3" not in stages[0]

@@ -10,9 +10,10 @@ parameter in place without gradient, as the model does, and the ops after it rea
 parameter, a leaf, still gets the whole gradient). Run on a rank's shard, an elementwise write is the whole
 write's shard; the planner keeps a parameter written in place by any other op whole.
 
-``p.data = value`` (same size and type) is ``p.copy_(value)`` under ``torch.no_grad()`` alike. A write into a
-part of ``p.data`` (``p.data[0].zero_()``) is refused, naming the model's line: on a rank holding a shard, the
-part is not the one the model means.
+Only writes of the whole ``.data`` that give the same weights when repeated are captured (``REPEATABLE_WRITES``:
+clamps, fills); any other (a write into a part, ``p.data[0].zero_()``, which on a rank holding a shard is not
+the model's part; ``mul_``, which a pipeline's microbatches would repeat; ``p.data = value``) is refused, naming
+the model's line.
 """
 
 from __future__ import annotations
@@ -42,10 +43,16 @@ def _in_place(func) -> bool:
     return name.endswith("_") and not name.endswith("__")
 
 
+REPEATABLE_WRITES = frozenset({"clamp_", "clamp_min_", "clamp_max_", "fill_", "zero_"})
+"""In-place ops that give the same weights when repeated, with plain-number arguments: the only ``.data`` writes
+captured. A pipeline stage runs the forward once per microbatch and a recomputed block runs its part again, where
+the model runs it once a step: a clamp of clamped weights changes nothing, a second ``mul_(0.99)`` would."""
+
+
 class data_as_no_grad(TorchFunctionMode):
-    """While open: ``p.data`` of a parameter (a leaf that requires grad) is ``p.detach()``, an in-place op on
-    that view is made on ``p`` under ``torch.no_grad()``, and ``p.data = value`` is ``p.copy_(value)`` under
-    ``torch.no_grad()`` (see the module's docstring). Other tensors' ``.data`` is torch's."""
+    """While open: ``p.data`` of a parameter (a leaf that requires grad) is ``p.detach()``, and a repeatable
+    in-place op on that view (``REPEATABLE_WRITES``) is made on ``p`` under ``torch.no_grad()`` (see the module's
+    docstring); any other write into ``p.data`` is refused. Other tensors' ``.data`` is torch's."""
 
     def __init__(self):
         super().__init__()
@@ -57,18 +64,13 @@ class data_as_no_grad(TorchFunctionMode):
             view = args[0].detach()
             self.owners[id(view)] = (view, args[0])  # the view is kept alive here, so its id is not reused
             return view
-        if _on_data(func, args, "__set__"):  # p.data = value: p holds value's elements from here on
-            parameter, value = args[0], args[1]
-            if not isinstance(value, torch.Tensor) or value.shape != parameter.shape or value.dtype != parameter.dtype:
-                raise CaptureError(f"the forward replaces a parameter's .data with a tensor of another size or type "
-                                   f"({tuple(parameter.shape)} {parameter.dtype} -> {getattr(value, 'shape', value)}): a "
-                                   "captured graph cannot change its parameters' sizes; write it in place instead")
-            with torch.no_grad():
-                parameter.copy_(value)
-            return None
+        if _on_data(func, args, "__set__"):
+            raise CaptureError(_refusal("replaces a parameter's .data (p.data = ...)"))
         if args and isinstance(args[0], torch.Tensor) and _in_place(func):
             owner = self.owners.get(id(args[0]))
             if owner is not None and owner[0] is args[0]:
+                if func.__name__ not in REPEATABLE_WRITES or _any_tensor(args[1:], kwargs):
+                    raise CaptureError(_refusal(f"writes a parameter's .data with {func.__name__}"))
                 with torch.no_grad():
                     func(owner[1], *args[1:], **kwargs)
                 return owner[0]
@@ -80,13 +82,22 @@ class data_as_no_grad(TorchFunctionMode):
         storage = target.untyped_storage()._cdata
         for view, parameter in self.owners.values():
             if target is not parameter and view.untyped_storage()._cdata == storage:
-                raise CaptureError(f"the forward writes in place into a part of a parameter's .data "
-                                   f"({func.__name__} at {_user_line()}): autotp captures writes to the whole "
-                                   ".data only (on a rank holding a shard, a part is not the model's part); "
-                                   "write the whole parameter, or capture the model in eval mode for inference")
+                raise CaptureError(_refusal(f"writes into a part of a parameter's .data ({func.__name__})"))
 
 
-def _parameter_writes(gm: fx.GraphModule) -> list[tuple[fx.Node, fx.Node]]:
+def _any_tensor(args, kwargs) -> bool:
+    return any(isinstance(a, torch.Tensor) for a in (*args, *kwargs.values()))
+
+
+def _refusal(what: str) -> str:
+    """Why a write into a parameter's ``.data`` is not captured, with the model's line and what to do."""
+    return (f"the forward {what} at {_user_line()}: autotp captures only writes of the whole .data that give the "
+            f"same weights when repeated ({', '.join(sorted(REPEATABLE_WRITES))} by plain numbers): a rank holds a "
+            "shard, and a pipeline stage or a recomputed block runs the forward more than once a step. Make the "
+            "update a step after the optimizer's, or capture the model in eval mode for inference")
+
+
+def parameter_writes(gm: fx.GraphModule) -> list[tuple[fx.Node, fx.Node]]:
     """(the op, the parameter's ``get_attr``) for every op of ``gm``'s graph that writes a parameter in place."""
     out = []
     for node in gm.graph.nodes:
@@ -108,7 +119,7 @@ def _is_parameter(gm: fx.GraphModule, target: str) -> bool:
 def written_parameters(gm: fx.GraphModule) -> list[torch.Tensor]:
     """The parameters of ``gm`` an op of its graph writes in place (``data_as_no_grad``'s writes)."""
     out: list[torch.Tensor] = []
-    for _, target in _parameter_writes(gm):
+    for _, target in parameter_writes(gm):
         value = gm.get_parameter(target.target)
         if all(value is not seen for seen in out):
             out.append(value)
@@ -120,7 +131,7 @@ def read_parameters_past_writes(gm: fx.GraphModule) -> int:
     output (the same tensor: an in-place op returns its input), so a projection reading the written weight is
     seen as one; the write stays where it was, before them (an op that writes is never dropped as dead code).
     Returns how many writes were."""
-    writes = _parameter_writes(gm)
+    writes = parameter_writes(gm)
     for node, target in writes:
         node.replace_all_uses_with(target)
     if writes:

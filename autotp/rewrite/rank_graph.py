@@ -29,6 +29,7 @@ from autotp.rewrite.collectives import (
 )
 from autotp.rewrite.columns import OverlappedColumnLinear, Regather, RegatheredLinear
 from autotp.rewrite.comm import Communicator
+from autotp.rewrite.data_writes import write_through_data
 from autotp.rewrite.graph_edit import (
     STANDS_FOR,
     copy_graph_module,
@@ -268,6 +269,7 @@ def build_graph(captured: Captured, plan: Plan, rank: int, comm: Communicator | 
         layouts = prop.layouts
     if stream is not None:
         replace_random_ops(gm, layouts, stream, rank, plan.tp)
+    write_through_data(gm)
     return gm
 
 

@@ -20,6 +20,7 @@ from autotp.passes.analysis import Analysis
 from autotp.passes.cuts import Cut, find_cuts, module_starts, unit_index
 from autotp.passes.graph import grad_nodes
 from autotp.planning.plan import Plan
+from autotp.rewrite.data_writes import stage_of_writes
 
 HIDDEN = "autotp_hidden"
 
@@ -133,7 +134,7 @@ def split_stages(gm: fx.GraphModule, analysis: Analysis, plan: Plan, indices: li
     """
     bounds = stage_boundaries(analysis, plan)
     position = {n.name: i for i, n in enumerate(analysis.graph.nodes)}
-    stage_of = unit_of_nodes(gm, position, bounds.cuts)
+    stage_of = stage_of_writes(gm, unit_of_nodes(gm, position, bounds.cuts))
     grad = grad_nodes(gm.graph, analysis.trainable)
     out = []
     for index in indices:
