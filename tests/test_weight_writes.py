@@ -148,3 +148,32 @@ def _pipelined(rank: int, world: int) -> list:
 def test_a_pipeline_writes_each_weight_in_the_stage_that_reads_it_once_per_microbatch_exactly():
     stages = run_on_ranks(_pipelined, 2)[0]
     assert "blocks.3" in stages[1] and "blocks.3" not in stages[0]
+
+
+def _data_parallel(rank: int, world: int, mode: str) -> None:
+    """Two AdamW steps of ClampedCoefficientsLM on ``world`` replicas, each on its half of the batch, against one
+    process on the whole batch: FSDP's forward reads all-gathered weights, and the stored shards must be written
+    as the unsharded model's weights are."""
+    torch.manual_seed(0)
+    ref = ClampedCoefficientsLM()
+    pm = autotp.parallelize(ref, tp=1, dp=world, dp_mode=mode, example_inputs=_ids())
+    x, y = models.tokens(8, 12, seed=2), models.tokens(8, 12, seed=3)
+    rows = slice(pm.dp_rank * 8 // world, (pm.dp_rank + 1) * 8 // world)
+
+    def loss_fn(out, target):
+        return nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), target.reshape(-1))
+
+    opt, ref_opt = torch.optim.AdamW(pm.parameters(), **ADAM), torch.optim.AdamW(ref.parameters(), **ADAM)
+    for _ in range(2):
+        pm.step(x[rows], target=y[rows], loss_fn=loss_fn)
+        loss_fn(ref(x), y).backward()
+        opt.step(), ref_opt.step()
+        opt.zero_grad(), ref_opt.zero_grad()
+    full = pm.full_state_dict()
+    for key, want in ref.state_dict().items():
+        torch.testing.assert_close(full[key], want, rtol=1e-5, atol=1e-5, msg=lambda m: f"{mode} {key}: {m}")
+
+
+@pytest.mark.parametrize("mode", ["fsdp", "replicate"])
+def test_data_parallel_replicas_write_their_weights_as_the_model_does(mode):
+    run_on_ranks(_data_parallel, 2, mode)

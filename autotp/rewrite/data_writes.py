@@ -8,6 +8,8 @@ its version counter: the rank's graph writes through it, as the model does.
 
 In a pipeline, a write runs in the stage that reads the parameter (``stage_of_writes``), wherever the forward made
 it: a write in the model's top-level forward to a weight of a later layer would otherwise write stage 0's copy.
+Under FSDP the graph writes the all-gathered weight, which is dropped after the forward; ``write_shards`` makes
+the same writes on the stored shards first (an elementwise write of a shard is the shard of the write).
 """
 
 from __future__ import annotations
@@ -56,3 +58,10 @@ def stage_of_writes(gm: fx.GraphModule, stage_of: dict[str, int]) -> dict[str, i
         if stages:
             out[write.name] = out[write.args[0].name] = stages.pop()
     return out
+
+
+def write_shards(gm: fx.GraphModule, local) -> None:
+    """Make ``gm``'s writes to its parameters on ``local(parameter)`` (this rank's stored piece of it) instead."""
+    with torch.no_grad():
+        for write, parameter in data_writes(gm):
+            write.target(local(gm.get_parameter(parameter.target)).data, *write.args[1:], **write.kwargs)

@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from autotp.errors import InputError
 from autotp.options import DataParallelMode
+from autotp.rewrite.data_writes import data_writes, write_shards
 from autotp.runtime.mesh import Mesh
 
 BUCKET_BYTES = 25 * 2**20
@@ -44,6 +45,13 @@ class ShardedUnit(nn.Module):
     def forward(self, *inputs):
         """The train- or eval-mode graph's output, as the unit's mode says."""
         return (self.train_graph if self.training else self.eval_graph)(*inputs)
+
+
+def _write_shards(unit: ShardedUnit, inputs) -> None:
+    """The train graph's writes to its weights (a forward's ``p.data.clamp_``), made on the stored shards: the
+    graph makes them on the all-gathered weights, which FSDP drops after the forward."""
+    if unit.training:
+        write_shards(unit.train_graph, local)
 
 
 def local(tensor: torch.Tensor) -> torch.Tensor:
@@ -84,6 +92,8 @@ class DataParallel:
         # so after a forward with no backward (an evaluation, a forward before the optimizer is made)
         # ``parameters()`` would hand out the whole tensors instead of the shards.
         fully_shard(unit, mesh=self.mesh.dp_mesh, reshard_after_forward=True)
+        if data_writes(train_graph):  # before FSDP's own pre-forward hook gathers the shards
+            unit.register_forward_pre_hook(_write_shards, prepend=True)
         return unit
 
     def average_gradients(self, params: Iterable[nn.Parameter]) -> None:
