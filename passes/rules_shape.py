@@ -224,12 +224,15 @@ def cat(node: fx.Node, ins: Inputs, ctx: Context) -> Decision:
     """cat along a dim other than the shard dim (RoPE's rotate_half), or along it when every part is split
     there: each rank's parts side by side are its chunk of every part, the parts becoming segments (Q, K and V
     concatenated before a short convolution)."""
+    # an empty 1-D part is skipped by torch.cat whatever the others' ranks (a transformers cache's first keys):
+    # any layout will do for it, and every rank skips it alike
+    ins = {p: (n, lay) for p, (n, lay) in ins.items() if not _skipped_by_cat(n, node)}
     sharded = sharded_inputs(ins)
     if not sharded:
         return Decision(None)
     lays = {lay for _, _, lay in sharded}
     if any(rank(n) != rank(node) for n, _ in ins.values()):
-        return replicate_all(node, ins, ctx)  # a part of another rank (an empty 1-D tensor, which torch.cat skips)
+        return replicate_all(node, ins, ctx)
     dim = norm_dim(arg_or_default(node, 1, "dim", 0), rank(node))
     # a whole part no gradient reaches (BEiT's zero key bias between split query and value biases) is sliced
     # for free, as if split there
@@ -243,6 +246,11 @@ def cat(node: fx.Node, ins: Inputs, ctx: Context) -> Decision:
         return replicate_all(node, ins, ctx)
     lay = lays.pop()
     return Decision(lay, wants=join(node, ins, ctx, lay.dim, lay.segments, replicas=lay.replicas))
+
+
+def _skipped_by_cat(part: fx.Node, node: fx.Node) -> bool:
+    """Whether ``part`` is an empty 1-D tensor concatenated with tensors of more dims, which torch.cat skips."""
+    return rank(part) == 1 and rank(node) != 1 and sizes(part)[0] == 0
 
 
 def stack(node: fx.Node, ins: Inputs, ctx: Context) -> Decision:

@@ -385,3 +385,30 @@ class EnableGQA(nn.Module):
 def test_sdpa_enable_gqa_is_exact():
     report = _check(_model(EnableGQA), _x(B, T, D))
     _split(report, "q.weight", "k.weight", "v.weight", "o.weight")
+
+
+class _CachedKeys(nn.Module):
+    """Attention whose keys and values are appended to empty 1-D tensors, which ``torch.cat`` skips (a
+    transformers cache layer's first update), and put in a ``DynamicCache`` the forward also returns, as a
+    block-diffusion encoder does."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(D, D) for _ in range(4))
+
+    def forward(self, x):
+        from transformers.cache_utils import DynamicCache
+
+        q, k, v = (z.view(B, -1, H, HD).transpose(1, 2) for z in (self.q(x), self.k(x), self.v(x)))
+        k, v = (torch.cat([torch.tensor([]), z], dim=-2) for z in (k, v))
+        cache = DynamicCache()
+        cache.update(k, v, 0)
+        out = F.scaled_dot_product_attention(q, k, v)
+        return {"out": self.o(out.transpose(1, 2).reshape(B, -1, D)), "cache": cache}
+
+
+def test_keys_appended_to_an_empty_tensor_split_by_heads_and_a_returned_cache_dropped():
+    pytest.importorskip("transformers")
+    report = _check(_model(_CachedKeys), _x(B, T, D))
+    regions = [r.to_dict() for r in report.plan.regions]
+    assert regions == [{"kind": "attention", "columns": ["q", "k", "v"], "rows": ["o"], "replicated": []}], regions

@@ -65,7 +65,17 @@ class _CaptureWrapper(nn.Module):
     def forward(self, *inputs):  # the graph's placeholders are named after this: inputs_0, inputs_1, ...
         kwargs = dict(zip(self.keywords, inputs[self.positional:]))
         with data_as_no_grad():  # entered inside the forward: torch.export's tracing hides outer modes from it
-            return self.model(*inputs[:self.positional], **kwargs, **self.fixed_kwargs)
+            return _without_cache_objects(self.model(*inputs[:self.positional], **kwargs, **self.fixed_kwargs))
+
+
+def _without_cache_objects(out):
+    """The forward's output, each transformers ``Cache`` it returns (a field of its output) set to None: no graph
+    returns an object, and a training graph's outputs are its tensors. A model that must build a cache for its own
+    use (a block-diffusion decoder reads the keys its encoder wrote) returns it whatever ``use_cache`` says."""
+    for name in list(out.keys()) if hasattr(out, "keys") else ():
+        if any(c.__name__ == "Cache" and c.__module__.startswith("transformers") for c in type(out[name]).__mro__):
+            out[name] = None
+    return out
 
 
 def model_kwargs(model: nn.Module) -> dict:
