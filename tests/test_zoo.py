@@ -119,8 +119,8 @@ def test_a_document_model_is_fed_a_valid_box_per_token():
 
 
 def test_a_vision_language_model_is_fed_what_its_forward_asks_for():
-    """Text alone where the forward runs on it; images (grouped per sample where flat ones fail) where it refuses
-    text alone; a required Q-Former's ids as the token ids."""
+    """Text alone where the forward runs on it (with each token's type where it takes one); images (grouped per
+    sample where flat ones fail) where it refuses text alone; a required Q-Former's ids as the token ids."""
     from types import SimpleNamespace
 
     import torch
@@ -151,7 +151,13 @@ def test_a_vision_language_model_is_fed_what_its_forward_asks_for():
         def forward(self, pixel_values, qformer_input_ids, input_ids=None):
             return self.tokens(qformer_input_ids) + pixel_values.mean()
 
+    class TypedTokens(TextOnly):
+        def forward(self, input_ids, pixel_values=None, token_type_ids=None):
+            return self.tokens(input_ids)
+
     assert isinstance(vision_text_inputs(TextOnly()), tuple)
+    typed = vision_text_inputs(TypedTokens())  # trained with each token's type, as PaliGemma is
+    assert set(typed) == {"input_ids", "token_type_ids"} and not typed["token_type_ids"].any()
     grouped = vision_text_inputs(NeedsGroupedImages())
     assert grouped["pixel_values"].shape[1:] == (1, 3, 8, 8) and "image_attention_mask" in grouped
     queried = vision_text_inputs(QFormer())

@@ -111,16 +111,18 @@ def vision_text_inputs(model: nn.Module) -> tuple | dict:
     """Token ids alone where the forward runs on them (the vision tower built but not reached); else, by keyword,
     what the forward's signature asks for: images where it requires them, its main input is images, or it refuses
     text alone; every other required ``*input_ids`` (a Q-Former's) as the token ids; decoder ids for an
-    encoder-decoder; a box per token where it takes ``bbox``; each token's modality (``mm_token_type_ids``, all
-    text) where the forward requires it; the places of an image's latent queries where it takes them."""
+    encoder-decoder; a box per token where it takes ``bbox``; each token's type (``token_type_ids``,
+    ``mm_token_type_ids``: all text) where the forward takes it; the places of an image's latent queries where it
+    takes them."""
     (ids,) = token_ids(model)
     parameters = inspect.signature(model.forward).parameters
     required = {k for k, p in parameters.items()
                 if p.default is inspect.Parameter.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
     takes_images = "pixel_values" in parameters
     needs_images = takes_images and ("pixel_values" in required or getattr(model, "main_input_name", "") == "pixel_values")
-    if not needs_images and next(iter(parameters), None) == "input_ids" and not required - {"input_ids"} \
-            and _runs(model, (ids,)):
+    takes_types = any(k.endswith("token_type_ids") for k in parameters)
+    if not needs_images and not takes_types and next(iter(parameters), None) == "input_ids" \
+            and not required - {"input_ids"} and _runs(model, (ids,)):
         return (ids,)
     queries, image_token = (getattr(model.config, f, None) for f in ("num_query_tokens", "image_token_id"))
     if takes_images and isinstance(queries, int) and isinstance(image_token, int):
@@ -141,8 +143,10 @@ def vision_text_inputs(model: nn.Module) -> tuple | dict:
     if getattr(model, "main_input_name", "") == "state":
         text |= {k: v for k, v in policy_inputs(model.config).items() if k in parameters}
     types = {k: torch.zeros_like(ids) for k in parameters if k.endswith("token_type_ids") and k not in text}
-    if types and not _runs(model, text) and _runs(model, text | types):
-        text |= types  # each token's modality (all text here), which a forward may require in training
+    if types and _runs(model, text | types):
+        # each token's type (all text, or all prefix), as such a model is trained with: some require it in
+        # training, and without it PaliGemma's forward skips an all-ones mask when run and builds it when traced
+        text |= types
     if not needs_images and takes_images and not _runs(model, text):
         needs_images = True  # it refuses text alone (an image-conditioned decoder)
     if not needs_images:
