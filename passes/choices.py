@@ -52,13 +52,37 @@ _CONVOLUTIONS = {*CONVOLUTIONS, aten.conv_transpose1d.default, aten.conv_transpo
 
 def whole_convolutions(graph: fx.Graph, split_targets: set[str]) -> list[tuple[fx.Node, str]]:
     """The convolutions whose weight stays whole (patch embeddings, audio front ends, any that no exact split
-    reaches): (node, weight target), for a plan note. A dense convolution is split as a projection of its
-    channels, a grouped one with its channels split (``rules_channels``); transposed ones never are."""
+    reaches): (node, weight target: the parameter the weight is or is computed from), for a plan note. A dense
+    convolution is split as a projection of its channels, a grouped one with its channels split
+    (``rules_channels``); transposed ones never are."""
     out = []
     for node in graph.nodes:
         if node.op != "call_function" or node.target not in _CONVOLUTIONS:
             continue
-        weight = node.args[1]
-        if isinstance(weight, fx.Node) and weight.op == "get_attr" and weight.target not in split_targets:
-            out.append((node, weight.target))
+        target = convolution_weight(node)
+        if target is not None and target not in split_targets:
+            out.append((node, target))
     return out
+
+
+_WEIGHT_DEPTH = 8
+"""How many ops may lie between a convolution's weight and the parameter it is computed from (a weight
+standardisation is three, a weight normalisation written out five)."""
+
+
+def convolution_weight(conv: fx.Node) -> str | None:
+    """The ``get_attr`` target of a convolution's weight, or of the parameter of its shape it is computed from
+    (weight standardisation, weight normalisation: ops on parameters only); None if it is computed from the
+    inputs."""
+    weight = conv.args[1]
+    if not isinstance(weight, fx.Node):
+        return None
+    shape, frontier, seen = sizes(weight), [weight], set()
+    for _ in range(_WEIGHT_DEPTH):
+        if any(n.op == "placeholder" for n in frontier):
+            return None
+        found = [n for n in frontier if n.op == "get_attr" and sizes(n) == shape]
+        if found:
+            return found[0].target
+        frontier = [a for n in frontier for a in n.all_input_nodes if a not in seen and not seen.add(a)]
+    return None

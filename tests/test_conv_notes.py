@@ -26,3 +26,31 @@ def test_a_patch_embedding_kept_whole_is_noted():
     plan = autotp.plan(_Patches(), 2, (torch.randn(2, 3, 16, 16),))
     assert any(n.startswith("patch kept whole: a dense convolution") for n in plan.notes), plan.notes
     assert plan.placements["up.weight"].is_split
+
+
+class _StandardisedConv(nn.Conv2d):
+    """A weight-standardised convolution (BiT's, timm's ``StdConv2d``): each output channel's weights normalised
+    over its own elements before it convolves."""
+
+    def forward(self, x):
+        weight = nn.functional.batch_norm(self.weight.reshape(1, self.out_channels, -1), None, None, training=True,
+                                          momentum=0.0, eps=1e-6).reshape_as(self.weight)
+        return nn.functional.conv2d(x, weight, self.bias, self.stride, self.padding)
+
+
+class _StandardisedBlock(nn.Module):
+    def __init__(self, dim=64):
+        super().__init__()
+        self.a, self.b = _StandardisedConv(dim, 2 * dim, 3, padding=1), _StandardisedConv(2 * dim, dim, 1)
+
+    def forward(self, x):
+        return x + self.b(torch.relu(self.a(x)))
+
+
+def test_convolutions_of_computed_weights_kept_whole_are_noted_naming_the_parameter_and_exact():
+    torch.manual_seed(0)
+    report = autotp.check(_StandardisedBlock(), 2, torch.randn(2, 64, 6, 6))
+    assert report.exact, report
+    for name in "ab":
+        assert any(n.startswith(f"{name} kept whole: a dense convolution") and f"computed from {name}.weight" in n
+                   for n in report.plan.notes), report.plan.notes

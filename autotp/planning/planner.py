@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from torch import fx
+
 from autotp.capture import Captured
 from autotp.errors import PlanError
 from autotp.options import Options
@@ -18,7 +20,7 @@ from autotp.passes.choices import whole_convolutions
 from autotp.passes.graph import sizes
 from autotp.passes.placement import REPLICATED, Placement, PlacementKind
 from autotp.passes.expert_banks import per_expert
-from autotp.passes.projections import packed_by_weight, packed_segments
+from autotp.passes.projections import conv_groups, packed_by_weight, packed_segments
 from autotp.passes.propagation import Propagation
 from autotp.passes.random_ops import random_refusal
 from autotp.passes.region_match import RegionKind, RegionMatch
@@ -86,8 +88,8 @@ def _whole_convolution_notes(analysis: Analysis, by_target: dict[str, Placement]
         if node.name in chosen:
             notes.append(f"{analysis.layer(node.name)} kept whole by choice: {chosen[node.name]}")
             continue
-        dense = node.name in analysis.projections
-        why = whys.get(node.name, "no split of its input channels reaches it by whole groups")
+        dense = conv_groups(node) == 1
+        why = whys.get(node.name) or _unsplit_convolution_why(node, analysis.captured.param_name(weight), dense)
         notes.append(f"{analysis.module(node.name) or weight} kept whole: a {'dense' if dense else 'grouped'} "
                      f"convolution (weight sizes {list(sizes(node.args[1]))}) that no exact split reaches ({why}); "
                      "autotp splits a dense convolution by its output channels up to one split by its input channels "
@@ -97,6 +99,15 @@ def _whole_convolution_notes(analysis: Analysis, by_target: dict[str, Placement]
     # one whose weight is computed from a parameter (weight normalisation) is not among them: noted here
     notes += [f"{analysis.layer(node)} kept whole by choice: {why}" for node, why in chosen.items() if node not in noted]
     return notes
+
+
+def _unsplit_convolution_why(node: fx.Node, weight: str, dense: bool) -> str:
+    """Why a convolution no region search looked at stays whole: a dense one whose weight is computed from its
+    parameter (weight standardisation), which splits only by whole groups; else a grouped one no split reaches."""
+    if dense and not (isinstance(node.args[1], fx.Node) and node.args[1].op == "get_attr"):
+        return (f"its weight is computed from {weight} before it convolves (a weight standardisation or "
+                "normalisation), and autotp splits a computed weight only for a grouped convolution")
+    return "no split of its input channels reaches it by whole groups"
 
 
 def _shared_note(analysis: Analysis, region: RegionMatch, tp: int) -> str:
