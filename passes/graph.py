@@ -30,6 +30,17 @@ class ChunkOf:
     chunks: int
 
 
+@dataclass(frozen=True)
+class WritesWithin:
+    """A fix of an ``index_put`` whose index tensor indexes the split dim ``dim`` (of size ``size``, cut in
+    ``chunks``): each rank writes only the indices in its chunk, shifted to its own positions
+    (``rewrite.index_writes``)."""
+
+    dim: int
+    size: int
+    chunks: int
+
+
 def chunk_size(size: int, chunks: int) -> int | ChunkOf:
     """A static split size's value on each rank: the same on all when ``chunks`` divides it, else ``ChunkOf``."""
     return size // chunks if size % chunks == 0 else ChunkOf(size, chunks)

@@ -33,6 +33,7 @@ from autotp.passes.rules_shape import (
     gather,
     getitem,
     index_copy,
+    index_put,
     new_filled,
     index,
     index_select,
@@ -89,6 +90,7 @@ RULES = {
     aten.new_empty.default: new_filled, aten.new_zeros.default: new_filled, aten.new_ones.default: new_filled,
     aten.new_full.default: new_filled,
     aten.index_copy.default: index_copy, aten.index_add.default: index_copy,
+    aten.index_put.default: index_put, aten.index_put_.default: index_put,
     **CHANNEL_RULES,
 }
 

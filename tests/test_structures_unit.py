@@ -412,3 +412,20 @@ def test_keys_appended_to_an_empty_tensor_split_by_heads_and_a_returned_cache_dr
     report = _check(_model(_CachedKeys), _x(B, T, D))
     regions = [r.to_dict() for r in report.plan.regions]
     assert regions == [{"kind": "attention", "columns": ["q", "k", "v"], "rows": ["o"], "replicated": []}], regions
+
+
+class _InPlaceActivation(nn.Module):
+    """``F.relu(up(x), inplace=True)``: written in place after a column projection (its rank output must be a
+    tensor of its own: autograd forbids writing a custom Function's view output in place)."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(D, 4 * D), nn.Linear(4 * D, D)
+
+    def forward(self, x):
+        return x + self.down(F.relu(self.up(x), inplace=True))
+
+
+def test_an_in_place_activation_after_a_column_projection():
+    report = _check(_model(_InPlaceActivation), _x(B, T, D))
+    assert report.plan.placements["up.weight"].is_split and report.plan.placements["down.weight"].is_split

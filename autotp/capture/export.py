@@ -31,7 +31,7 @@ from autotp.capture.guards import (
     training_branch_settings,
 )
 from autotp.capture.hidden_gradients import refuse_hidden_gradients
-from autotp.capture.inplace import out_of_place_draws, out_of_place_writes
+from autotp.capture.inplace import out_of_place_draws, out_of_place_writes, whole_view_writes
 from autotp.capture.meta_buffers import buffers_on_meta, put_back
 from autotp.capture.replay import check_gradient_replay, check_replay
 from autotp.capture.routed_loops import export_over_routed_experts
@@ -302,6 +302,7 @@ def capture(model: nn.Module, example_inputs, training: bool | None = None) -> C
     inline_no_grad(gm)
     read_parameters_past_writes(gm)
     out_of_place_draws(gm)
+    whole_view_writes(gm)
     expand_weight_norms(gm)
     aliases = tensor_aliases(model)
     _merge_tied_reads(gm, aliases)

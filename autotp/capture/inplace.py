@@ -7,6 +7,12 @@ saved output was modified). Written out of place (``masked_fill``, its later rea
 graph computes the same values and autograd differentiates it. Only writes to a value an op computed (not an
 input, parameter or buffer) that no view shares are rewritten: nothing else can see the difference.
 
+A write through a view that is the whole of a computed value (Chameleon's ``logits[:, :, image_tokens] = min``: full
+slices, then ``index_put_``) is a write of that value: written out of place on it (``whole_view_writes``), its
+later readers reading the result, the write and its readers keep their order when a rank's graph makes the value
+whole for a reader (a gather inserted after the value would read it before the write), and a value a custom
+autograd Function returns (a rank's column projection) is never written in place through a view.
+
 Random draws into a fresh value (SEW-D's ``XDropout``: ``empty_like(x).bernoulli_(1 - p)``) are written out of
 place always (``out_of_place_draws``): ``bernoulli(x, p)`` draws what ``empty_like(x).bernoulli_(p)`` does (torch
 implements it so), and an out-of-place draw that reads only its input's size can be drawn full-size and sliced
@@ -38,11 +44,13 @@ def _out_of_place(target):
 
 def _aliased(node: fx.Node) -> bool:
     """Whether a view of ``node``'s value exists: a reader whose output shares its storage without writing it."""
-    for user in node.users:
-        returns = getattr(getattr(user.target, "_schema", None), "returns", ())
-        if any(r.alias_info is not None and not r.alias_info.is_write for r in returns):
-            return True
-    return False
+    return any(_aliased_user(user) for user in node.users)
+
+
+def _aliased_user(user: fx.Node) -> bool:
+    """Whether ``user``'s output shares its input's storage without writing it (a view)."""
+    returns = getattr(getattr(user.target, "_schema", None), "returns", ())
+    return any(r.alias_info is not None and not r.alias_info.is_write for r in returns)
 
 
 def _draw(node: fx.Node) -> bool:
@@ -76,3 +84,57 @@ def out_of_place_writes(gm: fx.GraphModule, which=lambda node: True) -> int:
         gm.graph.lint()
         gm.recompile()
     return changed
+
+
+def _full_view_of(node: fx.Node) -> fx.Node | None:
+    """The computed value ``node`` views whole (a chain of ``x[:]`` slices, each read only by the next), or None."""
+    while node.op == "call_function" and node.target is torch.ops.aten.slice.Tensor:
+        source = node.args[0]
+        dim = node.args[1] if len(node.args) > 1 else 0
+        start = node.args[2] if len(node.args) > 2 else None
+        end = node.args[3] if len(node.args) > 3 else None
+        step = node.args[4] if len(node.args) > 4 else 1
+        whole = isinstance(source, fx.Node) and (start in (None, 0)) and step == 1 and \
+            (end is None or (isinstance(end, int) and end >= source.meta["val"].shape[dim]))
+        if not whole or len(node.users) != 1:
+            return None
+        node = source
+    return node if node.op == "call_function" else None
+
+
+def whole_view_writes(gm: fx.GraphModule) -> int:
+    """Rewrite in-place writes through a whole view of a computed, otherwise unshared value out of place on the
+    value (see the module's docstring); returns how many were."""
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    changed = 0
+    for node in list(gm.graph.nodes):
+        twin = _out_of_place(node.target) if node.op == "call_function" else None
+        view = node.args[0] if node.args else None
+        if twin is None or not isinstance(view, fx.Node) or view.target is not torch.ops.aten.slice.Tensor:
+            continue
+        base = _full_view_of(view)
+        if base is None or _aliased_beyond(base, view):
+            continue
+        later = [u for u in base.users if order[u] > order[node]]
+        node.target, node.args = twin, (base, *node.args[1:])
+        for user in later:
+            user.replace_input_with(base, node)
+        while not view.users and view is not base:  # the slices, read by nothing now
+            source = view.args[0]
+            gm.graph.erase_node(view)
+            view = source
+        changed += 1
+    if changed:
+        gm.graph.lint()
+        gm.recompile()
+    return changed
+
+
+def _aliased_beyond(base: fx.Node, view: fx.Node) -> bool:
+    """Whether a view of ``base`` other than the chain ending at ``view`` exists."""
+    chain = set()
+    while view is not base:
+        chain.add(view)
+        view = view.args[0]
+    return any(u not in chain and _aliased_user(u) for u in base.users)
+

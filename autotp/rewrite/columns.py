@@ -27,6 +27,23 @@ def flat_grad(grad: torch.Tensor) -> torch.Tensor:
     return grad.contiguous().view(-1, grad.shape[-1])
 
 
+def owned_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` in a tensor of its own, for a custom autograd Function to return: torch's
+    linear of a batched input returns a view of its matrix product, and autograd forbids writing a Function's
+    view output in place (``F.relu(up(x), inplace=True)`` after a column projection). The product is written
+    straight into the output (no copy); under autocast, or for mixed dtypes, torch's own linear."""
+    if x.dim() <= 2 or torch.is_autocast_enabled(x.device.type) or x.dtype != weight.dtype \
+            or (bias is not None and bias.dtype != x.dtype):
+        return F.linear(x, weight, bias)
+    out = torch.empty(*x.shape[:-1], weight.shape[0], dtype=x.dtype, device=x.device)
+    flat_x, flat_out = x.reshape(-1, x.shape[-1]), out.view(-1, weight.shape[0])
+    if bias is None:
+        torch.mm(flat_x, weight.t(), out=flat_out)
+    else:
+        torch.addmm(bias, flat_x, weight.t(), out=flat_out)
+    return out
+
+
 class Regather:
     """The second gather of one ``GatherToRegion``'s input, shared by the projections that read its output: the
     first backward that needs it gathers, the others reuse it, the last one drops it."""
@@ -55,7 +72,7 @@ class _RegatheredLinear(torch.autograd.Function):
     def forward(ctx, whole, shard, weight, bias, regather):
         ctx.save_for_backward(shard, weight)
         ctx.regather, ctx.has_bias = regather, bias is not None
-        return F.linear(whole, weight, bias)
+        return owned_linear(whole, weight, bias)
 
     @staticmethod
     def backward(ctx, grad):
@@ -85,7 +102,7 @@ class _OverlappedColumn(torch.autograd.Function):
     def forward(ctx, x, weight, bias, comm):
         ctx.save_for_backward(x, weight)
         ctx.comm, ctx.has_bias = comm, bias is not None
-        return F.linear(x, weight, bias)
+        return owned_linear(x, weight, bias)
 
     @staticmethod
     def backward(ctx, grad):

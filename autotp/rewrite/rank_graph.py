@@ -15,7 +15,7 @@ from torch import fx, nn
 from autotp.capture import Captured
 from autotp.errors import InternalError
 from autotp.passes.analysis import Analysis
-from autotp.passes.graph import ChunkOf, DividedBy, arg_or_default, get_arg
+from autotp.passes.graph import ChunkOf, DividedBy, WritesWithin, arg_or_default, get_arg
 from autotp.passes.placement import Source, Want, chunk_span, own_tensors, part_of
 from autotp.passes.projections import CONVOLUTIONS, Projection
 from autotp.passes.propagation import Conversion, Propagation
@@ -36,6 +36,7 @@ from autotp.rewrite.graph_edit import (
     set_tensor,
     with_arg,
 )
+from autotp.rewrite.index_writes import write_within
 from autotp.rewrite.output_values import layout_copy, overwritable
 from autotp.rewrite.random_draws import replace_random_ops
 from autotp.rewrite.single_group import route_single_group
@@ -231,6 +232,9 @@ class _Surgeon:
                     value = self.graph.call_function(operator.floordiv, (get_arg(node, path), value.by))
             elif isinstance(value, ChunkOf):  # a vocabulary cut unevenly: this rank's chunk of it
                 value = chunk_span(value.size, value.chunks, self.rank // (self.tp // value.chunks))[1]
+            elif isinstance(value, WritesWithin):  # writes at indices of the split dim: this rank's
+                write_within(node, value, self.rank, self.tp)
+                continue
             with_arg(node, path, value)
             if node.target in CONVOLUTIONS and path == (CONVOLUTIONS[node.target],) and value == 1:
                 route_single_group(node)  # one group per rank: a dense convolution (``single_group``)
