@@ -7,7 +7,6 @@ import torch
 from torch import nn
 
 import autotp
-from tests import models
 from tests.distributed import run_on_ranks
 from tests.workers import ADAM
 
