@@ -36,10 +36,13 @@ def tensor_parallel_dropout(rank: int, world: int) -> dict:
         pm.manual_seed(SEED)
         opt, ref_opt = torch.optim.AdamW(pm.parameters(), **ADAM), torch.optim.AdamW(ref.parameters(), **ADAM)
         ref_losses, losses = [], []
+        with torch.random.fork_rng(devices=[]):  # the reference's stream: SEED's, continued step after step
+            torch.manual_seed(SEED)
+            ref_state = torch.get_rng_state()
         for step in range(STEPS):
             losses.append(pm.step(x, target=y, loss_fn=LM_LOSS))
             with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(SEED) if step == 0 else torch.set_rng_state(ref_state)
+                torch.set_rng_state(ref_state)
                 ref_loss = LM_LOSS(ref(x), y)
                 ref_state = torch.get_rng_state()
             ref_loss.backward()
