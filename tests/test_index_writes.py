@@ -8,7 +8,7 @@ from torch import nn
 
 import autotp
 from tests.distributed import run_on_ranks
-from tests.workers import ADAM
+from tests.workers import assert_trains_like
 
 VOCAB = 512
 
@@ -60,21 +60,8 @@ def _trained(rank: int, world: int) -> None:
     ref = _SuppressedTokens()
     pm = autotp.parallelize(ref, tp=world, example_inputs=_ids(), vocab="split")
     x, y = _ids(4, 12, seed=2)[0], _ids(4, 12, seed=3)[0]
-
-    def loss_fn(out, target):
-        return nn.functional.cross_entropy(out.reshape(-1, VOCAB), target.reshape(-1))
-
     torch.testing.assert_close(pm(x), ref(x), rtol=1e-5, atol=1e-5)
-    opt, ref_opt = torch.optim.AdamW(pm.parameters(), **ADAM), torch.optim.AdamW(ref.parameters(), **ADAM)
-    for _ in range(2):
-        loss, ref_loss = pm.step(x, target=y, loss_fn=loss_fn), loss_fn(ref(x), y)
-        ref_loss.backward()
-        torch.testing.assert_close(loss, ref_loss.detach(), rtol=1e-5, atol=0)
-        opt.step(), ref_opt.step()
-        opt.zero_grad(), ref_opt.zero_grad()
-    full = pm.full_state_dict()
-    for key, want in ref.state_dict().items():
-        torch.testing.assert_close(full[key], want, rtol=1e-5, atol=1e-5, msg=lambda m: f"{key}: {m}")
+    assert_trains_like(pm, ref, x, y)
 
 
 def test_suppressed_tokens_train_exactly_on_two_ranks():

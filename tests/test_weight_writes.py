@@ -12,7 +12,7 @@ from autotp.capture import capture
 from autotp.errors import CaptureError
 from tests import models
 from tests.distributed import run_on_ranks
-from tests.workers import ADAM
+from tests.workers import assert_trains_like
 from tests.structures_workers import ClampedCoefficientsLM
 
 
@@ -127,21 +127,7 @@ def _pipelined(rank: int, world: int) -> list:
     torch.manual_seed(0)
     ref = _PipelinedLM()
     pm = autotp.parallelize(ref, tp=1, pp=world, example_inputs=_ids(), microbatches=4, schedule="1f1b")
-    x, y = models.tokens(8, 12, seed=2), models.tokens(8, 12, seed=3)
-
-    def loss_fn(out, target):
-        return nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), target.reshape(-1))
-
-    opt, ref_opt = torch.optim.AdamW(pm.parameters(), **ADAM), torch.optim.AdamW(ref.parameters(), **ADAM)
-    for _ in range(2):
-        loss, ref_loss = pm.step(x, target=y, loss_fn=loss_fn), loss_fn(ref(x), y)
-        ref_loss.backward()
-        torch.testing.assert_close(loss, ref_loss.detach(), rtol=1e-5, atol=0)
-        opt.step(), ref_opt.step()
-        opt.zero_grad(), ref_opt.zero_grad()
-    full = pm.full_state_dict()
-    for key, want in ref.state_dict().items():
-        torch.testing.assert_close(full[key], want, rtol=1e-5, atol=1e-5, msg=lambda m: f"{key}: {m}")
+    assert_trains_like(pm, ref, models.tokens(8, 12, seed=2), models.tokens(8, 12, seed=3))
     return [list(stage.modules) for stage in pm.plan.stages]
 
 
@@ -157,21 +143,8 @@ def _data_parallel(rank: int, world: int, mode: str) -> None:
     torch.manual_seed(0)
     ref = ClampedCoefficientsLM()
     pm = autotp.parallelize(ref, tp=1, dp=world, dp_mode=mode, example_inputs=_ids())
-    x, y = models.tokens(8, 12, seed=2), models.tokens(8, 12, seed=3)
     rows = slice(pm.dp_rank * 8 // world, (pm.dp_rank + 1) * 8 // world)
-
-    def loss_fn(out, target):
-        return nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), target.reshape(-1))
-
-    opt, ref_opt = torch.optim.AdamW(pm.parameters(), **ADAM), torch.optim.AdamW(ref.parameters(), **ADAM)
-    for _ in range(2):
-        pm.step(x[rows], target=y[rows], loss_fn=loss_fn)
-        loss_fn(ref(x), y).backward()
-        opt.step(), ref_opt.step()
-        opt.zero_grad(), ref_opt.zero_grad()
-    full = pm.full_state_dict()
-    for key, want in ref.state_dict().items():
-        torch.testing.assert_close(full[key], want, rtol=1e-5, atol=1e-5, msg=lambda m: f"{mode} {key}: {m}")
+    assert_trains_like(pm, ref, models.tokens(8, 12, seed=2), models.tokens(8, 12, seed=3), rows)
 
 
 @pytest.mark.parametrize("mode", ["fsdp", "replicate"])

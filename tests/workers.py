@@ -27,6 +27,27 @@ STEPS = 2
 """Two steps show optimizer-state exactness: the second reads the moments the first stored in each shard."""
 
 
+def lm_loss(out, target: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of logits ``out`` (any leading dims) against token ids ``target``."""
+    return torch.nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), target.reshape(-1))
+
+
+def assert_trains_like(pm, ref: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, rows=slice(None)) -> None:
+    """STEPS AdamW steps of the parallel ``pm`` on ``x[rows]`` and of the unsharded ``ref`` on ``x``: every loss
+    (where ``pm`` sees the whole batch), then every parameter after, equal to fp32 rounding."""
+    opt, ref_opt = torch.optim.AdamW(pm.parameters(), **ADAM), torch.optim.AdamW(ref.parameters(), **ADAM)
+    for _ in range(STEPS):
+        loss, ref_loss = pm.step(x[rows], target=y[rows], loss_fn=lm_loss), lm_loss(ref(x), y)
+        ref_loss.backward()
+        if rows == slice(None):
+            assert_close(loss, ref_loss.detach(), rtol=1e-5, atol=0)
+        opt.step(), ref_opt.step()
+        opt.zero_grad(), ref_opt.zero_grad()
+    full = pm.full_state_dict()
+    for key, want in ref.state_dict().items():
+        assert_close(full[key], want, rtol=1e-5, atol=1e-5, msg=lambda m: f"{key}: {m}")
+
+
 def _counts(mode: CommDebugMode) -> dict[str, int]:
     return {str(op).split(".")[-1].rstrip("_"): n for op, n in mode.get_comm_counts().items()}
 
