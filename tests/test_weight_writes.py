@@ -78,6 +78,25 @@ def _assign(weight):
     weight.data = weight.data.clamp(-0.05, 0.05)
 
 
+class _CastsItself(nn.Module):
+    """``Module.to`` of a module already in that dtype in the forward (Switch Transformers' router): torch sets
+    each parameter's ``.data`` to itself."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(16, 64), nn.Linear(64, 16)
+
+    def forward(self, x):
+        self.up = self.up.to(torch.float32)
+        return self.down(torch.relu(self.up(x)))
+
+
+def test_a_parameter_s_data_set_to_itself_is_nothing():
+    torch.manual_seed(0)
+    report = autotp.check(_CastsItself(), 2, torch.randn(2, 5, 16))
+    assert report.exact and report.plan.placements["up.weight"].is_split, report
+
+
 @pytest.mark.parametrize("write, refused", [
     (lambda w: w.data.mul_(0.99), "with mul_"),  # repeated by a pipeline's microbatches, it would compound
     (lambda w: w.data.clamp_(-w.data.abs().mean(), 0.1), "with clamp_"),  # a bound that is a tensor

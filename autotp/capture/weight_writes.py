@@ -65,6 +65,8 @@ class data_as_no_grad(TorchFunctionMode):
             self.owners[id(view)] = (view, args[0])  # the view is kept alive here, so its id is not reused
             return view
         if _on_data(func, args, "__set__"):
+            if _same_tensor(args[1], args[0]):
+                return None  # p.data = p: Module.to(dtype) of a module already in that dtype (Switch's router)
             raise CaptureError(_refusal("replaces a parameter's .data (p.data = ...)"))
         if args and isinstance(args[0], torch.Tensor) and _in_place(func):
             owner = self.owners.get(id(args[0]))
@@ -83,6 +85,16 @@ class data_as_no_grad(TorchFunctionMode):
         for view, parameter in self.owners.values():
             if target is not parameter and view.untyped_storage()._cdata == storage:
                 raise CaptureError(_refusal(f"writes into a part of a parameter's .data ({func.__name__})"))
+
+
+def _same_tensor(value, parameter: torch.Tensor) -> bool:
+    """Whether ``value`` is ``parameter`` itself, or a view of all of it as it is (same storage and layout)."""
+    if value is parameter:
+        return True
+    return isinstance(value, torch.Tensor) and value.untyped_storage()._cdata == \
+        parameter.untyped_storage()._cdata and value.dtype == parameter.dtype and \
+        value.shape == parameter.shape and value.stride() == parameter.stride() and \
+        value.storage_offset() == parameter.storage_offset()
 
 
 def _any_tensor(args, kwargs) -> bool:
