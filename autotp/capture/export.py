@@ -126,7 +126,8 @@ def _export(wrapper: nn.Module, inputs: tuple, dynamic: bool) -> fx.GraphModule:
     with shape_only_kernels(), no_stack_traces(), no_symbolic_layout_probes(), no_cycle_collection():
         program = torch.export.export(wrapper, inputs, strict=False,
                                       dynamic_shapes=dynamic_shapes(inputs) if dynamic else None)
-    return program.module()
+    with no_cycle_collection():  # unlifting regenerates the graph's code: as many objects again
+        return program.module()
 
 
 def _dim_names(gm: fx.GraphModule) -> dict[str, str]:
