@@ -32,8 +32,6 @@ from autotp.passes.rules_shape import (
     expand,
     gather,
     getitem,
-    index_copy,
-    index_put,
     new_filled,
     index,
     index_select,
@@ -50,6 +48,7 @@ from autotp.passes.rules_shape import (
     view_as,
     view_as_complex,
 )
+from autotp.passes.rules_writes import index_copy, index_put
 
 __all__ = ["BLOCK_AWARE", "REPLICA_AWARE", "RULES", "SPREAD_AWARE", "Context", "Decision", "replicate_all", "rule_for"]
 
