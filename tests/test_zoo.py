@@ -93,11 +93,13 @@ def test_a_sample_with_sequence_parallelism_is_never_silently_wrong():
 
 
 def test_a_missing_optional_library_is_the_reason_in_one_line():
+    from autotp.tools.zoo_entries import build_reason
+
     message = "\nDinatBackbone requires the natten library but it was not found in your environment. You can ...\n"
-    assert zoo._build_reason(ImportError(message)) == "needs the natten library, not installed"
-    assert zoo._build_reason(ModuleNotFoundError("no module", name="detectron2")) == \
+    assert build_reason(ImportError(message)) == "needs the natten library, not installed"
+    assert build_reason(ModuleNotFoundError("no module", name="detectron2")) == \
         "needs the detectron2 library, not installed"
-    assert zoo._build_reason(ValueError("bad\nconfig")) == "ValueError: bad config"
+    assert build_reason(ValueError("bad\nconfig")) == "ValueError: bad config"
 
 
 def test_a_document_model_is_fed_a_valid_box_per_token():
@@ -310,6 +312,8 @@ def test_audio_features_are_as_wide_as_the_first_projection_reads_them():
 
 
 def test_a_model_that_fails_in_its_own_code_is_named_at_the_line(tmp_path):
+    from autotp.tools.zoo_entries import build_reason
+
     source = tmp_path / "models" / "toy" / "modeling_toy.py"
     source.parent.mkdir(parents=True)
     source.write_text("def forward(outputs):\n    return outputs.image_outputs\n")
@@ -318,6 +322,6 @@ def test_a_model_that_fails_in_its_own_code_is_named_at_the_line(tmp_path):
     try:
         namespace["forward"](object())
     except AttributeError as e:
-        reason = zoo._build_reason(e)
+        reason = build_reason(e)
     assert reason == ("AttributeError: 'object' object has no attribute 'image_outputs' "
                       "(raised by the model's own code, modeling_toy.py:2)")

@@ -12,12 +12,9 @@ Each runs through ``autotp.check`` (every rank simulated, one training step comp
 from __future__ import annotations
 
 import copy
-import os
-import re
 import signal
 import sys
 import time
-import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
@@ -35,6 +32,8 @@ from autotp.passes.choices import whole_convolutions
 from autotp.tools.zoo_diffusers import diffusers_entries
 from autotp.tools.zoo_entries import (
     Entry,
+    build_reason,
+    error_line,
     example_entries,
     hf_entries,
     timm_entries,
@@ -102,7 +101,7 @@ def run_entry_at(entry: Entry, tps: tuple[int, ...], limit_s: int = 240,
         with torch.no_grad():  # the model must run its own forward on these inputs
             example_inputs_of(model, inputs).call(model, model_kwargs(model))
     except Exception as e:  # any failure to build or run is the entry's, not autotp's
-        failed = Result(Status.NOT_BUILDABLE, notes=[_build_reason(e)], seconds=time.perf_counter() - start)
+        failed = Result(Status.NOT_BUILDABLE, notes=[build_reason(e)], seconds=time.perf_counter() - start)
         return dict.fromkeys(tps, failed)
     start = time.perf_counter()
     prepared, model, note = _prepared(model, inputs, limit_s, start)
@@ -142,7 +141,7 @@ def _prepared(model: nn.Module, inputs, limit_s: int, start: float) -> tuple:
         outcome = _outcome(step, limit_s, start)
         if not refusal or set(refusal[0].settings) <= set(applied) or getattr(model, "config", None) is None:
             break
-        first = first or _line(refusal[0])
+        first = first or error_line(refusal[0])
         applied |= refusal[0].settings
         model = _with_settings(model, applied)
     settings = ", ".join(f"{k}={v}" for k, v in applied.items())
@@ -179,11 +178,11 @@ def _outcome(step: Callable, limit_s: int, start: float):
             return step()
     except AutotpError as e:
         status = Status.CRASH if type(e).__name__ == "InternalError" else Status.REFUSED
-        return Result(status, notes=[_line(e)], seconds=time.perf_counter() - start)
+        return Result(status, notes=[error_line(e)], seconds=time.perf_counter() - start)
     except TimeoutError as e:
-        return Result(Status.TIMEOUT, notes=[_line(e)], seconds=time.perf_counter() - start)
+        return Result(Status.TIMEOUT, notes=[error_line(e)], seconds=time.perf_counter() - start)
     except Exception as e:  # a raw error out of autotp is a bug: report it as one
-        return Result(Status.CRASH, notes=[_line(e)], seconds=time.perf_counter() - start)
+        return Result(Status.CRASH, notes=[error_line(e)], seconds=time.perf_counter() - start)
 
 
 def input_convolutions(captured) -> set[str]:
@@ -262,34 +261,6 @@ def _side_tables(model: nn.Module, plan) -> set[str]:
     except AutotpError:
         vocab = None
     return {t for t in tables if model.get_submodule(t.rpartition(".")[0]).num_embeddings != vocab}
-
-
-_MISSING_LIBRARY = re.compile(r"requires the (\S+) library but it was not found")
-
-
-def _build_reason(e: BaseException) -> str:
-    """Why an entry does not build, in one line: an optional library the model needs and that is not installed
-    (transformers' message, or a module not found) is named alone; else the error's own line."""
-    found = _MISSING_LIBRARY.search(str(e)) if isinstance(e, ImportError) else None
-    library = found[1] if found else getattr(e, "name", None) if isinstance(e, ModuleNotFoundError) else None
-    if library:
-        return f"needs the {library} library, not installed"
-    where = _raised_in_model_code(e)
-    return _line(e) + (f" (raised by the model's own code, {where})" if where else "")
-
-
-def _raised_in_model_code(e: BaseException) -> str | None:
-    """``file:line`` of the deepest frame of the traceback in a model's own source (a file of a ``models``
-    package, as transformers' ``models/<type>/modeling_<type>.py``): where the model itself gave up, whatever the
-    zoo's builder did before."""
-    frames = traceback.extract_tb(e.__traceback__)
-    own = [f for f in frames if f"{os.sep}models{os.sep}" in f.filename and "autotp" not in f.filename]
-    return f"{os.path.basename(own[-1].filename)}:{own[-1].lineno}" if own else None
-
-
-def _line(e: BaseException) -> str:
-    text = " ".join(str(e).split()) or type(e).__name__
-    return f"{type(e).__name__}: {text[:300]}"
 
 
 WALL_FACTOR = 4

@@ -8,6 +8,9 @@ Type names appear only in the tables here (the zoo's builder), never in autotp's
 from __future__ import annotations
 
 import importlib.util
+import os
+import re
+import traceback
 from collections.abc import Callable
 from copy import deepcopy
 from dataclasses import dataclass
@@ -236,3 +239,32 @@ def example_entries(extra: tuple[str, ...] = ()) -> list[Entry]:
 
     return [Entry(spec, "example", lambda spec=spec: build_model(parse_spec(spec)), token_ids)
             for spec in ("examples/gpt.py:build_gpt", "examples/llama.py:build_llama", *extra)]
+
+
+_MISSING_LIBRARY = re.compile(r"requires the (\S+) library but it was not found")
+
+
+def build_reason(e: BaseException) -> str:
+    """Why an entry does not build, in one line: an optional library the model needs and that is not installed
+    (transformers' message, or a module not found) is named alone; else the error's own line."""
+    found = _MISSING_LIBRARY.search(str(e)) if isinstance(e, ImportError) else None
+    library = found[1] if found else getattr(e, "name", None) if isinstance(e, ModuleNotFoundError) else None
+    if library:
+        return f"needs the {library} library, not installed"
+    where = _raised_in_model_code(e)
+    return error_line(e) + (f" (raised by the model's own code, {where})" if where else "")
+
+
+def _raised_in_model_code(e: BaseException) -> str | None:
+    """``file:line`` of the deepest frame of the traceback in a model's own source (a file of a ``models``
+    package, as transformers' ``models/<type>/modeling_<type>.py``): where the model itself gave up, whatever the
+    zoo's builder did before."""
+    frames = traceback.extract_tb(e.__traceback__)
+    own = [f for f in frames if f"{os.sep}models{os.sep}" in f.filename and "autotp" not in f.filename]
+    return f"{os.path.basename(own[-1].filename)}:{own[-1].lineno}" if own else None
+
+
+def error_line(e: BaseException) -> str:
+    """An error in one line: its type and its message, spaces collapsed, cut at 300 characters."""
+    text = " ".join(str(e).split()) or type(e).__name__
+    return f"{type(e).__name__}: {text[:300]}"
