@@ -59,9 +59,9 @@ def whole_convolutions(graph: fx.Graph, split_targets: set[str]) -> list[tuple[f
     for node in graph.nodes:
         if node.op != "call_function" or node.target not in _CONVOLUTIONS:
             continue
-        target = convolution_weight(node)
-        if target is not None and target not in split_targets:
-            out.append((node, target))
+        weight = convolution_weight(node)
+        if weight is not None and weight.target not in split_targets:
+            out.append((node, weight.target))
     return out
 
 
@@ -70,19 +70,20 @@ _WEIGHT_DEPTH = 8
 standardisation is three, a weight normalisation written out five)."""
 
 
-def convolution_weight(conv: fx.Node) -> str | None:
-    """The ``get_attr`` target of a convolution's weight, or of the parameter of its shape it is computed from
-    (weight standardisation, weight normalisation: ops on parameters only); None if it is computed from the
-    inputs."""
+def convolution_weight(conv: fx.Node, among: set[str] | None = None) -> fx.Node | None:
+    """The ``get_attr`` a convolution's weight is, or the one of its shape it is computed from within
+    ``_WEIGHT_DEPTH`` ops (weight standardisation, weight normalisation: ops on parameters only), among the
+    targets ``among`` (any, if None); None if it is computed from the inputs."""
     weight = conv.args[1]
     if not isinstance(weight, fx.Node):
         return None
     shape, frontier, seen = sizes(weight), [weight], set()
     for _ in range(_WEIGHT_DEPTH):
-        if any(n.op == "placeholder" for n in frontier):
-            return None
-        found = [n for n in frontier if n.op == "get_attr" and sizes(n) == shape]
+        found = [n for n in frontier if n.op == "get_attr" and (among is None or n.target in among)
+                 and sizes(n) == shape]
         if found:
-            return found[0].target
+            return found[0]
+        if any(n.op == "placeholder" for n in frontier):
+            return None  # the weight depends on the inputs: not a parameter
         frontier = [a for n in frontier for a in n.all_input_nodes if a not in seen and not seen.add(a)]
     return None

@@ -11,6 +11,7 @@ the propagation carries that through the ops in between (a norm over the split d
 
 from __future__ import annotations
 
+from autotp.passes.choices import convolution_weight
 from autotp.passes.graph import sizes
 from autotp.passes.placement import Shard
 from autotp.passes.projections import is_grouped_convolution
@@ -22,31 +23,9 @@ from autotp.passes.steps import Operator
 from torch import fx
 
 
-_WEIGHT_DEPTH = 8
-"""How many ops may lie between a convolution's weight and the parameter it is computed from (weight
-normalisation writes out as five)."""
-
 MAX_GATHERS = 1
 """A split made whole more than once (a residual stream kept split through later layers, each gathering it
 again) costs more than it saves: such a convolution is kept whole."""
-
-
-def weight_parameter(conv: fx.Node, trainable: set[str]) -> fx.Node | None:
-    """The trainable parameter a convolution's weight is, or is computed from (within ``_WEIGHT_DEPTH`` ops that
-    read parameters only): the one of the weight's own shape."""
-    weight = conv.args[1]
-    if not isinstance(weight, fx.Node):
-        return None
-    shape = sizes(weight)
-    frontier, seen = [weight], set()
-    for _ in range(_WEIGHT_DEPTH):
-        found = [n for n in frontier if n.op == "get_attr" and n.target in trainable and sizes(n) == shape]
-        if found:
-            return found[0]
-        if any(n.op == "placeholder" for n in frontier):
-            return None  # the weight depends on the inputs: not a parameter
-        frontier = [a for n in frontier for a in n.all_input_nodes if a not in seen and not seen.add(a)]
-    return None
 
 
 def _accepted(prop: Propagation, conv: fx.Node) -> bool:
@@ -94,7 +73,7 @@ def lone_grouped_convolutions(graph: fx.Graph, projections: dict, embeddings: di
     for conv in graph.nodes:
         if not is_grouped_convolution(conv):
             continue
-        param = weight_parameter(conv, trainable)
+        param = convolution_weight(conv, trainable)
         if param is None or param.target in placed:
             continue
         layouts = {param.target: Shard(0, (int(sizes(param)[0]),))}

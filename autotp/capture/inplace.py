@@ -24,6 +24,8 @@ from __future__ import annotations
 import torch
 from torch import fx
 
+from autotp.passes.graph import arg_or_default, meta_val
+
 
 _TWINS = {torch.ops.aten.bernoulli_.float: torch.ops.aten.bernoulli.p}
 """In-place ops whose out-of-place overload is named otherwise."""
@@ -75,10 +77,8 @@ def out_of_place_writes(gm: fx.GraphModule, which=lambda node: True) -> int:
         x = node.args[0] if node.args else None
         if twin is None or not isinstance(x, fx.Node) or x.op != "call_function" or _aliased(x):
             continue
-        later = [u for u in x.users if u is not node and order[u] > order[node]]
         node.target = twin
-        for user in later:
-            user.replace_input_with(x, node)
+        _read_after(node, x, order)
         changed += 1
     if changed:
         gm.graph.lint()
@@ -86,16 +86,20 @@ def out_of_place_writes(gm: fx.GraphModule, which=lambda node: True) -> int:
     return changed
 
 
+def _read_after(write: fx.Node, value: fx.Node, order: dict[fx.Node, int]) -> None:
+    """Make the readers of ``value`` after ``write`` (now out of place) read ``write``'s result instead."""
+    for user in [u for u in value.users if u is not write and order[u] > order[write]]:
+        user.replace_input_with(value, write)
+
+
 def _full_view_of(node: fx.Node) -> fx.Node | None:
     """The computed value ``node`` views whole (a chain of ``x[:]`` slices, each read only by the next), or None."""
     while node.op == "call_function" and node.target is torch.ops.aten.slice.Tensor:
         source = node.args[0]
-        dim = node.args[1] if len(node.args) > 1 else 0
-        start = node.args[2] if len(node.args) > 2 else None
-        end = node.args[3] if len(node.args) > 3 else None
-        step = node.args[4] if len(node.args) > 4 else 1
-        whole = isinstance(source, fx.Node) and (start in (None, 0)) and step == 1 and \
-            (end is None or (isinstance(end, int) and end >= source.meta["val"].shape[dim]))
+        end = arg_or_default(node, 3, "end", None)
+        whole = isinstance(source, fx.Node) and arg_or_default(node, 2, "start", None) in (None, 0) \
+            and arg_or_default(node, 4, "step", 1) == 1 and (end is None or (
+                isinstance(end, int) and end >= meta_val(source).shape[arg_or_default(node, 1, "dim", 0)]))
         if not whole or len(node.users) != 1:
             return None
         node = source
@@ -115,10 +119,8 @@ def whole_view_writes(gm: fx.GraphModule) -> int:
         base = _full_view_of(view)
         if base is None or _aliased_beyond(base, view):
             continue
-        later = [u for u in base.users if order[u] > order[node]]
         node.target, node.args = twin, (base, *node.args[1:])
-        for user in later:
-            user.replace_input_with(base, node)
+        _read_after(node, base, order)
         while not view.users and view is not base:  # the slices, read by nothing now
             source = view.args[0]
             gm.graph.erase_node(view)

@@ -8,7 +8,7 @@ constant's list"), but it traces what ``.data`` means: a view of the parameter t
 makes an in-place op on that view on the parameter itself under ``torch.no_grad()``: the graph then writes the
 parameter in place without gradient, as the model does, and the ops after it read the written value (the
 parameter, a leaf, still gets the whole gradient). Run on a rank's shard, an elementwise write is the whole
-write's shard; the planner keeps a parameter written in place by any other op whole.
+write's shard.
 
 Only writes of the whole ``.data`` that give the same weights when repeated are captured (``REPEATABLE_WRITES``:
 clamps, fills); any other (a write into a part, ``p.data[0].zero_()``, which on a rank holding a shard is not
@@ -25,6 +25,7 @@ import torch
 from torch import fx
 from torch.overrides import TorchFunctionMode
 
+from autotp.capture.torch_private import mutated_args
 from autotp.errors import CaptureError
 
 _DATA = torch._C.TensorBase.data
@@ -111,16 +112,9 @@ def _refusal(what: str) -> str:
 
 def parameter_writes(gm: fx.GraphModule) -> list[tuple[fx.Node, fx.Node]]:
     """(the op, the parameter's ``get_attr``) for every op of ``gm``'s graph that writes a parameter in place."""
-    out = []
-    for node in gm.graph.nodes:
-        schema = getattr(node.target, "_schema", None)
-        if node.op != "call_function" or schema is None or not node.args or not schema.arguments:
-            continue
-        first, target = schema.arguments[0], node.args[0]
-        if first.alias_info is not None and first.alias_info.is_write and isinstance(target, fx.Node) \
-                and target.op == "get_attr" and _is_parameter(gm, target.target):
-            out.append((node, target))
-    return out
+    return [(node, node.args[0]) for node in gm.graph.nodes
+            if node.op == "call_function" and (0,) in mutated_args(node) and isinstance(node.args[0], fx.Node) and node.args[0].op == "get_attr"
+            and _is_parameter(gm, node.args[0].target)]
 
 
 def _is_parameter(gm: fx.GraphModule, target: str) -> bool:
