@@ -9,7 +9,7 @@ from torch import nn
 
 import autotp
 from autotp.capture import capture
-from autotp.errors import CaptureError
+from autotp.errors import CaptureError, PlanError
 from tests import models
 from tests.distributed import run_on_ranks
 from tests.workers import assert_trains_like
@@ -169,3 +169,33 @@ def _data_parallel(rank: int, world: int, mode: str) -> None:
 @pytest.mark.parametrize("mode", ["fsdp", "replicate"])
 def test_data_parallel_replicas_write_their_weights_as_the_model_does(mode):
     run_on_ranks(_data_parallel, 2, mode)
+
+
+class _TiedAndClamped(_PipelinedLM):
+    """The head reads the embedding's table (tied), and the forward clamps it: its readers sit in the first and
+    the last pipeline stage, each of which holds a copy."""
+
+    def __init__(self, dim: int = 64):
+        super().__init__(dim)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids):
+        if self.training:
+            self.embed.weight.data.clamp_(-0.5, 0.5)
+        x = self.embed(ids)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def test_a_weight_written_and_read_in_two_pipeline_stages_is_refused_naming_it():
+    from autotp.options import Options
+    from autotp.planning import make_plan
+    from autotp.rewrite import build_graph, split_stages
+
+    torch.manual_seed(0)
+    captured = capture(_TiedAndClamped(), _ids(), training=True)
+    plan = make_plan(captured, Options(tp=1, pp=2))
+    with pytest.raises(PlanError, match=r"embed\.weight is written in place by the forward .* read in pipeline "
+                                        r"stages \[0, 1\]"):
+        split_stages(build_graph(captured, plan, 0, None), captured.analysis, plan, [0, 1])

@@ -22,7 +22,8 @@ _WRAP = getattr(torch.ops.higher_order, "wrap_with_set_grad_enabled", None)
 
 def inline_no_grad(gm: fx.GraphModule) -> int:
     """Inline every no-grad higher-order op of ``gm`` that reads a parameter; returns how many were inlined."""
-    trainable = {name for name, p in gm.named_parameters() if p.requires_grad}
+    # every name of a tied parameter: the graph may read it under its second (a tied head written in a no-grad part)
+    trainable = {name for name, p in gm.named_parameters(remove_duplicate=False) if p.requires_grad}
     inlined = 0
     for node in list(gm.graph.nodes):
         if _inlinable(gm, node, trainable):
