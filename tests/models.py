@@ -139,3 +139,38 @@ def padded_ids(pad: int = 3, vocab: int = 64, seed: int = 4) -> torch.Tensor:
     ids = torch.randint(0, vocab, (2, 12), generator=torch.Generator().manual_seed(seed))
     ids[:, -3:] = pad
     return ids
+
+
+class RelativeAttention(torch.nn.Module):
+    """Attention with a learned bias per clamped relative position; the scale and the bucket indices are built
+    in every block from the sizes alone, as DeBERTa's disentangled attention builds them."""
+
+    def __init__(self, width: int = 32, heads: int = 4, span: int = 4):
+        super().__init__()
+        self.heads, self.span = heads, span
+        self.qkv, self.out = torch.nn.Linear(width, 3 * width), torch.nn.Linear(width, width)
+        self.bias = torch.nn.Embedding(2 * span + 1, heads)
+
+    def forward(self, x):
+        b, t, w = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, w // self.heads).permute(2, 0, 3, 1, 4)
+        scale = torch.sqrt(torch.tensor(w // self.heads, dtype=torch.float) * 2)
+        positions = torch.arange(t, device=x.device)
+        buckets = torch.clamp(positions[None, :] - positions[:, None] + self.span, 0, 2 * self.span)
+        scores = q @ k.transpose(-1, -2) / scale + self.bias(buckets).permute(2, 0, 1)
+        return x + self.out((scores.softmax(-1) @ v).transpose(1, 2).reshape(b, t, w))
+
+
+class RelativeLM(torch.nn.Module):
+    """Token embedding, relative-position attention blocks, a head (``tests/test_computed_once.py``)."""
+
+    def __init__(self, blocks: int = 3, vocab: int = 64, width: int = 32):
+        super().__init__()
+        self.embed, self.head = torch.nn.Embedding(vocab, width), torch.nn.Linear(width, vocab)
+        self.blocks = torch.nn.ModuleList(RelativeAttention(width) for _ in range(blocks))
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)

@@ -11,7 +11,7 @@ from autotp.options import Options
 from autotp.planning.planner import make_plan
 from autotp.tools.model_spec import build_model, parse_overrides, parse_spec
 
-from tests.models import build, tokens
+from tests.models import VOCAB, RelativeLM, build, tokens
 
 _HF = {
     "deepseek_v3": ["num_hidden_layers=6", "first_k_dense_replace=2"],  # dense blocks, then mixture-of-experts
@@ -22,6 +22,8 @@ _HF = {
 
 
 def _model(name: str) -> torch.nn.Module:
+    if name == "relative":  # each block computes the scale and relative positions the capture traces once
+        return RelativeLM(blocks=5, vocab=VOCAB)
     if name in _HF:
         return build_model(parse_spec(f"hf:{name}", parse_overrides(_HF[name])))
     return build(name, layers=5)
@@ -35,7 +37,7 @@ def _ops(cap) -> list:
     return [(n.op, str(n.target), cap.module_name(n), repr(n.meta.get("autotp_shape"))) for n in cap.graph.nodes]
 
 
-@pytest.mark.parametrize("name", ["raw_gpt", "hf_llama", "hf_gpt2", "deepseek_v3", "mixtral"])
+@pytest.mark.parametrize("name", ["raw_gpt", "hf_llama", "hf_gpt2", "deepseek_v3", "mixtral", "relative"])
 def test_stamped_blocks_make_the_full_capture_graph_and_plans(name):
     model = _model(name)
     full, stamped = capture(model, _example(name)), stamp(model, _example(name))

@@ -16,6 +16,7 @@ import torch
 from torch import fx, nn
 
 from autotp.capture.capture_failure import raise_capture_failure
+from autotp.capture.computed_once import computed_once
 from autotp.capture.captured import WRAPPER_PREFIX, Captured
 from autotp.capture.dynamic import dynamic_shapes
 from autotp.capture.examples import (
@@ -61,10 +62,12 @@ class _CaptureWrapper(nn.Module):
         self.positional = len(example.args)
         self.keywords = tuple(name for name, _ in example.kwargs)
         self.fixed_kwargs = fixed_kwargs
+        self.sharing: computed_once | None = None  # set while ``_export`` traces: repeated values traced once
 
     def forward(self, *inputs):  # the graph's placeholders are named after this: inputs_0, inputs_1, ...
         kwargs = dict(zip(self.keywords, inputs[self.positional:]))
-        with data_as_no_grad():  # entered inside the forward: torch.export's tracing hides outer modes from it
+        # entered inside the forward: torch.export's tracing hides outer modes from it
+        with data_as_no_grad(), self.sharing or contextlib.nullcontext():
             return _without_cache_objects(self.model(*inputs[:self.positional], **kwargs, **self.fixed_kwargs))
 
 
@@ -120,12 +123,21 @@ def _quiet_torch_logs():
             lg.setLevel(level)
 
 
-def _export(wrapper: nn.Module, inputs: tuple, dynamic: bool) -> fx.GraphModule:
+def _export(wrapper: _CaptureWrapper, inputs: tuple, dynamic: bool) -> fx.GraphModule:
     """One torch.export attempt; with ``dynamic`` the input dimensions ``dynamic_shapes`` names are Dim.AUTO.
-    Attention and batched matmuls learn their output sizes from shape-only kernels (``shape_kernels``)."""
-    with shape_only_kernels(), no_stack_traces(), no_symbolic_layout_probes(), no_cycle_collection():
-        program = torch.export.export(wrapper, inputs, strict=False,
-                                      dynamic_shapes=dynamic_shapes(inputs) if dynamic else None)
+    Attention and batched matmuls learn their output sizes from shape-only kernels (``shape_kernels``); a value
+    the forward computes again from the same inputs is traced once (``computed_once``), unless the forward
+    wrote into one it shared, which is then traced again as the model runs it."""
+    for sharing in (computed_once(), None):
+        wrapper.sharing = sharing
+        try:
+            with shape_only_kernels(), no_stack_traces(), no_symbolic_layout_probes(), no_cycle_collection():
+                program = torch.export.export(wrapper, inputs, strict=False,
+                                              dynamic_shapes=dynamic_shapes(inputs) if dynamic else None)
+        finally:
+            wrapper.sharing = None
+        if sharing is None or not sharing.shared_value_written():
+            break
     with no_cycle_collection():  # unlifting regenerates the graph's code: as many objects again
         return program.module()
 

@@ -25,6 +25,7 @@ from torch.utils._pytree import tree_flatten
 from autotp.capture.captured import WRAPPER_PREFIX, Captured
 from autotp.capture.export import capture, tensor_aliases
 from autotp.errors import CaptureError
+from autotp.passes.graph import grad_nodes, trainable_attrs
 
 _LEAST = 3
 """The shortest run worth stamping: two blocks are always captured, to check the run against itself."""
@@ -158,7 +159,8 @@ def _stamped(small: Captured, model: nn.Module, runs: list[Run]) -> Captured:
     """``small`` with each run's stamped blocks copied in, and the full model's names."""
     graph = small.graph
     blocks = {(run, k): _block_nodes(small, run.path, k) for run in runs for k in run.keys[:2]}
-    hand_over = {run: _chain(blocks[run, run.keys[0]], blocks[run, run.keys[1]], run) for run in runs}
+    grad = grad_nodes(graph, trainable_attrs(small.module))  # what gradients flow through
+    hand_over = {run: _chain(blocks[run, run.keys[0]], blocks[run, run.keys[1]], run, grad) for run in runs}
     reads = {run: _param_reads(graph, run) for run in runs}
     # capture reads every parameter, then every buffer: each stamped block's after the second block's of its kind
     after_reads = {kind[-1]: (run, kind) for run in runs for kind in _by_kind(model, reads[run]) if kind}
@@ -200,18 +202,21 @@ def _attr_path(run: Run) -> str:
     return WRAPPER_PREFIX + run.path
 
 
-def _chain(first: list[fx.Node], second: list[fx.Node], run: Run) -> dict[fx.Node, fx.Node]:
+def _chain(first: list[fx.Node], second: list[fx.Node], run: Run, grad: set[str]) -> dict[fx.Node, fx.Node]:
     """Check that ``second`` is ``first`` again, reading values of ``first`` where ``first`` read values from
     before it (the hidden state passed down the run), and that nothing after the run reads ``first``. Returns the
     hand-over: each node of ``first`` that ``second`` reads -> the node of ``second`` at its position, which the
     block after ``second`` reads in its place. ``NotRepeated`` when they differ in anything else."""
     # A size computed in the first block (``B * T`` from symbolic sizes) is traced once and read by every later
-    # block: it is a value every block reads, not part of the block.
-    inside_second = set(second)
-    shared = {n for n in first if _is_size(n) and any(u in inside_second for u in n.users)}
-    for n in reversed(first):  # and the sizes those are computed from
+    # block, and so is a value the capture traced once (``computed_once``: a scale, relative-position indices,
+    # which need no gradient): values every block reads, not part of the block. A value handed down the run
+    # misread as one leaves the blocks different lengths.
+    inside_second, inside_first = set(second), set(first)
+    shared = {n for n in first if (_is_size(n) or n.name not in grad) and any(u in inside_second for u in n.users)}
+    for n in reversed(first):  # and what those are computed from
         if n in shared:
-            shared.update(a for a in n.all_input_nodes if a in set(first) and _is_size(a))
+            shared.update(a for a in n.all_input_nodes if a in inside_first and
+                          (_is_size(a) if _is_size(n) else (_is_size(a) or a.name not in grad)))
     first = [n for n in first if n not in shared]
     if len(first) != len(second):
         raise NotRepeated(f"blocks {run.keys[:2]} of {run.path} traced {len(first)} and {len(second)} nodes")

@@ -1,0 +1,141 @@
+"""Trace a value the forward computes again from the same inputs once, the way a compiler merges common
+subexpressions, but before the tracer pays for the copies.
+
+Models recompute small values in every layer from values that need no gradient: DeBERTa's attention builds
+its scale ``sqrt(torch.tensor(head_size) * factor)`` three times a layer and clamps and expands the same
+relative positions into gather indices twice a layer, a third of its graph. Each traced op costs torch's
+tracer about a millisecond whatever its size, so those copies made capturing DeBERTa cost twice what BERT's
+does. While the forward is traced, ``computed_once`` hands back the tensor an earlier identical call made
+(same function, the same tensor objects at the same versions, equal other arguments), so the graph holds
+one node where the model ran the op once per layer.
+
+Only what cannot change the result is shared:
+- every tensor argument and the result need no gradient (so no gradient is summed in a new order);
+- the function is a deterministic, functional torch op (an aten op of that name without the
+  ``nondeterministic_seeded`` tag, or an operator such as ``+``); random draws, in-place ops, ``out=`` and
+  uninitialised tensors (``empty``) never are;
+- the autocast state and the default dtype are part of the key.
+A model that writes in place into a value after it was shared (both copies would see the write) is detected
+(the tensor's version counter, shared with its views, or an in-place call on it), and the capture is then
+traced again without sharing (``shared_value_written``).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_OPERATORS = frozenset({
+    "__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__", "__truediv__", "__rtruediv__",
+    "__div__", "__rdiv__", "__floordiv__", "__rfloordiv__", "__mod__", "__rmod__", "__pow__", "__rpow__", "__matmul__", "__rmatmul__",
+    "__neg__", "__abs__", "__invert__", "__and__", "__rand__", "__or__", "__ror__", "__xor__", "__rxor__",
+    "__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__", "__getitem__", "__lshift__", "__rshift__"})
+"""Tensor operators that compute a new value (the in-place ones, ``__iadd__`` and ``__setitem__``, are not)."""
+
+_CASTS = frozenset({"float", "double", "half", "bfloat16", "long", "int", "short", "bool", "byte", "char",
+                    "type_as"})
+"""Tensor methods that are casts, with no aten op of their name."""
+
+
+@functools.cache
+def _deterministic_op(func) -> bool:
+    """Whether ``func`` computes a new tensor deterministically from its arguments."""
+    name = getattr(func, "__name__", "")
+    if name in _OPERATORS or name in _CASTS:
+        return True
+    if not name or name.startswith("_") or name.endswith("_") or "empty" in name:
+        return False
+    packet = getattr(torch.ops.aten, name, None)
+    if not isinstance(packet, torch._ops.OpOverloadPacket):
+        return False
+    return not any(torch.Tag.nondeterministic_seeded in getattr(packet, o).tags for o in packet.overloads())
+
+
+class _Unkeyable(Exception):
+    """An argument the key cannot hold by value (an object of a type not listed below)."""
+
+
+def _key(value, tensors: list):
+    """A hashable stand-in for one argument; tensors (appended to ``tensors``) by identity and version."""
+    if isinstance(value, torch.Tensor):
+        tensors.append(value)
+        return ("tensor", id(value), value._version)
+    if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return (type(value).__name__, value.node.expr)
+    if isinstance(value, float):
+        return ("float", repr(value))  # -0.0 and 0.0 differ in sign, and nan is not equal to itself
+    if value is None or value is Ellipsis or isinstance(value, (bool, int, str, torch.dtype, torch.device,
+                                                               torch.layout, torch.memory_format)):
+        return (type(value).__name__, value)
+    if isinstance(value, slice):
+        return ("slice", _key(value.start, tensors), _key(value.stop, tensors), _key(value.step, tensors))
+    if isinstance(value, (list, tuple)):
+        return (type(value).__name__, *(_key(v, tensors) for v in value))
+    raise _Unkeyable
+
+
+@dataclass
+class _Shared:
+    """A result handed out again: the argument tensors it was made from are kept alive, so no other tensor
+    takes their ids while the key names them."""
+
+    result: torch.Tensor
+    version: int
+    arguments: list = field(default_factory=list)
+
+
+class computed_once(TorchFunctionMode):
+    """While open, an identical repeated call of a deterministic op on tensors that need no gradient returns
+    the earlier result (see the module's docstring); ``shared_value_written`` says afterwards whether the
+    model wrote into a value that was handed out twice."""
+
+    def __init__(self):
+        super().__init__()
+        self.results: dict[tuple, _Shared] = {}
+        self.handed_again: dict[int, _Shared] = {}  # id(result) -> its entry, for results handed out twice
+        self.written = False
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        key, tensors = self._key(func, args, kwargs)
+        if key is None:
+            self._note_writes(func, args)
+            return func(*args, **kwargs)
+        earlier = self.results.get(key)
+        if earlier is not None and earlier.result._version == earlier.version:
+            self.handed_again[id(earlier.result)] = earlier
+            return earlier.result
+        result = func(*args, **kwargs)
+        if isinstance(result, torch.Tensor) and not result.requires_grad:
+            self.results[key] = _Shared(result, result._version, tensors)
+        return result
+
+    def _key(self, func, args, kwargs) -> tuple[tuple | None, list]:
+        """The call's key, or None when it may not be shared."""
+        if "out" in kwargs or not _deterministic_op(func):
+            return None, []
+        tensors: list[torch.Tensor] = []
+        try:
+            key = (func, _key(args, tensors), _key(tuple(sorted(kwargs.items())), tensors),
+                   torch.is_autocast_enabled(), torch.get_default_dtype())
+        except _Unkeyable:
+            return None, []
+        if any(t.requires_grad for t in tensors):
+            return None, []
+        return key, tensors
+
+    def _note_writes(self, func, args) -> None:
+        """Mark an in-place call (or a change of a tensor's metadata in place) on a shared result."""
+        name = getattr(func, "__name__", "")
+        in_place = (name.endswith("_") and not name.endswith("__")) or name == "__setitem__" or \
+            (name.startswith("__i") and name.endswith("__"))
+        if in_place and args and isinstance(args[0], torch.Tensor):
+            shared = self.handed_again.get(id(args[0]))
+            self.written |= shared is not None and shared.result is args[0]
+
+    def shared_value_written(self) -> bool:
+        """Whether the forward wrote into a result after it was handed out a second time."""
+        return self.written or any(s.result._version != s.version for s in self.handed_again.values())
