@@ -33,10 +33,16 @@ class _WithLoss(nn.Module):
         for name, buffer in model.named_buffers(recurse=False):
             self.register_buffer(name, buffer, persistent=name not in model._non_persistent_buffers_set)
         self._call = (model, names, loss_fn, model_kwargs(model))  # a tuple: not registered as a submodule
+        self._own = tuple(name for name, _ in (*model.named_parameters(recurse=False),
+                                                *model.named_buffers(recurse=False)))
 
     def forward(self, *flat):
         model, names, loss_fn, fixed = self._call
-        return loss_fn(model(**dict(zip(names, flat[:-1])), **fixed), flat[-1])
+        # torch.export traces this module's tensors (its children's are the model's own objects); the model's own
+        # top-level tensors are read through this module's, or the graph would hold them as constants
+        own = {name: getattr(self, name) for name in self._own}
+        output = torch.func.functional_call(model, own, (), {**dict(zip(names, flat[:-1])), **fixed})
+        return loss_fn(output, flat[-1])
 
 
 def capture_with_loss(model: nn.Module, names: tuple[str, ...], flat: tuple[torch.Tensor, ...],
