@@ -49,12 +49,14 @@ class _WritesIntoARepeat(nn.Module):
             first.add_(1)
         elif self.how == "setitem":
             first[:4] = 1
+        elif self.how == "iadd":
+            first += 1
         else:  # through a view, which shares its base's version counter
             first.view(2, 4)[0].fill_(1)
         return self.lin(x) * (first + 1) + second
 
 
-@pytest.mark.parametrize("how", ["add_", "setitem", "view"])
+@pytest.mark.parametrize("how", ["add_", "setitem", "iadd", "view"])
 def test_a_write_into_a_shared_value_is_traced_again_as_the_model_runs_it(how):
     torch.manual_seed(0)
     model, x = _WritesIntoARepeat(how), torch.randn(3, 8)

@@ -35,6 +35,11 @@ _OPERATORS = frozenset({
     "__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__", "__getitem__", "__lshift__", "__rshift__"})
 """Tensor operators that compute a new value (the in-place ones, ``__iadd__`` and ``__setitem__``, are not)."""
 
+_WRITING_OPERATORS = frozenset({
+    "__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__idiv__", "__ifloordiv__", "__imod__",
+    "__ipow__", "__imatmul__", "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__"})
+"""Tensor operators that write into their first operand."""
+
 _CASTS = frozenset({"float", "double", "half", "bfloat16", "long", "int", "short", "bool", "byte", "char",
                     "type_as"})
 """Tensor methods that are casts, with no aten op of their name."""
@@ -115,7 +120,10 @@ class computed_once(TorchFunctionMode):
 
     def _key(self, func, args, kwargs) -> tuple[tuple | None, list]:
         """The call's key, or None when it may not be shared."""
-        if "out" in kwargs or not _deterministic_op(func):
+        try:
+            if "out" in kwargs or not _deterministic_op(func):
+                return None, []
+        except TypeError:  # a function that cannot be hashed: never shared
             return None, []
         tensors: list[torch.Tensor] = []
         try:
@@ -130,8 +138,7 @@ class computed_once(TorchFunctionMode):
     def _note_writes(self, func, args) -> None:
         """Mark an in-place call (or a change of a tensor's metadata in place) on a shared result."""
         name = getattr(func, "__name__", "")
-        in_place = (name.endswith("_") and not name.endswith("__")) or name == "__setitem__" or \
-            (name.startswith("__i") and name.endswith("__"))
+        in_place = (name.endswith("_") and not name.endswith("__")) or name in _WRITING_OPERATORS
         if in_place and args and isinstance(args[0], torch.Tensor):
             shared = self.handed_again.get(id(args[0]))
             self.written |= shared is not None and shared.result is args[0]
