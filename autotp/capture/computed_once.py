@@ -59,13 +59,16 @@ def _deterministic_op(func) -> bool:
     return not any(torch.Tag.nondeterministic_seeded in getattr(packet, o).tags for o in packet.overloads())
 
 
-class _Unkeyable(Exception):
-    """An argument the key cannot hold by value (an object of a type not listed below)."""
+class _NotShared(Exception):
+    """An argument that keeps the call from being shared: a tensor that needs a gradient, or an object of a type
+    the key cannot hold by value."""
 
 
 def _key(value, tensors: list):
     """A hashable stand-in for one argument; tensors (appended to ``tensors``) by identity and version."""
     if isinstance(value, torch.Tensor):
+        if value.requires_grad:
+            raise _NotShared
         tensors.append(value)
         return ("tensor", id(value), value._version)
     if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
@@ -79,7 +82,7 @@ def _key(value, tensors: list):
         return ("slice", _key(value.start, tensors), _key(value.stop, tensors), _key(value.step, tensors))
     if isinstance(value, (list, tuple)):
         return (type(value).__name__, *(_key(v, tensors) for v in value))
-    raise _Unkeyable
+    raise _NotShared
 
 
 @dataclass
@@ -129,9 +132,7 @@ class computed_once(TorchFunctionMode):
         try:
             key = (func, _key(args, tensors), _key(tuple(sorted(kwargs.items())), tensors),
                    torch.is_autocast_enabled(), torch.get_default_dtype())
-        except _Unkeyable:
-            return None, []
-        if any(t.requires_grad for t in tensors):
+        except _NotShared:
             return None, []
         return key, tensors
 
