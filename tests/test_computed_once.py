@@ -95,6 +95,7 @@ def test_deterministic_functional_ops_may_be_shared(func):
 
 @pytest.mark.parametrize("func", [F.dropout, torch.rand_like, torch.bernoulli, torch.randperm, F.gumbel_softmax,
                                   torch.empty, torch.Tensor.new_empty, torch.Tensor.add_, torch.Tensor.__iadd__,
-                                  torch.Tensor.__setitem__, F.rrelu, torch.normal])
+                                  torch.Tensor.__setitem__, F.rrelu, torch.normal, F.fractional_max_pool2d,
+                                  F.fractional_max_pool3d, F.dropout1d, torch.poisson])
 def test_draws_writes_and_uninitialised_tensors_never_are(func):
     assert not _deterministic_op(func)

@@ -12,8 +12,8 @@ one node where the model ran the op once per layer.
 Only what cannot change the result is shared:
 - every tensor argument and the result need no gradient (so no gradient is summed in a new order);
 - the function is a deterministic, functional torch op (an aten op of that name without the
-  ``nondeterministic_seeded`` tag, or an operator such as ``+``); random draws, in-place ops, ``out=`` and
-  uninitialised tensors (``empty``) never are;
+  ``nondeterministic_seeded`` tag, or an operator such as ``+``); random draws (by the tag, or by a name that says
+  so: ``_DRAWS``), in-place ops, ``out=`` and uninitialised tensors (``empty``) never are;
 - the autocast state and the default dtype are part of the key.
 A model that writes in place into a value after it was shared (both copies would see the write) is detected
 (the tensor's version counter, shared with its views, or an in-place call on it), and the capture is then
@@ -45,13 +45,21 @@ _CASTS = frozenset({"float", "double", "half", "bfloat16", "long", "int", "short
 """Tensor methods that are casts, with no aten op of their name."""
 
 
+_DRAWS = ("rand", "dropout", "fractional", "gumbel", "normal", "bernoulli", "multinomial", "poisson", "uniform",
+          "exponential", "cauchy", "geometric", "sample", "noise", "rrelu")
+"""Words in the names of functions that draw random numbers. A Python function may draw before calling an aten op
+that takes the draw as an argument (``fractional_max_pool2d`` makes its samples with ``torch.rand``), so that op's
+tags say nothing of the draw: these names are never shared, whatever the tags."""
+
+
 @functools.cache
 def _deterministic_op(func) -> bool:
     """Whether ``func`` computes a new tensor deterministically from its arguments."""
     name = getattr(func, "__name__", "")
     if name in _OPERATORS or name in _CASTS:
         return True
-    if not name or name.startswith("_") or name.endswith("_") or "empty" in name:
+    if not name or name.startswith("_") or name.endswith("_") or "empty" in name or \
+            any(word in name for word in _DRAWS):
         return False
     packet = getattr(torch.ops.aten, name, None)
     if not isinstance(packet, torch._ops.OpOverloadPacket):
