@@ -11,7 +11,7 @@ from torch import nn
 
 import autotp
 from autotp.capture import capture
-from autotp.capture.computed_once import _deterministic_op
+from autotp.capture.computed_once import _deterministic_op, computed_once
 from tests import models
 from tests.models import RelativeLM
 
@@ -99,3 +99,15 @@ def test_deterministic_functional_ops_may_be_shared(func):
                                   F.fractional_max_pool3d, F.dropout1d, torch.poisson])
 def test_draws_writes_and_uninitialised_tensors_never_are(func):
     assert not _deterministic_op(func)
+
+
+def test_nothing_is_shared_once_a_tensor_s_data_is_taken():
+    """``.data`` shares no version counter, so a write through it would go unseen (the mode run eagerly: torch.export
+    cannot trace ``.data`` of a traced tensor at all)."""
+    with computed_once() as once:
+        scale = torch.ones(())
+        before = scale * 2
+        again = scale * 2
+        scale.data.add_(1)
+        after = scale * 2
+    assert again is before and after.item() == 4 and not once.shared_value_written()

@@ -17,7 +17,8 @@ Only what cannot change the result is shared:
 - the autocast state and the default dtype are part of the key.
 A model that writes in place into a value after it was shared (both copies would see the write) is detected
 (the tensor's version counter, shared with its views, or an in-place call on it), and the capture is then
-traced again without sharing (``shared_value_written``).
+traced again without sharing (``shared_value_written``). ``.data`` does not share the version counter, so once
+the forward takes a tensor's ``.data``, nothing more is shared.
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ _CASTS = frozenset({"float", "double", "half", "bfloat16", "long", "int", "short
                     "type_as"})
 """Tensor methods that are casts, with no aten op of their name."""
 
+
+_DATA = torch._C.TensorBase.data
 
 _DRAWS = ("rand", "dropout", "fractional", "gumbel", "normal", "bernoulli", "multinomial", "poisson", "uniform",
           "exponential", "cauchy", "geometric", "sample", "noise", "rrelu")
@@ -75,7 +78,7 @@ class _NotShared(Exception):
 def _key(value, tensors: list):
     """A hashable stand-in for one argument; tensors (appended to ``tensors``) by identity and version."""
     if isinstance(value, torch.Tensor):
-        if value.requires_grad:
+        if value.requires_grad or value.is_inference():  # an inference tensor has no version counter
             raise _NotShared
         tensors.append(value)
         return ("tensor", id(value), value._version)
@@ -113,10 +116,13 @@ class computed_once(TorchFunctionMode):
         self.results: dict[tuple, _Shared] = {}
         self.handed_again: dict[int, _Shared] = {}  # id(result) -> its entry, for results handed out twice
         self.written = False
+        self.off = False  # once a tensor's .data is taken
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        key, tensors = self._key(func, args, kwargs)
+        if getattr(func, "__self__", None) is _DATA:
+            self.off = True  # .data shares no version counter: a write through it would go unseen from here on
+        key, tensors = self._key(func, args, kwargs) if not self.off else (None, [])
         if key is None:
             self._note_writes(func, args)
             return func(*args, **kwargs)
@@ -125,7 +131,7 @@ class computed_once(TorchFunctionMode):
             self.handed_again[id(earlier.result)] = earlier
             return earlier.result
         result = func(*args, **kwargs)
-        if isinstance(result, torch.Tensor) and not result.requires_grad:
+        if isinstance(result, torch.Tensor) and not result.requires_grad and not result.is_inference():
             self.results[key] = _Shared(result, result._version, tensors)
         return result
 
