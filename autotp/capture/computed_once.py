@@ -24,10 +24,13 @@ the forward takes a tensor's ``.data``, nothing more is shared.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch.overrides import TorchFunctionMode
+
+from autotp.capture.torch_private import TENSOR_DATA
+from autotp.capture.weight_writes import writes_in_place
 
 _OPERATORS = frozenset({
     "__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__", "__truediv__", "__rtruediv__",
@@ -36,17 +39,10 @@ _OPERATORS = frozenset({
     "__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__", "__getitem__", "__lshift__", "__rshift__"})
 """Tensor operators that compute a new value (the in-place ones, ``__iadd__`` and ``__setitem__``, are not)."""
 
-_WRITING_OPERATORS = frozenset({
-    "__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__idiv__", "__ifloordiv__", "__imod__",
-    "__ipow__", "__imatmul__", "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__"})
-"""Tensor operators that write into their first operand."""
-
 _CASTS = frozenset({"float", "double", "half", "bfloat16", "long", "int", "short", "bool", "byte", "char",
                     "type_as"})
 """Tensor methods that are casts, with no aten op of their name."""
 
-
-_DATA = torch._C.TensorBase.data
 
 _DRAWS = ("rand", "dropout", "fractional", "gumbel", "normal", "bernoulli", "multinomial", "poisson", "uniform",
           "exponential", "cauchy", "geometric", "sample", "noise", "rrelu")
@@ -75,7 +71,7 @@ class _NotShared(Exception):
     the key cannot hold by value."""
 
 
-def _key(value, tensors: list):
+def _argument_key(value, tensors: list):
     """A hashable stand-in for one argument; tensors (appended to ``tensors``) by identity and version."""
     if isinstance(value, torch.Tensor):
         if value.requires_grad or value.is_inference():  # an inference tensor has no version counter
@@ -83,16 +79,16 @@ def _key(value, tensors: list):
         tensors.append(value)
         return ("tensor", id(value), value._version)
     if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
-        return (type(value).__name__, value.node.expr)
+        return (type(value).__name__, str(value))  # the expression: equal expressions print alike
     if isinstance(value, float):
         return ("float", repr(value))  # -0.0 and 0.0 differ in sign, and nan is not equal to itself
     if value is None or value is Ellipsis or isinstance(value, (bool, int, str, torch.dtype, torch.device,
                                                                torch.layout, torch.memory_format)):
         return (type(value).__name__, value)
     if isinstance(value, slice):
-        return ("slice", _key(value.start, tensors), _key(value.stop, tensors), _key(value.step, tensors))
+        return ("slice", *(_argument_key(v, tensors) for v in (value.start, value.stop, value.step)))
     if isinstance(value, (list, tuple)):
-        return (type(value).__name__, *(_key(v, tensors) for v in value))
+        return (type(value).__name__, *(_argument_key(v, tensors) for v in value))
     raise _NotShared
 
 
@@ -103,7 +99,7 @@ class _Shared:
 
     result: torch.Tensor
     version: int
-    arguments: list = field(default_factory=list)
+    arguments: list
 
 
 class computed_once(TorchFunctionMode):
@@ -120,7 +116,7 @@ class computed_once(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if getattr(func, "__self__", None) is _DATA:
+        if getattr(func, "__self__", None) is TENSOR_DATA:
             self.off = True  # .data shares no version counter: a write through it would go unseen from here on
         key, tensors = self._key(func, args, kwargs) if not self.off else (None, [])
         if key is None:
@@ -144,7 +140,7 @@ class computed_once(TorchFunctionMode):
             return None, []
         tensors: list[torch.Tensor] = []
         try:
-            key = (func, _key(args, tensors), _key(tuple(sorted(kwargs.items())), tensors),
+            key = (func, _argument_key(args, tensors), _argument_key(tuple(sorted(kwargs.items())), tensors),
                    torch.is_autocast_enabled(), torch.get_default_dtype())
         except _NotShared:
             return None, []
@@ -152,9 +148,7 @@ class computed_once(TorchFunctionMode):
 
     def _note_writes(self, func, args) -> None:
         """Mark an in-place call (or a change of a tensor's metadata in place) on a shared result."""
-        name = getattr(func, "__name__", "")
-        in_place = (name.endswith("_") and not name.endswith("__")) or name in _WRITING_OPERATORS
-        if in_place and args and isinstance(args[0], torch.Tensor):
+        if writes_in_place(func) and args and isinstance(args[0], torch.Tensor):
             shared = self.handed_again.get(id(args[0]))
             self.written |= shared is not None and shared.result is args[0]
 

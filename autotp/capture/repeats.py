@@ -216,7 +216,7 @@ def _chain(first: list[fx.Node], second: list[fx.Node], run: Run, grad: set[str]
     for n in reversed(first):  # and what those are computed from
         if n in shared:
             shared.update(a for a in n.all_input_nodes if a in inside_first and
-                          (_is_size(a) if _is_size(n) else (_is_size(a) or a.name not in grad)))
+                          (_is_size(a) or (not _is_size(n) and a.name not in grad)))
     first = [n for n in first if n not in shared]
     if len(first) != len(second):
         raise NotRepeated(f"blocks {run.keys[:2]} of {run.path} traced {len(first)} and {len(second)} nodes")

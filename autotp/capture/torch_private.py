@@ -17,6 +17,9 @@ from torch import fx
 
 from autotp.errors import InternalError
 
+TENSOR_DATA = torch._C.TensorBase.data
+"""The ``.data`` property of tensors (its getter and setter reach a TorchFunctionMode as methods of it)."""
+
 GUARDS_MODULE = "_guards_fn"
 """The submodule torch.export adds to check input shapes; it belongs to the whole model, not to a stage."""
 

@@ -25,21 +25,20 @@ import torch
 from torch import fx
 from torch.overrides import TorchFunctionMode
 
-from autotp.capture.torch_private import mutated_args
+from autotp.capture.torch_private import TENSOR_DATA, mutated_args
 from autotp.errors import CaptureError
-
-_DATA = torch._C.TensorBase.data
-"""The ``.data`` descriptor: a read of it reaches a torch function mode as its ``__get__``."""
 
 
 def _on_data(func, args, method: str) -> bool:
     """Whether ``func(*args)`` is ``method`` (``__get__``, ``__set__``) of ``.data`` on a parameter (a leaf that
     requires grad)."""
-    return getattr(func, "__self__", None) is _DATA and getattr(func, "__name__", "") == method and bool(args) \
+    return getattr(func, "__self__", None) is TENSOR_DATA and getattr(func, "__name__", "") == method and bool(args) \
         and isinstance(args[0], torch.Tensor) and args[0].is_leaf and args[0].requires_grad
 
 
-def _in_place(func) -> bool:
+def writes_in_place(func) -> bool:
+    """Whether a torch function writes its first argument in place (``add_``; an operator such as ``+=`` reaches a
+    mode as its in-place method too)."""
     name = getattr(func, "__name__", "")
     return name.endswith("_") and not name.endswith("__")
 
@@ -69,7 +68,7 @@ class data_as_no_grad(TorchFunctionMode):
             if _same_tensor(args[1], args[0]):
                 return None  # p.data = p: Module.to(dtype) of a module already in that dtype (Switch's router)
             raise CaptureError(_refusal("replaces a parameter's .data (p.data = ...)"))
-        if args and isinstance(args[0], torch.Tensor) and _in_place(func):
+        if args and isinstance(args[0], torch.Tensor) and writes_in_place(func):
             owner = self.owners.get(id(args[0]))
             if owner is not None and owner[0] is args[0]:
                 if func.__name__ not in REPEATABLE_WRITES or _any_tensor(args[1:], kwargs):
