@@ -78,6 +78,14 @@ def _assign(weight):
     weight.data = weight.data.clamp(-0.05, 0.05)
 
 
+def _assign_rows(weight):
+    weight.data[:2] = 0  # once captured as a write through a detached slice: on a rank's shard, the wrong rows
+
+
+def _assign_into_a_row(weight):
+    weight.data[0][:] = 1
+
+
 class _CastsItself(nn.Module):
     """``Module.to`` of a module already in that dtype in the forward (Switch Transformers' router): torch sets
     each parameter's ``.data`` to itself."""
@@ -102,7 +110,9 @@ def test_a_parameter_s_data_set_to_itself_is_nothing():
     (lambda w: w.data.clamp_(-w.data.abs().mean(), 0.1), "with clamp_"),  # a bound that is a tensor
     (_assign, r"replaces a parameter's \.data \(p\.data = \.\.\.\)"),
     (lambda w: w.data[0].zero_(), r"into a part of a parameter's \.data \(zero_\)"),
-], ids=["mul_", "tensor-bound", "assigned", "part"])
+    (_assign_rows, r"\.data with an indexed assignment \(p\.data\[\.\.\.\] = \.\.\.\)"),
+    (_assign_into_a_row, r"into a part of a parameter's \.data \(an indexed assignment \(p\.data\[\.\.\.\] = \.\.\.\)\)"),
+], ids=["mul_", "tensor-bound", "assigned", "part", "indexed", "indexed-part"])
 def test_a_write_that_is_not_a_repeatable_whole_write_is_refused_naming_the_line(write, refused):
     model = _DataWrites(write)
     before = model.up.weight.detach().clone()

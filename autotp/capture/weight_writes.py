@@ -11,7 +11,7 @@ parameter, a leaf, still gets the whole gradient). Run on a rank's shard, an ele
 write's shard.
 
 Only writes of the whole ``.data`` that give the same weights when repeated are captured (``REPEATABLE_WRITES``:
-clamps, fills); any other (a write into a part, ``p.data[0].zero_()``, which on a rank holding a shard is not
+clamps, fills); any other (a write into a part, ``p.data[0].zero_()`` or ``p.data[:2] = 0``, which on a rank holding a shard is not
 the model's part; ``mul_``, which a pipeline's microbatches would repeat; ``p.data = value``) is refused, naming
 the model's line.
 """
@@ -37,10 +37,15 @@ def _on_data(func, args, method: str) -> bool:
 
 
 def writes_in_place(func) -> bool:
-    """Whether a torch function writes its first argument in place (``add_``; an operator such as ``+=`` reaches a
-    mode as its in-place method too)."""
+    """Whether a torch function writes its first argument in place: an in-place method (``add_``; ``+=`` reaches a
+    mode as one) or an indexed assignment (``x[...] = y``, which reaches it as ``__setitem__``)."""
     name = getattr(func, "__name__", "")
-    return name.endswith("_") and not name.endswith("__")
+    return name == "__setitem__" or (name.endswith("_") and not name.endswith("__"))
+
+
+def _written_with(func) -> str:
+    """How a refusal names the write."""
+    return "an indexed assignment (p.data[...] = ...)" if func.__name__ == "__setitem__" else func.__name__
 
 
 REPEATABLE_WRITES = frozenset({"clamp_", "clamp_min_", "clamp_max_", "fill_", "zero_"})
@@ -72,7 +77,7 @@ class data_as_no_grad(TorchFunctionMode):
             owner = self.owners.get(id(args[0]))
             if owner is not None and owner[0] is args[0]:
                 if func.__name__ not in REPEATABLE_WRITES or _any_tensor(args[1:], kwargs):
-                    raise CaptureError(_refusal(f"writes a parameter's .data with {func.__name__}"))
+                    raise CaptureError(_refusal(f"writes a parameter's .data with {_written_with(func)}"))
                 with torch.no_grad():
                     func(owner[1], *args[1:], **kwargs)
                 return owner[0]
@@ -84,7 +89,7 @@ class data_as_no_grad(TorchFunctionMode):
         storage = target.untyped_storage()._cdata
         for view, parameter in self.owners.values():
             if target is not parameter and view.untyped_storage()._cdata == storage:
-                raise CaptureError(_refusal(f"writes into a part of a parameter's .data ({func.__name__})"))
+                raise CaptureError(_refusal(f"writes into a part of a parameter's .data ({_written_with(func)})"))
 
 
 def _same_tensor(value, parameter: torch.Tensor) -> bool:
