@@ -111,3 +111,46 @@ def test_nothing_is_shared_once_a_tensor_s_data_is_taken():
         scale.data.add_(1)
         after = scale * 2
     assert again is before and after.item() == 4 and not once.shared_value_written()
+
+
+class _ProductUnderAutocast(nn.Module):
+    """The same product of a buffer outside and inside CPU autocast: two values of two dtypes."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.register_buffer("table", torch.randn(8, 8))
+
+    def forward(self, x):
+        plain = self.table @ self.table
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            low = self.table @ self.table
+        return self.lin(x) @ plain + (self.lin(x) @ low.float())
+
+
+def test_a_call_under_cpu_autocast_is_not_the_call_outside_it():
+    torch.manual_seed(0)
+    model, x = _ProductUnderAutocast(), torch.randn(3, 8)
+    with computed_once():
+        plain, low = model.table @ model.table, None
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            low = model.table @ model.table
+    assert plain.dtype == torch.float32 and low.dtype == torch.bfloat16
+    captured = capture(model, (x,), training=True)  # autocast's region is a submodule of the graph
+    assert torch.equal(models.first_tensor(captured.module(x)), model(x))
+
+
+def test_a_result_that_came_to_need_a_gradient_is_not_handed_out_again():
+    with computed_once():
+        first = torch.zeros(3)
+        first.requires_grad_()  # bumps no version
+        second = torch.zeros(3)
+    assert second is not first and not second.requires_grad
+
+
+def test_an_integer_and_a_float_of_one_value_are_other_calls():
+    with computed_once():
+        scale = torch.ones(3, dtype=torch.int64)
+        by_int, by_float, by_bool = scale * 2, scale * 2.0, scale * True
+    assert by_int.dtype == torch.int64 and by_float.dtype == torch.float32 and by_bool.dtype == torch.int64
+    assert by_bool is not by_int

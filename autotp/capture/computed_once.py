@@ -14,7 +14,9 @@ Only what cannot change the result is shared:
 - the function is a deterministic, functional torch op (an aten op of that name without the
   ``nondeterministic_seeded`` tag, or an operator such as ``+``); random draws (by the tag, or by a name that says
   so: ``_DRAWS``), in-place ops, ``out=`` and uninitialised tensors (``empty``) never are;
-- the autocast state and the default dtype are part of the key.
+- the autocast state of every device type (enabled, and to which dtype) and the default dtype are part of the
+  key (``torch.is_autocast_enabled()`` alone reports CUDA's only: a product under CPU autocast is another value);
+- a result that has come to need a gradient (``requires_grad_()``, which bumps no version) is not handed out.
 A model that writes in place into a value after it was shared (both copies would see the write) is detected
 (the tensor's version counter, shared with its views, or an in-place call on it), and the capture is then
 traced again without sharing (``shared_value_written``). ``.data`` does not share the version counter, so once
@@ -34,7 +36,8 @@ from autotp.capture.weight_writes import writes_in_place
 
 _OPERATORS = frozenset({
     "__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__", "__truediv__", "__rtruediv__",
-    "__div__", "__rdiv__", "__floordiv__", "__rfloordiv__", "__mod__", "__rmod__", "__pow__", "__rpow__", "__matmul__", "__rmatmul__",
+    "__div__", "__rdiv__", "__floordiv__", "__rfloordiv__", "__mod__", "__rmod__", "__pow__", "__rpow__",
+    "__matmul__", "__rmatmul__",
     "__neg__", "__abs__", "__invert__", "__and__", "__rand__", "__or__", "__ror__", "__xor__", "__rxor__",
     "__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__", "__getitem__", "__lshift__", "__rshift__"})
 """Tensor operators that compute a new value (the in-place ones, ``__iadd__`` and ``__setitem__``, are not)."""
@@ -92,6 +95,14 @@ def _argument_key(value, tensors: list):
     raise _NotShared
 
 
+_AUTOCAST_DEVICES = ("cpu", "cuda")
+
+
+def _autocast_state() -> tuple:
+    """Which device types autocast is on for, and to which dtype: a call under autocast computes another value."""
+    return tuple((d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in _AUTOCAST_DEVICES)
+
+
 @dataclass
 class _Shared:
     """A result handed out again: the argument tensors it was made from are kept alive, so no other tensor
@@ -108,6 +119,7 @@ class computed_once(TorchFunctionMode):
     model wrote into a value that was handed out twice."""
 
     def __init__(self):
+        """An empty table of results; sharing is on until a tensor's ``.data`` is taken."""
         super().__init__()
         self.results: dict[tuple, _Shared] = {}
         self.handed_again: dict[int, _Shared] = {}  # id(result) -> its entry, for results handed out twice
@@ -115,6 +127,7 @@ class computed_once(TorchFunctionMode):
         self.off = False  # once a tensor's .data is taken
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        """Run ``func``, or hand back the result an identical earlier call made (see the class's docstring)."""
         kwargs = kwargs or {}
         if getattr(func, "__self__", None) is TENSOR_DATA:
             self.off = True  # .data shares no version counter: a write through it would go unseen from here on
@@ -123,7 +136,7 @@ class computed_once(TorchFunctionMode):
             self._note_writes(func, args)
             return func(*args, **kwargs)
         earlier = self.results.get(key)
-        if earlier is not None and earlier.result._version == earlier.version:
+        if earlier is not None and earlier.result._version == earlier.version and not earlier.result.requires_grad:
             self.handed_again[id(earlier.result)] = earlier
             return earlier.result
         result = func(*args, **kwargs)
@@ -141,7 +154,7 @@ class computed_once(TorchFunctionMode):
         tensors: list[torch.Tensor] = []
         try:
             key = (func, _argument_key(args, tensors), _argument_key(tuple(sorted(kwargs.items())), tensors),
-                   torch.is_autocast_enabled(), torch.get_default_dtype())
+                   _autocast_state(), torch.get_default_dtype())
         except _NotShared:
             return None, []
         return key, tensors
