@@ -22,6 +22,7 @@ from autotp.errors import (
     PlanError,
     RankFailure,
     RuntimeSetupError,
+    UnsupportedTorchError,
 )
 from autotp.options import Options
 
@@ -38,6 +39,9 @@ def __getattr__(name: str):
     """The public name ``name``, imported from its module on first use (PEP 562)."""
     if name not in _LAZY:
         raise AttributeError(f"module 'autotp' has no attribute {name!r}")
+    from autotp.torch_version import require_supported_torch
+
+    require_supported_torch()
     value = getattr(importlib.import_module(_LAZY[name]), name)
     globals()[name] = value
     return value
@@ -46,5 +50,5 @@ def __getattr__(name: str):
 __all__ = [
     "AutotpError", "CaptureError", "CheckReport", "CheckpointError", "Collective", "InputError", "InternalError",
     "Options", "ParallelModule", "PipelineModule", "Placement", "PlacementKind", "Plan", "PlanError", "RankFailure",
-    "Region", "RuntimeSetupError", "check", "empty_weights", "parallelize", "plan",
+    "Region", "RuntimeSetupError", "UnsupportedTorchError", "check", "empty_weights", "parallelize", "plan",
 ]

@@ -71,8 +71,11 @@ class CheckReport:
     located: Mismatch | None = None
     """The first forward operation whose value differs, when the forward is at fault."""
     rounding: Mismatch | None = None
-    """A float32 difference that the same check in float64 shows to be rounding: sums reordered across ranks,
-    amplified by the model (large attention scores), while the sharded computation is the same function."""
+    """A difference in the model's own dtype (float32, bf16) that the same check in a wider one shows to be
+    rounding: sums reordered across ranks, amplified by the model (large attention scores), while the sharded
+    computation is the same function."""
+    widened: str | None = None
+    """The dtype that check ran in: float64, or float32 for a bf16/fp16 model that cannot run in float64."""
 
     @property
     def exact(self) -> bool:
@@ -83,7 +86,8 @@ class CheckReport:
         if self.exact:
             text = (f"exact: tp={self.tp}, {self.compared} tensors (output, loss, every gradient and parameter "
                     f"after an SGD step) agree with the unsharded model; largest error {self.max_error:.3g}")
-            return text + (f" (in float64; in float32 {self.rounding}, which is rounding)" if self.rounding else "")
+            return text + (f" (in {self.widened}; in the model's own dtype {self.rounding}, which is rounding)"
+                           if self.rounding else "")
         lines = [f"MISMATCH at tp={self.tp}: {self.mismatch}"]
         if self.located is not None:
             lines.append(f"  first differing operation: {self.located}")
@@ -96,7 +100,8 @@ def _loss(output, weights: list[torch.Tensor] | None = None):
     leaves = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.is_floating_point()]
     if weights is None:
         generator = torch.Generator().manual_seed(7)
-        weights = [torch.randn(t.shape, generator=generator, dtype=t.dtype) for t in leaves]
+        # drawn on the CPU (one stream whatever the device), then moved to each output's device
+        weights = [torch.randn(t.shape, generator=generator, dtype=t.dtype).to(t.device) for t in leaves]
     return sum((t * w).square().mean() for t, w in zip(leaves, weights)), weights
 
 
@@ -258,30 +263,48 @@ def check_prepared(prepared: Prepared, tp: int | None = None, *, plan: Plan | No
     return report
 
 
+_NARROW = (torch.float32, torch.bfloat16, torch.float16)
+"""Dtypes whose differences a wider check may show to be rounding (a bf16 sum over two ranks' halves is rounded
+at other places than the whole sum, by far more than the float32 tolerances)."""
+
+
 def _in_float64(model: nn.Module, example_inputs, plan: Plan, report: CheckReport, modules_hook) -> CheckReport:
-    """The float64 check of a float32 model that differed: exact there means the float32 difference is rounding
-    (kept in ``rounding``); anything else keeps the float32 report. A model that cannot run in float64 (it casts
-    to float32 itself) keeps it too; an error of autotp's in the float64 check is raised, not taken for that."""
+    """The check again in float64 of a float32 (or bf16/fp16) model that differed: exact there means the difference
+    is rounding (kept in ``rounding``); anything else keeps the first report. A bf16/fp16 model that cannot run in
+    float64 (a kernel without float64, a cast of its own) is checked in float32, whose tolerances still catch a
+    fault below bf16's rounding. A model that runs in no wider dtype keeps the first report; an error of autotp's
+    in the wider check is raised, not taken for that."""
     floats = [t for t in [*model.parameters(), *model.buffers()] if t.is_floating_point()]
-    if not floats or any(t.dtype != torch.float32 for t in floats):
+    if not floats or any(t.dtype not in _NARROW for t in floats):
         return report
-    wide_model = copy.deepcopy(model).double()
-    widened = tree_map(lambda t: t.double() if isinstance(t, torch.Tensor) and t.is_floating_point() else t,
+    wider = [torch.float64] + ([torch.float32] if any(t.dtype != torch.float32 for t in floats) else [])
+    for dtype in wider:
+        wide = _check_in(dtype, model, example_inputs, plan, report.tp, modules_hook)
+        if wide is None:  # the model does not run in this dtype: try the next
+            continue
+        if not wide.exact:
+            return report
+        wide.rounding, wide.widened = report.mismatch, str(dtype).removeprefix("torch.")
+        return wide
+    return report
+
+
+def _check_in(dtype: torch.dtype, model: nn.Module, example_inputs, plan: Plan, tp: int,
+              modules_hook) -> CheckReport | None:
+    """``check`` of ``model`` and its floating inputs cast to ``dtype``, or None where the model's own forward (or
+    its export) fails in that dtype: that is the model's, and says nothing about rounding."""
+    wide_model = copy.deepcopy(model).to(dtype)
+    widened = tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t,
                        example_inputs)
-    try:  # the model alone first: its own failure in float64 is the model's, and says nothing about rounding
+    try:  # the model alone first
         with torch.no_grad():
             example_inputs_of(wide_model, widened).call(copy.deepcopy(wide_model), model_kwargs(wide_model))
     except Exception:  # noqa: BLE001 - any error of the model's own forward, which autotp does not run here
-        return report
+        return None
     try:
-        wide = check(wide_model, report.tp, widened, plan=plan, modules_hook=modules_hook,
-                     recompute=plan.options.recompute)
-    except CaptureError:  # the export of the float64 model failed where the float32 one's did not: its dtypes
-        return report
-    if not wide.exact:
-        return report
-    wide.rounding = report.mismatch
-    return wide
+        return check(wide_model, tp, widened, plan=plan, modules_hook=modules_hook, recompute=plan.options.recompute)
+    except CaptureError:  # the export failed in this dtype where the model's own dtype's did not: its dtypes
+        return None
 
 
 def _compare_step(compare: _Compare, plan: Plan, captured: Captured, reference: nn.Module, ranks: list[_Rank],

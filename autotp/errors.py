@@ -40,6 +40,11 @@ class RuntimeSetupError(AutotpError):
     """The distributed environment does not fit the plan (world size, mismatched plans, ...)."""
 
 
+class UnsupportedTorchError(AutotpError, ImportError):
+    """The installed torch is older than autotp needs (its capture reads operator tags and export internals that
+    earlier releases lack)."""
+
+
 class RankFailure(AutotpError, RuntimeError):
     """A collective could not complete because another rank failed, stopped or did not answer in time."""
 

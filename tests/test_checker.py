@@ -278,3 +278,29 @@ def test_attention_with_heads_in_the_batch_and_an_in_place_drawn_dropout_splits_
     assert set(regions[0].columns) == {"q", "k", "v"} and regions[0].rows == ("out",), plan
     report = autotp.check(model, tp=2, example_inputs=(x,))
     assert report.exact, str(report)
+
+
+class _NoFloat64Kernel(_Sharp):
+    """Runs in bf16 and float32 only, as a grouped-GEMM mixture of experts does."""
+
+    def forward(self, x):
+        if x.dtype == torch.float64:
+            raise TypeError("expected a float32, bfloat16 or float16 matrix, got double")
+        return super().forward(x)
+
+
+@pytest.mark.parametrize("model_class, widened", [(_Sharp, "float64"), (_NoFloat64Kernel, "float32")])
+def test_bf16_rounding_is_told_apart_in_the_widest_dtype_the_model_runs_in(model_class, widened):
+    torch.manual_seed(0)
+    model, x = model_class().to(torch.bfloat16), torch.randn(2, 8, 16).to(torch.bfloat16)
+    report = autotp.check(model, 2, x)
+    assert report.exact and report.rounding is not None and report.widened == widened, str(report)
+    assert f"in {widened}" in str(report) and next(model.parameters()).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("model_class", [_Sharp, _NoFloat64Kernel])
+def test_a_fault_below_bf16_rounding_is_not_excused(model_class):
+    torch.manual_seed(0)
+    model, x = model_class().to(torch.bfloat16), torch.randn(2, 8, 16).to(torch.bfloat16)
+    report = autotp.check(model, 2, x, modules_hook=_fault_on_rank_one)  # a 0.1% error, under bf16's 0.4% step
+    assert not report.exact and report.rounding is None

@@ -1,5 +1,7 @@
 """Every bad input gets an autotp error that says what is wrong and what to do."""
 
+import re
+
 import pytest
 import torch
 from torch import nn
@@ -112,3 +114,20 @@ def test_a_size_checked_per_part_says_so():
     text = str(err.value)
     assert "reshape to (?, 3, 4, 16) per part (it holds 2 parts side by side, each split alike)" in text, text
     assert "has size 2" in text and "Valid tp values for this model: 1, 2" in text, text
+
+
+@pytest.mark.parametrize("version", ["2.11.0+cu130", "2.12.1", "1.13.1", "nightly"])
+def test_an_older_torch_is_refused_naming_the_release_needed(version):
+    from autotp.torch_version import require_supported_torch
+
+    expected = r"needs torch >= 2\.13, found torch " + re.escape(version)
+    with pytest.raises(autotp.errors.UnsupportedTorchError, match=expected):
+        require_supported_torch(version)
+
+
+@pytest.mark.parametrize("version", ["2.13.0+cpu", "2.14.0.dev20261101+cu130", "3.0.0"])
+def test_this_and_later_torch_releases_pass(version):
+    from autotp.torch_version import require_supported_torch
+
+    require_supported_torch(version)
+    require_supported_torch()  # the installed one

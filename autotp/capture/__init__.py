@@ -4,8 +4,12 @@ The first stage of autotp; ``inputs`` names, orders and synthesises the inputs a
 ``torch_private`` holds every private torch API autotp relies on.
 """
 
-from autotp.capture.captured import Captured
-from autotp.capture.examples import (
+from autotp.torch_version import require_supported_torch
+
+require_supported_torch()  # before any module that reads torch 2.13's internals: a clear error, not a deep one
+
+from autotp.capture.captured import Captured  # noqa: E402 - after the check above, on purpose
+from autotp.capture.examples import (  # noqa: E402
            ExampleInputs,
            Signature,
            example_inputs_of,
@@ -13,8 +17,8 @@ from autotp.capture.examples import (
            synthesise,
            vocab_size,
 )
-from autotp.capture.export import capture, model_kwargs, tensor_aliases
-from autotp.capture.repeats import capture_repeated
+from autotp.capture.export import capture, model_kwargs, tensor_aliases  # noqa: E402
+from autotp.capture.repeats import capture_repeated  # noqa: E402
 
 __all__ = ["Captured", "ExampleInputs", "Signature", "capture", "capture_repeated", "example_inputs_of", "model_kwargs", "name_inputs",
            "synthesise", "tensor_aliases", "vocab_size"]
