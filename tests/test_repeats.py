@@ -21,9 +21,24 @@ _HF = {
 }
 
 
+def _deberta_v2_relative() -> torch.nn.Module:
+    """DeBERTa-v3's relative-position attention: each layer casts the encoder's mask (``.to``, which export checks
+    with ``_assert_tensor_metadata``) and builds the same c2p/p2c gather indices, all traced once."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.DebertaV2Config(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=5, num_attention_heads=4, intermediate_size=64,
+        max_position_embeddings=64, relative_attention=True, pos_att_type=["p2c", "c2p"], position_buckets=16,
+        max_relative_positions=-1, position_biased_input=False, norm_rel_ebd="layer_norm", share_att_key=True)
+    return transformers.DebertaV2ForMaskedLM(config)
+
+
 def _model(name: str) -> torch.nn.Module:
     if name == "relative":  # each block computes the scale and relative positions the capture traces once
         return RelativeLM(blocks=5, vocab=VOCAB)
+    if name == "deberta_v2_relative":
+        return _deberta_v2_relative()
     if name in _HF:
         return build_model(parse_spec(f"hf:{name}", parse_overrides(_HF[name])))
     return build(name, layers=5)
@@ -37,7 +52,8 @@ def _ops(cap) -> list:
     return [(n.op, str(n.target), cap.module_name(n), repr(n.meta.get("autotp_shape"))) for n in cap.graph.nodes]
 
 
-@pytest.mark.parametrize("name", ["raw_gpt", "hf_llama", "hf_gpt2", "deepseek_v3", "mixtral", "relative"])
+@pytest.mark.parametrize("name", ["raw_gpt", "hf_llama", "hf_gpt2", "deepseek_v3", "mixtral", "relative",
+                                  "deberta_v2_relative"])
 def test_stamped_blocks_make_the_full_capture_graph_and_plans(name):
     model = _model(name)
     full, stamped = capture(model, _example(name)), stamp(model, _example(name))

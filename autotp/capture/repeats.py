@@ -24,6 +24,7 @@ from torch.utils._pytree import tree_flatten
 
 from autotp.capture.captured import WRAPPER_PREFIX, Captured
 from autotp.capture.export import capture, tensor_aliases
+from autotp.capture.torch_private import mutated_args
 from autotp.errors import CaptureError
 from autotp.passes.graph import grad_nodes, trainable_attrs
 
@@ -211,12 +212,7 @@ def _chain(first: list[fx.Node], second: list[fx.Node], run: Run, grad: set[str]
     # block, and so is a value the capture traced once (``computed_once``: a scale, relative-position indices,
     # which need no gradient): values every block reads, not part of the block. A value handed down the run
     # misread as one leaves the blocks different lengths.
-    inside_second, inside_first = set(second), set(first)
-    shared = {n for n in first if (_is_size(n) or n.name not in grad) and any(u in inside_second for u in n.users)}
-    for n in reversed(first):  # and what those are computed from
-        if n in shared:
-            shared.update(a for a in n.all_input_nodes if a in inside_first and
-                          (_is_size(a) or (not _is_size(n) and a.name not in grad)))
+    shared = _read_by_every_block(first, second, grad)
     first = [n for n in first if n not in shared]
     if len(first) != len(second):
         raise NotRepeated(f"blocks {run.keys[:2]} of {run.path} traced {len(first)} and {len(second)} nodes")
@@ -231,6 +227,7 @@ def _chain(first: list[fx.Node], second: list[fx.Node], run: Run, grad: set[str]
             raise NotRepeated(f"{a.name} and {b.name} take different arguments")
         for x, y in zip(leaves_a, leaves_b):
             _match_leaf(x, y, position, handed, run)
+    inside_second = set(second)
     read_later = {u for n in first for u in n.users if u not in position and u not in inside_second}
     if read_later:
         raise NotRepeated(f"values of {run.path}.{run.keys[0]} are read past the next block ({next(iter(read_later)).name})")
@@ -254,6 +251,23 @@ def _match_leaf(x, y, position: dict, handed: dict, run: Run) -> None:
         ok = y in position and x.op != "get_attr" and handed.setdefault(x, y) is y
     if not ok:
         raise NotRepeated(f"{x.name} against {y.name}")
+
+
+def _read_by_every_block(first: list[fx.Node], second: list[fx.Node], grad: set[str]) -> set[fx.Node]:
+    """The nodes of ``first`` that are values every later block reads, not part of the block (see ``_chain``): sizes
+    and no-grad values ``second`` reads, what they are computed from, and the checks export emits beside such a
+    value's op (``.to(dtype)`` traces ``_assert_tensor_metadata`` on its input: a node no one reads that writes
+    nothing), which the later blocks, handed the value, never trace."""
+    inside_second, inside_first = set(second), set(first)
+    shared = {n for n in first if (_is_size(n) or n.name not in grad) and any(u in inside_second for u in n.users)}
+    for n in reversed(first):  # and what those are computed from
+        if n in shared:
+            shared.update(a for a in n.all_input_nodes if a in inside_first and
+                          (_is_size(a) or (not _is_size(n) and a.name not in grad)))
+    if shared:
+        shared.update(n for n in first if not n.users and n.name not in grad and not mutated_args(n)
+                      and all(a in shared or a not in inside_first for a in n.all_input_nodes))
+    return shared
 
 
 def _is_size(node: fx.Node) -> bool:
