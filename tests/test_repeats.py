@@ -14,9 +14,10 @@ from autotp.tools.model_spec import build_model, parse_overrides, parse_spec
 from tests.models import VOCAB, RelativeLM, build, tokens
 
 _HF = {
+    "gemma2": ["num_hidden_layers=6"],  # sliding-window and global attention alternate: a unit of two layers
     "deepseek_v3": ["num_hidden_layers=6", "first_k_dense_replace=2"],  # dense blocks, then mixture-of-experts
     "mixtral": ["num_hidden_layers=5"],
-    "gemma3_text": ["num_hidden_layers=5"],  # sliding and full attention: the last block differs
+    "gemma3_text": ["num_hidden_layers=6"],  # five sliding-window layers, then a global one: no unit repeats 3 times
     "qwen3_moe": ["num_hidden_layers=5"],
 }
 
@@ -34,17 +35,34 @@ def _deberta_v2_relative() -> torch.nn.Module:
     return transformers.DebertaV2ForMaskedLM(config)
 
 
+def _swin_t_depths() -> torch.nn.Module:
+    """Swin-T's stage depths (2, 2, 6, 2), tiny: its blocks alternate plain and shifted windows, so the six-block
+    stage repeats a unit of two (without stochastic depth: a drop rate rising block by block makes each block's
+    graph its own)."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.SwinConfig(image_size=32, patch_size=2, embed_dim=16, depths=[2, 2, 6, 2],
+                                     num_heads=[4, 4, 4, 4], window_size=2, num_labels=10,
+                                     drop_path_rate=0.0)
+    return transformers.SwinForImageClassification(config)
+
+
 def _model(name: str) -> torch.nn.Module:
     if name == "relative":  # each block computes the scale and relative positions the capture traces once
         return RelativeLM(blocks=5, vocab=VOCAB)
     if name == "deberta_v2_relative":
         return _deberta_v2_relative()
+    if name == "swin_t_depths":
+        return _swin_t_depths()
     if name in _HF:
         return build_model(parse_spec(f"hf:{name}", parse_overrides(_HF[name])))
     return build(name, layers=5)
 
 
 def _example(name: str):
+    if name == "swin_t_depths":
+        return {"pixel_values": torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))}
     return None if name in _HF else tokens(2, 8, seed=0)
 
 
@@ -53,7 +71,7 @@ def _ops(cap) -> list:
 
 
 @pytest.mark.parametrize("name", ["raw_gpt", "hf_llama", "hf_gpt2", "deepseek_v3", "mixtral", "relative",
-                                  "deberta_v2_relative"])
+                                  "deberta_v2_relative", "gemma2", "swin_t_depths"])
 def test_stamped_blocks_make_the_full_capture_graph_and_plans(name):
     model = _model(name)
     full, stamped = capture(model, _example(name)), stamp(model, _example(name))
@@ -62,6 +80,45 @@ def test_stamped_blocks_make_the_full_capture_graph_and_plans(name):
     for tp, pp in ((2, 1), (4, 2)):
         options = Options(tp=tp, pp=pp)
         assert make_plan(stamped, options) == make_plan(full, options), (tp, pp)
+
+
+class _Kind(torch.nn.Module):
+    def __init__(self, kind: str):
+        super().__init__()
+        self.kind, self.lin = kind, torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.lin(x).relu() if self.kind == "local" else self.lin(x).tanh()
+
+
+class _Pattern(torch.nn.Module):
+    """Blocks of kinds in the order given: ``"LLG" * 3`` is two local blocks, then a global one, three times."""
+
+    def __init__(self, pattern: str):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(_Kind("local" if c == "L" else "global") for c in pattern)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+@pytest.mark.parametrize("pattern, period, stamped", [
+    ("LGLGLGLG", 2, 4), ("LLGLLGLLG", 3, 3), ("GLLGLLGLLG", 3, 3), ("GLLLL", 1, 2), ("LLLLGLLLLG", None, 0),
+    ("LGLGLGL", 2, 2)])
+def test_a_run_repeats_a_unit_of_blocks_and_the_stamped_graph_is_the_full_one(pattern, period, stamped):
+    model, x = _Pattern(pattern), torch.randn(2, 8)
+    runs = repeated_runs(model)
+    if period is None:  # two repeats of a unit of five: too few to check one unit against another and stamp one
+        assert runs == []
+        return
+    (run,) = runs
+    assert run.period == period and len(run.stamped) == stamped and run.keys[-1] == str(len(pattern) - 1)
+    assert len(run.keys) % period == 0 and all(len(unit) == period for unit in run.units)
+    full, made = capture(model, (x,)), stamp(model, (x,))
+    assert _ops(made) == _ops(full)
+    assert torch.equal(made.module(x)[0] if isinstance(made.module(x), tuple) else made.module(x), model(x))
 
 
 def test_runs_are_the_identical_blocks_that_end_each_list():

@@ -13,6 +13,7 @@ neighbour's, a value read across blocks, a model that cannot run shortened) it f
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import re
 from collections import OrderedDict
@@ -24,27 +25,39 @@ from torch.utils._pytree import tree_flatten
 
 from autotp.capture.captured import WRAPPER_PREFIX, Captured
 from autotp.capture.export import capture, tensor_aliases
-from autotp.capture.torch_private import mutated_args
+from autotp.capture.torch_private import GUARDS_MODULE, mutated_args
 from autotp.errors import CaptureError
 from autotp.passes.graph import grad_nodes, trainable_attrs
 
 _LEAST = 3
-"""The shortest run worth stamping: two blocks are always captured, to check the run against itself."""
+"""The shortest run worth stamping, in units: two units are always captured, to check the run against itself."""
+
+_LONGEST_PERIOD = 8
+"""The most blocks a repeated unit may hold: Swin alternates plain and shifted windows (2), Gemma 3 runs five
+sliding-window layers, then a global one (6)."""
 
 
 @dataclass(frozen=True)
 class Run:
-    """Consecutive blocks of one ``ModuleList`` with one signature: ``keys[:2]`` captured, the rest stamped."""
+    """Consecutive blocks of one ``ModuleList`` that repeat a unit of ``period`` blocks (one block, or a pattern
+    such as sliding, sliding, global): the first two units captured, the rest stamped."""
 
     path: str
     """The ``ModuleList``'s name in the model (``model.layers``)."""
     keys: tuple[str, ...]
-    """The blocks' keys in the list, in order (``("3", "4", ..., "60")``)."""
+    """The blocks' keys in the list, in order (``("3", "4", ..., "60")``): whole units."""
+    period: int = 1
+    """Blocks per unit."""
+
+    @property
+    def units(self) -> tuple[tuple[str, ...], ...]:
+        """The keys of each unit, in order."""
+        return tuple(self.keys[i:i + self.period] for i in range(0, len(self.keys), self.period))
 
     @property
     def stamped(self) -> tuple[str, ...]:
-        """The blocks copied from the second rather than captured."""
-        return self.keys[2:]
+        """The blocks copied from the second unit rather than captured."""
+        return self.keys[2 * self.period:]
 
 
 class NotRepeated(Exception):
@@ -61,13 +74,17 @@ class _Int:
 
 def _plain(value, index: int):
     """An attribute's value as the signature records it: plain data by value, ints with whether they are the
-    block's index, anything else by identity (a config shared by every block compares equal)."""
+    block's index, a ``functools.partial`` by its function and arguments, anything else by identity (a config
+    shared by every block compares equal)."""
     if isinstance(value, bool) or value is None or isinstance(value, (float, str)):
         return value
     if isinstance(value, int):
         return _Int(value, value == index)
     if isinstance(value, (tuple, list)):
         return tuple(_plain(v, index) for v in value)
+    if isinstance(value, functools.partial):  # made per block (GELUTanh's act): the same call if its parts are
+        return ("partial", id(value.func), _plain(value.args, index),
+                tuple(sorted((k, _plain(v, index)) for k, v in value.keywords.items())))
     return ("id", id(value))
 
 
@@ -102,21 +119,31 @@ def block_signature(block: nn.Module, index: int) -> tuple:
 
 
 def repeated_runs(model: nn.Module) -> list[Run]:
-    """For each ``ModuleList`` that ends in at least ``_LEAST`` identical blocks, that run. Only a run that ends
-    its list is stamped: the shortened list is then a prefix of the full one, so every captured block sits at its
-    own position (a forward that enumerates its blocks, ``config.layer_types[i]``, reads what it reads in full)."""
+    """For each ``ModuleList`` that ends in at least ``_LEAST`` repeats of a unit of blocks, that run (the period
+    that stamps the most blocks, the shorter on a tie). Only a run that ends its list is stamped: the shortened list
+    is then a prefix of the full one, so every captured block sits at its own position (a forward that enumerates
+    its blocks, ``config.layer_types[i]``, reads what it reads in full)."""
     runs = []
     for path, module in model.named_modules():
         if not isinstance(module, nn.ModuleList) or len(module) < _LEAST:
             continue
         keys = list(module._modules)
-        last = block_signature(module._modules[keys[-1]], len(keys) - 1)
-        start = len(keys) - 1
-        while start > 0 and same_blocks(block_signature(module._modules[keys[start - 1]], start - 1), last):
-            start -= 1
-        if len(keys) - start >= _LEAST:
-            runs.append(Run(path, tuple(keys[start:])))
+        signatures = [block_signature(module._modules[k], i) for i, k in enumerate(keys)]
+        found = [run for p in range(1, min(_LONGEST_PERIOD, len(keys) // _LEAST) + 1)
+                 if (run := _periodic_tail(path, keys, signatures, p)) is not None]
+        if found:
+            runs.append(max(found, key=lambda run: (len(run.stamped), -run.period)))
     return runs
+
+
+def _periodic_tail(path: str, keys: list[str], signatures: list[tuple], period: int) -> Run | None:
+    """The longest tail of the list in whole units of ``period`` blocks, each block the same as the one a unit
+    later, if it holds at least ``_LEAST`` units."""
+    start = len(keys) - period
+    while start > 0 and same_blocks(signatures[start - 1], signatures[start - 1 + period]):
+        start -= 1
+    start += (len(keys) - start) % period  # whole units only
+    return Run(path, tuple(keys[start:]), period) if (len(keys) - start) // period >= _LEAST else None
 
 
 @contextlib.contextmanager
@@ -159,13 +186,13 @@ def stamp(model: nn.Module, example_inputs, training: bool | None = None) -> Cap
 def _stamped(small: Captured, model: nn.Module, runs: list[Run]) -> Captured:
     """``small`` with each run's stamped blocks copied in, and the full model's names."""
     graph = small.graph
-    blocks = {(run, k): _block_nodes(small, run.path, k) for run in runs for k in run.keys[:2]}
+    blocks = {(run, u): _block_nodes(small, run.path, run.units[u]) for run in runs for u in (0, 1)}
     grad = grad_nodes(graph, trainable_attrs(small.module))  # what gradients flow through
-    hand_over = {run: _chain(blocks[run, run.keys[0]], blocks[run, run.keys[1]], run, grad) for run in runs}
+    hand_over = {run: _chain(blocks[run, 0], blocks[run, 1], run, grad) for run in runs}
     reads = {run: _param_reads(graph, run) for run in runs}
     # capture reads every parameter, then every buffer: each stamped block's after the second block's of its kind
     after_reads = {kind[-1]: (run, kind) for run in runs for kind in _by_kind(model, reads[run]) if kind}
-    after_block = {blocks[run, run.keys[1]][-1]: run for run in runs}
+    after_block = {blocks[run, 1][-1]: run for run in runs}
     new = fx.Graph()
     env: dict = {}
     for node in graph.nodes:
@@ -174,7 +201,7 @@ def _stamped(small: Captured, model: nn.Module, runs: list[Run]) -> Captured:
             _copy_param_reads(new, small.module, model, *after_reads[node], env)
         if node in after_block:
             run = after_block[node]
-            _copy_blocks(new, blocks[run, run.keys[1]], hand_over[run], reads[run], run, env)
+            _copy_blocks(new, blocks[run, 1], hand_over[run], reads[run], run, env)
     small.module.graph = new  # the setter recompiles (a second recompile cost as much again)
     small.state_keys = tuple(model.state_dict().keys())
     small.aliases = tensor_aliases(model)
@@ -182,13 +209,15 @@ def _stamped(small: Captured, model: nn.Module, runs: list[Run]) -> Captured:
     return small
 
 
-def _block_nodes(cap: Captured, path: str, key: str) -> list[fx.Node]:
-    """The nodes traced inside block ``path.key``, in order; they must be consecutive."""
-    name = f"{path}.{key}"
-    order = [n for n in cap.graph.nodes if n.op != "get_attr"]
-    inside = [i for i, n in enumerate(order) if (m := cap.module_name(n)) == name or m.startswith(name + ".")]
+def _block_nodes(cap: Captured, path: str, unit: tuple[str, ...]) -> list[fx.Node]:
+    """The nodes traced inside the blocks ``path.key`` of ``unit``, in order; they must be consecutive."""
+    names = [f"{path}.{key}" for key in unit]
+    # the input guards belong to the whole model, whatever module name the node after them lends them
+    order = [n for n in cap.graph.nodes if n.op != "get_attr" and n.target != GUARDS_MODULE]
+    inside = [i for i, n in enumerate(order)
+              if any((m := cap.module_name(n)) == name or m.startswith(name + ".") for name in names)]
     if not inside or inside[-1] - inside[0] + 1 != len(inside):
-        raise NotRepeated(f"{name}'s nodes are not consecutive")
+        raise NotRepeated(f"{', '.join(names)}'s nodes are not consecutive")
     return order[inside[0]:inside[-1] + 1]
 
 
@@ -196,6 +225,15 @@ def _renamed(text: str, path: str, old: str, new: str) -> str:
     """``text`` (a ``get_attr`` target or module path starting with ``path``) with block ``path.old`` renamed
     ``path.new``."""
     return re.sub(rf"^{re.escape(path)}\.{re.escape(old)}(?=\.|$)", f"{path}.{new}", text)
+
+
+def _renamed_unit(text: str, run: Run, old: int, new: int) -> str:
+    """``text`` in unit ``old`` of ``run`` renamed to the block at its position in unit ``new``."""
+    for a, b in zip(run.units[old], run.units[new]):
+        renamed = _renamed(text, _attr_path(run), a, b)
+        if renamed != text:
+            return renamed
+    return text
 
 
 def _attr_path(run: Run) -> str:
@@ -215,7 +253,7 @@ def _chain(first: list[fx.Node], second: list[fx.Node], run: Run, grad: set[str]
     shared = _read_by_every_block(first, second, grad)
     first = [n for n in first if n not in shared]
     if len(first) != len(second):
-        raise NotRepeated(f"blocks {run.keys[:2]} of {run.path} traced {len(first)} and {len(second)} nodes")
+        raise NotRepeated(f"units {run.units[:2]} of {run.path} traced {len(first)} and {len(second)} nodes")
     position = dict(zip(first, second))
     handed: dict[fx.Node, fx.Node] = {}
     for a, b in zip(first, second):
@@ -230,7 +268,8 @@ def _chain(first: list[fx.Node], second: list[fx.Node], run: Run, grad: set[str]
     inside_second = set(second)
     read_later = {u for n in first for u in n.users if u not in position and u not in inside_second}
     if read_later:
-        raise NotRepeated(f"values of {run.path}.{run.keys[0]} are read past the next block ({next(iter(read_later)).name})")
+        raise NotRepeated(f"values of {run.path}.{run.units[0]} are read past the next unit "
+                          f"({next(iter(read_later)).name})")
     return {y: position[y] for y in handed.values()}
 
 
@@ -240,7 +279,7 @@ def _match_leaf(x, y, position: dict, handed: dict, run: Run) -> None:
         if isinstance(x, fx.Node) or isinstance(y, fx.Node) or type(x) is not type(y) or x != y:
             raise NotRepeated(f"constant {x!r} against {y!r}")
         return
-    own = _renamed(x.target, _attr_path(run), run.keys[0], run.keys[1]) if x.op == "get_attr" else None
+    own = _renamed_unit(x.target, run, 0, 1) if x.op == "get_attr" else None
     if x in position:
         ok = position[x] is y
     elif own is not None and own != x.target:  # the first block's own tensor: the second reads its own
@@ -284,11 +323,11 @@ def _shape_key(node: fx.Node) -> tuple:
 
 
 def _param_reads(graph: fx.Graph, run: Run) -> list[fx.Node]:
-    """The ``get_attr`` nodes of the run's second block's tensors."""
-    prefix = f"{_attr_path(run)}.{run.keys[1]}."
-    reads = [n for n in graph.nodes if n.op == "get_attr" and n.target.startswith(prefix)]
+    """The ``get_attr`` nodes of the tensors of the run's second unit."""
+    prefixes = tuple(f"{_attr_path(run)}.{key}." for key in run.units[1])
+    reads = [n for n in graph.nodes if n.op == "get_attr" and n.target.startswith(prefixes)]
     if not reads:
-        raise NotRepeated(f"{run.path}.{run.keys[1]} reads no parameter")
+        raise NotRepeated(f"{run.path}.{run.units[1]} reads no parameter")
     return reads
 
 
@@ -300,15 +339,15 @@ def _by_kind(model: nn.Module, reads: list[fx.Node]) -> tuple[list[fx.Node], lis
 
 def _copy_param_reads(new: fx.Graph, root: nn.Module, model: nn.Module, run: Run, reads: list[fx.Node],
                       env: dict) -> None:
-    """A ``get_attr`` for each stamped block's tensors under the full model's names (``env[key, read]``), each
+    """A ``get_attr`` for each stamped unit's tensors under the full model's names (``env[unit, read]``), each
     tensor registered on the captured module as capture registers the others."""
-    for key in run.stamped:
+    for unit in range(2, len(run.units)):
         for read in reads:
-            target = _renamed(read.target, _attr_path(run), run.keys[1], key)
+            target = _renamed_unit(read.target, run, 1, unit)
             _register(root, target, _tensor(model, target[len(WRAPPER_PREFIX):]))
             copied = new.get_attr(target)
             copied.meta = dict(read.meta)
-            env[key, read] = copied
+            env[unit, read] = copied
 
 
 def _tensor(model: nn.Module, name: str) -> torch.Tensor:
@@ -334,11 +373,11 @@ def _register(root: nn.Module, target: str, tensor: torch.Tensor) -> None:
 
 def _copy_blocks(new: fx.Graph, second: list[fx.Node], hand_over: dict, reads: list[fx.Node], run: Run,
                  env: dict) -> None:
-    """The stamped blocks, each a copy of ``second`` reading the block before it where ``second`` read the first;
+    """The stamped units, each a copy of ``second`` reading the unit before it where ``second`` read the first;
     readers after the run read the last copy's values."""
-    previous = {n: env[n] for n in second}  # the block before the one being copied: the second, at first
+    previous = {n: env[n] for n in second}  # the unit before the one being copied: the second, at first
     own_reads = set(reads)
-    for key in run.stamped:
+    for unit in range(2, len(run.units)):
         current: dict[fx.Node, fx.Node] = {}
 
         def arg(n: fx.Node) -> fx.Node:
@@ -347,7 +386,7 @@ def _copy_blocks(new: fx.Graph, second: list[fx.Node], hand_over: dict, reads: l
             if n in hand_over:  # the hidden state: the previous block's value at the handed position
                 return previous[hand_over[n]]
             if n in own_reads:
-                return env[key, n]
+                return env[unit, n]
             return env[n]  # what every block reads
 
         for node in second:
@@ -356,7 +395,7 @@ def _copy_blocks(new: fx.Graph, second: list[fx.Node], hand_over: dict, reads: l
             stack = node.meta.get("nn_module_stack")
             if stack:
                 copied.meta["nn_module_stack"] = {
-                    k: (_renamed(path, _attr_path(run), run.keys[1], key), cls) for k, (path, cls) in stack.items()}
+                    k: (_renamed_unit(path, run, 1, unit), cls) for k, (path, cls) in stack.items()}
             current[node] = copied
         previous = current
     for n in second:
