@@ -100,6 +100,10 @@ def test_a_missing_optional_library_is_the_reason_in_one_line():
     assert build_reason(ModuleNotFoundError("no module", name="detectron2")) == \
         "needs the detectron2 library, not installed"
     assert build_reason(ValueError("bad\nconfig")) == "ValueError: bad config"
+    from importlib.metadata import PackageNotFoundError
+
+    missing = PackageNotFoundError("The 'requests' distribution was not found and is required by this application")
+    assert build_reason(missing) == "needs the requests library, not installed"
 
 
 def test_a_document_model_is_fed_a_valid_box_per_token():

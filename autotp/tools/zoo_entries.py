@@ -241,14 +241,17 @@ def example_entries(extra: tuple[str, ...] = ()) -> list[Entry]:
             for spec in ("examples/gpt.py:build_gpt", "examples/llama.py:build_llama", *extra)]
 
 
-_MISSING_LIBRARY = re.compile(r"requires the (\S+) library but it was not found")
+_MISSING_LIBRARY = re.compile(r"requires the (\S+) library but it was not found|The '([^']+)' distribution was not found")
+"""transformers' message for a library a model needs, and importlib's for a distribution a package asks for by name
+(diffusers asks for ``requests`` when it is installed without its dependencies)."""
 
 
 def build_reason(e: BaseException) -> str:
     """Why an entry does not build, in one line: an optional library the model needs and that is not installed
     (transformers' message, or a module not found) is named alone; else the error's own line."""
     found = _MISSING_LIBRARY.search(str(e)) if isinstance(e, ImportError) else None
-    library = found[1] if found else getattr(e, "name", None) if isinstance(e, ModuleNotFoundError) else None
+    library = (found[1] or found[2]) if found else getattr(e, "name", None) if isinstance(e, ModuleNotFoundError) \
+        else None
     if library:
         return f"needs the {library} library, not installed"
     where = _raised_in_model_code(e)
