@@ -38,6 +38,22 @@ DEEPSEEK_V3 = {
 }
 """deepseek-ai/DeepSeek-V3's config.json (the fields the model reads)."""
 
+GEMMA3_27B = {
+    "model_type": "gemma3_text", "hidden_size": 5376, "intermediate_size": 21504, "num_attention_heads": 32,
+    "num_key_value_heads": 16, "head_dim": 128, "num_hidden_layers": 62, "vocab_size": 262208,
+    "sliding_window": 1024, "query_pre_attn_scalar": 168, "max_position_embeddings": 131072, "rms_norm_eps": 1e-6,
+    "hidden_activation": "gelu_pytorch_tanh",
+}
+"""google/gemma-3-27b's text config (the fields that size it): five sliding-window layers, then a global one."""
+
+GEMMA2_27B = {
+    "model_type": "gemma2", "hidden_size": 4608, "intermediate_size": 36864, "num_attention_heads": 32,
+    "num_key_value_heads": 16, "head_dim": 128, "num_hidden_layers": 46, "vocab_size": 256000,
+    "sliding_window": 4096, "query_pre_attn_scalar": 144, "max_position_embeddings": 8192, "rms_norm_eps": 1e-6,
+    "hidden_activation": "gelu_pytorch_tanh",
+}
+"""google/gemma-2-27b's config (the fields that size it): sliding-window and global layers alternate."""
+
 CONFIGS = {
     "llama3-8b": (LLAMA3_8B, 8, 4),
     "llama3-70b": (LLAMA3_8B | {"hidden_size": 8192, "intermediate_size": 28672, "num_attention_heads": 64,
@@ -45,6 +61,8 @@ CONFIGS = {
     "llama3-405b": (LLAMA3_8B | {"hidden_size": 16384, "intermediate_size": 53248, "num_attention_heads": 128,
                                  "num_hidden_layers": 126}, 8, 4),
     "deepseek-v3": (DEEPSEEK_V3, 8, 4),
+    "gemma2-27b": (GEMMA2_27B, 8, 2),
+    "gemma3-27b": (GEMMA3_27B, 8, 2),
 }
 """Name -> config, tp, pp."""
 
