@@ -13,7 +13,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 LAYERS = [
-    ("foundation", ("autotp.errors", "autotp.options", "autotp.names")),
+    ("foundation", ("autotp.errors", "autotp.options", "autotp.names", "autotp.torch_version")),
     ("passes", ("autotp.passes",)),
     ("capture", ("autotp.capture",)),
     ("planning", ("autotp.planning",)),
