@@ -196,7 +196,7 @@ class Prepared:
 
     model: nn.Module
     example_inputs: object
-    """As the caller gave them (the float64 re-check widens these)."""
+    """As the caller gave them (the wider re-check casts these)."""
     example: object
     captured: Captured
 
@@ -259,7 +259,7 @@ def check_prepared(prepared: Prepared, tp: int | None = None, *, plan: Plan | No
     if not report.exact and report.mismatch.what in ("output", "loss"):
         report.located = locate(captured, chosen, modules, comms, inputs)
     if not report.exact:
-        return _in_float64(model, prepared.example_inputs, chosen, report, modules_hook)
+        return _checked_wider(model, prepared.example_inputs, chosen, report, modules_hook)
     return report
 
 
@@ -268,7 +268,8 @@ _NARROW = (torch.float32, torch.bfloat16, torch.float16)
 at other places than the whole sum, by far more than the float32 tolerances)."""
 
 
-def _in_float64(model: nn.Module, example_inputs, plan: Plan, report: CheckReport, modules_hook) -> CheckReport:
+def _checked_wider(model: nn.Module, example_inputs, plan: Plan, report: CheckReport,
+                   modules_hook) -> CheckReport:
     """The check again in float64 of a float32 (or bf16/fp16) model that differed: exact there means the difference
     is rounding (kept in ``rounding``); anything else keeps the first report. A bf16/fp16 model that cannot run in
     float64 (a kernel without float64, a cast of its own) is checked in float32, whose tolerances still catch a

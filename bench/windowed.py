@@ -90,8 +90,8 @@ print(json.dumps({"model": name, "params": sum(p.numel() for p in model.paramete
 def measure(name: str, tp: int) -> dict:
     """One model in two fresh processes: ``autotp.plan`` as a user runs it, then capture, plan and check apart."""
     row = {}
+    configs = [json.dumps(VIT_MATCHED), json.dumps(TEXT_MATCHED), json.dumps(DEBERTA_RELATIVE)]
     for part in ("plan", "parts"):
-        configs = [json.dumps(VIT_MATCHED), json.dumps(TEXT_MATCHED), json.dumps(DEBERTA_RELATIVE)]
         out = subprocess.run([sys.executable, "-c", _CHILD, name, str(tp), *configs, part],
                              capture_output=True, text=True)
         if out.returncode:

@@ -246,10 +246,8 @@ def _chain(first: list[fx.Node], second: list[fx.Node], run: Run, grad: set[str]
     before it (the hidden state passed down the run), and that nothing after the run reads ``first``. Returns the
     hand-over: each node of ``first`` that ``second`` reads -> the node of ``second`` at its position, which the
     block after ``second`` reads in its place. ``NotRepeated`` when they differ in anything else."""
-    # A size computed in the first block (``B * T`` from symbolic sizes) is traced once and read by every later
-    # block, and so is a value the capture traced once (``computed_once``: a scale, relative-position indices,
-    # which need no gradient): values every block reads, not part of the block. A value handed down the run
-    # misread as one leaves the blocks different lengths.
+    # Sizes (``B * T``) and values ``computed_once`` traced in the first block are read by every later block, not
+    # part of it (``_read_by_every_block``). A value handed down the run misread as one leaves different lengths.
     shared = _read_by_every_block(first, second, grad)
     first = [n for n in first if n not in shared]
     if len(first) != len(second):
