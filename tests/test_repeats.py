@@ -3,6 +3,8 @@ full capture, and the full capture wherever identity is not shown."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from autotp.capture import capture
@@ -37,15 +39,26 @@ def _deberta_v2_relative() -> torch.nn.Module:
 
 def _swin_t_depths() -> torch.nn.Module:
     """Swin-T's stage depths (2, 2, 6, 2), tiny: its blocks alternate plain and shifted windows, so the six-block
-    stage repeats a unit of two (without stochastic depth: a drop rate rising block by block makes each block's
-    graph its own)."""
+    stage repeats a unit of two, each block with its own stochastic-depth rate (the config's default 0.1, rising
+    block by block: a constant of each block's training graph, ``capture.block_floats``)."""
     import transformers
 
     torch.manual_seed(0)
     config = transformers.SwinConfig(image_size=32, patch_size=2, embed_dim=16, depths=[2, 2, 6, 2],
-                                     num_heads=[4, 4, 4, 4], window_size=2, num_labels=10,
-                                     drop_path_rate=0.0)
+                                     num_heads=[4, 4, 4, 4], window_size=2, num_labels=10)
     return transformers.SwinForImageClassification(config)
+
+
+def _beit_relative() -> torch.nn.Module:
+    """BEiT with a relative-position bias in every layer, whose index table each layer's code builds (a constant
+    export lifts per layer) and the default stochastic depth (a rate per layer, the first layer's zero)."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.BeitConfig(hidden_size=32, num_hidden_layers=5, num_attention_heads=4,
+                                     intermediate_size=64, image_size=16, patch_size=4, num_labels=10,
+                                     use_relative_position_bias=True)
+    return transformers.BeitForImageClassification(config)
 
 
 def _model(name: str) -> torch.nn.Module:
@@ -55,23 +68,34 @@ def _model(name: str) -> torch.nn.Module:
         return _deberta_v2_relative()
     if name == "swin_t_depths":
         return _swin_t_depths()
+    if name == "beit_relative":
+        return _beit_relative()
     if name in _HF:
         return build_model(parse_spec(f"hf:{name}", parse_overrides(_HF[name])))
     return build(name, layers=5)
 
 
 def _example(name: str):
-    if name == "swin_t_depths":
-        return {"pixel_values": torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))}
+    if name in ("swin_t_depths", "beit_relative"):
+        size = 32 if name == "swin_t_depths" else 16
+        return {"pixel_values": torch.randn(2, 3, size, size, generator=torch.Generator().manual_seed(0))}
     return None if name in _HF else tokens(2, 8, seed=0)
 
 
 def _ops(cap) -> list:
-    return [(n.op, str(n.target), cap.module_name(n), repr(n.meta.get("autotp_shape"))) for n in cap.graph.nodes]
+    """Each node: what it does, in which module, at which sizes, with which constants (a constant export lifted
+    from the code by what it holds, not by the number export gave it)."""
+    return [(n.op, re.sub(r"lifted_tensor_\d+$", "lifted_tensor", str(n.target)), cap.module_name(n),
+             repr(n.meta.get("autotp_shape")), _constants(n)) for n in cap.graph.nodes]
+
+
+def _constants(node: torch.fx.Node) -> tuple:
+    leaves, _ = torch.utils._pytree.tree_flatten((node.args, node.kwargs))
+    return tuple(repr(x) for x in leaves if not isinstance(x, torch.fx.Node))
 
 
 @pytest.mark.parametrize("name", ["raw_gpt", "hf_llama", "hf_gpt2", "deepseek_v3", "mixtral", "relative",
-                                  "deberta_v2_relative", "gemma2", "swin_t_depths"])
+                                  "deberta_v2_relative", "gemma2", "swin_t_depths", "beit_relative"])
 def test_stamped_blocks_make_the_full_capture_graph_and_plans(name):
     model = _model(name)
     full, stamped = capture(model, _example(name)), stamp(model, _example(name))

@@ -13,137 +13,39 @@ neighbour's, a value read across blocks, a model that cannot run shortened) it f
 from __future__ import annotations
 
 import contextlib
-import functools
-import hashlib
-import re
 from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
 from torch import fx, nn
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from autotp.capture.block_floats import Log, Values, tracked, unit_values
 from autotp.capture.captured import WRAPPER_PREFIX, Captured
 from autotp.capture.export import capture, tensor_aliases
 from autotp.capture.torch_private import GUARDS_MODULE, mutated_args
 from autotp.errors import CaptureError
+from autotp.capture.runs import (LEAST, NotRepeated, Run, attr_path, renamed_unit, repeated_runs, unit_blocks,
+                                 varying_floats)
 from autotp.passes.graph import grad_nodes, trainable_attrs
 
-_LEAST = 3
-"""The shortest run worth stamping, in units: two units are always captured, to check the run against itself."""
-
-_LONGEST_PERIOD = 8
-"""The most blocks a repeated unit may hold: Swin alternates plain and shifted windows (2), Gemma 3 runs five
-sliding-window layers, then a global one (6)."""
+__all__ = ["NotRepeated", "Run", "capture_repeated", "repeated_runs", "stamp"]
 
 
-@dataclass(frozen=True)
-class Run:
-    """Consecutive blocks of one ``ModuleList`` that repeat a unit of ``period`` blocks (one block, or a pattern
-    such as sliding, sliding, global): the first two units captured, the rest stamped."""
+@dataclass
+class _Floats:
+    """A run's float attributes that vary from unit to unit (``capture.block_floats``): what tracking them
+    recorded while its two units were captured, and each unit's values."""
 
-    path: str
-    """The ``ModuleList``'s name in the model (``model.layers``)."""
-    keys: tuple[str, ...]
-    """The blocks' keys in the list, in order (``("3", "4", ..., "60")``): whole units."""
-    period: int = 1
-    """Blocks per unit."""
+    log: Log
+    values: list[Values]
 
-    @property
-    def units(self) -> tuple[tuple[str, ...], ...]:
-        """The keys of each unit, in order."""
-        return tuple(self.keys[i:i + self.period] for i in range(0, len(self.keys), self.period))
-
-    @property
-    def stamped(self) -> tuple[str, ...]:
-        """The blocks copied from the second unit rather than captured."""
-        return self.keys[2 * self.period:]
-
-
-class NotRepeated(Exception):
-    """The captured representatives do not prove the run identical (internal: the caller falls back)."""
-
-
-@dataclass(frozen=True)
-class _Int:
-    """An int attribute, and whether it equals the block's index (its ``layer_idx``)."""
-
-    value: int
-    is_index: bool
-
-
-def _plain(value, index: int):
-    """An attribute's value as the signature records it: plain data by value, ints with whether they are the
-    block's index, a ``functools.partial`` by its function and arguments, anything else by identity (a config
-    shared by every block compares equal)."""
-    if isinstance(value, bool) or value is None or isinstance(value, (float, str)):
-        return value
-    if isinstance(value, int):
-        return _Int(value, value == index)
-    if isinstance(value, (tuple, list)):
-        return tuple(_plain(v, index) for v in value)
-    if isinstance(value, functools.partial):  # made per block (GELUTanh's act): the same call if its parts are
-        return ("partial", id(value.func), _plain(value.args, index),
-                tuple(sorted((k, _plain(v, index)) for k, v in value.keywords.items())))
-    return ("id", id(value))
-
-
-def same_blocks(a, b) -> bool:
-    """Whether two signatures (``block_signature``) describe the same block: equal, but for ints that are each
-    block's own index (a coincidence, an int equal to one block's index, still has to be equal)."""
-    if isinstance(a, _Int) and isinstance(b, _Int):
-        return a.value == b.value or (a.is_index and b.is_index)
-    if isinstance(a, tuple) and isinstance(b, tuple):
-        return len(a) == len(b) and all(same_blocks(x, y) for x, y in zip(a, b))
-    return type(a) is type(b) and a == b
-
-
-def _tensor_key(t: torch.Tensor) -> tuple:
-    """A buffer by shape and dtype, and by value where it has one (a branch could read it)."""
-    if t.device.type == "meta":
-        return (tuple(t.shape), t.dtype)
-    return (tuple(t.shape), t.dtype, hashlib.sha1(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()).hexdigest())
-
-
-def block_signature(block: nn.Module, index: int) -> tuple:
-    """What makes two blocks trace the same graph, as far as it can be read without tracing: each submodule's
-    class, parameters (shape, dtype, requires_grad), buffers, plain attributes and hooks."""
-    parts = []
-    for name, m in block.named_modules():
-        attrs = tuple(sorted((k, _plain(v, index)) for k, v in vars(m).items() if not k.startswith("_")))
-        hooks = tuple(id(h) for d in (m._forward_hooks, m._forward_pre_hooks) for h in d.values())
-        params = tuple((n, tuple(p.shape), p.dtype, p.requires_grad) for n, p in m.named_parameters(recurse=False))
-        buffers = tuple((n, _tensor_key(b)) for n, b in m.named_buffers(recurse=False))
-        parts.append((name, type(m), attrs, hooks, params, buffers))
-    return tuple(parts)
-
-
-def repeated_runs(model: nn.Module) -> list[Run]:
-    """For each ``ModuleList`` that ends in at least ``_LEAST`` repeats of a unit of blocks, that run (the period
-    that stamps the most blocks, the shorter on a tie). Only a run that ends its list is stamped: the shortened list
-    is then a prefix of the full one, so every captured block sits at its own position (a forward that enumerates
-    its blocks, ``config.layer_types[i]``, reads what it reads in full)."""
-    runs = []
-    for path, module in model.named_modules():
-        if not isinstance(module, nn.ModuleList) or len(module) < _LEAST:
-            continue
-        keys = list(module._modules)
-        signatures = [block_signature(module._modules[k], i) for i, k in enumerate(keys)]
-        found = [run for p in range(1, min(_LONGEST_PERIOD, len(keys) // _LEAST) + 1)
-                 if (run := _periodic_tail(path, keys, signatures, p)) is not None]
-        if found:
-            runs.append(max(found, key=lambda run: (len(run.stamped), -run.period)))
-    return runs
-
-
-def _periodic_tail(path: str, keys: list[str], signatures: list[tuple], period: int) -> Run | None:
-    """The longest tail of the list in whole units of ``period`` blocks, each block the same as the one a unit
-    later, if it holds at least ``_LEAST`` units."""
-    start = len(keys) - period
-    while start > 0 and same_blocks(signatures[start - 1], signatures[start - 1 + period]):
-        start -= 1
-    start += (len(keys) - start) % period  # whole units only
-    return Run(path, tuple(keys[start:]), period) if (len(keys) - start) // period >= _LEAST else None
+    def explain(self, x, y):
+        """How a constant that is ``x`` in the first unit and ``y`` in the second is computed from a unit's values
+        (``of(values)``); None for anything else."""
+        if type(x) is not float or type(y) is not float or x == y:
+            return None
+        return self.log.explains(x, y, (self.values[0], self.values[1]))
 
 
 @contextlib.contextmanager
@@ -177,31 +79,49 @@ def stamp(model: nn.Module, example_inputs, training: bool | None = None) -> Cap
     or a run's captured blocks differ, ``CaptureError`` when the shortened model cannot be captured."""
     runs = repeated_runs(model)
     if not runs:
-        raise NotRepeated(f"{type(model).__name__} ends no ModuleList in {_LEAST} identical blocks")
-    with _shortened(model, runs):
+        raise NotRepeated(f"{type(model).__name__} ends no ModuleList in {LEAST} identical blocks")
+    varying = {run: keys for run in runs if (keys := varying_floats(model, run))}
+    with _shortened(model, runs), contextlib.ExitStack() as stack:
+        logs = {run: stack.enter_context(tracked([unit_blocks(model, run, u) for u in (0, 1)], keys))
+                for run, keys in varying.items()}
         small = capture(model, example_inputs, training)
-    return _stamped(small, model, runs)
+    floats = {run: _run_floats(model, run, varying[run], log) for run, log in logs.items()}
+    return _stamped(small, model, runs, floats)
 
 
-def _stamped(small: Captured, model: nn.Module, runs: list[Run]) -> Captured:
+def _run_floats(model: nn.Module, run: Run, keys, log: Log) -> _Floats:
+    """``run``'s varying floats, checked: each differs between the two captured units (else a constant of one
+    value in both could be made from it), and every decision the capture took on them comes out the same in
+    every stamped unit."""
+    values = [unit_values(unit_blocks(model, run, u), keys) for u in range(len(run.units))]
+    if any(values[0][key] == values[1][key] for key in keys):
+        raise NotRepeated(f"{run.path}: a float attribute is the same in the captured units, not in the rest")
+    if not all(log.decided_alike(v) for v in values[2:]):
+        raise NotRepeated(f"{run.path}: a float attribute decides a branch differently in a later block")
+    return _Floats(log, values)
+
+
+def _stamped(small: Captured, model: nn.Module, runs: list[Run], floats: dict[Run, _Floats]) -> Captured:
     """``small`` with each run's stamped blocks copied in, and the full model's names."""
     graph = small.graph
     blocks = {(run, u): _block_nodes(small, run.path, run.units[u]) for run in runs for u in (0, 1)}
     grad = grad_nodes(graph, trainable_attrs(small.module))  # what gradients flow through
-    hand_over = {run: _chain(blocks[run, 0], blocks[run, 1], run, grad) for run in runs}
+    constants = _constants(small.module, model)
+    chains = {run: _chain(blocks[run, 0], blocks[run, 1], run, grad, constants, floats.get(run)) for run in runs}
     reads = {run: _param_reads(graph, run) for run in runs}
-    # capture reads every parameter, then every buffer: each stamped block's after the second block's of its kind
-    after_reads = {kind[-1]: (run, kind) for run in runs for kind in _by_kind(model, reads[run]) if kind}
+    # capture reads every parameter, then every buffer, then every constant: each stamped block's after the second
+    # block's of its kind
+    after_reads = {kind[-1]: (run, kind) for run in runs for kind in _by_kind(model, reads[run], constants) if kind}
     after_block = {blocks[run, 1][-1]: run for run in runs}
     new = fx.Graph()
     env: dict = {}
     for node in graph.nodes:
         env[node] = new.node_copy(node, lambda n: env[n])
         if node in after_reads:
-            _copy_param_reads(new, small.module, model, *after_reads[node], env)
+            _copy_param_reads(new, small.module, model, *after_reads[node], env, constants)
         if node in after_block:
             run = after_block[node]
-            _copy_blocks(new, blocks[run, 1], hand_over[run], reads[run], run, env)
+            _copy_blocks(new, blocks[run, 1], chains[run], reads[run], run, env, floats.get(run))
     small.module.graph = new  # the setter recompiles (a second recompile cost as much again)
     small.state_keys = tuple(model.state_dict().keys())
     small.aliases = tensor_aliases(model)
@@ -221,31 +141,23 @@ def _block_nodes(cap: Captured, path: str, unit: tuple[str, ...]) -> list[fx.Nod
     return order[inside[0]:inside[-1] + 1]
 
 
-def _renamed(text: str, path: str, old: str, new: str) -> str:
-    """``text`` (a ``get_attr`` target or module path starting with ``path``) with block ``path.old`` renamed
-    ``path.new``."""
-    return re.sub(rf"^{re.escape(path)}\.{re.escape(old)}(?=\.|$)", f"{path}.{new}", text)
+@dataclass
+class _Chain:
+    """How the second unit follows the first (``_chain``)."""
+
+    hand_over: dict[fx.Node, fx.Node]
+    """Each node of the first unit that the second reads -> the node of the second at its position, which the
+    unit after the second reads in its place."""
+    per_unit: dict[fx.Node, list[tuple[int, object]]]
+    """Nodes of the second unit holding constants made from a varying float: (argument leaf, ``of(values)``)."""
 
 
-def _renamed_unit(text: str, run: Run, old: int, new: int) -> str:
-    """``text`` in unit ``old`` of ``run`` renamed to the block at its position in unit ``new``."""
-    for a, b in zip(run.units[old], run.units[new]):
-        renamed = _renamed(text, _attr_path(run), a, b)
-        if renamed != text:
-            return renamed
-    return text
-
-
-def _attr_path(run: Run) -> str:
-    """The run's list as the captured module names it (``get_attr`` targets, module paths)."""
-    return WRAPPER_PREFIX + run.path
-
-
-def _chain(first: list[fx.Node], second: list[fx.Node], run: Run, grad: set[str]) -> dict[fx.Node, fx.Node]:
+def _chain(first: list[fx.Node], second: list[fx.Node], run: Run, grad: set[str],
+           constants: dict[str, torch.Tensor], floats: _Floats | None) -> _Chain:
     """Check that ``second`` is ``first`` again, reading values of ``first`` where ``first`` read values from
-    before it (the hidden state passed down the run), and that nothing after the run reads ``first``. Returns the
-    hand-over: each node of ``first`` that ``second`` reads -> the node of ``second`` at its position, which the
-    block after ``second`` reads in its place. ``NotRepeated`` when they differ in anything else."""
+    before it (the hidden state passed down the run), holding constants made from the run's varying floats where
+    they differ, and that nothing after the run reads ``first``. ``NotRepeated`` when they differ in anything
+    else."""
     # Sizes (``B * T``) and values ``computed_once`` traced in the first block are read by every later block, not
     # part of it (``_read_by_every_block``). A value handed down the run misread as one leaves different lengths.
     shared = _read_by_every_block(first, second, grad)
@@ -254,6 +166,7 @@ def _chain(first: list[fx.Node], second: list[fx.Node], run: Run, grad: set[str]
         raise NotRepeated(f"units {run.units[:2]} of {run.path} traced {len(first)} and {len(second)} nodes")
     position = dict(zip(first, second))
     handed: dict[fx.Node, fx.Node] = {}
+    per_unit: dict[fx.Node, list[tuple[int, object]]] = {}
     for a, b in zip(first, second):
         if a.op != b.op or a.target != b.target or _shape_key(a) != _shape_key(b):
             raise NotRepeated(f"{a.name} and {b.name} differ")
@@ -261,25 +174,31 @@ def _chain(first: list[fx.Node], second: list[fx.Node], run: Run, grad: set[str]
         leaves_b, spec_b = tree_flatten((b.args, b.kwargs))
         if spec_a != spec_b:
             raise NotRepeated(f"{a.name} and {b.name} take different arguments")
-        for x, y in zip(leaves_a, leaves_b):
-            _match_leaf(x, y, position, handed, run)
+        for i, (x, y) in enumerate(zip(leaves_a, leaves_b)):
+            if (of := floats and floats.explain(x, y)) is not None:
+                per_unit.setdefault(b, []).append((i, of))
+            else:
+                _match_leaf(x, y, position, handed, run, constants)
     inside_second = set(second)
     read_later = {u for n in first for u in n.users if u not in position and u not in inside_second}
     if read_later:
         raise NotRepeated(f"values of {run.path}.{run.units[0]} are read past the next unit "
                           f"({next(iter(read_later)).name})")
-    return {y: position[y] for y in handed.values()}
+    return _Chain({y: position[y] for y in handed.values()}, per_unit)
 
 
-def _match_leaf(x, y, position: dict, handed: dict, run: Run) -> None:
+def _match_leaf(x, y, position: dict, handed: dict, run: Run, constants: dict[str, torch.Tensor]) -> None:
     """One argument of a node of the first block (``x``) against the second's (``y``)."""
     if not isinstance(x, fx.Node) or not isinstance(y, fx.Node):
         if isinstance(x, fx.Node) or isinstance(y, fx.Node) or type(x) is not type(y) or x != y:
             raise NotRepeated(f"constant {x!r} against {y!r}")
         return
-    own = _renamed_unit(x.target, run, 0, 1) if x.op == "get_attr" else None
+    own = renamed_unit(x.target, run, 0, 1) if x.op == "get_attr" else None
     if x in position:
         ok = position[x] is y
+    elif own is not None and x.target in constants:  # a tensor the block's code made: the second's, equal
+        ok = y.target in constants and _same_constant(constants[x.target], constants[y.target]) and \
+            own.rpartition(".")[0] == y.target.rpartition(".")[0]
     elif own is not None and own != x.target:  # the first block's own tensor: the second reads its own
         ok = y.op == "get_attr" and y.target == own
     elif y is x:
@@ -322,27 +241,52 @@ def _shape_key(node: fx.Node) -> tuple:
 
 def _param_reads(graph: fx.Graph, run: Run) -> list[fx.Node]:
     """The ``get_attr`` nodes of the tensors of the run's second unit."""
-    prefixes = tuple(f"{_attr_path(run)}.{key}." for key in run.units[1])
+    prefixes = tuple(f"{attr_path(run)}.{key}." for key in run.units[1])
     reads = [n for n in graph.nodes if n.op == "get_attr" and n.target.startswith(prefixes)]
     if not reads:
         raise NotRepeated(f"{run.path}.{run.units[1]} reads no parameter")
     return reads
 
 
-def _by_kind(model: nn.Module, reads: list[fx.Node]) -> tuple[list[fx.Node], list[fx.Node]]:
-    """The reads of parameters, and of buffers."""
-    params = [r for r in reads if isinstance(_tensor(model, r.target[len(WRAPPER_PREFIX):]), nn.Parameter)]
-    return params, [r for r in reads if r not in params]
+def _by_kind(model: nn.Module, reads: list[fx.Node], constants: dict) -> tuple[list[fx.Node], ...]:
+    """The reads of parameters, of buffers and of constants."""
+    state = [r for r in reads if r.target not in constants]
+    params = [r for r in state if isinstance(_tensor(model, r.target[len(WRAPPER_PREFIX):]), nn.Parameter)]
+    return params, [r for r in state if r not in params], [r for r in reads if r.target in constants]
+
+
+def _constants(root: nn.Module, model: nn.Module) -> dict[str, torch.Tensor]:
+    """The tensors the captured graph reads that are not the model's parameters or buffers, by target: those
+    export lifted from the code (a table a block builds, or an ``lru_cache`` hands every block)."""
+    state = {WRAPPER_PREFIX + name for name, _ in (*model.named_parameters(), *model.named_buffers())}
+    return {n.target: _attr(root, n.target) for n in root.graph.nodes
+            if n.op == "get_attr" and n.target not in state and isinstance(_attr(root, n.target), torch.Tensor)}
+
+
+def _attr(root: nn.Module, target: str):
+    module, _, name = target.rpartition(".")
+    return getattr(root.get_submodule(module), name)
+
+
+def _same_constant(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two constants are one value: same dtype and shape and equal, not fake."""
+    return a.dtype == b.dtype and a.shape == b.shape and a.device.type != "meta" and torch.equal(a, b)
 
 
 def _copy_param_reads(new: fx.Graph, root: nn.Module, model: nn.Module, run: Run, reads: list[fx.Node],
-                      env: dict) -> None:
+                      env: dict, constants: dict) -> None:
     """A ``get_attr`` for each stamped unit's tensors under the full model's names (``env[unit, read]``), each
-    tensor registered on the captured module as capture registers the others."""
+    tensor registered on the captured module as capture registers the others (a constant: the second unit's,
+    under the stamped block's name)."""
     for unit in range(2, len(run.units)):
         for read in reads:
-            target = _renamed_unit(read.target, run, 1, unit)
-            _register(root, target, _tensor(model, target[len(WRAPPER_PREFIX):]))
+            target = renamed_unit(read.target, run, 1, unit)
+            if read.target in constants:
+                module, _, name = target.rpartition(".")
+                _register(root, module, None)
+                setattr(root.get_submodule(module), name, constants[read.target])
+            else:
+                _register(root, target, _tensor(model, target[len(WRAPPER_PREFIX):]))
             copied = new.get_attr(target)
             copied.meta = dict(read.meta)
             env[unit, read] = copied
@@ -355,24 +299,29 @@ def _tensor(model: nn.Module, name: str) -> torch.Tensor:
     return owner._parameters[short] if short in owner._parameters else owner._buffers[short]
 
 
-def _register(root: nn.Module, target: str, tensor: torch.Tensor) -> None:
-    """Put ``tensor`` at dotted ``target`` in ``root``, making the empty modules on the way."""
+def _register(root: nn.Module, target: str, tensor: torch.Tensor | None) -> None:
+    """Put ``tensor`` at dotted ``target`` in ``root``, making the empty modules on the way (only those, if
+    ``tensor`` is None)."""
     *path, name = target.split(".")
     module = root
-    for part in path:
+    for part in path if tensor is not None else (*path, name):
         if not hasattr(module, part):
             module.add_module(part, nn.Module())
         module = getattr(module, part)
+    if tensor is None:
+        return
     if isinstance(tensor, nn.Parameter):
         module.register_parameter(name, tensor)
     else:
         module.register_buffer(name, tensor)
 
 
-def _copy_blocks(new: fx.Graph, second: list[fx.Node], hand_over: dict, reads: list[fx.Node], run: Run,
-                 env: dict) -> None:
-    """The stamped units, each a copy of ``second`` reading the unit before it where ``second`` read the first;
-    readers after the run read the last copy's values."""
+def _copy_blocks(new: fx.Graph, second: list[fx.Node], chain: _Chain, reads: list[fx.Node], run: Run,
+                 env: dict, floats: _Floats | None) -> None:
+    """The stamped units, each a copy of ``second`` reading the unit before it where ``second`` read the first,
+    with its own constants where they are made from its floats; readers after the run read the last copy's
+    values."""
+    hand_over = chain.hand_over
     previous = {n: env[n] for n in second}  # the unit before the one being copied: the second, at first
     own_reads = set(reads)
     for unit in range(2, len(run.units)):
@@ -390,10 +339,15 @@ def _copy_blocks(new: fx.Graph, second: list[fx.Node], hand_over: dict, reads: l
         for node in second:
             copied = new.node_copy(node, arg)
             copied.meta = dict(node.meta)
+            if node in chain.per_unit:
+                leaves, spec = tree_flatten((copied.args, copied.kwargs))
+                for i, of in chain.per_unit[node]:
+                    leaves[i] = of(floats.values[unit])
+                copied.args, copied.kwargs = tree_unflatten(leaves, spec)
             stack = node.meta.get("nn_module_stack")
             if stack:
                 copied.meta["nn_module_stack"] = {
-                    k: (_renamed_unit(path, run, 1, unit), cls) for k, (path, cls) in stack.items()}
+                    k: (renamed_unit(path, run, 1, unit), cls) for k, (path, cls) in stack.items()}
             current[node] = copied
         previous = current
     for n in second:

@@ -1,0 +1,100 @@
+"""Blocks that differ only in a float attribute (``capture.block_floats``): stamped with each block's own
+constants, and captured in full wherever a block's float would decide something differently or reaches the
+graph by a way the tracking does not see."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from autotp.capture import capture
+from autotp.capture.block_floats import Log, Tracked
+from autotp.capture.repeats import NotRepeated, capture_repeated, repeated_runs, stamp
+
+from tests.test_repeats import _ops
+
+
+class _Scaled(torch.nn.Module):
+    """A block with a rate of its own, used as ``use`` says."""
+
+    def __init__(self, rate: float, use: str):
+        super().__init__()
+        self.rate, self.use, self.lin = rate, use, torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        y = self.lin(x)
+        if self.use == "keep":  # a drop path's scale, computed in Python as a drop path computes it
+            return x + y / (1 - self.rate)
+        if self.use == "branch":  # the rate decides the graph
+            return x + (y.relu() if self.rate > 0.25 else y.tanh()) * self.rate
+        if self.use == "math":  # the rate reaches the graph through math, out of the tracking's sight
+            return x + y * math.sqrt(self.rate)
+        return x + y[..., :int(self.rate * 20)].sum(-1, keepdim=True)  # "size": the rate sets a slice's length
+
+
+class _Stack(torch.nn.Module):
+    def __init__(self, rates: list[float], use: str):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(_Scaled(r, use) for r in rates)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def _output(captured, x):
+    out = captured.module(x)
+    return out[0] if isinstance(out, tuple) else out
+
+
+RISING = [0.0, 0.05, 0.1, 0.15, 0.2, 0.3]
+
+
+def test_blocks_that_differ_in_a_rate_are_stamped_with_their_own_constants():
+    model, x = _Stack(RISING, "keep"), torch.randn(2, 8)
+    (run,) = repeated_runs(model)
+    assert run.keys == ("1", "2", "3", "4", "5")  # the zero rate is a block of its own (``p == 0`` branches)
+    full, made = capture(model, (x,)), stamp(model, (x,))
+    assert _ops(made) == _ops(full)
+    divisors = [n.args[1] for n in made.graph.nodes if n.target is torch.ops.aten.div.Tensor]
+    assert divisors == [1 - r for r in RISING]
+    assert torch.equal(_output(made, x), model(x))
+
+
+@pytest.mark.parametrize("rates, use", [
+    ([0.1, 0.15, 0.2, 0.3], "branch"),  # the last block takes the other branch
+    ([0.1, 0.15, 0.2, 0.3], "math"),  # the constants differ with nothing recorded to explain them
+    ([0.1, 0.15, 0.2, 0.3], "size"),  # int(rate * 20): 2, 3, 4, then 6 columns
+    ([0.1, 0.1, 0.2, 0.3], "keep"),  # the captured blocks share a rate: a constant made from it looks shared
+])
+def test_a_rate_that_decides_or_escapes_the_record_falls_back_to_the_full_capture(rates, use):
+    model, x = _Stack(rates, use), torch.randn(2, 8)
+    assert repeated_runs(model)  # the signatures agree: only the tracking tells the blocks apart
+    with pytest.raises(NotRepeated):
+        stamp(model, (x,))
+    made = capture_repeated(model, (x,))
+    assert _ops(made) == _ops(capture(model, (x,)))
+    assert torch.equal(_output(made, x), model(x))
+
+
+def test_the_attributes_are_put_back_and_the_model_is_unchanged():
+    model, x = _Stack(RISING, "keep"), torch.randn(2, 8)
+    before = [vars(b).copy() for b in model.blocks]
+    stamp(model, (x,))
+    assert all(type(b.rate) is float for b in model.blocks)
+    assert [vars(b) for b in model.blocks] == before
+
+
+def test_a_tracked_float_records_computations_and_decisions():
+    log = Log()
+    p = Tracked(0.1, lambda values: values["p"], log)
+    keep = 1 - p
+    scale = 2.0 / keep
+    assert isinstance(scale, Tracked) and scale.value == 2.0 / (1 - 0.1) and not log.decisions
+    assert scale.of({"p": 0.5}) == 4.0
+    assert log.explains(2.0 / 0.9, 4.0, ({"p": 0.1}, {"p": 0.5})) is not None
+    assert log.explains(2.0 / 0.9, 3.0, ({"p": 0.1}, {"p": 0.5})) is None
+    assert (p > 0.05) is True and int(p * 30) == 3
+    assert log.decided_alike({"p": 0.12}) and not log.decided_alike({"p": 0.2})  # int(0.2 * 30) is 6
