@@ -3,7 +3,8 @@
     python -m bench.windowed                 # the table on stdout
     python -m bench.windowed --tp 4
 
-The Swin family against ViTs, DeBERTa-v2 (relative-position attention) against BERT. Each model runs in a fresh
+The Swin family and BEiT (relative-position bias per layer) against ViTs, DeBERTa-v2 (relative-position
+attention) against BERT. Each model runs in a fresh
 process (its imports first), at the zoo's tiny config (``autotp zoo``'s entries) or a matched config: for
 ``vit-matched``, a ViT as deep as the tiny Swin (8 layers) with about its parameter count, on the same
 64 x 64 images in 4 x 4 patches; ``bert-8`` and ``deberta-v2-8``, one config (8 layers of width 256, 4 heads)
@@ -23,12 +24,13 @@ import os
 import subprocess
 import sys
 
-MODELS = ("vit:image", "deit:image", "vit-matched", "swin:image", "swin:backbone", "swinv2:image", "swinv2:backbone",
+MODELS = ("vit:image", "deit:image", "vit-matched", "beit-matched", "swin:image", "swin:backbone", "swinv2:image", "swinv2:backbone",
           "donut-swin:image", "maskformer-swin:backbone", "bert:mlm", "deberta-v2:mlm", "bert-8", "deberta-v2-8")
 
 VIT_MATCHED = {"hidden_size": 320, "num_hidden_layers": 8, "num_attention_heads": 8, "intermediate_size": 1280,
                "image_size": 64, "patch_size": 4, "num_labels": 10}
-"""A ViT of the tiny Swin's depth (4 stages of 2 layers) and about its 9M parameters."""
+"""A ViT of the tiny Swin's depth (4 stages of 2 layers) and about its 9M parameters; ``beit-matched`` is BEiT at
+this config with a relative-position bias in every layer and its default stochastic depth (a rate per layer)."""
 
 TEXT_MATCHED = {"hidden_size": 256, "num_hidden_layers": 8, "num_attention_heads": 4, "intermediate_size": 1024,
                 "vocab_size": 1024, "max_position_embeddings": 512}
@@ -52,9 +54,10 @@ from autotp.tools.zoo import entries  # every child imports what the zoo's do, s
 name, tp, vit, text, relative = sys.argv[1], int(sys.argv[2]), *map(json.loads, sys.argv[3:6])
 user_path = sys.argv[6] == "plan"
 torch.manual_seed(0)
-if name == "vit-matched":
+if name in ("vit-matched", "beit-matched"):
     import transformers
-    model = transformers.ViTForImageClassification(transformers.ViTConfig(**vit))
+    model = (transformers.ViTForImageClassification(transformers.ViTConfig(**vit)) if name == "vit-matched" else
+             transformers.BeitForImageClassification(transformers.BeitConfig(**vit, use_relative_position_bias=True)))
     inputs = {"pixel_values": torch.randn(2, 3, vit["image_size"], vit["image_size"])}
 elif name in ("bert-8", "deberta-v2-8"):
     import transformers
@@ -100,7 +103,7 @@ def measure(name: str, tp: int) -> dict:
     return row
 
 
-PLAIN_OF = {"swin:image": "vit-matched", "swin:backbone": "vit-matched", "swinv2:image": "vit-matched",
+PLAIN_OF = {"beit-matched": "vit-matched", "swin:image": "vit-matched", "swin:backbone": "vit-matched", "swinv2:image": "vit-matched",
             "swinv2:backbone": "vit-matched", "donut-swin:image": "vit-matched",
             "maskformer-swin:backbone": "vit-matched", "deberta-v2-8": "bert-8"}
 """Each windowed or relative-position model -> the plain model of its size it is measured against."""

@@ -26,6 +26,8 @@ class _Scaled(torch.nn.Module):
         y = self.lin(x)
         if self.use == "keep":  # a drop path's scale, computed in Python as a drop path computes it
             return x + y / (1 - self.rate)
+        if self.use == "dropout":  # the rate itself reaches the graph (EfficientNet's dropout rate per block)
+            return x + torch.nn.functional.dropout(y, self.rate, self.training)
         if self.use == "branch":  # the rate decides the graph
             return x + (y.relu() if self.rate > 0.25 else y.tanh()) * self.rate
         if self.use == "math":  # the rate reaches the graph through math, out of the tracking's sight
@@ -61,6 +63,13 @@ def test_blocks_that_differ_in_a_rate_are_stamped_with_their_own_constants():
     divisors = [n.args[1] for n in made.graph.nodes if n.target is torch.ops.aten.div.Tensor]
     assert divisors == [1 - r for r in RISING]
     assert torch.equal(_output(made, x), model(x))
+
+
+def test_a_rate_read_as_it_is_is_stamped_too():
+    model, x = _Stack(RISING, "dropout"), torch.randn(2, 8)
+    full, made = capture(model, (x,)), stamp(model, (x,))
+    assert _ops(made) == _ops(full)
+    assert [n.args[1] for n in made.graph.nodes if n.target is torch.ops.aten.dropout.default] == RISING
 
 
 @pytest.mark.parametrize("rates, use", [

@@ -35,7 +35,7 @@ class Log:
     """What the tracked floats of one capture recorded."""
 
     derived: list[Tracked] = field(default_factory=list)
-    """Every float computed from a varying attribute, in order."""
+    """Every varying attribute's tracked value, and every float computed from one, in order."""
     decisions: list[tuple[Callable[[Values], object], object]] = field(default_factory=list)
     """Every decision taken on one: how to take it for a unit's values, and what it came to while tracing."""
 
@@ -170,7 +170,9 @@ def tracked(units: list[list[nn.Module]], keys: frozenset[Key]) -> Iterator[Log]
                 module = blocks[key[0]].get_submodule(key[1])
                 value = getattr(module, key[2])
                 saved.append((module, key[2], value))
-                setattr(module, key[2], Tracked(value, lambda values, key=key: values[key], log))
+                attribute = Tracked(value, lambda values, key=key: values[key], log)
+                log.derived.append(attribute)  # read as it is (``F.dropout(x, self.p)``)
+                setattr(module, key[2], attribute)
         yield log
     finally:
         for module, name, value in reversed(saved):
