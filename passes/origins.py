@@ -22,6 +22,7 @@ from autotp.passes.placement import Shard
 from autotp.passes.projections import Embedding, Projection, segment_of
 from autotp.passes.reshapes import broadcast_dim, map_reshape
 from autotp.passes.rule_kit import like_first, norm_dim, pointwise
+from autotp.passes.rules_channels import spatial_dims, spatial_op
 from autotp.passes.rules import rule_for
 from autotp.passes.rules_compute import along_dim, batched_matmul, layer_norm, reduction, shared_linear
 from autotp.passes.rules_shape import (
@@ -114,6 +115,8 @@ def _input_shard(node: fx.Node, source: fx.Node, shard: Shard, tp: int) -> Shard
         return shard if source is node.args[0] and shard.dim < rank(node) - 1 else True
     if rule is cat:  # parts joined along the split dim (a bias of q, k and v biases): each part's own segments
         return _joined_input(node, source, shard)
+    if rule is spatial_op:  # a per-head table resized over its positions (BEiT's bias, to the image's grid)
+        return shard if source is node.args[0] and shard.dim < rank(node) - spatial_dims(node) else None
     return None
 
 

@@ -129,6 +129,11 @@ _POOLS = {aten.avg_pool1d.default: 1, aten.avg_pool2d.default: 2, aten.avg_pool3
 """Ops over each channel's positions alone, by how many trailing spatial dims they work over."""
 
 
+def spatial_dims(node: fx.Node) -> int:
+    """How many trailing spatial dims a ``spatial_op`` works over (a dim before them can stay split)."""
+    return _POOLS[node.target]
+
+
 def spatial_op(node: fx.Node, ins: Inputs, ctx: Context) -> Decision:
     """Pooling, resizing and padding over the trailing spatial dims: each channel on its own, so a split of any
     dim before them stays (every output, indices included, split alike)."""
@@ -136,7 +141,7 @@ def spatial_op(node: fx.Node, ins: Inputs, ctx: Context) -> Decision:
     if not sharded:
         return Decision(None)
     path, x, lay = sharded[0]
-    if len(sharded) != 1 or path != (0,) or lay.dim >= rank(x) - _POOLS[node.target]:
+    if len(sharded) != 1 or path != (0,) or lay.dim >= rank(x) - spatial_dims(node):
         return replicate_all(node, ins, ctx)
     outputs = meta_val(node)
     return Decision(tuple(lay for _ in outputs) if isinstance(outputs, (tuple, list)) else lay)

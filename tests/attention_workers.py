@@ -1,15 +1,18 @@
-"""Per-rank body of the head-split attention test on gloo: SD3 with QK norm, Flux (dual- and single-stream
-blocks) and DeBERTa-v2's disentangled attention, each parallelized at tp=world and compared with an unsharded
+"""Per-rank body of the head-split attention test on gloo: SD3 with QK norm and Flux (dual- and single-stream
+blocks) where diffusers is installed, DeBERTa-v2's disentangled attention and BEiT's relative-position bias (a
+per-head table resized to the image's grid), each parallelized at tp=world and compared with an unsharded
 copy after SGD steps (output, the loss of every step, every parameter afterwards)."""
 
 from __future__ import annotations
+
+import importlib.util
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
 import autotp
-from tests.test_attention_split import _deberta_v2
+from tests.test_attention_split import _beit, _deberta_v2
 from autotp.tools.zoo_diffusers import MODELS
 
 STEPS, LR = 2, 1e-2
@@ -54,11 +57,14 @@ def _check(model: nn.Module, inputs) -> dict:
 def heads(rank: int, world: int) -> dict:
     """Every model at tp=world, in one spawned group."""
     out = {}
-    for name in ("SD3Transformer2DModel:qk_norm", "FluxTransformer2DModel"):
+    with_diffusers = importlib.util.find_spec("diffusers") is not None
+    for name in ("SD3Transformer2DModel:qk_norm", "FluxTransformer2DModel") if with_diffusers else ():
         build, inputs = MODELS[name]
         torch.manual_seed(0)
         model = build()
         out[name] = _check(model, inputs(model))
     model, ids = _deberta_v2()
     out["deberta-v2"] = _check(model, (ids,))
+    model, inputs = _beit(shared=False)
+    out["beit"] = _check(model, inputs)
     return out

@@ -1,7 +1,8 @@
 """Attention split by heads wherever heads are independent (issue 25): a per-head norm between the projections
 and a concatenation of two streams (SD3 with QK norm, Flux's dual- and single-stream blocks), and DeBERTa-v2's
 disentangled attention (a per-head position table repeated over the batch, scores picked per head by ``gather``),
-and WavLM's gated relative position bias (a per-head gate computed by a small linear the heads share).
+WavLM's gated relative position bias (a per-head gate computed by a small linear the heads share), and BEiT's
+relative-position bias (a per-head table resized to the image's grid by ``interpolate``).
 Each is checked exact in one process; the forward all-reduces are counted against Megatron's: one per output
 projection of each stream's attention and MLP."""
 
@@ -83,6 +84,33 @@ def test_deberta_v2_disentangled_attention_is_split_by_heads():
     assert "deberta.encoder.layer.0.attention.output.dense.weight" in split
 
 
+def _beit(shared: bool):
+    """BEiT with a relative-position bias per layer (or one, ``shared``, for every layer): a table with a column
+    per head, resized to the image's grid (``interpolate``), joined with the class token's rows, picked per
+    position and added to the scores."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.BeitConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                                     image_size=16, patch_size=4, num_labels=10, drop_path_rate=0.0,
+                                     **{"use_shared_relative_position_bias" if shared else
+                                        "use_relative_position_bias": True})
+    torch.manual_seed(0)
+    return transformers.BeitForImageClassification(config), (torch.randn(2, 3, 16, 16),)
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_beit_relative_position_bias_is_split_with_the_heads(shared):
+    model, inputs = _beit(shared)
+    report = autotp.check(model, 2, inputs)
+    assert report.exact, report
+    placements = report.plan.placements
+    for layer in (0, 1):
+        for name in ("q_proj", "k_proj", "v_proj"):
+            assert placements[f"beit.layers.{layer}.attention.{name}.weight"].kind.value == "colwise", (layer, name)
+        assert placements[f"beit.layers.{layer}.attention.o_proj.weight"].kind.value == "rowwise"
+    tables = [n for n in placements if n.endswith("relative_position_bias_table")]
+    assert len(tables) == (1 if shared else 2) and all(placements[n].is_split for n in tables), tables
+
+
 class GatedBiasAttention(torch.nn.Module):
     """WavLM's attention, hand-written: a per-head relative position bias (a table of one column per head) scaled by
     a per-head gate that one small linear, shared by the heads, computes from each head's slice of the input (or of
@@ -141,7 +169,7 @@ def test_a_gated_relative_position_bias_follows_the_head_split(gate_from, joined
 
 
 def test_head_split_attention_trains_exactly_on_two_gloo_ranks():
-    pytest.importorskip("diffusers")
+    """SD3 and Flux where diffusers is installed; DeBERTa-v2 and BEiT always."""
     from tests import attention_workers
     from tests.distributed import run_on_ranks
 
@@ -149,7 +177,9 @@ def test_head_split_attention_trains_exactly_on_two_gloo_ranks():
     for rank in results:
         for name, r in rank.items():
             assert r["output"] < 1e-5 and max(r["losses"]) < 1e-5 and r["params"] < 1e-5, (name, r)
-    assert {"single_transformer_blocks.0.proj_out.weight",
-            "transformer_blocks.0.attn.add_q_proj.weight"} <= set(results[0]["FluxTransformer2DModel"]["split"])
+    if "FluxTransformer2DModel" in results[0]:
+        assert {"single_transformer_blocks.0.proj_out.weight",
+                "transformer_blocks.0.attn.add_q_proj.weight"} <= set(results[0]["FluxTransformer2DModel"]["split"])
     assert "deberta.encoder.layer.0.attention.self.pos_key_proj.weight" in results[0]["deberta-v2"]["split"]
+    assert "beit.layers.1.relative_position_bias.relative_position_bias_table" in results[0]["beit"]["split"]
     assert results[0] == results[1] or all(results[0][n]["split"] == results[1][n]["split"] for n in results[0])
