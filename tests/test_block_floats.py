@@ -98,7 +98,7 @@ def test_the_attributes_are_put_back_and_the_model_is_unchanged():
 
 def test_a_tracked_float_records_computations_and_decisions():
     log = Log()
-    p = Tracked(0.1, lambda values: values["p"], log)
+    p = Tracked(0.1, lambda values: values["p"], log, 0)
     keep = 1 - p
     scale = 2.0 / keep
     assert isinstance(scale, Tracked) and scale.value == 2.0 / (1 - 0.1) and not log.decisions
@@ -107,3 +107,12 @@ def test_a_tracked_float_records_computations_and_decisions():
     assert log.explains(2.0 / 0.9, 3.0, ({"p": 0.1}, {"p": 0.5})) is None
     assert (p > 0.05) is True and int(p * 30) == 3
     assert log.decided_alike({"p": 0.12}) and not log.decided_alike({"p": 0.2})  # int(0.2 * 30) is 6
+
+
+def test_two_units_rates_compared_or_combined_decide_nothing_a_later_unit_can_repeat():
+    log = Log()
+    first, second = (Tracked(v, lambda values: values["p"], log, unit) for unit, v in enumerate((0.1, 0.2)))
+    assert (first == second) is False  # a cache comparing two blocks' rates: a later unit would compare its own
+    assert not log.decided_alike({"p": 0.3})
+    made = first + second
+    assert made.value == 0.1 + 0.2 and all(t is not made for t in log.derived)

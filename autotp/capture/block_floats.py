@@ -76,19 +76,22 @@ class Tracked(float):
     """A float that records what is computed from it (module docstring): ``of(values)`` computes it again from
     a unit's values of the varying attributes."""
 
-    def __new__(cls, value: float, of: Callable[[Values], float], log: Log):
+    def __new__(cls, value: float, of: Callable[[Values], float], log: Log, unit: int):
         self = super().__new__(cls, value)
-        self.value, self.of, self.log = float(value), of, log
+        self.value, self.of, self.log, self.unit = float(value), of, log, unit
         return self
 
-    def _derive(self, value, of) -> float:
+    def _derive(self, value, of, other=None) -> float:
         if not isinstance(value, float):
             return value
-        made = Tracked(value, of, self.log)
-        self.log.derived.append(made)
+        made = Tracked(value, of, self.log, _unit(self, other))
+        if made.unit != MIXED:  # one unit's value made from another's: no unit's values make it again
+            self.log.derived.append(made)
         return made
 
-    def _decide(self, decide: Callable[[Values], object], result):
+    def _decide(self, decide: Callable[[Values], object], result, other=None):
+        if _unit(self, other) == MIXED:  # two units' values compared (a cache looking a rate up): a later unit
+            decide = _never  # holds its own in both places, so it would decide otherwise
         self.log.decisions.append((decide, result))
         return result
 
@@ -106,13 +109,25 @@ class Tracked(float):
     __str__ = __repr__
 
 
+MIXED = -1
+"""The unit of a float made from two captured units' values."""
+
+
+def _unit(a: Tracked, b) -> int:
+    return a.unit if not isinstance(b, Tracked) or b.unit == a.unit else MIXED
+
+
+def _never(values: Values) -> object:
+    return _never  # equal to no result recorded
+
+
 def _arithmetic(op, reflected: bool = False):
     def method(self: Tracked, other):
         if not _is_number(other):
             return NotImplemented
         a, b = (other, self) if reflected else (self, other)
         of_a, of_b = _of(a), _of(b)
-        return self._derive(op(_value(a), _value(b)), lambda values: op(of_a(values), of_b(values)))
+        return self._derive(op(_value(a), _value(b)), lambda values: op(of_a(values), of_b(values)), other)
     return method
 
 
@@ -121,7 +136,8 @@ def _comparison(op):
         if not _is_number(other):
             return NotImplemented
         of_self, of_other = self.of, _of(other)
-        return self._decide(lambda values: op(of_self(values), of_other(values)), op(self.value, _value(other)))
+        return self._decide(lambda values: op(of_self(values), of_other(values)), op(self.value, _value(other)),
+                            other)
     return method
 
 
@@ -165,12 +181,12 @@ def tracked(units: list[list[nn.Module]], keys: frozenset[Key]) -> Iterator[Log]
     recording into the log it yields; put back afterwards."""
     log, saved = Log(), []
     try:
-        for blocks in units:
+        for unit, blocks in enumerate(units):
             for key in keys:
                 module = blocks[key[0]].get_submodule(key[1])
                 value = getattr(module, key[2])
                 saved.append((module, key[2], value))
-                attribute = Tracked(value, lambda values, key=key: values[key], log)
+                attribute = Tracked(value, lambda values, key=key: values[key], log, unit)
                 log.derived.append(attribute)  # read as it is (``F.dropout(x, self.p)``)
                 setattr(module, key[2], attribute)
         yield log
