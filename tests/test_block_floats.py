@@ -107,6 +107,7 @@ def test_a_tracked_float_records_computations_and_decisions():
     assert log.explains(2.0 / 0.9, 3.0, ({"p": 0.1}, {"p": 0.5})) is None
     assert (p > 0.05) is True and int(p * 30) == 3
     assert log.decided_alike({"p": 0.12}) and not log.decided_alike({"p": 0.2})  # int(0.2 * 30) is 6
+    assert log.explains(2.0 / 0.9, 4.0, ({"p": 1.0}, {"p": 0.5})) is None  # 2 / (1 - 1) fails: explains nothing
 
 
 def test_two_units_rates_compared_or_combined_decide_nothing_a_later_unit_can_repeat():

@@ -43,13 +43,25 @@ class Log:
         """The recorded computation that gives the first unit's number from its values and the second's from its
         own, if one does."""
         for t in self.derived:
-            if _same_float(t.of(values[0]), first) and _same_float(t.of(values[1]), second):
+            if _same_float(evaluated(t.of, values[0]), first) and _same_float(evaluated(t.of, values[1]), second):
                 return t.of
         return None
 
     def decided_alike(self, values: Values) -> bool:
         """Whether every recorded decision comes out the same for a unit with ``values``."""
-        return all(_same_result(decide(values), result) for decide, result in self.decisions)
+        return all(_same_result(evaluated(decide, values), result) for decide, result in self.decisions)
+
+
+def evaluated(of: Callable[[Values], object], values: Values) -> object:
+    """``of(values)``, or ``FAILED`` where another unit's values make it fail (``1 / (1 - p)`` at ``p == 1``)."""
+    try:
+        return of(values)
+    except (ArithmeticError, ValueError, TypeError):
+        return FAILED
+
+
+FAILED = object()
+"""What a recorded computation gives where it fails: equal to no number."""
 
 
 def _same_float(a, b) -> bool:

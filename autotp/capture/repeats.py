@@ -20,7 +20,7 @@ import torch
 from torch import fx, nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from autotp.capture.block_floats import Log, Values, tracked, unit_values
+from autotp.capture.block_floats import FAILED, Log, Values, evaluated, tracked, unit_values
 from autotp.capture.captured import WRAPPER_PREFIX, Captured
 from autotp.capture.export import capture, tensor_aliases
 from autotp.capture.torch_private import GUARDS_MODULE, mutated_args
@@ -342,7 +342,9 @@ def _copy_blocks(new: fx.Graph, second: list[fx.Node], chain: _Chain, reads: lis
             if node in chain.per_unit:
                 leaves, spec = tree_flatten((copied.args, copied.kwargs))
                 for i, of in chain.per_unit[node]:
-                    leaves[i] = of(floats.values[unit])
+                    leaves[i] = evaluated(of, floats.values[unit])
+                    if leaves[i] is FAILED:  # a stamped block's rate makes the constant fail: traced, it would too
+                        raise NotRepeated(f"{run.path}.{run.units[unit]}: a constant cannot be made from its floats")
                 copied.args, copied.kwargs = tree_unflatten(leaves, spec)
             stack = node.meta.get("nn_module_stack")
             if stack:
