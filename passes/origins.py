@@ -116,7 +116,7 @@ def _input_shard(node: fx.Node, source: fx.Node, shard: Shard, tp: int) -> Shard
     if rule is cat:  # parts joined along the split dim (a bias of q, k and v biases): each part's own segments
         return _joined_input(node, source, shard)
     if rule is spatial_op:  # a per-head table resized over its positions (BEiT's bias, to the image's grid)
-        return shard if source is node.args[0] and shard.dim < rank(node) - spatial_dims(node) else None
+        return shard if source is node.args[0] and shard.dim < rank(source) - spatial_dims(node) else None
     return None
 
 

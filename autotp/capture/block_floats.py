@@ -5,13 +5,17 @@ depth)``: Swin, BEiT, Data2Vec-vision, DeiT III); in training the rate is a cons
 (``x.div(1 - p)``), so no two blocks trace the same graph and none could be stamped out (``capture.repeats``).
 
 While the two captured units are traced, each float attribute that varies along the run is replaced by a
-``Tracked`` float: the same value, which records how every float computed from it was computed (``1 - p``) and
-every decision taken on it (``p == 0``, ``int(p)``, ``float(p)``). The graph holds plain numbers, so a constant
-of the two units that differ is explained by a recorded computation giving the first unit's number from its
-values and the second's from its own; a stamped unit then holds that computation of its own values, and every
-recorded decision must come out the same for it, or the run is not stamped. What Python code does with the
-value out of sight (``math.sqrt(p)``, a C extension reading it) is not recorded: where that reaches the graph the
-two units' numbers differ with nothing to explain them, and the run is not stamped.
+``Tracked`` float: the same value, which records how every float computed from it by continuous arithmetic was
+computed (``1 - p``) and every decision taken on it (``p == 0``, ``int(p)``, ``p // 0.25``, hashing it, formatting
+it, ``float(p)``: the value pinned, every unit must hold the same). The graph holds plain numbers, so a constant of
+the two units that differs is explained by a recorded computation giving the first unit's number from its values
+and the second's from its own (all such computations agreeing on every unit); a stamped unit then holds that
+computation of its own values, and every recorded decision must come out the same for it, or the run is not
+stamped. A constant equal in both units that a recorded computation could have made, but would make otherwise for
+a later unit, is not stamped either. Beyond the record's sight: ``math`` functions and C extensions read the value
+without asking it, so a branch on ``math.sqrt(p)`` goes unseen (as a branch on ``layer_idx`` for a block not
+captured does); where such a value reaches the graph instead, the two units' numbers differ with nothing to
+explain them, and the run is not stamped.
 """
 
 from __future__ import annotations
@@ -39,14 +43,6 @@ class Log:
     decisions: list[tuple[Callable[[Values], object], object]] = field(default_factory=list)
     """Every decision taken on one: how to take it for a unit's values, and what it came to while tracing."""
 
-    def explains(self, first: float, second: float, values: tuple[Values, Values]) -> Callable[[Values], float] | None:
-        """The recorded computation that gives the first unit's number from its values and the second's from its
-        own, if one does."""
-        for t in self.derived:
-            if _same_float(evaluated(t.of, values[0]), first) and _same_float(evaluated(t.of, values[1]), second):
-                return t.of
-        return None
-
     def decided_alike(self, values: Values) -> bool:
         """Whether every recorded decision comes out the same for a unit with ``values``."""
         return all(_same_result(evaluated(decide, values), result) for decide, result in self.decisions)
@@ -56,12 +52,36 @@ def evaluated(of: Callable[[Values], object], values: Values) -> object:
     """``of(values)``, or ``FAILED`` where another unit's values make it fail (``1 / (1 - p)`` at ``p == 1``)."""
     try:
         return of(values)
-    except (ArithmeticError, ValueError, TypeError):
+    except (ArithmeticError, ValueError, TypeError, RecursionError):
         return FAILED
 
 
 FAILED = object()
 """What a recorded computation gives where it fails: equal to no number."""
+
+
+class Ambiguous(Exception):
+    """A constant that recorded computations explain for the captured units but not one way for every unit."""
+
+
+class Constants:
+    """Every float the log recorded, computed again from each unit's values: what explains a constant."""
+
+    def __init__(self, log: Log, values: list[Values]):
+        self._made: dict[tuple, list[tuple[tuple, Callable[[Values], float]]]] = {}
+        for t in log.derived:
+            numbers = tuple(evaluated(t.of, v) for v in values)
+            self._made.setdefault(numbers[:2], []).append((numbers, t.of))
+
+    def made_as(self, first: float, second: float) -> Callable[[Values], float] | None:
+        """How a constant that is ``first`` in the first unit and ``second`` in the second is computed from a unit's
+        values; None for a constant no computation explains (``Ambiguous`` where computations that fit the two
+        units part later, or make a constant equal in both units another number later)."""
+        made = self._made.get((first, second), [])
+        numbers = {n for n, _ in made}
+        if len(numbers) > 1 or (first == second and any(any(x != first for x in n) for n in numbers)):
+            raise Ambiguous(f"{first!r} and {second!r}")
+        return made[0][1] if made and first != second else None
 
 
 def _same_float(a, b) -> bool:
@@ -107,18 +127,44 @@ class Tracked(float):
         self.log.decisions.append((decide, result))
         return result
 
-    __hash__ = float.__hash__
-
-    def __float__(self) -> float:  # the value leaves the record: every unit must hold the same
+    def _pinned(self) -> float:
+        """The plain value, which leaves the record (a dict key, text, ``float(p)``): every unit must hold it."""
         return self._decide(lambda values, of=self.of: of(values), self.value)
+
+    def __hash__(self) -> int:  # a set or dict lookup that misses asks nothing more
+        return hash(self._pinned())
+
+    def __float__(self) -> float:
+        return self._pinned()
+
+    def __repr__(self) -> str:
+        return repr(self._pinned())
+
+    __str__ = __repr__
+
+    def __format__(self, spec: str) -> str:
+        return format(self._pinned(), spec)
+
+    def __reduce__(self):  # copied or pickled (a value the forward cached on a module): the plain float
+        return float, (self._pinned(),)
 
     def __bool__(self) -> bool:
         return self._decide(lambda values, of=self.of: bool(of(values)), bool(self.value))
 
-    def __repr__(self) -> str:
-        return repr(self.value)
+    def is_integer(self) -> bool:
+        return self._pinned().is_integer()
 
-    __str__ = __repr__
+    def as_integer_ratio(self) -> tuple[int, int]:
+        return self._pinned().as_integer_ratio()
+
+    def hex(self) -> str:
+        return self._pinned().hex()
+
+    def conjugate(self) -> float:
+        return self._derive(self.value, self.of)
+
+    real = property(conjugate)
+    imag = property(lambda self: 0.0)
 
 
 MIXED = -1
@@ -143,13 +189,14 @@ def _arithmetic(op, reflected: bool = False):
     return method
 
 
-def _comparison(op):
+def _comparison(op, reflected: bool = False):
+    """A decision on the value: a comparison, or arithmetic whose result jumps (``//``, ``%``, ``divmod``)."""
     def method(self: Tracked, other):
         if not _is_number(other):
             return NotImplemented
-        of_self, of_other = self.of, _of(other)
-        return self._decide(lambda values: op(of_self(values), of_other(values)), op(self.value, _value(other)),
-                            other)
+        a, b = (other, self) if reflected else (self, other)
+        of_a, of_b = _of(a), _of(b)
+        return self._decide(lambda values: op(of_a(values), of_b(values)), op(_value(a), _value(b)), other)
     return method
 
 
@@ -164,10 +211,12 @@ def _unary(op, decides: bool):
 
 
 for _name, _op in (("add", operator.add), ("sub", operator.sub), ("mul", operator.mul),
-                   ("truediv", operator.truediv), ("floordiv", operator.floordiv), ("mod", operator.mod),
-                   ("pow", operator.pow)):
+                   ("truediv", operator.truediv), ("pow", operator.pow)):
     setattr(Tracked, f"__{_name}__", _arithmetic(_op))
     setattr(Tracked, f"__r{_name}__", _arithmetic(_op, reflected=True))
+for _name, _op in (("floordiv", operator.floordiv), ("mod", operator.mod), ("divmod", divmod)):
+    setattr(Tracked, f"__{_name}__", _comparison(_op))
+    setattr(Tracked, f"__r{_name}__", _comparison(_op, reflected=True))
 for _name, _op in (("eq", operator.eq), ("ne", operator.ne), ("lt", operator.lt), ("le", operator.le),
                    ("gt", operator.gt), ("ge", operator.ge)):
     setattr(Tracked, f"__{_name}__", _comparison(_op))
@@ -205,3 +254,9 @@ def tracked(units: list[list[nn.Module]], keys: frozenset[Key]) -> Iterator[Log]
     finally:
         for module, name, value in reversed(saved):
             setattr(module, name, value)
+        for blocks in units:  # a value the forward cached on a module (``self.keep = 1 - self.p``): plain again
+            for block in blocks:
+                for module in block.modules():
+                    for name, value in list(vars(module).items()):
+                        if isinstance(value, Tracked):
+                            setattr(module, name, value.value)

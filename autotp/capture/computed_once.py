@@ -84,7 +84,9 @@ def _argument_key(value, tensors: list):
     if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
         return (type(value).__name__, str(value))  # the expression: equal expressions print alike
     if isinstance(value, float):
-        return ("float", repr(value))  # -0.0 and 0.0 differ in sign, and nan is not equal to itself
+        # -0.0 and 0.0 differ in sign, and nan is not equal to itself; float's own repr, as a block's tracked rate
+        # (``block_floats``) would take its repr for a decision on its value
+        return ("float", float.__repr__(value))
     if value is None or value is Ellipsis or isinstance(value, (bool, int, str, torch.dtype, torch.device,
                                                                torch.layout, torch.memory_format)):
         return (type(value).__name__, value)

@@ -3,9 +3,11 @@
 A transformer's blocks are one class built from one config, so torch.export traces the same ops again for every
 block (most of the time a plan takes). Like torch's regional compilation, ``capture_repeated`` captures each run of
 identical blocks (consecutive members of a ``ModuleList`` with one ``block_signature``: classes, parameter and buffer
-shapes and dtypes, plain attributes, hooks) from its first two members only, checks that those two traced the same
-graph (same ops, same constants, same sizes, the second reading the first's output where the first read its input),
-and stamps out the rest of the run as copies of the second, reading the run's own parameters. The graph is the one
+shapes and dtypes, plain attributes, hooks; ``capture.runs``) from its first two units only, checks that those two
+traced the same graph (same ops, same sizes, the second reading the first's output where the first read its input,
+the same constants but where a float attribute that differs block by block made them: ``capture.block_floats``),
+and stamps out the rest of the run as copies of the second, reading the run's own parameters and holding
+constants made from its own floats. The graph is the one
 a full capture makes, node for node; where identity cannot be shown (a block whose graph differs from its
 neighbour's, a value read across blocks, a model that cannot run shortened) it falls back to the full capture.
 """
@@ -14,19 +16,20 @@ from __future__ import annotations
 
 import contextlib
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import fx, nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from autotp.capture.block_floats import FAILED, Log, Values, evaluated, tracked, unit_values
+from autotp.capture.block_floats import FAILED, Ambiguous, Constants, Log, Values, evaluated, tracked, unit_values
 from autotp.capture.captured import WRAPPER_PREFIX, Captured
 from autotp.capture.export import capture, tensor_aliases
 from autotp.capture.torch_private import GUARDS_MODULE, mutated_args
-from autotp.errors import CaptureError
 from autotp.capture.runs import (LEAST, NotRepeated, Run, attr_path, renamed_unit, repeated_runs, unit_blocks,
                                  varying_floats)
+from autotp.errors import CaptureError
 from autotp.passes.graph import grad_nodes, trainable_attrs
 
 __all__ = ["NotRepeated", "Run", "capture_repeated", "repeated_runs", "stamp"]
@@ -40,12 +43,19 @@ class _Floats:
     log: Log
     values: list[Values]
 
-    def explain(self, x, y):
-        """How a constant that is ``x`` in the first unit and ``y`` in the second is computed from a unit's values
-        (``of(values)``); None for anything else."""
-        if type(x) is not float or type(y) is not float or x == y:
+    def __post_init__(self):
+        self.constants = Constants(self.log, self.values)
+
+    def explain(self, x, y) -> Callable[[Values], float] | None:
+        """How a float constant that is ``x`` in the first unit and ``y`` in the second is computed from a unit's
+        values (``of(values)``); None for anything else, a constant the same in every unit included.
+        ``NotRepeated`` for a constant recorded computations explain but not one way for every unit."""
+        if type(x) is not float or type(y) is not float:
             return None
-        return self.log.explains(x, y, (self.values[0], self.values[1]))
+        try:
+            return self.constants.made_as(x, y)
+        except Ambiguous as e:
+            raise NotRepeated(f"a constant ({e}) of the first two units is made otherwise in a later one") from e
 
 
 @contextlib.contextmanager
@@ -148,7 +158,7 @@ class _Chain:
     hand_over: dict[fx.Node, fx.Node]
     """Each node of the first unit that the second reads -> the node of the second at its position, which the
     unit after the second reads in its place."""
-    per_unit: dict[fx.Node, list[tuple[int, object]]]
+    per_unit: dict[fx.Node, list[tuple[int, Callable[[Values], float]]]]
     """Nodes of the second unit holding constants made from a varying float: (argument leaf, ``of(values)``)."""
 
 
@@ -166,7 +176,7 @@ def _chain(first: list[fx.Node], second: list[fx.Node], run: Run, grad: set[str]
         raise NotRepeated(f"units {run.units[:2]} of {run.path} traced {len(first)} and {len(second)} nodes")
     position = dict(zip(first, second))
     handed: dict[fx.Node, fx.Node] = {}
-    per_unit: dict[fx.Node, list[tuple[int, object]]] = {}
+    per_unit: dict[fx.Node, list[tuple[int, Callable[[Values], float]]]] = {}
     for a, b in zip(first, second):
         if a.op != b.op or a.target != b.target or _shape_key(a) != _shape_key(b):
             raise NotRepeated(f"{a.name} and {b.name} differ")

@@ -52,8 +52,9 @@ class NotRepeated(Exception):
 
 @dataclass(frozen=True)
 class _Float:
-    """A float attribute: blocks may differ in one (``capture.block_floats``), but for zero (``p == 0``: the
-    branch that skips a drop path)."""
+    """A float attribute: blocks may differ in one (``capture.block_floats`` then checks what the graph makes of
+    it), but a zero only matches a zero: code branches on it (``if drop_prob == 0.0: return x``), so the first
+    block of a rate rising from zero is left out of the run rather than failing the run's check."""
 
     value: float
 
