@@ -179,24 +179,16 @@ def _never(values: Values) -> object:
     return _never  # equal to no result recorded
 
 
-def _arithmetic(op, reflected: bool = False):
+def _binary(op, reflected: bool = False, decides: bool = False):
+    """Arithmetic with another number, recorded as a computation; with ``decides``, as a decision: a comparison,
+    or arithmetic whose result jumps (``//``, ``%``, ``divmod``)."""
     def method(self: Tracked, other):
         if not _is_number(other):
             return NotImplemented
         a, b = (other, self) if reflected else (self, other)
         of_a, of_b = _of(a), _of(b)
-        return self._derive(op(_value(a), _value(b)), lambda values: op(of_a(values), of_b(values)), other)
-    return method
-
-
-def _comparison(op, reflected: bool = False):
-    """A decision on the value: a comparison, or arithmetic whose result jumps (``//``, ``%``, ``divmod``)."""
-    def method(self: Tracked, other):
-        if not _is_number(other):
-            return NotImplemented
-        a, b = (other, self) if reflected else (self, other)
-        of_a, of_b = _of(a), _of(b)
-        return self._decide(lambda values: op(of_a(values), of_b(values)), op(_value(a), _value(b)), other)
+        again, result = (lambda values: op(of_a(values), of_b(values))), op(_value(a), _value(b))
+        return self._decide(again, result, other) if decides else self._derive(result, again, other)
     return method
 
 
@@ -212,14 +204,14 @@ def _unary(op, decides: bool):
 
 for _name, _op in (("add", operator.add), ("sub", operator.sub), ("mul", operator.mul),
                    ("truediv", operator.truediv), ("pow", operator.pow)):
-    setattr(Tracked, f"__{_name}__", _arithmetic(_op))
-    setattr(Tracked, f"__r{_name}__", _arithmetic(_op, reflected=True))
+    setattr(Tracked, f"__{_name}__", _binary(_op))
+    setattr(Tracked, f"__r{_name}__", _binary(_op, reflected=True))
 for _name, _op in (("floordiv", operator.floordiv), ("mod", operator.mod), ("divmod", divmod)):
-    setattr(Tracked, f"__{_name}__", _comparison(_op))
-    setattr(Tracked, f"__r{_name}__", _comparison(_op, reflected=True))
+    setattr(Tracked, f"__{_name}__", _binary(_op, decides=True))
+    setattr(Tracked, f"__r{_name}__", _binary(_op, reflected=True, decides=True))
 for _name, _op in (("eq", operator.eq), ("ne", operator.ne), ("lt", operator.lt), ("le", operator.le),
                    ("gt", operator.gt), ("ge", operator.ge)):
-    setattr(Tracked, f"__{_name}__", _comparison(_op))
+    setattr(Tracked, f"__{_name}__", _binary(_op, decides=True))
 for _name, _op, _decides in (("neg", operator.neg, False), ("pos", operator.pos, False), ("abs", abs, False),
                              ("int", int, True), ("trunc", math.trunc, True), ("floor", math.floor, True),
                              ("ceil", math.ceil, True), ("round", round, True)):
