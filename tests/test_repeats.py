@@ -145,6 +145,18 @@ def test_a_run_repeats_a_unit_of_blocks_and_the_stamped_graph_is_the_full_one(pa
     assert torch.equal(made.module(x)[0] if isinstance(made.module(x), tuple) else made.module(x), model(x))
 
 
+def test_blocks_in_a_sequential_are_stamped_as_a_lists_are():
+    """timm's and torchvision's vision transformers keep their blocks in an ``nn.Sequential``."""
+    x = torch.randn(2, 8)
+    assert repeated_runs(torch.nn.Sequential(*(_Kind("local") for _ in range(5)), torch.nn.Linear(8, 4))) == []
+    stacked = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Sequential(*(_Kind("local") for _ in range(5))))
+    (run,) = repeated_runs(stacked)
+    assert run.path == "1" and run.keys == ("0", "1", "2", "3", "4") and run.stamped == ("2", "3", "4")
+    made = stamp(stacked, (x,))
+    assert _ops(made) == _ops(capture(stacked, (x,)))
+    assert torch.equal(made.module(x)[0] if isinstance(made.module(x), tuple) else made.module(x), stacked(x))
+
+
 def test_runs_are_the_identical_blocks_that_end_each_list():
     (run,) = repeated_runs(_model("deepseek_v3"))
     assert run.path == "model.layers" and run.keys == ("2", "3", "4", "5") and run.stamped == ("4", "5")

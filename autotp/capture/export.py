@@ -266,13 +266,15 @@ def _in_mode(model: nn.Module, training: bool | None):
             module.training = flag
 
 
-def capture(model: nn.Module, example_inputs, training: bool | None = None) -> Captured:
+def capture(model: nn.Module, example_inputs, training: bool | None = None, *, fallbacks: bool = True) -> Captured:
     """Capture ``model`` on ``example_inputs`` with torch.export (dynamic sizes, then static).
 
     ``example_inputs`` is a tensor, a tuple of positional tensors, a dict of keyword tensors, an
     ``ExampleInputs``, or None (token ids are synthesised; see ``capture.examples``). ``training`` captures the
     graph the model runs in train (True) or eval (False) mode; None, the mode it is in. The model is left as
     it was: a wrapper passes ``use_cache=False`` to models that take it, and the modules' modes are restored.
+    Without ``fallbacks`` only the dynamic attempt is made (a ``CaptureError`` if it fails: a shortened model
+    that ``capture.repeats`` would rather capture in full than try three ways).
     """
     require_module(model)
     example = example_inputs_of(model, example_inputs)
@@ -291,6 +293,8 @@ def capture(model: nn.Module, example_inputs, training: bool | None = None) -> C
             raise
         except Exception as e:  # torch.export raises many unrelated types; all mean "could not capture"
             errors.append((dynamic, e))
+            if not fallbacks:
+                raise CaptureError(f"could not capture {type(model).__name__} with dynamic sizes: {e}") from e
     else:
         # a loop over the experts a batch routes to: run over every expert the example routes to; other branches
         # on tensor values: taken as the example takes them; both kept as runtime assertions

@@ -2,14 +2,14 @@
 
 A transformer's blocks are one class built from one config, so torch.export traces the same ops again for every
 block (most of the time a plan takes). Like torch's regional compilation, ``capture_repeated`` captures each run of
-identical blocks (consecutive members of a ``ModuleList`` with one ``block_signature``: classes, parameter and buffer
-shapes and dtypes, plain attributes, hooks; ``capture.runs``) from its first two units only, checks that those two
-traced the same graph (same ops, same sizes, the second reading the first's output where the first read its input,
-the same constants but where a float attribute that differs block by block made them: ``capture.block_floats``),
-and stamps out the rest of the run as copies of the second, reading the run's own parameters and holding
-constants made from its own floats. The graph is the one
-a full capture makes, node for node; where identity cannot be shown (a block whose graph differs from its
-neighbour's, a value read across blocks, a model that cannot run shortened) it falls back to the full capture.
+identical blocks (consecutive members of a ``ModuleList`` or ``Sequential`` with one ``block_signature``: classes,
+parameter and buffer shapes and dtypes, plain attributes, hooks; ``capture.runs``) from its first two units only,
+checks that those two traced the same graph (same ops, same sizes, the second reading the first's output where the
+first read its input, the same constants but where a float attribute that differs block by block made them:
+``capture.block_floats``), and stamps out the rest of the run as copies of the second, reading the run's own
+parameters and holding constants made from its own floats. The graph is the one a full capture makes, node for
+node; where identity cannot be shown (a block whose graph differs from its neighbour's, a value read across blocks,
+a model that cannot run shortened, tried with dynamic sizes only) it falls back to the full capture.
 """
 
 from __future__ import annotations
@@ -89,12 +89,12 @@ def stamp(model: nn.Module, example_inputs, training: bool | None = None) -> Cap
     or a run's captured blocks differ, ``CaptureError`` when the shortened model cannot be captured."""
     runs = repeated_runs(model)
     if not runs:
-        raise NotRepeated(f"{type(model).__name__} ends no ModuleList in {LEAST} identical blocks")
+        raise NotRepeated(f"{type(model).__name__} ends no ModuleList or Sequential in {LEAST} identical blocks")
     varying = {run: keys for run in runs if (keys := varying_floats(model, run))}
     with _shortened(model, runs), contextlib.ExitStack() as stack:
         logs = {run: stack.enter_context(tracked([unit_blocks(model, run, u) for u in (0, 1)], keys))
                 for run, keys in varying.items()}
-        small = capture(model, example_inputs, training)
+        small = capture(model, example_inputs, training, fallbacks=False)  # else the full capture, at once
     floats = {run: _run_floats(model, run, varying[run], log) for run, log in logs.items()}
     return _stamped(small, model, runs, floats)
 

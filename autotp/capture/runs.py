@@ -1,5 +1,5 @@
-"""Runs of repeated blocks: the tail of a ``ModuleList`` whose blocks repeat a unit, found from the modules alone
-(no tracing), for ``capture.repeats`` to capture two units of and stamp out the rest."""
+"""Runs of repeated blocks: the tail of a ``ModuleList`` or ``Sequential`` whose blocks repeat a unit, found from
+the modules alone (no tracing), for ``capture.repeats`` to capture two units of and stamp out the rest."""
 
 from __future__ import annotations
 
@@ -25,11 +25,11 @@ sliding-window layers, then a global one (6)."""
 
 @dataclass(frozen=True)
 class Run:
-    """Consecutive blocks of one ``ModuleList`` that repeat a unit of ``period`` blocks (one block, or a pattern
-    such as sliding, sliding, global): the first two units captured, the rest stamped."""
+    """Consecutive blocks of one ``ModuleList`` or ``Sequential`` that repeat a unit of ``period`` blocks (one
+    block, or a pattern such as sliding, sliding, global): the first two units captured, the rest stamped."""
 
     path: str
-    """The ``ModuleList``'s name in the model (``model.layers``)."""
+    """The list's name in the model (``model.layers``)."""
     keys: tuple[str, ...]
     """The blocks' keys in the list, in order (``("3", "4", ..., "60")``): whole units."""
     period: int = 1
@@ -118,13 +118,14 @@ def block_signature(block: nn.Module, index: int) -> tuple:
 
 
 def repeated_runs(model: nn.Module) -> list[Run]:
-    """For each ``ModuleList`` that ends in at least ``LEAST`` repeats of a unit of blocks, that run (the period
-    that stamps the most blocks, the shorter on a tie). Only a run that ends its list is stamped: the shortened list
-    is then a prefix of the full one, so every captured block sits at its own position (a forward that enumerates
-    its blocks, ``config.layer_types[i]``, reads what it reads in full)."""
+    """For each ``ModuleList`` or ``Sequential`` that ends in at least ``LEAST`` repeats of a unit of blocks, that
+    run (the period that stamps the most blocks, the shorter on a tie). Only a run that ends its list is stamped:
+    the shortened list is then a prefix of the full one, so every captured block sits at its own position (a
+    forward that enumerates its blocks, ``config.layer_types[i]``, reads what it reads in full)."""
     runs = []
     for path, module in model.named_modules():
-        if not isinstance(module, nn.ModuleList) or len(module) < LEAST:
+        # a Sequential runs its members in order, as a forward runs a ModuleList's (timm's and torchvision's blocks)
+        if not isinstance(module, (nn.ModuleList, nn.Sequential)) or len(module) < LEAST:
             continue
         keys = list(module._modules)
         signatures = [block_signature(module._modules[k], i) for i, k in enumerate(keys)]
