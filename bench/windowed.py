@@ -4,9 +4,8 @@
     python -m bench.windowed --tp 4
 
 The Swin family and BEiT (relative-position bias per layer) against ViTs, DeBERTa-v2 (relative-position
-attention) against BERT. Each model runs in a fresh
-process (its imports first), at the zoo's tiny config (``autotp zoo``'s entries) or a matched config: for
-``vit-matched``, a ViT as deep as the tiny Swin (8 layers) with about its parameter count, on the same
+attention) against BERT. Each model runs in a fresh process (its imports first), at the zoo's tiny config
+(``autotp zoo``'s entries) or a matched config: for ``vit-matched``, a ViT as deep as the tiny Swin (8 layers) with about its parameter count, on the same
 64 x 64 images in 4 x 4 patches; ``bert-8`` and ``deberta-v2-8``, one config (8 layers of width 256, 4 heads)
 for both, on 2 x 128 tokens. *capture* is ``checker.prepare`` (the train-mode capture), *plan* ``make_plan``,
 *check* the one-process check of every rank against the model (``check_prepared``, which plans again).
@@ -24,8 +23,9 @@ import os
 import subprocess
 import sys
 
-MODELS = ("vit:image", "deit:image", "vit-matched", "beit-matched", "swin:image", "swin:backbone", "swinv2:image", "swinv2:backbone",
-          "donut-swin:image", "maskformer-swin:backbone", "bert:mlm", "deberta-v2:mlm", "bert-8", "deberta-v2-8")
+MODELS = ("vit:image", "deit:image", "vit-matched", "beit-matched", "swin:image", "swin:backbone", "swinv2:image",
+          "swinv2:backbone", "donut-swin:image", "maskformer-swin:backbone", "bert:mlm", "deberta-v2:mlm", "bert-8",
+          "deberta-v2-8")
 
 VIT_MATCHED = {"hidden_size": 320, "num_hidden_layers": 8, "num_attention_heads": 8, "intermediate_size": 1280,
                "image_size": 64, "patch_size": 4, "num_labels": 10}

@@ -224,8 +224,7 @@ def unit_values(blocks: list[nn.Module], keys: frozenset[Key]) -> Values:
 
 
 def _attr(block: nn.Module, key: Key) -> float:
-    value = getattr(block.get_submodule(key[1]), key[2])
-    return value.value if isinstance(value, Tracked) else value
+    return getattr(block.get_submodule(key[1]), key[2])
 
 
 @contextlib.contextmanager

@@ -26,9 +26,9 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from autotp.capture.block_floats import FAILED, Ambiguous, Constants, Log, Values, evaluated, tracked, unit_values
 from autotp.capture.captured import WRAPPER_PREFIX, Captured
 from autotp.capture.export import capture, tensor_aliases
-from autotp.capture.torch_private import GUARDS_MODULE, mutated_args
 from autotp.capture.runs import (LEAST, NotRepeated, Run, attr_path, renamed_unit, repeated_runs, unit_blocks,
                                  varying_floats)
+from autotp.capture.torch_private import GUARDS_MODULE, mutated_args
 from autotp.errors import CaptureError
 from autotp.passes.graph import grad_nodes, trainable_attrs
 
@@ -40,11 +40,10 @@ class _Floats:
     """A run's float attributes that vary from unit to unit (``capture.block_floats``): what tracking them
     recorded while its two units were captured, and each unit's values."""
 
-    log: Log
+    made: Constants
+    """Every float the tracking recorded, computed again for each unit."""
     values: list[Values]
-
-    def __post_init__(self):
-        self.constants = Constants(self.log, self.values)
+    """Each unit's values of the varying attributes."""
 
     def explain(self, x, y) -> Callable[[Values], float] | None:
         """How a float constant that is ``x`` in the first unit and ``y`` in the second is computed from a unit's
@@ -53,7 +52,7 @@ class _Floats:
         if type(x) is not float or type(y) is not float:
             return None
         try:
-            return self.constants.made_as(x, y)
+            return self.made.made_as(x, y)
         except Ambiguous as e:
             raise NotRepeated(f"a constant ({e}) of the first two units is made otherwise in a later one") from e
 
@@ -108,7 +107,7 @@ def _run_floats(model: nn.Module, run: Run, keys, log: Log) -> _Floats:
         raise NotRepeated(f"{run.path}: a float attribute is the same in the captured units, not in the rest")
     if not all(log.decided_alike(v) for v in values[2:]):
         raise NotRepeated(f"{run.path}: a float attribute decides a branch differently in a later block")
-    return _Floats(log, values)
+    return _Floats(Constants(log, values), values)
 
 
 def _stamped(small: Captured, model: nn.Module, runs: list[Run], floats: dict[Run, _Floats]) -> Captured:
@@ -116,19 +115,19 @@ def _stamped(small: Captured, model: nn.Module, runs: list[Run], floats: dict[Ru
     graph = small.graph
     blocks = {(run, u): _block_nodes(small, run.path, run.units[u]) for run in runs for u in (0, 1)}
     grad = grad_nodes(graph, trainable_attrs(small.module))  # what gradients flow through
-    constants = _constants(small.module, model)
-    chains = {run: _chain(blocks[run, 0], blocks[run, 1], run, grad, constants, floats.get(run)) for run in runs}
+    lifted = _lifted(small.module, model)
+    chains = {run: _chain(blocks[run, 0], blocks[run, 1], run, grad, lifted, floats.get(run)) for run in runs}
     reads = {run: _param_reads(graph, run) for run in runs}
     # capture reads every parameter, then every buffer, then every constant: each stamped block's after the second
     # block's of its kind
-    after_reads = {kind[-1]: (run, kind) for run in runs for kind in _by_kind(model, reads[run], constants) if kind}
+    after_reads = {kind[-1]: (run, kind) for run in runs for kind in _by_kind(model, reads[run], lifted) if kind}
     after_block = {blocks[run, 1][-1]: run for run in runs}
     new = fx.Graph()
     env: dict = {}
     for node in graph.nodes:
         env[node] = new.node_copy(node, lambda n: env[n])
         if node in after_reads:
-            _copy_param_reads(new, small.module, model, *after_reads[node], env, constants)
+            _copy_param_reads(new, small.module, model, *after_reads[node], env, lifted)
         if node in after_block:
             run = after_block[node]
             _copy_blocks(new, blocks[run, 1], chains[run], reads[run], run, env, floats.get(run))
@@ -163,7 +162,7 @@ class _Chain:
 
 
 def _chain(first: list[fx.Node], second: list[fx.Node], run: Run, grad: set[str],
-           constants: dict[str, torch.Tensor], floats: _Floats | None) -> _Chain:
+           lifted: dict[str, torch.Tensor], floats: _Floats | None) -> _Chain:
     """Check that ``second`` is ``first`` again, reading values of ``first`` where ``first`` read values from
     before it (the hidden state passed down the run), holding constants made from the run's varying floats where
     they differ, and that nothing after the run reads ``first``. ``NotRepeated`` when they differ in anything
@@ -188,7 +187,7 @@ def _chain(first: list[fx.Node], second: list[fx.Node], run: Run, grad: set[str]
             if (of := floats and floats.explain(x, y)) is not None:
                 per_unit.setdefault(b, []).append((i, of))
             else:
-                _match_leaf(x, y, position, handed, run, constants)
+                _match_leaf(x, y, position, handed, run, lifted)
     inside_second = set(second)
     read_later = {u for n in first for u in n.users if u not in position and u not in inside_second}
     if read_later:
@@ -197,7 +196,7 @@ def _chain(first: list[fx.Node], second: list[fx.Node], run: Run, grad: set[str]
     return _Chain({y: position[y] for y in handed.values()}, per_unit)
 
 
-def _match_leaf(x, y, position: dict, handed: dict, run: Run, constants: dict[str, torch.Tensor]) -> None:
+def _match_leaf(x, y, position: dict, handed: dict, run: Run, lifted: dict[str, torch.Tensor]) -> None:
     """One argument of a node of the first block (``x``) against the second's (``y``)."""
     if not isinstance(x, fx.Node) or not isinstance(y, fx.Node):
         if isinstance(x, fx.Node) or isinstance(y, fx.Node) or type(x) is not type(y) or x != y:
@@ -206,8 +205,8 @@ def _match_leaf(x, y, position: dict, handed: dict, run: Run, constants: dict[st
     own = renamed_unit(x.target, run, 0, 1) if x.op == "get_attr" else None
     if x in position:
         ok = position[x] is y
-    elif own is not None and x.target in constants:  # a tensor the block's code made: the second's, equal
-        ok = y.target in constants and _same_constant(constants[x.target], constants[y.target]) and \
+    elif own is not None and x.target in lifted:  # a tensor the block's code made: the second's, equal
+        ok = y.target in lifted and _same_constant(lifted[x.target], lifted[y.target]) and \
             own.rpartition(".")[0] == y.target.rpartition(".")[0]
     elif own is not None and own != x.target:  # the first block's own tensor: the second reads its own
         ok = y.op == "get_attr" and y.target == own
@@ -258,14 +257,14 @@ def _param_reads(graph: fx.Graph, run: Run) -> list[fx.Node]:
     return reads
 
 
-def _by_kind(model: nn.Module, reads: list[fx.Node], constants: dict) -> tuple[list[fx.Node], ...]:
-    """The reads of parameters, of buffers and of constants."""
-    state = [r for r in reads if r.target not in constants]
+def _by_kind(model: nn.Module, reads: list[fx.Node], lifted: dict) -> tuple[list[fx.Node], ...]:
+    """The reads of parameters, of buffers and of lifted constants (``_lifted``)."""
+    state = [r for r in reads if r.target not in lifted]
     params = [r for r in state if isinstance(_tensor(model, r.target[len(WRAPPER_PREFIX):]), nn.Parameter)]
-    return params, [r for r in state if r not in params], [r for r in reads if r.target in constants]
+    return params, [r for r in state if r not in params], [r for r in reads if r.target in lifted]
 
 
-def _constants(root: nn.Module, model: nn.Module) -> dict[str, torch.Tensor]:
+def _lifted(root: nn.Module, model: nn.Module) -> dict[str, torch.Tensor]:
     """The tensors the captured graph reads that are not the model's parameters or buffers, by target: those
     export lifted from the code (a table a block builds, or an ``lru_cache`` hands every block)."""
     state = {WRAPPER_PREFIX + name for name, _ in (*model.named_parameters(), *model.named_buffers())}
@@ -279,22 +278,22 @@ def _attr(root: nn.Module, target: str):
 
 
 def _same_constant(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether two constants are one value: same dtype and shape and equal, not fake."""
+    """Whether two lifted constants are one value: same dtype and shape and equal, not fake."""
     return a.dtype == b.dtype and a.shape == b.shape and a.device.type != "meta" and torch.equal(a, b)
 
 
 def _copy_param_reads(new: fx.Graph, root: nn.Module, model: nn.Module, run: Run, reads: list[fx.Node],
-                      env: dict, constants: dict) -> None:
+                      env: dict, lifted: dict) -> None:
     """A ``get_attr`` for each stamped unit's tensors under the full model's names (``env[unit, read]``), each
     tensor registered on the captured module as capture registers the others (a constant: the second unit's,
     under the stamped block's name)."""
     for unit in range(2, len(run.units)):
         for read in reads:
             target = renamed_unit(read.target, run, 1, unit)
-            if read.target in constants:
+            if read.target in lifted:
                 module, _, name = target.rpartition(".")
                 _register(root, module, None)
-                setattr(root.get_submodule(module), name, constants[read.target])
+                setattr(root.get_submodule(module), name, lifted[read.target])
             else:
                 _register(root, target, _tensor(model, target[len(WRAPPER_PREFIX):]))
             copied = new.get_attr(target)
