@@ -11,7 +11,10 @@ for both, on 2 x 128 tokens. *capture* is ``checker.prepare`` (the train-mode ca
 *check* the one-process check of every rank against the model (``check_prepared``, which plans again).
 *autotp.plan* is what a user's ``autotp plan`` runs (a process of its own, cold): where a model's blocks repeat
 (three or more alike), two are captured and the rest stamped out (``capture.repeats``), so this is the planning
-time a user sees; *capture* is the full capture the check and the rewrite make.
+time a user sees; *capture* is the full capture the check and the rewrite make. *torch.export alone* is a bare
+``torch.export.export`` of the whole model with static sizes (a process of its own, cold, no autotp code): the
+least any planner tracing every block through torch.export pays, and where blocks cannot be stamped, a floor under
+*autotp.plan*.
 CPU time (``time.process_time``), not wall time: the machine is shared.
 """
 
@@ -52,7 +55,7 @@ from autotp.planning import make_plan
 from autotp.passes.region_match import RegionKind
 from autotp.tools.zoo import entries  # every child imports what the zoo's do, so no capture pays an import
 name, tp, vit, text, relative = sys.argv[1], int(sys.argv[2]), *map(json.loads, sys.argv[3:6])
-user_path = sys.argv[6] == "plan"
+part = sys.argv[6]
 torch.manual_seed(0)
 if name in ("vit-matched", "beit-matched"):
     import transformers
@@ -68,11 +71,16 @@ else:
     (entry,) = entries({name})
     model = entry.build()
     inputs = entry.inputs(model)
-if user_path:  # what `autotp plan` and autotp.plan run, cold: blocks that repeat are captured once and stamped
+if part == "plan":  # what `autotp plan` and autotp.plan run, cold: blocks that repeat are captured once and stamped
     import autotp
     start = time.process_time()
     autotp.plan(model, tp, inputs)
     print(json.dumps({"autotp_plan_s": time.process_time() - start}))
+    sys.exit(0)
+if part == "export":  # torch's own cost of tracing every block once, with no symbolic sizes to carry
+    start = time.process_time()
+    torch.export.export(model, (), inputs, strict=False)
+    print(json.dumps({"export_s": time.process_time() - start}))
     sys.exit(0)
 start = time.process_time()
 prepared = prepare(model, inputs)
@@ -91,10 +99,11 @@ print(json.dumps({"model": name, "params": sum(p.numel() for p in model.paramete
 
 
 def measure(name: str, tp: int) -> dict:
-    """One model in two fresh processes: ``autotp.plan`` as a user runs it, then capture, plan and check apart."""
+    """One model in three fresh processes: ``autotp.plan`` as a user runs it, a bare static ``torch.export``, then
+    capture, plan and check apart."""
     row = {}
     configs = [json.dumps(VIT_MATCHED), json.dumps(TEXT_MATCHED), json.dumps(DEBERTA_RELATIVE)]
-    for part in ("plan", "parts"):
+    for part in ("plan", "export", "parts"):
         out = subprocess.run([sys.executable, "-c", _CHILD, name, str(tp), *configs, part],
                              capture_output=True, text=True)
         if out.returncode:
@@ -110,31 +119,36 @@ PLAIN_OF = {"beit-matched": "vit-matched", "swin:image": "vit-matched", "swin:ba
 
 
 def _seconds(row: dict, what: str) -> float:
-    """``capture+plan``: the full capture and the plan apart; ``autotp.plan``: the user's call."""
+    """``capture+plan``: the full capture and the plan apart; ``autotp.plan``: the user's call; ``export``: the bare
+    static torch.export."""
+    if what == "export":
+        return row["export_s"]
     return row["autotp_plan_s"] if what == "autotp.plan" else row["capture_s"] + row["plan_s"]
 
 
-def _ratio(row: dict, rows: list[dict], what: str = "capture+plan") -> str:
-    """Planning time (``what``: see ``_seconds``) as a multiple of its plain model's, when that ran in the same
-    table."""
+def _ratio(row: dict, rows: list[dict], what: str = "capture+plan", against: str | None = None) -> str:
+    """Planning time (``what``: see ``_seconds``) as a multiple of its plain model's (``against``, that model's
+    time of the same kind unless named), when that ran in the same table."""
     plain = next((r for r in rows if r["model"] == PLAIN_OF.get(row["model"]) and "error" not in r), None)
     if plain is None:
         return "-"
-    return f"{_seconds(row, what) / _seconds(plain, what):.2f}"
+    return f"{_seconds(row, what) / _seconds(plain, against or what):.2f}"
 
 
 def markdown(rows: list[dict], tp: int, load: tuple[float, float]) -> str:
     """The table, with the load average at the start and the end."""
     out = [f"tp={tp}; load average {load[0]:.1f} at the start, {load[1]:.1f} at the end (2 cores, shared).", "",
-           "| model | params | graph nodes | autotp.plan s | to its plain model | capture s | plan s | capture + plan s "
-           "| to its plain model | check s | attention regions split by heads | exact |",
-           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+           "| model | params | graph nodes | autotp.plan s | to its plain model | torch.export alone s "
+           "| to its plain model's autotp.plan | capture s | plan s | capture + plan s | to its plain model | check s "
+           "| attention regions split by heads | exact |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
         if "error" in r:
-            out.append(f"| {r['model']} | - | - | - | - | - | - | - | - | - | - | {r['error']} |")
+            out.append(f"| {r['model']} | - | - | - | - | - | - | - | - | - | - | - | - | {r['error']} |")
             continue
         out.append(f"| {r['model']} | {r['params'] / 1e6:.1f}M | {r['nodes']} | {r['autotp_plan_s']:.2f} | "
-                   f"{_ratio(r, rows, 'autotp.plan')} | {r['capture_s']:.2f} | "
+                   f"{_ratio(r, rows, 'autotp.plan')} | {r['export_s']:.2f} | "
+                   f"{_ratio(r, rows, 'export', against='autotp.plan')} | {r['capture_s']:.2f} | "
                    f"{r['plan_s']:.2f} | {r['capture_s'] + r['plan_s']:.2f} | {_ratio(r, rows)} | "
                    f"{r['check_s']:.1f} | {r['split_attention']} of {r['attention']} | "
                    f"{'yes' if r['exact'] else 'NO'} |")

@@ -43,8 +43,8 @@ from autotp.capture.torch_private import (
     unchanged_module_casts,
     plain_sizes,
 )
-from autotp.capture.shape_kernels import (no_cycle_collection, no_stack_traces, no_symbolic_layout_probes,
-                                          shape_only_kernels)
+from autotp.capture.shape_kernels import (lazy_recompiles, no_cycle_collection, no_stack_traces,
+                                          no_symbolic_layout_probes, shape_only_kernels)
 from autotp.capture.weight_norms import expand_weight_norms
 from autotp.capture.weight_writes import data_as_no_grad, read_parameters_past_writes
 from autotp.errors import CaptureError, InputError, TrainingSettingError
@@ -109,18 +109,19 @@ def _quiet_torch_logs():
     """Silence torch's own loggers while captures are tried: a failure is reported by us, once.
 
     Only loggers named ``torch...`` are touched, and restored afterwards; the user's loggers, the root
-    logger and stderr are left alone.
+    logger and stderr are left alone. Each is disabled rather than given a level: ``setLevel`` clears every
+    logger's cache, once per logger, hundreds of times a capture.
     """
     names = [n for n in list(logging.root.manager.loggerDict) if n == "torch" or n.startswith("torch.")]
     loggers = [logging.getLogger(n) for n in names]
-    previous = [lg.level for lg in loggers]
+    previous = [lg.disabled for lg in loggers]
     for lg in loggers:
-        lg.setLevel(logging.CRITICAL + 1)
+        lg.disabled = True
     try:
         yield
     finally:
-        for lg, level in zip(loggers, previous):
-            lg.setLevel(level)
+        for lg, disabled in zip(loggers, previous):
+            lg.disabled = disabled
 
 
 def _export(wrapper: _CaptureWrapper, inputs: tuple, dynamic: bool) -> fx.GraphModule:
@@ -131,7 +132,8 @@ def _export(wrapper: _CaptureWrapper, inputs: tuple, dynamic: bool) -> fx.GraphM
     for sharing in (computed_once(), None):
         wrapper.sharing = sharing
         try:
-            with shape_only_kernels(), no_stack_traces(), no_symbolic_layout_probes(), no_cycle_collection():
+            with shape_only_kernels(), no_stack_traces(), no_symbolic_layout_probes(), no_cycle_collection(), \
+                    lazy_recompiles():
                 program = torch.export.export(wrapper, inputs, strict=False,
                                               dynamic_shapes=dynamic_shapes(inputs) if dynamic else None)
         finally:
