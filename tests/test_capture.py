@@ -80,6 +80,23 @@ def test_capture_leaves_the_process_as_it_found_it(capsys):
     assert sys.stderr is stderr and torch_logger.level == level
 
 
+def test_torchs_loggers_are_silent_while_capturing_the_users_are_not_and_all_are_restored():
+    """Existing torch loggers disabled, one torch makes while tracing (a module it imports then) silenced through
+    ``torch``'s level, the user's own left alone; every flag and level as before afterwards."""
+    from autotp.capture.export import _quiet_torch_logs
+
+    existing, user = logging.getLogger("torch._autotp_test_existing"), logging.getLogger("autotp_test_user")
+    torch_level, user_level = logging.getLogger("torch").level, user.level
+    with _quiet_torch_logs():
+        made_while = logging.getLogger("torch._autotp_test_made_while_tracing")
+        assert existing.disabled and not existing.isEnabledFor(logging.CRITICAL)
+        assert not made_while.isEnabledFor(logging.CRITICAL)
+        assert not user.disabled and user.isEnabledFor(logging.WARNING)
+    assert not existing.disabled and not made_while.disabled
+    assert logging.getLogger("torch").level == torch_level and user.level == user_level
+    assert made_while.isEnabledFor(logging.CRITICAL)
+
+
 def test_tied_weights_are_read_once_under_their_first_name():
     cap = capture(models.build("gpt"), (IDS,))
     targets = [n.target for n in cap.graph.find_nodes(op="get_attr")]

@@ -109,12 +109,16 @@ def _quiet_torch_logs():
     """Silence torch's own loggers while captures are tried: a failure is reported by us, once.
 
     Only loggers named ``torch...`` are touched, and restored afterwards; the user's loggers, the root
-    logger and stderr are left alone. Each is disabled rather than given a level: ``setLevel`` clears every
-    logger's cache, once per logger, hundreds of times a capture.
+    logger and stderr are left alone. Each is disabled rather than given a level (``setLevel`` clears every
+    logger's cache, once per logger, hundreds of times a capture); ``torch`` alone gets a level, which the loggers
+    torch makes while it traces (modules it imports then) inherit.
     """
     names = [n for n in list(logging.root.manager.loggerDict) if n == "torch" or n.startswith("torch.")]
     loggers = [logging.getLogger(n) for n in names]
     previous = [lg.disabled for lg in loggers]
+    torch_logger = logging.getLogger("torch")
+    level = torch_logger.level
+    torch_logger.setLevel(logging.CRITICAL + 1)
     for lg in loggers:
         lg.disabled = True
     try:
@@ -122,6 +126,7 @@ def _quiet_torch_logs():
     finally:
         for lg, disabled in zip(loggers, previous):
             lg.disabled = disabled
+        torch_logger.setLevel(level)
 
 
 def _export(wrapper: _CaptureWrapper, inputs: tuple, dynamic: bool) -> fx.GraphModule:
