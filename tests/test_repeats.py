@@ -142,7 +142,13 @@ def test_a_run_repeats_a_unit_of_blocks_and_the_stamped_graph_is_the_full_one(pa
     assert len(run.keys) % period == 0 and all(len(unit) == period for unit in run.units)
     full, made = capture(model, (x,)), stamp(model, (x,))
     assert _ops(made) == _ops(full)
-    assert torch.equal(made.module(x)[0] if isinstance(made.module(x), tuple) else made.module(x), model(x))
+    assert torch.equal(_output(made, x), model(x))
+
+
+def _output(made, x) -> torch.Tensor:
+    """The captured module's output on ``x`` (its first, where it returns a tuple)."""
+    out = made.module(x)
+    return out[0] if isinstance(out, tuple) else out
 
 
 def test_blocks_in_a_sequential_are_stamped_as_a_lists_are():
@@ -154,7 +160,7 @@ def test_blocks_in_a_sequential_are_stamped_as_a_lists_are():
     assert run.path == "1" and run.keys == ("0", "1", "2", "3", "4") and run.stamped == ("2", "3", "4")
     made = stamp(stacked, (x,))
     assert _ops(made) == _ops(capture(stacked, (x,)))
-    assert torch.equal(made.module(x)[0] if isinstance(made.module(x), tuple) else made.module(x), stacked(x))
+    assert torch.equal(_output(made, x), stacked(x))
 
 
 def test_runs_are_the_identical_blocks_that_end_each_list():
