@@ -44,6 +44,6 @@ def test_the_readme_plans_the_model_it_trains():
     readme = (ROOT / "README.md").read_text()
     assert "autotp plan examples/train_gpt.py:build_model --tp 2 --pp 2" in readme
     assert "torchrun --nproc-per-node 4 examples/train_gpt.py --tp 2 --pp 2" in readme
-    assert 'pip install -e ".[hf]"' in readme and "ran 806 tests in 23 minutes" in readme
+    assert 'pip install -e ".[hf]"' in readme
     source = (ROOT / "examples/train_gpt.py").read_text()
     assert "model = build_model(args.tp, args.seq)" in source  # the script trains what the factory builds
