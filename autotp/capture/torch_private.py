@@ -72,13 +72,20 @@ def is_guard_call(node: fx.Node) -> bool:
 def applied_functions(found: set[str]):
     """Record in ``found`` the user-defined ``torch.autograd.Function`` subclasses applied inside the block: a
     non-strict ``torch.export`` traces their forward only, so their own backward does not reach the graph. torch's
-    own and autotp's (``shape_kernels``' stand-in, applied only while tracing) are not the user's."""
-    original = torch.autograd.Function.__dict__["apply"]
+    own and autotp's (``shape_kernels``' stand-in, applied only while tracing) are not the user's.
+
+    Relies on ``Function.apply`` being a class-level descriptor in ``Function.__dict__`` that can be replaced and
+    put back: a Python ``classmethod`` in torch 2.13, ``torch._C._FunctionBase``'s C ``classmethod_descriptor``
+    in 2.14 (which has no ``__func__``). Either binds to ``cls`` through the descriptor protocol
+    (``__get__(None, cls)``), so the original runs exactly as an unpatched call would. Checked on 2.13.0, 2.14.1."""
+    original = torch.autograd.Function.__dict__.get("apply")
+    if not hasattr(original, "__get__"):
+        raise _changed("where autograd Functions keep apply", f"Function.__dict__['apply'] is {original!r}")
 
     def apply(cls, *args, **kwargs):
         if not cls.__module__.startswith(("torch.", "autotp.")):
             found.add(f"{cls.__module__}.{cls.__qualname__}")
-        return original.__func__(cls, *args, **kwargs)
+        return original.__get__(None, cls)(*args, **kwargs)
 
     torch.autograd.Function.apply = classmethod(apply)
     try:
