@@ -23,6 +23,7 @@ from autotp.errors import (
     RankFailure,
     RuntimeSetupError,
     UnsupportedTorchError,
+    UntestedTorchWarning,
 )
 from autotp.options import Options
 
@@ -50,5 +51,6 @@ def __getattr__(name: str):
 __all__ = [
     "AutotpError", "CaptureError", "CheckReport", "CheckpointError", "Collective", "InputError", "InternalError",
     "Options", "ParallelModule", "PipelineModule", "Placement", "PlacementKind", "Plan", "PlanError", "RankFailure",
-    "Region", "RuntimeSetupError", "UnsupportedTorchError", "check", "empty_weights", "parallelize", "plan",
+    "Region", "RuntimeSetupError", "UnsupportedTorchError", "UntestedTorchWarning", "check", "empty_weights",
+    "parallelize", "plan",
 ]

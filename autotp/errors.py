@@ -45,6 +45,11 @@ class UnsupportedTorchError(AutotpError, ImportError):
     earlier releases lack)."""
 
 
+class UntestedTorchWarning(UserWarning):
+    """The installed torch is newer than the releases autotp is tested with (warned once per process): it may
+    work, but a release can change the torch internals autotp's capture reads."""
+
+
 class RankFailure(AutotpError, RuntimeError):
     """A collective could not complete because another rank failed, stopped or did not answer in time."""
 

@@ -10,8 +10,10 @@ import contextlib
 import faulthandler
 import json
 import os
+import signal
 import socket
 import tempfile
+import time
 from collections.abc import Callable
 from datetime import timedelta
 
@@ -126,6 +128,50 @@ def stop_ranks(processes) -> None:
         process.join(5)
 
 
+FORK_PROBE_LIMIT_S = 30
+"""How long the probe child of ``fork_runs_backward`` may take (it runs one tiny backward) before it counts as hung."""
+_FORK_BROKEN = [False]
+"""Set once a probe failed: autograd's device threads, once started, stay for the life of the process."""
+
+
+def fork_runs_backward() -> bool:
+    """Whether a process forked from this one now can run a backward, found by forking one that tries.
+
+    torch refuses a backward in a forked child ("Unable to handle autograd's threading in combination with
+    fork-based multiprocessing") once the parent's autograd engine started its per-device threads. On a CPU build
+    of torch 2.13 it never does; on CUDA builds (2.14.1's, even with no GPU) a backward after any fake-tensor trace
+    (every capture) does. Asking a child is exact on any build and needs no private torch state."""
+    if _FORK_BROKEN[0]:
+        return False
+    pid = os.fork()
+    if pid == 0:  # the child: exit without running the parent's atexit handlers or flushing its buffers
+        code = 1
+        try:
+            x = torch.ones(2, requires_grad=True)
+            (x * x).sum().backward()
+            code = 0
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + FORK_PROBE_LIMIT_S
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            _FORK_BROKEN[0] = os.waitstatus_to_exitcode(status) != 0
+            return not _FORK_BROKEN[0]
+        time.sleep(0.005)
+    os.kill(pid, signal.SIGKILL)  # hung: a fork is not safe here either
+    os.waitpid(pid, 0)
+    return False
+
+
+def start_method_for(start_method: str) -> str:
+    """``start_method``, except "fork" where a forked rank could not run a backward (``fork_runs_backward``):
+    "spawn" then, whose fresh interpreters pay their imports and captures again but run."""
+    if start_method == "fork" and not fork_runs_backward():
+        return "spawn"
+    return start_method
+
+
 def run_on_ranks(fn: Callable, device: str, threads: list[int], *args, start_method: str = "spawn",
                  limit_s: float | None = None) -> list:
     """``fn(rank, world, *args)`` on ``len(threads)`` ranks; returns each rank's (JSON-able) result, in rank order.
@@ -133,7 +179,8 @@ def run_on_ranks(fn: Callable, device: str, threads: list[int], *args, start_met
     ``threads[r]`` is rank r's torch intra-op thread count: with tp ranks on a machine with tp cores,
     1 keeps every rank on its own core. ``start_method`` "fork" starts the ranks as copies of this process (CPU
     only: what it holds, the tests' captures, comes with them; threads this process ran must be
-    gone, ``autotp.rewrite.comm.join_fully``); "spawn" starts fresh interpreters. A rank still running after
+    gone, ``autotp.rewrite.comm.join_fully``), or fresh interpreters where forked ranks could not run a backward
+    (``start_method_for``); "spawn" starts fresh interpreters. A rank still running after
     ``limit_s`` seconds writes every thread's stack to stderr and exits, which fails the run naming it.
     """
     world = len(threads)
@@ -141,7 +188,7 @@ def run_on_ranks(fn: Callable, device: str, threads: list[int], *args, start_met
         raise RuntimeError(f"--device cuda needs {world} GPUs, found {torch.cuda.device_count()}")
     with tempfile.TemporaryDirectory() as out, _passive_openmp():
         context = mp.start_processes(_entry, args=(world, free_port(), device, threads, fn, args, out, limit_s),
-                                     nprocs=world, join=False, start_method=start_method)
+                                     nprocs=world, join=False, start_method=start_method_for(start_method))
         try:
             while not context.join():
                 pass

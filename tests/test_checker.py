@@ -120,14 +120,15 @@ class _Sharp(torch.nn.Module):
     """Attention with huge scores: a row split's reordered sums (rounding) are amplified past float32's
     tolerance, though the sharded model computes the same function."""
 
-    def __init__(self, d=16):
+    def __init__(self, d=16, sharpness=400.0):
         super().__init__()
         self.norm = torch.nn.LayerNorm(d)
         self.q, self.k = torch.nn.Linear(d, d), torch.nn.Linear(d, d)
+        self.sharpness = sharpness
 
     def forward(self, x):
         h = self.norm(x)
-        scores = (self.q(h) @ self.k(h).transpose(-1, -2)) * 400.0
+        scores = (self.q(h) @ self.k(h).transpose(-1, -2)) * self.sharpness
         return scores.softmax(-1) @ h
 
 
@@ -221,9 +222,10 @@ class _Reversed(torch.nn.Module):
 def test_a_custom_backward_other_than_the_derivative_is_refused_for_training_and_named_in_inference():
     torch.manual_seed(0)
     model, x = _Reversed(), torch.randn(2, 8, 16)
+    applied = torch.autograd.Function.__dict__["apply"]
     with pytest.raises(autotp.errors.CaptureError, match="_Reverse whose backward is not the derivative"):
         autotp.plan(model, 2, vocab="split", example_inputs=(x,))  # training would follow autograd, not -grad
-    assert torch.autograd.Function.__dict__["apply"].__func__.__name__ == "apply"  # restored after capture
+    assert torch.autograd.Function.__dict__["apply"] is applied  # restored after capture
     plan = autotp.plan(model.eval(), 2, vocab="split", example_inputs=(x,))
     assert any("_Reverse" in n and "backward" in n for n in plan.notes), plan.notes
 
@@ -281,7 +283,14 @@ def test_attention_with_heads_in_the_batch_and_an_in_place_drawn_dropout_splits_
 
 
 class _NoFloat64Kernel(_Sharp):
-    """Runs in bf16 and float32 only, as a grouped-GEMM mixture of experts does."""
+    """Runs in bf16 and float32 only, as a grouped-GEMM mixture of experts does.
+
+    Scores scaled by 4, not 400: its widest dtype is float32, in which 400's amplified rounding exceeds float32's
+    own tolerances (the float32 test above needs float64 for it; here it failed on torch 2.13.0 and 2.14.1 alike,
+    gradient 1.9e-6 off). At 4, bf16 still differs past its tolerances and float32 shows that to be rounding."""
+
+    def __init__(self, d=16):
+        super().__init__(d, sharpness=4.0)
 
     def forward(self, x):
         if x.dtype == torch.float64:

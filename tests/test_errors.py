@@ -1,6 +1,8 @@
 """Every bad input gets an autotp error that says what is wrong and what to do."""
 
 import re
+import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -125,9 +127,35 @@ def test_an_older_torch_is_refused_naming_the_release_needed(version):
         require_supported_torch(version)
 
 
-@pytest.mark.parametrize("version", ["2.13.0+cpu", "2.14.0.dev20261101+cu130", "3.0.0"])
-def test_this_and_later_torch_releases_pass(version):
+@pytest.mark.parametrize("version", ["2.13.0+cpu", "2.14.0.dev20261101+cu130", "2.14.1+cu130"])
+def test_a_tested_torch_release_passes_without_a_warning(version):
     from autotp.torch_version import require_supported_torch
 
-    require_supported_torch(version)
-    require_supported_torch()  # the installed one
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        require_supported_torch(version)
+
+
+@pytest.mark.parametrize("version", ["2.15.0", "2.16.0.dev20270101+cu130", "3.0.0"])
+def test_a_later_torch_warns_once_naming_the_tested_releases(version, monkeypatch):
+    from autotp import torch_version
+
+    monkeypatch.setattr(torch_version, "_WARNED", set())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")  # pytest's and Python's own once-per-place filters are not what is tested
+        for _ in range(3):
+            torch_version.require_supported_torch(version)
+    assert [w.category for w in caught] == [autotp.UntestedTorchWarning], caught
+    assert issubclass(autotp.UntestedTorchWarning, UserWarning)
+    text = str(caught[0].message)
+    assert f"tested with torch 2.13 to 2.14, found torch {version}" in text, text
+    assert "pip install torch==2.14.1" in text, text
+
+
+def test_the_tested_range_is_the_one_pyproject_states():
+    """pyproject.toml names the tested releases beside the torch requirement; they must be the ones checked."""
+    from autotp.torch_version import TESTED_TORCH
+
+    text = (Path(__file__).resolve().parent.parent / "pyproject.toml").read_text()
+    stated = re.search(r"tested with torch ([\d.]+) and ([\d.]+)", text)
+    assert stated and stated.groups() == TESTED_TORCH, stated

@@ -2,9 +2,11 @@
 
 torch.export gives what autotp needs, but four facts are reachable only through private attributes:
 the sympy expression behind a symbolic size, which arguments an op writes in place (its schema), the
-output tree spec of an exported module, and the name of the input-guard submodule it adds. If a torch release changes one, the accessor raises
-``InternalError`` naming the torch version (and ``tests/test_capture.py`` fails loudly), instead of
-autotp silently computing something else.
+output tree spec of an exported module, and the name of the input-guard submodule it adds; a few context managers
+patch torch's own functions while capturing. If a torch release changes one, the accessor raises ``InternalError``
+naming the torch version (and ``tests/test_capture.py`` fails loudly), instead of autotp silently computing
+something else. Each entry says what it relies on and the torch releases it was checked on (CI runs the capture,
+checker, generation and MoE tests on every release in ``autotp.torch_version.TESTED_TORCH``).
 """
 
 from __future__ import annotations
@@ -18,10 +20,12 @@ from torch import fx
 from autotp.errors import InternalError
 
 TENSOR_DATA = torch._C.TensorBase.data
-"""The ``.data`` property of tensors (its getter and setter reach a TorchFunctionMode as methods of it)."""
+"""The ``.data`` property of tensors (its getter and setter reach a TorchFunctionMode as methods of it).
+Checked on 2.13.0 and 2.14.1."""
 
 GUARDS_MODULE = "_guards_fn"
-"""The submodule torch.export adds to check input shapes; it belongs to the whole model, not to a stage."""
+"""The submodule torch.export adds to check input shapes; it belongs to the whole model, not to a stage.
+Checked on 2.13.0 and 2.14.1."""
 
 
 def _changed(what: str, detail: str) -> InternalError:
@@ -29,7 +33,8 @@ def _changed(what: str, detail: str) -> InternalError:
 
 
 def size_expr(size) -> int | sympy.Expr:
-    """A tensor size as an int, or as the sympy expression of a symbolic size (``s70*s72``)."""
+    """A tensor size as an int, or as the sympy expression of a symbolic size (``s70*s72``). Relies on
+    ``SymInt.node.expr``; checked on 2.13.0 and 2.14.1."""
     if isinstance(size, int):
         return int(size)
     expr = getattr(getattr(size, "node", None), "expr", None)  # private: SymInt.node.expr
@@ -44,7 +49,8 @@ def plain_sizes(value: torch.Tensor) -> tuple:
 
 
 def mutated_args(node: fx.Node) -> tuple:
-    """The argument paths (``(i,)`` or ``("kw", name)``) that ``node``'s op writes to in place."""
+    """The argument paths (``(i,)`` or ``("kw", name)``) that ``node``'s op writes to in place. Relies on
+    ``OpOverload._schema``'s alias annotations; checked on 2.13.0 and 2.14.1."""
     schema = getattr(node.target, "_schema", None)  # private: OpOverload._schema
     if schema is None:
         return ()
@@ -56,7 +62,8 @@ def mutated_args(node: fx.Node) -> tuple:
 
 
 def output_spec(module: fx.GraphModule):
-    """The pytree spec of an exported module's outputs (to rebuild them from a flat list)."""
+    """The pytree spec of an exported module's outputs (to rebuild them from a flat list). Relies on the
+    ``_out_spec`` that ``ExportedProgram.module()`` sets; checked on 2.13.0 and 2.14.1."""
     spec = getattr(module, "_out_spec", None)  # private: set by ExportedProgram.module()
     if spec is None:
         raise _changed("where an exported module keeps its output spec", "GraphModule._out_spec")
@@ -64,7 +71,7 @@ def output_spec(module: fx.GraphModule):
 
 
 def is_guard_call(node: fx.Node) -> bool:
-    """Whether ``node`` calls the export's input-shape guard module."""
+    """Whether ``node`` calls the export's input-shape guard module (``GUARDS_MODULE``)."""
     return node.op == "call_module" and node.target == GUARDS_MODULE
 
 
@@ -72,13 +79,20 @@ def is_guard_call(node: fx.Node) -> bool:
 def applied_functions(found: set[str]):
     """Record in ``found`` the user-defined ``torch.autograd.Function`` subclasses applied inside the block: a
     non-strict ``torch.export`` traces their forward only, so their own backward does not reach the graph. torch's
-    own and autotp's (``shape_kernels``' stand-in, applied only while tracing) are not the user's."""
-    original = torch.autograd.Function.__dict__["apply"]
+    own and autotp's (``shape_kernels``' stand-in, applied only while tracing) are not the user's.
+
+    Relies on ``Function.apply`` being a class-level descriptor in ``Function.__dict__`` that can be replaced and
+    put back: a Python ``classmethod`` in torch 2.13, ``torch._C._FunctionBase``'s C ``classmethod_descriptor``
+    in 2.14 (which has no ``__func__``). Either binds to ``cls`` through the descriptor protocol
+    (``__get__(None, cls)``), so the original runs exactly as an unpatched call would. Checked on 2.13.0, 2.14.1."""
+    original = torch.autograd.Function.__dict__.get("apply")
+    if not hasattr(original, "__get__"):
+        raise _changed("where autograd Functions keep apply", f"Function.__dict__['apply'] is {original!r}")
 
     def apply(cls, *args, **kwargs):
         if not cls.__module__.startswith(("torch.", "autotp.")):
             found.add(f"{cls.__module__}.{cls.__qualname__}")
-        return original.__func__(cls, *args, **kwargs)
+        return original.__get__(None, cls)(*args, **kwargs)
 
     torch.autograd.Function.apply = classmethod(apply)
     try:
@@ -89,7 +103,8 @@ def applied_functions(found: set[str]):
 
 def distribution_validation() -> bool:
     """torch.distributions' default for validating a distribution's arguments (private:
-    ``Distribution._validate_args``; ``set_default_validate_args`` is its public setter)."""
+    ``Distribution._validate_args``; ``set_default_validate_args`` is its public setter). Checked on 2.13.0 and
+    2.14.1."""
     value = getattr(torch.distributions.Distribution, "_validate_args", None)
     if not isinstance(value, bool):
         raise _changed("where distributions keep their validation default", "Distribution._validate_args")
@@ -100,7 +115,8 @@ def distribution_validation() -> bool:
 def expression_tracing_off():
     """draft_export traces every symbolic expression it creates (``expression_created``, with its user and
     framework stacks) to explain its report's failures; autotp reads only the failures' kinds, and that tracing
-    was 85% of a tiny wav2vec2's fallback capture (33 of 38 s). Silenced here; every other trace is kept."""
+    was 85% of a tiny wav2vec2's fallback capture (33 of 38 s). Silenced here; every other trace is kept. Relies on
+    ``sym_node`` calling its module-level ``dtrace_structured``; checked on 2.13.0 and 2.14.1."""
     from torch.fx.experimental import sym_node
 
     traced = getattr(sym_node, "dtrace_structured", None)  # private: the module's own import of the tracer
@@ -128,7 +144,8 @@ kernels handle symbolic sizes, so the fake tensors use those instead."""
 @contextlib.contextmanager
 def decompositions_off(names=DECOMPOSITIONS_UNSOUND_IN_DRAFT_EXPORT):
     """The Python decompositions of the aten ops ``names`` (``"div.Tensor_mode"``) out of torch's table while
-    inside (restored after), so fake tensors run those ops' own meta kernels."""
+    inside (restored after), so fake tensors run those ops' own meta kernels. Relies on
+    ``torch._decomp.decomposition_table`` being the table fake tensors consult; checked on 2.13.0 and 2.14.1."""
     from torch._decomp import decomposition_table  # private: the table fake tensors consult first
 
     ops = [getattr(getattr(torch.ops.aten, packet), overload)
@@ -149,7 +166,7 @@ def unchanged_module_casts():
     no-op; traced by torch.export, ``Module._apply`` tries to swap each fake parameter for its "converted" self and
     fails. A cast that changes nothing has nothing to record, so it is skipped while capturing; a real conversion
     still goes through (and fails the capture as before). ``torch._C._nn._parse_to`` is private: it is what
-    ``Module.to`` itself parses its arguments with."""
+    ``Module.to`` itself parses its arguments with. Checked on 2.13.0 and 2.14.1."""
     parse = getattr(torch._C._nn, "_parse_to", None)
     if parse is None:
         raise _changed("how Module.to parses its arguments", "torch._C._nn._parse_to")
