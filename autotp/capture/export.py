@@ -18,7 +18,7 @@ from torch import fx, nn
 from autotp.capture.capture_failure import raise_capture_failure
 from autotp.capture.computed_once import computed_once
 from autotp.capture.captured import WRAPPER_PREFIX, Captured
-from autotp.capture.dynamic import dynamic_shapes
+from autotp.capture.dynamic import dynamic_shapes, fixed_dims
 from autotp.capture.examples import (
     ExampleInputs,
     Signature,
@@ -42,6 +42,7 @@ from autotp.capture.torch_private import (
     mutated_args,
     unchanged_module_casts,
     plain_sizes,
+    sizes_not_fixed_by_probes,
 )
 from autotp.capture.shape_kernels import (lazy_recompiles, no_cycle_collection, no_stack_traces,
                                           no_symbolic_layout_probes, shape_only_kernels)
@@ -131,9 +132,31 @@ def _quiet_torch_logs():
 
 def _export(wrapper: _CaptureWrapper, inputs: tuple, dynamic: bool) -> fx.GraphModule:
     """One torch.export attempt; with ``dynamic`` the input dimensions ``dynamic_shapes`` names are Dim.AUTO.
-    Attention and batched matmuls learn their output sizes from shape-only kernels (``shape_kernels``); a value
-    the forward computes again from the same inputs is traced once (``computed_once``), unless the forward
-    wrote into one it shared, which is then traced again as the model runs it."""
+
+    A dynamic capture that came out with some of those dimensions fixed is traced again with torch's layout
+    probes taking their defaults (``sizes_not_fixed_by_probes``), and the trace that keeps more of them dynamic
+    wins. An example as long as a buffer or table the model slices to it (``mask[:T, :T]`` of a causal mask,
+    ``pos[:T]``) is the usual training shape: probing the slice's layout there fixes T at the table's length, and a
+    fixed T leaves sequence parallelism nothing to split and the module one sequence length to take."""
+    gm = _export_once(wrapper, inputs, dynamic)
+    fixed = fixed_dims(gm, inputs) if dynamic else 0
+    if not fixed:
+        return gm
+    try:
+        with sizes_not_fixed_by_probes():
+            general = _export_once(wrapper, inputs, dynamic)
+    except TimeoutError:  # the caller's time limit
+        raise
+    except Exception:  # torch.export raises many types; the first trace stands
+        return gm
+    return general if fixed_dims(general, inputs) < fixed else gm
+
+
+def _export_once(wrapper: _CaptureWrapper, inputs: tuple, dynamic: bool) -> fx.GraphModule:
+    """One torch.export trace. Attention and batched matmuls learn their output sizes from shape-only kernels
+    (``shape_kernels``); a value the forward computes again from the same inputs is traced once
+    (``computed_once``), unless the forward wrote into one it shared, which is then traced again as the model
+    runs it."""
     for sharing in (computed_once(), None):
         wrapper.sharing = sharing
         try:

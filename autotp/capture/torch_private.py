@@ -174,3 +174,19 @@ def _kept(tensor: torch.Tensor, device, dtype) -> bool:
     same_device = device is None or tensor.device == device
     same_dtype = dtype is None or not (tensor.is_floating_point() or tensor.is_complex()) or tensor.dtype == dtype
     return same_device and same_dtype
+
+
+@contextlib.contextmanager
+def sizes_not_fixed_by_probes():
+    """Tracing where torch's "guard, or take a default" checks on symbolic sizes take the default instead of
+    guarding on the example's sizes (``torch.fx.experimental._config.backed_size_oblivious``, private; checked on
+    torch 2.13). Those checks only pick an answer that is safe either way, such as a memory layout: whether
+    ``mask[:T, :T]`` of a 16x16 buffer is contiguous (stride 16 against T). Guarded at T = 16, that probe fixes the
+    sequence length at the buffer's; with the default, T stays dynamic. Branches the model itself takes on a size
+    (``if T > n``) still guard as before."""
+    from torch.fx.experimental import _config
+
+    if not isinstance(getattr(_config, "backed_size_oblivious", None), bool):
+        raise _changed("how size checks may skip guarding", "torch.fx.experimental._config.backed_size_oblivious")
+    with _config.patch(backed_size_oblivious=True):
+        yield
