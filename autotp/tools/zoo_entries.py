@@ -83,13 +83,31 @@ forward allows it: their vision tower is built but not reached, and not counted 
 POSITION_FIELDS = ("max_position_embeddings", "n_positions", "n_ctx", "max_target_positions", "max_seq_len")
 """Config fields that size a model's position tables and causal-mask buffers (the longest sequence it takes)."""
 
+POSITION_OFFSETS = 3
+"""Positions a table may keep before the first token's: RoBERTa's start after its padding index (2 for a padding
+id of 1), so its table must be 2 longer than the longest sequence."""
 
-def full_context(model_type: str) -> dict:
-    """Overrides that make ``model_type``'s position tables and mask buffers exactly as long as the zoo's example
-    sequence (``EXAMPLE_SEQ``): the example then reads them whole (``mask[:T, :T]``, ``pos[:T]`` at T equal to the
-    table's length), the usual training shape."""
+
+def full_context(model_type: str, offset: int = 0) -> dict:
+    """Overrides that make ``model_type``'s position tables and mask buffers as long as the zoo's example sequence
+    (``EXAMPLE_SEQ``) plus ``offset``: the example then reads them whole (``mask[:T, :T]``, ``pos[:T]`` at T equal
+    to the table's length), the usual training shape."""
     fields = default_config(model_type).to_dict()
-    return {name: EXAMPLE_SEQ for name in POSITION_FIELDS if isinstance(fields.get(name), int)}
+    return {name: EXAMPLE_SEQ + offset for name in POSITION_FIELDS if isinstance(fields.get(name), int)}
+
+
+def _tiny_at_full_context(model_type: str, made: Callable) -> nn.Module:
+    """``tiny_model`` with the shortest position tables (``full_context``, offsets from 0) the model runs its
+    example on: the first offset that builds and runs."""
+    error = None
+    for offset in range(POSITION_OFFSETS):
+        try:
+            return tiny_model(model_type, made, full_context(model_type, offset))
+        except _TooLarge:
+            raise
+        except Exception as e:  # the model's own error at a table too short for the example; the first is reported
+            error = error or e
+    raise error
 
 
 def _hf_build(model_type: str, class_names: str | tuple[str, ...],
@@ -118,7 +136,9 @@ def _hf_build(model_type: str, class_names: str | tuple[str, ...],
 
         with quiet():
             try:
-                return tiny_model(model_type, made, full_context(model_type) if at_full_context else None)
+                if at_full_context:
+                    return _tiny_at_full_context(model_type, made)
+                return tiny_model(model_type, made)
             except _TooLarge:
                 raise
             except Exception as e:  # whose fault: the tiny config's, or the model's own default config's too
