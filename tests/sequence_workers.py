@@ -110,17 +110,19 @@ def full_context_training(rank: int, world: int) -> dict:
     """Sequence parallel at full context: models whose causal-mask buffer and position table are as long as the
     example (``mask[:T, :T]``, ``pos[:T]``; GPT-2's ``bias[:, :, :T, :T]`` with an ``arange(T)`` lookup; GPT-Neo),
     captured at that length, with dropout: outputs and AdamW steps at full context and at a shorter length equal
-    one process's, every parameter after; a longer sequence is refused with an autotp error."""
+    one process's, every parameter after; a longer sequence is refused with an autotp error. One model is
+    captured at a shorter example and trained at full context too."""
     from tests.full_context_models import POSITIONS, OddLM, hf_model
 
     out = {}
-    for label, build in (("param/2d", lambda: OddLM("param", "2d", dropout=0.1)),
-                         ("embedding/4d", lambda: OddLM("embedding", "4d", dropout=0.1)),
-                         ("gpt_neo", lambda: hf_model("gpt_neo"))):
+    for label, build, example in (("param/2d", lambda: OddLM("param", "2d", dropout=0.1), POSITIONS),
+                                  ("embedding/4d", lambda: OddLM("embedding", "4d", dropout=0.1), POSITIONS),
+                                  ("gpt_neo", lambda: hf_model("gpt_neo"), POSITIONS),
+                                  ("param/2d captured short", lambda: OddLM("param", "2d", dropout=0.1), 8)):
         torch.manual_seed(0)
         ref = build()
-        full = models.tokens(2, POSITIONS, 1)
-        pm = autotp.parallelize(ref, tp=world, example_inputs=(full,), vocab="split", sequence_parallel=True)
+        pm = autotp.parallelize(ref, tp=world, example_inputs=(models.tokens(2, example, 1),), vocab="split",
+                                sequence_parallel=True)
         errors = {"plan": pm.plan.sequence_parallel, "loss": 0.0}
         opt, ref_opt = torch.optim.AdamW(pm.parameters(), **ADAM), torch.optim.AdamW(ref.parameters(), **ADAM)
         for seq in (POSITIONS, POSITIONS // 2):

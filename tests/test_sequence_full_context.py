@@ -9,7 +9,7 @@ import torch
 
 import autotp
 from autotp.capture import capture
-from autotp.capture.dynamic import fixed_dims
+from autotp.capture.dynamic import fixed_dims, refused_sizes
 from tests import models, sequence_workers
 from tests.distributed import run_on_ranks
 from tests.full_context_models import HF_NAMES, POSITIONS, OddLM, hf_model
@@ -23,6 +23,16 @@ def test_a_capture_as_long_as_the_tables_keeps_the_sequence_dynamic():
     captured = capture(OddLM(), (ids,))
     assert fixed_dims(captured.module, (ids,)) == 0
     assert sorted(captured.dim_names.values()) == ["B", "T"]
+
+
+def test_a_capture_shorter_than_the_tables_takes_them_whole_too():
+    """At a shorter example the same probe guards T != 16: the module would refuse full context. The second trace
+    drops that guard (checked on meta tensors: the module's input guards accept 16 tokens)."""
+    torch.manual_seed(0)
+    short = models.tokens(2, POSITIONS // 2, 0)
+    captured = capture(OddLM(), (short,))
+    assert refused_sizes(captured.module, (short,), ((0, 1, POSITIONS),)) == 0
+    assert refused_sizes(captured.module, (short,), ((0, 1, POSITIONS + 1),)) == 1  # longer than the table
 
 
 @pytest.mark.parametrize("positions, mask, seq", [("param", "2d", POSITIONS), ("param", "2d", POSITIONS // 2),
@@ -65,7 +75,7 @@ def test_a_sequence_the_model_itself_fixes_is_still_refused():
 
 def test_full_context_trains_exactly_on_two_ranks():
     for rank in run_on_ranks(sequence_workers.full_context_training, 2):
-        assert set(rank) == {"param/2d", "embedding/4d", "gpt_neo"}
+        assert set(rank) == {"param/2d", "embedding/4d", "gpt_neo", "param/2d captured short"}
         for label, errors in rank.items():
             assert errors["plan"], label
             assert errors["loss"] < 1e-5 and errors["params"] < 1e-5, (label, errors)

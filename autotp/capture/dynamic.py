@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from autotp.capture.torch_private import plain_sizes
+from autotp.capture.torch_private import guards_accept, plain_sizes
 
 IMAGE_DIMS = 4
 """A floating-point input with at least this many dimensions is a batch of images or videos
@@ -53,3 +53,15 @@ def fixed_dims(gm: torch.fx.GraphModule, inputs: tuple[torch.Tensor, ...]) -> in
     return sum(isinstance(plain_sizes(node.meta["val"])[d], int)
                for node, x in zip(placeholders, inputs) if isinstance(node.meta.get("val"), torch.Tensor)
                for d in dynamic_dims(x, sequence_sizes))
+
+
+def refused_sizes(gm: torch.fx.GraphModule, inputs: tuple[torch.Tensor, ...],
+                  sizes: tuple[tuple[int, int, int], ...]) -> int:
+    """How many of ``sizes`` (``(input, dim, size)``: the example with that one size changed) the capture ``gm``'s
+    input guards refuse; checked on meta tensors, nothing is run."""
+    def example_with(i: int, d: int, size: int) -> tuple[torch.Tensor, ...]:
+        shapes = [list(x.shape) for x in inputs]
+        shapes[i][d] = size
+        return tuple(torch.empty(s, dtype=x.dtype, device="meta") for s, x in zip(shapes, inputs))
+
+    return sum(not guards_accept(gm, example_with(*s)) for s in sizes)

@@ -10,6 +10,7 @@ autotp silently computing something else.
 from __future__ import annotations
 
 import contextlib
+import re
 
 import sympy
 import torch
@@ -190,3 +191,33 @@ def sizes_not_fixed_by_probes():
         raise _changed("how size checks may skip guarding", "torch.fx.experimental._config.backed_size_oblivious")
     with _config.patch(backed_size_oblivious=True):
         yield
+
+
+_EXCLUDED = re.compile(r"L\['inputs'\]\[(\d+)\]\.size\(\)\[(\d+)\] != (\d+)")
+"""An input guard excluding one size of one input: ``L['inputs'][0].size()[1] != 16`` (the capture wrapper takes its
+inputs as ``*inputs``)."""
+
+
+def excluded_sizes(program: torch.export.ExportedProgram) -> tuple[tuple[int, int, int], ...]:
+    """``(input, dim, size)`` for each input guard of an exported program that excludes one size above 1 (sizes 0
+    and 1 are excluded from every dynamic size anyway): a layout probe's guard at an example shorter than a table,
+    ``L['inputs'][0].size()[1] != 16``. torch keeps the guards as code in ``ExportedProgram._guards_code``
+    (private; checked on torch 2.13)."""
+    code = getattr(program, "_guards_code", None)
+    if not isinstance(code, list):
+        raise _changed("where an exported program keeps its input guards", "ExportedProgram._guards_code")
+    found = (_EXCLUDED.fullmatch(guard) for guard in code)
+    return tuple((int(m[1]), int(m[2]), int(m[3])) for m in found if m and int(m[3]) > 1)
+
+
+def guards_accept(gm: fx.GraphModule, inputs: tuple[torch.Tensor, ...]) -> bool:
+    """Whether the input guards torch.export put in ``gm`` (its ``GUARDS_MODULE``) accept ``inputs`` (meta tensors
+    do: the guards read sizes only)."""
+    guards = getattr(gm, GUARDS_MODULE, None)
+    if guards is None:
+        return True
+    try:
+        guards(*inputs)
+    except (AssertionError, RuntimeError):  # torch._assert's failure
+        return False
+    return True
