@@ -75,7 +75,7 @@ def test_a_sequence_the_model_itself_fixes_is_still_refused():
 
 def test_full_context_trains_exactly_on_two_ranks():
     for rank in run_on_ranks(sequence_workers.full_context_training, 2):
-        assert set(rank) == {"param/2d", "embedding/4d", "gpt_neo", "param/2d captured short"}
+        assert set(rank) == {"param/2d", "gpt_neo", "param/2d captured short"}
         for label, errors in rank.items():
             assert errors["plan"], label
             assert errors["loss"] < 1e-5 and errors["params"] < 1e-5, (label, errors)
