@@ -93,3 +93,50 @@ def on_four_ranks(rank: int, world: int) -> dict:
 def sequence_parallel_on_ranks(rank: int, world: int) -> dict:
     """Every gloo check of the sequence-parallelism tests in one spawned group."""
     return {"padded": padded_training(rank, world), "memory": activation_memory(rank, world)}
+
+
+def _train_at(pm, ref, x, y, opt, ref_opt) -> float:
+    """One AdamW step of ``pm`` and ``ref`` on ``x`` (targets ``y``), the same dropout draws; the loss error."""
+    pm.manual_seed(7), torch.manual_seed(7)
+    loss = pm.step(x, target=y, loss_fn=models.loss_fn)
+    ref_loss = models.loss_fn(ref(x), y)
+    ref_loss.backward()
+    opt.step(), ref_opt.step()
+    opt.zero_grad(), ref_opt.zero_grad()
+    return float((loss - ref_loss.detach()).abs())
+
+
+def full_context_training(rank: int, world: int) -> dict:
+    """Sequence parallel at full context: models whose causal-mask buffer and position table are as long as the
+    example (``mask[:T, :T]`` and ``pos[:T]``; GPT-Neo's ``bias[:, :, k - q:k, :k]`` and ``arange(T)`` positions),
+    captured at that length, with dropout: outputs and AdamW steps at full context and at a shorter length equal
+    one process's, every parameter after; a longer sequence is refused with an autotp error. One model is
+    captured at a shorter example and trained at full context too."""
+    from tests.full_context_models import POSITIONS, OddLM, hf_model
+
+    out = {}
+    for label, build, example in (("param/2d", lambda: OddLM("param", "2d", dropout=0.1), POSITIONS),
+                                  ("gpt_neo", lambda: hf_model("gpt_neo"), POSITIONS),
+                                  ("param/2d captured short", lambda: OddLM("param", "2d", dropout=0.1), 8)):
+        torch.manual_seed(0)
+        ref = build()
+        pm = autotp.parallelize(ref, tp=world, example_inputs=(models.tokens(2, example, 1),), vocab="split",
+                                sequence_parallel=True)
+        errors = {"plan": pm.plan.sequence_parallel, "loss": 0.0}
+        opt, ref_opt = torch.optim.AdamW(pm.parameters(), **ADAM), torch.optim.AdamW(ref.parameters(), **ADAM)
+        for seq in (POSITIONS, POSITIONS // 2):
+            x, y = models.tokens(2, seq, 2), models.tokens(2, seq, 3)
+            pm.eval(), ref.eval()
+            with torch.no_grad():
+                assert_close(models.first_tensor(pm(x)), models.first_tensor(ref(x)), rtol=1e-5, atol=1e-6)
+            pm.train(), ref.train()
+            for _ in range(STEPS):
+                errors["loss"] = max(errors["loss"], _train_at(pm, ref, x, y, opt, ref_opt))
+        errors["params"] = _compare_state(pm, ref, label)
+        try:
+            pm(models.tokens(2, POSITIONS + 2, 4))
+            errors["longer"] = "no error"
+        except autotp.AutotpError as e:
+            errors["longer"] = f"{type(e).__name__}: {e}"
+        out[label] = errors
+    return out

@@ -329,3 +329,16 @@ def test_a_model_that_fails_in_its_own_code_is_named_at_the_line(tmp_path):
         reason = build_reason(e)
     assert reason == ("AttributeError: 'object' object has no attribute 'image_outputs' "
                       "(raised by the model's own code, modeling_toy.py:2)")
+
+
+def test_full_context_entries_read_their_position_tables_whole():
+    """``--full-context``: a table exactly as long as the example (OpenAI GPT's, with its causal-mask buffer), or
+    as short as the model allows (RoBERTa's positions start after its padding index), and sequence parallelism
+    exact there."""
+    from autotp.capture.examples import EXAMPLE_SEQ
+
+    gpt, roberta = sorted(zoo.entries({"openai-gpt", "roberta"}, at_full_context=True), key=lambda e: e.name)
+    assert gpt.build().transformer.positions_embed.num_embeddings == EXAMPLE_SEQ
+    assert roberta.build().roberta.embeddings.position_embeddings.num_embeddings == EXAMPLE_SEQ + 2
+    result = zoo.run_entry(gpt, 2, sequence_parallel=True)
+    assert result.status is zoo.Status.EXACT, result.notes

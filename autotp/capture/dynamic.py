@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from autotp.capture.torch_private import guards_accept, plain_sizes
+
 IMAGE_DIMS = 4
 """A floating-point input with at least this many dimensions is a batch of images or videos
 ([B, C, H, W], [B, T, C, H, W]): its dimensions after the batch are fixed, but for the sequence ones below."""
@@ -33,5 +35,33 @@ def dynamic_shapes(inputs: tuple[torch.Tensor, ...]) -> tuple:
     """``Dim.AUTO`` on each input's ``dynamic_dims``; the capture wrapper takes ``*args``, so the per-input specs
     are nested in one tuple for ``args``. The sequence sizes are those of integer inputs (token ids) after their
     batch."""
-    sequence_sizes = frozenset(s for x in inputs if not x.is_floating_point() for s in x.shape[1:])
+    sequence_sizes = _sequence_sizes(inputs)
     return (tuple({d: torch.export.Dim.AUTO for d in dynamic_dims(x, sequence_sizes)} for x in inputs),)
+
+
+def _sequence_sizes(inputs: tuple[torch.Tensor, ...]) -> frozenset[int]:
+    """The sizes of integer inputs (token ids) after their batch."""
+    return frozenset(s for x in inputs if not x.is_floating_point() for s in x.shape[1:])
+
+
+def fixed_dims(gm: torch.fx.GraphModule, inputs: tuple[torch.Tensor, ...]) -> int:
+    """How many of the dimensions ``dynamic_shapes`` asked to keep dynamic came out of the capture ``gm`` fixed
+    (an int in its placeholder's fake value): torch.export fixed them to the example's size."""
+    sequence_sizes = _sequence_sizes(inputs)
+    placeholders = gm.graph.find_nodes(op="placeholder")
+    # a size torch fixed may still be a SymInt, whose expression is then a number
+    return sum(isinstance(plain_sizes(node.meta["val"])[d], int)
+               for node, x in zip(placeholders, inputs) if isinstance(node.meta.get("val"), torch.Tensor)
+               for d in dynamic_dims(x, sequence_sizes))
+
+
+def refused_sizes(gm: torch.fx.GraphModule, inputs: tuple[torch.Tensor, ...],
+                  sizes: tuple[tuple[int, int, int], ...]) -> int:
+    """How many of ``sizes`` (``(input, dim, size)``: the example with that one size changed) the capture ``gm``'s
+    input guards refuse; checked on meta tensors, nothing is run."""
+    def example_with(i: int, d: int, size: int) -> tuple[torch.Tensor, ...]:
+        shapes = [list(x.shape) for x in inputs]
+        shapes[i][d] = size
+        return tuple(torch.empty(s, dtype=x.dtype, device="meta") for s, x in zip(shapes, inputs))
+
+    return sum(not guards_accept(gm, example_with(*s)) for s in sizes)

@@ -18,7 +18,7 @@ from torch import fx, nn
 from autotp.capture.capture_failure import raise_capture_failure
 from autotp.capture.computed_once import computed_once
 from autotp.capture.captured import WRAPPER_PREFIX, Captured
-from autotp.capture.dynamic import dynamic_shapes
+from autotp.capture.dynamic import dynamic_shapes, fixed_dims, refused_sizes
 from autotp.capture.examples import (
     ExampleInputs,
     Signature,
@@ -38,10 +38,12 @@ from autotp.capture.replay import check_gradient_replay, check_replay
 from autotp.capture.routed_loops import export_over_routed_experts
 from autotp.capture.torch_private import (
     applied_functions,
+    excluded_sizes,
     is_guard_call,
     mutated_args,
     unchanged_module_casts,
     plain_sizes,
+    sizes_not_fixed_by_probes,
 )
 from autotp.capture.shape_kernels import (lazy_recompiles, no_cycle_collection, no_stack_traces,
                                           no_symbolic_layout_probes, shape_only_kernels)
@@ -131,9 +133,32 @@ def _quiet_torch_logs():
 
 def _export(wrapper: _CaptureWrapper, inputs: tuple, dynamic: bool) -> fx.GraphModule:
     """One torch.export attempt; with ``dynamic`` the input dimensions ``dynamic_shapes`` names are Dim.AUTO.
-    Attention and batched matmuls learn their output sizes from shape-only kernels (``shape_kernels``); a value
-    the forward computes again from the same inputs is traced once (``computed_once``), unless the forward
-    wrote into one it shared, which is then traced again as the model runs it."""
+
+    A dynamic capture that came out with some of those dimensions fixed, or one of their sizes excluded, is traced
+    again with torch's layout probes taking their defaults (``sizes_not_fixed_by_probes``), and the trace that
+    leaves the sizes freer wins. A model that slices a buffer or table to the sequence (``mask[:T, :T]`` of a causal
+    mask, ``pos[:T]``) is the usual training shape: torch probes the slice's layout (is T the buffer's stride?),
+    which at an example as long as the table fixes T there (leaving sequence parallelism nothing to split and the
+    module one length to take), and at a shorter one guards T != the table's length (refusing full context)."""
+    gm, excluded = _export_once(wrapper, inputs, dynamic)
+    bound = fixed_dims(gm, inputs) + len(excluded) if dynamic else 0
+    if not bound:
+        return gm
+    try:
+        with sizes_not_fixed_by_probes():
+            general, _ = _export_once(wrapper, inputs, dynamic)
+    except TimeoutError:  # the caller's time limit
+        raise
+    except Exception:  # torch.export raises many types; the first trace stands
+        return gm
+    return general if fixed_dims(general, inputs) + refused_sizes(general, inputs, excluded) < bound else gm
+
+
+def _export_once(wrapper: _CaptureWrapper, inputs: tuple, dynamic: bool) -> tuple[fx.GraphModule, tuple]:
+    """One torch.export trace, and the sizes its input guards exclude one by one (``excluded_sizes``). Attention
+    and batched matmuls learn their output sizes from shape-only kernels (``shape_kernels``); a value the forward
+    computes again from the same inputs is traced once (``computed_once``), unless the forward wrote into one it
+    shared, which is then traced again as the model runs it."""
     for sharing in (computed_once(), None):
         wrapper.sharing = sharing
         try:
@@ -146,7 +171,7 @@ def _export(wrapper: _CaptureWrapper, inputs: tuple, dynamic: bool) -> fx.GraphM
         if sharing is None or not sharing.shared_value_written():
             break
     with no_cycle_collection():  # unlifting regenerates the graph's code: as many objects again
-        return program.module()
+        return program.module(), excluded_sizes(program)
 
 
 def _dim_names(gm: fx.GraphModule) -> dict[str, str]:

@@ -12,6 +12,7 @@ checker, generation and MoE tests on every release in ``autotp.torch_version.TES
 from __future__ import annotations
 
 import contextlib
+import re
 
 import sympy
 import torch
@@ -191,3 +192,51 @@ def _kept(tensor: torch.Tensor, device, dtype) -> bool:
     same_device = device is None or tensor.device == device
     same_dtype = dtype is None or not (tensor.is_floating_point() or tensor.is_complex()) or tensor.dtype == dtype
     return same_device and same_dtype
+
+
+@contextlib.contextmanager
+def sizes_not_fixed_by_probes():
+    """Tracing where torch's "guard, or take a default" checks on symbolic sizes take the default instead of
+    guarding on the example's sizes (``torch.fx.experimental._config.backed_size_oblivious``, private; checked on
+    torch 2.13). Those checks only pick an answer that is safe either way, such as a memory layout: whether
+    ``mask[:T, :T]`` of a 16x16 buffer is contiguous (stride 16 against T). Guarded at T = 16, that probe fixes the
+    sequence length at the buffer's; with the default, T stays dynamic. Branches the model itself takes on a size
+    (``if T > n``) still guard as before."""
+    from torch.fx.experimental import _config
+
+    if not isinstance(getattr(_config, "backed_size_oblivious", None), bool):
+        # the capture catches this and keeps its first trace; tests/test_sequence_full_context.py fails on it
+        raise _changed("how size checks may skip guarding", "torch.fx.experimental._config.backed_size_oblivious")
+    with _config.patch(backed_size_oblivious=True):
+        yield
+
+
+_EXCLUDED = re.compile(r"L\['inputs'\]\[(\d+)\]\.size\(\)\[(\d+)\] != (\d+)")
+"""An input guard excluding one size of one input: ``L['inputs'][0].size()[1] != 16`` (the capture wrapper takes its
+inputs as ``*inputs``)."""
+
+
+def excluded_sizes(program: torch.export.ExportedProgram) -> tuple[tuple[int, int, int], ...]:
+    """``(input, dim, size)`` for each input guard of an exported program that excludes one size above 1 (sizes 0
+    and 1 are excluded from every dynamic size anyway): a layout probe's guard at an example shorter than a table,
+    ``L['inputs'][0].size()[1] != 16``. torch keeps the guards as code in ``ExportedProgram._guards_code``
+    (private; checked on torch 2.13). A release without it finds none: captures go on as before, the second trace
+    is then made only for fixed sizes (and tests/test_sequence_full_context.py fails, saying so)."""
+    code = getattr(program, "_guards_code", None)
+    if not isinstance(code, list):
+        return ()
+    found = (_EXCLUDED.fullmatch(guard) for guard in code)
+    return tuple((int(m[1]), int(m[2]), int(m[3])) for m in found if m and int(m[3]) > 1)
+
+
+def guards_accept(gm: fx.GraphModule, inputs: tuple[torch.Tensor, ...]) -> bool:
+    """Whether the input guards torch.export put in ``gm`` (its ``GUARDS_MODULE``) accept ``inputs`` (meta tensors
+    do: the guards read sizes only)."""
+    guards = getattr(gm, GUARDS_MODULE, None)
+    if guards is None:
+        return True
+    try:
+        guards(*inputs)
+    except (AssertionError, RuntimeError):  # torch._assert's failure
+        return False
+    return True

@@ -77,10 +77,11 @@ class Result:
     seconds: float = 0.0
 
 
-def entries(only: set[str] | None = None, extra: tuple[str, ...] = (), families: set[str] | None = None) -> list[Entry]:
+def entries(only: set[str] | None = None, extra: tuple[str, ...] = (), families: set[str] | None = None,
+            at_full_context: bool = False) -> list[Entry]:
     """Every zoo entry (or those named in ``only``, or of the ``families`` given), plus ``file.py:factory``
-    specs in ``extra``."""
-    out = hf_entries() + diffusers_entries() + timm_entries() + torch_entries() + example_entries(extra)
+    specs in ``extra``; ``at_full_context``: transformers models with position tables as long as the example."""
+    out = hf_entries(at_full_context) + diffusers_entries() + timm_entries() + torch_entries() + example_entries(extra)
     return [e for e in out if (only is None or e.name in only) and (families is None or e.family in families)]
 
 
@@ -338,6 +339,9 @@ def main(argv: list[str]) -> int:
                         help="with --load: list every entry the saved sweeps lack as pending")
     parser.add_argument("--note", default="", help="a paragraph under the table's introduction (which sweep, when)")
     parser.add_argument("--sequence-parallel", action="store_true", help="check with sequence_parallel=True")
+    parser.add_argument("--full-context", action="store_true",
+                        help="build transformers models with position tables and mask buffers as long as the example's "
+                             "sequence (max_position_embeddings and the like set to it)")
     parser.add_argument("--shard", default="", metavar="I/N", help="every N-th entry from the I-th (parallel sweeps)")
     parser.add_argument("--resume", action="store_true", help="skip the entries already in the --save file")
     args = parser.parse_args(argv)
@@ -350,7 +354,7 @@ def main(argv: list[str]) -> int:
                     families[entry.name] = entry.family
     else:
         chosen = entries(set(args.only.split(",")) if args.only else None, tuple(args.file),
-                         set(args.family.split(",")) if args.family else None)
+                         set(args.family.split(",")) if args.family else None, args.full_context)
         chosen = _round_robin(chosen)  # a sweep stopped early has checked some of every group
         first, _, count = args.shard.partition("/")
         chosen = chosen[int(first)::int(count)] if count else chosen

@@ -80,10 +80,42 @@ GROUPS = (
 forward allows it: their vision tower is built but not reached, and not counted in the split fraction."""
 
 
+POSITION_FIELDS = ("max_position_embeddings", "n_positions", "n_ctx", "max_target_positions", "max_seq_len")
+"""Config fields that size a model's position tables and causal-mask buffers (the longest sequence it takes)."""
+
+POSITION_OFFSETS = 3
+"""Positions a table may keep before the first token's: RoBERTa's start after its padding index (2 for a padding
+id of 1), so its table must be 2 longer than the longest sequence."""
+
+
+def full_context(model_type: str, offset: int = 0) -> dict:
+    """Overrides that make ``model_type``'s position tables and mask buffers as long as the zoo's example sequence
+    (``EXAMPLE_SEQ``) plus ``offset``: the example then reads them whole (``mask[:T, :T]``, ``pos[:T]`` at T equal
+    to the table's length), the usual training shape."""
+    fields = default_config(model_type).to_dict()
+    return {name: EXAMPLE_SEQ + offset for name in POSITION_FIELDS if isinstance(fields.get(name), int)}
+
+
+def _tiny_at_full_context(model_type: str, made: Callable) -> nn.Module:
+    """``tiny_model`` with the shortest position tables (``full_context``, offsets from 0) the model runs its
+    example on: the first offset that builds and runs."""
+    error = None
+    for offset in range(POSITION_OFFSETS):
+        try:
+            return tiny_model(model_type, made, full_context(model_type, offset))
+        except _TooLarge:
+            raise
+        except Exception as e:  # the model's own error at a table too short for the example; the first is reported
+            error = error or e
+    raise error
+
+
 def _hf_build(model_type: str, class_names: str | tuple[str, ...],
-              inputs: Callable[[nn.Module], tuple | dict] | None = None) -> Callable[[], nn.Module]:
+              inputs: Callable[[nn.Module], tuple | dict] | None = None,
+              at_full_context: bool = False) -> Callable[[], nn.Module]:
     """The build of ``model_type``'s tiny model (the mapping's class), which must run on ``inputs`` (if given): a
-    tiny config the model builds from but does not run on (one of ``tiny_model``'s variants) is not the one."""
+    tiny config the model builds from but does not run on (one of ``tiny_model``'s variants) is not the one. With
+    ``at_full_context``, its position tables are as long as the example (``full_context``)."""
     def build() -> nn.Module:
         import transformers
 
@@ -104,6 +136,8 @@ def _hf_build(model_type: str, class_names: str | tuple[str, ...],
 
         with quiet():
             try:
+                if at_full_context:
+                    return _tiny_at_full_context(model_type, made)
                 return tiny_model(model_type, made)
             except _TooLarge:
                 raise
@@ -171,8 +205,9 @@ def _default_failure(model_type: str, cls) -> str | None:
     return None
 
 
-def hf_entries() -> list[Entry]:
-    """One entry per (task group, model type) of the installed transformers."""
+def hf_entries(at_full_context: bool = False) -> list[Entry]:
+    """One entry per (task group, model type) of the installed transformers (built ``at_full_context``: position
+    tables as long as the example's sequence)."""
     torchvision_stub()  # transformers' timm-backed vision towers import timm, which imports torchvision
     refresh_transformers_checks()
     from transformers.models.auto import modeling_auto
@@ -181,7 +216,8 @@ def hf_entries() -> list[Entry]:
     for group in GROUPS:
         mapping = getattr(modeling_auto, group.mapping, {})
         types = [t for t in mapping if not (group.new_trunks_only and t in seen)]
-        out += [Entry(t + group.suffix, group.family, _hf_build(t, mapping[t], group.inputs), group.inputs) for t in types]
+        out += [Entry(t + group.suffix, group.family, _hf_build(t, mapping[t], group.inputs, at_full_context),
+                      group.inputs) for t in types]
         if group.family in ("causal-lm", "masked-lm", "seq2seq-lm"):
             seen |= set(types)
     return out
