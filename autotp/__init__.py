@@ -24,6 +24,7 @@ from autotp.errors import (
     RuntimeSetupError,
     UnsupportedTorchError,
 )
+from autotp.mixed_precision import MixedPrecision
 from autotp.options import Options
 
 _LAZY = {
@@ -49,6 +50,6 @@ def __getattr__(name: str):
 
 __all__ = [
     "AutotpError", "CaptureError", "CheckReport", "CheckpointError", "Collective", "InputError", "InternalError",
-    "Options", "ParallelModule", "PipelineModule", "Placement", "PlacementKind", "Plan", "PlanError", "RankFailure",
+    "MixedPrecision", "Options", "ParallelModule", "PipelineModule", "Placement", "PlacementKind", "Plan", "PlanError", "RankFailure",
     "Region", "RuntimeSetupError", "UnsupportedTorchError", "check", "empty_weights", "parallelize", "plan",
 ]
