@@ -37,7 +37,6 @@ from autotp.runtime.mesh import Mesh, global_rank
 from autotp.runtime.outputs import SplitOutputs, deferred, output_gathers, step_loss
 from autotp.runtime.parallel_base import ParallelBase, RankParts
 from autotp.runtime.peers import group_timeout, guarded
-from autotp.runtime.precision import policy_autocast
 
 
 _SCHEDULES = {Schedule.GPIPE: ScheduleGPipe, Schedule.ONE_F_ONE_B: Schedule1F1B,
@@ -185,7 +184,7 @@ class PipelineModule(ParallelBase):
         args = inputs if self.holds_first else ()
         kwargs = {"target": target, "losses": losses} if self.holds_last else {}
         # The schedule is built (its shapes and dtypes inferred) and run under the policy's autocast alike.
-        with deferred(self._output_gathers) as self._split, self._autocast():
+        with deferred(self._output_gathers) as self._split, self.precision_autocast():
             if self._schedule is None:
                 self._schedule = self._make_schedule()
             self._schedule.step(*args, **kwargs)
@@ -196,9 +195,6 @@ class PipelineModule(ParallelBase):
         loss = torch.stack(losses).mean().detach() if self.holds_last else torch.zeros((), device=self.mesh.device)
         dist.broadcast(loss, src=self.mesh.rank_of(self.num_stages - 1), group=self.mesh.pp_group)
         return loss
-
-    def _autocast(self):
-        return policy_autocast(self.options.mixed_precision, self.mesh.device.type)
 
     def _scale_gradients(self) -> None:
         """Gradients of the mean over microbatches: the schedule summed the microbatches' (equal sizes)."""
@@ -234,7 +230,7 @@ class PipelineModule(ParallelBase):
         for index in range(self.num_stages):
             if str(index) in stages:
                 module = stages[str(index)]
-                with unsharded([self._units[index]] if index in self._units else []), self._autocast():
+                with unsharded([self._units[index]] if index in self._units else []), self.precision_autocast():
                     result = module(*inputs) if index == 0 else module(hidden, *inputs)
                 if index == self.num_stages - 1:
                     outputs = list(result)

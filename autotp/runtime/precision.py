@@ -13,12 +13,27 @@ from autotp.mixed_precision import MixedPrecision
 from autotp.rewrite.dtypes import floating_dtype, retype
 
 
+_NARROW = (torch.bfloat16, torch.float16)
+"""Dtypes autocast computes in: a module cast down to one runs under autocast to it, its graphs' fp32 constants
+kept."""
+
+
 class Retyped:
-    """A mixin for the parallel modules: ``pm.to(torch.bfloat16)`` (``.half()``, ``.float()``, ...) casts the
-    parameters and buffers as ``nn.Module.to`` does, and every rank graph's dtype constants with them
-    (``rewrite.dtypes.retype``), so the module runs in the new dtype; ``pm.to(torch.float32)`` goes back."""
+    """A mixin for the parallel modules: ``pm.to(dtype)`` (``.bfloat16()``, ``.half()``, ``.float()``, ...) casts the
+    parameters and buffers as ``nn.Module.to`` does, and the graphs follow:
+
+    - cast down from fp32 to bf16 or fp16, the graphs keep the fp32 constants the model was captured with and run
+      under ``torch.autocast`` to the new dtype: matmuls take the bf16 weights in bf16, and what the model upcast
+      on purpose (RMSNorm's variance, a softmax in fp32, the loss's ``logits.float()``) stays fp32, as in the
+      model converted to bf16 (where it cast to its input's dtype, the graph, captured in fp32, keeps fp32 until
+      the next matmul: a little more precise than the converted model);
+    - otherwise (to float64, or back up to the captured dtype) every captured-dtype constant becomes the new dtype
+      (``rewrite.dtypes.retype``), as the model's own casts to its input's dtype would.
+    """
 
     _captured_dtype: torch.dtype | None = None
+    _constants_dtype: torch.dtype | None = None
+    _autocast_dtype: torch.dtype | None = None
 
     def _apply(self, fn, recurse=True):
         before = floating_dtype(self._own_tensors())
@@ -27,26 +42,39 @@ class Retyped:
         result = super()._apply(fn, recurse)
         after = floating_dtype(self._own_tensors())
         if after != before:
-            self._retype_graphs(after)
+            self._set_dtype(after)
         return result
 
     def retyped(self, graph: fx.GraphModule) -> fx.GraphModule:
-        """``graph``, built after the module's dtype changed from the captured one, with its constants retyped."""
-        now = floating_dtype(self._own_tensors())
-        if self._captured_dtype is not None and now != self._captured_dtype:
-            retype(graph, self._captured_dtype, now)
+        """``graph``, captured in the model's dtype after the module's changed, with its constants as the module's
+        other graphs have them."""
+        if self._constants_dtype is not None and self._constants_dtype != self._captured_dtype:
+            retype(graph, self._captured_dtype, self._constants_dtype)
         return graph
+
+    def precision_autocast(self):
+        """The autocast the rank graphs run under: to the dtype the module was cast down to, else the policy's
+        compute dtype; none inside a user's own autocast (the user's wins) or with neither."""
+        policy = getattr(self, "options", None) and self.options.mixed_precision
+        dtype = self._autocast_dtype or (policy.compute if policy is not None else None)
+        device = device_type(self)
+        if dtype is None or torch.is_autocast_enabled(device):
+            return contextlib.nullcontext()
+        return torch.autocast(device, dtype=dtype)
 
     def _own_tensors(self) -> list[torch.Tensor]:
         return [*self.parameters(), *self.buffers()]
 
-    def _retype_graphs(self, dtype: torch.dtype) -> None:
+    def _set_dtype(self, dtype: torch.dtype) -> None:
         if getattr(self, "fsdp_unit", None) is not None or getattr(self, "_units", None):
             raise InputError("pm.to(dtype) is not supported under dp_mode='fsdp' (FSDP shards and casts the "
                              "parameters itself): pass mixed_precision=autotp.MixedPrecision(param_dtype=...) "
                              "to parallelize, or use dp_mode='replicate'")
+        down = dtype in _NARROW and self._captured_dtype not in _NARROW
+        self._constants_dtype = self._captured_dtype if down else dtype
+        self._autocast_dtype = dtype if down else None
         for graph in self._graphs_to_retype():
-            retype(graph, self._captured_dtype, dtype)
+            retype(graph, self._captured_dtype, self._constants_dtype)
         self._after_retype()
 
     def _graphs_to_retype(self) -> list[fx.GraphModule]:
@@ -72,14 +100,6 @@ def device_type(module: nn.Module) -> str:
     for t in module.parameters():
         return t.device.type
     return "cpu"
-
-
-def policy_autocast(policy: MixedPrecision | None, device: str):
-    """The autocast a policy runs the rank graphs under (a no-op without a compute dtype); inside a user's
-    own autocast, the user's wins (nothing is entered)."""
-    if policy is None or policy.compute_dtype is None or torch.is_autocast_enabled(device):
-        return contextlib.nullcontext()
-    return torch.autocast(device, dtype=policy.compute)
 
 
 def fsdp_policy(policy: MixedPrecision | None):

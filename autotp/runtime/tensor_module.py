@@ -16,7 +16,6 @@ from autotp.runtime.loss_graphs import LossGraphs
 from autotp.runtime.outputs import checked_loss, deferred, output_gathers, step_loss
 from autotp.runtime.parallel_base import ParallelBase, RankParts
 from autotp.runtime.peers import guarded
-from autotp.runtime.precision import device_type, policy_autocast
 
 
 class ParallelModule(ParallelBase):
@@ -81,7 +80,7 @@ class ParallelModule(ParallelBase):
             if self._compiled is not None:
                 complete()  # before a compiled graph, which must not trace the communicator's pending check
             return complete
-        with guarded("forward"), policy_autocast(self.options.mixed_precision, device_type(self)):
+        with guarded("forward"), self.precision_autocast():
             return self._inputs.run(graph or self._graph(), inputs, kwargs, agree)
 
     def step(self, *inputs, target: torch.Tensor | None = None, loss_fn: Callable | None = None,
