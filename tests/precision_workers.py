@@ -27,24 +27,23 @@ def _batch(labels: bool) -> dict:
     return {"input_ids": ids, "labels": ids} if labels else {"input_ids": ids}
 
 
-def _policy_run(policy: autotp.MixedPrecision | None):
-    """The unsharded model's forward under ``policy``: autocast to its compute dtype, parameters cast to its
-    param dtype (the cast is differentiable: gradients land on the fp32 parameters)."""
-    def run(model, *args, **kwargs):
-        context = torch.autocast("cpu", dtype=policy.compute) if policy and policy.compute else contextlib.nullcontext()
-        with context:
-            if policy is None or policy.param is None:
-                return model(*args, **kwargs)
-            cast = {n: p.to(policy.param) for n, p in model.named_parameters()}
-            return functional_call(model, cast, args, kwargs, tie_weights=True)
-    return run
+def _policy_loss(model, policy: autotp.MixedPrecision | None, x, y) -> torch.Tensor:
+    """The unsharded model's loss under ``policy``: forward and loss under autocast to its compute dtype (as the
+    user writes it), parameters cast to its param dtype (the cast is differentiable: gradients land on the fp32
+    parameters)."""
+    context = torch.autocast("cpu", dtype=policy.compute) if policy and policy.compute else contextlib.nullcontext()
+    with context:
+        if policy is None or policy.param is None:
+            return models.loss_fn(model(x), y)
+        cast = {n: p.to(policy.param) for n, p in model.named_parameters()}
+        return models.loss_fn(functional_call(model, cast, (x,), tie_weights=True), y)
 
 
 def _trained(model, policy, steps: int, x, y) -> tuple[list[float], dict]:
     """``steps`` AdamW steps of the unsharded ``model`` under ``policy`` (None: fp32): the losses, the state."""
-    opt, losses, run = torch.optim.AdamW(model.parameters(), **ADAM), [], _policy_run(policy)
+    opt, losses = torch.optim.AdamW(model.parameters(), **ADAM), []
     for _ in range(steps):
-        loss = models.loss_fn(run(model, x), y)
+        loss = _policy_loss(model, policy, x, y)
         loss.backward()
         opt.step(), opt.zero_grad()
         losses.append(loss.item())
@@ -91,7 +90,8 @@ def policy_training(rank: int, world: int, layout: dict, policy: dict, steps: in
     fp32_losses, fp32 = _trained(copy.deepcopy(ref), None, steps, x, y)
     return {"loss_diff": max(abs(a - b) for a, b in zip(losses, want_losses)),
             "loss_gap": max(abs(a - b) for a, b in zip(want_losses, fp32_losses)),
-            "param_diff": _gap(full, want), "param_gap": _gap(want, fp32)}
+            "loss_to_fp32": max(abs(a - b) for a, b in zip(losses, fp32_losses)),
+            "param_diff": _gap(full, want), "param_gap": _gap(want, fp32), "param_to_fp32": _gap(full, fp32)}
 
 
 def user_autocast(rank: int, world: int, labels: bool, steps: int) -> dict:

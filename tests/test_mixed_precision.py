@@ -14,10 +14,18 @@ from tests.distributed import run_on_ranks
 from tests.precision_workers import policy_training, to_dtype, user_autocast
 
 
+ROUNDINGS = 2.0
+"""How far above the unsharded model's own bf16-vs-fp32 gap a difference may be. A row-parallel linear's output is
+rounded to bf16 on each rank before the sum (as in Megatron), so the parallel bf16 run is another bf16 rounding of
+the fp32 run, about as far from it as the unsharded bf16 run is: two such runs differ by about √2 of that gap
+(measured: 1.1-1.4x). A fault (a wrong shard, a missing reduction) is orders of magnitude above it."""
+
+
 def _within_gap(result: dict, pairs) -> None:
     for diff, gap in pairs:
         assert result[gap] > 0, f"no bf16-vs-fp32 gap to measure against: {result}"
-        assert result[diff] <= result[gap], f"{diff} {result[diff]:.3g} above the unsharded gap {result[gap]:.3g}"
+        assert result[diff] <= ROUNDINGS * result[gap], \
+            f"{diff} {result[diff]:.3g} above {ROUNDINGS} x the unsharded gap {result[gap]:.3g}: {result}"
 
 
 @pytest.mark.parametrize("labels", [True, False])
@@ -35,7 +43,8 @@ def test_policy_at_tp2_four_layers_twenty_steps():
     """The issue's measure: a 4-layer model over 20 AdamW steps, bf16 compute over fp32 master weights."""
     result = run_on_ranks(policy_training, 2, {"tp": 2}, {"compute_dtype": "bfloat16"}, 20, 4)[0]
     print("tp=2 policy, 4 layers, 20 steps:", result)
-    _within_gap(result, [("loss_diff", "loss_gap"), ("param_diff", "param_gap")])
+    _within_gap(result, [("loss_diff", "loss_gap"), ("param_diff", "param_gap"), ("loss_to_fp32", "loss_gap"),
+                         ("param_to_fp32", "param_gap")])
 
 
 @pytest.mark.parametrize("layout, policy", [
