@@ -50,6 +50,7 @@ def __getattr__(name: str):
 
 __all__ = [
     "AutotpError", "CaptureError", "CheckReport", "CheckpointError", "Collective", "InputError", "InternalError",
-    "MixedPrecision", "Options", "ParallelModule", "PipelineModule", "Placement", "PlacementKind", "Plan", "PlanError", "RankFailure",
-    "Region", "RuntimeSetupError", "UnsupportedTorchError", "check", "empty_weights", "parallelize", "plan",
+    "MixedPrecision", "Options", "ParallelModule", "PipelineModule", "Placement", "PlacementKind", "Plan", "PlanError",
+    "RankFailure", "Region", "RuntimeSetupError", "UnsupportedTorchError", "check", "empty_weights", "parallelize",
+    "plan",
 ]

@@ -75,6 +75,16 @@ class MixedPrecision:
         """``reduce_dtype`` as a torch dtype."""
         return _torch_dtype(self.reduce_dtype)
 
+    @staticmethod
+    def autocast_of(policy: MixedPrecision | None, device: str = "cpu"):
+        """``torch.autocast`` on ``device`` to ``policy``'s compute dtype; a context doing nothing without one."""
+        import contextlib
+
+        import torch
+
+        dtype = policy.compute if policy is not None else None
+        return torch.autocast(device, dtype=dtype) if dtype is not None else contextlib.nullcontext()
+
     def to_dict(self) -> dict:
         """A JSON-ready dict."""
         return dataclasses.asdict(self)

@@ -105,3 +105,14 @@ def test_capture_is_the_same_inside_autocast():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         inside = capture(model, (ids,), training=True).module.code
     assert inside == plain
+
+
+def test_checker_runs_the_policy_and_shows_its_differences_are_rounding():
+    """``autotp.check`` under a policy runs every simulated rank and the unsharded model under its autocast; a bf16
+    difference there is checked again in float64 (which autocast leaves alone), where it must vanish."""
+    model, ids = models.build("hf_llama"), models.tokens(2, 16, seed=1)
+    report = autotp.check(model, tp=2, example_inputs={"input_ids": ids, "labels": ids}, mixed_precision="bfloat16")
+    assert report.exact, str(report)
+    assert report.rounding is not None and report.rounding.error < 2e-2  # bf16 ran, differing by its rounding
+    with pytest.raises(autotp.InputError, match="param_dtype"):
+        autotp.check(model, tp=2, example_inputs=(ids,), mixed_precision={"param_dtype": "bfloat16"})

@@ -85,8 +85,11 @@ class Retyped:
         return graphs
 
     def _after_retype(self) -> None:
-        """Generation's KV-cache steps are captured from the model, in its dtype, with caches of that dtype: after a
-        dtype change ``generate`` re-runs the sequence on the retyped eval graph instead (exact, slower; warned)."""
+        """A pipeline's schedule is built again. Generation's KV-cache steps are captured from the model, in its
+        dtype, with caches of that dtype: after a dtype change ``generate`` re-runs the sequence on the retyped eval
+        graph instead (exact, slower; warned)."""
+        if getattr(self, "_schedule", None) is not None:
+            self._schedule = None  # a pipeline schedule inferred its stages' boundary dtypes: inferred again
         generation = getattr(self, "generation", None)
         if generation is not None and not generation.no_cache:
             generation.cached = None
