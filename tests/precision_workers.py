@@ -85,6 +85,13 @@ def policy_training(rank: int, world: int, layout: dict, policy: dict, steps: in
         losses.append(_replica_mean(pm.step(x[rows], target=y[rows], loss_fn=models.loss_fn).item(), pm.dp_rank))
         opt.step(), opt.zero_grad()
     assert all(p.dtype == torch.float32 for p in pm.parameters())  # fp32 master weights
+    if layout.get("dp_mode") == "fsdp":  # FSDP casts its own parameters: pm.to(dtype) refused, nothing cast
+        try:
+            pm.to(torch.bfloat16)
+            raise AssertionError("pm.to(dtype) under fsdp was not refused")
+        except autotp.InputError as e:
+            assert "MixedPrecision(param_dtype" in str(e)
+        assert all(p.dtype == torch.float32 for p in pm.parameters())
     full = pm.full_state_dict()
     want_losses, want = _trained(copy.deepcopy(ref), chosen, steps, x, y)
     fp32_losses, fp32 = _trained(copy.deepcopy(ref), None, steps, x, y)

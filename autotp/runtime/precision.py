@@ -39,6 +39,8 @@ class Retyped:
         before = floating_dtype(self._own_tensors())
         if self._captured_dtype is None:
             self._captured_dtype = before
+        if before is not None and _cast_to(fn, before) not in (None, before):
+            self._refuse_under_fsdp()  # before any tensor is cast
         result = super()._apply(fn, recurse)
         after = floating_dtype(self._own_tensors())
         if after != before:
@@ -65,11 +67,14 @@ class Retyped:
     def _own_tensors(self) -> list[torch.Tensor]:
         return [*self.parameters(), *self.buffers()]
 
-    def _set_dtype(self, dtype: torch.dtype) -> None:
+    def _refuse_under_fsdp(self) -> None:
         if getattr(self, "fsdp_unit", None) is not None or getattr(self, "_units", None):
             raise InputError("pm.to(dtype) is not supported under dp_mode='fsdp' (FSDP shards and casts the "
                              "parameters itself): pass mixed_precision=autotp.MixedPrecision(param_dtype=...) "
                              "to parallelize, or use dp_mode='replicate'")
+
+    def _set_dtype(self, dtype: torch.dtype) -> None:
+        self._refuse_under_fsdp()
         down = dtype in _NARROW and self._captured_dtype not in _NARROW
         self._constants_dtype = self._captured_dtype if down else dtype
         self._autocast_dtype = dtype if down else None
@@ -96,6 +101,15 @@ class Retyped:
             generation.no_cache = ("pm.to(dtype) changed the module's dtype, and the KV-cache steps are captured in "
                                    "the model's own; generate re-runs the whole sequence for every token (exact, "
                                    "slower). Convert the model before parallelize to generate with a cache")
+
+
+def _cast_to(fn, dtype: torch.dtype) -> torch.dtype | None:
+    """The dtype ``nn.Module._apply``'s ``fn`` turns a ``dtype`` tensor into (tried on a scalar); None if it
+    cannot be told."""
+    try:
+        return fn(torch.zeros((), dtype=dtype)).dtype
+    except Exception:  # noqa: BLE001 - a function for another device or kind of tensor: told after the cast
+        return None
 
 
 def device_type(module: nn.Module) -> str:
