@@ -170,3 +170,20 @@ def to_dtype(rank: int, world: int) -> dict:
     rounded = copy.deepcopy(ref).to(torch.bfloat16).to(torch.float32)
     assert_close(again.logits, rounded(**batch).logits, rtol=1e-5, atol=1e-5)
     return result
+
+
+def pipeline_to_dtype(rank: int, world: int) -> dict:
+    """``pm.to(torch.bfloat16)`` on a pipeline (pp=2): its schedule is built again for the bf16 stages, and a step
+    trains near the unsharded model converted to bf16."""
+    ref = models.build("hf_llama", layers=2)
+    x, y = models.tokens(BATCH, SEQ, seed=2), models.target_for("hf_llama", BATCH, SEQ, seed=3)
+    pm = autotp.parallelize(copy.deepcopy(ref), tp=1, pp=world, example_inputs=(x[:2],), microbatches=2)
+    first = pm.step(x, target=y, loss_fn=models.loss_fn)  # builds the fp32 schedule
+    assert_close(first, models.loss_fn(ref(x), y), rtol=1e-5, atol=1e-5)
+    pm.zero_grad()
+    pm.to(torch.bfloat16)
+    loss = pm.step(x, target=y, loss_fn=models.loss_fn)
+    half = copy.deepcopy(ref).to(torch.bfloat16)
+    want, fp32 = models.loss_fn(half(x), y).float(), models.loss_fn(ref(x), y)
+    assert all(p.dtype == torch.bfloat16 for p in pm.parameters())
+    return {"loss_diff": abs(loss.item() - want.item()), "loss_gap": abs(want.item() - fp32.item())}

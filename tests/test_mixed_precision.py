@@ -11,7 +11,7 @@ import autotp
 from autotp.planning import Plan
 from tests import models
 from tests.distributed import run_on_ranks
-from tests.precision_workers import policy_training, to_dtype, user_autocast
+from tests.precision_workers import pipeline_to_dtype, policy_training, to_dtype, user_autocast
 
 
 ROUNDINGS = 2.0
@@ -31,6 +31,7 @@ def _within_gap(result: dict, pairs) -> None:
 @pytest.mark.parametrize("labels", [True, False])
 def test_autocast_around_the_module_at_tp2(labels):
     for result in run_on_ranks(user_autocast, 2, labels, 3):
+        print(f"autocast around pm, labels={labels}:", result)
         # With labels the loss's ``logits.float()`` was the logits themselves at capture (a cast to their own
         # dtype returns them): the graph returns the upcast values, bf16 values in fp32.
         assert result["dtype"] == ("torch.float32" if labels else "torch.bfloat16")
@@ -53,6 +54,7 @@ def test_policy_at_tp2_four_layers_twenty_steps():
 ])
 def test_policy_on_two_ranks(layout, policy):
     result = run_on_ranks(policy_training, 2, layout, policy, 4, 2)[0]
+    print(layout, policy, result)
     _within_gap(result, [("loss_diff", "loss_gap"), ("param_diff", "param_gap")])
 
 
@@ -62,13 +64,21 @@ def test_policy_on_two_ranks(layout, policy):
 ])
 def test_policy_with_data_parallelism(mode, policy):
     result = run_on_ranks(policy_training, 4, {"tp": 2, "dp": 2, "dp_mode": mode}, policy, 4, 2)[0]
+    print(mode, policy, result)
     _within_gap(result, [("loss_diff", "loss_gap"), ("param_diff", "param_gap")])
 
 
 def test_to_dtype_after_parallelizing():
     result = run_on_ranks(to_dtype, 2)[0]
+    print("pm.to(bfloat16) at tp=2:", result)
     _within_gap(result, [("logits_diff", "logits_gap"), ("loss_diff", "loss_gap")])
     assert result["user_loss_diff"] < 5e-2
+
+
+def test_to_dtype_on_a_pipeline():
+    result = run_on_ranks(pipeline_to_dtype, 2)[0]
+    print("pm.to(bfloat16) at pp=2:", result)
+    assert result["loss_diff"] < 5e-2  # the bf16 loss's own rounding (its ulp at 4.8 is 3e-2)
 
 
 def test_policy_is_recorded_in_the_plan_file(tmp_path):

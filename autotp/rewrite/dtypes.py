@@ -9,10 +9,10 @@ graph sees:
   raised torch's raw "Tensor dtype mismatch". The checks are dropped (``drop_dtype_checks``); the casts stay, and
   compute exactly what the model's own code computes under autocast where it cast to a fixed dtype (HF's
   ``logits.float()``, RMSNorm's ``.to(torch.float32)``).
-- ``pm.to(torch.bfloat16)``: the parameters change dtype, and the captured dtype's constants follow them
+- ``pm.to(dtype)``: the parameters change dtype. Cast down to bf16 or fp16, the graphs keep their constants and
+  run under autocast (``runtime.precision``); otherwise the captured dtype's constants follow the parameters
   (``retype``). At capture the model's casts to its input's dtype and its explicit upcasts (RMSNorm's variance in
-  fp32, a softmax in fp32, the loss's ``.float()``) were both casts to the one dtype it ran in, so both now follow
-  the new dtype: the whole graph computes in it. A model converted before ``parallelize`` keeps its upcasts.
+  fp32, the loss's ``.float()``) were both casts to the one dtype it ran in, so retyped, both follow the new dtype.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
-"""Dtypes at run time: ``pm.to(dtype)`` (the graphs' dtype constants follow the tensors) and the mixed-precision
-policy's autocast around the rank graphs (``autotp.mixed_precision``)."""
+"""Dtypes at run time: ``pm.to(dtype)`` (the graphs follow the tensors: see ``Retyped``) and the autocast the rank
+graphs run under (a module cast down to bf16, or the mixed-precision policy's compute dtype:
+``autotp.mixed_precision``)."""
 
 from __future__ import annotations
 
