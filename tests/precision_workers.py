@@ -169,6 +169,10 @@ def to_dtype(rank: int, world: int) -> dict:
     # back in fp32 from bf16-rounded weights: exactly the fp32 model with those weights
     rounded = copy.deepcopy(ref).to(torch.bfloat16).to(torch.float32)
     assert_close(again.logits, rounded(**batch).logits, rtol=1e-5, atol=1e-5)
+    pm.double()  # up: the graphs' fp32 constants become float64 (the model's explicit .float() upcasts included)
+    wide = pm(**batch)
+    assert wide.logits.dtype == torch.float64
+    assert_close(wide.logits, rounded.double()(**batch).logits, rtol=1e-5, atol=1e-5)
     return result
 
 
