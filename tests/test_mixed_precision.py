@@ -4,6 +4,8 @@ within the unsharded model's own bf16-vs-fp32 gap (``tests/precision_workers.py`
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -126,3 +128,14 @@ def test_checker_runs_the_policy_and_shows_its_differences_are_rounding():
     assert report.rounding is not None and report.rounding.error < 2e-2  # bf16 ran, differing by its rounding
     with pytest.raises(autotp.InputError, match="param_dtype"):
         autotp.check(model, tp=2, example_inputs=(ids,), mixed_precision={"param_dtype": "bfloat16"})
+
+
+def test_generate_after_to_dtype_reruns_the_sequence_and_says_so():
+    model, ids = models.build("hf_llama"), models.tokens(2, 6, seed=1)
+    pm = autotp.parallelize(model, tp=1, example_inputs=(ids,)).to(torch.bfloat16)
+    with pytest.warns(UserWarning, match=r"pm.to\(dtype\) changed the module's dtype"):
+        out = pm.generate(ids, max_new_tokens=4, do_sample=False)
+    half = copy.deepcopy(model).to(torch.bfloat16)
+    want = half.generate(ids, max_new_tokens=4, do_sample=False, attention_mask=torch.ones_like(ids))
+    # greedy tokens as transformers' bf16 model picks them (no near-tie among this seed's logits)
+    assert torch.equal(out, want), (out.tolist(), want.tolist())
