@@ -25,6 +25,7 @@ from autotp.errors import (
     UnsupportedTorchError,
     UntestedTorchWarning,
 )
+from autotp.mixed_precision import MixedPrecision
 from autotp.options import Options
 
 _LAZY = {
@@ -50,7 +51,7 @@ def __getattr__(name: str):
 
 __all__ = [
     "AutotpError", "CaptureError", "CheckReport", "CheckpointError", "Collective", "InputError", "InternalError",
-    "Options", "ParallelModule", "PipelineModule", "Placement", "PlacementKind", "Plan", "PlanError", "RankFailure",
-    "Region", "RuntimeSetupError", "UnsupportedTorchError", "UntestedTorchWarning", "check", "empty_weights",
-    "parallelize", "plan",
+    "MixedPrecision", "Options", "ParallelModule", "PipelineModule", "Placement", "PlacementKind", "Plan", "PlanError",
+    "RankFailure", "Region", "RuntimeSetupError", "UnsupportedTorchError", "UntestedTorchWarning", "check",
+    "empty_weights", "parallelize", "plan",
 ]

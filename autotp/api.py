@@ -27,6 +27,7 @@ from autotp.planning.pricing import machine_for
 from autotp.rewrite import build_graph, materialise_all, split_stages
 from autotp.rewrite.cache_layout import build_cache_steps
 from autotp.rewrite.comm import TorchComm
+from autotp.rewrite.dtypes import cast_for_policy
 from autotp.rewrite.loss_graph import build_loss_graph
 from autotp.rewrite.recompute import recompute_blocks
 from autotp.rewrite.streams import RankStream
@@ -264,7 +265,7 @@ def _data_parallel(options: Options, mesh: Mesh | None = None) -> DataParallel |
         return None
     mesh = mesh or Mesh(1, options.tp, device_for(None, True) or torch.device("cpu"), dp=options.dp,
                         timeout=group_timeout())
-    return DataParallel(mesh, options.dp_mode)
+    return DataParallel(mesh, options.dp_mode, options.mixed_precision)
 
 
 def _parts(built: Built, comm, stream: RankStream, names, dp: DataParallel | None) -> RankParts:
@@ -289,6 +290,8 @@ def _tensor_parallel(built: Built, group, distributed: bool) -> ParallelModule:
     source = built.source or from_first_rank(built.model, group, distributed)
     graphs = built.graphs
     modules = {mode: build_graph(captured, built.plan, rank, comm, stream=stream) for mode, captured in graphs.items()}
+    for gm in modules.values():
+        cast_for_policy(gm, built.options)
     materialise_all([(modules[mode], graphs[mode]) for mode in modules], built.plan, rank, source=source)
     _recompute(built, [modules[True]], stream)
     device = device_for(group, distributed)
@@ -315,6 +318,8 @@ def _pipeline_parallel(built: Built) -> PipelineModule:
         if mode:
             names, tied = state_names(built.model, captured, every, source), tied_groups(every, mesh)
         stages[mode] = {i: g for i, g in enumerate(every) if schedule.rank_of(i, plan.pp) == mesh.pp_rank}
+        for g in stages[mode].values():
+            cast_for_policy(g, built.options)
     materialise_all([(g, graphs[mode]) for mode in stages for g in stages[mode].values()], plan, mesh.tp_rank,
                     source=source)
     _recompute(built, list(stages[True].values()), stream)

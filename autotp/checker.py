@@ -21,6 +21,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 from autotp.api import param_shapes, required_tp, with_input_note
 from autotp.capture import Captured, capture, example_inputs_of, model_kwargs
 from autotp.errors import AutotpError, CaptureError, InputError, InternalError
+from autotp.mixed_precision import MixedPrecision
 from autotp.options import Options, Recompute
 from autotp.passes.placement import Shard, full_tensor
 from autotp.planning import Plan, check_plan_fits, make_plan
@@ -108,14 +109,15 @@ def _loss(output, weights: list[torch.Tensor] | None = None):
 class _Rank(threading.Thread):
     """One simulated rank: forward, backward and an SGD step on its module."""
 
-    def __init__(self, module: fx.GraphModule, comm: ThreadComm, inputs: tuple, weights):
+    def __init__(self, module: fx.GraphModule, comm: ThreadComm, inputs: tuple, weights, policy=None):
         super().__init__(daemon=True)
-        self.module, self.comm, self.inputs, self.weights = module, comm, inputs, weights
+        self.module, self.comm, self.inputs, self.weights, self.policy = module, comm, inputs, weights, policy
         self.output = self.loss = self.error = None
 
     def run(self):
         try:
-            self.output = self.module(*self.inputs)
+            with MixedPrecision.autocast_of(self.policy):  # autocast is per thread: each rank enters its own
+                self.output = self.module(*self.inputs)
             self.loss, _ = _loss(self.output, self.weights)
             self.loss.backward()
         except BaseException as e:  # reported by the caller, once every thread has stopped
@@ -123,8 +125,9 @@ class _Rank(threading.Thread):
             self.comm.abort()
 
 
-def _simulate(modules: list[fx.GraphModule], comms: list[ThreadComm], inputs: tuple, weights) -> list[_Rank]:
-    ranks = [_Rank(m, c, inputs, weights) for m, c in zip(modules, comms)]
+def _simulate(modules: list[fx.GraphModule], comms: list[ThreadComm], inputs: tuple, weights,
+              policy: MixedPrecision | None = None) -> list[_Rank]:
+    ranks = [_Rank(m, c, inputs, weights, policy) for m, c in zip(modules, comms)]
     for r in ranks:
         r.start()
     join_fully(ranks)
@@ -225,6 +228,9 @@ def _check_options(tp: int | None, plan: Plan | None, options: Options | None, s
     if tp is None and plan is not None and isinstance(plan, Plan):
         tp = plan.tp
     chosen = Options.build(options, tp=required_tp(tp, options), **settings)
+    if chosen.mixed_precision is not None and chosen.mixed_precision.param_dtype is not None:
+        raise InputError("the checker runs a policy's compute dtype (autocast); its param_dtype is checked by the "
+                         "multi-process tests: leave param_dtype unset here")
     if chosen.pp != 1:
         raise InputError("the one-process checker simulates tensor parallelism (pp=1); pipeline stages are "
                          "checked by the multi-process tests, which run the same stage splitter")
@@ -245,12 +251,13 @@ def check_prepared(prepared: Prepared, tp: int | None = None, *, plan: Plan | No
         modules_hook(modules, comms)
     reference = copy.deepcopy(model).train()
     inputs = example.flat
-    with torch.random.fork_rng(devices=[]):
+    policy = chosen_options.mixed_precision  # the unsharded model and every rank under its autocast alike
+    with torch.random.fork_rng(devices=[]), MixedPrecision.autocast_of(policy):
         torch.manual_seed(SEED)
         ref_out = example.call(reference, model_kwargs(model))
     ref_loss, weights = _loss(ref_out)
     ref_loss.backward()
-    ranks = _simulate(modules, comms, inputs, weights)
+    ranks = _simulate(modules, comms, inputs, weights, policy)
     read = frozenset(captured.aliases.get(captured.param_name(n.target), "")
                      for n in captured.graph.find_nodes(op="get_attr") if n.users)
     report = CheckReport(tp=chosen.tp, plan=chosen, read=read)

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from autotp.errors import InputError
+from autotp.mixed_precision import MixedPrecision
 
 
 class Balance(str, Enum):
@@ -198,6 +199,10 @@ class Options:
     """Run the rank graphs under ``torch.compile`` (tensor parallelism only)."""
     recompute: Recompute = Recompute.NONE
     """Activations recomputed in backward instead of kept (a runtime choice: the plan is the same)."""
+    mixed_precision: MixedPrecision | None = None
+    """The dtypes the module computes, casts its parameters and reduces gradients in over fp32 master weights
+    (``autotp.MixedPrecision``; also a dtype, for that compute dtype, or FSDP2's ``MixedPrecisionPolicy``);
+    None: as the model's tensors are. A runtime choice: the splits are the same."""
 
     def __post_init__(self):
         for name in ("tp", "pp", "dp"):
@@ -213,6 +218,7 @@ class Options:
             raise InputError(f"cuts must be a list of module names, got {self.cuts!r}")
         object.__setattr__(self, "cuts", tuple(self.cuts))
         object.__setattr__(self, "memory_budget", parse_bytes(self.memory_budget))
+        object.__setattr__(self, "mixed_precision", MixedPrecision.of(self.mixed_precision))
         if self.pp > 1 and self.schedule is not Schedule.GPIPE and self.step_microbatches < self.stages:
             raise InputError(f"schedule {self.schedule.value} needs at least {self.stages} microbatches (one per "
                              f"stage) to fill the pipeline, got microbatches={self.microbatches}; raise microbatches "
@@ -269,7 +275,8 @@ class Options:
         out = {}
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            out[f.name] = value.value if isinstance(value, Enum) else list(value) if isinstance(value, tuple) else value
+            out[f.name] = value.value if isinstance(value, Enum) else list(value) if isinstance(value, tuple) else \
+                value.to_dict() if isinstance(value, MixedPrecision) else value
         return out
 
     @classmethod

@@ -97,12 +97,12 @@ def _argument_key(value, tensors: list):
     raise _NotShared
 
 
-_AUTOCAST_DEVICES = ("cpu", "cuda")
+AUTOCAST_DEVICES = ("cpu", "cuda")
 
 
 def _autocast_state() -> tuple:
     """Which device types autocast is on for, and to which dtype: a call under autocast computes another value."""
-    return tuple((d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in _AUTOCAST_DEVICES)
+    return tuple((d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in AUTOCAST_DEVICES)
 
 
 @dataclass

@@ -16,7 +16,7 @@ import torch
 from torch import fx, nn
 
 from autotp.capture.capture_failure import raise_capture_failure
-from autotp.capture.computed_once import computed_once
+from autotp.capture.computed_once import AUTOCAST_DEVICES, computed_once
 from autotp.capture.captured import WRAPPER_PREFIX, Captured
 from autotp.capture.dynamic import dynamic_shapes, fixed_dims, refused_sizes
 from autotp.capture.examples import (
@@ -298,8 +298,21 @@ def _in_mode(model: nn.Module, training: bool | None):
             module.training = flag
 
 
+@contextlib.contextmanager
+def autocast_off():
+    """Autocast off for every device type in the body: a capture made inside the user's ``torch.autocast`` would
+    bake its casts into the graph (and a model's ``maybe_autocast`` regions with them), locking the parallel
+    module into that autocast; captured without, the graph runs in fp32, or under whatever autocast surrounds
+    the parallel module when it runs."""
+    with contextlib.ExitStack() as stack:
+        for device in AUTOCAST_DEVICES:
+            stack.enter_context(torch.autocast(device, enabled=False))
+        yield
+
+
 def capture(model: nn.Module, example_inputs, training: bool | None = None, *, fallbacks: bool = True) -> Captured:
-    """Capture ``model`` on ``example_inputs`` with torch.export (dynamic sizes, then static).
+    """Capture ``model`` on ``example_inputs`` with torch.export (dynamic sizes, then static), autocast off
+    (``autocast_off``): the same graph whether or not the caller is inside ``torch.autocast``.
 
     ``example_inputs`` is a tensor, a tuple of positional tensors, a dict of keyword tensors, an
     ``ExampleInputs``, or None (token ids are synthesised; see ``capture.examples``). ``training`` captures the
@@ -308,6 +321,11 @@ def capture(model: nn.Module, example_inputs, training: bool | None = None, *, f
     Without ``fallbacks`` only the dynamic attempt is made (a ``CaptureError`` if it fails: a shortened model
     that ``capture.repeats`` would rather capture in full than try three ways).
     """
+    with autocast_off():
+        return _capture(model, example_inputs, training, fallbacks)
+
+
+def _capture(model: nn.Module, example_inputs, training: bool | None, fallbacks: bool) -> Captured:
     require_module(model)
     example = example_inputs_of(model, example_inputs)
     inputs = example.flat

@@ -30,6 +30,7 @@ from autotp.rewrite.collectives import (
 from autotp.rewrite.columns import OverlappedColumnLinear, Regather, RegatheredLinear
 from autotp.rewrite.comm import Communicator
 from autotp.rewrite.data_writes import write_through_data
+from autotp.rewrite.dtypes import drop_dtype_checks
 from autotp.rewrite.graph_edit import (
     STANDS_FOR,
     copy_graph_module,
@@ -265,6 +266,8 @@ def build_graph(captured: Captured, plan: Plan, rank: int, comm: Communicator | 
     ``stream``); its attributes still point at the model's tensors. ``inputs`` (placeholder name -> Shard): inputs
     the rank is given split (a KV cache)."""
     gm = copy_graph_module(captured.module)
+    # autocast and pm.to(dtype) change the captured dtypes on purpose (``rewrite.dtypes``)
+    checks_dropped = drop_dtype_checks(gm)
     layouts = {}
     if plan.tp > 1:
         analysis = captured.analysis
@@ -274,6 +277,8 @@ def build_graph(captured: Captured, plan: Plan, rank: int, comm: Communicator | 
     if stream is not None:
         replace_random_ops(gm, layouts, stream, rank, plan.tp)
     write_through_data(gm)
+    if checks_dropped:
+        gm.recompile()
     return gm
 
 

@@ -22,9 +22,11 @@ from torch import fx, nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from autotp.errors import InputError
+from autotp.mixed_precision import MixedPrecision
 from autotp.options import DataParallelMode
 from autotp.rewrite.data_writes import data_writes, write_shards
 from autotp.runtime.mesh import Mesh
+from autotp.runtime.precision import fsdp_policy
 
 BUCKET_BYTES = 25 * 2**20
 """Gradients are all-reduced in buckets of about this size (DDP's default): one collective per bucket,
@@ -72,8 +74,8 @@ def gathered(tensor: torch.Tensor) -> torch.Tensor:
 class DataParallel:
     """How this rank's modules are replicated over ``mesh.dp`` replicas: FSDP2 sharding or gradient all-reduce."""
 
-    def __init__(self, mesh: Mesh, mode: DataParallelMode):
-        self.mesh, self.mode = mesh, mode
+    def __init__(self, mesh: Mesh, mode: DataParallelMode, policy: MixedPrecision | None = None):
+        self.mesh, self.mode, self.policy = mesh, mode, policy
         self.size, self.rank = mesh.dp, mesh.dp_rank
 
     @property
@@ -91,7 +93,7 @@ class DataParallel:
         # Explicitly True: FSDP's default keeps a root's parameters whole after forward until the backward,
         # so after a forward with no backward (an evaluation, a forward before the optimizer is made)
         # ``parameters()`` would hand out the whole tensors instead of the shards.
-        fully_shard(unit, mesh=self.mesh.dp_mesh, reshard_after_forward=True)
+        fully_shard(unit, mesh=self.mesh.dp_mesh, reshard_after_forward=True, mp_policy=fsdp_policy(self.policy))
         if data_writes(train_graph):  # before FSDP's own pre-forward hook gathers the shards
             unit.register_forward_pre_hook(_write_shards, prepend=True)
         return unit
@@ -101,8 +103,10 @@ class DataParallel:
         if self.sharded:
             return
         grads = [p.grad for p in _unique(params) if p.grad is not None]
+        reduce_dtype = self.policy.reduce if self.policy is not None else None
         for bucket in _buckets(grads, BUCKET_BYTES):
             flat = torch.cat([g.reshape(-1) for g in bucket])
+            flat = flat.to(reduce_dtype) if reduce_dtype is not None else flat  # the policy's reduction dtype
             dist.all_reduce(flat, group=self.mesh.dp_group)
             flat.div_(self.size)
             for grad, part in zip(bucket, flat.split([g.numel() for g in bucket])):

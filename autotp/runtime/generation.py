@@ -202,8 +202,9 @@ class Generation:
         with torch.inference_mode():
             if self.no_cache:
                 spec = pm._inputs
-                out = rerun(lambda x, **kw: spec.run(pm.eval_module, (x,), kw), _accepts_mask(spec),
-                            ids, mask, settings, pick, seen)
+                with pm.precision_autocast():  # as the module's forward runs (a cast-down module, a policy)
+                    out = rerun(lambda x, **kw: spec.run(pm.eval_module, (x,), kw), _accepts_mask(spec),
+                                ids, mask, settings, pick, seen)
             else:
                 out = self.cached.run(ids, mask, settings, pick, seen)
         return GenerateOutput(out, tuple(seen) if seen is not None else None) if as_dict else out

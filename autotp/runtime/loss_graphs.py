@@ -21,6 +21,7 @@ from collections.abc import Callable
 from torch import fx, nn
 
 from autotp.errors import CaptureError, InputError, PlanError
+from autotp.rewrite.dtypes import cast_for_policy
 
 BuildLossGraph = Callable
 """``rewrite.loss_graph.build_loss_graph(model, plan, rank, comm, stream, tensors, call, loss_fn, training)``."""
@@ -49,8 +50,10 @@ class LossGraphs:
             why = "the model passed to parallelize has been freed, and the loss is captured with it on first use"
         if why is None:
             try:
-                return self._build(model, pm.plan, pm.rank, pm.comm, pm._stream, tensors(), call, loss_fn,
-                                   pm.training)
+                graph = self._build(model, pm.plan, pm.rank, pm.comm, pm._stream, tensors(), call, loss_fn,
+                                    pm.training)
+                cast_for_policy(graph, pm.options)  # as the model's own graphs: the policy's param_dtype
+                return pm.retyped(graph)  # captured in the model's dtype, and pm.to(dtype) may have changed pm's
             except (CaptureError, InputError, PlanError) as e:  # an InternalError is autotp's bug: raised
                 why = f"it could not be captured with the model: {e}"
         name = getattr(loss_fn, "__name__", type(loss_fn).__name__)

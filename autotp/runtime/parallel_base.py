@@ -24,6 +24,7 @@ from autotp.runtime.checkpoint import Checkpointing, Holding, holding
 from autotp.runtime.data_parallel import DataParallel, gathered, local
 from autotp.runtime.grad_norm import clip_grad_norm_, is_counted
 from autotp.runtime.input_spec import InputSpec
+from autotp.runtime.precision import Retyped
 from autotp.runtime.process import close_at_exit
 from autotp.runtime.state import StateNames, gather_tp, split_param
 
@@ -47,7 +48,7 @@ class RankParts:
     """The original model's mode, which the module starts in."""
 
 
-class ParallelBase(Checkpointing, nn.Module):
+class ParallelBase(Checkpointing, Retyped, nn.Module):
     """The part of a parallel module every kind shares (see the module docstring)."""
 
     def __init__(self, parts: RankParts):

@@ -183,7 +183,8 @@ class PipelineModule(ParallelBase):
         losses: list[torch.Tensor] = []
         args = inputs if self.holds_first else ()
         kwargs = {"target": target, "losses": losses} if self.holds_last else {}
-        with deferred(self._output_gathers) as self._split:
+        # The schedule is built (its shapes and dtypes inferred) and run under the policy's autocast alike.
+        with deferred(self._output_gathers) as self._split, self.precision_autocast():
             if self._schedule is None:
                 self._schedule = self._make_schedule()
             self._schedule.step(*args, **kwargs)
@@ -229,7 +230,7 @@ class PipelineModule(ParallelBase):
         for index in range(self.num_stages):
             if str(index) in stages:
                 module = stages[str(index)]
-                with unsharded([self._units[index]] if index in self._units else []):
+                with unsharded([self._units[index]] if index in self._units else []), self.precision_autocast():
                     result = module(*inputs) if index == 0 else module(hidden, *inputs)
                 if index == self.num_stages - 1:
                     outputs = list(result)

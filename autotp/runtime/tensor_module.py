@@ -80,7 +80,7 @@ class ParallelModule(ParallelBase):
             if self._compiled is not None:
                 complete()  # before a compiled graph, which must not trace the communicator's pending check
             return complete
-        with guarded("forward"):
+        with guarded("forward"), self.precision_autocast():
             return self._inputs.run(graph or self._graph(), inputs, kwargs, agree)
 
     def step(self, *inputs, target: torch.Tensor | None = None, loss_fn: Callable | None = None,
@@ -146,7 +146,8 @@ class ParallelModule(ParallelBase):
         graph = self._loss_graph(loss_fn, inputs, kwargs, target)
         if graph is not None:
             return checked_loss(self._run(inputs, kwargs, target, lambda *flat: graph(*flat, target)))
-        with deferred(self._output_gathers) as split:
+        # The loss under the policy's autocast too (a cross-entropy of bf16 logits in fp32, as in the graph's)
+        with deferred(self._output_gathers) as split, self.precision_autocast():
             return step_loss(self._run(inputs, kwargs, target), target, loss_fn, split)
 
     def _loss_graph(self, loss_fn: Callable | None, inputs: tuple, kwargs: dict, target: torch.Tensor | None):

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from autotp.errors import AutotpError, InputError, InternalError
+from autotp.mixed_precision import DTYPES
 from autotp.options import Balance, DataParallelMode, Options, Recompute, Schedule, VocabChoice
 from autotp.tools.generate_cli import add_parser as add_generate_parser
 
@@ -96,6 +97,9 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="split the residual stream between regions along the sequence (Megatron's sequence parallelism)")
     p.add_argument("--recompute", choices=[r.value for r in Recompute],
                    help="recompute each block's activations in backward instead of keeping them (default none)")
+    p.add_argument("--mixed-precision", choices=list(DTYPES), metavar="DTYPE",
+                   help="compute in this dtype under autocast over fp32 weights (autotp.MixedPrecision's "
+                        f"compute_dtype: {', '.join(DTYPES)}); recorded in the plan")
     p.add_argument("--plan", dest="plan_file", metavar="FILE", help="read this plan (JSON) instead of planning")
     p.add_argument("--expand", action="store_true", help="list every repeated block instead of collapsing them")
 
@@ -238,7 +242,8 @@ def options_of(args, plan: Plan | None = None) -> Options:
     return Options.build(tp=tp, pp=args.pp, balance=args.balance, batch=args.batch, seq=args.seq,
                          vocab=args.vocab, memory_budget=args.memory_budget,
                          sequence_parallel=args.sequence_parallel, recompute=args.recompute,
-                         schedule=getattr(args, "schedule", None))
+                         schedule=getattr(args, "schedule", None),
+                         mixed_precision=getattr(args, "mixed_precision", None))
 
 
 def _table(planned: Planned, args) -> str:
