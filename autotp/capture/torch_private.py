@@ -179,19 +179,29 @@ def _kept(tensor: torch.Tensor, device, dtype) -> bool:
 
 @contextlib.contextmanager
 def sizes_not_fixed_by_probes():
-    """Tracing where torch's "guard, or take a default" checks on symbolic sizes take the default instead of
-    guarding on the example's sizes (``torch.fx.experimental._config.backed_size_oblivious``, private; checked on
-    torch 2.13). Those checks only pick an answer that is safe either way, such as a memory layout: whether
-    ``mask[:T, :T]`` of a 16x16 buffer is contiguous (stride 16 against T). Guarded at T = 16, that probe fixes the
-    sequence length at the buffer's; with the default, T stays dynamic. Branches the model itself takes on a size
-    (``if T > n``) still guard as before."""
+    """Tracing where torch's contiguity probe (``torch._prims_common.check_contiguous_sizes_strides``, private;
+    checked on torch 2.13) does not guard on the example's sizes: it takes its "guard, or take a default" checks'
+    defaults (``torch.fx.experimental._config.backed_size_oblivious``, private, set around that one function). The
+    probe only picks an output layout, which is safe either way: whether ``mask[:T, :T]`` of a 16x16 buffer is
+    contiguous (stride 16 against T). Guarded at T = 16 it fixes the sequence at the buffer's length, and at T = 8
+    it excludes 16. Every other check guards as before (the slice's own ``T <= 16``, the model's branches)."""
+    from torch import _prims_common
     from torch.fx.experimental import _config
 
-    if not isinstance(getattr(_config, "backed_size_oblivious", None), bool):
+    probe = getattr(_prims_common, "check_contiguous_sizes_strides", None)
+    if probe is None or not isinstance(getattr(_config, "backed_size_oblivious", None), bool):
         # the capture catches this and keeps its first trace; tests/test_sequence_full_context.py fails on it
-        raise _changed("how size checks may skip guarding", "torch.fx.experimental._config.backed_size_oblivious")
-    with _config.patch(backed_size_oblivious=True):
+        raise _changed("how the contiguity probe guards", "torch._prims_common.check_contiguous_sizes_strides")
+
+    def unguarded(*args, **kwargs):
+        with _config.patch(backed_size_oblivious=True):
+            return probe(*args, **kwargs)
+
+    _prims_common.check_contiguous_sizes_strides = unguarded
+    try:
         yield
+    finally:
+        _prims_common.check_contiguous_sizes_strides = probe
 
 
 _EXCLUDED = re.compile(r"L\['inputs'\]\[(\d+)\]\.size\(\)\[(\d+)\] != (\d+)")
