@@ -42,6 +42,10 @@ def test_sequence_parallel_with_tables_sliced_to_the_sequence_is_exact(positions
     report = autotp.check(OddLM(positions, mask, dropout=0.1), 2, models.tokens(2, seq, 0), vocab="split",
                           sequence_parallel=True)
     assert report.exact and report.plan.sequence_parallel, str(report)
+    # split as Megatron splits it: heads (QKV by columns, the output by rows) and the MLP, in both blocks
+    assert [(r.kind.value, r.columns) for r in report.plan.regions if r.kind.value in ("attention", "mlp")] == [
+        ("attention", ("blocks.0.qkv",)), ("mlp", ("blocks.0.up",)), ("attention", ("blocks.1.qkv",)),
+        ("mlp", ("blocks.1.up",))]
 
 
 @pytest.mark.parametrize("name", HF_NAMES)

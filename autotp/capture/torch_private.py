@@ -194,21 +194,41 @@ def _kept(tensor: torch.Tensor, device, dtype) -> bool:
     return same_device and same_dtype
 
 
+LAYOUT_PROBES = ("check_contiguous_sizes_strides", "is_channels_last_contiguous_2d", "is_channels_last_contiguous_3d",
+                 "compute_elementwise_output_logical_to_physical_perm")
+"""The functions of ``torch._prims_common`` (private; checked on torch 2.13) that pick an output's memory layout
+by asking whether an input is contiguous (row-major, or channels-last for 4-D and 5-D values)."""
+
+
 @contextlib.contextmanager
 def sizes_not_fixed_by_probes():
-    """Tracing where torch's "guard, or take a default" checks on symbolic sizes take the default instead of
-    guarding on the example's sizes (``torch.fx.experimental._config.backed_size_oblivious``, private; checked on
-    torch 2.13). Those checks only pick an answer that is safe either way, such as a memory layout: whether
-    ``mask[:T, :T]`` of a 16x16 buffer is contiguous (stride 16 against T). Guarded at T = 16, that probe fixes the
-    sequence length at the buffer's; with the default, T stays dynamic. Branches the model itself takes on a size
-    (``if T > n``) still guard as before."""
+    """Tracing where torch's layout probes (``LAYOUT_PROBES``) do not guard on the example's sizes: they take their
+    "guard, or take a default" checks' defaults (``torch.fx.experimental._config.backed_size_oblivious``, private,
+    set around those functions alone). A probe only picks an output layout, which is safe either way: whether
+    ``mask[:T, :T]`` of a 16x16 buffer is contiguous (stride 16 against T). Guarded at T = 16 it fixes the
+    sequence at the buffer's length, and at T = 8 it excludes 16. Every other check guards as before (the slice's
+    own ``T <= 16``, the model's branches), so sizes stay ``T`` rather than ``Min(16, T)``."""
+    from torch import _prims_common
     from torch.fx.experimental import _config
 
-    if not isinstance(getattr(_config, "backed_size_oblivious", None), bool):
+    probes = {name: getattr(_prims_common, name, None) for name in LAYOUT_PROBES}
+    if None in probes.values() or not isinstance(getattr(_config, "backed_size_oblivious", None), bool):
         # the capture catches this and keeps its first trace; tests/test_sequence_full_context.py fails on it
-        raise _changed("how size checks may skip guarding", "torch.fx.experimental._config.backed_size_oblivious")
-    with _config.patch(backed_size_oblivious=True):
+        raise _changed("how layout probes guard", f"torch._prims_common.{'/'.join(LAYOUT_PROBES)}")
+
+    def unguarded(probe):
+        def run(*args, **kwargs):
+            with _config.patch(backed_size_oblivious=True):
+                return probe(*args, **kwargs)
+        return run
+
+    for name, probe in probes.items():
+        setattr(_prims_common, name, unguarded(probe))
+    try:
         yield
+    finally:
+        for name, probe in probes.items():
+            setattr(_prims_common, name, probe)
 
 
 _EXCLUDED = re.compile(r"L\['inputs'\]\[(\d+)\]\.size\(\)\[(\d+)\] != (\d+)")
