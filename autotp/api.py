@@ -50,6 +50,7 @@ from autotp.runtime.peers import as_timedelta, bound_groups, group_timeout
 from autotp.runtime.process import first_rank, from_first_rank, shared_seed
 from autotp.runtime.process import world_size as group_size
 from autotp.runtime.readers import checkpoint_source
+from autotp.runtime.tp_params import distribute, expressible, tp_mesh
 
 
 def with_input_note(chosen: Plan, example: ExampleInputs) -> Plan:
@@ -296,6 +297,9 @@ def _tensor_parallel(built: Built, group, distributed: bool) -> ParallelModule:
         for gm in modules.values():
             gm.to(device)  # NCCL communicates GPU tensors; inputs must then be on this device too
     names = state_names(built.model, graphs[True], modules.values(), source)
+    if comm is not None and comm.size > 1 and expressible(built.plan):
+        mesh = dp.mesh.mesh["tp"] if dp is not None else tp_mesh(comm.group, device or torch.device("cpu"))
+        distribute(list(modules.values()), built.plan, names, mesh)
     generation = Generation(built.model, build_cache_steps)
     losses = LossGraphs(built.model, build_loss_graph)
     return ParallelModule(_parts(built, comm, stream, names, dp), modules, generation, losses)
@@ -321,5 +325,7 @@ def _pipeline_parallel(built: Built) -> PipelineModule:
     for held in stages.values():
         for g in held.values():
             g.to(device)
+    if plan.tp > 1 and expressible(plan):
+        distribute([g for held in stages.values() for g in held.values()], plan, names, mesh.mesh["tp"])
     parts = _parts(built, comm, stream, names, _data_parallel(built.options, mesh))
     return PipelineModule(parts, stages, mesh, graphs[True].out_spec, tied)

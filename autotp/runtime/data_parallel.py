@@ -65,8 +65,32 @@ def dp_shard(whole: torch.Tensor, like: DTensor) -> torch.Tensor:
 
 
 def gathered(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor`` whole over the data-parallel replicas (an FSDP shard is all-gathered: collective over dp)."""
-    return tensor.detach().full_tensor() if isinstance(tensor, DTensor) else tensor
+    """``tensor`` whole over the data-parallel replicas and this rank's over tensor parallelism (an FSDP shard is
+    all-gathered: collective over dp; a tensor-parallel DTensor gives its local shard)."""
+    if not isinstance(tensor, DTensor):
+        return tensor
+    axes = tensor.device_mesh.mesh_dim_names or ()
+    if "tp" not in axes:
+        return tensor.detach().full_tensor()
+    if "dp" not in axes:
+        return tensor.detach().to_local()
+    return _dp_whole(tensor.detach())
+
+
+def _dp_whole(tensor: DTensor) -> torch.Tensor:
+    """The tp-local tensor of an FSDP-sharded tensor-parallel DTensor (a (dp, tp) mesh): its dp shards, cut by FSDP
+    along dim 0 as ``torch.chunk`` cuts (the last ones possibly short or empty), all-gathered over dp."""
+    mesh = tensor.device_mesh
+    mine = tensor.to_local()
+    group = mesh.get_group("dp")
+    lengths = [torch.zeros((), dtype=torch.int64, device=mine.device) for _ in range(mesh.size(0))]
+    dist.all_gather(lengths, torch.tensor(mine.shape[0], dtype=torch.int64, device=mine.device), group=group)
+    longest = max(int(n) for n in lengths)
+    padded = mine.new_zeros((longest, *mine.shape[1:]))
+    padded[:mine.shape[0]] = mine
+    parts = [torch.empty_like(padded) for _ in lengths]
+    dist.all_gather(parts, padded.contiguous(), group=group)
+    return torch.cat([p[:int(n)] for p, n in zip(parts, lengths)])
 
 
 class DataParallel:
@@ -100,7 +124,7 @@ class DataParallel:
         """Average the gradients of ``params`` over the replicas (``replicate``; FSDP's hooks already did)."""
         if self.sharded:
             return
-        grads = [p.grad for p in _unique(params) if p.grad is not None]
+        grads = [local(p.grad) for p in _unique(params) if p.grad is not None]
         for bucket in _buckets(grads, BUCKET_BYTES):
             flat = torch.cat([g.reshape(-1) for g in bucket])
             dist.all_reduce(flat, group=self.mesh.dp_group)

@@ -1,0 +1,111 @@
+"""Parameters that state their tensor-parallel layout as torch's own tensor parallelism does: DTensors.
+
+A rank graph computes on its local shards. Its parameters are nonetheless DTensors over the tensor-parallel
+mesh (``Shard(dim)`` for a split parameter, ``Replicate()`` for one every rank holds whole), each read in the
+graph by a ``get_attr`` followed by a differentiable ``to_local()``: the graph's arithmetic is unchanged, and
+the gradients land as DTensors of the same placement. Tools that know nothing of autotp then see the layout:
+``torch.nn.utils.clip_grad_norm_(pm.parameters(), c)`` sums the shards' norms over the mesh (the unsharded
+model's norm), torch's optimizers step the local shards, FSDP2 composes its dp sharding with the tp placement.
+
+A DTensor built with ``DTensor.from_local(local, mesh, placements, shape=full, stride=...)`` keeps its true
+global shape even when the chunks are uneven (a vocabulary tp does not divide); autotp itself never asks DTensor
+to move data between the ranks of a split parameter (it keeps its own chunk layouts: fused segments, uneven
+vocabularies), only to reduce norms, so only the placement's *kind* matters to it.
+
+Chunks several ranks hold (``placement.replicas > 1``: KV heads when tp exceeds them) are no 1-D placement: a
+``Shard`` would count each chunk once per holder. A module holding one keeps plain tensors (``expressible``),
+and ``pm.clip_grad_norm_`` is then the exact way to clip.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import fx, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from autotp.planning.plan import Plan
+from autotp.rewrite.data_writes import data_of
+from autotp.rewrite.graph_edit import set_tensor
+from autotp.runtime.state import StateNames
+
+
+def tp_mesh(group, device: torch.device) -> DeviceMesh:
+    """The 1-D DeviceMesh over the tensor-parallel process ``group`` (made from the group: no new communicator)."""
+    return DeviceMesh.from_group(group or dist.group.WORLD, device.type, mesh_dim_names=("tp",))
+
+
+def expressible(plan: Plan) -> bool:
+    """Whether every parameter's tensor-parallel layout is a 1-D DTensor placement (no chunk held by several
+    ranks)."""
+    return all(not p.is_split or p.replicas == 1 for p in plan.placements.values())
+
+
+def placement_of(plan: Plan, name: str):
+    """The DTensor placement of kept parameter ``name`` over the tp mesh: ``Shard(dim)`` or ``Replicate()``."""
+    placement = plan.placements.get(name)
+    if placement is None or not placement.is_split or plan.tp == 1:
+        return Replicate()
+    return Shard(placement.dim)
+
+
+def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
+    stride, out = 1, []
+    for size in reversed(shape):
+        out.append(stride)
+        stride *= max(size, 1)
+    return tuple(reversed(out))
+
+
+def as_dtensor(local: nn.Parameter, mesh: DeviceMesh, placement, shape: tuple[int, ...]) -> nn.Parameter:
+    """A DTensor parameter over ``mesh`` whose local tensor is ``local``'s (same storage) and global shape ``shape``."""
+    shape = tuple(shape) if not isinstance(placement, Replicate) else tuple(local.shape)
+    made = DTensor.from_local(local.detach(), mesh, [placement], run_check=False, shape=torch.Size(shape),
+                              stride=_contiguous_stride(shape))
+    return nn.Parameter(made, requires_grad=local.requires_grad)
+
+
+def distribute(graphs: list[fx.GraphModule], plan: Plan, names: StateNames, mesh: DeviceMesh) -> None:
+    """Make the parameters of ``graphs`` (one rank's, sharing tensors) DTensors over the tp ``mesh``, and have every
+    graph read them locally. Tensors the graphs share stay shared."""
+    made: dict[int, nn.Parameter] = {}
+    for gm in graphs:
+        for target, param in list(gm.named_parameters(remove_duplicate=False)):
+            if id(param) not in made:
+                name = names.param_name(target)
+                kept = names.aliases.get(name, name)
+                made[id(param)] = as_dtensor(param, mesh, placement_of(plan, kept), names.shapes.get(kept, param.shape))
+            set_tensor(gm, target, made[id(param)])
+        read_locally(gm)
+
+
+def to_local(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``'s local piece, differentiably (a graph's op after reading a DTensor parameter); a plain tensor as
+    it is."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def read_locally(gm: fx.GraphModule) -> None:
+    """Follow every ``get_attr`` of a DTensor parameter in ``gm`` by ``to_local``, so the graph computes on local
+    tensors. A ``.data`` write (``data_writes``) keeps reading the parameter itself: it writes in place, outside
+    autograd."""
+    changed = False
+    for node in list(gm.graph.find_nodes(op="get_attr")):
+        if not isinstance(_attr(gm, node.target), DTensor) or any(u.target is to_local for u in node.users):
+            continue
+        with gm.graph.inserting_after(node):
+            reader = gm.graph.call_function(to_local, (node,))
+        node.replace_all_uses_with(reader, delete_user_cb=lambda user: user is not reader and user.target is not data_of)
+        changed = True
+    if changed:
+        gm.graph.lint()
+        gm.recompile()
+
+
+def _attr(gm: nn.Module, target: str):
+    owner, _, name = target.rpartition(".")
+    try:
+        return getattr(gm.get_submodule(owner) if owner else gm, name)
+    except AttributeError:
+        return None

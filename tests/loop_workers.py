@@ -1,0 +1,68 @@
+"""Per-rank bodies of the training-loop tests: the loop people write, on the parallel module and on the unsharded
+model, compared step by step (losses, torch's clipped norm, every parameter after)."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+from torch.testing import assert_close
+
+import autotp
+from bench.ranks import reform_world
+from tests import models
+from tests.workers import ADAM
+
+BATCH, SEQ, MICRO, STEPS = 4, 8, 2, 3
+"""Each step accumulates MICRO micro-batches of BATCH rows (every replica takes its equal slice of each)."""
+MAX_NORM = 0.5
+"""Below the tiny Llama's gradient norm, so clipping scales every step."""
+
+
+def _batch(step: int, micro: int) -> dict:
+    ids = models.tokens(BATCH, SEQ, seed=100 * step + micro)
+    return {"input_ids": ids, "labels": models.tokens(BATCH, SEQ, seed=100 * step + micro + 50)}
+
+
+def _rows(batch: dict, dp_rank: int, dp: int) -> dict:
+    part = slice(dp_rank * BATCH // dp, (dp_rank + 1) * BATCH // dp)
+    return {k: v[part] for k, v in batch.items()}
+
+
+def _full(pm) -> dict:
+    return {k: v for k, v in pm.full_state_dict().items() if isinstance(v, torch.Tensor)}
+
+
+def loop_trains_like_one_process(rank: int, world: int, tp: int, dp: int, mode: str) -> str:
+    """STEPS steps of the plain loop (accumulation over MICRO micro-batches with ``loss / MICRO``, torch's
+    ``clip_grad_norm_``, AdamW, an LR scheduler, ``zero_grad``) on ``pm`` and on the unsharded model."""
+    label = f"tp={tp} dp={dp} {mode}"
+    if not reform_world(tp * dp, "cpu"):
+        return label
+    ref = models.build("hf_llama", layers=2)
+    pm = autotp.parallelize(copy.deepcopy(ref), tp=tp, dp=dp, dp_mode=mode, example_inputs=_batch(0, 0))
+    opt, ref_opt = torch.optim.AdamW(pm.parameters(), **ADAM), torch.optim.AdamW(ref.parameters(), **ADAM)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=1, gamma=0.5)
+    for step in range(STEPS):
+        for micro in range(MICRO):
+            batch = _batch(step, micro)
+            (pm(**_rows(batch, pm.dp_rank, dp)).loss / MICRO).backward()
+            (ref(**batch).loss / MICRO).backward()
+        if dp > 1:
+            pm.average_gradients()  # replicate: DDP's all-reduce; under fsdp FSDP's hooks already reduced
+        norm = torch.nn.utils.clip_grad_norm_(pm.parameters(), MAX_NORM)
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM)
+        assert ref_norm > MAX_NORM, f"{label}: clipping must be active ({ref_norm})"
+        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        assert_close(norm, ref_norm, rtol=1e-5, atol=0, msg=lambda m: f"{label} step {step} norm: {m}")
+        for o, s in ((opt, sched), (ref_opt, ref_sched)):
+            o.step()
+            s.step()
+            o.zero_grad()
+    got, want = _full(pm), ref.state_dict()
+    for name, value in got.items():
+        assert_close(value, want[name], rtol=0, atol=1e-5, msg=lambda m: f"{label} {name}: {m}")
+    dist.barrier()
+    return label
