@@ -66,3 +66,66 @@ def loop_trains_like_one_process(rank: int, world: int, tp: int, dp: int, mode: 
         assert_close(value, want[name], rtol=0, atol=1e-5, msg=lambda m: f"{label} {name}: {m}")
     dist.barrier()
     return label
+
+
+def drift_is_named(rank: int, world: int) -> str:
+    """An optimizer stepped on rank 0 only: the next forward raises DriftError on every rank, naming a replicated
+    parameter; the one before it (ranks still agreeing) runs."""
+    ref = models.build("hf_llama", layers=1)
+    pm = autotp.parallelize(ref, tp=2, example_inputs=_batch(0, 0))
+    opt = torch.optim.SGD(pm.parameters(), lr=0.1)
+    pm(**_batch(0, 0)).loss.backward()
+    if rank == 0:
+        opt.step()
+    try:
+        pm(**_batch(1, 0))
+    except autotp.errors.DriftError as e:
+        return str(e)
+    raise AssertionError("a forward after the ranks' replicated parameters drifted apart ran")
+
+
+def step_accumulates_like_one_process(rank: int, world: int) -> None:
+    """``pm.step(**batch, loss_scale=1/MICRO)`` over MICRO micro-batches, then an optimizer step, STEPS times, against
+    the unsharded loop with ``(loss / MICRO).backward()``: losses, and every parameter after."""
+    ref = models.build("hf_llama", layers=1)
+    pm = autotp.parallelize(copy.deepcopy(ref), tp=2, example_inputs=_batch(0, 0))
+    opt, ref_opt = torch.optim.AdamW(pm.parameters(), **ADAM), torch.optim.AdamW(ref.parameters(), **ADAM)
+    for step in range(STEPS):
+        for micro in range(MICRO):
+            batch = _batch(step, micro)
+            loss = pm.step(**batch, loss_scale=1 / MICRO)
+            ref_loss = ref(**batch).loss
+            (ref_loss / MICRO).backward()
+            assert_close(loss, ref_loss.detach(), rtol=1e-5, atol=0)  # the unscaled loss
+        opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()
+    for name, value in _full(pm).items():
+        assert_close(value, ref.state_dict()[name], rtol=0, atol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+def scheduler_survives_save_and_load(rank: int, world: int, path: str) -> None:
+    """A run saved mid-way with its optimizer and LR scheduler, loaded into a fresh module, optimizer and scheduler,
+    continues exactly as the uninterrupted unsharded run: the learning rate and every parameter."""
+    ref = models.build("hf_llama", layers=1)
+    first = autotp.parallelize(copy.deepcopy(ref), tp=2, example_inputs=_batch(0, 0))
+    second = autotp.parallelize(copy.deepcopy(ref), tp=2, example_inputs=_batch(0, 0))
+
+    def make(params):
+        opt = torch.optim.AdamW(params, **ADAM)
+        return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+
+    def train(model, opt, sched, steps):
+        for step in steps:
+            model(**_batch(step, 0)).loss.backward()
+            opt.step(), sched.step(), opt.zero_grad()
+
+    (opt, sched), (ref_opt, ref_sched) = make(first.parameters()), make(ref.parameters())
+    train(first, opt, sched, range(2))
+    first.save(path, optimizer=opt, scheduler=sched)
+    opt2, sched2 = make(second.parameters())
+    second.load(path, optimizer=opt2, scheduler=sched2, quiet=True)
+    assert sched2.state_dict() == sched.state_dict()
+    train(second, opt2, sched2, range(2, 4))
+    train(ref, ref_opt, ref_sched, range(4))
+    assert sched2.get_last_lr() == ref_sched.get_last_lr()
+    for name, value in _full(second).items():
+        assert_close(value, ref.state_dict()[name], rtol=0, atol=1e-5, msg=lambda m: f"{name}: {m}")

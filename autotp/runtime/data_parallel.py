@@ -60,8 +60,26 @@ def local(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def dp_shard(whole: torch.Tensor, like: DTensor) -> torch.Tensor:
-    """This rank's FSDP shard of ``whole`` (a tensor whole over dp), laid out as ``like``'s; no communication."""
-    return distribute_tensor(whole, like.device_mesh, like.placements, src_data_rank=None).to_local()
+    """This rank's piece of ``whole`` (a tensor whole over dp, this rank's over tp), laid out as ``like``'s; no
+    communication."""
+    return placed_like(whole, like).to_local()
+
+
+def placed_like(whole: torch.Tensor, like: DTensor) -> DTensor:
+    """``whole`` (whole over dp, this rank's piece over tp, as ``gathered`` gives it) as a DTensor laid out as
+    ``like``: an FSDP shard over dp (FSDP cuts dim 0 as ``torch.chunk`` does), the tp piece as it is; no
+    communication."""
+    mesh = like.device_mesh
+    axes = mesh.mesh_dim_names or ()
+    if "tp" not in axes:
+        return distribute_tensor(whole, mesh, like.placements, src_data_rank=None)
+    mine = whole
+    if "dp" in axes:
+        chunks = torch.chunk(whole, mesh.size(0))
+        index = mesh.get_local_rank("dp")
+        mine = chunks[index] if index < len(chunks) else whole.new_empty((0, *whole.shape[1:]))
+    return DTensor.from_local(mine.contiguous(), mesh, like.placements, run_check=False, shape=like.shape,
+                              stride=like.stride())
 
 
 def gathered(tensor: torch.Tensor) -> torch.Tensor:

@@ -9,6 +9,7 @@ across its stages.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -26,6 +27,14 @@ from autotp.runtime.grad_norm import clip_grad_norm_, is_counted
 from autotp.runtime.input_spec import InputSpec
 from autotp.runtime.process import close_at_exit
 from autotp.runtime.state import StateNames, gather_tp, split_param
+
+
+def checked_scale(loss_scale) -> float:
+    """``loss_scale`` as a float, refused unless a positive finite number."""
+    if isinstance(loss_scale, bool) or not isinstance(loss_scale, (int, float)) or not 0 < loss_scale < math.inf:
+        raise InputError(f"loss_scale must be a positive finite number (1/k to average k accumulated "
+                         f"micro-batches), got {loss_scale!r}")
+    return float(loss_scale)
 
 
 @dataclass(frozen=True)
@@ -95,9 +104,11 @@ class ParallelBase(Checkpointing, nn.Module):
         return self._dp.size if self._dp is not None else 1
 
     def step(self, *inputs, target: torch.Tensor | None = None, loss_fn: Callable | None = None,
-             **kwargs) -> torch.Tensor:
+             loss_scale: float = 1.0, **kwargs) -> torch.Tensor:
         """Forward and backward on the inputs (positional or keyword, as the model takes them); returns the
-        (detached) loss, and the gradients land in ``parameters()``, averaged over data-parallel replicas."""
+        (detached, unscaled) loss, and the gradients of ``loss * loss_scale`` are added to ``parameters()``'
+        (averaged over data-parallel replicas): ``loss_scale=1/k`` over k accumulated micro-batches trains on
+        their mean."""
         raise NotImplementedError
 
     def loss(self, *inputs, target: torch.Tensor | None = None, loss_fn: Callable | None = None,

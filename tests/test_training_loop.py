@@ -1,0 +1,34 @@
+"""The loop people write trains the parallel module exactly like the unsharded model: micro-batch accumulation with
+``(out.loss / k).backward()``, torch's own ``clip_grad_norm_`` on ``pm.parameters()`` (DTensors that state their
+tensor-parallel layout), an optimizer and an LR scheduler; drifted replicated parameters are named; ``pm.step``'s
+loss scale; a scheduler saved and loaded with the module."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests import loop_workers
+from tests.distributed import run_on_ranks
+
+
+@pytest.mark.parametrize("tp, dp, mode", [(2, 1, "replicate"), (2, 2, "replicate"), (2, 2, "fsdp")])
+def test_the_plain_loop_with_torch_clipping_trains_like_one_process(tp, dp, mode):
+    """The worker compared torch's clipped norm every step and every parameter after; here: each rank finished."""
+    assert run_on_ranks(loop_workers.loop_trains_like_one_process, tp * dp, tp, dp, mode) == [
+        f"tp={tp} dp={dp} {mode}"] * (tp * dp)
+
+
+def test_replicated_parameters_that_drift_apart_are_named():
+    messages = run_on_ranks(loop_workers.drift_is_named, 2)
+    assert messages[0] == messages[1]
+    assert "model.norm.weight" in messages[0] or "input_layernorm.weight" in messages[0], messages[0]
+    for cause in ("holds different values on ranks [1]", "clip_grad_norm_", "optimizer stepped"):
+        assert cause in messages[0], messages[0]
+
+
+def test_step_with_a_loss_scale_accumulates_like_one_process():
+    run_on_ranks(loop_workers.step_accumulates_like_one_process, 2)
+
+
+def test_the_scheduler_is_saved_and_loaded_with_the_module(tmp_path):
+    run_on_ranks(loop_workers.scheduler_survives_save_and_load, 2, str(tmp_path / "ckpt"))
