@@ -68,9 +68,9 @@ def loop_trains_like_one_process(rank: int, world: int, tp: int, dp: int, mode: 
     return label
 
 
-def drift_is_named(rank: int, world: int) -> str:
+def drift_is_named(rank: int, world: int) -> tuple[str, list[str]]:
     """An optimizer stepped on rank 0 only: the next forward raises DriftError on every rank, naming a replicated
-    parameter; the one before it (ranks still agreeing) runs."""
+    parameter; the one before it (ranks still agreeing) runs. Returns the message and the replicated parameters."""
     ref = models.build("hf_llama", layers=1)
     pm = autotp.parallelize(ref, tp=2, example_inputs=_batch(0, 0))
     opt = torch.optim.SGD(pm.parameters(), lr=0.1)
@@ -80,7 +80,7 @@ def drift_is_named(rank: int, world: int) -> str:
     try:
         pm(**_batch(1, 0))
     except autotp.errors.DriftError as e:
-        return str(e)
+        return str(e), [name for name, p in pm.plan.placements.items() if not p.is_split]
     raise AssertionError("a forward after the ranks' replicated parameters drifted apart ran")
 
 

@@ -19,11 +19,13 @@ def test_the_plain_loop_with_torch_clipping_trains_like_one_process(tp, dp, mode
 
 
 def test_replicated_parameters_that_drift_apart_are_named():
-    messages = run_on_ranks(loop_workers.drift_is_named, 2)
-    assert messages[0] == messages[1]
-    assert "model.norm.weight" in messages[0] or "input_layernorm.weight" in messages[0], messages[0]
-    for cause in ("holds different values on ranks [1]", "clip_grad_norm_", "optimizer stepped"):
-        assert cause in messages[0], messages[0]
+    """An optimizer stepped on one rank only: the next forward names a replicated parameter and the likely causes,
+    on both ranks alike."""
+    (message, replicated), (other, _) = run_on_ranks(loop_workers.drift_is_named, 2)
+    assert message == other
+    assert message.split(",")[0] in replicated, message
+    for cause in ("holds whole, holds different values on ranks [1]", "clip_grad_norm_", "optimizer stepped"):
+        assert cause in message, message
 
 
 def test_step_with_a_loss_scale_accumulates_like_one_process():
