@@ -50,7 +50,7 @@ from autotp.runtime.peers import as_timedelta, bound_groups, group_timeout
 from autotp.runtime.process import first_rank, from_first_rank, shared_seed
 from autotp.runtime.process import world_size as group_size
 from autotp.runtime.readers import checkpoint_source
-from autotp.runtime.tp_params import distribute, expressible, tp_mesh
+from autotp.runtime.tp_params import distribute, expressible, tp_mesh, warn_plain
 
 
 def with_input_note(chosen: Plan, example: ExampleInputs) -> Plan:
@@ -297,9 +297,12 @@ def _tensor_parallel(built: Built, group, distributed: bool) -> ParallelModule:
         for gm in modules.values():
             gm.to(device)  # NCCL communicates GPU tensors; inputs must then be on this device too
     names = state_names(built.model, graphs[True], modules.values(), source)
-    if comm is not None and comm.size > 1 and expressible(built.plan):
-        mesh = dp.mesh.mesh["tp"] if dp is not None else tp_mesh(comm.group, device or torch.device("cpu"))
-        distribute(list(modules.values()), built.plan, names, mesh)
+    if comm is not None and comm.size > 1:
+        if expressible(built.plan):
+            mesh = dp.mesh.mesh["tp"] if dp is not None else tp_mesh(comm.group, device or torch.device("cpu"))
+            distribute(list(modules.values()), built.plan, names, mesh)
+        else:
+            warn_plain(built.plan)
     generation = Generation(built.model, build_cache_steps)
     losses = LossGraphs(built.model, build_loss_graph)
     return ParallelModule(_parts(built, comm, stream, names, dp), modules, generation, losses)
@@ -327,5 +330,7 @@ def _pipeline_parallel(built: Built) -> PipelineModule:
             g.to(device)
     if plan.tp > 1 and expressible(plan):
         distribute([g for held in stages.values() for g in held.values()], plan, names, mesh.mesh["tp"])
+    elif plan.tp > 1:
+        warn_plain(plan)
     parts = _parts(built, comm, stream, names, _data_parallel(built.options, mesh))
     return PipelineModule(parts, stages, mesh, graphs[True].out_spec, tied)

@@ -19,6 +19,8 @@ and ``pm.clip_grad_norm_`` is then the exact way to clip.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.distributed as dist
 from torch import fx, nn
@@ -40,6 +42,15 @@ def expressible(plan: Plan) -> bool:
     """Whether every parameter's tensor-parallel layout is a 1-D DTensor placement (no chunk held by several
     ranks)."""
     return all(not p.is_split or p.replicas == 1 for p in plan.placements.values())
+
+
+def warn_plain(plan: Plan) -> None:
+    """Say once that this module's parameters stay plain tensors, and how to clip exactly then."""
+    shared = sorted(n for n, p in plan.placements.items() if p.is_split and p.replicas > 1)
+    warnings.warn(f"autotp: {shared[0]} (and {len(shared) - 1} more) is split in chunks several tensor-parallel ranks "
+                  "hold, which a DTensor placement over the tp mesh cannot state, so pm.parameters() stay plain "
+                  "local tensors: torch.nn.utils.clip_grad_norm_ would clip each rank by its own norm (and the "
+                  "next forward would raise DriftError); clip with pm.clip_grad_norm_(max_norm)", stacklevel=3)
 
 
 def placement_of(plan: Plan, name: str):
