@@ -50,8 +50,6 @@ def loop_trains_like_one_process(rank: int, world: int, tp: int, dp: int, mode: 
             batch = _batch(step, micro)
             (pm(**_rows(batch, pm.dp_rank, dp)).loss / MICRO).backward()
             (ref(**batch).loss / MICRO).backward()
-        if dp > 1:
-            pm.average_gradients()  # replicate: DDP's all-reduce; under fsdp FSDP's hooks already reduced
         norm = torch.nn.utils.clip_grad_norm_(pm.parameters(), MAX_NORM)
         ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM)
         assert ref_norm > MAX_NORM, f"{label}: clipping must be active ({ref_norm})"

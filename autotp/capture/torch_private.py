@@ -174,3 +174,14 @@ def _kept(tensor: torch.Tensor, device, dtype) -> bool:
     same_device = device is None or tensor.device == device
     same_dtype = dtype is None or not (tensor.is_floating_point() or tensor.is_complex()) or tensor.dtype == dtype
     return same_device and same_dtype
+
+
+def at_backward_end(callback) -> None:
+    """Run ``callback`` once the running backward pass has finished (called from within it: a gradient hook),
+    as DDP and FSDP do to reduce gradients after their accumulation. Private: the autograd engine's
+    ``queue_callback`` (checked on torch 2.13)."""
+    engine = getattr(torch.autograd.Variable, "_execution_engine", None)
+    queue = getattr(engine, "queue_callback", None)
+    if queue is None:
+        raise _changed("how a callback is queued at the end of a backward", "Variable._execution_engine.queue_callback")
+    queue(callback)

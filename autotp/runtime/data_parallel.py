@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch import fx, nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from autotp.capture.torch_private import at_backward_end
 from autotp.errors import InputError
 from autotp.options import DataParallelMode
 from autotp.rewrite.data_writes import data_writes, write_shards
@@ -149,6 +150,30 @@ class DataParallel:
             flat.div_(self.size)
             for grad, part in zip(bucket, flat.split([g.numel() for g in bucket])):
                 grad.copy_(part.view_as(grad))
+
+    def average_in_backward(self, params: Iterable[nn.Parameter]) -> None:
+        """Under ``replicate``, average the gradients of ``params`` at the end of every backward that reaches them,
+        as DDP does: the loop written for one process (``loss.backward()`` per micro-batch, then the optimizer) then
+        trains the replicas as one. Each backward averages everything accumulated so far; what earlier backwards
+        averaged is already equal on every replica, so the sum stays the mean of the micro-batches' gradients."""
+        if self.sharded:
+            return
+        params = [p for p in _unique(params) if p.requires_grad]
+        queued = False
+
+        def run() -> None:
+            nonlocal queued
+            queued = False
+            self.average_gradients(params)
+
+        def hook(_) -> None:
+            nonlocal queued
+            if not queued:
+                queued = True
+                at_backward_end(run)
+
+        for p in params:
+            p.register_post_accumulate_grad_hook(hook)
 
     def counts(self) -> bool:
         """Whether this replica's gradients enter a norm over all ranks: each shard under fsdp; under

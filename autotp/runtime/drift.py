@@ -38,8 +38,9 @@ class Fingerprints:
         exactly), or None without replicated parameters."""
         if not self.tensors:
             return None
-        samples = torch.stack([t.detach().reshape(-1).index_select(0, at).to(torch.float64)
-                               for t, at in zip(self.tensors, self.positions)])
+        # One op per parameter (cat promotes mixed float dtypes exactly), then a few over all of them.
+        picked = torch.cat([t.detach().reshape(-1).index_select(0, at) for t, at in zip(self.tensors, self.positions)])
+        samples = picked.to(torch.float64).reshape(len(self.tensors), SAMPLES)
         return (samples.view(torch.int64) * self.weights(samples.device)).sum(-1)
 
     def weights(self, device: torch.device) -> torch.Tensor:

@@ -118,8 +118,8 @@ class ParallelBase(Checkpointing, nn.Module):
                          "interleaves them over microbatches): use pm.step, or pp=1 for pm.loss")
 
     def average_gradients(self) -> None:
-        """Average the gradients over the data-parallel replicas, after a backward of your own under
-        ``dp_mode='replicate'`` (``step`` does it; under fsdp, FSDP's hooks do it during backward)."""
+        """Average the gradients over the data-parallel replicas under ``dp_mode='replicate'``. Without pipelines
+        every backward does it at its end, as DDP does (under fsdp, FSDP's hooks); calling it again changes nothing."""
         if self._dp is not None:
             self._dp.average_gradients(self.parameters())
 

@@ -44,6 +44,8 @@ class ParallelModule(ParallelBase):
         self._compiled = {mode: torch.compile(gm) for mode, gm in graphs.items()} if compiled else None
         for gather in self._output_gathers if compiled else ():
             gather.overwritable = False  # a compiled graph may keep its outputs for its own backward
+        if self._dp is not None:
+            self._dp.average_in_backward(self.parameters())  # replicate: as DDP, at the end of every backward
         self._replicated = Fingerprints(self._replicated_params() if self.comm is not None else {})
         self._start(parts.training)
 
@@ -114,8 +116,7 @@ class ParallelModule(ParallelBase):
         scale = checked_scale(loss_scale)
         with guarded("step"):
             loss = self.loss(*inputs, target=target, loss_fn=loss_fn, **kwargs)
-            (loss * scale if scale != 1.0 else loss).backward()
-            self.average_gradients()
+            (loss * scale if scale != 1.0 else loss).backward()  # replicas' gradients averaged at its end
         return loss.detach()
 
     def close(self) -> None:
