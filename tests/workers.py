@@ -120,7 +120,7 @@ def check_model(name: str, tp: int) -> dict:
         "shared_params": sum(ref.get_parameter(n).numel() for n in shared),
         "shared_local": sum(shared.values()),
         "shared_count": len(shared),
-        "local_params": sum(p.numel() for p in pm.parameters()),
+        "local_params": sum(local(p).numel() for p in pm.parameters()),
         "total_params": sum(p.numel() for p in ref.parameters()),
         "split_params": split_total,
         "forward": _counts(fwd_mode),

@@ -185,3 +185,13 @@ def at_backward_end(callback) -> None:
     if queue is None:
         raise _changed("how a callback is queued at the end of a backward", "Variable._execution_engine.queue_callback")
     queue(callback)
+
+
+def release_groups(mesh) -> None:
+    """Drop the references a DeviceMesh (and its root) keeps to its process groups, so that a closed module's
+    groups are freed while Python runs (a gloo group freed at interpreter exit aborts the process). Private:
+    ``DeviceMesh._pg_registry`` and ``_root_mesh`` (checked on torch 2.13); a release without them keeps them."""
+    for owner in (mesh, getattr(mesh, "_root_mesh", None)):
+        registry = getattr(owner, "_pg_registry", None)
+        if isinstance(registry, dict):
+            registry.clear()

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import fx, nn
 
+from autotp.capture.torch_private import release_groups
 from autotp.errors import InputError
 from autotp.options import Options
 from autotp.planning.plan import Plan
@@ -172,6 +173,9 @@ class ParallelBase(Checkpointing, nn.Module):
 
     def close(self) -> None:
         """Release the process groups this module holds (done at exit); it cannot communicate afterwards."""
+        meshes = {id(m): m for m in (getattr(p, "device_mesh", None) for p in self.parameters()) if m is not None}
+        for mesh in meshes.values():  # the DTensor parameters' meshes hold their groups too
+            release_groups(mesh)
         if self.comm is not None and hasattr(self.comm, "close"):
             self.comm.close()
         if self._dp is not None:
