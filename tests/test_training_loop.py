@@ -5,8 +5,12 @@ loss scale; a scheduler saved and loaded with the module."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
+from autotp.errors import InputError
+from autotp.runtime.parallel_base import checked_scale
 from tests import loop_workers
 from tests.distributed import run_on_ranks
 
@@ -34,3 +38,9 @@ def test_step_with_a_loss_scale_accumulates_like_one_process():
 
 def test_the_scheduler_is_saved_and_loaded_with_the_module(tmp_path):
     run_on_ranks(loop_workers.scheduler_survives_save_and_load, 2, str(tmp_path / "ckpt"))
+
+
+@pytest.mark.parametrize("bad", [0, -0.5, math.inf, math.nan, "1/4", True, None])
+def test_a_loss_scale_that_is_no_positive_number_is_refused(bad):
+    with pytest.raises(InputError, match="loss_scale must be a positive finite number"):
+        checked_scale(bad)

@@ -3,7 +3,7 @@
 ``pm.save(DIR)`` writes a DCP checkpoint in which each rank writes its own chunks (no gather, no full copy):
 model tensors under ``model.<original name>`` and optimizer state under ``optimizer.state.<name>.<key>`` (moments
 chunked like their parameter) and ``optimizer.param_groups.<name>`` (the hyperparameters), torch's flattened
-optimizer names. Every tensor is recorded with its full size and each chunk's global offsets, so a module of
+optimizer names, and an LR scheduler's state dict under ``scheduler``. Every tensor is recorded with its full size and each chunk's global offsets, so a module of
 any ``(tp, pp)`` layout loads it and reads only the chunks it needs. ``format="safetensors"`` gathers the
 full tensors to the first rank and writes Hugging Face's layout (with ``config.json``), which
 ``from_pretrained`` loads.

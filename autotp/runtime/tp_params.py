@@ -27,6 +27,7 @@ from torch import fx, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from autotp.capture.torch_private import release_groups
 from autotp.planning.plan import Plan
 from autotp.rewrite.graph_edit import set_tensor
 from autotp.rewrite.local_reads import read_locally
@@ -34,8 +35,14 @@ from autotp.runtime.state import StateNames
 
 
 def tp_mesh(group, device: torch.device) -> DeviceMesh:
-    """The 1-D DeviceMesh over the tensor-parallel process ``group`` (made from the group: no new communicator)."""
-    return DeviceMesh.from_group(group or dist.group.WORLD, device.type, mesh_dim_names=("tp",))
+    """The 1-D DeviceMesh over the tensor-parallel process ``group`` (made from the group: no new communicator).
+
+    It names the group without holding it (as autotp's communicator holds the default group by name only): a mesh
+    holding it would keep it, and its gloo threads, alive past ``destroy_process_group`` into interpreter shutdown.
+    """
+    mesh = DeviceMesh.from_group(group or dist.group.WORLD, device.type, mesh_dim_names=("tp",))
+    release_groups(mesh)  # DTensor's collectives find the group by its name
+    return mesh
 
 
 def expressible(plan: Plan) -> bool:
