@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import torch
 from torch import fx, nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate
 
 from autotp.rewrite.data_writes import data_of
+from autotp.rewrite.graph_edit import set_tensor
 
 
 def to_local(tensor: torch.Tensor) -> torch.Tensor:
@@ -43,3 +45,32 @@ def _attr(gm: nn.Module, target: str):
         return getattr(gm.get_submodule(owner) if owner else gm, name)
     except AttributeError:
         return None
+
+
+def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
+    stride, out = 1, []
+    for size in reversed(shape):
+        out.append(stride)
+        stride *= max(size, 1)
+    return tuple(reversed(out))
+
+
+def as_dtensor(local: nn.Parameter, mesh: DeviceMesh, placement, shape: tuple[int, ...]) -> nn.Parameter:
+    """A DTensor parameter over ``mesh`` whose local tensor is ``local``'s (same storage) and global shape ``shape``."""
+    shape = tuple(shape) if not isinstance(placement, Replicate) else tuple(local.shape)
+    made = DTensor.from_local(local.detach(), mesh, [placement], run_check=False, shape=torch.Size(shape),
+                              stride=_contiguous_stride(shape))
+    return nn.Parameter(made, requires_grad=local.requires_grad)
+
+
+def distribute(graphs: list[fx.GraphModule], layout, mesh: DeviceMesh) -> None:
+    """Make the parameters of ``graphs`` (one rank's, sharing tensors) DTensors over the tp ``mesh``, placed as
+    ``layout(target, local_shape)`` says (a placement and the full shape), and have every graph read them locally.
+    Tensors the graphs share stay shared."""
+    made: dict[int, nn.Parameter] = {}
+    for gm in graphs:
+        for target, param in list(gm.named_parameters(remove_duplicate=False)):
+            if id(param) not in made:
+                made[id(param)] = as_dtensor(param, mesh, *layout(target, tuple(param.shape)))
+            set_tensor(gm, target, made[id(param)])
+        read_locally(gm)

@@ -7,7 +7,8 @@ the gradients land as DTensors of the same placement. Tools that know nothing of
 ``torch.nn.utils.clip_grad_norm_(pm.parameters(), c)`` sums the shards' norms over the mesh (the unsharded
 model's norm), torch's optimizers step the local shards, FSDP2 composes its dp sharding with the tp placement.
 
-A DTensor built with ``DTensor.from_local(local, mesh, placements, shape=full, stride=...)`` keeps its true
+The runtime decides the placements (``layout_of``) and the mesh (``tp_mesh``); ``rewrite.local_reads.distribute``
+makes the parameters and the graphs' local reads. A DTensor built with ``DTensor.from_local(local, mesh, placements, shape=full, stride=...)`` keeps its true
 global shape even when the chunks are uneven (a vocabulary tp does not divide); autotp itself never asks DTensor
 to move data between the ranks of a split parameter (it keeps its own chunk layouts: fused segments, uneven
 vocabularies), only to reduce norms, so only the placement's *kind* matters to it.
@@ -23,14 +24,11 @@ import warnings
 
 import torch
 import torch.distributed as dist
-from torch import fx, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import Replicate, Shard
 
 from autotp.capture.torch_private import release_groups
 from autotp.planning.plan import Plan
-from autotp.rewrite.graph_edit import set_tensor
-from autotp.rewrite.local_reads import read_locally
 from autotp.runtime.state import StateNames
 
 
@@ -68,31 +66,11 @@ def placement_of(plan: Plan, name: str):
     return Shard(placement.dim)
 
 
-def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
-    stride, out = 1, []
-    for size in reversed(shape):
-        out.append(stride)
-        stride *= max(size, 1)
-    return tuple(reversed(out))
-
-
-def as_dtensor(local: nn.Parameter, mesh: DeviceMesh, placement, shape: tuple[int, ...]) -> nn.Parameter:
-    """A DTensor parameter over ``mesh`` whose local tensor is ``local``'s (same storage) and global shape ``shape``."""
-    shape = tuple(shape) if not isinstance(placement, Replicate) else tuple(local.shape)
-    made = DTensor.from_local(local.detach(), mesh, [placement], run_check=False, shape=torch.Size(shape),
-                              stride=_contiguous_stride(shape))
-    return nn.Parameter(made, requires_grad=local.requires_grad)
-
-
-def distribute(graphs: list[fx.GraphModule], plan: Plan, names: StateNames, mesh: DeviceMesh) -> None:
-    """Make the parameters of ``graphs`` (one rank's, sharing tensors) DTensors over the tp ``mesh``, and have every
-    graph read them locally. Tensors the graphs share stay shared."""
-    made: dict[int, nn.Parameter] = {}
-    for gm in graphs:
-        for target, param in list(gm.named_parameters(remove_duplicate=False)):
-            if id(param) not in made:
-                name = names.param_name(target)
-                kept = names.aliases.get(name, name)
-                made[id(param)] = as_dtensor(param, mesh, placement_of(plan, kept), names.shapes.get(kept, param.shape))
-            set_tensor(gm, target, made[id(param)])
-        read_locally(gm)
+def layout_of(plan: Plan, names: StateNames):
+    """A function from a rank module's parameter target to its DTensor placement and full shape (for
+    ``rewrite.local_reads.distribute``)."""
+    def layout(target: str, local_shape: tuple[int, ...]):
+        name = names.param_name(target)
+        kept = names.aliases.get(name, name)
+        return placement_of(plan, kept), tuple(names.shapes.get(kept, local_shape))
+    return layout
