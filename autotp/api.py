@@ -28,6 +28,7 @@ from autotp.rewrite import build_graph, materialise_all, split_stages
 from autotp.rewrite.cache_layout import build_cache_steps
 from autotp.rewrite.comm import TorchComm
 from autotp.rewrite.dtypes import cast_for_policy
+from autotp.rewrite.local_reads import distribute
 from autotp.rewrite.loss_graph import build_loss_graph
 from autotp.rewrite.recompute import recompute_blocks
 from autotp.rewrite.streams import RankStream
@@ -51,6 +52,7 @@ from autotp.runtime.peers import as_timedelta, bound_groups, group_timeout
 from autotp.runtime.process import first_rank, from_first_rank, shared_seed
 from autotp.runtime.process import world_size as group_size
 from autotp.runtime.readers import checkpoint_source
+from autotp.runtime.tp_params import expressible, layout_of, tp_mesh, warn_plain
 
 
 def with_input_note(chosen: Plan, example: ExampleInputs) -> Plan:
@@ -299,6 +301,12 @@ def _tensor_parallel(built: Built, group, distributed: bool) -> ParallelModule:
         for gm in modules.values():
             gm.to(device)  # NCCL communicates GPU tensors; inputs must then be on this device too
     names = state_names(built.model, graphs[True], modules.values(), source)
+    if comm is not None and comm.size > 1:
+        if expressible(built.plan):
+            mesh = dp.mesh.mesh["tp"] if dp is not None else tp_mesh(comm.group, device or torch.device("cpu"))
+            distribute(list(modules.values()), layout_of(built.plan, names), mesh)
+        else:
+            warn_plain(built.plan)
     generation = Generation(built.model, build_cache_steps)
     losses = LossGraphs(built.model, build_loss_graph)
     return ParallelModule(_parts(built, comm, stream, names, dp), modules, generation, losses)
@@ -326,5 +334,9 @@ def _pipeline_parallel(built: Built) -> PipelineModule:
     for held in stages.values():
         for g in held.values():
             g.to(device)
+    if plan.tp > 1 and expressible(plan):
+        distribute([g for held in stages.values() for g in held.values()], layout_of(plan, names), mesh.mesh["tp"])
+    elif plan.tp > 1:
+        warn_plain(plan)
     parts = _parts(built, comm, stream, names, _data_parallel(built.options, mesh))
     return PipelineModule(parts, stages, mesh, graphs[True].out_spec, tied)

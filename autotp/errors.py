@@ -54,6 +54,10 @@ class RankFailure(AutotpError, RuntimeError):
     """A collective could not complete because another rank failed, stopped or did not answer in time."""
 
 
+class DriftError(AutotpError, RuntimeError):
+    """Parameters every tensor-parallel rank holds whole have drifted apart: the ranks no longer hold one model."""
+
+
 class InternalError(AutotpError, RuntimeError):
     """An invariant of autotp itself failed: a bug in autotp, not a mistake in what it was given."""
 

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from autotp.runtime.data_parallel import local
 from bench import ranks
 
 CONFIG = dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=2, num_attention_heads=16,
@@ -85,7 +86,7 @@ def rank_body(rank: int, world: int, how: str, folder: str, layers: int) -> dict
     model = None  # the user drops the original: what the parallel module keeps alive is measured next
     gc.collect()
     out = {"build": build, "prepare": prep, "held_mb": (_status("VmRSS") - start) / 2**20,
-           "local_mb": sum(p.numel() * p.element_size() for p in pm.parameters()) / 2**20}
+           "local_mb": sum(local(p).numel() * p.element_size() for p in pm.parameters()) / 2**20}
     if how == "memory":
         _, out["save_dcp"] = _phase(lambda: pm.save(folder / "dcp"))
         _, out["load_dcp"] = _phase(lambda: pm.load(folder / "dcp", quiet=True))

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from autotp.capture.kv_cache import output_cache
+from autotp.runtime.data_parallel import local
 from bench import ranks
 
 RESULTS = Path(__file__).parent / "results" / "generation.json"
@@ -149,7 +150,7 @@ def paired(rank: int, world: int, args) -> dict:
     # This rank's split of a cache as long as the one the single process held after the same generation (its
     # last token is never written).
     found["cache_bytes"], found["whole_cache_bytes"] = pm.generation.cached.cache_bytes(1, args.prompt + args.new - 1)
-    found["params_bytes"] = sum(p.numel() * p.element_size() for p in pm.parameters())
+    found["params_bytes"] = sum(local(p).numel() * p.element_size() for p in pm.parameters())
     found["model_params_bytes"] = sum(p.numel() * p.element_size() for p in model.parameters())
     return found
 

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 import autotp
+from autotp.runtime.data_parallel import local
 from bench.runtime import alternate, two_rank_command
 from bench.stats import paired_ratio, summary, with_interval
 
@@ -102,7 +103,7 @@ def _measure(rank: int, world: int, rounds: int) -> dict:
             "autotp / megatron-core": paired_ratio(samples["autotp"], samples["megatron-core"]),
             "losses": [auto_loss.item(), core_loss.item()],
             "split": f"{split}/{len(pm.plan.placements)} parameters split", "notes": list(pm.plan.notes),
-            "params per rank": {"autotp": sum(p.numel() for p in pm.parameters()),
+            "params per rank": {"autotp": sum(local(p).numel() for p in pm.parameters()),
                                 "megatron-core": sum(p.numel() for p in own.parameters())}}
 
 

@@ -34,7 +34,7 @@ def main() -> None:
     pm = autotp.parallelize(model, tp=tp, example_inputs=(ids,))
     if rank == 0:
         print(pm.plan.summary())
-        local, total = sum(p.numel() for p in pm.parameters()), sum(p.numel() for p in model.parameters())
+        local, total = sum(getattr(p, "to_local", lambda: p)().numel() for p in pm.parameters()), sum(p.numel() for p in model.parameters())
         print(f"parameters on rank 0: {local} of {total} ({local / total:.0%})")
 
     x = torch.randint(0, model.config.vocab_size, (3, 20))  # another shape than the example

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 import autotp
+from autotp.runtime.data_parallel import local as local_piece
 from tests import models
 from tests.checkpoint_workers import ADAM, _same_state, llama
 
@@ -46,7 +47,7 @@ def shared_kv_heads(rank: int, world: int, folder: str) -> dict:
                             checkpoint=folder / "tiny.safetensors", quiet=True)
     local = dict(pm.local_state_dict())
     result = {"k_proj": list(local["model.layers.0.self_attn.k_proj.weight"].shape),
-              "local_params": sum(p.numel() for p in pm.parameters()),
+              "local_params": sum(local_piece(p).numel() for p in pm.parameters()),
               "planned_params": sum(p.numel() // (pm.plan.placements[n].chunks(world) if pm.plan.placements[n].is_split
                                                   else 1) for n, p in ref.named_parameters()),
               "whole_kv_params": sum(p.numel() * (world - 2) // world for n, p in ref.named_parameters()

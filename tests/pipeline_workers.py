@@ -10,6 +10,7 @@ from torch.testing import assert_close
 from torch.utils._pytree import tree_leaves
 
 import autotp
+from autotp.runtime.data_parallel import local
 from tests import models
 from tests.distributed import largest_first
 from tests.workers import ADAM, STEPS
@@ -42,7 +43,7 @@ def check_pipeline(name: str, tp: int, pp: int, schedule: str) -> dict:
     full = pm.full_state_dict()
     for key, want in ref.state_dict().items():
         assert_close(full[key], want, rtol=1e-5, atol=1e-5, msg=lambda m: f"{label} {key} after AdamW: {m}")
-    return {"local_params": sum(p.numel() for p in pm.parameters()),
+    return {"local_params": sum(local(p).numel() for p in pm.parameters()),
             "total_params": sum(p.numel() for p in ref.parameters()),
             "stages": [list(s.modules) for s in pm.plan.stages]}
 

@@ -7,6 +7,7 @@ import torch
 from torch.testing import assert_close
 
 import autotp
+from autotp.runtime.data_parallel import local
 from autotp.runtime.state import gather_tp
 from tests import models
 from tests.distributed import largest_first
@@ -26,7 +27,7 @@ def full_grads(pm) -> dict[str, torch.Tensor]:
     mine = {}
     for module in pm.rank_modules():
         for name, param in pm._names.params(module).items():
-            grad = param.grad if param.grad is not None else torch.zeros_like(param)
+            grad = local(param.grad) if param.grad is not None else torch.zeros_like(local(param))
             mine[name] = gather_tp(pm.plan, name, grad, pm.comm)
     return pm._collect_stages(mine)
 

@@ -16,6 +16,7 @@ from torch.testing import assert_close
 from torch.utils._pytree import tree_leaves
 
 import autotp
+from autotp.runtime.data_parallel import local
 from tests import models
 
 # Adam divides by sqrt(v) + eps: on gradients that are zero up to rounding (the key bias has an exactly
@@ -65,7 +66,7 @@ def _check_grads(pm, ref: torch.nn.Module, label: str) -> None:
     ref_params = dict(ref.named_parameters())
     for target, param in pm.module.named_parameters():
         name = target.removeprefix("model.")
-        full = _full_grad(pm, name, param.grad)
+        full = _full_grad(pm, name, local(param.grad))
         expected = ref_params[name].grad
         # Relative in norm, with a 1e-7 floor: some gradients are exactly zero in exact arithmetic (the
         # key bias: softmax ignores a shift), so both sides hold only rounding noise there.
@@ -119,7 +120,7 @@ def check_model(name: str, tp: int) -> dict:
         "shared_params": sum(ref.get_parameter(n).numel() for n in shared),
         "shared_local": sum(shared.values()),
         "shared_count": len(shared),
-        "local_params": sum(p.numel() for p in pm.parameters()),
+        "local_params": sum(local(p).numel() for p in pm.parameters()),
         "total_params": sum(p.numel() for p in ref.parameters()),
         "split_params": split_total,
         "forward": _counts(fwd_mode),

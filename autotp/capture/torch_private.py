@@ -260,3 +260,24 @@ def guards_accept(gm: fx.GraphModule, inputs: tuple[torch.Tensor, ...]) -> bool:
     except (AssertionError, RuntimeError):  # torch._assert's failure
         return False
     return True
+
+
+def at_backward_end(callback) -> None:
+    """Run ``callback`` once the running backward pass has finished (called from within it: a gradient hook),
+    as DDP and FSDP do to reduce gradients after their accumulation. Private: the autograd engine's
+    ``queue_callback`` (checked on torch 2.13)."""
+    engine = getattr(torch.autograd.Variable, "_execution_engine", None)
+    queue = getattr(engine, "queue_callback", None)
+    if queue is None:
+        raise _changed("how a callback is queued at the end of a backward", "Variable._execution_engine.queue_callback")
+    queue(callback)
+
+
+def release_groups(mesh) -> None:
+    """Drop the references a DeviceMesh (and its root) keeps to its process groups, so that a closed module's
+    groups are freed while Python runs (a gloo group freed at interpreter exit aborts the process). Private:
+    ``DeviceMesh._pg_registry`` and ``_root_mesh`` (checked on torch 2.13); a release without them keeps them."""
+    for owner in (mesh, getattr(mesh, "_root_mesh", None)):
+        registry = getattr(owner, "_pg_registry", None)
+        if isinstance(registry, dict):
+            registry.clear()

@@ -28,6 +28,7 @@ from autotp.rewrite.comm import Communicator
 from autotp.rewrite.graph_edit import set_tensor
 from autotp.rewrite.inference_steps import inference_step
 from autotp.rewrite.lean_steps import lean_step
+from autotp.rewrite.local_reads import read_locally
 from autotp.rewrite.rank_graph import build_graph
 
 aten = torch.ops.aten
@@ -121,3 +122,4 @@ def share_tensors(gm: fx.GraphModule, captured: Captured, tensors: dict, what: s
         if name not in tensors:
             raise InternalError(f"{what} reads {name}, which the parallel module's graphs do not hold")
         set_tensor(gm, target, tensors[name])
+    read_locally(gm)  # the module's DTensor parameters, read as the local tensors the graph computes on

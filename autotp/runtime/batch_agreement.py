@@ -17,6 +17,7 @@ import torch
 
 from autotp.errors import InputError
 from autotp.rewrite.comm import Communicator
+from autotp.runtime.drift import drift_error, is_fingerprint
 
 _MAX_DIMS = 6
 """Dims recorded per tensor; inputs with more are compared by their first ``_MAX_DIMS`` and the fingerprint."""
@@ -57,7 +58,8 @@ def check_same_inputs(names: tuple[str, ...], tensors: tuple, comm: Communicator
     inputs_started(names, tensors, comm)()
 
 
-def inputs_started(names: tuple[str, ...], tensors: tuple, comm: Communicator | None) -> Callable[[], None]:
+def inputs_started(names: tuple[str, ...], tensors: tuple, comm: Communicator | None,
+                   fingerprints: tuple[tuple[str, ...], torch.Tensor | None] = ((), None)) -> Callable[[], None]:
     """``check_same_inputs`` begun: its all-gather starts now, and the check completes before ``comm``'s next
     collective (``comm.pending``) or when the returned function is called, whichever comes first (later calls
     do nothing). Collective: every rank calls it, and must complete it before any other communication over
@@ -66,12 +68,20 @@ def inputs_started(names: tuple[str, ...], tensors: tuple, comm: Communicator | 
     Work in between overlaps the all-gather: a forward's local compute before its first collective hides it.
     That first collective is where the ranks would meet anyway, and where inputs of different shapes would
     make gloo abort the process, so it is the last moment the check may complete.
+
+    ``fingerprints`` (names, int64 digests) ride along: the replicated parameters' (``drift``), which must agree too.
     """
     if comm is None or comm.size == 1:
         return _nothing
     # On the inputs' device: NCCL gathers only device tensors (gloo takes either).
     device = next((t.device for t in tensors if isinstance(t, torch.Tensor)), torch.device("cpu"))
-    rows = torch.tensor([_row(t) for t in tensors], dtype=torch.int64, device=device).reshape(-1)
+    rows = torch.tensor([_row(t) for t in tensors], dtype=torch.int64, device=device)
+    extra, digests = fingerprints
+    if digests is not None:
+        # A 0-d "tensor" per parameter: no dims, its digest in the last column.
+        rows = torch.cat([rows, torch.nn.functional.pad(digests.to(device).unsqueeze(1), (_WIDTH - 1, 0))])
+        names, tensors = (*names, *extra), (*tensors, *extra)
+    rows = rows.reshape(-1)
     # One all-gather of a few integers per rank: on gloo it costs less than an all-reduce of them (measured 0.52
     # against 0.89 ms, 1.64 with MAX), and it also says who differs.
     gathered = comm.all_gather_started(rows)
@@ -108,6 +118,8 @@ def _compare(names: tuple[str, ...], count: int, gathered: list[torch.Tensor]) -
                              "tensor- and pipeline-parallel rank of a replica must be given the same batch: split the "
                              "global batch by data-parallel rank (pm.dp_rank), not by global rank")
         differ = [r for r, rank in enumerate(everyone) if rank[i] != first]
+        if differ and is_fingerprint(name):
+            raise drift_error(name, differ)
         if differ:
             raise InputError(f"{name} holds different values on ranks {differ} of one model replica than on its "
                              "first rank (same shape, other data: a data loader seeded or sharded per rank?); every "

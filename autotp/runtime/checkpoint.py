@@ -3,7 +3,7 @@
 ``pm.save(DIR)`` writes a DCP checkpoint in which each rank writes its own chunks (no gather, no full copy):
 model tensors under ``model.<original name>`` and optimizer state under ``optimizer.state.<name>.<key>`` (moments
 chunked like their parameter) and ``optimizer.param_groups.<name>`` (the hyperparameters), torch's flattened
-optimizer names. Every tensor is recorded with its full size and each chunk's global offsets, so a module of
+optimizer names, and an LR scheduler's state dict under ``scheduler``. Every tensor is recorded with its full size and each chunk's global offsets, so a module of
 any ``(tp, pp)`` layout loads it and reads only the chunks it needs. ``format="safetensors"`` gathers the
 full tensors to the first rank and writes Hugging Face's layout (with ``config.json``), which
 ``from_pretrained`` loads.
@@ -19,13 +19,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
 
 from autotp.errors import InputError
 from autotp.passes.placement import Part, part_of
 from autotp.planning.plan import Plan
 from autotp.runtime import dcp
-from autotp.runtime.data_parallel import dp_shard, gathered, local
+from autotp.runtime.data_parallel import dp_shard, gathered, local, placed_like
 from autotp.runtime.manifest import agree
 from autotp.runtime.matching import Expected, match
 from autotp.runtime.readers import HF_INDEX, HF_SINGLE, MODEL_PREFIX, DcpReader, open_reader, read_into
@@ -33,6 +33,8 @@ from autotp.runtime.staging import write_atomically
 
 OPTIMIZER_STATE = "optimizer.state."
 OPTIMIZER_GROUPS = "optimizer.param_groups."
+SCHEDULER = "scheduler"
+"""The key of an LR scheduler's state dict (the same on every rank: one object, written once)."""
 FORMATS = ("dcp", "safetensors")
 MAX_SHARD_BYTES = 5 * 2**30
 """Largest safetensors file of an export (Hugging Face's default, 5 GB); bigger models are split into files
@@ -82,11 +84,15 @@ def _format(value: str) -> str:
     return value
 
 
-def save(held: Holding, path: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None) -> None:
-    """Write ``held`` (and ``optimizer``'s state) as a sharded DCP checkpoint at ``path``; collective."""
+def save(held: Holding, path: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None,
+         scheduler=None) -> None:
+    """Write ``held`` (and ``optimizer``'s and an LR ``scheduler``'s state) as a sharded DCP checkpoint at ``path``;
+    collective."""
     state: dict[str, object] = {MODEL_PREFIX + n: dcp.Sharded.of(t.detach(), p) for n, (t, p) in held.tensors.items()}
     if optimizer is not None:
         state |= optimizer_state(optimizer, held)
+    if scheduler is not None:
+        state[SCHEDULER] = scheduler.state_dict()
     write_atomically(path, lambda folder: dcp.save(state, folder, held.group, held.distributed), held.group,
                      held.distributed, _first(held))
 
@@ -113,11 +119,11 @@ def optimizer_state(optimizer: torch.optim.Optimizer, held: Holding) -> dict[str
     out: dict[str, object] = {}
     for index, values in saved["state"].items():
         name = names[index]
-        param, part = held.params[name], held.tensors[name][1]
+        mine, part = held.tensors[name]  # the parameter whole over dp, this rank's over tp
         for key, value in values.items():
             if isinstance(value, torch.Tensor):
-                value = gathered(value)  # an FSDP moment: whole over dp, like its parameter in ``held``
-                chunked = part if tuple(value.shape) == tuple(param.shape) else Part(tuple(value.shape))
+                value = gathered(value)  # a DTensor moment: whole over dp, this rank's over tp, like ``mine``
+                chunked = part if tuple(value.shape) == tuple(mine.shape) else Part(tuple(value.shape))
                 out[f"{OPTIMIZER_STATE}{name}.{key}"] = dcp.Sharded.of(value, chunked)
             else:
                 out[f"{OPTIMIZER_STATE}{name}.{key}"] = value
@@ -131,18 +137,19 @@ def optimizer_state(optimizer: torch.optim.Optimizer, held: Holding) -> dict[str
 
 
 def load(held: Holding, path: str | os.PathLike, optimizer: torch.optim.Optimizer | None, show: bool,
-         strict: bool = True, verify: bool = True, persistent: set[str] | None = None) -> None:
+         strict: bool = True, verify: bool = True, persistent: set[str] | None = None, scheduler=None) -> None:
     """Fill ``held``'s tensors (and ``optimizer``'s state) from the checkpoint at ``path``; collective over
     ``held.group`` (files verified on their manifest when ``verify``, and a failure on any rank fails every rank).
 
     Every tensor found must have the full shape and kind of dtype of the module's; parameters, and the buffers
     among ``persistent`` (the original state dict's keys), must be there unless not ``strict``."""
     reader = open_reader(path, held.group, held.distributed, verify)
-    agree(lambda: _fill(held, reader, optimizer, show, strict, persistent), held.group, held.distributed,
+    agree(lambda: _fill(held, reader, optimizer, show, strict, persistent, scheduler), held.group, held.distributed,
           f"loading the checkpoint {str(path)!r}")
 
 
-def _fill(held: Holding, reader, optimizer, show: bool, strict: bool, persistent: set[str] | None) -> None:
+def _fill(held: Holding, reader, optimizer, show: bool, strict: bool, persistent: set[str] | None,
+          scheduler=None) -> None:
     """``load``'s reading, on one rank: checked against the module first, then read in place."""
     path = reader.path
     names_of = {}
@@ -163,6 +170,21 @@ def _fill(held: Holding, reader, optimizer, show: bool, strict: bool, persistent
             raise InputError(f"checkpoint {str(path)!r} holds no optimizer state (only pm.save's DCP checkpoints do); "
                              "leave optimizer= out to load the model alone")
         load_optimizer(optimizer, held, path)
+    if scheduler is not None:
+        if not isinstance(reader, DcpReader):
+            raise InputError(f"checkpoint {str(path)!r} holds no scheduler state (only pm.save's DCP checkpoints do); "
+                             "leave scheduler= out to load the model alone")
+        load_scheduler(scheduler, path)
+
+
+def load_scheduler(scheduler, path: str | os.PathLike) -> None:
+    """Load an LR scheduler's state from a DCP checkpoint ``pm.save(..., scheduler=)`` wrote."""
+    if SCHEDULER not in dcp.read_metadata(path).state_dict_metadata:
+        raise InputError(f"checkpoint {str(path)!r} has no scheduler state; save with pm.save(path, optimizer=opt, "
+                         "scheduler=sched), or leave scheduler= out")
+    state: dict[str, object] = {SCHEDULER: None}
+    dcp.load(state, path)
+    scheduler.load_state_dict(state[SCHEDULER])
 
 
 def load_optimizer(optimizer: torch.optim.Optimizer, held: Holding, path: str | os.PathLike) -> None:
@@ -199,9 +221,10 @@ def load_optimizer(optimizer: torch.optim.Optimizer, held: Holding, path: str | 
 
 
 def _like_param(value, param: torch.Tensor):
-    """An optimizer state value as its parameter holds it: shaped like an FSDP DTensor parameter, its dp shard."""
-    if isinstance(param, DTensor) and isinstance(value, torch.Tensor) and value.shape == param.shape:
-        return distribute_tensor(value, param.device_mesh, param.placements, src_data_rank=None)
+    """An optimizer state value as its parameter holds it: shaped like a DTensor parameter (tp, FSDP or both), a
+    DTensor of its layout (the moments of a DTensor parameter are DTensors like it)."""
+    if isinstance(param, DTensor) and isinstance(value, torch.Tensor) and value.dim() == param.dim() > 0:
+        return placed_like(value, param)
     return value
 
 
@@ -263,8 +286,9 @@ class Checkpointing:
         raise NotImplementedError
 
     def save(self, path: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None, format: str = "dcp",
-             max_shard_bytes: int = MAX_SHARD_BYTES) -> None:
-        """Save the model (and ``optimizer``'s state) at ``path``; a collective call, made by every rank.
+             max_shard_bytes: int = MAX_SHARD_BYTES, *, scheduler=None) -> None:
+        """Save the model (and ``optimizer``'s and an LR ``scheduler``'s state) at ``path``; a collective call, made
+        by every rank.
 
         ``format="dcp"``: a torch.distributed.checkpoint directory in which each rank writes its own shards (no
         gather, no full copy), keyed by the original names with full sizes: ``parallelize(model, checkpoint=path)``
@@ -278,18 +302,20 @@ class Checkpointing:
         """
         held = self._holding()
         if _format(format) == "dcp":
-            save(held, path, optimizer)
+            save(held, path, optimizer, scheduler)
             return
-        if optimizer is not None:
-            raise InputError("format='safetensors' exports the model only; save optimizer state with format='dcp'")
+        if optimizer is not None or scheduler is not None:
+            raise InputError("format='safetensors' exports the model only; save optimizer and scheduler state with "
+                             "format='dcp'")
         full = self.full_state_dict()  # collective: every rank gathers
         first = _first(held)
         write_atomically(path, lambda folder: export_safetensors(full, held.aliases, folder, self.model_config, first,
                                                                  max_shard_bytes), held.group, held.distributed, first)
 
     def load(self, path: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None,
-             quiet: bool = False, strict: bool = True, verify: bool = True) -> None:
-        """Load the model's tensors (and ``optimizer``'s state, from a DCP checkpoint) from ``path``: a directory
+             quiet: bool = False, strict: bool = True, verify: bool = True, *, scheduler=None) -> None:
+        """Load the model's tensors (and ``optimizer``'s and an LR ``scheduler``'s state, from a DCP checkpoint
+        ``save`` wrote with them) from ``path``: a directory
         ``save`` wrote at any layout, a ``.safetensors`` file or a Hugging Face directory. Each rank reads only
         its own slices; the first rank draws a progress bar unless ``quiet``. A collective call, made by every rank.
 
@@ -300,4 +326,4 @@ class Checkpointing:
         held = self._holding()
         names = getattr(self, "_names", None)  # the original state dict's keys: which buffers a checkpoint holds
         persistent = set(names.state_keys) if names is not None else None
-        load(held, path, optimizer, _first(held) and not quiet, strict, verify, persistent)
+        load(held, path, optimizer, _first(held) and not quiet, strict, verify, persistent, scheduler)

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch import fx, nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from autotp.capture.torch_private import at_backward_end
 from autotp.errors import InputError
 from autotp.mixed_precision import MixedPrecision
 from autotp.options import DataParallelMode
@@ -62,13 +63,55 @@ def local(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def dp_shard(whole: torch.Tensor, like: DTensor) -> torch.Tensor:
-    """This rank's FSDP shard of ``whole`` (a tensor whole over dp), laid out as ``like``'s; no communication."""
-    return distribute_tensor(whole, like.device_mesh, like.placements, src_data_rank=None).to_local()
+    """This rank's piece of ``whole`` (a tensor whole over dp, this rank's over tp), laid out as ``like``'s; no
+    communication."""
+    return placed_like(whole, like).to_local()
+
+
+def placed_like(whole: torch.Tensor, like: DTensor) -> DTensor:
+    """``whole`` (whole over dp, this rank's piece over tp, as ``gathered`` gives it) as a DTensor laid out as
+    ``like``: an FSDP shard over dp (FSDP cuts dim 0 as ``torch.chunk`` does), the tp piece as it is; no
+    communication."""
+    mesh = like.device_mesh
+    axes = mesh.mesh_dim_names or ()
+    if "tp" not in axes:
+        return distribute_tensor(whole, mesh, like.placements, src_data_rank=None)
+    mine = whole
+    if "dp" in axes:
+        chunks = torch.chunk(whole, mesh.size(0))
+        index = mesh.get_local_rank("dp")
+        mine = chunks[index] if index < len(chunks) else whole.new_empty((0, *whole.shape[1:]))
+    return DTensor.from_local(mine.contiguous(), mesh, like.placements, run_check=False, shape=like.shape,
+                              stride=like.stride())
 
 
 def gathered(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor`` whole over the data-parallel replicas (an FSDP shard is all-gathered: collective over dp)."""
-    return tensor.detach().full_tensor() if isinstance(tensor, DTensor) else tensor
+    """``tensor`` whole over the data-parallel replicas and this rank's over tensor parallelism (an FSDP shard is
+    all-gathered: collective over dp; a tensor-parallel DTensor gives its local shard)."""
+    if not isinstance(tensor, DTensor):
+        return tensor
+    axes = tensor.device_mesh.mesh_dim_names or ()
+    if "tp" not in axes:
+        return tensor.detach().full_tensor()
+    if "dp" not in axes:
+        return tensor.detach().to_local()
+    return _dp_whole(tensor.detach())
+
+
+def _dp_whole(tensor: DTensor) -> torch.Tensor:
+    """The tp-local tensor of an FSDP-sharded tensor-parallel DTensor (a (dp, tp) mesh): its dp shards, cut by FSDP
+    along dim 0 as ``torch.chunk`` cuts (the last ones possibly short or empty), all-gathered over dp."""
+    mesh = tensor.device_mesh
+    mine = tensor.to_local()
+    group = mesh.get_group("dp")
+    lengths = [torch.zeros((), dtype=torch.int64, device=mine.device) for _ in range(mesh.size(0))]
+    dist.all_gather(lengths, torch.tensor(mine.shape[0], dtype=torch.int64, device=mine.device), group=group)
+    longest = max(int(n) for n in lengths)
+    padded = mine.new_zeros((longest, *mine.shape[1:]))
+    padded[:mine.shape[0]] = mine
+    parts = [torch.empty_like(padded) for _ in lengths]
+    dist.all_gather(parts, padded.contiguous(), group=group)
+    return torch.cat([p[:int(n)] for p, n in zip(parts, lengths)])
 
 
 class DataParallel:
@@ -102,7 +145,7 @@ class DataParallel:
         """Average the gradients of ``params`` over the replicas (``replicate``; FSDP's hooks already did)."""
         if self.sharded:
             return
-        grads = [p.grad for p in _unique(params) if p.grad is not None]
+        grads = [local(p.grad) for p in _unique(params) if p.grad is not None]
         reduce_dtype = self.policy.reduce if self.policy is not None else None
         for bucket in _buckets(grads, BUCKET_BYTES):
             flat = torch.cat([g.reshape(-1) for g in bucket])
@@ -111,6 +154,30 @@ class DataParallel:
             flat.div_(self.size)
             for grad, part in zip(bucket, flat.split([g.numel() for g in bucket])):
                 grad.copy_(part.view_as(grad))
+
+    def average_in_backward(self, params: Iterable[nn.Parameter]) -> None:
+        """Under ``replicate``, average the gradients of ``params`` at the end of every backward that reaches them,
+        as DDP does: the loop written for one process (``loss.backward()`` per micro-batch, then the optimizer) then
+        trains the replicas as one. Each backward averages everything accumulated so far; what earlier backwards
+        averaged is already equal on every replica, so the sum stays the mean of the micro-batches' gradients."""
+        if self.sharded:
+            return
+        params = [p for p in _unique(params) if p.requires_grad]
+        queued = False
+
+        def run() -> None:
+            nonlocal queued
+            queued = False
+            self.average_gradients(params)
+
+        def hook(_) -> None:
+            nonlocal queued
+            if not queued:
+                queued = True
+                at_backward_end(run)
+
+        for p in params:
+            p.register_post_accumulate_grad_hook(hook)
 
     def counts(self) -> bool:
         """Whether this replica's gradients enter a norm over all ranks: each shard under fsdp; under

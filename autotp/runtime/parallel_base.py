@@ -9,12 +9,14 @@ across its stages.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import fx, nn
 
+from autotp.capture.torch_private import release_groups
 from autotp.errors import InputError
 from autotp.options import Options
 from autotp.planning.plan import Plan
@@ -27,6 +29,14 @@ from autotp.runtime.input_spec import InputSpec
 from autotp.runtime.precision import Retyped
 from autotp.runtime.process import close_at_exit
 from autotp.runtime.state import StateNames, gather_tp, split_param
+
+
+def checked_scale(loss_scale) -> float:
+    """``loss_scale`` as a float, refused unless a positive finite number."""
+    if isinstance(loss_scale, bool) or not isinstance(loss_scale, (int, float)) or not 0 < loss_scale < math.inf:
+        raise InputError(f"loss_scale must be a positive finite number (1/k to average k accumulated "
+                         f"micro-batches), got {loss_scale!r}")
+    return float(loss_scale)
 
 
 @dataclass(frozen=True)
@@ -96,9 +106,11 @@ class ParallelBase(Checkpointing, Retyped, nn.Module):
         return self._dp.size if self._dp is not None else 1
 
     def step(self, *inputs, target: torch.Tensor | None = None, loss_fn: Callable | None = None,
-             **kwargs) -> torch.Tensor:
+             loss_scale: float = 1.0, **kwargs) -> torch.Tensor:
         """Forward and backward on the inputs (positional or keyword, as the model takes them); returns the
-        (detached) loss, and the gradients land in ``parameters()``, averaged over data-parallel replicas."""
+        (detached, unscaled) loss, and the gradients of ``loss * loss_scale`` are added to ``parameters()``'
+        (averaged over data-parallel replicas): ``loss_scale=1/k`` over k accumulated micro-batches trains on
+        their mean."""
         raise NotImplementedError
 
     def loss(self, *inputs, target: torch.Tensor | None = None, loss_fn: Callable | None = None,
@@ -108,8 +120,8 @@ class ParallelBase(Checkpointing, Retyped, nn.Module):
                          "interleaves them over microbatches): use pm.step, or pp=1 for pm.loss")
 
     def average_gradients(self) -> None:
-        """Average the gradients over the data-parallel replicas, after a backward of your own under
-        ``dp_mode='replicate'`` (``step`` does it; under fsdp, FSDP's hooks do it during backward)."""
+        """Average the gradients over the data-parallel replicas under ``dp_mode='replicate'``. Without pipelines
+        every backward does it at its end, as DDP does (under fsdp, FSDP's hooks); calling it again changes nothing."""
         if self._dp is not None:
             self._dp.average_gradients(self.parameters())
 
@@ -162,6 +174,9 @@ class ParallelBase(Checkpointing, Retyped, nn.Module):
 
     def close(self) -> None:
         """Release the process groups this module holds (done at exit); it cannot communicate afterwards."""
+        meshes = {id(m): m for m in (getattr(p, "device_mesh", None) for p in self.parameters()) if m is not None}
+        for mesh in meshes.values():  # the DTensor parameters' meshes hold their groups too
+            release_groups(mesh)
         if self.comm is not None and hasattr(self.comm, "close"):
             self.comm.close()
         if self._dp is not None:

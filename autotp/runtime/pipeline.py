@@ -35,7 +35,7 @@ from autotp.runtime.batch_agreement import check_same_inputs
 from autotp.runtime.data_parallel import DataParallel, check_unshared, local, unsharded
 from autotp.runtime.mesh import Mesh, global_rank
 from autotp.runtime.outputs import SplitOutputs, deferred, output_gathers, step_loss
-from autotp.runtime.parallel_base import ParallelBase, RankParts
+from autotp.runtime.parallel_base import ParallelBase, RankParts, checked_scale
 from autotp.runtime.peers import group_timeout, guarded
 
 
@@ -106,6 +106,7 @@ class PipelineModule(ParallelBase):
                                                group=mesh.pp_group) for i, m in stages[True].items()]
         self._schedule = None
         self._loss_fn: Callable | None = None
+        self._backward_scale = 1.0
         self._output_gathers = output_gathers(self.stages.values())
         self._split: SplitOutputs | None = None
         """The outputs the running step left split (its last stage's output gathers are deferred)."""
@@ -144,13 +145,14 @@ class PipelineModule(ParallelBase):
         def flat_loss(output, target):
             # The last stage returns the model's outputs flattened; the user's loss sees them as the model's.
             leaves = [output] if isinstance(output, torch.Tensor) else list(output)  # 1-tuples arrive unwrapped
-            return step_loss(tree_unflatten(leaves, self._out_spec), target, self._loss_fn, self._split)
+            loss = step_loss(tree_unflatten(leaves, self._out_spec), target, self._loss_fn, self._split)
+            return loss * self._backward_scale
 
         cls = _SCHEDULES[self.schedule]
         stages = self._pipeline_stages if self.schedule.virtual else self._pipeline_stages[0]
         # scale_grads=False: torch divides each stage's gradients as that stage finishes, so a weight two stages
         # on one rank share (a tied embedding and head in a V) would be divided twice, or before its last part
-        # is added; ``_scale_gradients`` divides every tensor once, after the whole step.
+        # is added, and gradients accumulated by an earlier step would be divided too; the loss is scaled instead.
         return cls(stages, self.microbatches, loss_fn=flat_loss, scale_grads=False)
 
     def _check_batch(self, inputs) -> None:
@@ -160,19 +162,21 @@ class PipelineModule(ParallelBase):
                              "use a batch that is a multiple of it, or change microbatches")
 
     def step(self, *inputs, target: torch.Tensor | None = None, loss_fn: Callable | None = None,
-             **kwargs) -> torch.Tensor:
+             loss_scale: float = 1.0, **kwargs) -> torch.Tensor:
         """Forward and backward over the microbatches; returns the full-batch loss on every rank.
 
         The inputs may be positional or keyword, as the model takes them. The loss is the mean of the
         microbatch losses (equal sizes): exact for mean-reduced losses, matching the gradients, which the
         schedule averages over microbatches. ``target`` is required: see ``_refuse_own_loss``. With data
         parallelism each replica passes its own slice and gets its slice's loss; gradients are averaged over
-        the replicas.
+        the replicas. Gradients are added to those already there: over k accumulated steps pass ``loss_scale=1/k``
+        (the backward is of the loss times ``loss_scale``; the returned loss is unscaled).
         """
+        scale = checked_scale(loss_scale)
         with guarded("step"):
-            return self._step(inputs, kwargs, target, loss_fn)
+            return self._step(inputs, kwargs, target, loss_fn, scale)
 
-    def _step(self, inputs: tuple, kwargs: dict, target, loss_fn) -> torch.Tensor:
+    def _step(self, inputs: tuple, kwargs: dict, target, loss_fn, scale: float) -> torch.Tensor:
         _refuse_own_loss(target, kwargs)
         inputs = self._inputs.arrange(inputs, kwargs)
         # Completed before the schedule runs, not overlapped with it (as the tensor-parallel module's is): the
@@ -180,6 +184,8 @@ class PipelineModule(ParallelBase):
         check_same_inputs((*self._inputs.names, "target"), (*inputs, target), self._replica)
         self._check_batch(inputs)
         self._loss_fn = loss_fn
+        # Each microbatch's loss backward is scaled so the step adds the mean over microbatches (times the scale).
+        self._backward_scale = scale / self.microbatches
         losses: list[torch.Tensor] = []
         args = inputs if self.holds_first else ()
         kwargs = {"target": target, "losses": losses} if self.holds_last else {}
@@ -189,18 +195,11 @@ class PipelineModule(ParallelBase):
                 self._schedule = self._make_schedule()
             self._schedule.step(*args, **kwargs)
         self._split = None
-        self._scale_gradients()
         self.average_gradients()
         self._sum_tied_grads()
-        loss = torch.stack(losses).mean().detach() if self.holds_last else torch.zeros((), device=self.mesh.device)
+        loss = (torch.stack(losses).sum() / scale).detach() if self.holds_last else torch.zeros((), device=self.mesh.device)
         dist.broadcast(loss, src=self.mesh.rank_of(self.num_stages - 1), group=self.mesh.pp_group)
         return loss
-
-    def _scale_gradients(self) -> None:
-        """Gradients of the mean over microbatches: the schedule summed the microbatches' (equal sizes)."""
-        for param in self.parameters():  # each tensor once, however many stages read it
-            if param.grad is not None:
-                param.grad.div_(self.microbatches)
 
     def _sum_tied_grads(self) -> None:
         held = {k: p for m in self.stages.values() for k, p in m.named_parameters()}

@@ -11,10 +11,12 @@ from torch import fx, nn
 
 from autotp.errors import InputError
 from autotp.runtime.batch_agreement import inputs_started
+from autotp.runtime.data_parallel import local
+from autotp.runtime.drift import Fingerprints
 from autotp.runtime.generation import Generation, rank_tensors
 from autotp.runtime.loss_graphs import LossGraphs
 from autotp.runtime.outputs import checked_loss, deferred, output_gathers, step_loss
-from autotp.runtime.parallel_base import ParallelBase, RankParts
+from autotp.runtime.parallel_base import ParallelBase, RankParts, checked_scale
 from autotp.runtime.peers import guarded
 
 
@@ -42,7 +44,20 @@ class ParallelModule(ParallelBase):
         self._compiled = {mode: torch.compile(gm) for mode, gm in graphs.items()} if compiled else None
         for gather in self._output_gathers if compiled else ():
             gather.overwritable = False  # a compiled graph may keep its outputs for its own backward
+        if self._dp is not None:
+            self._dp.average_in_backward(self.parameters())  # replicate: as DDP, at the end of every backward
+        self._replicated = Fingerprints(self._replicated_params() if self.comm is not None else {})
         self._start(parts.training)
+
+    def _replicated_params(self) -> dict[str, torch.Tensor]:
+        """This rank's stored piece of every parameter all tp ranks hold whole, by original name (``drift``)."""
+        out = {}
+        for target, p in self.module.named_parameters():
+            name = self._names.param_name(target)
+            placement = self.plan.placements.get(self._names.aliases.get(name, name))
+            if (placement is None or not placement.is_split) and local(p).numel():
+                out[name] = local(p).detach()
+        return out
 
     @property
     def rank(self) -> int:
@@ -76,7 +91,8 @@ class ParallelModule(ParallelBase):
         # The tp ranks must hold one batch (and target): checked by one small all-gather begun before the graph
         # runs and completed before its first collective (the compute before it hides the all-gather's latency).
         def agree(flat):
-            complete = inputs_started((*self._inputs.names, "target"), (*flat, target), self.comm)
+            complete = inputs_started((*self._inputs.names, "target"), (*flat, target), self.comm,
+                                      (self._replicated.names, self._replicated.digests()))
             if self._compiled is not None:
                 complete()  # before a compiled graph, which must not trace the communicator's pending check
             return complete
@@ -84,9 +100,11 @@ class ParallelModule(ParallelBase):
             return self._inputs.run(graph or self._graph(), inputs, kwargs, agree)
 
     def step(self, *inputs, target: torch.Tensor | None = None, loss_fn: Callable | None = None,
-             **kwargs) -> torch.Tensor:
+             loss_scale: float = 1.0, **kwargs) -> torch.Tensor:
         """Forward and backward on the inputs (positional or keyword, as the model takes them); returns the
-        (detached) loss. Gradients land in ``parameters()``.
+        (detached, unscaled) loss. Gradients land in ``parameters()``, added to those already there: over k
+        micro-batches of gradient accumulation pass ``loss_scale=1/k`` to train on their mean (the backward is of
+        ``loss * loss_scale``, as ``(loss / k).backward()`` in a loop of your own).
 
         The loss is ``loss_fn(output, target)`` (default: cross-entropy of the logits) when ``target`` is
         given; else the model's own (``output.loss``, which a Hugging Face model computes when the inputs
@@ -95,10 +113,10 @@ class ParallelModule(ParallelBase):
         loss; the gradients are averaged over the replicas, so one optimizer step equals a single process's on
         the whole batch (for a mean-reduced loss over equal slices).
         """
+        scale = checked_scale(loss_scale)
         with guarded("step"):
             loss = self.loss(*inputs, target=target, loss_fn=loss_fn, **kwargs)
-            loss.backward()
-            self.average_gradients()
+            (loss * scale if scale != 1.0 else loss).backward()  # replicas' gradients averaged at its end
         return loss.detach()
 
     def close(self) -> None:

@@ -1,0 +1,76 @@
+"""Graphs that read DTensor parameters as local tensors: a ``get_attr`` followed by a differentiable ``to_local``.
+
+The parallel module's parameters state their tensor-parallel layout as DTensors (``runtime.tp_params``), while
+every rank graph computes on this rank's local tensors, exactly as it was rewritten to. Backward, ``to_local``
+hands the local gradient back as a DTensor of the parameter's placement.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import fx, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate
+
+from autotp.rewrite.data_writes import data_of
+from autotp.rewrite.graph_edit import set_tensor
+
+
+def to_local(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``'s local piece, differentiably (a graph's op after reading a DTensor parameter); a plain tensor as
+    it is."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def read_locally(gm: fx.GraphModule) -> None:
+    """Follow every ``get_attr`` of a DTensor parameter in ``gm`` by ``to_local``, so the graph computes on local
+    tensors. A ``.data`` write (``data_writes``) keeps reading the parameter itself: it writes in place, outside
+    autograd."""
+    changed = False
+    for node in list(gm.graph.find_nodes(op="get_attr")):
+        if not isinstance(_attr(gm, node.target), DTensor) or any(u.target is to_local for u in node.users):
+            continue
+        with gm.graph.inserting_after(node):
+            reader = gm.graph.call_function(to_local, (node,))
+        node.replace_all_uses_with(reader, delete_user_cb=lambda user: user is not reader and user.target is not data_of)
+        changed = True
+    if changed:
+        gm.graph.lint()
+        gm.recompile()
+
+
+def _attr(gm: nn.Module, target: str):
+    owner, _, name = target.rpartition(".")
+    try:
+        return getattr(gm.get_submodule(owner) if owner else gm, name)
+    except AttributeError:
+        return None
+
+
+def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
+    stride, out = 1, []
+    for size in reversed(shape):
+        out.append(stride)
+        stride *= max(size, 1)
+    return tuple(reversed(out))
+
+
+def as_dtensor(local: nn.Parameter, mesh: DeviceMesh, placement, shape: tuple[int, ...]) -> nn.Parameter:
+    """A DTensor parameter over ``mesh`` whose local tensor is ``local``'s (same storage) and global shape ``shape``."""
+    shape = tuple(shape) if not isinstance(placement, Replicate) else tuple(local.shape)
+    made = DTensor.from_local(local.detach(), mesh, [placement], run_check=False, shape=torch.Size(shape),
+                              stride=_contiguous_stride(shape))
+    return nn.Parameter(made, requires_grad=local.requires_grad)
+
+
+def distribute(graphs: list[fx.GraphModule], layout, mesh: DeviceMesh) -> None:
+    """Make the parameters of ``graphs`` (one rank's, sharing tensors) DTensors over the tp ``mesh``, placed as
+    ``layout(target, local_shape)`` says (a placement and the full shape), and have every graph read them locally.
+    Tensors the graphs share stay shared."""
+    made: dict[int, nn.Parameter] = {}
+    for gm in graphs:
+        for target, param in list(gm.named_parameters(remove_duplicate=False)):
+            if id(param) not in made:
+                made[id(param)] = as_dtensor(param, mesh, *layout(target, tuple(param.shape)))
+            set_tensor(gm, target, made[id(param)])
+        read_locally(gm)

@@ -1,0 +1,46 @@
+"""The loop people write trains the parallel module exactly like the unsharded model: micro-batch accumulation with
+``(out.loss / k).backward()``, torch's own ``clip_grad_norm_`` on ``pm.parameters()`` (DTensors that state their
+tensor-parallel layout), an optimizer and an LR scheduler; drifted replicated parameters are named; ``pm.step``'s
+loss scale; a scheduler saved and loaded with the module."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from autotp.errors import InputError
+from autotp.runtime.parallel_base import checked_scale
+from tests import loop_workers
+from tests.distributed import run_on_ranks
+
+
+@pytest.mark.parametrize("tp, dp, mode", [(2, 1, "replicate"), (2, 2, "replicate"), (2, 2, "fsdp")])
+def test_the_plain_loop_with_torch_clipping_trains_like_one_process(tp, dp, mode):
+    """The worker compared torch's clipped norm every step and every parameter after; here: each rank finished."""
+    assert run_on_ranks(loop_workers.loop_trains_like_one_process, tp * dp, tp, dp, mode) == [
+        f"tp={tp} dp={dp} {mode}"] * (tp * dp)
+
+
+def test_replicated_parameters_that_drift_apart_are_named():
+    """An optimizer stepped on one rank only: the next forward names a replicated parameter and the likely causes,
+    on both ranks alike."""
+    (message, replicated), (other, _) = run_on_ranks(loop_workers.drift_is_named, 2)
+    assert message == other
+    assert message.split(",")[0] in replicated, message
+    for cause in ("holds whole, holds different values on ranks [1]", "clip_grad_norm_", "optimizer stepped"):
+        assert cause in message, message
+
+
+def test_step_with_a_loss_scale_accumulates_like_one_process():
+    run_on_ranks(loop_workers.step_accumulates_like_one_process, 2)
+
+
+def test_the_scheduler_is_saved_and_loaded_with_the_module(tmp_path):
+    run_on_ranks(loop_workers.scheduler_survives_save_and_load, 2, str(tmp_path / "ckpt"))
+
+
+@pytest.mark.parametrize("bad", [0, -0.5, math.inf, math.nan, "1/4", True, None])
+def test_a_loss_scale_that_is_no_positive_number_is_refused(bad):
+    with pytest.raises(InputError, match="loss_scale must be a positive finite number"):
+        checked_scale(bad)
