@@ -69,10 +69,11 @@ class ParallelModule(ParallelBase):
         return self.module if self.training else self.eval_module
 
     def forward(self, *inputs, **kwargs):
-        """The original model's output, identical on every rank."""
-        return self._run(inputs, kwargs, None)
+        """The original model's output, identical on every rank (called without the labels it was captured with,
+        the output the model gives without them, where they feed its loss alone: ``runtime.labels``)."""
+        return self._run(inputs, kwargs, None, stand_in_labels=True)
 
-    def _run(self, inputs: tuple, kwargs: dict, target: torch.Tensor | None, graph=None):
+    def _run(self, inputs: tuple, kwargs: dict, target: torch.Tensor | None, graph=None, stand_in_labels=False):
         # The tp ranks must hold one batch (and target): checked by one small all-gather begun before the graph
         # runs and completed before its first collective (the compute before it hides the all-gather's latency).
         def agree(flat):
@@ -81,7 +82,7 @@ class ParallelModule(ParallelBase):
                 complete()  # before a compiled graph, which must not trace the communicator's pending check
             return complete
         with guarded("forward"):
-            return self._inputs.run(graph or self._graph(), inputs, kwargs, agree)
+            return self._inputs.run(graph or self._graph(), inputs, kwargs, agree, stand_in_labels)
 
     def step(self, *inputs, target: torch.Tensor | None = None, loss_fn: Callable | None = None,
              **kwargs) -> torch.Tensor:
