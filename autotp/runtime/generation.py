@@ -189,7 +189,8 @@ class Generation:
             raise InputError("generate runs the tensor-parallel graphs on whole parameters; under dp_mode='fsdp' "
                              "they are sharded over the replicas: use dp_mode='replicate' (or dp=1) to generate")
         as_dict, output_logits = given.pop("return_dict_in_generate"), given.pop("output_logits")
-        settings = resolve(pm.generation_config, given)
+        config = given.pop("generation_config", None)
+        settings = resolve(config if config is not None else pm.generation_config, given)
         ids, mask = prompt_of(input_ids, attention_mask)
         seen = [] if output_logits else None
         if not self.no_cache:

@@ -110,7 +110,7 @@ class PretrainedModelLike:
         """The part of the full tensor ``name`` this rank's ``tensor`` is."""
         placement = self.plan.placements.get(name)
         split = placement is not None and placement.is_split
-        shape = self._names.shapes[name] if split else tuple(plain(tensor).shape)
+        shape = self._names.shapes[name] if split else tuple(tensor.shape)  # an FSDP DTensor's: whole over dp
         return part_of(placement, shape, self.tp_rank, self.plan.tp)
 
     def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):

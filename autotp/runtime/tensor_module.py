@@ -16,6 +16,7 @@ from autotp.runtime.loss_graphs import LossGraphs
 from autotp.runtime.outputs import checked_loss, deferred, output_gathers, step_loss
 from autotp.runtime.parallel_base import ParallelBase, RankParts
 from autotp.runtime.peers import guarded
+from autotp.runtime.sampling import check_extra
 
 
 class ParallelModule(ParallelBase):
@@ -120,7 +121,7 @@ class ParallelModule(ParallelBase):
                  max_new_tokens: int | None = None, do_sample: bool | None = None, temperature: float | None = None,
                  top_k: int | None = None, top_p: float | None = None, eos_token_id=None,
                  pad_token_id: int | None = None, return_dict_in_generate: bool = False,
-                 output_logits: bool = False):
+                 output_logits: bool = False, generation_config=None, **kwargs):
         """What ``model.generate`` returns (the prompts followed by the new tokens), on every rank (collective).
 
         Arguments are Hugging Face's; unset ones come from the model's ``generation_config``, then transformers'
@@ -128,14 +129,18 @@ class ParallelModule(ParallelBase):
         with each rank holding its split of the cache (``runtime.generation``); one without re-runs the sequence
         for every token. Runs under ``torch.inference_mode()`` on the current weights, in eval mode. With
         ``return_dict_in_generate`` it returns an object with ``sequences`` (and each step's ``logits`` with
-        ``output_logits``), as transformers does.
+        ``output_logits``), as transformers does. ``generation_config`` replaces ``pm.generation_config`` for this
+        call. Any other argument of transformers' ``generate`` raises ``InputError`` unless it changes nothing
+        (``use_cache``, ``num_beams=1``): beam search and the other logits processors are not implemented.
         """
+        check_extra(kwargs)
         if self.generation is None:
             raise InputError("this parallel module was built without its model's structure; build it with "
                              "autotp.parallelize to generate")
         given = {"max_new_tokens": max_new_tokens, "do_sample": do_sample, "temperature": temperature,
                  "top_k": top_k, "top_p": top_p, "eos_token_id": eos_token_id, "pad_token_id": pad_token_id,
-                 "return_dict_in_generate": return_dict_in_generate, "output_logits": output_logits}
+                 "return_dict_in_generate": return_dict_in_generate, "output_logits": output_logits,
+                 "generation_config": generation_config}
         return self.generation.generate(self, input_ids, attention_mask, given)
 
     def loss(self, *inputs, target: torch.Tensor | None = None, loss_fn: Callable | None = None,
