@@ -208,6 +208,11 @@ class Generation:
                 out = self.cached.run(ids, mask, settings, pick, seen)
         return GenerateOutput(out, tuple(seen) if seen is not None else None) if as_dict else out
 
+    def prepare(self, pm) -> None:
+        """Build the cached steps now (``pm.prepare_generation``)."""
+        if not self.no_cache:
+            self._build(pm)
+
     def _build(self, pm) -> None:
         """The cached steps, once; a model whose cached step cannot be captured re-runs instead, saying why."""
         if self.cached is not None:

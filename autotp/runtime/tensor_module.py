@@ -143,6 +143,16 @@ class ParallelModule(ParallelBase):
                  "generation_config": generation_config}
         return self.generation.generate(self, input_ids, attention_mask, given)
 
+    def prepare_generation(self) -> None:
+        """Capture and build ``generate``'s prefill and decode steps now rather than at the first ``generate`` (a
+        collective call: every rank makes it). The capture takes about as long as capturing the model once more
+        (seconds for a small Hugging Face decoder); done here, say while setting up, the first ``generate`` is
+        as fast as the next. A model without a KV cache has nothing to capture."""
+        if self.generation is None:
+            raise InputError("this parallel module was built without its model's structure; build it with "
+                             "autotp.parallelize to generate")
+        self.generation.prepare(self)
+
     def loss(self, *inputs, target: torch.Tensor | None = None, loss_fn: Callable | None = None,
              **kwargs) -> torch.Tensor:
         """The forward half of ``step``: the loss it trains on (same arguments), with its graph, for a backward
