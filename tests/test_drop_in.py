@@ -4,9 +4,12 @@ against the unsharded model."""
 from __future__ import annotations
 
 import pytest
+import torch
+from torch import nn
 
-from autotp.runtime.hf_model import shard_bytes
+from autotp.capture import capture
 from autotp.errors import InputError
+from autotp.runtime.hf_model import shard_bytes
 from tests import drop_in_workers
 from tests.distributed import run_on_ranks
 
@@ -59,3 +62,24 @@ def test_max_shard_size_reads_like_transformers():
     assert shard_bytes("5GB") == 5 * 10**9 and shard_bytes("10MiB") == 10 * 2**20 and shard_bytes(1000) == 1000
     with pytest.raises(InputError, match="max_shard_size"):
         shard_bytes("lots")
+
+
+class _Tagger(nn.Module):
+    """Reads input_ids through an embedding and adds labels: the two inputs play different parts."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(10, 4)
+
+    def forward(self, input_ids, labels):
+        return self.emb(input_ids).sum(-1) + labels
+
+
+def test_one_tensor_given_as_two_example_inputs_is_captured_as_two_inputs():
+    """labels=input_ids in the example (the usual batch): export traced one value, and the graph read one input
+    where the model reads the other, silently wrong once a call gives them different values."""
+    torch.manual_seed(0)
+    model, ids = _Tagger(), torch.randint(0, 10, (2, 3))
+    captured = capture(model, {"input_ids": ids, "labels": ids})
+    a, b = torch.randint(0, 10, (2, 3)), torch.randint(0, 10, (2, 3))
+    assert torch.equal(captured.module(a, b), model(a, b))

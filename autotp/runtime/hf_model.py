@@ -97,14 +97,15 @@ class PretrainedModelLike:
         """The dtype of this rank's first floating-point parameter (as ``PreTrainedModel.dtype``)."""
         return next(p.dtype for p in self.parameters() if p.is_floating_point())
 
-    def _own_tensors(self, keep_vars: bool = False) -> dict[str, torch.Tensor]:
-        """This rank's tensors under their kept (original) names, each once (both modes' graphs share them)."""
-        own = {}
+    def _holders(self) -> dict[str, list[torch.Tensor]]:
+        """This rank's tensors under their kept (original) names: one per name, or one per stage holding it (a
+        tied weight read by two of this rank's pipeline stages); both modes' graphs share them."""
+        held: dict[str, list[torch.Tensor]] = {}
         for module in self.rank_modules():
-            for target, t in module.state_dict(keep_vars=keep_vars).items():
+            for target, t in module.state_dict(keep_vars=True).items():
                 if not target.startswith("autotp_"):
-                    own.setdefault(self._names.param_name(target), t)
-        return own
+                    held.setdefault(self._names.param_name(target), []).append(t)
+        return held
 
     def _part(self, name: str, tensor: torch.Tensor) -> Part:
         """The part of the full tensor ``name`` this rank's ``tensor`` is."""
@@ -120,7 +121,7 @@ class PretrainedModelLike:
         if args:
             raise InputError("pass state_dict's arguments by name (destination=, prefix=, keep_vars=)")
         out = destination if destination is not None else {}
-        own = {k: (t if keep_vars else plain(t).detach()) for k, t in self._own_tensors(keep_vars=True).items()}
+        own = {k: (ts[0] if keep_vars else plain(ts[0]).detach()) for k, ts in self._holders().items()}
         for key in self._names.state_keys:
             kept = self._names.aliases.get(key, key)
             if kept in own:
@@ -136,10 +137,21 @@ class PretrainedModelLike:
         if assign:
             raise InputError("load_state_dict(assign=True) would replace this rank's shards by the given tensors; "
                              "leave assign out: the values are copied into this rank's slices")
-        names = self._names
-        own = self._own_tensors(keep_vars=True)
-        known = set(names.state_keys)
+        copies, missing = self._copies(state_dict)
+        known = set(self._names.state_keys)
         unexpected = [k for k in state_dict if k not in known]
+        if strict and (missing or unexpected):
+            raise CheckpointError(f"load_state_dict: missing keys {missing[:5]}, unexpected keys {unexpected[:5]}; "
+                                  "pass the original model's state dict (or pm.state_dict()), or strict=False")
+        with torch.no_grad():
+            for target, value in copies:
+                target.copy_(value)
+        return IncompatibleKeys(missing, unexpected)
+
+    def _copies(self, state_dict) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list[str]]:
+        """(this rank's tensor, the values to copy into it) for every tensor this rank holds, checked, and the keys
+        of those the state dict lacks."""
+        names, own = self._names, self._holders()
         keys_of: dict[str, list[str]] = {}
         for key in names.state_keys:
             keys_of.setdefault(names.aliases.get(key, key), []).append(key)
@@ -150,8 +162,8 @@ class PretrainedModelLike:
                 if given is None:
                     missing += keys
                 else:
-                    copies.append((plain(own[kept]), slice_for(given, state_dict[given], self._part(kept, own[kept]),
-                                                               own[kept])))
+                    value = slice_for(given, state_dict[given], self._part(kept, own[kept][0]), own[kept][0])
+                    copies += [(plain(t), value) for t in own[kept]]
                 continue
             for key in keys:  # state the graph never reads, kept whole on every rank (none: another stage's)
                 value = names.extra_state.get(key)
@@ -161,13 +173,7 @@ class PretrainedModelLike:
                     missing.append(key)
                 else:
                     copies.append((value, slice_for(key, state_dict[key], Part(tuple(value.shape)), value)))
-        if strict and (missing or unexpected):
-            raise CheckpointError(f"load_state_dict: missing keys {missing[:5]}, unexpected keys {unexpected[:5]}; "
-                                  "pass the original model's state dict (or pm.state_dict()), or strict=False")
-        with torch.no_grad():
-            for target, value in copies:
-                target.copy_(value)
-        return IncompatibleKeys(missing, unexpected)
+        return copies, missing
 
     def _export_configs(self) -> list:
         """What an export writes beside the tensors: the config (its ``dtype`` and ``architectures`` set on a
