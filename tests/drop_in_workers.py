@@ -137,6 +137,8 @@ def drop_in_at_two(rank: int, world: int, folder: str) -> dict:
     out["positional"] = float((pm(ids).logits - ref(ids).logits).abs().max())
     out["eval_loss"] = float((pm(input_ids=ids, labels=labels).loss - ref(input_ids=ids, labels=labels).loss).abs())
     out["step_without_labels"] = _error(lambda: pm.loss(input_ids=ids))
+    pm.prepare_generation()  # the steps captured now: the first generate below captures nothing
+    out["prepared"] = pm.generation.cached is not None
     greedy = pm.generate(ids, max_new_tokens=4, num_beams=1, use_cache=True)
     out["generate"] = torch.equal(greedy, ref.generate(ids, max_new_tokens=4, do_sample=False))
     out["beams"] = _error(lambda: pm.generate(ids, max_new_tokens=4, num_beams=2))
