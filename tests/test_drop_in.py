@@ -83,3 +83,27 @@ def test_one_tensor_given_as_two_example_inputs_is_captured_as_two_inputs():
     captured = capture(model, {"input_ids": ids, "labels": ids})
     a, b = torch.randint(0, 10, (2, 3)), torch.randint(0, 10, (2, 3))
     assert torch.equal(captured.module(a, b), model(a, b))
+
+
+class _NextTokenLoss(nn.Module):
+    """Labels one longer than the ids (the loss reads labels[:, 1:]): a stand-in shaped like the ids cannot fit."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.head = nn.Embedding(16, 8), nn.Linear(8, 16)
+
+    def forward(self, input_ids, labels):
+        logits = self.head(self.emb(input_ids))
+        return {"loss": nn.functional.cross_entropy(logits.flatten(0, 1), labels[:, 1:].flatten()), "logits": logits}
+
+
+def test_labels_that_no_stand_in_fits_are_asked_for():
+    import autotp
+
+    torch.manual_seed(0)
+    model, ids = _NextTokenLoss(), torch.randint(0, 16, (2, 5))
+    pm = autotp.parallelize(model, tp=1, example_inputs={"input_ids": ids, "labels": torch.randint(0, 16, (2, 6))})
+    with pytest.raises(InputError, match="stand-in labels of shape \\(2, 5\\) did not fit its loss.*pass labels"):
+        pm(input_ids=ids)
+    labels = torch.randint(0, 16, (2, 6))
+    torch.testing.assert_close(pm(input_ids=ids, labels=labels)["loss"], model(ids, labels)["loss"])

@@ -15,7 +15,7 @@ import torch
 from torch import fx
 
 from autotp.capture import Captured, Signature, name_inputs
-from autotp.errors import InputError
+from autotp.errors import AutotpError, InputError
 from autotp.passes.graph import sizes
 from autotp.passes.projections import find_embeddings
 from autotp.planning import Plan
@@ -108,14 +108,26 @@ class InputSpec:
             if "Guard failed" not in str(e):
                 raise
             guard = str(e).strip().splitlines()[0]
+            if dropped:
+                raise self._stand_in_failed(flat, guard) from e
             raise InputError(f"these inputs' sizes are outside what the model was captured for ({guard}); the "
                              "capture keeps sizes dynamic only within the bounds the model's code allows (a "
                              "position table, a cached mask), and an image's height and width not at all: use "
                              "shorter inputs, or capture with example_inputs of the longest size (the image size) "
                              "you will use") from e
+        except RuntimeError as e:
+            if not dropped or isinstance(e, AutotpError):
+                raise
+            raise self._stand_in_failed(flat, e) from e
         finally:
             if complete is not None:
                 complete()
+
+    def _stand_in_failed(self, flat: tuple, why) -> InputError:
+        """The error for stand-in labels the model's loss (or its captured sizes) did not take."""
+        shape = tuple(flat[self.names.index(LABELS)].shape)
+        return InputError(f"the model was captured with labels and called without them; stand-in labels of shape "
+                          f"{shape} did not fit its loss ({why}): pass labels, or capture without them to evaluate")
 
 
 def _capture_hint(name: str) -> str:
