@@ -141,6 +141,15 @@ def drop_in_at_two(rank: int, world: int, folder: str) -> dict:
     out["prepared"] = pm.generation.cached is not None
     greedy = pm.generate(ids, max_new_tokens=4, num_beams=1, use_cache=True)
     out["generate"] = torch.equal(greedy, ref.generate(ids, max_new_tokens=4, do_sample=False))
+    from transformers import GenerationConfig
+
+    given = GenerationConfig(max_new_tokens=3, do_sample=False)
+    out["given_config"] = torch.equal(pm.generate(ids, generation_config=given),
+                                      ref.generate(ids, generation_config=given))
+    before = pm.generation_config.max_new_tokens
+    pm.generation_config.max_new_tokens = 2  # the config generate reads, as on a transformers model
+    out["edited_config"] = pm.generate(ids).shape[1] - ids.shape[1]
+    pm.generation_config.max_new_tokens = before  # as the model's again, for the export below
     out["beams"] = _error(lambda: pm.generate(ids, max_new_tokens=4, num_beams=2))
     out["penalty"] = _error(lambda: pm.generate(ids, max_new_tokens=4, repetition_penalty=1.2))
     out["unknown"] = _error(lambda: pm.generate(ids, max_new_tokens=4, foo=1))

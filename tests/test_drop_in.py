@@ -24,7 +24,7 @@ def test_a_tensor_parallel_llama_answers_like_the_model(tmp_path):
         assert r["eval_keys"] == ["logits"] and r["eval_logits"] < 1e-5 and r["positional"] < 1e-5, r
         assert r["eval_loss"] < 1e-5, r
         assert "labels is missing" in r["step_without_labels"], r  # a training loss still needs them
-        assert r["prepared"] and r["generate"], r
+        assert r["prepared"] and r["generate"] and r["given_config"] and r["edited_config"] == 2, r
         assert r["beams"].startswith("InputError") and "num_beams=2" in r["beams"], r
         assert r["penalty"].startswith("InputError") and "repetition_penalty" in r["penalty"], r
         assert r["unknown"].startswith("InputError") and "foo" in r["unknown"], r
