@@ -5,6 +5,7 @@ They connect the stages: capture → passes and planning → rewrite → runtime
 
 from __future__ import annotations
 
+import copy
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -273,7 +274,8 @@ def _data_parallel(options: Options, mesh: Mesh | None = None) -> DataParallel |
 def _parts(built: Built, comm, stream: RankStream, names, dp: DataParallel | None) -> RankParts:
     """What the parallel module of ``built`` is made of, besides its graphs."""
     return RankParts(built.plan, built.options, comm, stream, InputSpec.of(built.graphs[True], built.plan), names, dp,
-                     getattr(built.model, "config", None), built.model.training)
+                     getattr(built.model, "config", None), built.model.training,
+                     copy.deepcopy(getattr(built.model, "generation_config", None)))
 
 
 def _recompute(built: Built, train_graphs: list[torch.fx.GraphModule], stream: RankStream) -> None:

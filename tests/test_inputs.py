@@ -107,7 +107,8 @@ def llama_with_labels():
 
 
 def test_inputs_are_named_by_the_parameter_they_bind_to(llama_with_labels):
-    """Positional or keyword, in any order, None for a None default: one call; twice or missing: refused."""
+    """Positional or keyword, in any order, None for a None default: one call; twice: refused. Without the labels
+    it was captured with, a forward gives the model's output without them; a loss still needs them."""
     model, batch, pm = llama_with_labels
     want = model(**batch, use_cache=False)
     for got in (pm(**batch), pm(batch["input_ids"], batch["attention_mask"], labels=batch["labels"]),
@@ -117,8 +118,12 @@ def test_inputs_are_named_by_the_parameter_they_bind_to(llama_with_labels):
         torch.testing.assert_close(got.loss, want.loss)
     with pytest.raises(autotp.InputError, match="gives 'input_ids' twice"):
         pm(batch["input_ids"], input_ids=batch["input_ids"])
+    unlabelled = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+    got = pm(**unlabelled)
+    assert "loss" not in got
+    torch.testing.assert_close(got.logits, model(**unlabelled, use_cache=False).logits)
     with pytest.raises(autotp.InputError, match="input labels is missing.*captured with input_ids, attention_mask"):
-        pm(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+        pm.loss(**unlabelled)
 
 
 def test_step_on_the_models_own_loss_and_on_a_target(llama_with_labels):

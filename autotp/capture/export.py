@@ -131,6 +131,19 @@ def _quiet_torch_logs():
         torch_logger.setLevel(level)
 
 
+def unaliased(inputs: tuple) -> tuple:
+    """The example inputs, each tensor its own: one tensor given as two inputs (``labels=input_ids``, the usual
+    language-model batch) is traced by export as one value, and the graph would then read either input where the
+    model reads the other, silently wrong once a call gives them different values. Later aliases are copied."""
+    seen, out = set(), []
+    for x in inputs:
+        key = (x.untyped_storage().data_ptr(), x.device) if isinstance(x, torch.Tensor) and x.numel() else None
+        out.append(x.clone() if key in seen else x)
+        if key is not None:
+            seen.add(key)
+    return tuple(out)
+
+
 def _export(wrapper: _CaptureWrapper, inputs: tuple, dynamic: bool) -> fx.GraphModule:
     """One torch.export attempt; with ``dynamic`` the input dimensions ``dynamic_shapes`` names are Dim.AUTO.
 
@@ -328,7 +341,7 @@ def capture(model: nn.Module, example_inputs, training: bool | None = None, *, f
 def _capture(model: nn.Module, example_inputs, training: bool | None, fallbacks: bool) -> Captured:
     require_module(model)
     example = example_inputs_of(model, example_inputs)
-    inputs = example.flat
+    inputs = unaliased(example.flat)
     wrapper = _CaptureWrapper(model, example, model_kwargs(model))
     errors, functions, assumptions = [], set(), ()
     config = getattr(model, "config", None)  # a transformers model's settings, which a refusal may name

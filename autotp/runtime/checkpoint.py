@@ -235,11 +235,12 @@ def _state_keys(keys, name: str) -> list[str]:
     return [k for k in keys if k.startswith(prefix) and "." not in k[len(prefix):]]
 
 
-def export_safetensors(full: dict[str, object], aliases: dict[str, str], path: str | os.PathLike, config,
+def export_safetensors(full: dict[str, object], aliases: dict[str, str], path: str | os.PathLike, configs,
                        write: bool, max_shard_bytes: int = MAX_SHARD_BYTES) -> None:
     """Write the full tensors ``full`` (original keys) in Hugging Face's layout: each tied tensor once, under its
-    first name (as ``save_pretrained`` does), files of at most ``max_shard_bytes`` with their index, and
-    ``config.json`` when ``config`` can save itself. Only the rank with ``write`` writes."""
+    first name (as ``save_pretrained`` does), files of at most ``max_shard_bytes`` with their index, and each of
+    ``configs`` that can save itself (``config.json``, ``generation_config.json``). Only the rank with ``write``
+    writes."""
     if not write:
         return
     from safetensors.torch import save_file
@@ -253,13 +254,23 @@ def export_safetensors(full: dict[str, object], aliases: dict[str, str], path: s
                                                       for i in range(len(files))]
     for file_name, names in zip(file_names, files):
         save_file({n: tensors[n] for n in names}, str(folder / file_name), metadata={"format": "pt"})
+        _readable(folder / file_name)
     if len(files) > 1:
         weight_map = {n: file_name for file_name, names in zip(file_names, files) for n in names}
         total = sum(t.numel() * t.element_size() for t in tensors.values())
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (folder / HF_INDEX).write_text(json.dumps(index, indent=2), encoding="utf-8")
-    if config is not None and hasattr(config, "save_pretrained"):
-        config.save_pretrained(str(folder))
+    for config in configs:
+        if config is not None and hasattr(config, "save_pretrained"):
+            config.save_pretrained(str(folder))
+
+
+def _readable(path: Path) -> None:
+    """Give ``path`` the mode a new file gets under the process's umask: safetensors writes 0600 (through a
+    private temporary file), which hides an export from the group that a config.json beside it is shared with."""
+    mask = os.umask(0)
+    os.umask(mask)
+    path.chmod(0o666 & ~mask)
 
 
 def _split_files(tensors: dict[str, torch.Tensor], max_bytes: int) -> list[list[str]]:
@@ -285,6 +296,10 @@ class Checkpointing:
     def _holding(self) -> Holding:
         raise NotImplementedError
 
+    def _export_configs(self) -> list:
+        """The configs a safetensors export writes beside the tensors."""
+        return [self.model_config]
+
     def save(self, path: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None, format: str = "dcp",
              max_shard_bytes: int = MAX_SHARD_BYTES, *, scheduler=None) -> None:
         """Save the model (and ``optimizer``'s and an LR ``scheduler``'s state) at ``path``; a collective call, made
@@ -294,7 +309,8 @@ class Checkpointing:
         gather, no full copy), keyed by the original names with full sizes: ``parallelize(model, checkpoint=path)``
         or ``pm.load(path)`` at any ``(tp, pp)`` reads it back. ``format="safetensors"``: full tensors gathered
         and written by the first rank in Hugging Face's layout (``model.safetensors``, or files of at most
-        ``max_shard_bytes`` with ``model.safetensors.index.json``, and the model's ``config.json``), which
+        ``max_shard_bytes`` with ``model.safetensors.index.json``, the model's ``config.json`` and
+        ``generation_config.json``), which
         ``from_pretrained(path)`` loads; model only.
 
         Either is written beside ``path`` and renamed into place once every rank has finished, with a manifest of
@@ -308,8 +324,9 @@ class Checkpointing:
             raise InputError("format='safetensors' exports the model only; save optimizer and scheduler state with "
                              "format='dcp'")
         full = self.full_state_dict()  # collective: every rank gathers
+        configs = self._export_configs()
         first = _first(held)
-        write_atomically(path, lambda folder: export_safetensors(full, held.aliases, folder, self.model_config, first,
+        write_atomically(path, lambda folder: export_safetensors(full, held.aliases, folder, configs, first,
                                                                  max_shard_bytes), held.group, held.distributed, first)
 
     def load(self, path: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None,

@@ -14,7 +14,6 @@ continues the same sequences whatever the floating point does.
 
 from __future__ import annotations
 
-import copy
 import warnings
 import weakref
 from collections.abc import Callable
@@ -155,11 +154,11 @@ def prompt_of(input_ids, attention_mask) -> tuple[torch.Tensor, torch.Tensor]:
 
 class Generation:
     """What ``ParallelModule.generate`` needs besides the rank graphs: the model's structure (captured again for the
-    generation steps, its weights never copied), its generation_config, and the random stream of sampling."""
+    generation steps, its weights never copied) and the random stream of sampling (the generation_config is the
+    parallel module's own, ``pm.generation_config``)."""
 
     def __init__(self, model: nn.Module, build_steps: BuildSteps):
         self._build_steps = build_steps
-        self.config = copy.deepcopy(getattr(model, "generation_config", None))
         self.no_cache = why_no_cache(model)
         # The parallel module must not keep the user's weights alive (the steps read its own shards): a model with
         # weights is held weakly until the first generate captures its steps; one on the meta device costs nothing.
@@ -190,7 +189,8 @@ class Generation:
             raise InputError("generate runs the tensor-parallel graphs on whole parameters; under dp_mode='fsdp' "
                              "they are sharded over the replicas: use dp_mode='replicate' (or dp=1) to generate")
         as_dict, output_logits = given.pop("return_dict_in_generate"), given.pop("output_logits")
-        settings = resolve(self.config, given)
+        config = given.pop("generation_config", None)
+        settings = resolve(config if config is not None else pm.generation_config, given)
         ids, mask = prompt_of(input_ids, attention_mask)
         seen = [] if output_logits else None
         if not self.no_cache:
@@ -208,6 +208,11 @@ class Generation:
             else:
                 out = self.cached.run(ids, mask, settings, pick, seen)
         return GenerateOutput(out, tuple(seen) if seen is not None else None) if as_dict else out
+
+    def prepare(self, pm) -> None:
+        """Build the cached steps now (``pm.prepare_generation``)."""
+        if not self.no_cache:
+            self._build(pm)
 
     def _build(self, pm) -> None:
         """The cached steps, once; a model whose cached step cannot be captured re-runs instead, saying why."""

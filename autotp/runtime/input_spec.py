@@ -15,11 +15,12 @@ import torch
 from torch import fx
 
 from autotp.capture import Captured, Signature, name_inputs
-from autotp.errors import InputError
+from autotp.errors import AutotpError, InputError
 from autotp.passes.graph import sizes
 from autotp.passes.projections import find_embeddings
 from autotp.planning import Plan
 from autotp.runtime.batch_agreement import check_token_ids
+from autotp.runtime.labels import LABELS, labels_feed_loss_only, stand_in, without_loss
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,8 @@ class InputSpec:
     """(input, table rows, table name) for each input read as token ids by an embedding table."""
     sizes: tuple[tuple[str, ...], ...] = ()
     """Each input's sizes as captured (a symbol's name where dynamic): inputs sharing a symbol must agree."""
+    optional_labels: bool = False
+    """Whether a forward may leave out ``labels`` (they feed the loss alone: ``runtime.labels``)."""
 
     @classmethod
     def of(cls, captured: Captured, plan: Plan | None = None) -> InputSpec:
@@ -52,12 +55,17 @@ class InputSpec:
         return cls(captured.input_names, tuple(v.dtype for v in values), tuple(v.dim() for v in values),
                    captured.signature, sequence_dims, plan.tp if plan is not None else 1,
                    token_tables(captured.graph, placeholders),
-                   tuple(tuple(str(s) for s in sizes(n)) for n in placeholders))
+                   tuple(tuple(str(s) for s in sizes(n)) for n in placeholders),
+                   LABELS in captured.input_names
+                   and labels_feed_loss_only(captured.graph, captured.input_names, captured.out_spec))
 
-    def arrange(self, args: tuple, kwargs: dict) -> tuple[torch.Tensor, ...]:
+    def arrange(self, args: tuple, kwargs: dict, stand_in_labels: bool = False) -> tuple[torch.Tensor, ...]:
         """The call's inputs in the graph's order; ``InputError`` names the first that is missing, extra or
-        does not fit."""
+        does not fit. With ``stand_in_labels``, labels left out of a call are made up where they feed the loss
+        alone (``fills_labels`` says whether they would be)."""
         named = name_inputs(self.signature, args, kwargs)
+        if stand_in_labels and self.fills_labels(named):
+            named[LABELS] = self._stand_in(named)
         extra = [name for name in named if name not in self.names]
         if extra:
             raise InputError(f"{extra[0]} is not an input the model was captured with (it was captured with "
@@ -78,26 +86,48 @@ class InputSpec:
                                  f"{self.tp}, or plan without sequence_parallel")
         return flat
 
-    def run(self, module: fx.GraphModule, args: tuple, kwargs: dict, agree=None):
+    def fills_labels(self, named: dict) -> bool:
+        """Whether a call of these named inputs leaves out labels that a stand-in can replace."""
+        return self.optional_labels and LABELS not in named and self._stand_in(named) is not None
+
+    def _stand_in(self, named: dict):
+        i = self.names.index(LABELS)
+        return stand_in(self.sizes[i], self.dtypes[i], named, dict(zip(self.names, self.sizes)))
+
+    def run(self, module: fx.GraphModule, args: tuple, kwargs: dict, agree=None, stand_in_labels: bool = False):
         """``module`` on the call's inputs, after checking them; ``agree(inputs)`` begins the check across ranks and
         returns the function completing it, called once the module has run or failed (a mismatch found then is
-        the cause to report). A failed capture guard becomes an ``InputError``."""
-        flat = self.arrange(args, kwargs)
+        the cause to report). A failed capture guard becomes an ``InputError``. With ``stand_in_labels`` a call
+        without labels gets the output the model gives without them (``runtime.labels``)."""
+        dropped = stand_in_labels and self.fills_labels(name_inputs(self.signature, args, kwargs))
+        flat = self.arrange(args, kwargs, stand_in_labels)
         complete = agree(flat) if agree is not None else None
         try:
-            return module(*flat)
+            return without_loss(module(*flat)) if dropped else module(*flat)
         except AssertionError as e:
             if "Guard failed" not in str(e):
                 raise
             guard = str(e).strip().splitlines()[0]
+            if dropped:
+                raise self._stand_in_failed(flat, guard) from e
             raise InputError(f"these inputs' sizes are outside what the model was captured for ({guard}); the "
                              "capture keeps sizes dynamic only within the bounds the model's code allows (a "
                              "position table, a cached mask), and an image's height and width not at all: use "
                              "shorter inputs, or capture with example_inputs of the longest size (the image size) "
                              "you will use") from e
+        except RuntimeError as e:
+            if not dropped or isinstance(e, AutotpError):
+                raise
+            raise self._stand_in_failed(flat, e) from e
         finally:
             if complete is not None:
                 complete()
+
+    def _stand_in_failed(self, flat: tuple, why) -> InputError:
+        """The error for stand-in labels the model's loss (or its captured sizes) did not take."""
+        shape = tuple(flat[self.names.index(LABELS)].shape)
+        return InputError(f"the model was captured with labels and called without them; stand-in labels of shape "
+                          f"{shape} did not fit its loss ({why}): pass labels, or capture without them to evaluate")
 
 
 def _capture_hint(name: str) -> str:

@@ -25,6 +25,7 @@ from autotp.rewrite.streams import RankStream
 from autotp.runtime.checkpoint import Checkpointing, Holding, holding
 from autotp.runtime.data_parallel import DataParallel, gathered, local
 from autotp.runtime.grad_norm import clip_grad_norm_, is_counted
+from autotp.runtime.hf_model import PretrainedModelLike
 from autotp.runtime.input_spec import InputSpec
 from autotp.runtime.precision import Retyped
 from autotp.runtime.process import close_at_exit
@@ -56,15 +57,17 @@ class RankParts:
     model_config: object = None
     training: bool = True
     """The original model's mode, which the module starts in."""
+    generation_config: object = None
+    """A copy of the original model's ``generation_config`` (None: it has none)."""
 
 
-class ParallelBase(Checkpointing, Retyped, nn.Module):
+class ParallelBase(PretrainedModelLike, Checkpointing, Retyped, nn.Module):
     """The part of a parallel module every kind shares (see the module docstring)."""
 
     def __init__(self, parts: RankParts):
         super().__init__()
         self.plan, self.options, self.comm = parts.plan, parts.options, parts.comm
-        self.model_config = parts.model_config
+        self.model_config, self.generation_config = parts.model_config, parts.generation_config
         self._stream, self._inputs, self._names, self._dp = parts.stream, parts.inputs, parts.names, parts.dp
 
     def _start(self, training: bool) -> None:

@@ -27,12 +27,14 @@ from torch.distributed.pipelining import (
 )
 from torch.utils._pytree import tree_unflatten
 
+from autotp.capture import name_inputs
 from autotp.capture.kv_cache import PIPELINE_NOTE
 from autotp.errors import InputError, PlanError
 from autotp.options import Schedule
 from autotp.rewrite.comm import TorchComm
 from autotp.runtime.batch_agreement import check_same_inputs
 from autotp.runtime.data_parallel import DataParallel, check_unshared, local, unsharded
+from autotp.runtime.labels import without_loss
 from autotp.runtime.mesh import Mesh, global_rank
 from autotp.runtime.outputs import SplitOutputs, deferred, output_gathers, step_loss
 from autotp.runtime.parallel_base import ParallelBase, RankParts, checked_scale
@@ -221,7 +223,8 @@ class PipelineModule(ParallelBase):
             return self._forward(inputs, kwargs)
 
     def _forward(self, inputs: tuple, kwargs: dict):
-        inputs = self._inputs.arrange(inputs, kwargs)
+        dropped = self._inputs.fills_labels(name_inputs(self._inputs.signature, inputs, kwargs))
+        inputs = self._inputs.arrange(inputs, kwargs, stand_in_labels=True)
         check_same_inputs(self._inputs.names, inputs, self._replica)
         stages = self.stages if self.training else self.eval_stages
         hidden = None
@@ -240,7 +243,8 @@ class PipelineModule(ParallelBase):
                 hidden = self._recv(index, index + 1)
         box = [outputs]
         dist.broadcast_object_list(box, src=self.mesh.rank_of(self.num_stages - 1), group=self.mesh.pp_group)
-        return tree_unflatten(box[0], self._out_spec)
+        output = tree_unflatten(box[0], self._out_spec)
+        return without_loss(output) if dropped else output  # called without labels: as the model, no loss
 
     def _send(self, hidden: torch.Tensor, to_stage: int) -> None:
         dst = self.mesh.rank_of(to_stage)

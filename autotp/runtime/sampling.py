@@ -23,6 +23,33 @@ _UNSUPPORTED = {"num_beams": 1, "repetition_penalty": 1.0, "no_repeat_ngram_size
                 "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "top_h": None, "num_return_sequences": 1}
 
 
+#: generate arguments that change nothing autotp computes, with the values that keep it so (None: any value).
+_NEUTRAL = {"use_cache": None, "output_attentions": False, "output_hidden_states": False, "output_scores": False,
+            "streamer": None, "synced_gpus": None, "return_legacy_cache": None}
+
+_BEAM_ONLY = ("length_penalty", "early_stopping", "num_beam_groups", "diversity_penalty")
+"""Beam search's own settings: they change nothing without ``num_beams`` > 1 (which is refused)."""
+
+
+def check_extra(kwargs: dict) -> None:
+    """Refuse, with what to change, any other ``generate`` argument than those autotp implements: a setting it
+    does not implement (beam search, a repetition penalty, ...) unless at its no-op value, an argument that
+    changes nothing (``use_cache``) at any value it can take, and anything else."""
+    for name, value in kwargs.items():
+        if name in _UNSUPPORTED:
+            if value is not None and value != _UNSUPPORTED[name]:
+                what = " (beam search)" if name == "num_beams" else ""
+                raise InputError(f"generate({name}={value!r}){what} is not implemented by autotp's generate, which "
+                                 f"decodes greedily or by sampling; leave {name} out (or {_UNSUPPORTED[name]!r})")
+        elif name in _NEUTRAL:
+            if _NEUTRAL[name] is not None and value not in (None, _NEUTRAL[name]):
+                raise InputError(f"generate({name}={value!r}) is not implemented by autotp's generate; leave it out")
+        elif name not in _BEAM_ONLY:
+            raise InputError(f"generate does not take {name}=; autotp's generate takes input_ids, attention_mask, "
+                             "max_new_tokens, do_sample, temperature, top_k, top_p, eos_token_id, pad_token_id, "
+                             "generation_config, return_dict_in_generate and output_logits")
+
+
 @dataclass(frozen=True)
 class Settings:
     """How tokens are chosen and when a sequence stops."""

@@ -18,6 +18,7 @@ from autotp.runtime.loss_graphs import LossGraphs
 from autotp.runtime.outputs import checked_loss, deferred, output_gathers, step_loss
 from autotp.runtime.parallel_base import ParallelBase, RankParts, checked_scale
 from autotp.runtime.peers import guarded
+from autotp.runtime.sampling import check_extra
 
 
 class ParallelModule(ParallelBase):
@@ -84,10 +85,11 @@ class ParallelModule(ParallelBase):
         return self.module if self.training else self.eval_module
 
     def forward(self, *inputs, **kwargs):
-        """The original model's output, identical on every rank."""
-        return self._run(inputs, kwargs, None)
+        """The original model's output, identical on every rank (called without the labels it was captured with,
+        the output the model gives without them, where they feed its loss alone: ``runtime.labels``)."""
+        return self._run(inputs, kwargs, None, stand_in_labels=True)
 
-    def _run(self, inputs: tuple, kwargs: dict, target: torch.Tensor | None, graph=None):
+    def _run(self, inputs: tuple, kwargs: dict, target: torch.Tensor | None, graph=None, stand_in_labels=False):
         # The tp ranks must hold one batch (and target): checked by one small all-gather begun before the graph
         # runs and completed before its first collective (the compute before it hides the all-gather's latency).
         def agree(flat):
@@ -97,7 +99,7 @@ class ParallelModule(ParallelBase):
                 complete()  # before a compiled graph, which must not trace the communicator's pending check
             return complete
         with guarded("forward"), self.precision_autocast():
-            return self._inputs.run(graph or self._graph(), inputs, kwargs, agree)
+            return self._inputs.run(graph or self._graph(), inputs, kwargs, agree, stand_in_labels)
 
     def step(self, *inputs, target: torch.Tensor | None = None, loss_fn: Callable | None = None,
              loss_scale: float = 1.0, **kwargs) -> torch.Tensor:
@@ -137,7 +139,7 @@ class ParallelModule(ParallelBase):
                  max_new_tokens: int | None = None, do_sample: bool | None = None, temperature: float | None = None,
                  top_k: int | None = None, top_p: float | None = None, eos_token_id=None,
                  pad_token_id: int | None = None, return_dict_in_generate: bool = False,
-                 output_logits: bool = False):
+                 output_logits: bool = False, generation_config=None, **kwargs):
         """What ``model.generate`` returns (the prompts followed by the new tokens), on every rank (collective).
 
         Arguments are Hugging Face's; unset ones come from the model's ``generation_config``, then transformers'
@@ -145,15 +147,29 @@ class ParallelModule(ParallelBase):
         with each rank holding its split of the cache (``runtime.generation``); one without re-runs the sequence
         for every token. Runs under ``torch.inference_mode()`` on the current weights, in eval mode. With
         ``return_dict_in_generate`` it returns an object with ``sequences`` (and each step's ``logits`` with
-        ``output_logits``), as transformers does.
+        ``output_logits``), as transformers does. ``generation_config`` replaces ``pm.generation_config`` for this
+        call. Any other argument of transformers' ``generate`` raises ``InputError`` unless it changes nothing
+        (``use_cache``, ``num_beams=1``): beam search and the other logits processors are not implemented.
         """
+        check_extra(kwargs)
         if self.generation is None:
             raise InputError("this parallel module was built without its model's structure; build it with "
                              "autotp.parallelize to generate")
         given = {"max_new_tokens": max_new_tokens, "do_sample": do_sample, "temperature": temperature,
                  "top_k": top_k, "top_p": top_p, "eos_token_id": eos_token_id, "pad_token_id": pad_token_id,
-                 "return_dict_in_generate": return_dict_in_generate, "output_logits": output_logits}
+                 "return_dict_in_generate": return_dict_in_generate, "output_logits": output_logits,
+                 "generation_config": generation_config}
         return self.generation.generate(self, input_ids, attention_mask, given)
+
+    def prepare_generation(self) -> None:
+        """Capture and build ``generate``'s prefill and decode steps now rather than at the first ``generate`` (a
+        collective call: every rank makes it). The capture takes about as long as capturing the model once more
+        (seconds for a small Hugging Face decoder); done here, say while setting up, the first ``generate`` is
+        as fast as the next. A model without a KV cache has nothing to capture."""
+        if self.generation is None:
+            raise InputError("this parallel module was built without its model's structure; build it with "
+                             "autotp.parallelize to generate")
+        self.generation.prepare(self)
 
     def loss(self, *inputs, target: torch.Tensor | None = None, loss_fn: Callable | None = None,
              **kwargs) -> torch.Tensor:
