@@ -31,6 +31,7 @@ _LAZY = {
     "Collective": "autotp.planning", "Placement": "autotp.planning", "PlacementKind": "autotp.planning",
     "Plan": "autotp.planning", "Region": "autotp.planning", "ParallelModule": "autotp.runtime",
     "PipelineModule": "autotp.runtime", "empty_weights": "autotp.runtime.meta_init",
+    "parallelism_config": "autotp.runtime.integrations",
 }
 """Names imported on first use: ``autotp --help`` and ``import autotp.errors`` must not pay for torch."""
 
@@ -50,5 +51,6 @@ def __getattr__(name: str):
 __all__ = [
     "AutotpError", "CaptureError", "CheckReport", "CheckpointError", "Collective", "InputError", "InternalError",
     "Options", "ParallelModule", "PipelineModule", "Placement", "PlacementKind", "Plan", "PlanError", "RankFailure",
-    "Region", "RuntimeSetupError", "UnsupportedTorchError", "check", "empty_weights", "parallelize", "plan",
+    "Region", "RuntimeSetupError", "UnsupportedTorchError", "check", "empty_weights", "parallelism_config",
+    "parallelize", "plan",
 ]

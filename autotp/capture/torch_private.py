@@ -174,3 +174,18 @@ def _kept(tensor: torch.Tensor, device, dtype) -> bool:
     same_device = device is None or tensor.device == device
     same_dtype = dtype is None or not (tensor.is_floating_point() or tensor.is_complex()) or tensor.dtype == dtype
     return same_device and same_dtype
+
+
+def active_ddp_module():
+    """The DistributedDataParallel module whose forward is running (calling this one), or None.
+
+    Private: ``DistributedDataParallel._active_ddp_module``, which DDP sets around its wrapped module's call
+    (for torch.compile's DDP optimiser); checked on torch 2.13. A release without it raises ``InternalError``
+    here, rather than a DDP wrap going unnoticed.
+    """
+    from torch.nn.parallel import DistributedDataParallel
+
+    if not hasattr(DistributedDataParallel, "_active_ddp_module"):
+        raise _changed("how DistributedDataParallel marks its running forward",
+                       "DistributedDataParallel._active_ddp_module")
+    return DistributedDataParallel._active_ddp_module

@@ -12,13 +12,14 @@ from torch import fx, nn
 from autotp.errors import InputError
 from autotp.runtime.batch_agreement import inputs_started
 from autotp.runtime.generation import Generation, rank_tensors
+from autotp.runtime.integrations import TrainerFacing, signed_forward
 from autotp.runtime.loss_graphs import LossGraphs
 from autotp.runtime.outputs import checked_loss, deferred, output_gathers, step_loss
 from autotp.runtime.parallel_base import ParallelBase, RankParts
 from autotp.runtime.peers import guarded
 
 
-class ParallelModule(ParallelBase):
+class ParallelModule(TrainerFacing, ParallelBase):
     """This rank's piece of a tensor-parallel model; computes what the original model computes.
 
     It holds the model's train-mode and eval-mode graphs (sharing one set of shards): ``train()`` and
@@ -68,9 +69,12 @@ class ParallelModule(ParallelBase):
             return self._compiled[self.training]
         return self.module if self.training else self.eval_module
 
+    @signed_forward
     def forward(self, *inputs, **kwargs):
-        """The original model's output, identical on every rank."""
-        return self._run(inputs, kwargs, None)
+        """The original model's output, identical on every rank (Hugging Face's keyword arguments as
+        ``runtime.integrations`` says)."""
+        call = self._hf_call(kwargs)
+        return call.finish(self._run(inputs, call.kwargs, None))
 
     def _run(self, inputs: tuple, kwargs: dict, target: torch.Tensor | None, graph=None):
         # The tp ranks must hold one batch (and target): checked by one small all-gather begun before the graph

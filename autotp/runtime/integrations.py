@@ -1,0 +1,289 @@
+"""transformers' ``Trainer`` and accelerate's ``Accelerator`` on a parallel module: what they read, what they pass.
+
+Both were written for a model that is either whole on every rank (then they wrap it in DistributedDataParallel
+over all ranks and give every rank its own batch) or already sharded by transformers (then they leave it alone,
+and give the ranks of one tensor-parallel group one batch). A parallel module is the second kind, so it answers
+as such a model does:
+
+- ``pm.tp_size`` and ``pm.config.distributed_config`` (``tp_size``, ``dp_size``): ``Trainer`` reads them and
+  builds accelerate's ``ParallelismConfig(tp_size, dp_shard_size)`` itself; with accelerate alone, build the
+  ``Accelerator`` with ``parallelism_config(pm)``. accelerate then skips its DDP wrap and shards the data by
+  data-parallel rank (global rank // tp): the tp ranks of a replica read one batch, replicas different ones.
+- ``pm.forward`` answers ``inspect.signature`` with the original model's forward (``Trainer`` keeps only the
+  dataset columns it names, and passes ``num_items_in_batch`` when it takes ``**kwargs``).
+- Hugging Face's keyword arguments (``HFCall``): ``num_items_in_batch`` is honoured exactly when the module was
+  captured with it (the graph holds the model's own ``sum / num_items_in_batch``) and refused, saying how,
+  when not; ``return_dict=False`` gives the output's tuple; ``use_cache``, ``output_attentions`` and
+  ``output_hidden_states`` are ignored where they change nothing and refused where they would.
+- A DistributedDataParallel wrap spanning the ranks of one model replica (plain ``Accelerator().prepare(pm)``)
+  broadcasts the first rank's shards over the others' and averages gradients of different shards: it is
+  refused at the first forward, with what to do instead (``refuse_replica_ddp``).
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from autotp.capture import Signature
+from autotp.capture.torch_private import active_ddp_module
+from autotp.errors import InputError, RuntimeSetupError
+from autotp.options import Options
+
+ITEMS = "num_items_in_batch"
+"""The keyword Trainer passes so that a loss is normalised over the whole accumulated global batch."""
+
+_IGNORED_WHEN_AS_CAPTURED = ("use_cache", "output_attentions", "output_hidden_states")
+"""Keywords that change only which extra outputs a Hugging Face model returns: ignored when they ask for what the
+capture computed (the model's config value, or None), refused otherwise."""
+
+
+@dataclass(frozen=True)
+class DistributedLayout:
+    """A parallel module's layout, as transformers' ``DistributedConfig`` states a sharded model's (what
+    ``Trainer`` reads from ``model.config.distributed_config``, and accelerate's ``get_model_tp_size``)."""
+
+    tp_size: int
+    dp_replicate_size: int
+    """The data-parallel replicas (each reads its own slice of the global batch)."""
+    fsdp_size: int = 1
+    pp_size: int = 1
+
+    @property
+    def dp_size(self) -> int:
+        """The number of ranks that each read a distinct batch (transformers' ``dp_replicate_size * fsdp_size``)."""
+        return self.dp_replicate_size * self.fsdp_size
+
+
+def rank_config(config, options: Options):
+    """A copy of the model's ``config`` carrying the module's ``distributed_config``, or None without a config.
+
+    A copy: the user's model keeps its own config untouched. transformers drops ``distributed_config`` when it
+    writes a config (``to_dict``), so exports are unchanged.
+    """
+    if config is None:
+        return None
+    mine = copy.copy(config)
+    try:
+        mine.distributed_config = DistributedLayout(options.tp, options.dp, pp_size=options.pp)
+    except (AttributeError, TypeError):  # a frozen or slotted config: Trainer then builds no ParallelismConfig
+        return config
+    return mine
+
+
+@dataclass(frozen=True)
+class LayoutOnly:
+    """The ``config`` of a parallel module whose model has none: only its ``distributed_config``."""
+
+    distributed_config: DistributedLayout
+
+
+def facing(pm, model):
+    """``pm``, answering what Trainer reads of ``model`` besides its config: ``loss_type`` (a causal LM's loss
+    shifts the labels, so Trainer counts ``num_items_in_batch`` over ``labels[..., 1:]``)."""
+    pm.loss_type = getattr(model, "loss_type", None)
+    return pm
+
+
+class TrainerFacing:
+    """What Trainer and accelerate read of a model, answered by a parallel module (a mixin of ``ParallelModule``,
+    which provides ``options``, ``model_config`` and ``_inputs``)."""
+
+    _loss_kwargs: bool | None = None
+    loss_type: str | None = None
+    """The original model's ``loss_type`` (``facing``)."""
+
+    @property
+    def tp_size(self) -> int:
+        """The tensor-parallel degree (transformers' ``model.tp_size``; Trainer and accelerate read it)."""
+        return self.options.tp
+
+    @property
+    def config(self):
+        """The original model's config (a copy carrying ``distributed_config``, the layout Trainer reads)."""
+        if self.model_config is not None:
+            return self.model_config
+        return LayoutOnly(DistributedLayout(self.options.tp, self.options.dp, pp_size=self.options.pp))
+
+    @property
+    def accepts_loss_kwargs(self) -> bool:
+        """Whether Trainer passes ``num_items_in_batch`` (as it would to the original model, whose forward takes
+        ``**kwargs``). Set it False to have Trainer train on each batch's mean loss instead (a module captured
+        without ``num_items_in_batch`` refuses it)."""
+        if self._loss_kwargs is not None:
+            return self._loss_kwargs
+        return ITEMS in self._inputs.names or self._inputs.signature.var_keyword
+
+    @accepts_loss_kwargs.setter
+    def accepts_loss_kwargs(self, value: bool) -> None:
+        self._loss_kwargs = bool(value)
+
+    def _hf_call(self, kwargs: dict) -> HFCall:
+        """This call's keyword arguments sorted (``HFCall``), after refusing a DDP wrap over this replica."""
+        refuse_replica_ddp(self.comm)
+        if not kwargs:
+            return HFCall(kwargs)
+        return HFCall.of(kwargs, self._inputs.names, self._inputs.dtypes, self.model_config,
+                         lambda: "set pm.accepts_loss_kwargs = False before building the Trainer")
+
+
+def parallelism_config(pm):
+    """accelerate's ``ParallelismConfig`` for ``pm``: build the ``Accelerator`` with it
+    (``Accelerator(parallelism_config=autotp.parallelism_config(pm))``, or pass it to ``TrainingArguments``) so
+    that ``prepare`` leaves ``pm`` unwrapped and gives each data-parallel replica its own batches, the
+    tensor-parallel ranks of a replica the same ones.
+
+    ``Trainer(model=pm)`` builds the same by itself on GPUs (``tp_size``, and ``dp_shard_size`` for the replicas:
+    to accelerate that names only how the data is sharded; ``pm`` averages gradients over its replicas itself).
+    accelerate 1.15 accepts tensor parallelism only on accelerators; this config also accepts CPU ranks (gloo),
+    where accelerate's handling of a tensor-parallel model is the same.
+    """
+    if pm.options.pp > 1:
+        raise InputError(f"accelerate has no pipeline parallelism (this module has pp={pm.options.pp}): train it with "
+                         "pm.step in your own loop, or parallelize with pp=1 for accelerate and Trainer")
+    return _config_class()(tp_size=pm.options.tp, dp_shard_size=pm.dp_size)
+
+
+def _config_class():
+    """accelerate's ``ParallelismConfig``, accepting CPU ranks too (accelerate asks for an accelerator only because
+    its own tensor parallelism shards on one; a parallel module is sharded already)."""
+    from accelerate import ParallelismConfig
+    from accelerate.utils import DistributedType
+
+    class AutotpParallelism(ParallelismConfig):
+        """``ParallelismConfig`` of a parallel module (``autotp.parallelism_config``)."""
+
+        def _validate_accelerator(self, accelerator) -> None:
+            if accelerator.distributed_type is not DistributedType.MULTI_CPU:
+                return super()._validate_accelerator(accelerator)
+            if self.total_size != accelerator.num_processes:
+                raise RuntimeSetupError(f"the parallel module spans {self.total_size} ranks (tp={self.tp_size} x "
+                                        f"dp={self.dp_shard_size}) but accelerate runs {accelerator.num_processes} "
+                                        "processes: launch as many as the module's world size")
+            return None
+
+    return AutotpParallelism
+
+
+def forward_signature(signature: Signature) -> inspect.Signature:
+    """The original forward's parameters as ``inspect.Signature`` (what Trainer inspects to choose columns)."""
+    kinds, params, defaulted = inspect.Parameter, [], False
+    for name in signature.positional:
+        defaulted = defaulted or name in signature.none_default
+        params.append(kinds(name, kinds.POSITIONAL_OR_KEYWORD, default=None if defaulted else kinds.empty))
+    if signature.var_positional:
+        params.append(kinds("args", kinds.VAR_POSITIONAL))
+    for name in sorted(signature.keywords - set(signature.positional)):
+        params.append(kinds(name, kinds.KEYWORD_ONLY, default=None if name in signature.none_default else kinds.empty))
+    if signature.var_keyword:
+        params.append(kinds("kwargs", kinds.VAR_KEYWORD))
+    return inspect.Signature(params)
+
+
+class _BoundForward:
+    """``pm.forward``: calls the module's forward, and has the original model's signature."""
+
+    def __init__(self, function: Callable, module):
+        self.__func__, self.__self__ = function, module
+
+    def __call__(self, *args, **kwargs):
+        return self.__func__(self.__self__, *args, **kwargs)
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        return forward_signature(self.__self__._inputs.signature)
+
+    @property
+    def __doc__(self):
+        return self.__func__.__doc__
+
+
+class signed_forward:  # noqa: N801 (used as a decorator, like property)
+    """Decorates a parallel module's ``forward`` so that ``inspect.signature(pm.forward)`` is the captured model's:
+    a method's signature is its class's function's, the same for every instance, so ``forward`` is a descriptor
+    that binds a callable carrying the instance's signature."""
+
+    def __init__(self, function: Callable):
+        self.function = function
+        self.__doc__ = function.__doc__
+
+    def __get__(self, module, owner=None):
+        return self.function if module is None else _BoundForward(self.function, module)
+
+
+@dataclass(frozen=True)
+class HFCall:
+    """One forward call's keyword arguments sorted: those for the graph, and how its output is returned."""
+
+    kwargs: dict
+    as_tuple: bool = False
+    """``return_dict=False``: the output as the tuple a Hugging Face model returns."""
+
+    @classmethod
+    def of(cls, kwargs: dict, names: tuple[str, ...], dtypes: tuple[torch.dtype, ...], config,
+           accepts: Callable[[], str]) -> HFCall:
+        """Sort ``kwargs`` for a module captured with inputs ``names`` (of ``dtypes``) from a model with
+        ``config``; ``accepts()`` names how to stop Trainer passing ``num_items_in_batch``."""
+        kwargs, as_tuple = dict(kwargs), False
+        if ITEMS in kwargs and kwargs[ITEMS] is not None:
+            kwargs[ITEMS] = _items(kwargs[ITEMS], names, dtypes, accepts)
+        if "return_dict" in kwargs and "return_dict" not in names:
+            as_tuple = kwargs.pop("return_dict") is False
+        for name in _IGNORED_WHEN_AS_CAPTURED:
+            if name in kwargs and name not in names:
+                _check_as_captured(name, kwargs.pop(name), config)
+        return cls(kwargs, as_tuple)
+
+    def finish(self, output):
+        """The graph's output as the call asked for it."""
+        if self.as_tuple and hasattr(output, "to_tuple"):
+            return output.to_tuple()
+        return output
+
+
+def _items(value, names: tuple[str, ...], dtypes: tuple[torch.dtype, ...], accepts: Callable[[], str]):
+    """``num_items_in_batch`` for the graph, in the dtype it was captured with (Trainer passes a count, divided
+    by tp as a float under tensor parallelism); refused when the graph does not take it."""
+    if ITEMS not in names:
+        raise InputError(f"{ITEMS} was passed (Trainer passes it to normalise the loss over the whole accumulated "
+                         "batch, as the unsharded model's loss does), but this module was captured without it, so "
+                         "its loss is each batch's mean: capture with it among the example inputs, e.g. "
+                         f"example_inputs={{'input_ids': ids, 'labels': ids, '{ITEMS}': torch.tensor(1.0)}}; or, to "
+                         f"train on each batch's mean loss instead, {accepts()}")
+    dtype = dtypes[names.index(ITEMS)]
+    return torch.as_tensor(value).to(dtype) if isinstance(value, (torch.Tensor, int, float)) else value
+
+
+def _check_as_captured(name: str, value, config) -> None:
+    captured = getattr(config, name, None) if config is not None else None
+    if value is None or value == captured or (not value and not captured):
+        return
+    raise InputError(f"{name}={value!r} asks for other outputs than the module was captured with ({name}="
+                     f"{captured!r}, from the model's config): the graph is fixed at capture; set config.{name}="
+                     f"{value!r} on the model before autotp.parallelize, or leave {name} out")
+
+
+def refuse_replica_ddp(comm) -> None:
+    """Refuse a forward run by DistributedDataParallel over ranks that hold different pieces of one model
+    replica (``comm``: its tensor-parallel communicator; None: one process): DDP broadcast the first rank's
+    shards over the others' when it was built, and averages gradients of different shards."""
+    ddp = active_ddp_module()
+    if ddp is None or not hasattr(comm, "group"):
+        return
+    wrapped = dist.get_process_group_ranks(ddp.process_group)
+    replica = dist.get_process_group_ranks(comm.group if comm.group is not None else dist.group.WORLD)
+    shared = sorted(set(wrapped) & set(replica))
+    if len(shared) < 2:
+        return  # DDP over the data-parallel replicas alone: each rank's peers hold the same pieces
+    raise RuntimeSetupError(
+        f"this parallel module is wrapped in DistributedDataParallel over ranks {wrapped}, which include its "
+        f"tensor-parallel ranks {shared}: DDP copied the first rank's shards over the others' and would average "
+        "gradients of different shards. Do not wrap it in DDP (it averages gradients over its data-parallel "
+        "replicas itself: parallelize with dp=). With accelerate, build the Accelerator with "
+        "parallelism_config=autotp.parallelism_config(pm) (before prepare), which leaves it unwrapped and gives the "
+        "tensor-parallel ranks one batch; Trainer(model=pm) does this by itself")
