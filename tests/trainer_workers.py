@@ -6,7 +6,10 @@ from __future__ import annotations
 import os
 import tempfile
 
+import types
+
 import torch
+import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset
 
 import autotp
@@ -21,13 +24,15 @@ LR = 1e-3
 
 class Rows(Dataset):
     """Token rows of one length, right-padded by different amounts (labels -100 there): batches hold different
-    numbers of label tokens, so normalising the loss by ``num_items_in_batch`` differs from each batch's mean."""
+    numbers of label tokens, so normalising the loss by ``num_items_in_batch`` differs from each batch's mean.
+    Unpadded (``padded=False``), every slice holds as many, and the mean of the replicas' mean losses is the global
+    batch's mean: what a loop without ``num_items_in_batch`` (accelerate's) needs to equal one process's."""
 
-    def __init__(self, rows: int = 16, seq: int = 12):
+    def __init__(self, rows: int = 16, seq: int = 12, padded: bool = True):
         ids = models.tokens(rows, seq, seed=3)
         self.rows = []
         for i in range(rows):
-            keep = seq - (3 * i) % 7
+            keep = seq - (3 * i) % 7 if padded else seq
             mask = (torch.arange(seq) < keep).long()
             self.rows.append({"input_ids": ids[i].masked_fill(mask == 0, 0), "attention_mask": mask,
                               "labels": ids[i].masked_fill(mask == 0, -100)})
@@ -72,18 +77,17 @@ def _trained(model, batch: int, **extra) -> dict:
         Trainer(model=model, args=_arguments(folder, batch, **extra), train_dataset=Rows()).train()
 
 
-def reference_trainer(rank: int, world: int, dp: int, extra: dict) -> dict:
-    """The unsharded model's parameters (as lists) after STEPS Trainer steps on one rank, over ``dp`` replicas'
-    rows at once."""
-    reset_accelerate()
-    torch.manual_seed(0)
-    model = hf_llama()
-    _trained(model, BATCH * dp, **extra)
-    return _listed(model)
-
-
-def _listed(model) -> dict:
-    return {name: t.detach().tolist() for name, t in model.named_parameters()}
+def references(rank: int, world: int, dp: int) -> dict:
+    """The unsharded model's parameters (as lists) after STEPS steps on one rank, each step on ``dp`` replicas'
+    rows at once: under Trainer, and under accelerate's loop."""
+    result = {}
+    for name, train in (("trainer", _trained), ("accelerate", _accelerate_loop)):
+        reset_accelerate()
+        torch.manual_seed(0)
+        model = hf_llama()
+        train(model, BATCH * dp)
+        result[name] = {key: t.detach().tolist() for key, t in model.named_parameters()}
+    return result
 
 
 def _largest_error(pm, reference: dict) -> float:
@@ -91,53 +95,60 @@ def _largest_error(pm, reference: dict) -> float:
     return max(float((full[name] - torch.tensor(t)).abs().max()) for name, t in reference.items())
 
 
-def trainer_on_ranks(rank: int, world: int, reference: dict, extra: dict) -> dict:
-    """Trainer(model=pm) at tp=2 over ``world`` ranks (dp = world / 2): the largest parameter error."""
-    reset_accelerate()
-    torch.manual_seed(0)
-    pm = autotp.parallelize(hf_llama(), tp=2, dp=world // 2, example_inputs=example(), quiet=True)
-    _trained(pm, BATCH, parallelism_config=autotp.parallelism_config(pm), **extra)
-    return {"error": _largest_error(pm, reference)}
-
-
-def reference_accelerate(rank: int, world: int, dp: int) -> dict:
-    """The unsharded model's parameters (as lists) after STEPS AdamW steps of an accelerate loop on one rank,
-    over ``dp`` replicas' rows at once."""
-    reset_accelerate()
-    torch.manual_seed(0)
-    model = hf_llama()
-    _accelerate_loop(model, BATCH * dp, None)
-    return _listed(model)
-
-
-def _accelerate_loop(model, batch: int, parallelism) -> None:
+def _accelerate_loop(model, batch: int, parallelism=None) -> None:
     """The loop of accelerate's documentation: prepare, then forward, ``accelerator.backward``, step."""
     from accelerate import Accelerator
 
     accelerator = Accelerator(cpu=True, parallelism_config=parallelism)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=1e-6)
-    loader = DataLoader(Rows(), batch_size=batch, shuffle=False)
+    loader = DataLoader(Rows(padded=False), batch_size=batch, shuffle=True, generator=torch.Generator().manual_seed(0))
     model, opt, loader = accelerator.prepare(model, opt, loader)
-    for _, batch_rows in zip(range(STEPS), loader):
-        loss = model(**batch_rows).loss
-        accelerator.backward(loss)
+    for _, rows in zip(range(STEPS), loader):
+        accelerator.backward(model(**rows).loss)
         opt.step()
         opt.zero_grad()
 
 
-def accelerate_on_ranks(rank: int, world: int, reference: dict) -> dict:
-    """accelerate's loop on pm at tp=2 over ``world`` ranks, the Accelerator built with autotp's parallelism config;
-    then a plain ``Accelerator()`` (which wraps in DDP over every rank): its refusal."""
-    reset_accelerate()
-    torch.manual_seed(0)
-    ex = {k: v for k, v in example().items() if k != "num_items_in_batch"}
-    pm = autotp.parallelize(hf_llama(), tp=2, dp=world // 2, example_inputs=ex, quiet=True)
-    _accelerate_loop(pm, BATCH, autotp.parallelism_config(pm))
-    result = {"error": _largest_error(pm, reference)}
-    reset_accelerate()
-    pm = autotp.parallelize(hf_llama(), tp=2, dp=world // 2, example_inputs=ex, quiet=True)
+def _refused(run) -> str:
     try:
-        _accelerate_loop(pm, BATCH, None)
+        run()
     except autotp.AutotpError as e:
-        result["plain"] = f"{type(e).__name__}: {e}"
+        return f"{type(e).__name__}: {e}"
+    return "not refused"
+
+
+def _forward_as_if_under_ddp(pm) -> None:
+    """pm's forward as DistributedDataParallel over every rank runs it (what the forward's check looks for, should
+    a torch release build DDP without asking pm first)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    DistributedDataParallel._active_ddp_module = types.SimpleNamespace(process_group=dist.group.WORLD)
+    try:
+        pm(**{k: v for k, v in example().items() if k != "num_items_in_batch"})
+    finally:
+        DistributedDataParallel._active_ddp_module = None
+
+
+def on_ranks(rank: int, world: int, reference: dict) -> dict:
+    """At tp=2 over ``world`` ranks (dp = world / 2, dp_mode fsdp): Trainer(model=pm) and accelerate's loop, each
+    one's largest parameter error; then what is refused: a plain Accelerator (it wraps pm in DDP over every rank),
+    and, with replicas, accelerate over dp_mode='replicate' replicas (their gradients left unaveraged)."""
+    def parallel(items: bool = False, **settings):
+        reset_accelerate()
+        torch.manual_seed(0)
+        ex = example() if items else {k: v for k, v in example().items() if k != "num_items_in_batch"}
+        return autotp.parallelize(hf_llama(), tp=2, dp=world // 2, example_inputs=ex, quiet=True, **settings)
+
+    pm = parallel(items=True)
+    _trained(pm, BATCH, parallelism_config=autotp.parallelism_config(pm))
+    result = {"trainer": _largest_error(pm, reference["trainer"])}
+    pm = parallel()
+    _accelerate_loop(pm, BATCH, autotp.parallelism_config(pm))
+    result["accelerate"] = _largest_error(pm, reference["accelerate"])
+    pm = parallel()
+    result["plain accelerator"] = _refused(lambda: _accelerate_loop(pm, BATCH))
+    result["forward under ddp"] = _refused(lambda: _forward_as_if_under_ddp(pm))
+    if world > 2:
+        pm = parallel(dp_mode="replicate")
+        result["replicate"] = _refused(lambda: _accelerate_loop(pm, BATCH, autotp.parallelism_config(pm)))
     return result

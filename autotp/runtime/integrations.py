@@ -123,9 +123,19 @@ class TrainerFacing:
     def accepts_loss_kwargs(self, value: bool) -> None:
         self._loss_kwargs = bool(value)
 
+    @property
+    def _ddp_params_and_buffers_to_ignore(self):
+        # DistributedDataParallel reads this attribute first thing in its constructor (torch 2.13; the only reader
+        # in torch, accelerate and transformers): refusing here stops a wrap before it broadcasts the first rank's
+        # shards over the others'. Checked by test_trainer; the forward's check remains for a torch that stops.
+        raise RuntimeSetupError(f"a parallel module cannot be wrapped in DistributedDataParallel: DDP would copy "
+                                f"the first rank's shards over the others' and average gradients of different "
+                                f"shards. {_INSTEAD}")
+
     def _hf_call(self, kwargs: dict) -> HFCall:
         """This call's keyword arguments sorted (``HFCall``), after refusing a DDP wrap over this replica."""
         refuse_replica_ddp(self.comm)
+        refuse_unaveraged(self)
         if not kwargs:
             return HFCall(kwargs)
         return HFCall.of(kwargs, self._inputs.names, self._inputs.dtypes, self.model_config,
@@ -268,6 +278,13 @@ def _check_as_captured(name: str, value, config) -> None:
                      f"{value!r} on the model before autotp.parallelize, or leave {name} out")
 
 
+_INSTEAD = ("Do not wrap it in DDP (it averages gradients over its data-parallel replicas itself: parallelize with "
+            "dp=). With accelerate, build the Accelerator with parallelism_config=autotp.parallelism_config(pm) "
+            "(before prepare), which leaves it unwrapped and gives the tensor-parallel ranks of a replica one batch; "
+            "with Trainer pass TrainingArguments(parallelism_config=autotp.parallelism_config(pm)) (on GPUs "
+            "Trainer(model=pm) builds it by itself)")
+
+
 def refuse_replica_ddp(comm) -> None:
     """Refuse a forward run by DistributedDataParallel over ranks that hold different pieces of one model
     replica (``comm``: its tensor-parallel communicator; None: one process): DDP broadcast the first rank's
@@ -283,7 +300,15 @@ def refuse_replica_ddp(comm) -> None:
     raise RuntimeSetupError(
         f"this parallel module is wrapped in DistributedDataParallel over ranks {wrapped}, which include its "
         f"tensor-parallel ranks {shared}: DDP copied the first rank's shards over the others' and would average "
-        "gradients of different shards. Do not wrap it in DDP (it averages gradients over its data-parallel "
-        "replicas itself: parallelize with dp=). With accelerate, build the Accelerator with "
-        "parallelism_config=autotp.parallelism_config(pm) (before prepare), which leaves it unwrapped and gives the "
-        "tensor-parallel ranks one batch; Trainer(model=pm) does this by itself")
+        f"gradients of different shards. {_INSTEAD}")
+
+
+def refuse_unaveraged(pm) -> None:
+    """Refuse training under accelerate (or Trainer) with ``dp_mode='replicate'`` replicas: their gradients are
+    averaged by ``pm.step`` (or ``pm.average_gradients()``), which accelerate's loop never calls, so each replica
+    would step on its own slice's gradient."""
+    if pm.dp_size > 1 and not pm._dp.sharded and pm.training and getattr(pm, "_is_accelerate_prepared", False):
+        raise InputError(f"this module has dp={pm.dp_size} replicas under dp_mode='replicate', whose gradients "
+                         "pm.step averages, but accelerate's loop (and Trainer's) calls backward itself and never "
+                         "averages them: parallelize with dp_mode='fsdp' (the default; FSDP averages them during "
+                         "backward), or train with pm.step")
