@@ -24,11 +24,13 @@ ERROR = 1e-5
 @pytest.mark.parametrize("world", [2, 4])
 def test_trainer_and_accelerate_train_as_the_unsharded_model(world):
     """tp=2 (world 2) and tp=2 x dp=2 (world 4): 3 Trainer steps (num_items_in_batch honoured, over rows with
-    different numbers of label tokens) and 3 steps of accelerate's loop equal the unsharded runs; a plain
+    different numbers of label tokens) and 3 steps of accelerate's loop equal the unsharded runs, and so does
+    Trainer's evaluation loss (no num_items_in_batch given: pm passes the count giving the mean); a plain
     Accelerator's DDP wrap, and replicate replicas under accelerate, are refused saying what to do."""
     reference = run_on_ranks(trainer_workers.references, 1, world // 2)[0]
     for rank in run_on_ranks(trainer_workers.on_ranks, world, reference):
         assert rank["trainer"] < ERROR and rank["accelerate"] < ERROR, rank
+        assert world > 2 or rank["eval"] < ERROR, rank  # with replicas, evaluation batches differ from one process's
         assert rank["plain accelerator"].startswith("RuntimeSetupError: a parallel module cannot be wrapped in "
                                                     "DistributedDataParallel"), rank
         assert "parallelism_config=autotp.parallelism_config(pm)" in rank["plain accelerator"]

@@ -70,11 +70,16 @@ def _arguments(folder: str, batch: int, **extra):
                              disable_tqdm=True, **extra)
 
 
-def _trained(model, batch: int, **extra) -> dict:
+def _trained(model, batch: int, **extra) -> float:
+    """STEPS Trainer steps on ``model``; then the evaluation loss of the trained model on the same rows."""
     from transformers import Trainer
 
     with tempfile.TemporaryDirectory() as folder:
-        Trainer(model=model, args=_arguments(folder, batch, **extra), train_dataset=Rows()).train()
+        # label_names: Trainer finds a model's labels in its class's forward, and pm's class takes any inputs
+        trainer = Trainer(model=model, args=_arguments(folder, batch, label_names=["labels"], **extra),
+                          train_dataset=Rows(), eval_dataset=Rows())
+        trainer.train()
+        return trainer.evaluate()["eval_loss"]
 
 
 def references(rank: int, world: int, dp: int) -> dict:
@@ -85,7 +90,7 @@ def references(rank: int, world: int, dp: int) -> dict:
         reset_accelerate()
         torch.manual_seed(0)
         model = hf_llama()
-        train(model, BATCH * dp)
+        result[f"{name} eval"] = train(model, BATCH * dp)
         result[name] = {key: t.detach().tolist() for key, t in model.named_parameters()}
     return result
 
@@ -140,8 +145,9 @@ def on_ranks(rank: int, world: int, reference: dict) -> dict:
         return autotp.parallelize(hf_llama(), tp=2, dp=world // 2, example_inputs=ex, quiet=True, **settings)
 
     pm = parallel(items=True)
-    _trained(pm, BATCH, parallelism_config=autotp.parallelism_config(pm))
-    result = {"trainer": _largest_error(pm, reference["trainer"])}
+    evaluated = _trained(pm, BATCH, parallelism_config=autotp.parallelism_config(pm))
+    result = {"trainer": _largest_error(pm, reference["trainer"]),
+              "eval": abs(evaluated - reference["trainer eval"])}
     pm = parallel()
     _accelerate_loop(pm, BATCH, autotp.parallelism_config(pm))
     result["accelerate"] = _largest_error(pm, reference["accelerate"])

@@ -139,7 +139,7 @@ class TrainerFacing:
         if not kwargs:
             return HFCall(kwargs)
         return HFCall.of(kwargs, self._inputs.names, self._inputs.dtypes, self.model_config,
-                         lambda: "set pm.accepts_loss_kwargs = False before building the Trainer")
+                         lambda: "set pm.accepts_loss_kwargs = False before building the Trainer", self.loss_type)
 
 
 def parallelism_config(pm):
@@ -236,12 +236,16 @@ class HFCall:
 
     @classmethod
     def of(cls, kwargs: dict, names: tuple[str, ...], dtypes: tuple[torch.dtype, ...], config,
-           accepts: Callable[[], str]) -> HFCall:
+           accepts: Callable[[], str], loss_type: str | None = None) -> HFCall:
         """Sort ``kwargs`` for a module captured with inputs ``names`` (of ``dtypes``) from a model with
-        ``config``; ``accepts()`` names how to stop Trainer passing ``num_items_in_batch``."""
+        ``config`` and ``loss_type``; ``accepts()`` names how to stop Trainer passing ``num_items_in_batch``."""
         kwargs, as_tuple = dict(kwargs), False
-        if ITEMS in kwargs and kwargs[ITEMS] is not None:
+        if kwargs.get(ITEMS) is not None:
             kwargs[ITEMS] = _items(kwargs[ITEMS], names, dtypes, accepts)
+        elif ITEMS in names and kwargs.get("labels") is not None:
+            # Not given (an evaluation, a call of one's own): the count that makes the loss the batch's mean, as
+            # the model computes it without the keyword.
+            kwargs[ITEMS] = counted_items(kwargs["labels"], loss_type, config).to(dtypes[names.index(ITEMS)])
         if "return_dict" in kwargs and "return_dict" not in names:
             as_tuple = kwargs.pop("return_dict") is False
         for name in _IGNORED_WHEN_AS_CAPTURED:
@@ -267,6 +271,15 @@ def _items(value, names: tuple[str, ...], dtypes: tuple[torch.dtype, ...], accep
                          f"train on each batch's mean loss instead, {accepts()}")
     dtype = dtypes[names.index(ITEMS)]
     return torch.as_tensor(value).to(dtype) if isinstance(value, (torch.Tensor, int, float)) else value
+
+
+def counted_items(labels: torch.Tensor, loss_type: str | None, config) -> torch.Tensor:
+    """The label tokens a Hugging Face loss averages over (not -100; a decoder's causal LM loss shifts the labels
+    first): Trainer's own count for ``num_items_in_batch``, with which ``sum / num_items_in_batch`` is the mean."""
+    from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
+
+    shifts = LOSS_MAPPING.get(loss_type) is ForCausalLMLoss and not getattr(config, "is_encoder_decoder", False)
+    return ((labels[..., 1:] if shifts else labels) != -100).sum()
 
 
 def _check_as_captured(name: str, value, config) -> None:
