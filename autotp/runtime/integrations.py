@@ -90,7 +90,20 @@ def facing(pm, model):
     return pm
 
 
-class TrainerFacing:
+class RefusesDDP:
+    """A parallel module (of any kind) refuses to be wrapped in DistributedDataParallel."""
+
+    @property
+    def _ddp_params_and_buffers_to_ignore(self):
+        # DistributedDataParallel reads this attribute first thing in its constructor (torch 2.13; the only reader
+        # in torch, accelerate and transformers): refusing here stops a wrap before it broadcasts the first rank's
+        # shards over the others'. Checked by test_trainer; the forward's check remains for a torch that stops.
+        raise RuntimeSetupError(f"a parallel module cannot be wrapped in DistributedDataParallel: DDP would copy "
+                                f"the first rank's shards over the others' and average gradients of different "
+                                f"shards. {_INSTEAD}")
+
+
+class TrainerFacing(RefusesDDP):
     """What Trainer and accelerate read of a model, answered by a parallel module (a mixin of ``ParallelModule``,
     which provides ``options``, ``model_config`` and ``_inputs``)."""
 
@@ -123,19 +136,15 @@ class TrainerFacing:
     def accepts_loss_kwargs(self, value: bool) -> None:
         self._loss_kwargs = bool(value)
 
-    @property
-    def _ddp_params_and_buffers_to_ignore(self):
-        # DistributedDataParallel reads this attribute first thing in its constructor (torch 2.13; the only reader
-        # in torch, accelerate and transformers): refusing here stops a wrap before it broadcasts the first rank's
-        # shards over the others'. Checked by test_trainer; the forward's check remains for a torch that stops.
-        raise RuntimeSetupError(f"a parallel module cannot be wrapped in DistributedDataParallel: DDP would copy "
-                                f"the first rank's shards over the others' and average gradients of different "
-                                f"shards. {_INSTEAD}")
-
     def _hf_call(self, kwargs: dict) -> HFCall:
-        """This call's keyword arguments sorted (``HFCall``), after refusing a DDP wrap over this replica."""
+        """A forward's keyword arguments sorted (``HFCall``), after refusing a DDP wrap over this replica and
+        replicas whose gradients accelerate's loop would leave unaveraged."""
         refuse_replica_ddp(self.comm)
         refuse_unaveraged(self)
+        return self._hf_sorted(kwargs)
+
+    def _hf_sorted(self, kwargs: dict) -> HFCall:
+        """The keyword arguments of a call (a forward, a step) sorted (``HFCall``)."""
         if not kwargs:
             return HFCall(kwargs)
         return HFCall.of(kwargs, self._inputs.names, self._inputs.dtypes, self.model_config,

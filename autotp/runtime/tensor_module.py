@@ -147,6 +147,7 @@ class ParallelModule(TrainerFacing, ParallelBase):
         of your own. Split outputs are not gathered for it: the default cross-entropy and a model's own loss
         are computed on the vocabulary-split logits; a ``loss_fn`` is captured with the model on first use, so a
         cross-entropy inside it is too (``runtime.loss_graphs``; where it cannot be, it gets the outputs whole)."""
+        kwargs = self._hf_sorted(kwargs).kwargs
         graph = self._loss_graph(loss_fn, inputs, kwargs, target)
         if graph is not None:
             return checked_loss(self._run(inputs, kwargs, target, lambda *flat: graph(*flat, target)))
