@@ -24,12 +24,12 @@ ERROR = 1e-5
 @pytest.mark.parametrize("world", [2, 4])
 def test_trainer_and_accelerate_train_as_the_unsharded_model(world):
     """tp=2 (world 2) and tp=2 x dp=2 (world 4): 3 Trainer steps (num_items_in_batch honoured, over rows with
-    different numbers of label tokens) and 3 steps of accelerate's loop equal the unsharded runs, and so does
+    different numbers of label tokens; also with 2 micro-batches accumulated a step) and 3 steps of accelerate's loop equal the unsharded runs, and so does
     Trainer's evaluation loss (no num_items_in_batch given: pm passes the count giving the mean); a plain
     Accelerator's DDP wrap, and replicate replicas under accelerate, are refused saying what to do."""
     reference = run_on_ranks(trainer_workers.references, 1, world // 2)[0]
     for rank in run_on_ranks(trainer_workers.on_ranks, world, reference):
-        assert rank["trainer"] < ERROR and rank["accelerate"] < ERROR, rank
+        assert max(rank["trainer"], rank["accumulating"], rank["accelerate"]) < ERROR, rank
         assert world > 2 or rank["eval"] < ERROR, rank  # with replicas, evaluation batches differ from one process's
         assert rank["plain accelerator"].startswith("RuntimeSetupError: a parallel module cannot be wrapped in "
                                                     "DistributedDataParallel"), rank
@@ -66,3 +66,14 @@ def test_hugging_face_keywords_are_honoured_ignored_or_refused():
         _call({"num_items_in_batch": torch.tensor(7)})
     items = _call({"num_items_in_batch": 7}, names=("input_ids", "num_items_in_batch")).kwargs["num_items_in_batch"]
     assert items.dtype == torch.int64 and int(items) == 7  # converted to the dtype the graph was captured with
+
+
+def test_the_layout_trainer_reads_is_on_a_copy_of_the_config_and_never_written():
+    from autotp.options import Options
+    from autotp.runtime.integrations import rank_config
+
+    model = hf_llama()
+    config = rank_config(model.config, Options(tp=2, dp=2))
+    assert (config.distributed_config.tp_size, config.distributed_config.dp_size) == (2, 2)  # what Trainer reads
+    assert not hasattr(model.config, "distributed_config")  # the user's model is left as it was
+    assert "distributed_config" not in config.to_json_string()  # save_pretrained and exports write the same file

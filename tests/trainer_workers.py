@@ -3,6 +3,7 @@ compared with the same run on the unsharded model in one process (``reference_*`
 
 from __future__ import annotations
 
+import functools
 import os
 import tempfile
 
@@ -86,7 +87,8 @@ def references(rank: int, world: int, dp: int) -> dict:
     """The unsharded model's parameters (as lists) after STEPS steps on one rank, each step on ``dp`` replicas'
     rows at once: under Trainer, and under accelerate's loop."""
     result = {}
-    for name, train in (("trainer", _trained), ("accelerate", _accelerate_loop)):
+    accumulating = functools.partial(_trained, gradient_accumulation_steps=2)
+    for name, train in (("trainer", _trained), ("accumulating", accumulating), ("accelerate", _accelerate_loop)):
         reset_accelerate()
         torch.manual_seed(0)
         model = hf_llama()
@@ -135,8 +137,8 @@ def _forward_as_if_under_ddp(pm) -> None:
 
 
 def on_ranks(rank: int, world: int, reference: dict) -> dict:
-    """At tp=2 over ``world`` ranks (dp = world / 2, dp_mode fsdp): Trainer(model=pm) and accelerate's loop, each
-    one's largest parameter error; then what is refused: a plain Accelerator (it wraps pm in DDP over every rank),
+    """At tp=2 over ``world`` ranks (dp = world / 2, dp_mode fsdp): Trainer(model=pm) (also accumulating two
+    micro-batches a step) and accelerate's loop, each one's largest parameter error; then what is refused: a plain Accelerator (it wraps pm in DDP over every rank),
     and, with replicas, accelerate over dp_mode='replicate' replicas (their gradients left unaveraged)."""
     def parallel(items: bool = False, **settings):
         reset_accelerate()
@@ -148,6 +150,9 @@ def on_ranks(rank: int, world: int, reference: dict) -> dict:
     evaluated = _trained(pm, BATCH, parallelism_config=autotp.parallelism_config(pm))
     result = {"trainer": _largest_error(pm, reference["trainer"]),
               "eval": abs(evaluated - reference["trainer eval"])}
+    pm = parallel(items=True)
+    _trained(pm, BATCH, parallelism_config=autotp.parallelism_config(pm), gradient_accumulation_steps=2)
+    result["accumulating"] = _largest_error(pm, reference["accumulating"])
     pm = parallel()
     _accelerate_loop(pm, BATCH, autotp.parallelism_config(pm))
     result["accelerate"] = _largest_error(pm, reference["accelerate"])

@@ -5,19 +5,24 @@ over all ranks and give every rank its own batch) or already sharded by transfor
 and give the ranks of one tensor-parallel group one batch). A parallel module is the second kind, so it answers
 as such a model does:
 
-- ``pm.tp_size`` and ``pm.config.distributed_config`` (``tp_size``, ``dp_size``): ``Trainer`` reads them and
-  builds accelerate's ``ParallelismConfig(tp_size, dp_shard_size)`` itself; with accelerate alone, build the
-  ``Accelerator`` with ``parallelism_config(pm)``. accelerate then skips its DDP wrap and shards the data by
+- ``pm.tp_size`` and ``pm.config.distributed_config`` (``tp_size``, ``dp_size``): on GPUs ``Trainer`` reads them
+  and builds accelerate's ``ParallelismConfig(tp_size, dp_shard_size)`` itself; elsewhere pass it
+  ``parallelism_config(pm)`` (``TrainingArguments(parallelism_config=...)``, ``Accelerator(parallelism_config=...)``),
+  which accelerate 1.15 also accepts on CPU ranks. accelerate then skips its DDP wrap and shards the data by
   data-parallel rank (global rank // tp): the tp ranks of a replica read one batch, replicas different ones.
 - ``pm.forward`` answers ``inspect.signature`` with the original model's forward (``Trainer`` keeps only the
-  dataset columns it names, and passes ``num_items_in_batch`` when it takes ``**kwargs``).
+  dataset columns it names, and passes ``num_items_in_batch`` when it takes ``**kwargs``), and ``pm.loss_type``
+  is the model's (Trainer counts a causal LM's label tokens after the shift).
 - Hugging Face's keyword arguments (``HFCall``): ``num_items_in_batch`` is honoured exactly when the module was
-  captured with it (the graph holds the model's own ``sum / num_items_in_batch``) and refused, saying how,
-  when not; ``return_dict=False`` gives the output's tuple; ``use_cache``, ``output_attentions`` and
+  captured with it (the graph holds the model's own ``sum / num_items_in_batch``; a call without it, an
+  evaluation, gets the count that makes that the batch's mean) and refused, saying how, when not;
+  ``return_dict=False`` gives the output's tuple; ``use_cache``, ``output_attentions`` and
   ``output_hidden_states`` are ignored where they change nothing and refused where they would.
-- A DistributedDataParallel wrap spanning the ranks of one model replica (plain ``Accelerator().prepare(pm)``)
-  broadcasts the first rank's shards over the others' and averages gradients of different shards: it is
-  refused at the first forward, with what to do instead (``refuse_replica_ddp``).
+- Refused, saying what to do instead: wrapping a parallel module in DistributedDataParallel (what a plain
+  ``Accelerator().prepare(pm)`` does: DDP would broadcast the first rank's shards over the others' and average
+  gradients of different shards), at DDP's construction, and at the forward should a torch release build DDP
+  without asking (``refuse_replica_ddp``); ``dp_mode='replicate'`` replicas under accelerate's loop, which never
+  calls ``pm.average_gradients`` (``refuse_unaveraged``).
 """
 
 from __future__ import annotations
