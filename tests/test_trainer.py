@@ -58,6 +58,7 @@ def test_hugging_face_keywords_are_honoured_ignored_or_refused():
         use_cache, output_attentions = True, False
 
     assert _call({"return_dict": True, "use_cache": True, "output_attentions": False}, config=Config()).kwargs == {}
+    assert _call({"use_cache": False}, config=Config()).kwargs == {}  # less cache: loss and logits unchanged
     as_tuple = _call({"return_dict": False}, config=Config())
     assert as_tuple.as_tuple and as_tuple.kwargs == {}
     with pytest.raises(autotp.InputError, match="output_attentions=True asks for other outputs"):

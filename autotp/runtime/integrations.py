@@ -45,7 +45,8 @@ ITEMS = "num_items_in_batch"
 
 _IGNORED_WHEN_AS_CAPTURED = ("use_cache", "output_attentions", "output_hidden_states")
 """Keywords that change only which extra outputs a Hugging Face model returns: ignored when they ask for what the
-capture computed (the model's config value, or None), refused otherwise."""
+capture computed (the model's config value, or None) or for less cache (``use_cache=False``: the output may still
+carry it), refused when they ask for outputs the graph does not compute."""
 
 
 @dataclass(frozen=True)
@@ -298,7 +299,8 @@ def counted_items(labels: torch.Tensor, loss_type: str | None, config) -> torch.
 
 def _check_as_captured(name: str, value, config) -> None:
     captured = getattr(config, name, None) if config is not None else None
-    if value is None or value == captured or (not value and not captured):
+    # use_cache=False (common in training loops) only drops the cache from the output: loss and logits are the same
+    if value is None or value == captured or (not value and (not captured or name == "use_cache")):
         return
     raise InputError(f"{name}={value!r} asks for other outputs than the module was captured with ({name}="
                      f"{captured!r}, from the model's config): the graph is fixed at capture; set config.{name}="
