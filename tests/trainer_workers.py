@@ -29,14 +29,16 @@ class Rows(Dataset):
     Unpadded (``padded=False``), every slice holds as many, and the mean of the replicas' mean losses is the global
     batch's mean: what a loop without ``num_items_in_batch`` (accelerate's) needs to equal one process's."""
 
-    def __init__(self, rows: int = 16, seq: int = 12, padded: bool = True):
+    def __init__(self, rows: int = 16, seq: int = 12, padded: bool = True, extra: bool = False):
         ids = models.tokens(rows, seq, seed=3)
         self.rows = []
         for i in range(rows):
             keep = seq - (3 * i) % 7 if padded else seq
             mask = (torch.arange(seq) < keep).long()
-            self.rows.append({"input_ids": ids[i].masked_fill(mask == 0, 0), "attention_mask": mask,
-                              "labels": ids[i].masked_fill(mask == 0, -100)})
+            row = {"input_ids": ids[i].masked_fill(mask == 0, 0), "attention_mask": mask,
+                   "labels": ids[i].masked_fill(mask == 0, -100)}
+            # A column the model does not take: Trainer drops it, reading the forward's signature
+            self.rows.append({**row, "row": torch.tensor(i)} if extra else row)
 
     def __len__(self):
         return len(self.rows)
@@ -78,7 +80,7 @@ def _trained(model, batch: int, **extra) -> float:
     with tempfile.TemporaryDirectory() as folder:
         # label_names: Trainer finds a model's labels in its class's forward, and pm's class takes any inputs
         trainer = Trainer(model=model, args=_arguments(folder, batch, label_names=["labels"], **extra),
-                          train_dataset=Rows(), eval_dataset=Rows())
+                          train_dataset=Rows(extra=True), eval_dataset=Rows(extra=True))
         trainer.train()
         return trainer.evaluate()["eval_loss"]
 
