@@ -140,8 +140,9 @@ def _forward_as_if_under_ddp(pm) -> None:
 
 def on_ranks(rank: int, world: int, reference: dict) -> dict:
     """At tp=2 over ``world`` ranks (dp = world / 2, dp_mode fsdp): Trainer(model=pm) (also accumulating two
-    micro-batches a step) and accelerate's loop, each one's largest parameter error; then what is refused: a plain Accelerator (it wraps pm in DDP over every rank),
-    and, with replicas, accelerate over dp_mode='replicate' replicas (their gradients left unaveraged)."""
+    micro-batches a step) and accelerate's loop, each one's largest parameter error; then what is refused: a
+    plain Accelerator (it wraps pm in DDP over every rank), a forward under DDP, and, with replicas, accelerate
+    over dp_mode='replicate' replicas (their gradients left unaveraged)."""
     def parallel(items: bool = False, **settings):
         reset_accelerate()
         torch.manual_seed(0)

@@ -140,6 +140,7 @@ class TrainerFacing(RefusesDDP):
 
     @accepts_loss_kwargs.setter
     def accepts_loss_kwargs(self, value: bool) -> None:
+        """Whether Trainer passes ``num_items_in_batch`` from now on."""
         self._loss_kwargs = bool(value)
 
     def _hf_call(self, kwargs: dict) -> HFCall:
