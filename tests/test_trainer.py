@@ -35,6 +35,7 @@ def test_trainer_and_accelerate_train_as_the_unsharded_model(world):
         assert rank["plain accelerator"].startswith("RuntimeSetupError: a parallel module cannot be wrapped in "
                                                     "DistributedDataParallel"), rank
         assert "parallelism_config=autotp.parallelism_config(pm)" in rank["plain accelerator"]
+        assert "TrainingArguments(parallelism_config=autotp.parallelism_config(pm))" in rank["plain trainer"], rank
         assert "wrapped in DistributedDataParallel over ranks [0, 1" in rank["forward under ddp"], rank
         if world > 2:
             assert "dp_mode='fsdp'" in rank["replicate"], rank

@@ -159,6 +159,8 @@ def on_ranks(rank: int, world: int, reference: dict) -> dict:
     pm = parallel()
     _accelerate_loop(pm, BATCH, autotp.parallelism_config(pm))
     result["accelerate"] = _largest_error(pm, reference["accelerate"])
+    pm = parallel(items=True)
+    result["plain trainer"] = _refused(lambda: _trained(pm, BATCH))  # on CPU ranks: needs the config given
     pm = parallel()
     result["plain accelerator"] = _refused(lambda: _accelerate_loop(pm, BATCH))
     result["forward under ddp"] = _refused(lambda: _forward_as_if_under_ddp(pm))

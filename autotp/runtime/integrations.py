@@ -6,8 +6,8 @@ and give the ranks of one tensor-parallel group one batch). A parallel module is
 as such a model does:
 
 - ``pm.tp_size`` and ``pm.config.distributed_config`` (``tp_size``, ``dp_size``): on GPUs ``Trainer`` reads them
-  and builds accelerate's ``ParallelismConfig(tp_size, dp_shard_size)`` itself; elsewhere pass it
-  ``parallelism_config(pm)`` (``TrainingArguments(parallelism_config=...)``, ``Accelerator(parallelism_config=...)``),
+  and builds accelerate's ``ParallelismConfig(tp_size, dp_shard_size)`` itself; on CPU ranks (where ``tp_size``
+  is None, accelerate refusing that config there) pass it ``parallelism_config(pm)`` (``TrainingArguments(parallelism_config=...)``, ``Accelerator(parallelism_config=...)``),
   which accelerate 1.15 also accepts on CPU ranks. accelerate then skips its DDP wrap and shards the data by
   data-parallel rank (global rank // tp): the tp ranks of a replica read one batch, replicas different ones.
 - ``pm.forward`` answers ``inspect.signature`` with the original model's forward (``Trainer`` keeps only the
@@ -118,8 +118,13 @@ class TrainerFacing(RefusesDDP):
     """The original model's ``loss_type`` (``facing``)."""
 
     @property
-    def tp_size(self) -> int:
-        """The tensor-parallel degree (transformers' ``model.tp_size``; Trainer and accelerate read it)."""
+    def tp_size(self) -> int | None:
+        """The tensor-parallel degree, as transformers' ``model.tp_size``: Trainer builds accelerate's
+        ``ParallelismConfig`` from it. None on CPU ranks, where accelerate refuses that config: Trainer then wraps
+        the module in DDP, which it refuses, naming ``autotp.parallelism_config`` (accelerate reads the degree
+        from ``config.distributed_config`` then)."""
+        if any(p.device.type == "cpu" for p in self.parameters()):
+            return None
         return self.options.tp
 
     @property
