@@ -33,6 +33,7 @@ _LAZY = {
     "Collective": "autotp.planning", "Placement": "autotp.planning", "PlacementKind": "autotp.planning",
     "Plan": "autotp.planning", "Region": "autotp.planning", "ParallelModule": "autotp.runtime",
     "PipelineModule": "autotp.runtime", "empty_weights": "autotp.runtime.meta_init",
+    "parallelism_config": "autotp.runtime.integrations",
 }
 """Names imported on first use: ``autotp --help`` and ``import autotp.errors`` must not pay for torch."""
 
@@ -53,5 +54,5 @@ __all__ = [
     "AutotpError", "CaptureError", "CheckReport", "CheckpointError", "Collective", "InputError", "InternalError",
     "MixedPrecision", "Options", "ParallelModule", "PipelineModule", "Placement", "PlacementKind", "Plan", "PlanError",
     "RankFailure", "Region", "RuntimeSetupError", "UnsupportedTorchError", "UntestedTorchWarning", "check",
-    "empty_weights", "parallelize", "plan",
+    "empty_weights", "parallelism_config", "parallelize", "plan",
 ]

@@ -48,6 +48,7 @@ from autotp.runtime import (
 )
 from autotp.runtime.generation import Generation
 from autotp.runtime.input_spec import InputSpec
+from autotp.runtime.integrations import facing, rank_config
 from autotp.runtime.loss_graphs import LossGraphs
 from autotp.runtime.peers import as_timedelta, bound_groups, group_timeout
 from autotp.runtime.process import first_rank, from_first_rank, shared_seed
@@ -274,7 +275,7 @@ def _data_parallel(options: Options, mesh: Mesh | None = None) -> DataParallel |
 def _parts(built: Built, comm, stream: RankStream, names, dp: DataParallel | None) -> RankParts:
     """What the parallel module of ``built`` is made of, besides its graphs."""
     return RankParts(built.plan, built.options, comm, stream, InputSpec.of(built.graphs[True], built.plan), names, dp,
-                     getattr(built.model, "config", None), built.model.training,
+                     rank_config(getattr(built.model, "config", None), built.options), built.model.training,
                      copy.deepcopy(getattr(built.model, "generation_config", None)))
 
 
@@ -311,7 +312,7 @@ def _tensor_parallel(built: Built, group, distributed: bool) -> ParallelModule:
             warn_plain(built.plan)
     generation = Generation(built.model, build_cache_steps)
     losses = LossGraphs(built.model, build_loss_graph)
-    return ParallelModule(_parts(built, comm, stream, names, dp), modules, generation, losses)
+    return facing(ParallelModule(_parts(built, comm, stream, names, dp), modules, generation, losses), built.model)
 
 
 def _pipeline_parallel(built: Built) -> PipelineModule:

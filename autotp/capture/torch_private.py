@@ -281,3 +281,18 @@ def release_groups(mesh) -> None:
         registry = getattr(owner, "_pg_registry", None)
         if isinstance(registry, dict):
             registry.clear()
+
+
+def active_ddp_module():
+    """The DistributedDataParallel module whose forward is running (calling this one), or None.
+
+    Private: ``DistributedDataParallel._active_ddp_module``, which DDP sets around its wrapped module's call
+    (for torch.compile's DDP optimiser); checked on torch 2.13. A release without it raises ``InternalError``
+    here, rather than a DDP wrap going unnoticed.
+    """
+    from torch.nn.parallel import DistributedDataParallel
+
+    if not hasattr(DistributedDataParallel, "_active_ddp_module"):
+        raise _changed("how DistributedDataParallel marks its running forward",
+                       "DistributedDataParallel._active_ddp_module")
+    return DistributedDataParallel._active_ddp_module

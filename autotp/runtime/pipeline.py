@@ -34,6 +34,7 @@ from autotp.options import Schedule
 from autotp.rewrite.comm import TorchComm
 from autotp.runtime.batch_agreement import check_same_inputs
 from autotp.runtime.data_parallel import DataParallel, check_unshared, local, unsharded
+from autotp.runtime.integrations import RefusesDDP
 from autotp.runtime.labels import without_loss
 from autotp.runtime.mesh import Mesh, global_rank
 from autotp.runtime.outputs import SplitOutputs, deferred, output_gathers, step_loss
@@ -85,7 +86,7 @@ def _refuse_own_loss(target, kwargs: dict) -> None:
                          "loss_fn(output, target) per microbatch; default loss_fn: cross-entropy of the logits)")
 
 
-class PipelineModule(ParallelBase):
+class PipelineModule(RefusesDDP, ParallelBase):
     """This rank's stages of a tensor- and pipeline-parallel model.
 
     ``step`` trains through the schedule on the train-mode stages; ``forward`` runs the train- or eval-mode

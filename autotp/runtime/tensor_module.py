@@ -14,6 +14,7 @@ from autotp.runtime.batch_agreement import inputs_started
 from autotp.runtime.data_parallel import local
 from autotp.runtime.drift import Fingerprints
 from autotp.runtime.generation import Generation, rank_tensors
+from autotp.runtime.integrations import TrainerFacing, signed_forward
 from autotp.runtime.loss_graphs import LossGraphs
 from autotp.runtime.outputs import checked_loss, deferred, output_gathers, step_loss
 from autotp.runtime.parallel_base import ParallelBase, RankParts, checked_scale
@@ -21,7 +22,7 @@ from autotp.runtime.peers import guarded
 from autotp.runtime.sampling import check_extra
 
 
-class ParallelModule(ParallelBase):
+class ParallelModule(TrainerFacing, ParallelBase):
     """This rank's piece of a tensor-parallel model; computes what the original model computes.
 
     It holds the model's train-mode and eval-mode graphs (sharing one set of shards): ``train()`` and
@@ -84,10 +85,13 @@ class ParallelModule(ParallelBase):
             return self._compiled[self.training]
         return self.module if self.training else self.eval_module
 
+    @signed_forward
     def forward(self, *inputs, **kwargs):
-        """The original model's output, identical on every rank (called without the labels it was captured with,
-        the output the model gives without them, where they feed its loss alone: ``runtime.labels``)."""
-        return self._run(inputs, kwargs, None, stand_in_labels=True)
+        """The original model's output, identical on every rank (Hugging Face's keyword arguments as
+        ``runtime.integrations`` says; called without the labels it was captured with, the output the model gives
+        without them, where they feed its loss alone: ``runtime.labels``)."""
+        call = self._hf_call(kwargs)
+        return call.finish(self._run(inputs, call.kwargs, None, stand_in_labels=True))
 
     def _run(self, inputs: tuple, kwargs: dict, target: torch.Tensor | None, graph=None, stand_in_labels=False):
         # The tp ranks must hold one batch (and target): checked by one small all-gather begun before the graph
@@ -177,6 +181,7 @@ class ParallelModule(ParallelBase):
         of your own. Split outputs are not gathered for it: the default cross-entropy and a model's own loss
         are computed on the vocabulary-split logits; a ``loss_fn`` is captured with the model on first use, so a
         cross-entropy inside it is too (``runtime.loss_graphs``; where it cannot be, it gets the outputs whole)."""
+        kwargs = self._hf_sorted(kwargs).kwargs
         graph = self._loss_graph(loss_fn, inputs, kwargs, target)
         if graph is not None:
             return checked_loss(self._run(inputs, kwargs, target, lambda *flat: graph(*flat, target)))
