@@ -169,13 +169,10 @@ def labels_not_captured(rank: int, world: int) -> dict:
             "without": float((pm(input_ids=ids).logits - ref(input_ids=ids).logits).abs().max())}
 
 
-def pipeline_state(rank: int, world: int) -> dict:
-    """At pp=2 each rank's ``state_dict`` holds its stage's keys; a full state dict loads into both stages."""
-    ref = small_llama()
-    pm = autotp.parallelize(ref, tp=1, pp=2, example_inputs={"input_ids": _ids(1), "labels": _ids(1)})
+def _loads_both_ways(pm, ref) -> tuple[dict, dict, float]:
+    """``pm``'s own state dict and ``ref``'s, then ``ref`` moved off them and its full state dict loaded into ``pm``
+    (how far ``pm`` then is from it), then ``pm``'s own state dict loaded back; ``ref`` keeps its moved weights."""
     mine = copy.deepcopy(pm.state_dict())  # its values are the live tensors, as nn.Module.state_dict's
-    keys = [None] * world
-    dist.all_gather_object(keys, sorted(mine))
     original = copy.deepcopy(ref.state_dict())
     with torch.no_grad():
         for p in ref.parameters():
@@ -183,6 +180,16 @@ def pipeline_state(rank: int, world: int) -> dict:
     pm.load_state_dict(ref.state_dict())
     loaded = _worst(pm.full_state_dict(), ref.state_dict())
     pm.load_state_dict(mine)
+    return mine, original, loaded
+
+
+def pipeline_state(rank: int, world: int) -> dict:
+    """At pp=2 each rank's ``state_dict`` holds its stage's keys; a full state dict loads into both stages."""
+    ref = small_llama()
+    pm = autotp.parallelize(ref, tp=1, pp=2, example_inputs={"input_ids": _ids(1), "labels": _ids(1)})
+    mine, original, loaded = _loads_both_ways(pm, ref)
+    keys = [None] * world
+    dist.all_gather_object(keys, sorted(mine))
     ids = _ids(4)
     ref.load_state_dict(original)
     pm.eval(), ref.eval()
@@ -196,13 +203,6 @@ def fsdp_state(rank: int, world: int) -> dict:
     own state dict (its local shards) loads back."""
     ref = small_llama()
     pm = autotp.parallelize(ref, tp=1, dp=2, dp_mode="fsdp", example_inputs={"input_ids": _ids(1)})
-    mine = copy.deepcopy(pm.state_dict())  # its values are the live tensors, as nn.Module.state_dict's
-    original = copy.deepcopy(ref.state_dict())
-    with torch.no_grad():
-        for p in ref.parameters():
-            p.add_(0.02)
-    pm.load_state_dict(ref.state_dict())
-    loaded = _worst(pm.full_state_dict(), ref.state_dict())
-    pm.load_state_dict(mine)
+    mine, original, loaded = _loads_both_ways(pm, ref)
     return {"keys": list(mine) == list(original), "loaded": loaded,
             "local_loaded": _worst(pm.full_state_dict(), original)}

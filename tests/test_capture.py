@@ -35,28 +35,16 @@ def test_private_torch_apis_are_where_autotp_reads_them():
     assert isinstance(torch_private.size_expr(symbolic), sympy.Expr)
 
 
-class _Square(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        ctx.save_for_backward(x)
-        return x * x
-
-    @staticmethod
-    def backward(ctx, grad):
-        (x,) = ctx.saved_tensors
-        return 2 * x * grad
-
-
 def test_the_users_autograd_functions_are_recorded_as_they_run_and_apply_is_put_back():
     """``Function.apply`` is a Python classmethod in torch 2.13 and a C descriptor in 2.14: patched and restored
     either way, with the Function computing what it computes unpatched."""
     original, found = torch.autograd.Function.__dict__["apply"], set()
     x = torch.tensor([1.0, -3.0], requires_grad=True)
     with torch_private.applied_functions(found):
-        y = _Square.apply(x)
+        y = models.Square.apply(x)
         torch.nn.functional.relu(y)  # torch's own functions are not the user's
     y.sum().backward()
-    assert found == {f"{__name__}._Square"}
+    assert found == {"tests.models.Square"}
     assert y.tolist() == [1.0, 9.0] and x.grad.tolist() == [2.0, -6.0]
     assert torch.autograd.Function.__dict__["apply"] is original
 

@@ -11,6 +11,7 @@ from torch import nn
 import autotp
 from autotp.capture import capture
 from autotp.errors import CaptureError
+from tests.models import Square
 
 
 class _MaskedWhenTraced(nn.Module):
@@ -86,18 +87,6 @@ def test_layers_whose_gradient_only_a_custom_backward_gives_are_refused_for_trai
     assert plan.tp == 2
 
 
-class _Square(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        ctx.save_for_backward(x)
-        return x * x
-
-    @staticmethod
-    def backward(ctx, grad):
-        (x,) = ctx.saved_tensors
-        return 2 * x * grad
-
-
 class _KeepsItsState(nn.Module):
     """A recurrent layer that keeps its last state as a plain attribute (RecurrentGemma's ``recurrent_states``),
     through a custom Function, so that capture runs it once more with gradients to compare them."""
@@ -108,7 +97,7 @@ class _KeepsItsState(nn.Module):
         self.state = torch.zeros(32)
 
     def forward(self, x):
-        h = _Square.apply(self.up(x))
+        h = Square.apply(self.up(x))
         self.state = h[-1, -1]
         return self.down(h)
 
