@@ -21,9 +21,9 @@ def release(version: str) -> tuple[int, int]:
     return (int(match[1]), int(match[2])) if match else (0, 0)
 
 
-TESTED_TORCH = ("2.13.0", "2.14.1")
+TESTED_TORCH = ("2.13.0", "2.14.1", "2.15.0")
 """The torch versions autotp's tests run on, oldest first: CI runs the whole suite on the first and the capture,
-checker, generation and MoE tests on the last (``.ci/run``). Add a release here only with a CI run on it."""
+checker, generation and MoE tests on each later one (``.ci/run``). Add a release here only with a CI run on it."""
 MINIMUM_TORCH = release(TESTED_TORCH[0])
 """The oldest torch release (major, minor) autotp is tested with: an older one is refused."""
 NEWEST_TESTED_TORCH = release(TESTED_TORCH[-1])

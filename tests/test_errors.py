@@ -127,7 +127,7 @@ def test_an_older_torch_is_refused_naming_the_release_needed(version):
         require_supported_torch(version)
 
 
-@pytest.mark.parametrize("version", ["2.13.0+cpu", "2.14.0.dev20261101+cu130", "2.14.1+cu130"])
+@pytest.mark.parametrize("version", ["2.13.0+cpu", "2.14.0.dev20261101+cu130", "2.14.1+cu130", "2.15.0+cu132"])
 def test_a_tested_torch_release_passes_without_a_warning(version):
     from autotp.torch_version import require_supported_torch
 
@@ -136,7 +136,7 @@ def test_a_tested_torch_release_passes_without_a_warning(version):
         require_supported_torch(version)
 
 
-@pytest.mark.parametrize("version", ["2.15.0", "2.16.0.dev20270101+cu130", "3.0.0"])
+@pytest.mark.parametrize("version", ["2.16.0", "2.17.0.dev20270101+cu130", "3.0.0"])
 def test_a_later_torch_warns_once_naming_the_tested_releases(version, monkeypatch):
     from autotp import torch_version
 
@@ -148,8 +148,8 @@ def test_a_later_torch_warns_once_naming_the_tested_releases(version, monkeypatc
     assert [w.category for w in caught] == [autotp.UntestedTorchWarning], caught
     assert issubclass(autotp.UntestedTorchWarning, UserWarning)
     text = str(caught[0].message)
-    assert f"tested with torch 2.13 to 2.14, found torch {version}" in text, text
-    assert "pip install torch==2.14.1" in text, text
+    assert f"tested with torch 2.13 to 2.15, found torch {version}" in text, text
+    assert "pip install torch==2.15.0" in text, text
 
 
 def test_the_tested_range_is_the_one_pyproject_states():
@@ -157,5 +157,5 @@ def test_the_tested_range_is_the_one_pyproject_states():
     from autotp.torch_version import TESTED_TORCH
 
     text = (Path(__file__).resolve().parent.parent / "pyproject.toml").read_text()
-    stated = re.search(r"tested with torch ([\d.]+) and ([\d.]+)", text)
-    assert stated and stated.groups() == TESTED_TORCH, stated
+    stated = re.search(r"tested with torch ([\d., ]+) and ([\d.]+) ", text)
+    assert stated and (*stated[1].split(", "), stated[2]) == TESTED_TORCH, stated
