@@ -31,6 +31,7 @@ def test_trainer_and_accelerate_train_as_the_unsharded_model(world):
     what to do."""
     reference = run_on_ranks(trainer_workers.references, 1, world // 2)[0]
     for rank in run_on_ranks(trainer_workers.on_ranks, world, reference):
+        print(f"world {world}:", {k: v for k, v in rank.items() if isinstance(v, float)})
         assert max(rank["trainer"], rank["accumulating"], rank["accelerate"]) < ERROR, rank
         assert world > 2 or rank["eval"] < ERROR, rank  # with replicas, evaluation batches differ from one process's
         assert rank["plain accelerator"].startswith("RuntimeSetupError: a parallel module cannot be wrapped in "
