@@ -191,3 +191,30 @@ def pipeline_to_dtype(rank: int, world: int) -> dict:
     want, fp32 = models.loss_fn(half(x), y).float(), models.loss_fn(ref(x), y)
     assert all(p.dtype == torch.bfloat16 for p in pm.parameters())
     return {"loss_diff": abs(loss.item() - want.item()), "loss_gap": abs(want.item() - fp32.item())}
+
+
+def to_dtype_then_train(rank: int, world: int) -> dict:
+    """After ``pm.to(torch.bfloat16)``: a forward, an SGD step, another forward, near the bf16 unsharded model run
+    the same way; then a replicated weight changed on the last rank alone is caught (``DriftError``): the drift
+    fingerprints read the bf16 parameters, not the fp32 tensors they replaced."""
+    from torch.distributed.tensor import DTensor
+
+    ref, batch = models.build("hf_llama", layers=2), _batch(True)
+    pm = autotp.parallelize(copy.deepcopy(ref), tp=world, example_inputs=batch, quiet=True).to(torch.bfloat16)
+    half = copy.deepcopy(ref).to(torch.bfloat16)
+    for model in (pm, half, ref):
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        model(**batch).loss.backward()
+        opt.step()
+    got, want, fp32 = pm(**batch), half(**batch), ref(**batch)
+    result = {"logits_diff": _rms(got.logits, want.logits), "logits_gap": _rms(want.logits, fp32.logits)}
+    whole = [p for p in pm.parameters() if isinstance(p, DTensor) and p.placements[0].is_replicate()]
+    with torch.no_grad():
+        if rank == world - 1:
+            whole[0].to_local().add_(1.0)
+    try:
+        pm(**batch)
+        result["drift"] = "not raised"
+    except autotp.errors.DriftError as e:
+        result["drift"] = str(e)
+    return result

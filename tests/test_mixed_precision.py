@@ -13,7 +13,7 @@ import autotp
 from autotp.planning import Plan
 from tests import models
 from tests.distributed import run_on_ranks
-from tests.precision_workers import pipeline_to_dtype, policy_training, to_dtype, user_autocast
+from tests.precision_workers import pipeline_to_dtype, policy_training, to_dtype, to_dtype_then_train, user_autocast
 
 
 ROUNDINGS = 2.0
@@ -75,6 +75,15 @@ def test_to_dtype_after_parallelizing():
     print("pm.to(bfloat16) at tp=2:", result)
     _within_gap(result, [("logits_diff", "logits_gap"), ("loss_diff", "loss_gap")])
     assert result["user_loss_diff"] < 5e-2
+
+
+def test_to_dtype_then_a_step_keeps_the_drift_check():
+    """pm.to(bfloat16), forward, step, forward: no DriftError, the bf16 unsharded model's output (within its
+    bf16-vs-fp32 gap), and a replicated weight changed on one rank is still caught."""
+    for result in run_on_ranks(to_dtype_then_train, 2):
+        print("pm.to(bfloat16), step, forward at tp=2:", result)
+        _within_gap(result, [("logits_diff", "logits_gap")])
+        assert "holds different values on ranks [1]" in result["drift"], result
 
 
 def test_to_dtype_on_a_pipeline():

@@ -25,11 +25,13 @@ ERROR = 1e-5
 def test_trainer_and_accelerate_train_as_the_unsharded_model(world):
     """tp=2 (world 2) and tp=2 x dp=2 (world 4): 3 Trainer steps (num_items_in_batch honoured, over rows with
     different numbers of label tokens; also with 2 micro-batches accumulated a step) and 3 steps of accelerate's
-    loop equal the unsharded runs, and so does Trainer's evaluation loss at tp=2 (no num_items_in_batch given: pm
-    passes the count giving the mean); a plain Accelerator's DDP wrap, a forward under DDP, and replicate
-    replicas under accelerate are refused saying what to do."""
+    loop (with dp=2, also over dp_mode='replicate' replicas), all clipping gradients to a norm below theirs,
+    equal the unsharded runs, and so does Trainer's evaluation loss at tp=2 (no num_items_in_batch given: pm
+    passes the count giving the mean); a plain Accelerator's DDP wrap and a forward under DDP are refused saying
+    what to do."""
     reference = run_on_ranks(trainer_workers.references, 1, world // 2)[0]
     for rank in run_on_ranks(trainer_workers.on_ranks, world, reference):
+        print(f"world {world}:", {k: v for k, v in rank.items() if isinstance(v, float)})
         assert max(rank["trainer"], rank["accumulating"], rank["accelerate"]) < ERROR, rank
         assert world > 2 or rank["eval"] < ERROR, rank  # with replicas, evaluation batches differ from one process's
         assert rank["plain accelerator"].startswith("RuntimeSetupError: a parallel module cannot be wrapped in "
@@ -37,8 +39,7 @@ def test_trainer_and_accelerate_train_as_the_unsharded_model(world):
         assert "parallelism_config=autotp.parallelism_config(pm)" in rank["plain accelerator"]
         assert "TrainingArguments(parallelism_config=autotp.parallelism_config(pm))" in rank["plain trainer"], rank
         assert "wrapped in DistributedDataParallel over ranks [0, 1" in rank["forward under ddp"], rank
-        if world > 2:
-            assert "dp_mode='fsdp'" in rank["replicate"], rank
+        assert world == 2 or rank["replicate"] < ERROR, rank
 
 
 def test_forward_has_the_original_signature():

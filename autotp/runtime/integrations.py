@@ -21,8 +21,11 @@ as such a model does:
 - Refused, saying what to do instead: wrapping a parallel module in DistributedDataParallel (what a plain
   ``Accelerator().prepare(pm)`` does: DDP would broadcast the first rank's shards over the others' and average
   gradients of different shards), at DDP's construction, and at the forward should a torch release build DDP
-  without asking (``refuse_replica_ddp``); ``dp_mode='replicate'`` replicas under accelerate's loop, which never
-  calls ``pm.average_gradients`` (``refuse_unaveraged``).
+  without asking (``refuse_replica_ddp``).
+- Data parallelism needs nothing of the loop: ``dp_mode='fsdp'`` averages gradients during backward,
+  ``'replicate'`` at the end of every backward (as DDP), so accelerate's and Trainer's loops train either exactly.
+- Gradient clipping (Trainer's ``max_grad_norm``, ``accelerator.clip_grad_norm_``) is torch's
+  ``clip_grad_norm_`` over the DTensor parameters (``runtime.tp_params``): the global norm over shards and replicas.
 """
 
 from __future__ import annotations
@@ -149,10 +152,8 @@ class TrainerFacing(RefusesDDP):
         self._loss_kwargs = bool(value)
 
     def _hf_call(self, kwargs: dict) -> HFCall:
-        """A forward's keyword arguments sorted (``HFCall``), after refusing a DDP wrap over this replica and
-        replicas whose gradients accelerate's loop would leave unaveraged."""
+        """A forward's keyword arguments sorted (``HFCall``), after refusing a DDP wrap over this replica."""
         refuse_replica_ddp(self.comm)
-        refuse_unaveraged(self)
         return self._hf_sorted(kwargs)
 
     def _hf_sorted(self, kwargs: dict) -> HFCall:
@@ -337,13 +338,3 @@ def refuse_replica_ddp(comm) -> None:
         f"tensor-parallel ranks {shared}: DDP copied the first rank's shards over the others' and would average "
         f"gradients of different shards. {_INSTEAD}")
 
-
-def refuse_unaveraged(pm) -> None:
-    """Refuse training under accelerate (or Trainer) with ``dp_mode='replicate'`` replicas: their gradients are
-    averaged by ``pm.step`` (or ``pm.average_gradients()``), which accelerate's loop never calls, so each replica
-    would step on its own slice's gradient."""
-    if pm.dp_size > 1 and not pm._dp.sharded and pm.training and getattr(pm, "_is_accelerate_prepared", False):
-        raise InputError(f"this module has dp={pm.dp_size} replicas under dp_mode='replicate', whose gradients "
-                         "pm.step averages, but accelerate's loop (and Trainer's) calls backward itself and never "
-                         "averages them: parallelize with dp_mode='fsdp' (the default; FSDP averages them during "
-                         "backward), or train with pm.step")

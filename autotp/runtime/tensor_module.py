@@ -48,8 +48,20 @@ class ParallelModule(TrainerFacing, ParallelBase):
             gather.overwritable = False  # a compiled graph may keep its outputs for its own backward
         if self._dp is not None:
             self._dp.average_in_backward(self.parameters())  # replicate: as DDP, at the end of every backward
-        self._replicated = Fingerprints(self._replicated_params() if self.comm is not None else {})
+        self._replicated = self._fingerprints()
         self._start(parts.training)
+
+    def _fingerprints(self) -> Fingerprints:
+        """The drift fingerprints of this rank's replicated parameters (``drift``); none in one process."""
+        return Fingerprints(self._replicated_params() if self.comm is not None else {})
+
+    def _apply(self, fn, recurse=True):
+        result = super()._apply(fn, recurse)
+        if hasattr(self, "_replicated"):
+            # A cast or move (pm.to) gives the parameters new tensors (swapped into DTensors, or set as .data):
+            # fingerprints of the old ones would sample values that never change again, and drift would pass unseen.
+            self._replicated = self._fingerprints()
+        return result
 
     def _replicated_params(self) -> dict[str, torch.Tensor]:
         """This rank's stored piece of every parameter all tp ranks hold whole, by original name (``drift``)."""
