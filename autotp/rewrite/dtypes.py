@@ -82,10 +82,11 @@ def cast_parameters(gm: fx.GraphModule, dtype: torch.dtype) -> int:
     parameter in the parameter's own dtype (the fp32 master weight). Writes to a parameter's ``.data`` keep the
     parameter itself. Returns how many reads were cast; recompiled if any."""
     from autotp.rewrite.data_writes import data_of
+    from autotp.rewrite.graph_edit import get_tensor
 
     graph, cast = gm.graph, 0
     for node in list(graph.find_nodes(op="get_attr")):
-        value = _attribute(gm, node.target)
+        value = get_tensor(gm, node.target)
         if not isinstance(value, torch.nn.Parameter) or not value.is_floating_point() or value.dtype == dtype:
             continue
         readers = [u for u in node.users if not (u.op == "call_function" and u.target is data_of)]
@@ -100,13 +101,6 @@ def cast_parameters(gm: fx.GraphModule, dtype: torch.dtype) -> int:
         graph.lint()
         gm.recompile()
     return cast
-
-
-def _attribute(gm: fx.GraphModule, target: str):
-    obj = gm
-    for part in target.split("."):
-        obj = getattr(obj, part, None)
-    return obj
 
 
 def cast_for_policy(gm: fx.GraphModule, options) -> int:

@@ -47,3 +47,12 @@ def set_tensor(gm: nn.Module, target: str, value: torch.Tensor) -> None:
         module.register_parameter(name, value)
     else:
         module.register_buffer(name, value)
+
+
+def get_tensor(gm: nn.Module, target: str):
+    """The tensor (or other attribute) a ``get_attr`` ``target`` names in ``gm``; None where there is none."""
+    owner, _, name = target.rpartition(".")
+    try:
+        return getattr(gm.get_submodule(owner) if owner else gm, name, None)
+    except AttributeError:  # no such submodule
+        return None

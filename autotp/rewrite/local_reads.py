@@ -13,7 +13,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
 from autotp.rewrite.data_writes import data_of
-from autotp.rewrite.graph_edit import set_tensor
+from autotp.rewrite.graph_edit import get_tensor, set_tensor
 
 
 def to_local(tensor: torch.Tensor) -> torch.Tensor:
@@ -28,7 +28,7 @@ def read_locally(gm: fx.GraphModule) -> None:
     autograd."""
     changed = False
     for node in list(gm.graph.find_nodes(op="get_attr")):
-        if not isinstance(_attr(gm, node.target), DTensor) or any(u.target is to_local for u in node.users):
+        if not isinstance(get_tensor(gm, node.target), DTensor) or any(u.target is to_local for u in node.users):
             continue
         with gm.graph.inserting_after(node):
             reader = gm.graph.call_function(to_local, (node,))
@@ -37,14 +37,6 @@ def read_locally(gm: fx.GraphModule) -> None:
     if changed:
         gm.graph.lint()
         gm.recompile()
-
-
-def _attr(gm: nn.Module, target: str):
-    owner, _, name = target.rpartition(".")
-    try:
-        return getattr(gm.get_submodule(owner) if owner else gm, name)
-    except AttributeError:
-        return None
 
 
 def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
