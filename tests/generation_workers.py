@@ -127,7 +127,14 @@ def _between_training_steps(world: int) -> dict:
     trained = _small("llama", 2).eval()
     trained.load_state_dict(pm.full_state_dict())
     ref = trained.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False)
-    return {"after": torch.equal(after, ref), "changed": not torch.equal(before, after)}
+    other = ids.clone()
+    other[0, -1] = (other[0, -1] + dist.get_rank()) % VOCAB  # rank 1's prompt differs by one token
+    try:
+        pm.generate(other, attention_mask=mask, max_new_tokens=NEW)
+        refused = ""
+    except autotp.InputError as e:
+        refused = str(e)
+    return {"after": torch.equal(after, ref), "changed": not torch.equal(before, after), "refused": refused}
 
 
 AT_TWO = ("mistral", "gemma2", "mixtral")

@@ -41,6 +41,7 @@ def test_generation_at_two_ranks_equals_model_generate():
         assert gpt["greedy"] and gpt["sampled"] and gpt["same_on_ranks"], gpt
         assert "re-runs the whole sequence" in gpt["note"] and gpt["plan_note"]
         assert result["training"]["after"], result["training"]
+        assert "input_ids" in result["training"]["refused"], result["training"]  # different prompts: refused
 
 
 def test_a_spawned_generation_run_tears_its_group_down_before_exit():

@@ -27,6 +27,7 @@ from autotp.capture.kv_cache import step_inputs, why_no_cache
 from autotp.errors import CaptureError, InputError
 from autotp.passes.placement import local_shape
 from autotp.rewrite.comm import Communicator
+from autotp.runtime.batch_agreement import check_same_inputs
 from autotp.runtime.sampling import Settings, choose, resolve
 from autotp.runtime.shared_memory import SharedMemoryComm, same_host
 
@@ -192,6 +193,9 @@ class Generation:
         config = given.pop("generation_config", None)
         settings = resolve(config if config is not None else pm.generation_config, given)
         ids, mask = prompt_of(input_ids, attention_mask)
+        # Ranks given different prompts would each decode a mixture of both; one all-gather of their
+        # fingerprints refuses that on every rank, as a training forward does.
+        check_same_inputs(("input_ids", "attention_mask"), (ids, mask), pm.comm)
         seen = [] if output_logits else None
         if not self.no_cache:
             self._build(pm)
