@@ -52,3 +52,12 @@ def test_every_page_is_in_the_site_navigation():
     pages = {p.relative_to(DOCS).as_posix() for p in DOCS.rglob("*.md")}
     assert pages <= listed, f"pages missing from mkdocs.yml's nav: {sorted(pages - listed)}"
     assert listed <= pages, f"nav entries with no page: {sorted(listed - pages)}"
+
+
+def test_the_readme_links_to_files_that_exist():
+    """The README is read on GitHub, outside the site's strict build: its relative links are checked here."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    targets = [t.split("#")[0] for t in re.findall(r"\]\(([^)\s]+)\)", readme) if "://" not in t]
+    assert targets, "the README links to no page"
+    missing = [t for t in targets if not (ROOT / t).exists()]
+    assert not missing, f"README links to missing files: {missing}"
