@@ -252,12 +252,12 @@ def test_console_script_is_declared():
     assert script.value == "autotp.tools.cli:main"
 
 
-def test_readme_shows_the_current_table_and_picture(capsys, monkeypatch):
+def test_the_cli_page_shows_the_current_table_and_picture(capsys, monkeypatch):
     monkeypatch.chdir(ROOT)
-    readme = (ROOT / "README.md").read_text()
+    page = (ROOT / "docs/cli.md").read_text()
     assert cli.main(["plan", GPT, "--tp", "2"]) == 0
-    assert capsys.readouterr().out.strip() in readme, "regenerate: autotp plan examples/gpt.py:build_gpt --tp 2"
-    assert "autotp viz examples/gpt.py:build_gpt --tp 2 -o docs/images/gpt_tp2.png" in readme
+    assert capsys.readouterr().out.strip() in page, "regenerate: autotp plan examples/gpt.py:build_gpt --tp 2"
+    assert "autotp viz examples/gpt.py:build_gpt --tp 2 -o docs/images/gpt_tp2.png" in page
     assert (ROOT / "docs/images/gpt_tp2.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

@@ -118,16 +118,42 @@ def test_a_size_checked_per_part_says_so():
     assert "has size 2" in text and "Valid tp values for this model: 1, 2" in text, text
 
 
-@pytest.mark.parametrize("version", ["2.11.0+cu130", "2.12.1", "1.13.1", "nightly"])
-def test_an_older_torch_is_refused_naming_the_release_needed(version):
-    from autotp.torch_version import require_supported_torch
+def _older_releases() -> list[str]:
+    """Releases before the oldest tested one (two minors back, the one before it, an old major) and a version
+    string that names no release."""
+    from autotp.torch_version import MINIMUM_TORCH
 
-    expected = r"needs torch >= 2\.13, found torch " + re.escape(version)
+    major, minor = MINIMUM_TORCH
+    return [f"{major}.{minor - 2}.0+cu130", f"{major}.{minor - 1}.1", f"{major - 1}.13.1", "nightly"]
+
+
+@pytest.mark.parametrize("version", _older_releases())
+def test_an_older_torch_is_refused_naming_the_release_needed(version):
+    from autotp.torch_version import MINIMUM_TORCH, require_supported_torch
+
+    expected = rf"needs torch >= {MINIMUM_TORCH[0]}\.{MINIMUM_TORCH[1]}, found torch " + re.escape(version)
     with pytest.raises(autotp.errors.UnsupportedTorchError, match=expected):
         require_supported_torch(version)
 
 
-@pytest.mark.parametrize("version", ["2.13.0+cpu", "2.14.0.dev20261101+cu130", "2.14.1+cu130", "2.15.0+cu132"])
+def _tested_builds() -> list[str]:
+    """Each tested release as torch's builds name it (CPU, CUDA, a nightly of the same minor): derived from
+    ``TESTED_TORCH``, so that adding a release does not make these tests stale."""
+    from autotp.torch_version import TESTED_TORCH
+
+    first, last = TESTED_TORCH[0], TESTED_TORCH[-1]
+    return [f"{first}+cpu", *(f"{v}+cu130" for v in TESTED_TORCH[1:]), f"{last.rsplit('.', 1)[0]}.0.dev20261101"]
+
+
+def _later_releases() -> list[str]:
+    """Releases after the newest tested one: the next minor, its nightly, the next major."""
+    from autotp.torch_version import NEWEST_TESTED_TORCH
+
+    major, minor = NEWEST_TESTED_TORCH
+    return [f"{major}.{minor + 1}.0", f"{major}.{minor + 2}.0.dev20270101+cu130", f"{major + 1}.0.0"]
+
+
+@pytest.mark.parametrize("version", _tested_builds())
 def test_a_tested_torch_release_passes_without_a_warning(version):
     from autotp.torch_version import require_supported_torch
 
@@ -136,7 +162,7 @@ def test_a_tested_torch_release_passes_without_a_warning(version):
         require_supported_torch(version)
 
 
-@pytest.mark.parametrize("version", ["2.16.0", "2.17.0.dev20270101+cu130", "3.0.0"])
+@pytest.mark.parametrize("version", _later_releases())
 def test_a_later_torch_warns_once_naming_the_tested_releases(version, monkeypatch):
     from autotp import torch_version
 
@@ -148,8 +174,8 @@ def test_a_later_torch_warns_once_naming_the_tested_releases(version, monkeypatc
     assert [w.category for w in caught] == [autotp.UntestedTorchWarning], caught
     assert issubclass(autotp.UntestedTorchWarning, UserWarning)
     text = str(caught[0].message)
-    assert f"tested with torch 2.13 to 2.15, found torch {version}" in text, text
-    assert "pip install torch==2.15.0" in text, text
+    assert f"tested with torch {torch_version.tested_range()}, found torch {version}" in text, text
+    assert f"pip install torch=={torch_version.TESTED_TORCH[-1]}" in text, text
 
 
 def test_the_tested_range_is_the_one_pyproject_states():
