@@ -46,7 +46,7 @@ from autotp.runtime import (
     state_names,
     tied_groups,
 )
-from autotp.runtime.generation import Generation
+from autotp.runtime.generation import Generation, for_generation
 from autotp.runtime.input_spec import InputSpec
 from autotp.runtime.integrations import facing, rank_config
 from autotp.runtime.loss_graphs import LossGraphs
@@ -312,7 +312,10 @@ def _tensor_parallel(built: Built, group, distributed: bool) -> ParallelModule:
             warn_plain(built.plan)
     generation = Generation(built.model, build_cache_steps)
     losses = LossGraphs(built.model, build_loss_graph)
-    return facing(ParallelModule(_parts(built, comm, stream, names, dp), modules, generation, losses), built.model)
+    pm = facing(ParallelModule(_parts(built, comm, stream, names, dp), modules, generation, losses), built.model)
+    if for_generation(built.model, graphs[False].input_names, pm.fsdp_unit is None):
+        pm.prepare_generation()  # set-up, not the first generate, pays its capture
+    return pm
 
 
 def _pipeline_parallel(built: Built) -> PipelineModule:
