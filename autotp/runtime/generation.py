@@ -166,17 +166,36 @@ class Generation:
         self._model = weakref.ref(model)
         self.generator: torch.Generator | None = None
         self.cached: CachedGenerator | None = None
-        self.comm: Communicator | None = None
-        """What the generation steps and the sampled tokens' agreement talk over, chosen at the first generate
-        unless set before it: shared memory between the CPU processes of one host
-        (``runtime.shared_memory.same_host``: a decode step's collectives are a few KB, and gloo's loopback round
-        trip and wake-up cost more than a layer's compute), else the parallel module's own communicator."""
+        self._comm: Communicator | None = None
+        self._own_comm = False  # made here (same_host), so closed here
         self.warned = False
+
+    @property
+    def comm(self) -> Communicator | None:
+        """What the generation step and the sampled tokens' agreement talk over, chosen when the step is built
+        unless set before: shared memory between the CPU processes of one host (``runtime.shared_memory.same_host``:
+        a decode step's collectives are a few KB, and gloo's loopback round trip and wake-up cost more than a
+        layer's compute), else the parallel module's own communicator. Set after the step is built (parallelize
+        builds it ahead for an eval-mode model), the step is built again over the new one at the next generate:
+        its collectives are those of the communicator it was built with."""
+        return self._comm
+
+    @comm.setter
+    def comm(self, comm: Communicator | None) -> None:
+        if comm is self._comm:
+            return
+        self._close_own()
+        self._comm, self.cached = comm, None
+
+    def _close_own(self) -> None:
+        if self._own_comm and isinstance(self._comm, SharedMemoryComm):
+            self._comm.close()
+        self._own_comm = False
 
     def close(self) -> None:
         """Release the shared memory the generation steps talk over (with the parallel module's groups)."""
-        if isinstance(self.comm, SharedMemoryComm):
-            self.comm.close()
+        if isinstance(self._comm, SharedMemoryComm):
+            self._comm.close()
 
     def manual_seed(self, seed: int) -> None:
         """Draw samples from ``seed`` on: the tokens one process samples after ``torch.manual_seed(seed)``."""
@@ -222,7 +241,8 @@ class Generation:
             raise InputError("generate captures its step from the model on its first call, and "
                              "the model passed to parallelize has been freed since; call pm.generate once (e.g. "
                              "max_new_tokens=1) before dropping the model, or keep it")
-        self.comm = self.comm or same_host(pm.comm)
+        if self._comm is None:
+            self._comm, self._own_comm = same_host(pm.comm), True
         try:
             built = self._build_steps(model, pm.plan, pm.rank, self.comm, rank_tensors(pm))
             self.cached = CachedGenerator(built, pm.plan.tp)
