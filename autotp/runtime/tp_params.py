@@ -58,7 +58,8 @@ def warn_plain(plan: Plan) -> None:
     """Say once that this module's parameters stay plain tensors, and how to clip exactly then."""
     shared = sorted(n for n, p in plan.placements.items() if p.is_split and p.replicas > 1)
     warnings.warn(f"autotp: {shared[0]} (and {len(shared) - 1} more) is split in chunks several tensor-parallel ranks "
-                  "hold, which a DTensor placement over the tp mesh cannot state, so pm.parameters() stay plain "
+                  "hold, which a DTensor placement over the tp mesh cannot state (a 2-D view of it can, with tp "
+                  "alone: dp=1, pp=1, no group=), so pm.parameters() stay plain "
                   "local tensors: torch.nn.utils.clip_grad_norm_ would clip each rank by its own norm (and the "
                   "next forward would raise DriftError); clip with pm.clip_grad_norm_(max_norm)", stacklevel=3)
 
