@@ -46,7 +46,7 @@ from autotp.runtime import (
     state_names,
     tied_groups,
 )
-from autotp.runtime.generation import Generation
+from autotp.runtime.generation import Generation, for_generation
 from autotp.runtime.input_spec import InputSpec
 from autotp.runtime.integrations import facing, rank_config
 from autotp.runtime.loss_graphs import LossGraphs
@@ -54,7 +54,7 @@ from autotp.runtime.peers import as_timedelta, bound_groups, group_timeout
 from autotp.runtime.process import first_rank, from_first_rank, shared_seed
 from autotp.runtime.process import world_size as group_size
 from autotp.runtime.readers import checkpoint_source
-from autotp.runtime.tp_params import expressible, layout_of, tp_mesh, warn_plain
+from autotp.runtime.tp_params import expressible, layout_of, shared_holders, tp_mesh, tp_mesh_2d, warn_plain
 
 
 def with_input_note(chosen: Plan, example: ExampleInputs) -> Plan:
@@ -309,10 +309,24 @@ def _tensor_parallel(built: Built, group, distributed: bool) -> ParallelModule:
             mesh = dp.mesh.mesh["tp"] if dp is not None else tp_mesh(comm.group, device or torch.device("cpu"))
             distribute(list(modules.values()), layout_of(built.plan, names), mesh)
         else:
-            warn_plain(built.plan)
+            _distribute_shared(built.plan, names, list(modules.values()), comm, dp, device)
     generation = Generation(built.model, build_cache_steps)
     losses = LossGraphs(built.model, build_loss_graph)
-    return facing(ParallelModule(_parts(built, comm, stream, names, dp), modules, generation, losses), built.model)
+    pm = facing(ParallelModule(_parts(built, comm, stream, names, dp), modules, generation, losses), built.model)
+    if for_generation(built.model, graphs[False].input_names, pm.fsdp_unit is None):
+        pm.prepare_generation()  # set-up, not the first generate, pays its capture
+    return pm
+
+
+def _distribute_shared(plan: Plan, names, graphs: list, comm, dp, device) -> None:
+    """Parameters of a plan with chunks several tp ranks hold: DTensors on the 2-D view of the tp ranks where it
+    can be made (``tp_params.tp_mesh_2d``), else plain, with a warning."""
+    holders = shared_holders(plan)
+    mesh = tp_mesh_2d(comm.group, device or torch.device("cpu"), holders) if dp is None and holders else None
+    if mesh is None:
+        warn_plain(plan)
+        return
+    distribute(graphs, layout_of(plan, names, holders), mesh)
 
 
 def _pipeline_parallel(built: Built) -> PipelineModule:

@@ -4,6 +4,7 @@ model, compared step by step (losses, torch's clipped norm, every parameter afte
 from __future__ import annotations
 
 import copy
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -41,7 +42,10 @@ def loop_trains_like_one_process(rank: int, world: int, tp: int, dp: int, mode: 
     if not reform_world(tp * dp, "cpu"):
         return label
     ref = models.build("hf_llama", layers=2)
-    pm = autotp.parallelize(copy.deepcopy(ref), tp=tp, dp=dp, dp_mode=mode, example_inputs=_batch(0, 0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # warn_plain: a parameter left plain would clip wrongly
+        pm = autotp.parallelize(copy.deepcopy(ref), tp=tp, dp=dp, dp_mode=mode, example_inputs=_batch(0, 0))
+    assert all(hasattr(p, "device_mesh") for p in pm.parameters()), label  # every parameter a DTensor
     opt, ref_opt = torch.optim.AdamW(pm.parameters(), **ADAM), torch.optim.AdamW(ref.parameters(), **ADAM)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
     ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=1, gamma=0.5)

@@ -126,19 +126,19 @@ def test_the_generate_command_prints_tokens_and_speed(capsys):
 
 def test_the_cache_is_split_as_the_kv_heads_written_into_it():
     """Planned without processes: at tp=2 each rank holds one of Llama's 2 KV heads; at tp=4 (above them) the
-    head its query heads use, shared by 2 ranks; the prefill and decode steps agree."""
-    from autotp.capture.kv_cache import cache_shape, capture_steps
+    head its query heads use, shared by 2 ranks."""
+    from autotp.capture.kv_cache import cache_shape, capture_step
     from autotp.passes.placement import local_shape
     from autotp.rewrite.cache_layout import cache_layouts
 
     model = generation_workers._small("llama", 2).eval()
-    steps = capture_steps(model, cache_shape(model))
+    step = capture_step(model, cache_shape(model))
     ids = torch.zeros(2, 6, dtype=torch.long)
     for tp, replicas in ((2, 1), (4, 2)):
         plan = autotp.plan(model, tp, (ids,))
-        layouts = {kind: list(cache_layouts(g, plan, 4).values()) for kind, g in steps.items()}
-        assert layouts["prefill"] == layouts["decode"] and len(layouts["decode"]) == 4  # K and V of 2 layers
-        for lay in layouts["decode"]:
+        layouts = list(cache_layouts(step, plan, 4).values())
+        assert len(layouts) == 4  # K and V of 2 layers
+        for lay in layouts:
             assert (lay.dim, lay.segments, lay.replicas) == (1, (2,), replicas)
             assert local_shape((3, 2, 16, 16), lay, tp) == (3, 1, 16, 16)
 
@@ -208,28 +208,45 @@ def test_the_cache_is_found_by_either_name_in_the_signature_and_the_output():
 
 
 def test_the_parallel_module_keeps_no_copy_of_the_users_weights():
-    """The user's weights are freed when dropped after the first generate (which captures the steps from the
-    model); dropped before it, generate says what to do."""
+    """The user's weights are freed when dropped once the step is captured: at parallelize for a model in eval
+    mode (the first generate then captures nothing), at the first generate for one in train mode (a training
+    user's set-up pays nothing for generation); dropped before either, generate says what to do."""
     import gc
     import weakref
 
     ids, mask = generation_workers._prompts()
-    for first in (True, False):
+    for case in ("ahead", "first", "dropped"):
         model = generation_workers._small("llama", 2).eval()
         ref = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
+        model.train(case != "ahead")
         with capture_cache.bypassed():  # the suite's capture memo keeps the model it first captured alive
             pm = autotp.parallelize(model, tp=1, example_inputs=(ids,), quiet=True)
-        if first:
+        assert (pm.generation.cached is not None) == (case == "ahead"), case
+        if case == "first":
             pm.generate(ids, max_new_tokens=1)
         weight = weakref.ref(model.model.embed_tokens.weight)
         del model
         gc.collect()
         assert weight() is None
-        if first:
-            assert torch.equal(pm.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False), ref)
-        else:
+        if case == "dropped":
             with pytest.raises(autotp.InputError, match="call pm.generate once"):
                 pm.generate(ids, max_new_tokens=1)
+        else:
+            assert torch.equal(pm.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False), ref)
+
+
+def test_an_eval_model_with_labels_or_no_cache_captures_no_step_ahead():
+    """The step is captured ahead only for the inference shape: a model captured with labels (a training
+    user's) or one with no KV cache (nothing to capture) leaves it to the first generate."""
+    ids, _ = generation_workers._prompts()
+    llama = generation_workers._small("llama", 2).eval()
+    pm = autotp.parallelize(llama, tp=1, example_inputs={"input_ids": ids, "labels": ids}, quiet=True)
+    assert pm.generation.cached is None
+    from examples.gpt import build_gpt
+
+    gpt = build_gpt().eval()
+    pm = autotp.parallelize(gpt, tp=1, example_inputs=(ids % 64,), quiet=True)
+    assert pm.generation.cached is None and pm.generation.no_cache
 
 
 def _shared_pair(timeout: float = 30.0):

@@ -139,6 +139,17 @@ def test_checker_runs_the_policy_and_shows_its_differences_are_rounding():
         autotp.check(model, tp=2, example_inputs=(ids,), mixed_precision={"param_dtype": "bfloat16"})
 
 
+def test_a_policy_over_column_functions_of_their_own_backward():
+    """The example GPT's column projections run as autotp's own autograd Functions (an all-reduce overlapping
+    the weight gradient): their backward, which runs outside autocast, computes in the forward's autocast dtype, as
+    torch's linear does (it raised a dtype mismatch, bf16 gradient times fp32 weight, found by bench.gpu)."""
+    from examples.gpt import build_gpt
+
+    torch.manual_seed(0)
+    report = autotp.check(build_gpt(), 2, (models.tokens(2, 16, seed=1) % 64,), mixed_precision=torch.bfloat16)
+    assert report.exact, str(report)
+
+
 def test_generate_after_to_dtype_reruns_the_sequence_and_says_so():
     model, ids = models.build("hf_llama"), models.tokens(2, 6, seed=1)
     pm = autotp.parallelize(model, tp=1, example_inputs=(ids,)).to(torch.bfloat16)

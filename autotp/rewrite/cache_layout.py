@@ -19,7 +19,7 @@ from autotp.capture.kv_cache import (
     FIRST_CACHE_INPUT,
     CacheShape,
     cache_shape,
-    capture_steps,
+    capture_step,
 )
 from autotp.errors import InternalError
 from autotp.passes.placement import Shard
@@ -71,30 +71,24 @@ def build_step_graph(captured: Captured, plan: Plan, rank: int, comm: Communicat
 
 @dataclass
 class CacheSteps:
-    """A rank's prefill and decode graphs, their cache inputs split as ``layouts`` (one per cache tensor)."""
+    """A rank's generation step (prompt and new tokens alike), its cache inputs split as ``layouts`` (one per cache
+    tensor)."""
 
     shape: CacheShape
     layouts: list[Shard | None]
-    steps: dict[str, fx.GraphModule]
+    step: fx.GraphModule
 
 
 def build_cache_steps(model: nn.Module, plan: Plan, rank: int, comm: Communicator | None,
                       tensors: dict[str, torch.Tensor]) -> CacheSteps:
-    """Capture ``model``'s generation steps with their cache as inputs and build this rank's graphs of them, reading
+    """Capture ``model``'s generation step with its cache as inputs and build this rank's graph of it, reading
     ``tensors`` (a parallel module's own, by original name: no copy, so training updates them)."""
     shape = cache_shape(model)
-    graphs = capture_steps(model, shape)
-    names = [p.name for p in graphs["decode"].graph.find_nodes(op="placeholder")][FIRST_CACHE_INPUT:]
-    layouts = list(cache_layouts(graphs["decode"], plan, FIRST_CACHE_INPUT).values())
-    steps, casts_hold = {}, _dtypes_kept(model, tensors)
-    for kind, captured in graphs.items():
-        inputs = [p.name for p in captured.graph.find_nodes(op="placeholder")][FIRST_CACHE_INPUT:]
-        if len(inputs) != len(names):
-            raise InternalError(f"the {kind} step takes {len(inputs)} cache tensors, the decode step {len(names)}")
-        gm = build_step_graph(captured, plan, rank, comm, dict(zip(inputs, layouts)))
-        share_tensors(gm, captured, tensors)
-        steps[kind] = inference_step(lean_step(gm, casts_hold))
-    return CacheSteps(shape, layouts, steps)
+    captured = capture_step(model, shape)
+    layouts = cache_layouts(captured, plan, FIRST_CACHE_INPUT)
+    gm = build_step_graph(captured, plan, rank, comm, layouts)
+    share_tensors(gm, captured, tensors)
+    return CacheSteps(shape, list(layouts.values()), inference_step(lean_step(gm, _dtypes_kept(model, tensors))))
 
 
 def _dtypes_kept(model: nn.Module, tensors: dict[str, torch.Tensor]) -> bool:

@@ -67,17 +67,31 @@ class Regather:
         return entry[0]
 
 
+def forward_dtype(x: torch.Tensor) -> torch.dtype | None:
+    """The dtype a linear on ``x`` computes in here: autocast's where it is on (None: the tensors' own). A custom
+    Function's backward runs outside autocast, so it must cast to this itself: its gradient then arrives in it
+    (bf16 under a bf16 policy) while the saved input and weight are fp32."""
+    kind = x.device.type
+    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
+
+
+def in_dtype(dtype: torch.dtype | None, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``tensors`` cast to ``dtype`` (as autocast cast them in the forward; None: as they are). The gradients
+    computed from them are cast back to each input's dtype by autograd, as after autocast's own cast."""
+    return tensors if dtype is None else tuple(t.to(dtype) for t in tensors)
+
+
 class _RegatheredLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, whole, shard, weight, bias, regather):
         ctx.save_for_backward(shard, weight)
-        ctx.regather, ctx.has_bias = regather, bias is not None
+        ctx.regather, ctx.has_bias, ctx.dtype = regather, bias is not None, forward_dtype(whole)
         return owned_linear(whole, weight, bias)
 
     @staticmethod
     def backward(ctx, grad):
         shard, weight = ctx.saved_tensors
-        x = ctx.regather.whole(shard)
+        x, weight, grad = in_dtype(ctx.dtype, ctx.regather.whole(shard), weight, grad)
         flat = flat_grad(grad)
         grad_weight = flat.t() @ x.reshape(-1, x.shape[-1])
         grad_bias = flat.sum(0) if ctx.has_bias else None
@@ -101,12 +115,12 @@ class _OverlappedColumn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, comm):
         ctx.save_for_backward(x, weight)
-        ctx.comm, ctx.has_bias = comm, bias is not None
+        ctx.comm, ctx.has_bias, ctx.dtype = comm, bias is not None, forward_dtype(x)
         return owned_linear(x, weight, bias)
 
     @staticmethod
     def backward(ctx, grad):
-        x, weight = ctx.saved_tensors
+        x, weight, grad = in_dtype(ctx.dtype, *ctx.saved_tensors, grad)
         flat = flat_grad(grad)
         finish = (ctx.comm.all_reduce_started((flat @ weight).view(*grad.shape[:-1], weight.shape[-1]))
                   if ctx.needs_input_grad[0] else None)

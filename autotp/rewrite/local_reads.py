@@ -47,17 +47,19 @@ def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(out))
 
 
-def as_dtensor(local: nn.Parameter, mesh: DeviceMesh, placement, shape: tuple[int, ...]) -> nn.Parameter:
-    """A DTensor parameter over ``mesh`` whose local tensor is ``local``'s (same storage) and global shape ``shape``."""
-    shape = tuple(shape) if not isinstance(placement, Replicate) else tuple(local.shape)
-    made = DTensor.from_local(local.detach(), mesh, [placement], run_check=False, shape=torch.Size(shape),
+def as_dtensor(local: nn.Parameter, mesh: DeviceMesh, placements: tuple, shape: tuple[int, ...]) -> nn.Parameter:
+    """A DTensor parameter over ``mesh`` (``placements``, one per mesh dimension) whose local tensor is ``local``'s
+    (same storage) and global shape ``shape``."""
+    whole = all(isinstance(p, Replicate) for p in placements)
+    shape = tuple(local.shape) if whole else tuple(shape)
+    made = DTensor.from_local(local.detach(), mesh, list(placements), run_check=False, shape=torch.Size(shape),
                               stride=_contiguous_stride(shape))
     return nn.Parameter(made, requires_grad=local.requires_grad)
 
 
 def distribute(graphs: list[fx.GraphModule], layout, mesh: DeviceMesh) -> None:
     """Make the parameters of ``graphs`` (one rank's, sharing tensors) DTensors over the tp ``mesh``, placed as
-    ``layout(target, local_shape)`` says (a placement and the full shape), and have every graph read them locally.
+    ``layout(target, local_shape)`` says (the placements and the full shape), and have every graph read them locally.
     Tensors the graphs share stay shared."""
     made: dict[int, nn.Parameter] = {}
     for gm in graphs:

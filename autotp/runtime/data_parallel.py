@@ -74,7 +74,7 @@ def placed_like(whole: torch.Tensor, like: DTensor) -> DTensor:
     communication."""
     mesh = like.device_mesh
     axes = mesh.mesh_dim_names or ()
-    if "tp" not in axes:
+    if not tensor_parallel(axes):
         return distribute_tensor(whole, mesh, like.placements, src_data_rank=None)
     mine = whole
     if "dp" in axes:
@@ -85,13 +85,19 @@ def placed_like(whole: torch.Tensor, like: DTensor) -> DTensor:
                               stride=like.stride())
 
 
+def tensor_parallel(axes: tuple[str, ...]) -> bool:
+    """Whether a DTensor on a mesh of these axes is tensor-parallel (its local piece is this rank's tp piece): the
+    tp mesh ("tp", or the (dp, tp) mesh) or its 2-D view ("tp_chunks", "tp_holders": ``runtime.tp_params``)."""
+    return any(axis == "tp" or axis.startswith("tp_") for axis in axes)
+
+
 def gathered(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor`` whole over the data-parallel replicas and this rank's over tensor parallelism (an FSDP shard is
     all-gathered: collective over dp; a tensor-parallel DTensor gives its local shard)."""
     if not isinstance(tensor, DTensor):
         return tensor
     axes = tensor.device_mesh.mesh_dim_names or ()
-    if "tp" not in axes:
+    if not tensor_parallel(axes):
         return tensor.detach().full_tensor()
     if "dp" not in axes:
         return tensor.detach().to_local()

@@ -1,9 +1,9 @@
 """Generation on a tensor-parallel module: ``pm.generate`` with a sharded KV cache, or by re-running.
 
-A model with a cache (a transformers decoder) gets two more rank graphs, captured once on first use: a prefill
-step (the prompt) and a one-token decode step, each taking the cache tensors as inputs and writing the new keys and
+A model with a cache (a transformers decoder) gets one more rank graph, captured once: a step taking any number
+of tokens (the prompt, then one new token at a time) and the cache tensors as inputs, writing the new keys and
 values into them in place (``capture.kv_cache``). Each rank holds only its split of the cache
-(``rewrite.cache_layout``) and the graphs read the training module's own tensors, so generation between training
+(``rewrite.cache_layout``) and the graph reads the training module's own tensors, so generation between training
 steps uses the current weights with no copy. A model without a cache re-runs its eval graph on the whole sequence
 for every token (exact, slower), and says so.
 
@@ -33,15 +33,15 @@ from autotp.runtime.shared_memory import SharedMemoryComm, same_host
 
 BuildSteps = Callable
 """``rewrite.cache_layout.build_cache_steps(model, plan, rank, comm, tensors) -> CacheSteps`` (its ``shape``,
-``layouts`` and ``steps``), given by ``autotp.api``: the runtime runs graphs, building them is the rewrite's."""
+``layouts`` and ``step``), given by ``autotp.api``: the runtime runs graphs, building them is the rewrite's."""
 
 
 class CachedGenerator:
-    """A rank's prefill and decode graphs over its split of the KV cache (built by the rewrite's
+    """A rank's generation step (prefill and decode alike) over its split of the KV cache (built by the rewrite's
     ``cache_layout.build_cache_steps``, reading a parallel module's tensors)."""
 
     def __init__(self, built, tp: int):
-        self.shape, self.layouts, self.steps, self.tp = built.shape, built.layouts, built.steps, tp
+        self.shape, self.layouts, self.step, self.tp = built.shape, built.layouts, built.step, tp
 
     def cache(self, batch: int, length: int, device) -> list[torch.Tensor]:
         """This rank's empty cache tensors (its split of each) for ``batch`` sequences of ``length`` tokens."""
@@ -64,14 +64,13 @@ class CachedGenerator:
         full[:, :prompt] = mask
         cache = self.cache(batch, length, ids.device)
         positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)  # as transformers numbers padding
-        graph = self.steps["prefill" if prompt > 1 else "decode"]
-        logits = graph(*step_inputs(ids, full, positions, 0, cache))
+        logits = self.step(*step_inputs(ids, full, positions, 0, cache))
         return _loop(ids, logits[:, -1], s, pick, lambda tokens, t: self._decode(tokens, full, cache, t), seen)
 
     def _decode(self, tokens: torch.Tensor, full: torch.Tensor, cache, t: int) -> torch.Tensor:
         full[:, t] = 1  # transformers extends the mask with ones, finished sequences too
         positions = full[:, :t + 1].long().sum(-1, keepdim=True) - 1  # the last position + 1, as transformers
-        return self.steps["decode"](*step_inputs(tokens[:, None], full, positions, t, cache))[:, -1]
+        return self.step(*step_inputs(tokens[:, None], full, positions, t, cache))[:, -1]
 
 
 @dataclass
@@ -168,17 +167,36 @@ class Generation:
         self._model = weakref.ref(model)
         self.generator: torch.Generator | None = None
         self.cached: CachedGenerator | None = None
-        self.comm: Communicator | None = None
-        """What the generation steps and the sampled tokens' agreement talk over, chosen at the first generate
-        unless set before it: shared memory between the CPU processes of one host
-        (``runtime.shared_memory.same_host``: a decode step's collectives are a few KB, and gloo's loopback round
-        trip and wake-up cost more than a layer's compute), else the parallel module's own communicator."""
+        self._comm: Communicator | None = None
+        self._own_comm = False  # made here (same_host), so closed here
         self.warned = False
+
+    @property
+    def comm(self) -> Communicator | None:
+        """What the generation step and the sampled tokens' agreement talk over, chosen when the step is built
+        unless set before: shared memory between the CPU processes of one host (``runtime.shared_memory.same_host``:
+        a decode step's collectives are a few KB, and gloo's loopback round trip and wake-up cost more than a
+        layer's compute), else the parallel module's own communicator. Set after the step is built (parallelize
+        builds it ahead for an eval-mode model), the step is built again over the new one at the next generate:
+        its collectives are those of the communicator it was built with."""
+        return self._comm
+
+    @comm.setter
+    def comm(self, comm: Communicator | None) -> None:
+        if comm is self._comm:
+            return
+        self._close_own()
+        self._comm, self.cached = comm, None
+
+    def _close_own(self) -> None:
+        if self._own_comm and isinstance(self._comm, SharedMemoryComm):
+            self._comm.close()
+        self._own_comm = False
 
     def close(self) -> None:
         """Release the shared memory the generation steps talk over (with the parallel module's groups)."""
-        if isinstance(self.comm, SharedMemoryComm):
-            self.comm.close()
+        if isinstance(self._comm, SharedMemoryComm):
+            self._comm.close()
 
     def manual_seed(self, seed: int) -> None:
         """Draw samples from ``seed`` on: the tokens one process samples after ``torch.manual_seed(seed)``."""
@@ -224,10 +242,11 @@ class Generation:
             return
         model = self._held or self._model()
         if model is None:
-            raise InputError("generate captures its prefill and decode steps from the model on its first call, and "
+            raise InputError("generate captures its step from the model on its first call, and "
                              "the model passed to parallelize has been freed since; call pm.generate once (e.g. "
                              "max_new_tokens=1) before dropping the model, or keep it")
-        self.comm = self.comm or same_host(pm.comm)
+        if self._comm is None:
+            self._comm, self._own_comm = same_host(pm.comm), True
         try:
             built = self._build_steps(model, pm.plan, pm.rank, self.comm, rank_tensors(pm))
             self.cached = CachedGenerator(built, pm.plan.tp)
@@ -237,6 +256,17 @@ class Generation:
                              "re-runs the whole sequence for every token (exact, slower)")
             warnings.warn(f"autotp generate: {self.no_cache}", stacklevel=3)
             self.warned = True
+
+
+def for_generation(model: nn.Module, input_names: tuple[str, ...], generates: bool) -> bool:
+    """Whether ``parallelize`` captures the generation step ahead (``pm.prepare_generation``), so that the first
+    ``generate`` captures nothing: a model that ``generates`` (tensor parallel, whole parameters), in eval mode
+    (as ``from_pretrained`` returns it, or as one calls ``.eval()`` to serve), captured with no ``labels`` (no
+    loss: the inference shape) and with a KV cache (one without re-runs its eval graph, with nothing to capture).
+    A training user's model is in train mode, or is captured with its labels; one that is neither (an eval-mode
+    model trained through ``pm.step(target=...)``) pays one more capture at set-up, as it would at a first
+    ``generate``."""
+    return generates and not model.training and "labels" not in input_names and not why_no_cache(model)
 
 
 def _accepts_mask(spec) -> bool:

@@ -178,10 +178,12 @@ class ParallelModule(TrainerFacing, ParallelBase):
         return self.generation.generate(self, input_ids, attention_mask, given)
 
     def prepare_generation(self) -> None:
-        """Capture and build ``generate``'s prefill and decode steps now rather than at the first ``generate`` (a
-        collective call: every rank makes it). The capture takes about as long as capturing the model once more
-        (seconds for a small Hugging Face decoder); done here, say while setting up, the first ``generate`` is
-        as fast as the next. A model without a KV cache has nothing to capture."""
+        """Capture and build ``generate``'s step now rather than at the first ``generate`` (a collective call:
+        every rank makes it). The capture takes about as long as capturing the model once more (a second or more
+        for a small Hugging Face decoder); done here, say while setting up, the first ``generate`` is as fast as
+        the next. ``parallelize`` already does it for a model in eval mode captured without labels
+        (``runtime.generation.for_generation``); a model in train mode captures at its first ``generate`` unless
+        this is called. A model without a KV cache has nothing to capture."""
         if self.generation is None:
             raise InputError("this parallel module was built without its model's structure; build it with "
                              "autotp.parallelize to generate")

@@ -14,8 +14,13 @@ to move data between the ranks of a split parameter (it keeps its own chunk layo
 vocabularies), only to reduce norms, so only the placement's *kind* matters to it.
 
 Chunks several ranks hold (``placement.replicas > 1``: KV heads when tp exceeds them) are no 1-D placement: a
-``Shard`` would count each chunk once per holder. A module holding one keeps plain tensors (``expressible``),
-and ``pm.clip_grad_norm_`` is then the exact way to clip.
+``Shard`` would count each chunk once per holder. They are on a 2-D view of the same ranks (``tp_mesh_2d``):
+(tp / holders, holders), rank ``chunk * holders + j`` (as autotp lays such chunks out), where a shared chunk is
+``(Shard(dim), Replicate())`` (each chunk counted once), a chunk of one rank ``(Shard(dim), Shard(dim))`` and a
+whole parameter ``(Replicate(), Replicate())``: every parameter on one mesh, so torch's clipping stacks their
+norms. That view needs one holder count for the module and a tensor-parallel group that is the whole world
+(its subgroups are made collectively over the world): dp = 1 and no ``group``. Elsewhere the module keeps plain
+tensors and warns (``warn_plain``), and ``pm.clip_grad_norm_`` is then the exact way to clip.
 """
 
 from __future__ import annotations
@@ -53,24 +58,50 @@ def warn_plain(plan: Plan) -> None:
     """Say once that this module's parameters stay plain tensors, and how to clip exactly then."""
     shared = sorted(n for n, p in plan.placements.items() if p.is_split and p.replicas > 1)
     warnings.warn(f"autotp: {shared[0]} (and {len(shared) - 1} more) is split in chunks several tensor-parallel ranks "
-                  "hold, which a DTensor placement over the tp mesh cannot state, so pm.parameters() stay plain "
+                  "hold, which a DTensor placement over the tp mesh cannot state (a 2-D view of it can, with tp "
+                  "alone: dp=1, pp=1, no group=), so pm.parameters() stay plain "
                   "local tensors: torch.nn.utils.clip_grad_norm_ would clip each rank by its own norm (and the "
                   "next forward would raise DriftError); clip with pm.clip_grad_norm_(max_norm)", stacklevel=3)
 
 
-def placement_of(plan: Plan, name: str):
-    """The DTensor placement of kept parameter ``name`` over the tp mesh: ``Shard(dim)`` or ``Replicate()``."""
+def shared_holders(plan: Plan) -> int | None:
+    """How many ranks hold each shared chunk of ``plan``'s parameters (one count for all: a 2-D view can state
+    them); None where the counts differ or nothing is shared."""
+    counts = {p.replicas for p in plan.placements.values() if p.is_split and p.replicas > 1}
+    return counts.pop() if len(counts) == 1 else None
+
+
+def tp_mesh_2d(group, device: torch.device, holders: int) -> DeviceMesh | None:
+    """The (tp / holders, holders) view of the tensor-parallel ranks, or None where it cannot be made here: a
+    ``group`` that is not the whole world (the view's subgroups are made collectively over the world)."""
+    group = group or dist.group.WORLD
+    ranks = dist.get_process_group_ranks(group)
+    if len(ranks) != dist.get_world_size() or len(ranks) % holders:
+        return None
+    layout = torch.tensor(ranks).reshape(len(ranks) // holders, holders)
+    mesh = DeviceMesh(device.type, layout, mesh_dim_names=("tp_chunks", "tp_holders"))
+    release_groups(mesh)  # as tp_mesh: DTensor's collectives find the subgroups by name
+    return mesh
+
+
+def placement_of(plan: Plan, name: str, holders: int | None = None) -> tuple:
+    """The DTensor placements of kept parameter ``name``: over the tp mesh ``(Shard(dim),)`` or ``(Replicate(),)``;
+    over the 2-D view with ``holders`` (``tp_mesh_2d``) a pair, a chunk shared by ``holders`` ranks replicated on
+    the view's second dimension."""
     placement = plan.placements.get(name)
-    if placement is None or not placement.is_split or plan.tp == 1:
-        return Replicate()
-    return Shard(placement.dim)
+    split = placement is not None and placement.is_split and plan.tp > 1
+    if holders is None:
+        return (Shard(placement.dim),) if split else (Replicate(),)
+    if not split:
+        return Replicate(), Replicate()
+    return (Shard(placement.dim), Replicate() if placement.replicas == holders else Shard(placement.dim))
 
 
-def layout_of(plan: Plan, names: StateNames):
-    """A function from a rank module's parameter target to its DTensor placement and full shape (for
-    ``rewrite.local_reads.distribute``)."""
+def layout_of(plan: Plan, names: StateNames, holders: int | None = None):
+    """A function from a rank module's parameter target to its DTensor placements and full shape (for
+    ``rewrite.local_reads.distribute``), over the tp mesh or (``holders``) its 2-D view."""
     def layout(target: str, local_shape: tuple[int, ...]):
         name = names.param_name(target)
         kept = names.aliases.get(name, name)
-        return placement_of(plan, kept), tuple(names.shapes.get(kept, local_shape))
+        return placement_of(plan, kept, holders), tuple(names.shapes.get(kept, local_shape))
     return layout
