@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from typing import Protocol
 
 import sympy
+from autotp.passes.adapters import Adapter, find_adapters
 from autotp.passes.choices import kept_by_choice
 from autotp.passes.graph import grad_nodes, sizes, trainable_attrs
 from autotp.passes.placement import Placement, Shard
@@ -123,6 +124,11 @@ class Analysis:
         """The nodes gradients flow through (``graph.grad_nodes``), found once: the region search, the full
         propagations, the pipeline cuts and the collectives all read them."""
         return grad_nodes(self.graph, self.trainable)
+
+    @functools.cached_property
+    def adapters(self) -> dict[str, Adapter]:
+        """Low-rank adapters added to projections (LoRA), by their up-projection's node (``adapters``)."""
+        return run_pass("adapters", lambda: find_adapters(self.graph, self.projections), list(self.passes_run))
 
     @functools.cached_property
     def chosen_whole(self) -> dict[str, str]:

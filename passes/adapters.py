@@ -1,0 +1,106 @@
+"""Low-rank adapters found in the graph: ``y = W x + s * B(A(x))`` with ``A`` narrow (LoRA, as peft builds it).
+
+An adapter is two projections in a row, ``down`` (``A``: in -> r) then ``up`` (``B``: r -> out) with r smaller
+than both sides, whose output (times whole factors: peft's ``scaling``) is added to the output of a ``base``
+projection reading the same input (``down`` may read it through a dropout or a cast, as peft's ``lora_dropout``
+does). Nothing here knows peft: the pattern is the arithmetic, so any hand-written LoRA matches too.
+
+The planner splits an adapter at its base layer's communication (Megatron's layout for adapters): on a
+column-split base, ``A`` whole and ``B`` split by its outputs, so the adapter's output lands where the base's does;
+on a row-split base, ``A`` split by its inputs like the base and ``B`` whole, applied to the partial sum before the
+base's one all-reduce (``partial``: a product by a whole weight is linear in the partial sum).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import fx
+
+from autotp.passes.graph import meta_val
+from autotp.passes.projections import Projection
+
+aten = torch.ops.aten
+
+_PASS_THROUGH = {aten.dropout.default, aten.native_dropout.default, aten.to.dtype, aten._to_copy.default,
+                 aten.clone.default, aten.alias.default, aten.contiguous.default}
+"""Ops between an adapter's input and the base layer's: peft's dropout (identity when 0), a cast to the adapter's
+dtype."""
+
+_SCALES = {aten.mul.Tensor, aten.div.Tensor}
+_ADDS = {aten.add.Tensor, aten.add_.Tensor}
+
+
+@dataclass(frozen=True)
+class Adapter:
+    """A low-rank product added to a base projection's output (projection node names)."""
+
+    down: str
+    """``A``: the input features to the rank."""
+    up: str
+    """``B``: the rank to the base's output features."""
+    base: str
+    """The projection whose output the adapter's is added to."""
+    rank: int
+
+
+def _source(node: fx.Node) -> fx.Node:
+    """The value ``node`` passes on unchanged in the arithmetic that matters here (through dropout and casts)."""
+    while node.op == "call_function" and node.target in _PASS_THROUGH and isinstance(node.args[0], fx.Node):
+        node = node.args[0]
+    return node
+
+
+def _only_reader(node: fx.Node) -> fx.Node | None:
+    readers = [u for u in node.users if u.target is not aten._assert_tensor_metadata.default]
+    return readers[0] if len(readers) == 1 else None
+
+
+def _added_to(node: fx.Node) -> fx.Node | None:
+    """The other operand of the add that ``node`` reaches through scalings by a number or a whole factor, if any."""
+    at = node
+    while (reader := _only_reader(at)) is not None:
+        if reader.target in _SCALES and reader.args[0] is at:
+            at = reader
+            continue
+        if reader.target in _ADDS and len(reader.args) == 2 and not reader.kwargs:
+            other = reader.args[1] if reader.args[0] is at else reader.args[0]
+            return other if isinstance(other, fx.Node) else None
+        return None
+    return None
+
+
+def _added_base(node: fx.Node, by_node: dict[str, Projection]) -> fx.Node | None:
+    """The base projection's output that an adapter's output is added to: the add's other operand, or the sum of
+    earlier adapters added to it (several adapters on one layer add one after the other)."""
+    other = _added_to(node)
+    while other is not None and other.name not in by_node:
+        if other.target not in _ADDS or len(other.args) != 2:
+            return None
+        other = other.args[0] if isinstance(other.args[0], fx.Node) else None
+    return other
+
+
+def find_adapters(graph: fx.Graph, projections: dict[str, Projection]) -> dict[str, Adapter]:
+    """Every low-rank adapter in ``graph``, keyed by its ``up`` projection's node (module docstring)."""
+    nodes = {n.name: n for n in graph.nodes}
+    found: dict[str, Adapter] = {}
+    for up in projections.values():
+        if up.experts > 1 or up.packed is not None or up.spatial:
+            continue
+        down_node = _source(nodes[up.input])
+        down = projections.get(down_node.name)
+        if down is None or down.bias is not None or up.bias is not None or _only_reader(down_node) is None:
+            continue
+        rank = down.out_features
+        base_node = _added_base(nodes[up.node], projections)
+        base = projections.get(base_node.name) if base_node is not None else None
+        if base is None or base.node in (down.node, up.node) or up.in_features != rank:
+            continue
+        same_input = _source(nodes[down.input]) is _source(nodes[base.input])
+        low = rank < min(base.in_features, base.out_features)
+        shaped = down.in_features == base.in_features and up.out_features == base.out_features
+        if same_input and low and shaped and meta_val(nodes[up.node]).dtype.is_floating_point:
+            found[up.node] = Adapter(down.node, up.node, base.node, rank)
+    return found
