@@ -20,6 +20,8 @@ from torch import fx
 
 from autotp.passes.graph import meta_val
 from autotp.passes.projections import Projection
+from autotp.passes.propagation import Conversion
+from autotp.passes.steps import COPY
 
 aten = torch.ops.aten
 
@@ -104,3 +106,33 @@ def find_adapters(graph: fx.Graph, projections: dict[str, Projection]) -> dict[s
         if same_input and low and shaped and meta_val(nodes[up.node]).dtype.is_floating_point:
             found[up.node] = Adapter(down.node, up.node, base.node, rank)
     return found
+
+
+def copy_before_down(prop, nodes: dict[str, fx.Node], adapters: dict[str, Adapter], projections: dict[str, Projection],
+                     grad: set[str]) -> None:
+    """On a column-split base, read the adapter's input through the base's ``f`` instead of its rank-r value.
+
+    The propagation reads a column-split ``B``'s whole input ``h = A x`` through ``f`` (an all-reduce of the
+    gradient of ``h``, per adapter). The gradient of ``h`` is linear in the ranks' shares, so the sum may run after
+    ``A`` instead: ``A x`` then reads ``x`` through ``f`` (the base's own: one all-reduce serves both) and ``A``'s
+    weight gradient, each rank's share, is summed on its own (``f`` on the weight: r x in, not batch x seq x r)."""
+    for adapter in adapters.values():
+        up, down = projections[adapter.up], projections[adapter.down]
+        key = next((k for k, c in prop.conversions.items() if c.steps == (COPY,) and (up.node, (0,)) in c.consumers
+                    and c.source == down.node), None)
+        weight = nodes[down.node].args[1]
+        edges = {c for conv in prop.conversions.values() for c in conv.consumers}
+        if key is None or prop.layouts.get(down.input) is not None or (down.node, (0,)) in edges \
+                or (down.node, (1,)) in edges or down.node in prop.reduced:
+            continue
+        conv = prop.conversions[key]
+        conv.consumers.remove((up.node, (0,)))
+        if not conv.consumers:
+            del prop.conversions[key]
+        _read_through(prop, down.input, (down.node, (0,)))
+        if weight.name in grad:  # a frozen A has no gradient to sum
+            _read_through(prop, weight.name, (down.node, (1,)))
+
+
+def _read_through(prop, value: str, edge: tuple) -> None:
+    prop.conversions.setdefault((value, (COPY,)), Conversion(value, (COPY,))).consumers.append(edge)
