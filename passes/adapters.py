@@ -129,9 +129,21 @@ def copy_before_down(prop, nodes: dict[str, fx.Node], adapters: dict[str, Adapte
         conv.consumers.remove((up.node, (0,)))
         if not conv.consumers:
             del prop.conversions[key]
-        _read_through(prop, down.input, (down.node, (0,)))
+        _read_through(prop, *_earliest_read(nodes, down.node, edges))
         if weight.name in grad:  # a frozen A has no gradient to sum
             _read_through(prop, weight.name, (down.node, (1,)))
+
+
+def _earliest_read(nodes: dict[str, fx.Node], reader: str, edges: set) -> tuple[str, tuple]:
+    """The value to read through ``f`` for ``reader``'s input, and the edge reading it: back through the dropout and
+    casts that only ``reader`` reads (each linear in its input, with a mask the same on every rank), so that the
+    base's ``f`` of the layer's input serves the adapter too."""
+    at = nodes[reader]
+    value = at.args[0]
+    while value.op == "call_function" and value.target in (_PASS_THROUGH - {aten.native_dropout.default}) \
+            and _only_reader(value) is at and isinstance(value.args[0], fx.Node) and (value.name, (0,)) not in edges:
+        at, value = value, value.args[0]
+    return value.name, (at.name, (0,))
 
 
 def _read_through(prop, value: str, edge: tuple) -> None:
