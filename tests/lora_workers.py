@@ -109,3 +109,45 @@ def training(rank: int, world: int, tp: int, pp: int, dropout: float) -> dict:
     return {"losses": losses, "ref_losses": ref_losses, "worst": worst, "moved": moved,
             "frozen_grads": frozen_grads, "frozen_state": frozen_state, "frozen_params": frozen_params,
             "rank": dist.get_rank()}
+
+
+def _logits(out):
+    return getattr(out, "logits", out)
+
+
+def peft_files(rank: int, world: int, folder: str) -> dict:
+    """save_pretrained writes what PeftModel.from_pretrained loads on the unsharded base with the same outputs; an
+    adapter peft saved (one process) loads into the parallel module; merging on the parallel module computes what
+    peft's merge_and_unload does; generation with adapters equals peft's."""
+    import peft
+
+    x = models.tokens(2, 8, 1)
+    model = adapted().eval()
+    pm = autotp.parallelize(model, tp=world, example_inputs=(x,), quiet=True).eval()
+    out = {"forward": (_logits(pm(x)) - _logits(model(x))).abs().max().item()}
+    ours, theirs = f"{folder}/ours", f"{folder}/theirs"
+    pm.save_pretrained(ours)
+    dist.barrier()
+    loaded = peft.PeftModel.from_pretrained(llama(), ours).eval()
+    out["saved"] = (_logits(loaded(x)) - _logits(model(x))).abs().max().item()
+    other = adapted()
+    torch.manual_seed(7)
+    for name, p in other.named_parameters():
+        if "lora_" in name:
+            torch.nn.init.normal_(p, std=0.05)
+    if rank == 0:
+        other.save_pretrained(theirs)
+    dist.barrier()
+    pm.load_adapter(theirs)
+    out["loaded"] = (_logits(pm(x)) - _logits(other.eval()(x))).abs().max().item()
+    ids = models.tokens(1, 5, 3)
+    got = pm.generate(ids, max_new_tokens=6, do_sample=False)
+    want = other.generate(input_ids=ids, max_new_tokens=6, do_sample=False)
+    out["generate"] = bool(torch.equal(got, want))
+    pm.merge_adapters()
+    merged = other.merge_and_unload().eval()
+    out["merged"] = (_logits(pm(x)) - _logits(merged(x))).abs().max().item()
+    full = pm.full_state_dict()
+    out["merged_weights"] = max((full[f"base_model.model.{k}".replace(".weight", ".base_layer.weight")] - v).abs().max()
+                                .item() for k, v in merged.state_dict().items() if "layers.0.self_attn.q_proj" in k)
+    return out

@@ -65,3 +65,12 @@ def test_adamw_steps_exact_and_frozen_base_untouched(tp, pp, dropout):
         got = [v for v in r["losses"] if v is not None]
         assert got == pytest.approx(r["ref_losses"][:len(got)], rel=1e-5, abs=1e-6) if got else True
     assert any(r["losses"][0] is not None for r in results)
+
+
+def test_peft_save_load_merge_and_generate(tmp_path):
+    result = run_on_ranks(lora_workers.peft_files, 2, str(tmp_path))[0]
+    assert (tmp_path / "ours" / "adapter_config.json").is_file()
+    assert (tmp_path / "ours" / "adapter_model.safetensors").is_file()
+    for what in ("forward", "saved", "loaded", "merged", "merged_weights"):
+        assert result[what] < 1e-5, (what, result)
+    assert result["generate"], result
