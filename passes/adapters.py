@@ -30,6 +30,10 @@ _PASS_THROUGH = {aten.dropout.default, aten.native_dropout.default, aten.to.dtyp
 """Ops between an adapter's input and the base layer's: peft's dropout (identity when 0), a cast to the adapter's
 dtype."""
 
+_RESHAPES = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
+"""A projection computed on tokens flattened into one dim (GPT-2's ``Conv1D``: ``addmm`` of a view) reads and
+writes views of the values the adapter reads and adds to."""
+
 _SCALES = {aten.mul.Tensor, aten.div.Tensor}
 _ADDS = {aten.add.Tensor, aten.add_.Tensor}
 
@@ -48,8 +52,9 @@ class Adapter:
 
 
 def _source(node: fx.Node) -> fx.Node:
-    """The value ``node`` passes on unchanged in the arithmetic that matters here (through dropout and casts)."""
-    while node.op == "call_function" and node.target in _PASS_THROUGH and isinstance(node.args[0], fx.Node):
+    """The value ``node`` passes on unchanged in the arithmetic that matters here (through dropout, casts and
+    reshapes)."""
+    while node.op == "call_function" and node.target in _PASS_THROUGH | _RESHAPES and isinstance(node.args[0], fx.Node):
         node = node.args[0]
     return node
 
@@ -77,6 +82,8 @@ def _added_base(node: fx.Node, by_node: dict[str, Projection]) -> fx.Node | None
     """The base projection's output that an adapter's output is added to: the add's other operand, or the sum of
     earlier adapters added to it (several adapters on one layer add one after the other)."""
     other = _added_to(node)
+    while other is not None and other.target in _RESHAPES and other.args[0].name in by_node:
+        other = other.args[0]
     while other is not None and other.name not in by_node:
         if other.target not in _ADDS or len(other.args) != 2:
             return None
@@ -129,7 +136,9 @@ def copy_before_down(prop, nodes: dict[str, fx.Node], adapters: dict[str, Adapte
         conv.consumers.remove((up.node, (0,)))
         if not conv.consumers:
             del prop.conversions[key]
-        _read_through(prop, *_earliest_read(nodes, down.node, edges))
+        value, edge = _earliest_read(nodes, down.node, edges)
+        _read_through(prop, value, edge)
+        _base_copy_to(prop, nodes, adapter.base, value)
         if weight.name in grad:  # a frozen A has no gradient to sum
             _read_through(prop, weight.name, (down.node, (1,)))
 
@@ -144,6 +153,24 @@ def _earliest_read(nodes: dict[str, fx.Node], reader: str, edges: set) -> tuple[
             and _only_reader(value) is at and isinstance(value.args[0], fx.Node) and (value.name, (0,)) not in edges:
         at, value = value, value.args[0]
     return value.name, (at.name, (0,))
+
+
+def _base_copy_to(prop, nodes: dict[str, fx.Node], base: str, value: str) -> None:
+    """Move the base projection's ``f`` onto ``value`` where it reads a reshape of it (GPT-2's ``Conv1D`` flattens
+    the tokens first): the gradient of a reshape is the same on every rank, so one ``f`` of ``value`` serves the base
+    and its adapter."""
+    for key, conv in list(prop.conversions.items()):
+        if conv.steps != (COPY,) or len(conv.consumers) != 1 or conv.consumers[0][0] != base:
+            continue
+        at = nodes[conv.source]
+        first = None
+        while at.op == "call_function" and at.target in _RESHAPES and _only_reader(at) is not None:
+            first, at = at, at.args[0]
+        if first is None or at.name != value:
+            return
+        del prop.conversions[key]
+        _read_through(prop, value, (first.name, (0,)))
+        return
 
 
 def _read_through(prop, value: str, edge: tuple) -> None:

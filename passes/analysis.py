@@ -117,7 +117,8 @@ class Analysis:
         """Column→row regions for ``tp`` (LM heads are planned separately)."""
         skip = set(self.vocab.heads) if self.vocab else set()
         return find_regions(self.graph, self.projections, self.embeddings, self.trainable, tp, skip=skip,
-                            whole=set(self.chosen_whole), grad=self.grad)
+                            whole=set(self.chosen_whole), grad=self.grad,
+                            adapters={a.base: (a.down, a.up) for a in self.adapters.values()})
 
     @functools.cached_property
     def grad(self) -> set[str]:

@@ -232,13 +232,15 @@ def carry_partial_sums(prop, order: list[fx.Node], projections: dict[str, Projec
     smallest value it can stand on (module docstring)."""
     consumed = {c for conv in prop.conversions.values() for c in conv.consumers}
     adapters = find_adapters(order[0].graph, projections) if order else {}
-    moved, copies, chain = defer_reductions(order, prop.reduced, projections, prop.layouts, grad, consumed,
-                                            frozenset(adapters))
+    nodes = {n.name: n for n in order}
+    # past an adapter's B only where its base's g can join it (a base whose bias the rewrite adds after its g keeps
+    # that g, and the adapter's rank-r sum is then the smaller one to all-reduce)
+    ups = frozenset(u for u, a in adapters.items() if _deferrable(a.base, nodes, projections))
+    moved, copies, chain = defer_reductions(order, prop.reduced, projections, prop.layouts, grad, consumed, ups)
     for source, end in moved.items():
         del prop.reduced[source]
         prop.reduced[end] = Operator.G
     prop.deferred.update(moved)
-    nodes = {n.name: n for n in order}
     copy_before_down(prop, nodes, adapters, projections, grad)
 
     def read_through(value: str, edge: tuple[str, ArgPath], step=COPY) -> None:

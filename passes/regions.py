@@ -77,6 +77,9 @@ class RegionFinder:
         self.claimed: set[str] = set()
         self.heads: set[str] = set()
         """The vocabulary heads: a split that reaches one as its row has split the residual stream."""
+        self.adapter_ups: dict[str, str] = {}
+        """A low-rank adapter's up-projection by its base projection (``adapters``): split with the base's columns
+        (its output added to theirs), so that the base's region closes as it would without the adapter."""
         self.sources = SourceGraph(projections, embeddings, self.grad, trainable, tp)
         self.set_aside: list[tuple[tuple[str, ...], str]] = []
         """Projections left out of a group's region because they blocked it, and why."""
@@ -102,9 +105,11 @@ class RegionFinder:
         params: dict[str, Shard] = dict(seed)
         traced_here: dict = {}
         for _ in range(8):
-            prop = self._propagate(_layouts(columns, segments, shared) | params, tp)
+            prop = self._propagate(_layouts(columns, segments, shared) | self._adapters_of(columns, segments, shared)
+                                   | params, tp)
             learnt = segments | {origin: parts for o, hint in prop.hints.items() if self._one_weight(o)
-                                 for origin in o if (parts := _scaled(hint, self.projections[origin]))}
+                                 for origin in o if origin not in self._ups(o)
+                                 and (parts := _scaled(hint, self.projections[origin]))}
             if learnt != segments:
                 segments, params = learnt, dict(seed)  # parameters are re-learnt against the new segments
                 continue
@@ -134,8 +139,25 @@ class RegionFinder:
 
     def _one_weight(self, origins: frozenset) -> bool:
         """Whether the projections a split value comes from use one weight: one projection, or the experts of
-        a bank whose outputs were joined (fused gate/up columns cut after the experts' outputs are concatenated)."""
-        return len({self.projections[o].weight for o in origins}) == 1
+        a bank whose outputs were joined (fused gate/up columns cut after the experts' outputs are concatenated).
+        An adapter added to a projection's output counts as that projection (its segments are the base's)."""
+        ups = set(self.adapter_ups.values())
+        return len({self.projections[o].weight for o in origins if o not in ups or len(origins) == 1}) == 1
+
+    def _ups(self, origins: frozenset) -> set[str]:
+        """The adapters' up-projections among ``origins`` beside a base (which learns the segments for both)."""
+        ups = set(self.adapter_ups.values()) & origins
+        return ups if len(origins) > len(ups) else set()
+
+    def _adapters_of(self, columns: list[Projection], segments: dict, shared: dict | None) -> dict[str, Shard]:
+        """The layouts of the adapters' up-projections on ``columns``, split like their bases."""
+        ups = {c.node: self.projections[self.adapter_ups[c.node]] for c in columns
+               if c.node in self.adapter_ups and c.packed is None}
+        if not ups:
+            return {}
+        shared = shared or {}
+        return _layouts(list(ups.values()), {u.node: segments[b] for b, u in ups.items() if segments.get(b)},
+                        {u.node: shared[b] for b, u in ups.items() if b in shared})
 
     def _propagate(self, layouts: dict[str, Shard], tp: int) -> Propagation:
         """A candidate's propagation (``auto_rows``, windowed), kept for the next few: a search often asks for the

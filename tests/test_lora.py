@@ -74,3 +74,44 @@ def test_peft_save_load_merge_and_generate(tmp_path):
     for what in ("forward", "saved", "loaded", "merged", "merged_weights"):
         assert result[what] < 1e-5, (what, result)
     assert result["generate"], result
+
+
+def _split(plan, direction: str, rank: int = 4) -> tuple[list, list]:
+    """The plan's collectives in ``direction``: (those of activations, those of the adapters: a weight's gradient,
+    of no batch or sequence dim, or a rank-``rank`` value). An ``f`` the base shares with its adapter is listed at
+    either reader: the shapes tell them apart."""
+    mine = [c for c in plan.collectives if c.direction.value == direction]
+    tokens = [c for c in mine if set("BT") & set("".join(c.shape)) and c.shape[-1] != str(rank)]
+    return tokens, [c for c in mine if c not in tokens]
+
+
+@pytest.mark.parametrize("name,biased_rows", [("llama", False), ("gpt2", True), ("gemma3", False)])
+def test_zoo_sample_with_lora_on_every_linear_layer(name, biased_rows):
+    """Exact, and at the base model's collectives: the base layers' the same forward, the same or fewer backward
+    (the frozen base needs fewer gradients), the adapters' only sums of their whole weight's gradient (r x d), and on
+    a row-split base with a bias (GPT-2's ``Conv1D``), whose g the rewrite keeps before the bias, one all-reduce of
+    the rank-r partial sum."""
+    import peft
+    import torch
+
+    from autotp.tools import zoo
+
+    entry = zoo.entries({name})[0]
+    torch.manual_seed(0)
+    base = entry.build()
+    inputs = entry.inputs(base)
+    base_plan = autotp.plan(base, tp=2, example_inputs=inputs, vocab="split")
+    model = peft.get_peft_model(base, peft.LoraConfig(r=4, target_modules="all-linear"))
+    for key, p in model.named_parameters():
+        if "lora_B" in key:
+            torch.nn.init.normal_(p, std=0.05)
+    report = autotp.check(model, tp=2, example_inputs=inputs, vocab="split")
+    assert report.exact, str(report)
+    forward, adapter_forward = _split(report.plan, "forward")
+    backward, adapter_backward = _split(report.plan, "backward")
+    assert len(forward) == len(_split(base_plan, "forward")[0])
+    assert len(backward) <= len(_split(base_plan, "backward")[0])
+    assert adapter_backward and all(not set("BT") & set("".join(c.shape)) and ".lora_" in c.module
+                                    for c in adapter_backward)
+    assert all(c.shape[-1] == "4" and ".lora_A" in c.module for c in adapter_forward)
+    assert bool(adapter_forward) == biased_rows
