@@ -115,3 +115,30 @@ def test_zoo_sample_with_lora_on_every_linear_layer(name, biased_rows):
                                     for c in adapter_backward)
     assert all(c.shape[-1] == "4" and ".lora_A" in c.module for c in adapter_forward)
     assert bool(adapter_forward) == biased_rows
+
+
+def test_ia3_split_with_its_base_and_dora_exact():
+    """IA3's scaling vectors split with their base layers' features at the base's collectives; DoRA is exact (its
+    layers run whole: its magnitude divides by the norm of each row of the whole adapted weight)."""
+    import peft
+    import torch
+
+    x = models.tokens(2, 8, 1)
+    ia3 = peft.get_peft_model(lora_workers.llama(1), peft.IA3Config(
+        target_modules=["k_proj", "v_proj", "down_proj"], feedforward_modules=["down_proj"]))
+    dora = peft.get_peft_model(lora_workers.llama(1), peft.LoraConfig(
+        r=4, target_modules=lora_workers.TARGETS, use_dora=True))
+    torch.manual_seed(1)
+    for model, mean in ((ia3, 1.0), (dora, 0.0)):
+        for p in (p for p in model.parameters() if p.requires_grad):
+            torch.nn.init.normal_(p, mean=mean, std=0.05)
+    report = autotp.check(ia3, tp=2, example_inputs=(x,))
+    assert report.exact, str(report)
+    at = "base_model.model.model.layers.0."
+    assert repr(report.plan.placements[at + "self_attn.k_proj.ia3_l.default"]) == "colwise(dim=0)"
+    assert repr(report.plan.placements[at + "mlp.down_proj.ia3_l.default"]) == "colwise(dim=1)"
+    base = autotp.plan(lora_workers.llama(1), tp=2, example_inputs=(x,))
+    # the base's, less the first f: the frozen embedding needs no gradient
+    assert len(report.plan.collectives) == len(base.collectives) - 1
+    report = autotp.check(dora, tp=2, example_inputs=(x,))
+    assert report.exact, str(report)
