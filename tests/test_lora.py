@@ -142,3 +142,43 @@ def test_ia3_split_with_its_base_and_dora_exact():
     assert len(report.plan.collectives) == len(base.collectives) - 1
     report = autotp.check(dora, tp=2, example_inputs=(x,))
     assert report.exact, str(report)
+
+
+def test_a_hand_written_lora_is_found_from_the_graph_and_a_plain_low_rank_mlp_is_not():
+    """Nothing here is peft's: a module adding ``B(A(x))`` to a projection's output is an adapter; two narrow
+    projections in a row whose output is not added to a projection's (a low-rank MLP) stay an ordinary region."""
+    import torch
+    from torch import nn
+
+    class Lora(nn.Module):
+        def __init__(self, d_in, d_out, r=4):
+            super().__init__()
+            self.base, self.a, self.b = nn.Linear(d_in, d_out, bias=False), nn.Linear(d_in, r, False), nn.Linear(r, d_out, False)
+
+        def forward(self, x):
+            return self.base(x) + 0.5 * self.b(self.a(x))
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up, self.down = Lora(32, 64), Lora(64, 32)
+            self.low_a, self.low_b = nn.Linear(32, 4, bias=False), nn.Linear(4, 32, bias=False)
+
+        def forward(self, x):
+            x = x + self.down(torch.relu(self.up(x)))
+            return x + self.low_b(torch.relu(self.low_a(x)))
+
+    torch.manual_seed(0)
+    model = Block()
+    x = torch.randn(2, 8, 32)
+    report = autotp.check(model, tp=2, example_inputs=(x,))
+    assert report.exact, str(report)
+    placements = {k: repr(v) for k, v in report.plan.placements.items()}
+    assert placements["up.a.weight"] == "replicated" and placements["up.b.weight"] == "colwise(dim=0)"
+    assert placements["down.a.weight"] == "rowwise(dim=1)" and placements["down.b.weight"] == "replicated"
+    forward = [c for c in report.plan.collectives if c.direction.value == "forward" and "down" in c.module]
+    assert len(forward) == 1  # the adapter's partial sum joins the base's one all-reduce
+    from autotp.checker import prepare
+
+    adapters = prepare(model, (x,)).captured.analysis.adapters.values()
+    assert sorted((a.rank, a.base) for a in adapters) == [(4, "linear"), (4, "linear_3")]  # up.base, down.base
