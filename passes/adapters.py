@@ -175,3 +175,21 @@ def _base_copy_to(prop, nodes: dict[str, fx.Node], base: str, value: str) -> Non
 
 def _read_through(prop, value: str, edge: tuple) -> None:
     prop.conversions.setdefault((value, (COPY,)), Conversion(value, (COPY,))).consumers.append(edge)
+
+
+def up_projections(columns: list[Projection], ups: dict[str, str], projections: dict[str, Projection]) -> dict:
+    """The up-projections (``ups``: by base node) of the adapters on ``columns``, by base node: a region's trial
+    splits them with their bases (their outputs are added to the bases')."""
+    return {c.node: projections[ups[c.node]] for c in columns if c.node in ups and c.packed is None}
+
+
+def by_up(by_base: dict, ups: dict[str, Projection]) -> dict:
+    """Values keyed by base node (a column's segments, its chunks' holders) keyed by its adapter's up-projection."""
+    return {u.node: by_base[b] for b, u in ups.items() if by_base.get(b)}
+
+
+def ups_beside(ups: dict[str, str], origins: frozenset) -> set[str]:
+    """The adapters' up-projections among the ``origins`` of a split value that has a base among them too (the
+    base, not its adapter, learns the segments both are cut in)."""
+    found = set(ups.values()) & origins
+    return found if len(origins) > len(found) else set()

@@ -19,6 +19,7 @@ from autotp.passes.placement import Shard
 from autotp.passes.expert_banks import per_expert
 from autotp.passes.projections import Projection, packed_by_weight, packed_segments
 from autotp.passes.graph_index import GraphIndex
+from autotp.passes.adapters import by_up, up_projections, ups_beside
 from autotp.passes.propagate import propagate
 from autotp.passes.propagation import Propagation
 from autotp.passes.region_match import RegionKind, RegionMatch
@@ -78,8 +79,7 @@ class RegionFinder:
         self.heads: set[str] = set()
         """The vocabulary heads: a split that reaches one as its row has split the residual stream."""
         self.adapter_ups: dict[str, str] = {}
-        """A low-rank adapter's up-projection by its base projection (``adapters``): split with the base's columns
-        (its output added to theirs), so that the base's region closes as it would without the adapter."""
+        """Adapters' up-projections by base projection (``adapters``): split with the base's columns."""
         self.sources = SourceGraph(projections, embeddings, self.grad, trainable, tp)
         self.set_aside: list[tuple[tuple[str, ...], str]] = []
         """Projections left out of a group's region because they blocked it, and why."""
@@ -108,7 +108,7 @@ class RegionFinder:
             prop = self._propagate(_layouts(columns, segments, shared) | self._adapters_of(columns, segments, shared)
                                    | params, tp)
             learnt = segments | {origin: parts for o, hint in prop.hints.items() if self._one_weight(o)
-                                 for origin in o if origin not in self._ups(o)
+                                 for origin in o if origin not in ups_beside(self.adapter_ups, o)
                                  and (parts := _scaled(hint, self.projections[origin]))}
             if learnt != segments:
                 segments, params = learnt, dict(seed)  # parameters are re-learnt against the new segments
@@ -144,20 +144,10 @@ class RegionFinder:
         ups = set(self.adapter_ups.values())
         return len({self.projections[o].weight for o in origins if o not in ups or len(origins) == 1}) == 1
 
-    def _ups(self, origins: frozenset) -> set[str]:
-        """The adapters' up-projections among ``origins`` beside a base (which learns the segments for both)."""
-        ups = set(self.adapter_ups.values()) & origins
-        return ups if len(origins) > len(ups) else set()
-
     def _adapters_of(self, columns: list[Projection], segments: dict, shared: dict | None) -> dict[str, Shard]:
         """The layouts of the adapters' up-projections on ``columns``, split like their bases."""
-        ups = {c.node: self.projections[self.adapter_ups[c.node]] for c in columns
-               if c.node in self.adapter_ups and c.packed is None}
-        if not ups:
-            return {}
-        shared = shared or {}
-        return _layouts(list(ups.values()), {u.node: segments[b] for b, u in ups.items() if segments.get(b)},
-                        {u.node: shared[b] for b, u in ups.items() if b in shared})
+        ups = up_projections(columns, self.adapter_ups, self.projections)
+        return _layouts(list(ups.values()), by_up(segments, ups), by_up(shared or {}, ups)) if ups else {}
 
     def _propagate(self, layouts: dict[str, Shard], tp: int) -> Propagation:
         """A candidate's propagation (``auto_rows``, windowed), kept for the next few: a search often asks for the

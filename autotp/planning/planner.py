@@ -25,7 +25,7 @@ from autotp.passes.propagation import Propagation
 from autotp.passes.random_ops import random_refusal
 from autotp.passes.region_match import RegionKind, RegionMatch
 from autotp.passes.steps import Operator
-from autotp.planning.adapters import adapter_placements, without_adapters
+from autotp.planning.adapter_placements import adapter_placements, without_adapters
 from autotp.planning.consistency import check_biases_follow_weights
 from autotp.planning.plan import (
     Collective,
