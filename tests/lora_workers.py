@@ -19,6 +19,8 @@ TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 RANK = 4
 STEPS = 2
 SEED = 1234
+CLIP = 0.05
+"""Below the adapters' gradient norm, so every step clips: a norm counting a share or a frozen weight would show."""
 
 
 def llama(layers: int = 2):
@@ -75,8 +77,8 @@ def collectives(rank: int, world: int) -> dict:
 
 
 def training(rank: int, world: int, tp: int, pp: int, dropout: float) -> dict:
-    """AdamW steps of the adapted model at tp x pp against one process seeded alike: losses, every parameter after
-    the steps; the frozen base weights get no gradient and no optimizer state."""
+    """AdamW steps, clipped, of the adapted model at tp x pp against one process seeded alike: losses, every parameter
+    after the steps; the frozen base weights get no gradient and no optimizer state."""
     model = adapted(dropout).train()
     ref = copy.deepcopy(model)
     x, y = models.tokens(4, 8, 1), models.tokens(4, 8, 2)
@@ -84,11 +86,12 @@ def training(rank: int, world: int, tp: int, pp: int, dropout: float) -> dict:
     torch.manual_seed(100 + rank)  # the ranks' global generators differ: dropout must not depend on them
     pm.manual_seed(SEED)
     opt = torch.optim.AdamW([p for p in pm.parameters() if p.requires_grad], **ADAM)
-    losses = []
+    losses, norms = [], []
     for _ in range(STEPS):
         loss = pm.step(x, target=y, loss_fn=_loss)
         losses.append(float(loss) if loss is not None else None)
         frozen_grads = [n for n, p in pm.named_parameters() if not p.requires_grad and p.grad is not None]
+        norms.append(float(pm.clip_grad_norm_(CLIP)))
         opt.step(), opt.zero_grad()
     torch.manual_seed(SEED)
     ref_opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], **ADAM)
@@ -96,6 +99,7 @@ def training(rank: int, world: int, tp: int, pp: int, dropout: float) -> dict:
     for _ in range(STEPS):
         loss = _loss(ref(x), y)
         loss.backward()
+        torch.nn.utils.clip_grad_norm_([p for p in ref.parameters() if p.requires_grad], CLIP)
         ref_opt.step(), ref_opt.zero_grad()
         ref_losses.append(loss.item())
     full = pm.full_state_dict()
@@ -106,7 +110,7 @@ def training(rank: int, world: int, tp: int, pp: int, dropout: float) -> dict:
     state = {id(p) for p in opt.state}
     frozen_state = [n for n, p in pm.named_parameters() if not p.requires_grad and id(p) in state]
     frozen_params = sum(1 for p in pm.parameters() if not p.requires_grad)
-    return {"losses": losses, "ref_losses": ref_losses, "worst": worst, "moved": moved,
+    return {"losses": losses, "ref_losses": ref_losses, "norms": norms, "worst": worst, "moved": moved,
             "frozen_grads": frozen_grads, "frozen_state": frozen_state, "frozen_params": frozen_params,
             "rank": dist.get_rank()}
 
@@ -126,8 +130,7 @@ def peft_files(rank: int, world: int, folder: str) -> dict:
     pm = autotp.parallelize(model, tp=world, example_inputs=(x,), quiet=True).eval()
     out = {"forward": (_logits(pm(x)) - _logits(model(x))).abs().max().item()}
     ours, theirs = f"{folder}/ours", f"{folder}/theirs"
-    pm.save_pretrained(ours)
-    dist.barrier()
+    pm.save_pretrained(ours)  # complete on every rank when it returns
     loaded = peft.PeftModel.from_pretrained(llama(), ours).eval()
     out["saved"] = (_logits(loaded(x)) - _logits(model(x))).abs().max().item()
     other = adapted()

@@ -56,11 +56,12 @@ def test_collectives_are_the_base_models_plus_one_small_gradient_sum_per_adapted
 
 
 @pytest.mark.parametrize("tp,pp,dropout", [(2, 1, 0.0), (2, 1, 0.1), (2, 2, 0.0)])
-def test_adamw_steps_exact_and_frozen_base_untouched(tp, pp, dropout):
+def test_clipped_adamw_steps_exact_and_frozen_base_untouched(tp, pp, dropout):
     results = run_on_ranks(lora_workers.training, tp * pp, tp, pp, dropout)
     for r in results:
         assert r["worst"] < 1e-5, r
         assert r["moved"] > 1e-4, r  # the adapters trained
+        assert min(r["norms"]) > lora_workers.CLIP, r  # every step clipped
         assert r["frozen_params"] > 0 and r["frozen_grads"] == [] and r["frozen_state"] == [], r
         got = [v for v in r["losses"] if v is not None]
         assert got == pytest.approx(r["ref_losses"][:len(got)], rel=1e-5, abs=1e-6) if got else True

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from autotp.errors import CheckpointError, InputError
 
@@ -72,13 +73,15 @@ def save_adapters(pm, directory: str | os.PathLike, info: PeftInfo) -> None:
     from safetensors.torch import save_file
 
     full = pm.full_state_dict()
-    if pm.comm is not None and pm.comm.rank != 0 or getattr(pm, "dp_rank", 0) != 0:
-        return
-    for name, config in info.configs.items():
-        folder = Path(directory) if name == "default" else Path(directory) / name
-        folder.mkdir(parents=True, exist_ok=True)
-        config.save_pretrained(str(folder))
-        save_file(adapter_state(full, name), str(folder / WEIGHTS_NAME), metadata={"format": "pt"})
+    distributed = dist.is_available() and dist.is_initialized()
+    if not distributed or dist.get_rank() == 0:  # every stage's and replica's ranks hold it all: one writes
+        for name, config in info.configs.items():
+            folder = Path(directory) if name == "default" else Path(directory) / name
+            folder.mkdir(parents=True, exist_ok=True)
+            config.save_pretrained(str(folder))
+            save_file(adapter_state(full, name), str(folder / WEIGHTS_NAME), metadata={"format": "pt"})
+    if distributed:
+        dist.barrier()  # the files are complete on return, on every rank
 
 
 def load_adapter(pm, directory: str | os.PathLike, adapter: str = "default") -> None:
