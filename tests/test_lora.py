@@ -34,9 +34,14 @@ def test_plan_splits_adapters_like_their_base_layers():
 
 
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
-def test_checker_exact_at_tp_4(dropout):
-    report = autotp.check(lora_workers.adapted(dropout), tp=4, example_inputs=(models.tokens(2, 8, 1),))
+def test_checker_exact_at_tp_4_at_the_base_models_forward_collectives(dropout):
+    """tp=4 exceeds the 2 KV heads: K/V and their adapters' B are held by two ranks per chunk."""
+    x = models.tokens(2, 8, 1)
+    report = autotp.check(lora_workers.adapted(dropout), tp=4, example_inputs=(x,))
     assert report.exact, str(report)
+    base = autotp.plan(lora_workers.llama(), tp=4, example_inputs=(x,))
+    assert len(_split(report.plan, "forward", lora_workers.RANK)[0]) == len(_split(base, "forward")[0])
+    assert not _split(report.plan, "forward", lora_workers.RANK)[1]
 
 
 def test_collectives_are_the_base_models_plus_one_small_gradient_sum_per_adapted_layer():
