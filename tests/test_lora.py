@@ -188,3 +188,12 @@ def test_a_hand_written_lora_is_found_from_the_graph_and_a_plain_low_rank_mlp_is
 
     adapters = prepare(model, (x,)).captured.analysis.adapters.values()
     assert sorted((a.rank, a.base) for a in adapters) == [(4, "linear"), (4, "linear_3")]  # up.base, down.base
+
+
+def test_sequence_parallel_with_adapters_is_exact():
+    """Under sequence parallelism the adapters are split as their bases, their sums not yet carried into the base's
+    reduce-scatter (docs/finetuning.md): exact, at more collectives."""
+    report = autotp.check(lora_workers.adapted(), tp=2, example_inputs=(models.tokens(2, 8, 1),),
+                          sequence_parallel=True)
+    assert report.exact, str(report)
+    assert report.plan.sequence_parallel
