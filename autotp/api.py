@@ -47,6 +47,7 @@ from autotp.runtime import (
     tied_groups,
 )
 from autotp.runtime.generation import Generation, for_generation
+from autotp.runtime.peft_adapters import PeftInfo
 from autotp.runtime.input_spec import InputSpec
 from autotp.runtime.integrations import facing, rank_config
 from autotp.runtime.loss_graphs import LossGraphs
@@ -276,7 +277,7 @@ def _parts(built: Built, comm, stream: RankStream, names, dp: DataParallel | Non
     """What the parallel module of ``built`` is made of, besides its graphs."""
     return RankParts(built.plan, built.options, comm, stream, InputSpec.of(built.graphs[True], built.plan), names, dp,
                      rank_config(getattr(built.model, "config", None), built.options), built.model.training,
-                     copy.deepcopy(getattr(built.model, "generation_config", None)))
+                     copy.deepcopy(getattr(built.model, "generation_config", None)), PeftInfo.of(built.model))
 
 
 def _recompute(built: Built, train_graphs: list[torch.fx.GraphModule], stream: RankStream) -> None:

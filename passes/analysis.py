@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from typing import Protocol
 
 import sympy
+from autotp.passes.adapters import Adapter, find_adapters
 from autotp.passes.choices import kept_by_choice
 from autotp.passes.graph import grad_nodes, sizes, trainable_attrs
 from autotp.passes.placement import Placement, Shard
@@ -116,13 +117,19 @@ class Analysis:
         """Column→row regions for ``tp`` (LM heads are planned separately)."""
         skip = set(self.vocab.heads) if self.vocab else set()
         return find_regions(self.graph, self.projections, self.embeddings, self.trainable, tp, skip=skip,
-                            whole=set(self.chosen_whole), grad=self.grad)
+                            whole=set(self.chosen_whole), grad=self.grad,
+                            adapters={a.base: (a.down, a.up) for a in self.adapters.values()})
 
     @functools.cached_property
     def grad(self) -> set[str]:
         """The nodes gradients flow through (``graph.grad_nodes``), found once: the region search, the full
         propagations, the pipeline cuts and the collectives all read them."""
         return grad_nodes(self.graph, self.trainable)
+
+    @functools.cached_property
+    def adapters(self) -> dict[str, Adapter]:
+        """Low-rank adapters added to projections (LoRA), by their up-projection's node (``adapters``)."""
+        return run_pass("adapters", lambda: find_adapters(self.graph, self.projections), list(self.passes_run))
 
     @functools.cached_property
     def chosen_whole(self) -> dict[str, str]:

@@ -22,6 +22,7 @@ import sympy
 import torch
 from torch import fx
 
+from autotp.passes.adapters import copy_before_down, find_adapters
 from autotp.passes.costs import expert_load
 from autotp.passes.graph import ArgPath, get_arg, is_tensor, meta_val, sizes, tensor_args
 from autotp.passes.projections import Projection
@@ -64,16 +65,21 @@ def _zeros(node) -> bool:
     return isinstance(node, fx.Node) and node.target in _ZEROS and len(_readers(node)) == 1
 
 
-def linear_in(node: fx.Node, partial: set[str]) -> list[ArgPath] | None:
+def linear_in(node: fx.Node, partial: set[str], ups: frozenset[str] = frozenset()) -> list[ArgPath] | None:
     """Whether ``node`` is linear in its partial inputs (the others whole): the paths of the whole tensor operands
     multiplying a partial one (each rank's gradient of those is a share, read through ``f``), or None when it is
     not. A whole addend is not linear as it stands (each rank would add it: ``added_once`` says where it may be
-    added by one rank only)."""
+    added by one rank only). ``ups``: the up-projections of low-rank adapters (``adapters``), whose whole weight
+    applied to the partial sum of the rank-r values keeps it partial, so the base layer's one all-reduce serves both
+    (other projections keep the reduction before them: moving it would trade an all-reduce of activations for one
+    of their weight's gradient)."""
     if not is_tensor(node) or not meta_val(node).dtype.is_floating_point:
         return None
     args = list(tensor_args(node))
     held = [p for p, a in args if a.name in partial]
     target = node.target
+    if node.name in ups and target is aten.linear.default:  # a bias would be added tp times: adapters have none
+        return [(1,)] if held == [(0,)] and len(node.args) == 2 and not node.kwargs else None
     if target in _MOVES or target in _SUMS:
         return [] if held == [(0,)] and _same_dtype(node) else None
     if target in _ADDS:
@@ -114,7 +120,8 @@ def _deferrable(name: str, nodes: dict[str, fx.Node], projections: dict[str, Pro
 
 
 def defer_reductions(order: list[fx.Node], reduced: dict[str, Operator], projections: dict[str, Projection],
-                     layouts: dict, grad: set[str], consumed: set) -> tuple[dict[str, str], list, set[str]]:
+                     layouts: dict, grad: set[str], consumed: set,
+                     ups: frozenset[str] = frozenset()) -> tuple[dict[str, str], list, set[str]]:
     """Where each deferrable ``g`` of ``reduced`` moves: {node whose ``g`` moves: node after which it runs},
     the (node, path, step) edges of whole operands that must be read through ``f`` or added by one rank (``ONCE``)
     (``consumed``: the edges that already have a conversion, whose operands are not whole as read), and every node
@@ -124,7 +131,8 @@ def defer_reductions(order: list[fx.Node], reduced: dict[str, Operator], project
     nodes = {n.name: n for n in order}
     unpaid: set[str] = set()
     while True:
-        moved, copies, chain, gathered, onces = _deferred(order, reduced, projections, layouts, grad, consumed, unpaid)
+        moved, copies, chain, gathered, onces = _deferred(order, reduced, projections, layouts, grad, consumed, unpaid,
+                                                          ups)
         ends = {n: moved.get(next(iter(before)), n) for n, (before, _) in onces.items()}
         # an addend after the last reduction joined the sum, and before nothing smaller: the g may stay before it
         more = {n for n, (before, held) in onces.items()
@@ -140,7 +148,7 @@ def _smaller(node: fx.Node, than: fx.Node) -> bool:
     return bool(ratio.is_number and ratio.is_finite and ratio > 1)
 
 
-def _deferred(order, reduced, projections, layouts, grad, consumed, unpaid: set[str]):
+def _deferred(order, reduced, projections, layouts, grad, consumed, unpaid: set[str], ups=frozenset()):
     """``defer_reductions``'s walk, adding no whole addend once at the nodes ``unpaid``; also the reductions each
     chain gathers (by the node it ends at), and by each node adding a whole value once, the reductions its
     partial operand gathers and that operand."""
@@ -155,7 +163,7 @@ def _deferred(order, reduced, projections, layouts, grad, consumed, unpaid: set[
         if not held or any(len(_readers(a)) != 1 for a in held) or layouts.get(node.name) is not None:
             continue
         once = added_once(node, partial) if node.name not in unpaid else None
-        whole = [once] if once is not None else linear_in(node, partial)
+        whole = [once] if once is not None else linear_in(node, partial, ups)
         reads = [p for p, _ in tensor_args(node)]
         if whole is None or any((node.name, p) in consumed for p in reads) or \
                 any(layouts.get(get_arg(node, p).name) is not None for p in whole):
@@ -223,12 +231,17 @@ def carry_partial_sums(prop, order: list[fx.Node], projections: dict[str, Projec
     ``prop.deferred``), read the whole operands those multiply through ``f``, and hoist each ``f`` to the
     smallest value it can stand on (module docstring)."""
     consumed = {c for conv in prop.conversions.values() for c in conv.consumers}
-    moved, copies, chain = defer_reductions(order, prop.reduced, projections, prop.layouts, grad, consumed)
+    adapters = find_adapters(order[0].graph, projections) if order else {}
+    nodes = {n.name: n for n in order}
+    # past an adapter's B only where its base's g can join it (a base whose bias the rewrite adds after its g keeps
+    # that g, and the adapter's rank-r sum is then the smaller one to all-reduce)
+    ups = frozenset(u for u, a in adapters.items() if _deferrable(a.base, nodes, projections))
+    moved, copies, chain = defer_reductions(order, prop.reduced, projections, prop.layouts, grad, consumed, ups)
     for source, end in moved.items():
         del prop.reduced[source]
         prop.reduced[end] = Operator.G
     prop.deferred.update(moved)
-    nodes = {n.name: n for n in order}
+    copy_before_down(prop, nodes, adapters, projections, grad)
 
     def read_through(value: str, edge: tuple[str, ArgPath], step=COPY) -> None:
         prop.conversions.setdefault((value, (step,)), Conversion(value, (step,))).consumers.append(edge)

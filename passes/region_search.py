@@ -56,16 +56,20 @@ class RegionSearch:
 
 def find_regions(graph: fx.Graph, projections: dict[str, Projection], embeddings: dict, trainable: set[str],
                  tp: int, skip: set[str] = frozenset(), whole: set[str] = frozenset(),
-                 grad: set[str] | None = None) -> RegionSearch:
+                 grad: set[str] | None = None, adapters: dict[str, str] | None = None) -> RegionSearch:
     """Every column→row region of ``graph`` for ``tp`` ranks, in graph order.
 
     A region whose sizes do not divide by tp is still returned, with ``violations`` set, so the
     planner can say which layer and size are at fault. ``skip``: projections planned elsewhere (the LM
     heads); ``whole``: projections that are never split alone (kept whole by choice); ``grad``: the nodes
-    gradients flow through (``graph.grad_nodes``), when known.
+    gradients flow through (``graph.grad_nodes``), when known; ``adapters``: low-rank adapters' down- and
+    up-projections by their base projection (``adapters``), which no region claims: the planner places them by
+    their base layers, and a region's trial splits an up-projection with its base's columns.
     """
     finder = RegionFinder(graph, projections, embeddings, trainable, tp, grad)
-    claimed = finder.claimed = set(skip)
+    adapters = adapters or {}
+    claimed = finder.claimed = set(skip) | {n for parts in adapters.values() for n in parts}
+    finder.adapter_ups = {base: up for base, (_, up) in adapters.items()}
     finder.heads = set(skip)
     search = RegionSearch([], [])
     widening: list[list[Projection]] = []

@@ -19,6 +19,7 @@ from autotp.passes.placement import Shard
 from autotp.passes.expert_banks import per_expert
 from autotp.passes.projections import Projection, packed_by_weight, packed_segments
 from autotp.passes.graph_index import GraphIndex
+from autotp.passes.adapters import by_up, up_projections, ups_beside
 from autotp.passes.propagate import propagate
 from autotp.passes.propagation import Propagation
 from autotp.passes.region_match import RegionKind, RegionMatch
@@ -77,6 +78,8 @@ class RegionFinder:
         self.claimed: set[str] = set()
         self.heads: set[str] = set()
         """The vocabulary heads: a split that reaches one as its row has split the residual stream."""
+        self.adapter_ups: dict[str, str] = {}
+        """Adapters' up-projections by base projection (``adapters``): split with the base's columns."""
         self.sources = SourceGraph(projections, embeddings, self.grad, trainable, tp)
         self.set_aside: list[tuple[tuple[str, ...], str]] = []
         """Projections left out of a group's region because they blocked it, and why."""
@@ -102,9 +105,11 @@ class RegionFinder:
         params: dict[str, Shard] = dict(seed)
         traced_here: dict = {}
         for _ in range(8):
-            prop = self._propagate(_layouts(columns, segments, shared) | params, tp)
+            prop = self._propagate(_layouts(columns, segments, shared) | self._adapters_of(columns, segments, shared)
+                                   | params, tp)
             learnt = segments | {origin: parts for o, hint in prop.hints.items() if self._one_weight(o)
-                                 for origin in o if (parts := _scaled(hint, self.projections[origin]))}
+                                 for origin in o if origin not in ups_beside(self.adapter_ups, o)
+                                 and (parts := _scaled(hint, self.projections[origin]))}
             if learnt != segments:
                 segments, params = learnt, dict(seed)  # parameters are re-learnt against the new segments
                 continue
@@ -134,8 +139,15 @@ class RegionFinder:
 
     def _one_weight(self, origins: frozenset) -> bool:
         """Whether the projections a split value comes from use one weight: one projection, or the experts of
-        a bank whose outputs were joined (fused gate/up columns cut after the experts' outputs are concatenated)."""
-        return len({self.projections[o].weight for o in origins}) == 1
+        a bank whose outputs were joined (fused gate/up columns cut after the experts' outputs are concatenated).
+        An adapter added to a projection's output counts as that projection (its segments are the base's)."""
+        ups = set(self.adapter_ups.values())
+        return len({self.projections[o].weight for o in origins if o not in ups or len(origins) == 1}) == 1
+
+    def _adapters_of(self, columns: list[Projection], segments: dict, shared: dict | None) -> dict[str, Shard]:
+        """The layouts of the adapters' up-projections on ``columns``, split like their bases."""
+        ups = up_projections(columns, self.adapter_ups, self.projections)
+        return _layouts(list(ups.values()), by_up(segments, ups), by_up(shared or {}, ups)) if ups else {}
 
     def _propagate(self, layouts: dict[str, Shard], tp: int) -> Propagation:
         """A candidate's propagation (``auto_rows``, windowed), kept for the next few: a search often asks for the

@@ -25,6 +25,7 @@ from autotp.passes.propagation import Propagation
 from autotp.passes.random_ops import random_refusal
 from autotp.passes.region_match import RegionKind, RegionMatch
 from autotp.passes.steps import Operator
+from autotp.planning.adapter_placements import adapter_placements, without_adapters
 from autotp.planning.consistency import check_biases_follow_weights
 from autotp.planning.plan import (
     Collective,
@@ -278,6 +279,7 @@ def make_plan(captured: Captured, options: Options = Options(), machine: Machine
     for region in regions:
         if region.violations:
             raise _divisibility_error(analysis, region, tp, _valid_tp(analysis, regions))
+    regions = without_adapters(regions, analysis.adapters)  # placed by their base layers below
     regions, regions_kept = _choose_regions(analysis, regions, tp, sizes, options, machine, notes)
     for region in regions:
         by_target |= _region_placements(analysis, region)
@@ -294,6 +296,7 @@ def make_plan(captured: Captured, options: Options = Options(), machine: Machine
                          "each rank selects the heads it needs")
         plan_regions.append(Region(region.kind, tuple(analysis.layer(c) for c in (*region.columns, *region.convolutions)),
                                    tuple(analysis.layer(r) for r in region.rows), kept))
+    by_target |= adapter_placements(analysis, by_target)
     notes += _whole_convolution_notes(analysis, by_target, whys, convolutions_kept)
     vocab, vocab_regions, vocab_kept = vocab_placements(analysis, tp, notes, options, machine, sizes, by_target)
     by_target |= vocab

@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor
 from autotp.errors import CheckpointError, InputError
 from autotp.passes.placement import Part, part_of
 from autotp.runtime.data_parallel import dp_shard
+from autotp.runtime.peft_adapters import load_adapter, merge_adapters, save_adapters
 
 DEFAULT_SHARD_SIZE = "50GB"
 """``save_pretrained``'s default ``max_shard_size`` (transformers 5's)."""
@@ -193,7 +194,12 @@ class PretrainedModelLike:
         """Write what the unsharded model's ``save_pretrained`` writes (``config.json``, ``generation_config.json``,
         ``model.safetensors`` or shards of at most ``max_shard_size`` with their index), full tensors gathered and
         written by the first rank: ``from_pretrained(save_directory)`` loads it. A collective call, made by every
-        rank. ``save_directory`` is replaced as a whole (see ``save``)."""
+        rank. ``save_directory`` is replaced as a whole (see ``save``). A peft model writes its adapters instead, as
+        ``PeftModel.save_pretrained`` does (``adapter_config.json``, ``adapter_model.safetensors``), which
+        ``PeftModel.from_pretrained(base, save_directory)`` loads."""
+        if getattr(self, "peft", None) is not None and state_dict is None and not kwargs:
+            save_adapters(self, save_directory, self.peft)  # a peft model saves its adapters, as peft does
+            return
         if state_dict is not None:
             raise InputError("save_pretrained gathers the full tensors itself; leave state_dict= out")
         for name, value in kwargs.items():
@@ -204,3 +210,19 @@ class PretrainedModelLike:
                 raise InputError(f"save_pretrained({name}={value!r}) is not supported: autotp writes safetensors "
                                  f"locally; leave {name} at {_SAVE_NEUTRAL[name]!r}")
         self.save(save_directory, format="safetensors", max_shard_bytes=shard_bytes(max_shard_size))
+
+    def load_adapter(self, model_id: str | os.PathLike, adapter_name: str = "default") -> None:
+        """Load a LoRA adapter that ``PeftModel.save_pretrained`` (or ``save_pretrained`` here, at any tp) wrote
+        into this peft model's adapter ``adapter_name``: every rank takes its slices."""
+        self._peft_info("load_adapter")
+        load_adapter(self, model_id, adapter_name)
+
+    def merge_adapters(self, adapter_name: str = "default") -> None:
+        """Fold the LoRA adapter into the sharded base weights (``merge_and_unload``'s ``W + s * B @ A``), locally
+        on every rank, and zero its ``B``: the module then computes what the merged model computes."""
+        merge_adapters(self, self._peft_info("merge_adapters"), adapter_name)
+
+    def _peft_info(self, what: str):
+        if getattr(self, "peft", None) is None:
+            raise InputError(f"{what} needs a peft model: parallelize the model peft.get_peft_model returned")
+        return self.peft

@@ -59,6 +59,9 @@ class RankParts:
     """The original model's mode, which the module starts in."""
     generation_config: object = None
     """A copy of the original model's ``generation_config`` (None: it has none)."""
+    peft: object = None
+    """The original model's peft adapters' configs and scalings (``runtime.peft_adapters.PeftInfo``; None: not a
+    peft model)."""
 
 
 class ParallelBase(PretrainedModelLike, Checkpointing, Retyped, nn.Module):
@@ -68,6 +71,7 @@ class ParallelBase(PretrainedModelLike, Checkpointing, Retyped, nn.Module):
         super().__init__()
         self.plan, self.options, self.comm = parts.plan, parts.options, parts.comm
         self.model_config, self.generation_config = parts.model_config, parts.generation_config
+        self.peft = parts.peft
         self._stream, self._inputs, self._names, self._dp = parts.stream, parts.inputs, parts.names, parts.dp
 
     def _start(self, training: bool) -> None:

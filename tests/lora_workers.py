@@ -1,0 +1,156 @@
+"""Per-rank bodies of the LoRA tests on gloo: a peft-adapted Llama trained with AdamW at tp (and tp x pp) exactly as
+one process trains it, its frozen base without gradients or optimizer state, and its collectives counted at run time
+against the base model's."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor.debug import CommDebugMode
+
+import autotp
+from bench.comm import CommBytes
+from tests import models
+from tests.checkpoint_workers import ADAM
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+RANK = 4
+STEPS = 2
+SEED = 1234
+CLIP = 0.05
+"""Below the adapters' gradient norm, so every step clips: a norm counting a share or a frozen weight would show."""
+
+
+def llama(layers: int = 2):
+    """The tiny Llama (4 heads, 2 KV heads), seeded."""
+    import transformers
+
+    config = transformers.LlamaConfig(vocab_size=models.VOCAB, hidden_size=64, intermediate_size=128,
+                                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config)
+
+
+def adapted(dropout: float = 0.0, layers: int = 2, targets=TARGETS):
+    """The tiny Llama with LoRA on ``targets`` (peft), B drawn at random so that the adapters change the output."""
+    import peft
+
+    model = peft.get_peft_model(llama(layers), peft.LoraConfig(r=RANK, lora_alpha=8, target_modules=list(targets),
+                                                               lora_dropout=dropout))
+    torch.manual_seed(1)
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.05)
+    return model
+
+
+def _loss(out, target):
+    logits = getattr(out, "logits", out)
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
+
+
+def _events(run) -> list[tuple[str, int]]:
+    """The collectives ``run()`` dispatches, each as (collective, bytes)."""
+    with CommDebugMode(), CommBytes() as seen:
+        run()
+    return seen.events
+
+
+def counted(pm, x, y) -> dict[str, list]:
+    """The collectives of one training step, forward and backward apart."""
+    holder = {}
+    forward = _events(lambda: holder.setdefault("loss", _loss(pm(x), y)))
+    backward = _events(lambda: holder["loss"].backward())
+    for p in pm.parameters():
+        p.grad = None
+    return {"forward": forward, "backward": backward}
+
+
+def collectives(rank: int, world: int) -> dict:
+    """Run-time collectives of a training step of the adapted model and of its base model alone, at tp=world."""
+    x, y = models.tokens(2, 8, 1), models.tokens(2, 8, 2)
+    pm = autotp.parallelize(adapted(), tp=world, example_inputs=(x,), quiet=True)
+    base = autotp.parallelize(llama(), tp=world, example_inputs=(x,), quiet=True)
+    return {"adapted": counted(pm, x, y), "base": counted(base, x, y)}
+
+
+def training(rank: int, world: int, tp: int, pp: int, dropout: float) -> dict:
+    """AdamW steps, clipped, of the adapted model at tp x pp against one process seeded alike: losses, every parameter
+    after the steps; the frozen base weights get no gradient and no optimizer state."""
+    model = adapted(dropout).train()
+    ref = copy.deepcopy(model)
+    x, y = models.tokens(4, 8, 1), models.tokens(4, 8, 2)
+    pm = autotp.parallelize(model, tp=tp, pp=pp, example_inputs=(x,), quiet=True)
+    torch.manual_seed(100 + rank)  # the ranks' global generators differ: dropout must not depend on them
+    pm.manual_seed(SEED)
+    opt = torch.optim.AdamW([p for p in pm.parameters() if p.requires_grad], **ADAM)
+    losses, norms = [], []
+    for _ in range(STEPS):
+        loss = pm.step(x, target=y, loss_fn=_loss)
+        losses.append(float(loss) if loss is not None else None)
+        frozen_grads = [n for n, p in pm.named_parameters() if not p.requires_grad and p.grad is not None]
+        norms.append(float(pm.clip_grad_norm_(CLIP)))
+        opt.step(), opt.zero_grad()
+    torch.manual_seed(SEED)
+    ref_opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], **ADAM)
+    ref_losses = []
+    for _ in range(STEPS):
+        loss = _loss(ref(x), y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_([p for p in ref.parameters() if p.requires_grad], CLIP)
+        ref_opt.step(), ref_opt.zero_grad()
+        ref_losses.append(loss.item())
+    full = pm.full_state_dict()
+    want = ref.state_dict()
+    worst = max((full[k] - v).abs().max().item() for k, v in want.items() if v.is_floating_point())
+    moved = max((full[k] - v).abs().max().item() for k, v in adapted(dropout).state_dict().items()
+                if "lora_" in k)
+    state = {id(p) for p in opt.state}
+    frozen_state = [n for n, p in pm.named_parameters() if not p.requires_grad and id(p) in state]
+    frozen_params = sum(1 for p in pm.parameters() if not p.requires_grad)
+    return {"losses": losses, "ref_losses": ref_losses, "norms": norms, "worst": worst, "moved": moved,
+            "frozen_grads": frozen_grads, "frozen_state": frozen_state, "frozen_params": frozen_params,
+            "rank": dist.get_rank()}
+
+
+def _logits(out):
+    return getattr(out, "logits", out)
+
+
+def peft_files(rank: int, world: int, folder: str) -> dict:
+    """save_pretrained writes what PeftModel.from_pretrained loads on the unsharded base with the same outputs; an
+    adapter peft saved (one process) loads into the parallel module; merging on the parallel module computes what
+    peft's merge_and_unload does; generation with adapters equals peft's."""
+    import peft
+
+    x = models.tokens(2, 8, 1)
+    model = adapted().eval()
+    pm = autotp.parallelize(model, tp=world, example_inputs=(x,), quiet=True).eval()
+    out = {"forward": (_logits(pm(x)) - _logits(model(x))).abs().max().item()}
+    ours, theirs = f"{folder}/ours", f"{folder}/theirs"
+    pm.save_pretrained(ours)  # complete on every rank when it returns
+    loaded = peft.PeftModel.from_pretrained(llama(), ours).eval()
+    out["saved"] = (_logits(loaded(x)) - _logits(model(x))).abs().max().item()
+    other = adapted()
+    torch.manual_seed(7)
+    for name, p in other.named_parameters():
+        if "lora_" in name:
+            torch.nn.init.normal_(p, std=0.05)
+    if rank == 0:
+        other.save_pretrained(theirs)
+    dist.barrier()
+    pm.load_adapter(theirs)
+    out["loaded"] = (_logits(pm(x)) - _logits(other.eval()(x))).abs().max().item()
+    ids = models.tokens(1, 5, 3)
+    got = pm.generate(ids, max_new_tokens=6, do_sample=False)
+    want = other.generate(input_ids=ids, max_new_tokens=6, do_sample=False)
+    out["generate"] = bool(torch.equal(got, want))
+    pm.merge_adapters()
+    merged = other.merge_and_unload().eval()
+    out["merged"] = (_logits(pm(x)) - _logits(merged(x))).abs().max().item()
+    full = pm.full_state_dict()
+    out["merged_weights"] = max((full[f"base_model.model.{k}".replace(".weight", ".base_layer.weight")] - v).abs().max()
+                                .item() for k, v in merged.state_dict().items() if "layers.0.self_attn.q_proj" in k)
+    return out

@@ -1,0 +1,199 @@
+"""LoRA (peft) at tensor and pipeline parallelism: the adapters split at their base layer's communication, found
+from the graph (``passes.adapters``), trained exactly, the frozen base left alone."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("peft")
+
+import autotp
+from tests import lora_workers, models
+from tests.distributed import run_on_ranks
+
+WIDE = 64 * 4
+"""Bytes of one (B=2, T=8, 64) activation in float32 divided by B*T: activations are at least this per token."""
+
+
+def _by_size(events, tokens: int) -> tuple[int, int]:
+    """(collectives of activations, of smaller values: weight-gradient shares) among (collective, bytes) events."""
+    wide = sum(1 for _, n in events if n >= tokens * WIDE)
+    return wide, len(events) - wide
+
+
+def test_plan_splits_adapters_like_their_base_layers():
+    model = lora_workers.adapted(layers=1)
+    plan = autotp.plan(model, tp=2, example_inputs=(models.tokens(2, 8, 1),))
+    at = "base_model.model.model.layers.0."
+    want = {"self_attn.q_proj": ("replicated", "colwise(dim=0)"), "mlp.up_proj": ("replicated", "colwise(dim=0)"),
+            "self_attn.o_proj": ("rowwise(dim=1)", "replicated"), "mlp.down_proj": ("rowwise(dim=1)", "replicated")}
+    for layer, (a, b) in want.items():
+        assert repr(plan.placements[f"{at}{layer}.lora_A.default.weight"]) == a, layer
+        assert repr(plan.placements[f"{at}{layer}.lora_B.default.weight"]) == b, layer
+    assert not any("split alone" in note for note in plan.notes)  # no adapter is all-reduced on its own
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_checker_exact_at_tp_4_at_the_base_models_forward_collectives(dropout):
+    """tp=4 exceeds the 2 KV heads: K/V and their adapters' B are held by two ranks per chunk."""
+    x = models.tokens(2, 8, 1)
+    report = autotp.check(lora_workers.adapted(dropout), tp=4, example_inputs=(x,))
+    assert report.exact, str(report)
+    base = autotp.plan(lora_workers.llama(), tp=4, example_inputs=(x,))
+    assert len(_split(report.plan, "forward", lora_workers.RANK)[0]) == len(_split(base, "forward")[0])
+    assert not _split(report.plan, "forward", lora_workers.RANK)[1]
+
+
+def test_collectives_are_the_base_models_plus_one_small_gradient_sum_per_adapted_layer():
+    result = run_on_ranks(lora_workers.collectives, 2)[0]
+    adapted, base = result["adapted"], result["base"]
+    tokens = 2 * 8
+    assert _by_size(adapted["forward"], tokens) == _by_size(base["forward"], tokens)
+    assert len(adapted["forward"]) == len(base["forward"])
+    wide, small = _by_size(adapted["backward"], tokens)
+    # the base is frozen down to the embedding, so no gradient leaves the first layer: its f is not even run
+    assert wide == len(base["backward"]) - 1
+    print(f"forward {len(adapted['forward'])} (base {len(base['forward'])}); backward {wide} activations + {small} "
+          f"weight-gradient sums (base {len(base['backward'])})")
+    layers = 2 * len(lora_workers.TARGETS)
+    assert small == layers  # each adapter's one whole weight: A on a column split, B on a row split
+    assert all(n <= 64 * lora_workers.RANK * 4 * 4 for _, n in adapted["backward"][-small:] if n < tokens * WIDE)
+
+
+@pytest.mark.parametrize("tp,pp,dropout", [(2, 1, 0.0), (2, 1, 0.1), (2, 2, 0.0)])
+def test_clipped_adamw_steps_exact_and_frozen_base_untouched(tp, pp, dropout):
+    results = run_on_ranks(lora_workers.training, tp * pp, tp, pp, dropout)
+    for r in results:
+        assert r["worst"] < 1e-5, r
+        assert r["moved"] > 1e-4, r  # the adapters trained
+        assert min(r["norms"]) > lora_workers.CLIP, r  # every step clipped
+        assert r["frozen_params"] > 0 and r["frozen_grads"] == [] and r["frozen_state"] == [], r
+        got = [v for v in r["losses"] if v is not None]
+        assert got == pytest.approx(r["ref_losses"][:len(got)], rel=1e-5, abs=1e-6) if got else True
+    assert any(r["losses"][0] is not None for r in results)
+
+
+def test_peft_save_load_merge_and_generate(tmp_path):
+    result = run_on_ranks(lora_workers.peft_files, 2, str(tmp_path))[0]
+    assert (tmp_path / "ours" / "adapter_config.json").is_file()
+    assert (tmp_path / "ours" / "adapter_model.safetensors").is_file()
+    for what in ("forward", "saved", "loaded", "merged", "merged_weights"):
+        assert result[what] < 1e-5, (what, result)
+    assert result["generate"], result
+
+
+def _split(plan, direction: str, rank: int = 4) -> tuple[list, list]:
+    """The plan's collectives in ``direction``: (those of activations, those of the adapters: a weight's gradient,
+    of no batch or sequence dim, or a rank-``rank`` value). An ``f`` the base shares with its adapter is listed at
+    either reader: the shapes tell them apart."""
+    mine = [c for c in plan.collectives if c.direction.value == direction]
+    tokens = [c for c in mine if set("BT") & set("".join(c.shape)) and c.shape[-1] != str(rank)]
+    return tokens, [c for c in mine if c not in tokens]
+
+
+@pytest.mark.parametrize("name,biased_rows", [("llama", False), ("gpt2", True), ("gemma3", False)])
+def test_zoo_sample_with_lora_on_every_linear_layer(name, biased_rows):
+    """Exact, and at the base model's collectives: the base layers' the same forward, the same or fewer backward
+    (the frozen base needs fewer gradients), the adapters' only sums of their whole weight's gradient (r x d), and on
+    a row-split base with a bias (GPT-2's ``Conv1D``), whose g the rewrite keeps before the bias, one all-reduce of
+    the rank-r partial sum."""
+    import peft
+    import torch
+
+    from autotp.tools import zoo
+
+    entry = zoo.entries({name})[0]
+    torch.manual_seed(0)
+    base = entry.build()
+    inputs = entry.inputs(base)
+    base_plan = autotp.plan(base, tp=2, example_inputs=inputs, vocab="split")
+    model = peft.get_peft_model(base, peft.LoraConfig(r=4, target_modules="all-linear"))
+    for key, p in model.named_parameters():
+        if "lora_B" in key:
+            torch.nn.init.normal_(p, std=0.05)
+    report = autotp.check(model, tp=2, example_inputs=inputs, vocab="split")
+    assert report.exact, str(report)
+    forward, adapter_forward = _split(report.plan, "forward")
+    backward, adapter_backward = _split(report.plan, "backward")
+    assert len(forward) == len(_split(base_plan, "forward")[0])
+    assert len(backward) <= len(_split(base_plan, "backward")[0])
+    assert adapter_backward and all(not set("BT") & set("".join(c.shape)) and ".lora_" in c.module
+                                    for c in adapter_backward)
+    assert all(c.shape[-1] == "4" and ".lora_A" in c.module for c in adapter_forward)
+    assert bool(adapter_forward) == biased_rows
+
+
+def test_ia3_split_with_its_base_and_dora_exact():
+    """IA3's scaling vectors split with their base layers' features at the base's collectives; DoRA is exact (its
+    layers run whole: its magnitude divides by the norm of each row of the whole adapted weight)."""
+    import peft
+    import torch
+
+    x = models.tokens(2, 8, 1)
+    ia3 = peft.get_peft_model(lora_workers.llama(1), peft.IA3Config(
+        target_modules=["k_proj", "v_proj", "down_proj"], feedforward_modules=["down_proj"]))
+    dora = peft.get_peft_model(lora_workers.llama(1), peft.LoraConfig(
+        r=4, target_modules=lora_workers.TARGETS, use_dora=True))
+    torch.manual_seed(1)
+    for model, mean in ((ia3, 1.0), (dora, 0.0)):
+        for p in (p for p in model.parameters() if p.requires_grad):
+            torch.nn.init.normal_(p, mean=mean, std=0.05)
+    report = autotp.check(ia3, tp=2, example_inputs=(x,))
+    assert report.exact, str(report)
+    at = "base_model.model.model.layers.0."
+    assert repr(report.plan.placements[at + "self_attn.k_proj.ia3_l.default"]) == "colwise(dim=0)"
+    assert repr(report.plan.placements[at + "mlp.down_proj.ia3_l.default"]) == "colwise(dim=1)"
+    base = autotp.plan(lora_workers.llama(1), tp=2, example_inputs=(x,))
+    # the base's, less the first f: the frozen embedding needs no gradient
+    assert len(report.plan.collectives) == len(base.collectives) - 1
+    report = autotp.check(dora, tp=2, example_inputs=(x,))
+    assert report.exact, str(report)
+
+
+def test_a_hand_written_lora_is_found_from_the_graph_and_a_plain_low_rank_mlp_is_not():
+    """Nothing here is peft's: a module adding ``B(A(x))`` to a projection's output is an adapter; two narrow
+    projections in a row whose output is not added to a projection's (a low-rank MLP) stay an ordinary region."""
+    import torch
+    from torch import nn
+
+    class Lora(nn.Module):
+        def __init__(self, d_in, d_out, r=4):
+            super().__init__()
+            self.base, self.a, self.b = nn.Linear(d_in, d_out, bias=False), nn.Linear(d_in, r, False), nn.Linear(r, d_out, False)
+
+        def forward(self, x):
+            return self.base(x) + 0.5 * self.b(self.a(x))
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up, self.down = Lora(32, 64), Lora(64, 32)
+            self.low_a, self.low_b = nn.Linear(32, 4, bias=False), nn.Linear(4, 32, bias=False)
+
+        def forward(self, x):
+            x = x + self.down(torch.relu(self.up(x)))
+            return x + self.low_b(torch.relu(self.low_a(x)))
+
+    torch.manual_seed(0)
+    model = Block()
+    x = torch.randn(2, 8, 32)
+    report = autotp.check(model, tp=2, example_inputs=(x,))
+    assert report.exact, str(report)
+    placements = {k: repr(v) for k, v in report.plan.placements.items()}
+    assert placements["up.a.weight"] == "replicated" and placements["up.b.weight"] == "colwise(dim=0)"
+    assert placements["down.a.weight"] == "rowwise(dim=1)" and placements["down.b.weight"] == "replicated"
+    forward = [c for c in report.plan.collectives if c.direction.value == "forward" and "down" in c.module]
+    assert len(forward) == 1  # the adapter's partial sum joins the base's one all-reduce
+    from autotp.checker import prepare
+
+    adapters = prepare(model, (x,)).captured.analysis.adapters.values()
+    assert sorted((a.rank, a.base) for a in adapters) == [(4, "linear"), (4, "linear_3")]  # up.base, down.base
+
+
+def test_sequence_parallel_with_adapters_is_exact():
+    """Under sequence parallelism the adapters are split as their bases, their sums not yet carried into the base's
+    reduce-scatter (docs/finetuning.md): exact, at more collectives."""
+    report = autotp.check(lora_workers.adapted(), tp=2, example_inputs=(models.tokens(2, 8, 1),),
+                          sequence_parallel=True)
+    assert report.exact, str(report)
+    assert report.plan.sequence_parallel
