@@ -19,6 +19,7 @@ from autotp.errors import (
     CheckpointError,
     InputError,
     InternalError,
+    ModelPartError,
     PlanError,
     RankFailure,
     RuntimeSetupError,
@@ -51,7 +52,7 @@ def __getattr__(name: str):
 
 
 __all__ = [
-    "AutotpError", "CaptureError", "CheckReport", "CheckpointError", "Collective", "InputError", "InternalError",
+    "AutotpError", "CaptureError", "CheckReport", "CheckpointError", "Collective", "InputError", "InternalError", "ModelPartError",
     "MixedPrecision", "Options", "ParallelModule", "PipelineModule", "Placement", "PlacementKind", "Plan", "PlanError",
     "RankFailure", "Region", "RuntimeSetupError", "UnsupportedTorchError", "UntestedTorchWarning", "check",
     "empty_weights", "parallelism_config", "parallelize", "plan",

@@ -58,6 +58,12 @@ class DriftError(AutotpError, RuntimeError):
     """Parameters every tensor-parallel rank holds whole have drifted apart: the ranks no longer hold one model."""
 
 
+class ModelPartError(AutotpError, AttributeError):
+    """Code asked the parallel module for one of the original model's parts (``pm.model``, ``pm.lm_head``,
+    ``pm.base_model``): the parallel module runs the captured model as a whole and has no such submodules. It is an
+    ``AttributeError``, so ``hasattr`` and ``getattr(pm, name, default)`` still answer False and the default."""
+
+
 class InternalError(AutotpError, RuntimeError):
     """An invariant of autotp itself failed: a bug in autotp, not a mistake in what it was given."""
 

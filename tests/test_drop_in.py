@@ -107,3 +107,18 @@ def test_labels_that_no_stand_in_fits_are_asked_for():
         pm(input_ids=ids)
     labels = torch.randint(0, 16, (2, 6))
     torch.testing.assert_close(pm(input_ids=ids, labels=labels)["loss"], model(ids, labels)["loss"])
+
+
+def test_a_part_of_the_model_asked_of_the_parallel_module_is_named():
+    import autotp
+
+    torch.manual_seed(0)
+    model, ids = _NextTokenLoss(), torch.randint(0, 16, (2, 5))
+    pm = autotp.parallelize(model, tp=1, example_inputs=(ids, torch.randint(0, 16, (2, 6))))
+    with pytest.raises(autotp.ModelPartError, match="'head'.*part of the original model.*as a whole"):
+        pm.head  # noqa: B018: what TRL's fused LM head reads
+    assert not hasattr(pm, "emb") and getattr(pm, "head", None) is None  # still an AttributeError to hasattr
+    with pytest.raises(AttributeError) as e:
+        pm.no_such_thing  # noqa: B018
+    assert not isinstance(e.value, autotp.ModelPartError)
+    assert isinstance(pm.module, nn.Module)  # the module's own submodules answer as before

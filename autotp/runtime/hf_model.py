@@ -18,7 +18,7 @@ from typing import NamedTuple
 import torch
 from torch.distributed.tensor import DTensor
 
-from autotp.errors import CheckpointError, InputError
+from autotp.errors import CheckpointError, InputError, ModelPartError
 from autotp.passes.placement import Part, part_of
 from autotp.runtime.data_parallel import dp_shard
 from autotp.runtime.peft_adapters import load_adapter, merge_adapters, save_adapters
@@ -87,6 +87,21 @@ class PretrainedModelLike:
         if self.model_config is None:
             raise AttributeError(f"{type(self).__name__} has no config: the model passed to parallelize had none")
         return self.model_config
+
+    def __getattr__(self, name: str):
+        """``nn.Module``'s attributes, else a ``ModelPartError`` for a part of the original model (a first
+        component of its parameters' names): code that drives a model's parts apart cannot drive this one."""
+        try:
+            return torch.nn.Module.__getattr__(self, name)
+        except AttributeError:
+            names = self.__dict__.get("_names")
+            if names is None or name not in {key.split(".")[0] for key in names.shapes}:
+                raise
+            raise ModelPartError(
+                f"autotp: the parallel module has no attribute {name!r}: it is a part of the original model, and the "
+                "parallel module runs the model captured as a whole (one graph per rank), not its submodules. Call "
+                "pm(...) or pm.generate(...) as a whole; code that calls a model's parts apart (TRL's SFTTrainer "
+                "replaces the forward with a fused LM head that does) cannot drive it") from None
 
     @property
     def device(self) -> torch.device:
