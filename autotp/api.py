@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from autotp.capture import Captured, ExampleInputs, capture, capture_repeated, example_inputs_of
-from autotp.capture.kv_cache import generation_notes
+from autotp.capture.core.kv_cache import generation_notes
 from autotp.errors import InputError, RuntimeSetupError
 from autotp.options import Options, Recompute
 from autotp.passes.placement import Source

@@ -5,7 +5,7 @@
     python -m bench.shape_kernels --only swin:image,gpt2
 
 Each entry is captured twice in one process (``checker.prepare``, the train-mode capture), first with torch's own
-kernels (``autotp.capture.shape_kernels`` switched off), then with the stand-ins, and the two graphs are compared
+kernels (``autotp.capture.speedups.shape_kernels`` switched off), then with the stand-ins, and the two graphs are compared
 node for node: op, target, arguments (by position) and every output's sizes, strides, dtype and gradient flag,
 written as the same expressions. One line per entry; the exit status is 1 if any graph differs. The CPU seconds
 printed favour the second capture slightly (torch's caches are warm by then); ``bench.windowed`` measures each

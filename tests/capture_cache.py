@@ -145,10 +145,10 @@ def cached(capture):
 def install() -> None:
     """Put the memo in front of the read-only capture entry points (once per process)."""
     import autotp.api
-    import autotp.capture.with_loss
+    import autotp.capture.core.with_loss
     import autotp.checker
 
-    for module in (autotp.api, autotp.checker, autotp.capture.with_loss):
+    for module in (autotp.api, autotp.checker, autotp.capture.core.with_loss):
         if not hasattr(module.capture, "__wrapped__"):
             module.capture = cached(module.capture)
 

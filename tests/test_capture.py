@@ -97,7 +97,7 @@ def test_capture_leaves_the_process_as_it_found_it(capsys):
 def test_torchs_loggers_are_silent_while_capturing_the_users_are_not_and_all_are_restored():
     """Existing torch loggers disabled, one torch makes while tracing (a module it imports then) silenced through
     ``torch``'s level, the user's own left alone; every flag and level as before afterwards."""
-    from autotp.capture.export import _quiet_torch_logs
+    from autotp.capture.core.export import _quiet_torch_logs
 
     existing, user = logging.getLogger("torch._autotp_test_existing"), logging.getLogger("autotp_test_user")
     torch_level, user_level = logging.getLogger("torch").level, user.level

@@ -8,8 +8,8 @@ from autotp.torch_version import require_supported_torch
 
 require_supported_torch()  # before any module that reads torch 2.13's internals: a clear error, not a deep one
 
-from autotp.capture.captured import Captured  # noqa: E402 - after the check above, on purpose
-from autotp.capture.examples import (  # noqa: E402
+from autotp.capture.core.captured import Captured  # noqa: E402 - after the check above, on purpose
+from autotp.capture.core.examples import (  # noqa: E402
            ExampleInputs,
            Signature,
            example_inputs_of,
@@ -17,8 +17,8 @@ from autotp.capture.examples import (  # noqa: E402
            synthesise,
            vocab_size,
 )
-from autotp.capture.export import capture, model_kwargs, tensor_aliases  # noqa: E402
-from autotp.capture.repeats import capture_repeated  # noqa: E402
+from autotp.capture.core.export import capture, model_kwargs, tensor_aliases  # noqa: E402
+from autotp.capture.stamping.repeats import capture_repeated  # noqa: E402
 
 __all__ = ["Captured", "ExampleInputs", "Signature", "capture", "capture_repeated", "example_inputs_of", "model_kwargs", "name_inputs",
            "synthesise", "tensor_aliases", "vocab_size"]

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from autotp.capture.weight_writes import parameter_writes
+from autotp.capture.quirks.weight_writes import parameter_writes
 from autotp.errors import PlanError
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from autotp.capture.replay import INFERENCE_ONLY
+from autotp.capture.core.replay import INFERENCE_ONLY
 from autotp.errors import CaptureError
 
 _WRAP = getattr(torch.ops.higher_order, "wrap_with_set_grad_enabled", None)

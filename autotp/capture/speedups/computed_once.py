@@ -32,7 +32,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from autotp.capture.torch_private import TENSOR_DATA
-from autotp.capture.weight_writes import writes_in_place
+from autotp.capture.quirks.weight_writes import writes_in_place
 
 _OPERATORS = frozenset({
     "__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__", "__truediv__", "__rtruediv__",

@@ -40,7 +40,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.fx.experimental import proxy_tensor
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from autotp.capture.view_layout import positive_product, view_layout
+from autotp.capture.speedups.view_layout import positive_product, view_layout
 from autotp.errors import InternalError
 
 aten = torch.ops.aten

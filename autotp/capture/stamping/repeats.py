@@ -23,10 +23,10 @@ import torch
 from torch import fx, nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from autotp.capture.block_floats import FAILED, Ambiguous, Constants, Log, Values, evaluated, tracked, unit_values
-from autotp.capture.captured import WRAPPER_PREFIX, Captured
-from autotp.capture.export import capture, tensor_aliases
-from autotp.capture.runs import (LEAST, NotRepeated, Run, attr_path, renamed_unit, repeated_runs, unit_blocks,
+from autotp.capture.stamping.block_floats import FAILED, Ambiguous, Constants, Log, Values, evaluated, tracked, unit_values
+from autotp.capture.core.captured import WRAPPER_PREFIX, Captured
+from autotp.capture.core.export import capture, tensor_aliases
+from autotp.capture.stamping.runs import (LEAST, NotRepeated, Run, attr_path, renamed_unit, repeated_runs, unit_blocks,
                                  varying_floats)
 from autotp.capture.torch_private import GUARDS_MODULE, mutated_args
 from autotp.errors import CaptureError

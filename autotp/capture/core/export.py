@@ -15,27 +15,27 @@ import logging
 import torch
 from torch import fx, nn
 
-from autotp.capture.capture_failure import raise_capture_failure
-from autotp.capture.computed_once import AUTOCAST_DEVICES, computed_once
-from autotp.capture.captured import WRAPPER_PREFIX, Captured
-from autotp.capture.dynamic import dynamic_shapes, fixed_dims, refused_sizes
-from autotp.capture.examples import (
+from autotp.capture.core.capture_failure import raise_capture_failure
+from autotp.capture.speedups.computed_once import AUTOCAST_DEVICES, computed_once
+from autotp.capture.core.captured import WRAPPER_PREFIX, Captured
+from autotp.capture.core.dynamic import dynamic_shapes, fixed_dims, refused_sizes
+from autotp.capture.core.examples import (
     ExampleInputs,
     Signature,
     example_inputs_of,
     require_module,
 )
-from autotp.capture.grad_modes import inline_no_grad
-from autotp.capture.guards import (
+from autotp.capture.quirks.grad_modes import inline_no_grad
+from autotp.capture.fallbacks.guards import (
     distribution_checks_off,
     export_taking_example_branches,
     training_branch_settings,
 )
-from autotp.capture.hidden_gradients import refuse_hidden_gradients
-from autotp.capture.inplace import out_of_place_draws, out_of_place_writes, whole_view_writes
-from autotp.capture.meta_buffers import buffers_on_meta, put_back
-from autotp.capture.replay import check_gradient_replay, check_replay
-from autotp.capture.routed_loops import export_over_routed_experts
+from autotp.capture.core.hidden_gradients import refuse_hidden_gradients
+from autotp.capture.quirks.inplace import out_of_place_draws, out_of_place_writes, whole_view_writes
+from autotp.capture.quirks.meta_buffers import buffers_on_meta, put_back
+from autotp.capture.core.replay import check_gradient_replay, check_replay
+from autotp.capture.fallbacks.routed_loops import export_over_routed_experts
 from autotp.capture.torch_private import (
     applied_functions,
     excluded_sizes,
@@ -45,10 +45,10 @@ from autotp.capture.torch_private import (
     plain_sizes,
     sizes_not_fixed_by_probes,
 )
-from autotp.capture.shape_kernels import (lazy_recompiles, no_cycle_collection, no_stack_traces,
+from autotp.capture.speedups.shape_kernels import (lazy_recompiles, no_cycle_collection, no_stack_traces,
                                           no_symbolic_layout_probes, shape_only_kernels)
-from autotp.capture.weight_norms import expand_weight_norms
-from autotp.capture.weight_writes import data_as_no_grad, read_parameters_past_writes
+from autotp.capture.quirks.weight_norms import expand_weight_norms
+from autotp.capture.quirks.weight_writes import data_as_no_grad, read_parameters_past_writes
 from autotp.errors import CaptureError, InputError, TrainingSettingError
 from autotp.passes.graph import MUTATES_META, SHAPE_META
 

@@ -27,7 +27,7 @@ from functools import lru_cache
 import torch
 from torch import fx
 
-from autotp.capture.fake_kernels import fake_kernels_registered
+from autotp.capture.fallbacks.fake_kernels import fake_kernels_registered
 from autotp.capture.torch_private import decompositions_off, distribution_validation, expression_tracing_off
 from autotp.errors import CaptureError, TrainingSettingError
 
