@@ -185,7 +185,7 @@ def test_the_fallback_captures_kernels_are_in_place_only_while_it_runs():
     from torch._decomp import decomposition_table
 
     from autotp.capture.fallbacks.fake_kernels import fake_kernels_registered
-    from autotp.capture.torch_private import decompositions_off
+    from autotp.torch_private import decompositions_off
 
     with fake_kernels_registered(), decompositions_off():
         loss, forward_variables = _fake_ctc_loss()

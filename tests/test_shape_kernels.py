@@ -13,7 +13,8 @@ from torch._subclasses import fake_impls
 
 from autotp.capture import capture
 from autotp.capture.speedups.shape_kernels import (STAND_INS, _SizedLike, attention_size, linear_size, matmul_size,
-                                          no_symbolic_layout_probes, shape_only_kernels)
+                                                   shape_only_kernels)
+from autotp.torch_private import no_symbolic_layout_probes
 from autotp.errors import InternalError
 from bench.shape_kernels import signature
 from tests.test_capture_dynamic import _Windowed

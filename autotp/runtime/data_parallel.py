@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import fx, nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from autotp.capture.torch_private import at_backward_end
+from autotp.torch_private import at_backward_end
 from autotp.errors import InputError
 from autotp.mixed_precision import MixedPrecision
 from autotp.options import DataParallelMode

@@ -13,7 +13,7 @@ from contextlib import contextmanager
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map_only
+from autotp.torch_private.pytree import tree_map_only
 
 from autotp.errors import InputError
 from autotp.rewrite.collectives import OutputGather

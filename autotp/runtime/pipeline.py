@@ -25,7 +25,7 @@ from torch.distributed.pipelining import (
     ScheduleInterleavedZeroBubble,
     ScheduleZBVZeroBubble,
 )
-from torch.utils._pytree import tree_unflatten
+from autotp.torch_private.pytree import tree_unflatten
 
 from autotp.capture import name_inputs
 from autotp.capture.core.kv_cache import PIPELINE_NOTE

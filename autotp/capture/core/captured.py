@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from torch import fx
 
 from autotp.capture.core.examples import Signature
-from autotp.capture.torch_private import output_spec
+from autotp.torch_private import output_spec
 from autotp.passes.analysis import Analysis
 
 WRAPPER_PREFIX = "model."

@@ -21,7 +21,7 @@ import contextlib
 
 import torch
 from torch import fx, nn
-from torch.utils._pytree import tree_leaves
+from autotp.torch_private.pytree import tree_leaves
 
 from autotp.capture.quirks.weight_writes import written_parameters
 from autotp.errors import AutotpError, CaptureError, InputError
