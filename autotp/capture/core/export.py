@@ -63,7 +63,7 @@ class _CaptureWrapper(nn.Module):
         self.keywords = tuple(name for name, _ in example.kwargs)
         self.fixed_kwargs = fixed_kwargs
         self.sharing: computed_once | None = None  # set while ``_export`` traces: repeated values traced once
-        self.speedups = True  # ``capture``'s switch: trace with the speed-ups (``capture.speedups``) or none
+        self.speedups = True  # ``capture``'s switch: trace with the speed-ups that keep the graph as it is, or none
 
     def forward(self, *inputs):  # the graph's placeholders are named after this: inputs_0, inputs_1, ...
         kwargs = dict(zip(self.keywords, inputs[self.positional:]))
@@ -146,7 +146,7 @@ def _export_once(wrapper: _CaptureWrapper, inputs: tuple, dynamic: bool) -> tupl
     and batched matmuls learn their output sizes from shape-only kernels (``shape_kernels``); a value the forward
     computes again from the same inputs is traced once (``computed_once``), unless the forward wrote into one it
     shared, which is then traced again as the model runs it."""
-    for sharing in (computed_once(), None) if wrapper.speedups else (None,):
+    for sharing in (computed_once(), None):
         wrapper.sharing = sharing
         try:
             with tracing_speedups(wrapper.speedups):
@@ -306,9 +306,9 @@ def capture(model: nn.Module, example_inputs, training: bool | None = None, *, f
     graph the model runs in train (True) or eval (False) mode; None, the mode it is in. The model is left as
     it was: a wrapper passes ``use_cache=False`` to models that take it, and the modules' modes are restored.
     Without ``fallbacks`` only the dynamic attempt is made (a ``CaptureError`` if it fails: a shortened model
-    that ``capture.repeats`` would rather capture in full than try three ways). ``speedups`` False captures with
-    none of ``capture.speedups`` (the same graph, slower); None: ``AUTOTP_CAPTURE_SPEEDUPS`` decides
-    (``speedups_enabled``).
+    that ``capture.repeats`` would rather capture in full than try three ways). ``speedups`` False captures without
+    the speed-ups that leave the graph as it is (``capture.speedups.speedup_switch``: the same graph, slower);
+    None: ``AUTOTP_CAPTURE_SPEEDUPS`` decides.
 
     The process-wide replacements a capture makes (``autotp.torch_private``) hold its lock: a capture in another
     thread meanwhile waits for this one to end.

@@ -1,8 +1,11 @@
 """The switch that captures with no speed-up: the ``capture_speedups`` option, else ``AUTOTP_CAPTURE_SPEEDUPS``.
 
-Every speed-up gives the graph the plain capture gives, node for node, but each reaches into torch's internals
-(``autotp.torch_private``), and a new torch release can break one. Turned off, a capture traces as torch
-alone would (slower), so the model still captures, to the same plan, until the speed-up is mended.
+The speed-ups it turns off (shape-only kernels, the tracing switches, draft export's expression tracing silenced,
+block stamping) give the graph the plain capture gives, node for node, but each reaches into torch's internals
+(``autotp.torch_private``), and a new torch release can break one. Turned off, a capture traces as torch alone
+would (slower), so the model still captures, to the same graph and plan, until the speed-up is mended.
+``computed_once`` is kept: it decides the graph's form (a value computed again is one node), so the plan's costs
+depend on it; it replaces nothing of torch's (a ``TorchFunctionMode``, public).
 """
 
 from __future__ import annotations
