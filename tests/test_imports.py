@@ -179,12 +179,13 @@ def test_the_checker_sees_a_back_edge(tmp_path):
 
 
 RUNTIME_MAY_USE_FROM_REWRITE = ("autotp.rewrite.comm", "autotp.rewrite.streams", "autotp.rewrite.collectives",
-                                "autotp.rewrite.vocab_parallel", "autotp.rewrite.data_writes", "autotp.rewrite.dtypes")
+                                "autotp.rewrite.dtypes")
 """The rewrite objects a running module holds: its communicators (and the collectives its outputs and loss run
-through, the vocab-parallel cross-entropy among them), its random stream, the writes its forward makes to its
-weights (made again on FSDP's stored shards), and its graphs' dtypes (``pm.to(dtype)`` retypes their constants, and
-a graph built on first use casts its parameters as the policy says). Everything else the runtime needs of a rank's
-tensors (placements, parts, weight sources) lives in ``autotp.passes.placement``."""
+through, the vocab-parallel cross-entropy among them), its random stream, and its graphs' dtypes (``pm.to(dtype)``
+retypes their constants, and a graph built on first use casts its parameters as the policy says). Everything else
+the runtime needs of a rank's tensors (placements, parts, weight sources) lives in ``autotp.passes.placement``, and
+the writes a forward makes to its weights (made again on FSDP's stored shards) are found with
+``autotp.passes.parameter_data``."""
 
 
 def test_the_rewriter_reads_plans_not_the_planner():
