@@ -117,3 +117,10 @@ def test_a_changed_torch_is_an_internal_error(name):
     with pytest.raises(InternalError, match=re.escape(torch.__version__)):
         getattr(torch_private, name)(object()) if name != "output_spec" else \
             torch_private.output_spec(torch.fx.GraphModule(torch.nn.Module(), torch.fx.Graph()))
+
+
+def test_the_docs_table_is_the_fence_s_own():
+    """docs/capture.md carries ``table()``'s output between its markers: regenerate it when an entry changes."""
+    page = (ROOT / "docs" / "capture.md").read_text(encoding="utf-8")
+    start = page.index("-->\n", page.index("<!-- fence table")) + len("-->\n")
+    assert page[start:page.index("<!-- end of fence table -->")].strip() == table()
