@@ -15,7 +15,7 @@ import threading
 
 import torch
 
-from autotp.torch_private.entries import EVERY_RELEASE, FIRST_RELEASE, FIRST_RELEASES, constant, fenced
+from autotp.torch_private.entries import FIRST_RELEASE, FIRST_RELEASES, constant, fenced
 from autotp.torch_private.graph_facts import changed, distribution_validation
 
 CAPTURE_LOCK = threading.RLock()

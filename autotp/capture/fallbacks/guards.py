@@ -28,7 +28,7 @@ import torch
 from torch import fx
 
 from autotp.capture.fallbacks.fake_kernels import fake_kernels_registered
-from autotp.torch_private import decompositions_off, distribution_checks_off, expression_tracing_off
+from autotp.torch_private import decompositions_off, expression_tracing_off
 from autotp.errors import CaptureError, TrainingSettingError
 
 aten = torch.ops.aten
