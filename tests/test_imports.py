@@ -213,3 +213,13 @@ def test_no_module_name_is_used_twice():
             last.setdefault(path.stem, []).append(name)
     twice = {stem: names for stem, names in last.items() if len(names) > 1}
     assert not twice, twice
+
+
+def test_every_package_is_installed():
+    """pyproject.toml lists its packages one by one: a subpackage left out works in this editable checkout and is
+    missing from an installed wheel."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["tool"]["setuptools"]["packages"])
+    found = {name for name, path in _module_files().items() if path.name == "__init__.py"}
+    assert found == listed, f"listed but absent: {sorted(listed - found)}; absent from the list: {sorted(found - listed)}"
