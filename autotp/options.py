@@ -214,12 +214,12 @@ class Options:
     """The dtypes the module computes, casts its parameters and reduces gradients in over fp32 master weights
     (``autotp.MixedPrecision``; also a dtype, for that compute dtype, or FSDP2's ``MixedPrecisionPolicy``);
     None: as the model's tensors are. A runtime choice: the splits are the same."""
-    capture_speedups: bool | None = None
+    capture_speedups: bool | None = dataclasses.field(default=None, compare=False)
     """Capture with the capture's speed-ups (shape-only kernels, values computed once, tracing switches, block
     stamping) or without any (False): the same graph and plan either way, without them slower; the way out if one
     breaks on a new torch release. None: the ``AUTOTP_CAPTURE_SPEEDUPS`` environment variable decides (``0``,
     ``false``, ``no`` or ``off`` turn them off; unset, on). How the model is captured, not part of the layout: a
-    plan does not record it."""
+    plan does not record it, and options that differ only in it are equal."""
 
     def __post_init__(self):
         for name in ("tp", "pp", "dp"):

@@ -35,6 +35,7 @@ def test_a_zoo_model_plans_the_same_without_speedups(name):
     slow = autotp.plan(model, 2, inputs, capture_speedups=False)
     assert slow.to_json() == fast.to_json()
     assert "capture_speedups" not in fast.to_json()  # how the model was captured is not part of the plan
+    assert autotp.Plan.from_json(slow.to_json()) == slow == fast
     assert signature(capture(model, inputs, speedups=False).module) == signature(capture(model, inputs).module)
 
 
