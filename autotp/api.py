@@ -15,9 +15,9 @@ import torch.distributed as dist
 from torch import nn
 
 from autotp.capture import Captured, ExampleInputs, capture, capture_repeated, example_inputs_of
-from autotp.capture.kv_cache import generation_notes
+from autotp.capture.core.kv_cache import generation_notes
 from autotp.errors import InputError, RuntimeSetupError
-from autotp.options import Options, Recompute
+from autotp.options import Options, Recompute, capture_speedups
 from autotp.passes.placement import Source
 from autotp.planning import Plan, check_plan_fits, make_plan
 from autotp.planning.layout_search import fixed_settings, plan_layout
@@ -87,7 +87,7 @@ def plan(model: nn.Module, tp: int | None = None, example_inputs=None, *, option
     example = example_inputs_of(model, example_inputs)
     # Planning reads shapes and structure only, so identical blocks are captured once and stamped out
     # (``capture_repeated``: the same graph, checked, or the full capture); the rewrite captures in full.
-    captured = capture_repeated(model, example)
+    captured = capture_repeated(model, example, speedups=capture_speedups(options, settings))
     if world_size is not None:
         cluster = cluster_named(machine) if machine is not None else cluster_for(None)
         base, fixed = _search_options(tp, options, settings)
@@ -158,7 +158,8 @@ def parallelize(model: nn.Module, tp: int | None = None, example_inputs=None, *,
     if checkpoint is not None:  # checked against the model now, before anything is captured
         source = checkpoint_source(checkpoint, model, first_rank(group, distributed) and not quiet, strict, verify,
                                    group, distributed)
-    graphs = {mode: capture(model, example, training=mode) for mode in (True, False)}
+    graphs = {mode: capture(model, example, training=mode, speedups=chosen_options.capture_speedups)
+              for mode in (True, False)}
     captured = graphs[True]
     if plan is not None:
         chosen = verify_plan(captured, check_plan_fits(plan, param_shapes(model), tp, pp, chosen_options.stages))
@@ -209,7 +210,7 @@ def _parallelize_searched(model, example_inputs, world: int, group, timeout, che
                                 f"ranks; launch {world} processes (torchrun --nproc-per-node {world})")
     example = example_inputs_of(model, example_inputs)
     cluster = cluster_for(device_for(group, distributed) or "cpu")
-    captured = capture(model, example)
+    captured = capture(model, example, speedups=search[0].capture_speedups)
     chosen = with_input_note(plan_layout(captured, world, *search, cluster), example)
     chosen = with_generation_notes(chosen, model, captured)
     return parallelize(model, example_inputs=example_inputs, plan=chosen, group=group, timeout=timeout,

@@ -16,13 +16,13 @@ from dataclasses import dataclass
 
 import torch
 from torch import fx, nn
-from torch.utils._pytree import tree_leaves, tree_map
+from autotp.torch_private.pytree import tree_leaves, tree_map
 
 from autotp.api import param_shapes, required_tp, with_input_note
 from autotp.capture import Captured, capture, example_inputs_of, model_kwargs
 from autotp.errors import AutotpError, CaptureError, InputError, InternalError
 from autotp.mixed_precision import MixedPrecision
-from autotp.options import Options, Recompute
+from autotp.options import Options, Recompute, capture_speedups
 from autotp.passes.placement import Shard, full_tensor
 from autotp.planning import Plan, check_plan_fits, make_plan
 from autotp.planning.planner import verify_plan
@@ -204,10 +204,11 @@ class Prepared:
     captured: Captured
 
 
-def prepare(model: nn.Module, example_inputs=None) -> Prepared:
-    """Capture ``model`` on ``example_inputs`` (as for ``check``) once, for ``check_prepared`` at each tp."""
+def prepare(model: nn.Module, example_inputs=None, speedups: bool | None = None) -> Prepared:
+    """Capture ``model`` on ``example_inputs`` (as for ``check``) once, for ``check_prepared`` at each tp
+    (``speedups``: the ``capture_speedups`` option)."""
     example = example_inputs_of(model, example_inputs)
-    return Prepared(model, example_inputs, example, capture(model, example, training=True))
+    return Prepared(model, example_inputs, example, capture(model, example, training=True, speedups=speedups))
 
 
 def check(model: nn.Module, tp: int | None = None, example_inputs=None, *, plan: Plan | None = None,
@@ -220,7 +221,7 @@ def check(model: nn.Module, tp: int | None = None, example_inputs=None, *, plan:
     whole). ``modules_hook(modules, comms)`` may alter the rank modules before they run (the tests inject faults
     this way). The model is not changed."""
     _check_options(tp, plan, options, settings)  # refuse bad options before the capture's cost
-    return check_prepared(prepare(model, example_inputs), tp, plan=plan, modules_hook=modules_hook,
+    return check_prepared(prepare(model, example_inputs, capture_speedups(options, settings)), tp, plan=plan, modules_hook=modules_hook,
                           options=options, **settings)
 
 

@@ -130,6 +130,17 @@ def _member(kind: type[Enum], name: str, value):
         raise InputError(f"{name} must be one of {[c.value for c in kind]}, got {value!r}") from e
 
 
+NOT_RECORDED = ("capture_speedups",)
+"""Options of how a model is captured, not of its layout: a plan's JSON leaves them out."""
+
+
+def capture_speedups(options: Options | None, settings: dict) -> bool | None:
+    """The ``capture_speedups`` a call's keyword ``settings`` or ``options`` give (None: neither sets it), read
+    before the rest of the options are built, since the model is captured first."""
+    given = settings.get("capture_speedups")
+    return given if given is not None else getattr(options, "capture_speedups", None)
+
+
 def _flag(name: str, value) -> bool:
     if not isinstance(value, bool):
         raise InputError(f"{name} must be True or False, got {value!r}")
@@ -203,6 +214,12 @@ class Options:
     """The dtypes the module computes, casts its parameters and reduces gradients in over fp32 master weights
     (``autotp.MixedPrecision``; also a dtype, for that compute dtype, or FSDP2's ``MixedPrecisionPolicy``);
     None: as the model's tensors are. A runtime choice: the splits are the same."""
+    capture_speedups: bool | None = dataclasses.field(default=None, compare=False)
+    """Capture with the capture's speed-ups (shape-only kernels, values computed once, tracing switches, block
+    stamping) or without any (False): the same graph and plan either way, without them slower; the way out if one
+    breaks on a new torch release. None: the ``AUTOTP_CAPTURE_SPEEDUPS`` environment variable decides (``0``,
+    ``false``, ``no`` or ``off`` turn them off; unset, on). How the model is captured, not part of the layout: a
+    plan does not record it, and options that differ only in it are equal."""
 
     def __post_init__(self):
         for name in ("tp", "pp", "dp"):
@@ -214,6 +231,8 @@ class Options:
             object.__setattr__(self, name, _member(kind, name, getattr(self, name)))
         for name in ("sequence_parallel", "compile"):
             _flag(name, getattr(self, name))
+        if self.capture_speedups is not None:
+            _flag("capture_speedups", self.capture_speedups)
         if isinstance(self.cuts, str) or not all(isinstance(c, str) for c in self.cuts):
             raise InputError(f"cuts must be a list of module names, got {self.cuts!r}")
         object.__setattr__(self, "cuts", tuple(self.cuts))
@@ -274,6 +293,8 @@ class Options:
         """A JSON-ready dict (enums as their values)."""
         out = {}
         for f in dataclasses.fields(self):
+            if f.name in NOT_RECORDED:
+                continue
             value = getattr(self, f.name)
             out[f.name] = value.value if isinstance(value, Enum) else list(value) if isinstance(value, tuple) else \
                 value.to_dict() if isinstance(value, MixedPrecision) else value

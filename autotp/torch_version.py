@@ -1,7 +1,7 @@
 """The torch releases autotp runs on, checked once where autotp first needs torch.
 
 autotp's capture reads what torch gives (operator tags such as ``Tag.inplace``, ``torch.export``'s unlifting and
-symbolic-shape internals, ``capture.torch_private``); an older torch fails deep inside a capture with an
+symbolic-shape internals, ``autotp.torch_private``); an older torch fails deep inside a capture with an
 ``AttributeError`` that names none of this. GPU images often ship an older torch than the CPU wheel this project
 pins, so the first import says so instead. A newer torch than the tested ones is let through with one warning:
 it may well work, but nothing has checked that its internals still read as autotp expects.
@@ -55,6 +55,6 @@ def require_supported_torch(version: str | None = None) -> None:
         _WARNED.add(version)
         warnings.warn(
             f"autotp is tested with torch {tested_range()}, found torch {version}: it may work, but a newer "
-            f"release can change the torch internals autotp's capture reads (autotp/capture/torch_private.py); "
+            f"release can change the torch internals autotp's capture reads (autotp/torch_private.py); "
             f"if a capture or a check fails, try torch {TESTED_TORCH[-1]} (pip install torch=={TESTED_TORCH[-1]})",
             UntestedTorchWarning, stacklevel=3)

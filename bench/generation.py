@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from autotp.capture.kv_cache import output_cache
+from autotp.capture.core.kv_cache import output_cache
 from autotp.runtime.data_parallel import local
 from bench import ranks
 

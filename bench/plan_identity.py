@@ -72,7 +72,7 @@ def cases() -> list[tuple[str, object, tuple[tuple[int, int], ...]]]:
 def dump(build, pairs) -> dict:
     """The region search and plan of ``build()``'s model at each (tp, pp), or the error each raised."""
     from autotp.capture import capture_repeated
-    from autotp.capture.examples import example_inputs_of
+    from autotp.capture.core.examples import example_inputs_of
     from autotp.options import Options
     from autotp.planning.planner import make_plan
 

@@ -73,7 +73,7 @@ import autotp, torch, transformers
 from autotp.capture import capture, capture_repeated
 from autotp.options import Options
 from autotp.planning.planner import make_plan
-from autotp.capture.examples import example_inputs_of
+from autotp.capture.core.examples import example_inputs_of
 from autotp.tools.model_spec import build_model, parse_spec
 start = time.process_time()
 path = sys.argv[2]

@@ -1,11 +1,12 @@
-"""The capture with and without its shape-only kernels, over the zoo: the same graph, and how much less CPU.
+"""The capture with and without its speed-ups, over the zoo: the same graph, and how much less CPU.
 
     python -m bench.shape_kernels                    # every zoo entry
     python -m bench.shape_kernels --every 4          # every fourth (a sample of every group)
     python -m bench.shape_kernels --only swin:image,gpt2
 
-Each entry is captured twice in one process (``checker.prepare``, the train-mode capture), first with torch's own
-kernels (``autotp.capture.shape_kernels`` switched off), then with the stand-ins, and the two graphs are compared
+Each entry is captured twice in one process (``checker.prepare``, the train-mode capture), first with every speed-up
+switched off (``capture_speedups=False``: torch's own kernels, no value computed once), then with them (the
+``autotp.capture.speedups.shape_kernels`` stand-ins among them), and the two graphs are compared
 node for node: op, target, arguments (by position) and every output's sizes, strides, dtype and gradient flag,
 written as the same expressions. One line per entry; the exit status is 1 if any graph differs. The CPU seconds
 printed favour the second capture slightly (torch's caches are warm by then); ``bench.windowed`` measures each
@@ -15,7 +16,6 @@ model in a fresh process.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import sys
 import time
 
@@ -38,7 +38,6 @@ def signature(gm: torch.fx.GraphModule) -> list:
 
 def compare(entry) -> tuple[bool, float, float, int]:
     """(graphs equal, CPU s without, CPU s with, nodes) for one zoo entry."""
-    from autotp.capture import export
     from autotp.checker import prepare
 
     def built():
@@ -49,14 +48,9 @@ def compare(entry) -> tuple[bool, float, float, int]:
         return model, entry.inputs(model)
 
     model, inputs = built()
-    kept = export.shape_only_kernels, export.no_stack_traces
-    export.shape_only_kernels = export.no_stack_traces = contextlib.nullcontext
-    try:
-        start = time.process_time()
-        plain = prepare(model, inputs)
-        plain_s = time.process_time() - start
-    finally:
-        export.shape_only_kernels, export.no_stack_traces = kept
+    start = time.process_time()
+    plain = prepare(model, inputs, speedups=False)
+    plain_s = time.process_time() - start
     model, inputs = built()
     start = time.process_time()
     quick = prepare(model, inputs)

@@ -16,6 +16,7 @@ import torch
 from torch import fx
 
 from autotp.passes.graph import grad_nodes, is_tensor, rank
+from autotp.torch_private import set_grad_enabled_op
 
 
 @dataclass(frozen=True)
@@ -82,7 +83,7 @@ def _inside_no_grad(graph: fx.Graph) -> set[str]:
     value made there carries no gradient back across a stage boundary."""
     inside, depth = set(), 0
     for node in graph.nodes:
-        if node.op == "call_function" and node.target is torch._C._set_grad_enabled:
+        if node.op == "call_function" and node.target is set_grad_enabled_op():
             depth += 1 if node.args[0] is False else -1
         if depth > 0:
             inside.add(node.name)

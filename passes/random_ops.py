@@ -16,6 +16,8 @@ from autotp.passes.graph import arg_or_default, tensor_args
 from autotp.passes.placement import Layout, Shard
 from torch import fx
 
+from autotp.torch_private import is_op_overload
+
 aten = torch.ops.aten
 
 
@@ -67,7 +69,7 @@ def random_kind(node: fx.Node) -> RandomKind | None:
         kind = _BY_OP[node.target]
         extra = [a for a in (*node.args[1:], *node.kwargs.values()) if isinstance(a, fx.Node)]
         return RandomKind.WHOLE_INPUTS if kind is RandomKind.SIZE_ONLY and extra else kind
-    seeded = isinstance(node.target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in node.target.tags
+    seeded = is_op_overload(node.target) and torch.Tag.nondeterministic_seeded in node.target.tags
     return RandomKind.WHOLE_INPUTS if seeded else None
 
 

@@ -11,6 +11,7 @@ import operator
 
 import torch
 
+from autotp.torch_private import is_op_overload, overload_packet
 from autotp.passes.rule_kit import Context, Decision, like_first, no_output, pointwise, replicate_all
 from autotp.passes.rules_compute import (
     along_dim,
@@ -133,7 +134,7 @@ def rule_for(target) -> callable:
     else replicate."""
     if target in RULES:
         return RULES[target]
-    if isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags:
+    if is_op_overload(target) and torch.Tag.pointwise in target.tags:
         return pointwise
     functional = _functional(target)
     return rule_for(functional) if functional is not None else replicate_all
@@ -141,7 +142,7 @@ def rule_for(target) -> callable:
 
 def _functional(target):
     """The out-of-place overload of an in-place ATen op (``masked_fill_.Scalar`` -> ``masked_fill.Scalar``)."""
-    if not isinstance(target, torch._ops.OpOverload) or torch.Tag.inplace not in target.tags:
+    if not is_op_overload(target) or torch.Tag.inplace not in target.tags:
         return None
-    packet = getattr(torch.ops.aten, target._overloadpacket.__name__.rstrip("_"), None)
+    packet = getattr(torch.ops.aten, overload_packet(target).__name__.rstrip("_"), None)
     return getattr(packet, target._overloadname, None) if packet is not None else None

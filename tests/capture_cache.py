@@ -120,10 +120,10 @@ class _Source:
 def cached(capture):
     """``capture`` with the memo in front (same signature: model, example_inputs, training)."""
 
-    def cached_capture(model, example_inputs=None, training=None):
+    def cached_capture(model, example_inputs=None, training=None, *, speedups=None):
         if _BYPASSED[0] or not isinstance(model, nn.Module) or sum(t.numel() for t in model.parameters()) > LARGEST:
-            return capture(model, example_inputs, training)  # the real one says what is wrong
-        key, how = _model_key(model), (_value(example_inputs), training, _modes())
+            return capture(model, example_inputs, training, speedups=speedups)  # the real one says what is wrong
+        key, how = _model_key(model), (_value(example_inputs), training, _modes(), speedups)
         source = _SOURCES.get(key)
         if source is None or (source.model is not model and _model_key(source.model) != key):
             source = _SOURCES[key] = _Source(model)  # none yet, or its model was trained since: start again
@@ -133,7 +133,8 @@ def cached(capture):
         if how in source.captures:
             _COUNTS["hits"] += 1
             return source.captures[how]
-        captured = capture(source.model, example_inputs, training)  # equal to ``model`` in everything the key holds
+        # equal to ``model`` in everything the key holds
+        captured = capture(source.model, example_inputs, training, speedups=speedups)
         _COUNTS["misses"] += 1
         source.captures[how] = captured
         return captured
@@ -145,10 +146,10 @@ def cached(capture):
 def install() -> None:
     """Put the memo in front of the read-only capture entry points (once per process)."""
     import autotp.api
-    import autotp.capture.with_loss
+    import autotp.capture.core.with_loss
     import autotp.checker
 
-    for module in (autotp.api, autotp.checker, autotp.capture.with_loss):
+    for module in (autotp.api, autotp.checker, autotp.capture.core.with_loss):
         if not hasattr(module.capture, "__wrapped__"):
             module.capture = cached(module.capture)
 

@@ -11,8 +11,8 @@ import torch
 from autotp.capture import capture
 import copy
 
-from autotp.capture.block_floats import Ambiguous, Constants, Log, Tracked
-from autotp.capture.repeats import NotRepeated, capture_repeated, repeated_runs, stamp
+from autotp.capture.stamping.block_floats import Ambiguous, Constants, Log, Tracked
+from autotp.capture.stamping.repeats import NotRepeated, capture_repeated, repeated_runs, stamp
 
 from tests.test_repeats import _ops
 

@@ -9,7 +9,8 @@ import sys
 import sympy
 import torch
 
-from autotp.capture import capture, torch_private
+from autotp import torch_private
+from autotp.capture import capture
 from autotp.errors import InternalError
 from autotp.passes.graph import SHAPE_META, sizes
 from tests import models
@@ -97,11 +98,11 @@ def test_capture_leaves_the_process_as_it_found_it(capsys):
 def test_torchs_loggers_are_silent_while_capturing_the_users_are_not_and_all_are_restored():
     """Existing torch loggers disabled, one torch makes while tracing (a module it imports then) silenced through
     ``torch``'s level, the user's own left alone; every flag and level as before afterwards."""
-    from autotp.capture.export import _quiet_torch_logs
+    from autotp.torch_private import quiet_torch_logs
 
     existing, user = logging.getLogger("torch._autotp_test_existing"), logging.getLogger("autotp_test_user")
     torch_level, user_level = logging.getLogger("torch").level, user.level
-    with _quiet_torch_logs():
+    with quiet_torch_logs():
         made_while = logging.getLogger("torch._autotp_test_made_while_tracing")
         assert existing.disabled and not existing.isEnabledFor(logging.CRITICAL)
         assert not made_while.isEnabledFor(logging.CRITICAL)

@@ -12,7 +12,7 @@ from torch import nn
 
 import autotp
 from autotp.capture import capture
-from autotp.capture.dynamic import dynamic_dims, dynamic_shapes
+from autotp.capture.core.dynamic import dynamic_dims, dynamic_shapes
 from autotp.errors import CaptureError
 from autotp.passes.graph import sizes
 from autotp.planning.plan import RegionKind

@@ -1,5 +1,5 @@
-"""A captured graph that is not the model's function is refused at capture (autotp/capture/replay.py,
-autotp/capture/hidden_gradients.py): never planned, never silently wrong."""
+"""A captured graph that is not the model's function is refused at capture (autotp/capture/core/replay.py,
+autotp/capture/core/hidden_gradients.py): never planned, never silently wrong."""
 
 from __future__ import annotations
 

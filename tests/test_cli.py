@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import autotp
-from autotp.capture.examples import vocab_size
+from autotp.capture.core.examples import vocab_size
 from autotp.tools import cli
 from autotp.tools.exports import to_hf_tp_plan
 from autotp.tools.model_spec import (

@@ -11,7 +11,7 @@ from torch import nn
 
 import autotp
 from autotp.capture import capture
-from autotp.capture.computed_once import _deterministic_op, computed_once
+from autotp.capture.speedups.computed_once import _deterministic_op, computed_once
 from tests import models
 from tests.models import RelativeLM
 

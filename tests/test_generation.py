@@ -127,7 +127,7 @@ def test_the_generate_command_prints_tokens_and_speed(capsys):
 def test_the_cache_is_split_as_the_kv_heads_written_into_it():
     """Planned without processes: at tp=2 each rank holds one of Llama's 2 KV heads; at tp=4 (above them) the
     head its query heads use, shared by 2 ranks."""
-    from autotp.capture.kv_cache import cache_shape, capture_step
+    from autotp.capture.core.kv_cache import cache_shape, capture_step
     from autotp.passes.placement import local_shape
     from autotp.rewrite.cache_layout import cache_layouts
 
@@ -160,7 +160,7 @@ def test_a_meta_model_loaded_from_a_checkpoint_generates(tmp_path):
 
 def test_recurrent_cache_layers_and_no_cache_re_run_and_say_why():
     """A structure decides, not a name: recurrent cache layers (a hybrid), or a forward with no cache at all."""
-    from autotp.capture.kv_cache import why_no_cache
+    from autotp.capture.core.kv_cache import why_no_cache
 
     class Hybrid(torch.nn.Module):
         def __init__(self):
@@ -178,8 +178,8 @@ def test_recurrent_cache_layers_and_no_cache_re_run_and_say_why():
 def test_the_cache_is_found_by_either_name_in_the_signature_and_the_output():
     """transformers 5.24 renamed the decoders' past_key_values keyword and output field to cache: both are read
     from the forward's signature and the output's fields (no version check)."""
-    from autotp.capture.examples import Signature
-    from autotp.capture.kv_cache import cache_keyword, output_cache, why_no_cache
+    from autotp.capture.core.examples import Signature
+    from autotp.capture.core.kv_cache import cache_keyword, output_cache, why_no_cache
 
     class New(torch.nn.Module):
         def forward(self, input_ids, position_ids=None, cache=None):

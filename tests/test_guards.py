@@ -1,4 +1,4 @@
-"""Capture fallbacks for branches on tensor values (autotp/capture/guards.py), checked with ``autotp.check``."""
+"""Capture fallbacks for branches on tensor values (autotp/capture/fallbacks/guards.py), checked with ``autotp.check``."""
 
 from __future__ import annotations
 
@@ -184,8 +184,8 @@ def test_the_fallback_captures_kernels_are_in_place_only_while_it_runs():
     own registrations are back after it."""
     from torch._decomp import decomposition_table
 
-    from autotp.capture.fake_kernels import fake_kernels_registered
-    from autotp.capture.torch_private import decompositions_off
+    from autotp.capture.fallbacks.fake_kernels import fake_kernels_registered
+    from autotp.torch_private import decompositions_off
 
     with fake_kernels_registered(), decompositions_off():
         loss, forward_variables = _fake_ctc_loss()

@@ -1,8 +1,9 @@
-"""The package's layers, enforced on its imports: passes → planning → rewrite → runtime, tools on top.
+"""The package's layers, enforced on its imports: passes → capture → planning → rewrite → runtime, tools on top.
 
 Each module may import autotp modules of its own layer or earlier ones only; the passes import only
-passes (and third-party libraries); the tools read plans and captured graphs through the public API,
-never the rewriter's or the runtime's internals.
+passes, the private-torch fence (``autotp.torch_private``) and third-party libraries; the capture's subpackages
+are layered by job; the tools read plans and captured graphs through the public API, never the rewriter's or the
+runtime's internals. The capture and the fence import in no cycle.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 LAYERS = [
     ("foundation", ("autotp.errors", "autotp.options", "autotp.mixed_precision", "autotp.names",
-                    "autotp.torch_version")),
+                    "autotp.torch_version", "autotp.torch_private")),
     ("passes", ("autotp.passes",)),
     ("capture", ("autotp.capture",)),
     ("planning", ("autotp.planning",)),
@@ -83,11 +84,82 @@ def test_every_import_points_down_the_layers():
     assert not wrong, "\n".join(wrong)
 
 
+PASSES_MAY_USE = ("autotp.passes", "autotp.torch_private", "autotp.torch_version", "autotp.errors")
+"""What the passes may import: themselves and the fence (with what the fence itself imports)."""
+
+
 def test_passes_import_only_passes():
     modules = _module_files()
     wrong = [f"{m} imports {t}" for m, path in modules.items() if m.startswith("autotp.passes")
-             for t in map(lambda i: _known(i, modules), _imports(path)) if t and not t.startswith("autotp.passes")]
+             for t in map(lambda i: _known(i, modules), _imports(path)) if t and not t.startswith(PASSES_MAY_USE)]
     assert not wrong, "\n".join(wrong)
+
+
+CAPTURE_JOBS = ("autotp.capture.quirks", "autotp.capture.speedups", "autotp.capture.fallbacks", "autotp.capture.core",
+                "autotp.capture.stamping")
+"""The capture's subpackages from the bottom up: model-quirk normalisation, speed-ups, fallbacks for hard models,
+the core (export, the captured value, example inputs, dynamic sizes, failures), block stamping. Each may import
+its own job and earlier ones (and ``autotp.capture`` itself, the package, only from outside)."""
+
+
+def _job(module: str) -> int | None:
+    return next((i for i, job in enumerate(CAPTURE_JOBS) if module == job or module.startswith(job + ".")), None)
+
+
+def test_every_capture_module_belongs_to_a_job():
+    """A module added to ``autotp/capture/`` goes into a subpackage of one job, never beside them."""
+    loose = [m for m in _module_files() if m.startswith("autotp.capture.") and _job(m) is None]
+    assert not loose, f"{loose}: move each into one of {CAPTURE_JOBS}"
+
+
+def test_capture_jobs_import_down_their_order():
+    modules = _module_files()
+    wrong = []
+    for module, path in modules.items():
+        job = _job(module)
+        if job is None:
+            continue
+        for target in filter(None, (_known(i, modules) for i in _imports(path))):
+            if target == "autotp.capture" or (target.startswith("autotp.capture.") and _job(target) > job):
+                wrong.append(f"{module} imports {target}")
+    assert not wrong, "\n".join(wrong)
+
+
+def _cycles(prefixes: tuple[str, ...]) -> list[list[str]]:
+    """The import cycles (strongly connected groups of two or more modules, function-level imports included) among
+    the modules named by ``prefixes``."""
+    modules = _module_files()
+    inside = [m for m in modules if m.startswith(prefixes)]
+    return _cycles_in({m: {t for t in (_known(i, modules) for i in _imports(modules[m])) if t in inside and t != m}
+                       for m in inside})
+
+
+def _cycles_in(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected groups of two or more nodes of ``graph`` (node -> the nodes it points to)."""
+    reach = {m: _reachable(graph, m) for m in graph}
+    groups = {frozenset([m, *(o for o in reach[m] if m in reach[o])]) for m in graph}
+    return sorted(sorted(g) for g in groups if len(g) > 1)
+
+
+def _reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    seen, frontier = set(), [start]
+    while frontier:
+        for nxt in graph[frontier.pop()]:
+            if nxt not in seen:
+                seen.add(nxt)
+                frontier.append(nxt)
+    return seen
+
+
+def test_the_capture_and_the_fence_import_in_no_cycle():
+    assert _cycles(("autotp.capture", "autotp.torch_private")) == []
+
+
+def test_the_cycle_finder_finds_one():
+    """The cycle check itself can fail: two modules importing each other are one cycle, one importing them is not
+    in it, and a chain is none."""
+    assert _cycles_in({"a": {"b"}, "b": {"a"}, "c": {"a"}}) == [["a", "b"]]
+    assert _cycles_in({"a": {"b"}, "b": {"c"}, "c": set()}) == []
 
 
 def test_tools_stay_out_of_rewrite_and_runtime():
@@ -107,12 +179,13 @@ def test_the_checker_sees_a_back_edge(tmp_path):
 
 
 RUNTIME_MAY_USE_FROM_REWRITE = ("autotp.rewrite.comm", "autotp.rewrite.streams", "autotp.rewrite.collectives",
-                                "autotp.rewrite.vocab_parallel", "autotp.rewrite.data_writes", "autotp.rewrite.dtypes")
+                                "autotp.rewrite.dtypes")
 """The rewrite objects a running module holds: its communicators (and the collectives its outputs and loss run
-through, the vocab-parallel cross-entropy among them), its random stream, the writes its forward makes to its
-weights (made again on FSDP's stored shards), and its graphs' dtypes (``pm.to(dtype)`` retypes their constants, and
-a graph built on first use casts its parameters as the policy says). Everything else the runtime needs of a rank's
-tensors (placements, parts, weight sources) lives in ``autotp.passes.placement``."""
+through, the vocab-parallel cross-entropy among them), its random stream, and its graphs' dtypes (``pm.to(dtype)``
+retypes their constants, and a graph built on first use casts its parameters as the policy says). Everything else
+the runtime needs of a rank's tensors (placements, parts, weight sources) lives in ``autotp.passes.placement``, and
+the writes a forward makes to its weights (made again on FSDP's stored shards) are found with
+``autotp.passes.parameter_data``."""
 
 
 def test_the_rewriter_reads_plans_not_the_planner():
@@ -140,3 +213,13 @@ def test_no_module_name_is_used_twice():
             last.setdefault(path.stem, []).append(name)
     twice = {stem: names for stem, names in last.items() if len(names) > 1}
     assert not twice, twice
+
+
+def test_every_package_is_installed():
+    """pyproject.toml lists its packages one by one: a subpackage left out works in this editable checkout and is
+    missing from an installed wheel."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["tool"]["setuptools"]["packages"])
+    found = {name for name, path in _module_files().items() if path.name == "__init__.py"}
+    assert found == listed, f"listed but absent: {sorted(listed - found)}; absent from the list: {sorted(found - listed)}"

@@ -8,7 +8,7 @@ import re
 import pytest
 import torch
 from autotp.capture import capture
-from autotp.capture.repeats import NotRepeated, capture_repeated, repeated_runs, stamp
+from autotp.capture.stamping.repeats import NotRepeated, capture_repeated, repeated_runs, stamp
 from autotp.options import Options
 from autotp.planning.planner import make_plan
 from autotp.tools.model_spec import build_model, parse_overrides, parse_spec

@@ -9,7 +9,7 @@ import torch
 
 import autotp
 from autotp.capture import capture
-from autotp.capture.dynamic import fixed_dims, refused_sizes
+from autotp.capture.core.dynamic import fixed_dims, refused_sizes
 from tests import models, sequence_workers
 from tests.distributed import run_on_ranks
 from tests.full_context_models import HF_NAMES, POSITIONS, OddLM, hf_model

@@ -1,4 +1,4 @@
-"""The shape-only kernels the capture traces with (``autotp.capture.shape_kernels``): the graph torch.export makes
+"""The shape-only kernels the capture traces with (``autotp.capture.speedups.shape_kernels``): the graph torch.export makes
 with them is node for node and meta for meta the one it makes without (sizes, strides, dtypes, gradient flags);
 shapes they do not cover go to torch's kernels; the process is left as it was found; and autotp's own stand-in is
 not taken for a user's autograd Function."""
@@ -12,8 +12,9 @@ from torch._C import DispatchKey
 from torch._subclasses import fake_impls
 
 from autotp.capture import capture
-from autotp.capture.shape_kernels import (STAND_INS, _SizedLike, attention_size, linear_size, matmul_size,
-                                          no_symbolic_layout_probes, shape_only_kernels)
+from autotp.capture.speedups.shape_kernels import (STAND_INS, _SizedLike, attention_size, linear_size, matmul_size,
+                                                   shape_only_kernels)
+from autotp.torch_private import no_symbolic_layout_probes
 from autotp.errors import InternalError
 from bench.shape_kernels import signature
 from tests.test_capture_dynamic import _Windowed
@@ -149,7 +150,7 @@ def _symbolic(*sizes, dynamic=(0,)):
     ((8, 4, 3), (0,), lambda x: (2, -1, 12)),  # regroups a symbolic leading dim
 ], ids=["merge", "split", "windows", "trailing-1", "regroup"])
 def test_a_view_s_sizes_and_strides_are_torch_s(sizes, dynamic, make_view):
-    from autotp.capture.view_layout import view_layout
+    from autotp.capture.speedups.view_layout import view_layout
 
     mode, x = _symbolic(*sizes, dynamic=dynamic)
     with mode:
@@ -167,7 +168,7 @@ def test_a_view_s_sizes_and_strides_are_torch_s(sizes, dynamic, make_view):
 
 
 def test_an_inferred_size_is_the_exact_quotient_or_torch_s():
-    from autotp.capture.view_layout import _exact_quotient
+    from autotp.capture.speedups.view_layout import _exact_quotient
 
     mode, x = _symbolic(2, 16, 64, dynamic=(0, 1))
     b, t = x.shape[0], x.shape[1]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch.testing import assert_close
 
-from autotp.capture.torch_private import is_guard_call
+from autotp.torch_private import is_guard_call
 from autotp.options import Options
 from autotp.planning import make_plan
 from autotp.rewrite import build_graph, materialise, split_stages

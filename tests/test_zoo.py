@@ -245,7 +245,7 @@ def test_a_decoder_over_codebooks_is_fed_a_row_per_codebook():
     one table) gets one row per sample."""
     import torch
 
-    from autotp.capture.examples import EXAMPLE_BATCH, synthesise
+    from autotp.capture.core.examples import EXAMPLE_BATCH, synthesise
 
     built = {e.name: e.build() for e in zoo.entries({"musicgen", "moshi"})}
     (ids,) = synthesise(built["musicgen"]).flat
@@ -335,7 +335,7 @@ def test_full_context_entries_read_their_position_tables_whole():
     """``--full-context``: a table exactly as long as the example (OpenAI GPT's, with its causal-mask buffer), or
     as short as the model allows (RoBERTa's positions start after its padding index), and sequence parallelism
     exact there."""
-    from autotp.capture.examples import EXAMPLE_SEQ
+    from autotp.capture.core.examples import EXAMPLE_SEQ
 
     gpt, roberta = sorted(zoo.entries({"openai-gpt", "roberta"}, at_full_context=True), key=lambda e: e.name)
     assert gpt.build().transformer.positions_embed.num_embeddings == EXAMPLE_SEQ

@@ -15,7 +15,7 @@ import torch
 from torch import fx, nn
 
 from autotp.capture import Captured
-from autotp.capture.kv_cache import (
+from autotp.capture.core.kv_cache import (
     FIRST_CACHE_INPUT,
     CacheShape,
     cache_shape,

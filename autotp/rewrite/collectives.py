@@ -324,14 +324,15 @@ class OutputGather(GatherFromTP):
 
 class VocabParallelCrossEntropy(_Collective):
     """``aten.cross_entropy_loss`` on class-split logits, label smoothing included (the rule admits no class
-    weights); ``classes``: how many in all (None: as many on every rank)."""
+    weights); ``classes``: how many in all (None: as many on every rank); ``overwrite``: the logits are the loss's
+    to overwrite (nothing else reads them: the runtime's loss on a model's split output)."""
 
-    def __init__(self, comm: Communicator, classes: int | None = None):
+    def __init__(self, comm: Communicator, classes: int | None = None, overwrite: bool = False):
         super().__init__(comm)
-        self.classes = classes
+        self.classes, self.overwrite = classes, overwrite
 
     def forward(self, logits, target, weight=None, reduction=MEAN, ignore_index=-100, label_smoothing=0.0):
-        return vocab_parallel_cross_entropy(logits, target, self.comm, reduction, ignore_index,
+        return vocab_parallel_cross_entropy(logits, target, self.comm, reduction, ignore_index, self.overwrite,
                                             label_smoothing=label_smoothing, classes=self.classes)
 
 

@@ -8,8 +8,9 @@ its version counter: the rank's graph writes through it, as the model does.
 
 In a pipeline, a write runs in the stage that reads the parameter (``stage_of_writes``), wherever the forward made
 it: a write in the model's top-level forward to a weight of a later layer would otherwise write stage 0's copy.
-Under FSDP the graph writes the all-gathered weight, which is dropped after the forward; ``write_shards`` makes
-the same writes on the stored shards first (an elementwise write of a shard is the shard of the write).
+Under FSDP the graph writes the all-gathered weight, which is dropped after the forward; the runtime makes the
+same writes on the stored shards first (``runtime.data_parallel``: an elementwise write of a shard is the shard of
+the write), finding them through ``passes.parameter_data``.
 """
 
 from __future__ import annotations
@@ -17,13 +18,9 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from autotp.capture.weight_writes import parameter_writes
+from autotp.capture.quirks.weight_writes import parameter_writes
 from autotp.errors import PlanError
-
-
-def data_of(parameter: torch.Tensor) -> torch.Tensor:
-    """``parameter.data``: its storage, outside autograd's view (a graph's op, so the write reads it when it runs)."""
-    return parameter.data
+from autotp.passes.parameter_data import data_of, data_writes
 
 
 def write_through_data(gm: fx.GraphModule) -> int:
@@ -36,11 +33,6 @@ def write_through_data(gm: fx.GraphModule) -> int:
     if writes:
         gm.recompile()
     return len(writes)
-
-
-def data_writes(gm: fx.GraphModule) -> list[tuple[fx.Node, fx.Node]]:
-    """(the write, the parameter's ``get_attr``) for every write ``write_through_data`` made in ``gm``."""
-    return [(user, node.args[0]) for node in gm.graph.nodes if node.target is data_of for user in node.users]
 
 
 def stage_of_writes(gm: fx.GraphModule, stage_of: dict[str, int]) -> dict[str, int]:
@@ -59,9 +51,3 @@ def stage_of_writes(gm: fx.GraphModule, stage_of: dict[str, int]) -> dict[str, i
             out[write.name] = out[write.args[0].name] = stages.pop()
     return out
 
-
-def write_shards(gm: fx.GraphModule, local) -> None:
-    """Make ``gm``'s writes to its parameters on ``local(parameter)`` (this rank's stored piece of it) instead."""
-    with torch.no_grad():
-        for write, parameter in data_writes(gm):
-            write.target(local(gm.get_parameter(parameter.target)).data, *write.args[1:], **write.kwargs)

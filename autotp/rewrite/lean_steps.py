@@ -18,6 +18,8 @@ from __future__ import annotations
 import torch
 from torch import fx
 
+from autotp.torch_private import op_schema
+
 aten = torch.ops.aten
 
 WHOLE_END = 2**62
@@ -81,8 +83,7 @@ def _drop_identities(graph: fx.Graph, casts_hold: bool) -> None:
 
 
 def _schema(node: fx.Node):
-    return node.target._schema if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) \
-        else None
+    return op_schema(node.target) if node.op == "call_function" else None
 
 
 def _writes(node: fx.Node) -> list[fx.Node]:

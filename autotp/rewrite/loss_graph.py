@@ -9,7 +9,7 @@ from collections.abc import Callable
 import torch
 from torch import fx, nn
 
-from autotp.capture.with_loss import capture_with_loss
+from autotp.capture.core.with_loss import capture_with_loss
 from autotp.errors import CaptureError, PlanError
 from autotp.planning.plan import Plan
 from autotp.rewrite.cache_layout import share_tensors, unheld_tensors

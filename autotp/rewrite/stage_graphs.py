@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from torch import fx
 
-from autotp.capture.torch_private import is_guard_call
+from autotp.torch_private import is_guard_call
 from autotp.errors import PlanError
 from autotp.passes.analysis import Analysis
 from autotp.passes.cuts import Cut, find_cuts, module_starts, unit_index

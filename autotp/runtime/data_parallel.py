@@ -21,11 +21,11 @@ import torch.distributed as dist
 from torch import fx, nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from autotp.capture.torch_private import at_backward_end
+from autotp.torch_private import at_backward_end
 from autotp.errors import InputError
 from autotp.mixed_precision import MixedPrecision
 from autotp.options import DataParallelMode
-from autotp.rewrite.data_writes import data_writes, write_shards
+from autotp.passes.parameter_data import data_writes
 from autotp.runtime.mesh import Mesh
 from autotp.runtime.precision import fsdp_policy
 
@@ -55,6 +55,13 @@ def _write_shards(unit: ShardedUnit, inputs) -> None:
     graph makes them on the all-gathered weights, which FSDP drops after the forward."""
     if unit.training:
         write_shards(unit.train_graph, local)
+
+
+def write_shards(gm: fx.GraphModule, local) -> None:
+    """Make ``gm``'s writes to its parameters on ``local(parameter)`` (this rank's stored piece of it) instead."""
+    with torch.no_grad():
+        for write, parameter in data_writes(gm):
+            write.target(local(gm.get_parameter(parameter.target)).data, *write.args[1:], **write.kwargs)
 
 
 def local(tensor: torch.Tensor) -> torch.Tensor:

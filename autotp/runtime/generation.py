@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from autotp.capture import Captured
-from autotp.capture.kv_cache import step_inputs, why_no_cache
+from autotp.capture.core.kv_cache import step_inputs, why_no_cache
 from autotp.errors import CaptureError, InputError
 from autotp.passes.placement import local_shape
 from autotp.rewrite.comm import Communicator

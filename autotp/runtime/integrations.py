@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from autotp.capture import Signature
-from autotp.capture.torch_private import active_ddp_module
+from autotp.torch_private import active_ddp_module
 from autotp.errors import InputError, RuntimeSetupError
 from autotp.options import Options
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 from torch import fx
-from torch.utils._pytree import tree_unflatten
+from autotp.torch_private.pytree import tree_unflatten
 
 LABELS = "labels"
 

@@ -13,11 +13,10 @@ from contextlib import contextmanager
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map_only
+from autotp.torch_private.pytree import tree_map_only
 
 from autotp.errors import InputError
-from autotp.rewrite.collectives import OutputGather
-from autotp.rewrite.vocab_parallel import vocab_parallel_cross_entropy
+from autotp.rewrite.collectives import OutputGather, VocabParallelCrossEntropy
 
 
 class SplitOutputs:
@@ -84,8 +83,8 @@ def default_loss(output, target: torch.Tensor, split: SplitOutputs | None = None
                              f"{tuple(logits.shape)} need {logits.shape[:-1].numel()} targets, got a target of "
                              f"shape {tuple(target.shape)}")
         # Classes last, in whatever layout the model left them (no B×T×V/tp copy to flatten them).
-        return vocab_parallel_cross_entropy(logits.movedim(-1, 1), target.reshape(logits.shape[:-1]), gather.comm,
-                                            overwrite=gather.overwritable, classes=gather.segments[0])
+        loss = VocabParallelCrossEntropy(gather.comm, classes=gather.segments[0], overwrite=gather.overwritable)
+        return loss(logits.movedim(-1, 1), target.reshape(logits.shape[:-1]))
     if gather is not None:  # split some other way: made whole for the plain loss
         logits = gather.whole(logits)
     return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import fx, nn
 
-from autotp.capture.torch_private import release_groups
+from autotp.torch_private import release_groups
 from autotp.errors import InputError
 from autotp.options import Options
 from autotp.planning.plan import Plan

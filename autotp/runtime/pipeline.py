@@ -25,10 +25,10 @@ from torch.distributed.pipelining import (
     ScheduleInterleavedZeroBubble,
     ScheduleZBVZeroBubble,
 )
-from torch.utils._pytree import tree_unflatten
+from autotp.torch_private.pytree import tree_unflatten
 
 from autotp.capture import name_inputs
-from autotp.capture.kv_cache import PIPELINE_NOTE
+from autotp.capture.core.kv_cache import PIPELINE_NOTE
 from autotp.errors import InputError, PlanError
 from autotp.options import Schedule
 from autotp.rewrite.comm import TorchComm

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from autotp.errors import RuntimeSetupError
 from autotp.passes.placement import Source, Want
 from autotp.planning.plan import Plan
+from autotp.torch_private import forget_dtensor_meshes
 
 DEFAULT_TIMEOUT = timedelta(minutes=10)
 """How long a collective waits for the other ranks when autotp creates the group (torch's own default is
@@ -203,22 +204,7 @@ def close_at_exit(module) -> None:
 def _close_all() -> None:
     for module in list(_OPEN):
         module.close()
-    _forget_dtensor_meshes()
+    forget_dtensor_meshes()
     gc.collect()  # a parallel module freed in a reference cycle holds its groups until a collection
 
 
-def _forget_dtensor_meshes() -> None:
-    """Empty torch's DTensor caches, which hold every mesh FSDP sharded over (its redistribution planners, its
-    sharding propagation's specs) and so the mesh's process groups, past ``destroy_process_group`` and past the
-    parallel module itself (measured: tp=1 x dp=2 left three groups' gloo threads running into shutdown, where
-    one aborts the process as ``free_default_group_on_destroy`` says). The functions are private to torch: one a
-    torch does not have is skipped."""
-    if "torch.distributed.tensor" not in sys.modules:
-        return
-    from torch.distributed.tensor import _redistribute, debug
-
-    for clear in (getattr(_redistribute, "clear_redistribute_planner_cache", None),
-                  getattr(getattr(_redistribute, "_gen_transform_infos", None), "cache_clear", None),
-                  getattr(debug, "_clear_sharding_prop_cache", None)):
-        if clear is not None:
-            clear()

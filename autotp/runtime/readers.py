@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from autotp.capture.export import tensor_aliases
+from autotp.capture.core.export import tensor_aliases
 from autotp.errors import CheckpointError, InputError
 from autotp.passes.placement import Part, Source, Want
 from autotp.runtime import dcp, staging

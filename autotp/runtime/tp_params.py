@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 
-from autotp.capture.torch_private import release_groups
+from autotp.torch_private import release_groups
 from autotp.planning.plan import Plan
 from autotp.runtime.state import StateNames
 

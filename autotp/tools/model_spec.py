@@ -32,7 +32,7 @@ from torch import nn
 
 # The example sizes and the vocabulary guess live with capture (autotp.plan synthesises the same ids);
 # they are imported here too because the zoo reads them from this module.
-from autotp.capture.examples import synthesise
+from autotp.capture.core.examples import synthesise
 from autotp.errors import InputError
 
 SPEC_FORMS = "path/to/file.py:factory, package.module:factory, hf:<model_type> or hf:path/to/config.json"

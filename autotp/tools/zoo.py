@@ -24,7 +24,7 @@ import torch
 from torch import fx, nn
 
 from autotp.capture import model_kwargs
-from autotp.capture.examples import example_inputs_of, vocab_size
+from autotp.capture.core.examples import example_inputs_of, vocab_size
 from autotp.checker import check_prepared, prepare
 from autotp.errors import AutotpError, TrainingSettingError
 from autotp.names import within

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from autotp.capture.examples import EXAMPLE_BATCH, EXAMPLE_SEQ
+from autotp.capture.core.examples import EXAMPLE_BATCH, EXAMPLE_SEQ
 from autotp.tools.tiny import MAX_PARAMS, default_config, quiet, tiny_model
 from autotp.tools.zoo_inputs import (
     _seeded,
@@ -166,7 +166,7 @@ def _runs(model: nn.Module, inputs: Callable[[nn.Module], tuple | dict]) -> None
     """Run a copy of ``model`` on its inputs as the zoo will (raising the model's error if it fails), leaving the
     model and the random state as they were."""
     from autotp.capture import model_kwargs
-    from autotp.capture.examples import example_inputs_of
+    from autotp.capture.core.examples import example_inputs_of
 
     with torch.random.fork_rng(), torch.no_grad():
         copy = deepcopy(model)

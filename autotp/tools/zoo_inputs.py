@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from autotp.capture import model_kwargs
-from autotp.capture.examples import EXAMPLE_BATCH, EXAMPLE_SEQ, example_inputs_of, synthesise
+from autotp.capture.core.examples import EXAMPLE_BATCH, EXAMPLE_SEQ, example_inputs_of, synthesise
 
 
 def token_ids(model: nn.Module) -> tuple:

@@ -29,22 +29,16 @@ runs never consult them.
 
 from __future__ import annotations
 
-import contextlib
-import gc
-
 import torch
-from torch._C import DispatchKey
-from torch._prims_common import is_contiguous_or_false
-from torch._subclasses import fake_impls
-from torch._subclasses.fake_tensor import unset_fake_temporarily
-from torch.fx.experimental import proxy_tensor
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from autotp.capture.view_layout import positive_product, view_layout
+from autotp.capture.speedups.view_layout import positive_product, view_layout
+from autotp.torch_private import (attention_backend, broadcast_sizes, composite_kernels_replaced,
+                                          contiguous_or_false, real_tensors, size_hint, symbolic_expr,
+                                          torch_composite, torch_fake_view)
 from autotp.errors import InternalError
 
 aten = torch.ops.aten
-_COMPOSITE = DispatchKey.CompositeImplicitAutograd
 
 
 class _SizedLike(torch.autograd.Function):
@@ -78,7 +72,8 @@ def _backed(size) -> tuple | None:
     (a padded length's ``Mod`` and ``//``, a data-dependent size) its kernels differ in how they write them, and
     theirs is the form the graph must keep."""
     for n in size:
-        if isinstance(n, torch.SymInt) and (n.node.hint is None or not positive_product(n.node.expr, powers=False)):
+        if isinstance(n, torch.SymInt) and (size_hint(n) is None
+                                            or not positive_product(symbolic_expr(n), powers=False)):
             return None
     return size
 
@@ -110,15 +105,10 @@ def attention_size(query, key, value, enable_gqa: bool = False):
     return _backed((*query.shape[:-1], value.shape[-1]))
 
 
-def _hint(size) -> int | None:
-    """A size's value in the example (a symbolic size's hint), or None where it has none (data-dependent)."""
-    return size if isinstance(size, int) else size.node.hint
-
-
 def _real_probe(t):
     """An uninitialised real CPU tensor with a fake tensor's sizes (the example's), strides, dtype and gradient
     flag, for asking torch a question about metadata; None where a size has no example value."""
-    sizes, strides = [_hint(s) for s in t.shape], [_hint(s) for s in t.stride()]
+    sizes, strides = [size_hint(s) for s in t.shape], [size_hint(s) for s in t.stride()]
     if None in sizes or None in strides:
         return None
     return torch.empty_strided(sizes, strides, dtype=t.dtype).requires_grad_(t.requires_grad)
@@ -129,24 +119,24 @@ def _math_path(query, key, value, attn_mask, dropout_p, is_causal, scale, enable
     CPU kernel's output is laid out otherwise). Asked of torch itself, on real stand-ins of the example's sizes."""
     if query.device.type != "cpu":
         return False
-    with unset_fake_temporarily():
+    with real_tensors():
         probes = [_real_probe(t) for t in (query, key, value)]
         mask = _real_probe(attn_mask) if isinstance(attn_mask, torch.Tensor) else None
         if None in probes or (isinstance(attn_mask, torch.Tensor) and mask is None):
             return False
-        choice = aten._fused_sdp_choice.default(*probes, mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+        choice = attention_backend(*probes, mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
     return choice == int(torch.nn.attention.SDPBackend.MATH)
 
 
 def _attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
     size = attention_size(query, key, value, enable_gqa)
     if size is None or not _math_path(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
-        return _torchs(aten.scaled_dot_product_attention.default, query, key, value, attn_mask, dropout_p, is_causal,
+        return torch_composite(aten.scaled_dot_product_attention.default, query, key, value, attn_mask, dropout_p, is_causal,
                        scale=scale, enable_gqa=enable_gqa)
     if isinstance(attn_mask, torch.Tensor):
         # the math path adds the mask to the scores: the same broadcast check, so the shape environment learns
         # what it would (a mask's length equal to the keys', found here, lets a later full slice be elided)
-        fake_impls.infer_size((*query.shape[:-1], key.shape[-2]), attn_mask.shape)
+        broadcast_sizes((*query.shape[:-1], key.shape[-2]), attn_mask.shape)
     return _sized(size, query, query, key, value, attn_mask, computed=False)
 
 
@@ -161,7 +151,7 @@ def matmul_size(a, b):
 def _matmul(a, b):
     size = matmul_size(a, b)
     if size is None or a.dtype != b.dtype:
-        return _torchs(aten.matmul.default, a, b)
+        return torch_composite(aten.matmul.default, a, b)
     return _sized(size, a, a, b)
 
 
@@ -184,17 +174,17 @@ def linear_size(x, weight, bias=None):
 def _linear(x, weight, bias=None):
     size = linear_size(x, weight, bias)
     if size is None or not _one_dtype(x, weight, bias):
-        return _torchs(aten.linear.default, x, weight, bias)
+        return torch_composite(aten.linear.default, x, weight, bias)
     return _sized(size, x, x, weight, bias)
 
 
 def _layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5, cudnn_enable=True):
     # a contiguous input only: torch's fake kernel lays a strided input's output out like the input
     plain = (0 < len(normalized_shape) <= x.dim() and _one_dtype(x, weight, bias) and _backed(x.shape)
-             and is_contiguous_or_false(x)
+             and contiguous_or_false(x)
              and _same_sizes(x.shape[x.dim() - len(normalized_shape):], tuple(normalized_shape)))
     if not plain:
-        return _torchs(aten.layer_norm.default, x, normalized_shape, weight, bias, eps, cudnn_enable)
+        return torch_composite(aten.layer_norm.default, x, normalized_shape, weight, bias, eps, cudnn_enable)
     return _sized(x.shape, x, x, weight, bias, computed=False)  # elementwise: the input's sizes
 
 
@@ -206,105 +196,11 @@ STAND_INS = {aten.scaled_dot_product_attention.default: _attention, aten.matmul.
 def _view(fake_mode, func, a, *shape):
     layout = view_layout(a, shape)
     if layout is None:
-        return _TORCH_VIEW(fake_mode, func, a, *shape)
+        return torch_fake_view(fake_mode, func, a, *shape)
     return torch.as_strided(a, *layout, a.storage_offset())
 
 
-_TORCH_VIEW = fake_impls.op_implementations_dict[aten.view.default]
-"""torch's fake kernel for ``view``, which ``_view`` stands in front of while tracing."""
-
-
-_REPLACED: dict = {}
-"""Op -> the Python composite kernel torch had registered for it (matmul has one), while a stand-in replaces it."""
-
-
-def _torchs(op, *args, **kwargs):
-    """``op`` computed as torch would: its own Python composite kernel if it had one, else its C++ one."""
-    kernel = _REPLACED.get(op)
-    return kernel(*args, **kwargs) if kernel is not None else op._op_dk(_COMPOSITE, *args, **kwargs)
-
-
-@contextlib.contextmanager
 def shape_only_kernels():
-    """``STAND_INS`` registered as the ops' Python composite kernels while inside; torch's (where it had one in
-    Python) restored after. Not reentrant: a nested use leaves the outer one's in place."""
-    if _REPLACED:
-        yield
-        return
-    try:
-        fake_impls.op_implementations_dict[aten.view.default] = _view
-        for op, stand_in in STAND_INS.items():
-            _REPLACED[op] = op.py_kernels.pop(_COMPOSITE, None)
-            op.py_impl(_COMPOSITE)(stand_in)
-        yield
-    finally:
-        fake_impls.op_implementations_dict[aten.view.default] = _TORCH_VIEW
-        for op, kernel in _REPLACED.items():
-            op.py_kernels.pop(_COMPOSITE, None)
-            if kernel is not None:
-                op.py_kernels[_COMPOSITE] = kernel
-            op._dispatch_cache.clear()
-        _REPLACED.clear()
-
-
-@contextlib.contextmanager
-def no_stack_traces():
-    """Tracing without a Python stack trace per node: torch formats one for every node it creates, reading the
-    source line of each of some 90 frames (a seventh of a Swin's capture), and the main capture reads none.
-    (The fallback capture keeps them: it names the model's source line of a branch taken.)"""
-    import torch.fx.config as tracing_config
-
-    before = tracing_config.do_not_emit_stack_traces
-    tracing_config.do_not_emit_stack_traces = True
-    try:
-        yield
-    finally:
-        tracing_config.do_not_emit_stack_traces = before
-
-
-def _metadata_without_symbolic_layouts(value: torch.Tensor):
-    """torch's ``tensor_meta`` of ``value``, its memory format left unset where a size is symbolic (static
-    tensors keep torch's own)."""
-    symbolic = any(isinstance(d, torch.SymInt) for d in value.shape)
-    return _TORCH_TENSOR_METADATA(value, include_contiguity=not symbolic)
-
-
-_TORCH_TENSOR_METADATA = proxy_tensor._extract_tensor_metadata
-
-
-@contextlib.contextmanager
-def no_symbolic_layout_probes():
-    """Tracing without asking, for every node's output, which of three memory formats its symbolic layout is
-    contiguous in. torch stores the answer in ``node.meta["tensor_meta"]`` for passes that rebuild a tensor from
-    it when the node has no fake value, which export's never lacks; each answer is sympy over the strides (6% of a
-    DeBERTa's capture). autotp reads fake values, never ``tensor_meta``."""
-    proxy_tensor._extract_tensor_metadata = _metadata_without_symbolic_layouts
-    try:
-        yield
-    finally:
-        proxy_tensor._extract_tensor_metadata = _TORCH_TENSOR_METADATA
-
-
-def lazy_recompiles():
-    """Tracing where a graph module made by the trace regenerates its Python code only when it is run or its code
-    read: torch.export's passes edit the traced graph and regenerate its code after each, and none of those is
-    run (five of a capture's ten regenerations; 0.2 to 0.4 s of a tiny Swin's 2 s). torch's own switch, which
-    its compiler sets."""
-    from torch.fx._lazy_graph_module import _use_lazy_graph_module
-
-    return _use_lazy_graph_module(True)
-
-
-@contextlib.contextmanager
-def no_cycle_collection():
-    """Tracing with Python's cycle collector paused (as it was, after). A trace makes many objects that outlive
-    it (sympy expressions, graph nodes); each full collection it triggers walks the whole heap (the model, torch,
-    transformers) to free little: one took 0.22 s of a DeBERTa's 2 s capture. Reference counting still frees
-    what is not in a cycle, and the cycles made meanwhile are collected at the next collection after."""
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
+    """``STAND_INS`` registered as the ops' Python composite kernels (and ``_view`` as fake tensors' ``view``)
+    while inside; torch's restored after (the fence's ``composite_kernels_replaced``)."""
+    return composite_kernels_replaced(STAND_INS, _view)

@@ -15,8 +15,8 @@ from typing import NoReturn
 import torch
 from torch import nn
 
-from autotp.capture.examples import ExampleInputs
-from autotp.capture.guards import training_branch_settings, training_setting_error
+from autotp.capture.core.examples import ExampleInputs
+from autotp.capture.fallbacks.guards import training_branch_settings, training_setting_error
 from autotp.errors import CaptureError, InputError
 
 

@@ -2,7 +2,7 @@
 picks the keys each query attends to, recurrent steps run without gradients before the last one).
 
 torch.export wraps each such part in a higher-order op around a submodule, which no sharding rule can see into,
-so its projections stay whole. Inlined between ``torch._C._set_grad_enabled`` calls (the form pre-dispatch
+so its projections stay whole. Inlined between ``_set_grad_enabled`` calls (the form pre-dispatch
 graphs use, and one torch.fx never drops as dead code), its ops are ordinary graph nodes the passes can split,
 and they still run without gradients: the same values, the same gradients, no activations kept for backward.
 Parts that read no parameter (the rotary tables) are left wrapped: there is nothing in them to split.
@@ -15,6 +15,7 @@ import operator
 import torch
 from torch import fx
 
+from autotp.torch_private import is_higher_order_op, set_grad_enabled_op
 from autotp.passes.graph import named_arg
 
 _WRAP = getattr(torch.ops.higher_order, "wrap_with_set_grad_enabled", None)
@@ -42,7 +43,7 @@ def _inlinable(gm: fx.GraphModule, node: fx.Node, trainable: set[str]) -> bool:
     body = getattr(gm, node.args[1].target, None)
     if not isinstance(body, fx.GraphModule):
         return False
-    nested = any(n.op == "call_function" and isinstance(n.target, torch._ops.HigherOrderOperator)
+    nested = any(n.op == "call_function" and is_higher_order_op(n.target)
                  for n in body.graph.nodes)
     reads_parameter = any(a.op == "get_attr" and a.target in trainable for a in node.args[2:]
                           if isinstance(a, fx.Node))
@@ -55,7 +56,7 @@ def _inline(gm: fx.GraphModule, node: fx.Node) -> None:
     stack = node.meta.get("nn_module_stack")
     with graph.inserting_before(node):
         was_enabled = graph.call_function(torch.is_grad_enabled, ())
-        graph.call_function(torch._C._set_grad_enabled, (False,))
+        graph.call_function(set_grad_enabled_op(), (False,))
         env: dict[fx.Node, object] = {}
         inputs = iter(node.args[2:])
         outputs = ()
@@ -76,7 +77,7 @@ def _inline(gm: fx.GraphModule, node: fx.Node) -> None:
                 if stack is not None and not copied.meta.get("nn_module_stack"):
                     copied.meta["nn_module_stack"] = dict(stack)  # name the module the part ran in
                 env[inner] = copied
-        graph.call_function(torch._C._set_grad_enabled, (was_enabled,))
+        graph.call_function(set_grad_enabled_op(), (was_enabled,))
     for user in list(node.users):
         user.replace_all_uses_with(outputs[user.args[1]])
         graph.erase_node(user)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from autotp.capture.torch_private import guards_accept, plain_sizes
+from autotp.torch_private import guards_accept, plain_sizes
 
 IMAGE_DIMS = 4
 """A floating-point input with at least this many dimensions is a batch of images or videos

@@ -31,8 +31,8 @@ from dataclasses import dataclass
 import torch
 from torch.overrides import TorchFunctionMode
 
-from autotp.capture.torch_private import TENSOR_DATA
-from autotp.capture.weight_writes import writes_in_place
+from autotp.torch_private import is_op_packet, tensor_data
+from autotp.capture.quirks.weight_writes import writes_in_place
 
 _OPERATORS = frozenset({
     "__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__", "__truediv__", "__rtruediv__",
@@ -64,7 +64,7 @@ def _deterministic_op(func) -> bool:
             any(word in name for word in _DRAWS):
         return False
     packet = getattr(torch.ops.aten, name, None)
-    if not isinstance(packet, torch._ops.OpOverloadPacket):
+    if not is_op_packet(packet):
         return False
     return not any(torch.Tag.nondeterministic_seeded in getattr(packet, o).tags for o in packet.overloads())
 
@@ -131,7 +131,7 @@ class computed_once(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         """Run ``func``, or hand back the result an identical earlier call made (see the class's docstring)."""
         kwargs = kwargs or {}
-        if getattr(func, "__self__", None) is TENSOR_DATA:
+        if getattr(func, "__self__", None) is tensor_data():
             self.off = True  # .data shares no version counter: a write through it would go unseen from here on
         key, tensors = self._key(func, args, kwargs) if not self.off else (None, [])
         if key is None:

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from autotp.capture.block_floats import Key
-from autotp.capture.captured import WRAPPER_PREFIX
+from autotp.capture.stamping.block_floats import Key
+from autotp.capture.core.captured import WRAPPER_PREFIX
 
 LEAST = 3
 """The shortest run worth stamping, in units: two units are always captured, to check the run against itself."""

@@ -14,7 +14,8 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from autotp.capture.replay import INFERENCE_ONLY
+from autotp.capture.core.replay import INFERENCE_ONLY
+from autotp.torch_private import set_grad_enabled_op
 from autotp.errors import CaptureError
 
 _WRAP = getattr(torch.ops.higher_order, "wrap_with_set_grad_enabled", None)
@@ -63,7 +64,7 @@ def _requires_grad(graph: fx.Graph, trainable: set[str]) -> set[fx.Node]:
             continue
         if node.target is torch.is_grad_enabled:
             recorded[node] = enabled
-        elif node.target is torch._C._set_grad_enabled:
+        elif node.target is set_grad_enabled_op():
             mode = node.args[0]
             enabled = recorded.get(mode, True) if isinstance(mode, fx.Node) else bool(mode)
         elif node.target is _WRAP and _WRAP is not None:

@@ -19,10 +19,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from autotp.capture.captured import Captured
-from autotp.capture.export import capture
-from autotp.capture.examples import Signature
-from autotp.capture.torch_private import is_guard_call
+from autotp.capture.core.captured import Captured
+from autotp.capture.core.export import capture
+from autotp.capture.core.examples import Signature
+from autotp.torch_private import is_guard_call
 from autotp.errors import CaptureError
 
 #: Layer kinds whose cache is a plain key/value store readable under a position mask (transformers' names).

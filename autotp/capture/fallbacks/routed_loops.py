@@ -29,6 +29,7 @@ from torch import fx
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, guard_size_oblivious
 from torch.fx.traceback import annotate, preserve_node_meta
 
+from autotp.torch_private import check, methods_replaced, symbolic_expr
 from autotp.errors import CaptureError, UnseenExpertError
 
 aten = torch.ops.aten
@@ -115,19 +116,16 @@ def _patched(loops: _Loops):
             return constant.item().__format__(spec)
         return form(self, spec)
 
-    torch.Tensor.nonzero, torch.Tensor.__iter__, torch.SymBool.__bool__ = routed_nonzero, routed_iter, oblivious_truth
-    torch.Tensor.__format__ = constant_format
-    try:
+    with methods_replaced({(torch.Tensor, "nonzero"): routed_nonzero, (torch.Tensor, "__iter__"): routed_iter,
+                           (torch.SymBool, "__bool__"): oblivious_truth,
+                           (torch.Tensor, "__format__"): constant_format}):
         yield loops
-    finally:
-        torch.Tensor.nonzero, torch.Tensor.__iter__, torch.SymBool.__bool__ = nonzero, iterate, truth
-        torch.Tensor.__format__ = form
 
 
 def _same_for_any_rows(condition: torch.SymBool, taken: bool) -> bool:
     """Whether ``condition`` (on sizes only) is ``taken`` whatever nonzero sizes its symbols have (tried at 1, 2, 3
     and a large one): ``numel() == 0`` is, ``numel() == 1`` is not."""
-    expr = condition.node.expr
+    expr = symbolic_expr(condition)
     for size in (1, 2, 3, 1 << 20):
         value = expr.subs({symbol: size for symbol in expr.free_symbols})
         if value not in (True, False) or bool(value) != taken:
@@ -146,7 +144,7 @@ def _experts(loops: _Loops, rows: torch.Tensor, routing: torch.Tensor, place: st
     outside[hit] = False
     with annotate({UNSEEN: place}):
         missed = (routing & outside).sum().item()
-    torch._check(missed == 0, lambda: f"the batch routes tokens to an expert the example inputs did not ({place})")
+    check(missed == 0, lambda: f"the batch routes tokens to an expert the example inputs did not ({place})")
     for expert in hit:
         loops.in_body = True
         with annotate({ITERATION: (loop, expert)}):
@@ -263,7 +261,7 @@ def _unbacked(nodes: list[fx.Node]) -> set:
         for v in (val if isinstance(val, (tuple, list)) else [val]):
             for d in getattr(v, "shape", ()):
                 if isinstance(d, torch.SymInt):
-                    out |= {s for s in d.node.expr.free_symbols if str(s).startswith("u")}
+                    out |= {s for s in symbolic_expr(d).free_symbols if str(s).startswith("u")}
     return out
 
 

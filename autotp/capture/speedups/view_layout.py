@@ -1,6 +1,6 @@
 """``view``'s sizes and strides, computed as torch's fake kernel computes them but on tuples.
 
-torch's fake ``view`` (``torch._refs._reshape_view_helper``) merges and splits dims one at a time, making a fake
+torch's fake ``view`` (its refs' ``_reshape_view_helper``) merges and splits dims one at a time, making a fake
 tensor for each step, and each pays sympy for its symbolic sizes and contiguity. ``view_layout`` runs the same
 algorithm, comparison for comparison (so with the same expressions, guards and runtime checks), on tuples of sizes
 and strides; ``shape_kernels`` then makes the one tensor at the end.
@@ -9,9 +9,10 @@ and strides; ``shape_kernels`` then makes the one tensor at the end.
 from __future__ import annotations
 
 import torch
-from torch._prims_common import extract_shape_from_varargs, is_contiguous_or_false
-from torch._subclasses import fake_impls
-from torch.fx.experimental import _config as fx_config
+
+from autotp.torch_private import (backed_size_oblivious, check, contiguous_or_false, inferred_shape,
+                                          shape_of_varargs, size_hint, symbolic_expr, symbolic_size,
+                                          view_has_unbacked_input)
 
 
 def _collapsed(sizes: tuple, strides: tuple, numel, start: int, end: int) -> tuple | None:
@@ -72,23 +73,20 @@ def _exact_quotient(numel, known):
     cancels a product by a product on construction; torch's ``FloorDiv`` instead finds the common factor and
     calls ``sympy.simplify`` (whose first call imports ``sympy.physics``, a quarter of a second)."""
     import sympy
-    from torch.fx.experimental.sym_node import SymNode
 
     if not isinstance(numel, torch.SymInt) or isinstance(known, int) and known == 0:
         return None
-    node = numel.node
-    quotient = node.expr / (known.node.expr if isinstance(known, torch.SymInt) else sympy.Integer(known))
+    divisor = symbolic_expr(known) if isinstance(known, torch.SymInt) else sympy.Integer(known)
+    quotient = symbolic_expr(numel) / divisor
     if not all(positive_product(term) for term in sympy.Add.make_args(quotient)):
         return None
-    hint = node.hint // (known.node.hint if isinstance(known, torch.SymInt) else known)
-    return torch.SymInt(SymNode(quotient, node.shape_env, int, hint))
+    return symbolic_size(quotient, numel, size_hint(numel) // size_hint(known))
 
 
 def _inferred(shape, numel) -> tuple:
-    """``shape`` with its ``-1`` inferred from ``numel`` (``torch._prims_common.infer_size``), by an exact
-    quotient where there is one."""
-    from torch._prims_common import infer_size
-
+    """``shape`` with its ``-1`` inferred from ``numel`` (as torch's ``infer_size``), by an exact quotient where
+    there is one."""
+    infer_size = inferred_shape
     free = [i for i, d in enumerate(shape) if isinstance(d, int) and d == -1]
     if len(free) != 1:
         return infer_size(shape, numel)
@@ -104,20 +102,20 @@ def _inferred(shape, numel) -> tuple:
 
 def view_layout(a, shape) -> tuple | None:
     """The sizes and strides ``a.view(shape)`` has, computed as torch's reshape algorithm computes them
-    (``torch._refs._reshape_view_helper``: the same checks and expressions, dim by dim) but on tuples, not on a
+    (torch's refs' ``_reshape_view_helper``: the same checks and expressions, dim by dim) but on tuples, not on a
     fake tensor per step; None for the cases torch's kernel must take (sizes without an example value, an empty or
     0-d input or output, the 1-d special cases, a view that does not exist)."""
     from functools import reduce
     from operator import mul
 
-    if fx_config.backed_size_oblivious or fake_impls._view_has_unbacked_input(a, shape):
+    if backed_size_oblivious() or view_has_unbacked_input(a, shape):
         return None
-    shape = _inferred(extract_shape_from_varargs(shape, validate=False), a.numel())
+    shape = _inferred(shape_of_varargs(shape, validate=False), a.numel())
     if a.numel() == 0 or a.ndim == 0 or len(shape) == 0:
         return None
-    if is_contiguous_or_false(a) and ((len(shape) == 1 and a.ndim > 1) or (len(shape) == 2 and a.ndim == 1)):
+    if contiguous_or_false(a) and ((len(shape) == 1 and a.ndim > 1) or (len(shape) == 2 and a.ndim == 1)):
         return None
-    torch._check(a.numel() == reduce(mul, shape, 1), lambda: f"Could not reshape {a.shape} as {shape}!")
+    check(a.numel() == reduce(mul, shape, 1), lambda: f"Could not reshape {a.shape} as {shape}!")
     sizes, strides, numel, i = tuple(a.shape), tuple(a.stride()), a.numel(), 0
     for length in shape:
         if i >= len(sizes):  # a trailing 1
@@ -145,6 +143,6 @@ def view_layout(a, shape) -> tuple | None:
             sizes, strides = split
         i += 1
     while i < len(sizes):
-        torch._check(sizes[i] == 1, lambda: f"a.size({i}) expected to be 1 but got {sizes[i]}")
+        check(sizes[i] == 1, lambda: f"a.size({i}) expected to be 1 but got {sizes[i]}")
         sizes, strides = sizes[:i] + sizes[i + 1:], strides[:i] + strides[i + 1:]
     return sizes, strides

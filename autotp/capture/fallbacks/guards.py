@@ -27,8 +27,8 @@ from functools import lru_cache
 import torch
 from torch import fx
 
-from autotp.capture.fake_kernels import fake_kernels_registered
-from autotp.capture.torch_private import decompositions_off, distribution_validation, expression_tracing_off
+from autotp.capture.fallbacks.fake_kernels import fake_kernels_registered
+from autotp.torch_private import decompositions_off, expression_tracing_off
 from autotp.errors import CaptureError, TrainingSettingError
 
 aten = torch.ops.aten
@@ -74,7 +74,9 @@ def export_taking_example_branches(wrapper: torch.nn.Module, inputs: tuple, dyna
     ``CaptureError`` where a branch depends on random numbers (``TrainingSettingError`` naming the settings of
     ``config``, the model's config, that switch them off, where the branch's code reads some)."""
     host = _host_rng_states()
-    with expression_tracing_off(), decompositions_off(), fake_kernels_registered():
+    # silencing draft_export's expression tracing is a speed-up, off with the others (``capture(speedups=False)``)
+    quiet = expression_tracing_off() if getattr(wrapper, "speedups", True) else contextlib.nullcontext()
+    with quiet, decompositions_off(), fake_kernels_registered():
         program = torch.export.draft_export(wrapper, inputs, strict=False, dynamic_shapes=dynamic_shapes)
     if _host_rng_states() != host:
         raise random_refusal("the forward draws from numpy's or Python's random generator, which a captured "
@@ -117,20 +119,6 @@ def _decided_by_any_draw(nodes: set[fx.Node]) -> bool:
                     or not (always[0](limit) or always[1](limit)):
                 return False
     return True
-
-
-@contextlib.contextmanager
-def distribution_checks_off():
-    """torch.distributions' argument validation off while a model is captured (restored after). The check only
-    raises on arguments outside a distribution's support (BLT's ``Categorical(logits=...).entropy()`` checks its
-    logits are real numbers, not NaN), computes nothing the forward uses, and asks ``.all()`` of a tensor, a
-    branch on data that export cannot trace; the captured graph computes the same values without it."""
-    previous = distribution_validation()
-    torch.distributions.Distribution.set_default_validate_args(False)
-    try:
-        yield
-    finally:
-        torch.distributions.Distribution.set_default_validate_args(previous)
 
 
 def _host_rng_states() -> tuple:

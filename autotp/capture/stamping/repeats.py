@@ -21,14 +21,15 @@ from dataclasses import dataclass
 
 import torch
 from torch import fx, nn
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from autotp.torch_private.pytree import tree_flatten, tree_unflatten
 
-from autotp.capture.block_floats import FAILED, Ambiguous, Constants, Log, Values, evaluated, tracked, unit_values
-from autotp.capture.captured import WRAPPER_PREFIX, Captured
-from autotp.capture.export import capture, tensor_aliases
-from autotp.capture.runs import (LEAST, NotRepeated, Run, attr_path, renamed_unit, repeated_runs, unit_blocks,
+from autotp.capture.stamping.block_floats import FAILED, Ambiguous, Constants, Log, Values, evaluated, tracked, unit_values
+from autotp.capture.core.captured import WRAPPER_PREFIX, Captured
+from autotp.capture.core.export import capture, tensor_aliases
+from autotp.capture.stamping.runs import (LEAST, NotRepeated, Run, attr_path, renamed_unit, repeated_runs, unit_blocks,
                                  varying_floats)
-from autotp.capture.torch_private import GUARDS_MODULE, mutated_args
+from autotp.capture.speedups.speedup_switch import speedups_enabled
+from autotp.torch_private import GUARDS_MODULE, capturing, mutated_args
 from autotp.errors import CaptureError
 from autotp.passes.graph import grad_nodes, trainable_attrs
 
@@ -74,13 +75,19 @@ def _shortened(model: nn.Module, runs: list[Run]):
             lst._modules = modules
 
 
-def capture_repeated(model: nn.Module, example_inputs, training: bool | None = None) -> Captured:
+def capture_repeated(model: nn.Module, example_inputs, training: bool | None = None, *,
+                     speedups: bool | None = None) -> Captured:
     """``capture``'s graph, made from two blocks of each run of identical blocks (module docstring); the full
-    capture when the model has no such run or identity cannot be shown."""
-    try:
-        return stamp(model, example_inputs, training)
-    except (NotRepeated, CaptureError):
-        return capture(model, example_inputs, training)
+    capture when the model has no such run or identity cannot be shown. Stamping is a speed-up: with ``speedups``
+    False (None: ``AUTOTP_CAPTURE_SPEEDUPS`` decides) the full capture, with no speed-up. The capture lock is held
+    throughout: stamping shortens the model's block lists while it captures."""
+    if not speedups_enabled(speedups):
+        return capture(model, example_inputs, training, speedups=False)
+    with capturing():
+        try:
+            return stamp(model, example_inputs, training)
+        except (NotRepeated, CaptureError):
+            return capture(model, example_inputs, training)
 
 
 def stamp(model: nn.Module, example_inputs, training: bool | None = None) -> Captured:

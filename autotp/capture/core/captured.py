@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 
 from torch import fx
 
-from autotp.capture.examples import Signature
-from autotp.capture.torch_private import output_spec
+from autotp.capture.core.examples import Signature
+from autotp.torch_private import output_spec
 from autotp.passes.analysis import Analysis
 
 WRAPPER_PREFIX = "model."

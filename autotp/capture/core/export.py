@@ -10,45 +10,43 @@ from __future__ import annotations
 
 import contextlib
 import difflib
-import logging
 
 import torch
 from torch import fx, nn
 
-from autotp.capture.capture_failure import raise_capture_failure
-from autotp.capture.computed_once import AUTOCAST_DEVICES, computed_once
-from autotp.capture.captured import WRAPPER_PREFIX, Captured
-from autotp.capture.dynamic import dynamic_shapes, fixed_dims, refused_sizes
-from autotp.capture.examples import (
+from autotp.capture.core.capture_failure import raise_capture_failure
+from autotp.capture.speedups.computed_once import AUTOCAST_DEVICES, computed_once
+from autotp.capture.core.captured import WRAPPER_PREFIX, Captured
+from autotp.capture.core.dynamic import dynamic_shapes, fixed_dims, refused_sizes
+from autotp.capture.core.examples import (
     ExampleInputs,
     Signature,
     example_inputs_of,
     require_module,
 )
-from autotp.capture.grad_modes import inline_no_grad
-from autotp.capture.guards import (
-    distribution_checks_off,
-    export_taking_example_branches,
-    training_branch_settings,
-)
-from autotp.capture.hidden_gradients import refuse_hidden_gradients
-from autotp.capture.inplace import out_of_place_draws, out_of_place_writes, whole_view_writes
-from autotp.capture.meta_buffers import buffers_on_meta, put_back
-from autotp.capture.replay import check_gradient_replay, check_replay
-from autotp.capture.routed_loops import export_over_routed_experts
-from autotp.capture.torch_private import (
+from autotp.capture.quirks.grad_modes import inline_no_grad
+from autotp.capture.fallbacks.guards import export_taking_example_branches, training_branch_settings
+from autotp.capture.core.hidden_gradients import refuse_hidden_gradients
+from autotp.capture.quirks.inplace import out_of_place_draws, out_of_place_writes, whole_view_writes
+from autotp.capture.quirks.meta_buffers import buffers_on_meta, put_back
+from autotp.capture.core.replay import check_gradient_replay, check_replay
+from autotp.capture.fallbacks.routed_loops import export_over_routed_experts
+from autotp.capture.speedups.speedup_switch import speedups_enabled, tracing_speedups
+from autotp.torch_private import (
     applied_functions,
+    capturing,
+    distribution_checks_off,
     excluded_sizes,
     is_guard_call,
     mutated_args,
-    unchanged_module_casts,
+    no_cycle_collection,
     plain_sizes,
+    quiet_torch_logs,
     sizes_not_fixed_by_probes,
+    unchanged_module_casts,
 )
-from autotp.capture.shape_kernels import (lazy_recompiles, no_cycle_collection, no_stack_traces,
-                                          no_symbolic_layout_probes, shape_only_kernels)
-from autotp.capture.weight_norms import expand_weight_norms
-from autotp.capture.weight_writes import data_as_no_grad, read_parameters_past_writes
+from autotp.capture.quirks.weight_norms import expand_weight_norms
+from autotp.capture.quirks.weight_writes import data_as_no_grad, read_parameters_past_writes
 from autotp.errors import CaptureError, InputError, TrainingSettingError
 from autotp.passes.graph import MUTATES_META, SHAPE_META
 
@@ -65,6 +63,7 @@ class _CaptureWrapper(nn.Module):
         self.keywords = tuple(name for name, _ in example.kwargs)
         self.fixed_kwargs = fixed_kwargs
         self.sharing: computed_once | None = None  # set while ``_export`` traces: repeated values traced once
+        self.speedups = True  # ``capture``'s switch: trace with the speed-ups that keep the graph as it is, or none
 
     def forward(self, *inputs):  # the graph's placeholders are named after this: inputs_0, inputs_1, ...
         kwargs = dict(zip(self.keywords, inputs[self.positional:]))
@@ -104,31 +103,6 @@ def _sets_use_cache(config, depth: int = 3) -> bool:
         return True
     subs = (getattr(config, name, None) for name in getattr(type(config), "sub_configs", {}) or {})
     return any(_sets_use_cache(sub, depth - 1) for sub in subs)
-
-
-@contextlib.contextmanager
-def _quiet_torch_logs():
-    """Silence torch's own loggers while captures are tried: a failure is reported by us, once.
-
-    Only loggers named ``torch...`` are touched, and restored afterwards; the user's loggers, the root
-    logger and stderr are left alone. Each is disabled rather than given a level (``setLevel`` clears every
-    logger's cache, once per logger, hundreds of times a capture); ``torch`` alone gets a level, which the loggers
-    torch makes while it traces (modules it imports then) inherit.
-    """
-    names = [n for n in list(logging.root.manager.loggerDict) if n == "torch" or n.startswith("torch.")]
-    loggers = [logging.getLogger(n) for n in names]
-    previous = [lg.disabled for lg in loggers]
-    torch_logger = logging.getLogger("torch")
-    level = torch_logger.level
-    torch_logger.setLevel(logging.CRITICAL + 1)
-    for lg in loggers:
-        lg.disabled = True
-    try:
-        yield
-    finally:
-        for lg, disabled in zip(loggers, previous):
-            lg.disabled = disabled
-        torch_logger.setLevel(level)
 
 
 def unaliased(inputs: tuple) -> tuple:
@@ -175,16 +149,15 @@ def _export_once(wrapper: _CaptureWrapper, inputs: tuple, dynamic: bool) -> tupl
     for sharing in (computed_once(), None):
         wrapper.sharing = sharing
         try:
-            with shape_only_kernels(), no_stack_traces(), no_symbolic_layout_probes(), no_cycle_collection(), \
-                    lazy_recompiles():
+            with tracing_speedups(wrapper.speedups):
                 program = torch.export.export(wrapper, inputs, strict=False,
                                               dynamic_shapes=dynamic_shapes(inputs) if dynamic else None)
         finally:
             wrapper.sharing = None
         if sharing is None or not sharing.shared_value_written():
             break
-    with no_cycle_collection():  # unlifting regenerates the graph's code: as many objects again
-        return program.module(), excluded_sizes(program)
+    with no_cycle_collection() if wrapper.speedups else contextlib.nullcontext():
+        return program.module(), excluded_sizes(program)  # unlifting regenerates the code: as many objects again
 
 
 def _dim_names(gm: fx.GraphModule) -> dict[str, str]:
@@ -323,7 +296,8 @@ def autocast_off():
         yield
 
 
-def capture(model: nn.Module, example_inputs, training: bool | None = None, *, fallbacks: bool = True) -> Captured:
+def capture(model: nn.Module, example_inputs, training: bool | None = None, *, fallbacks: bool = True,
+            speedups: bool | None = None) -> Captured:
     """Capture ``model`` on ``example_inputs`` with torch.export (dynamic sizes, then static), autocast off
     (``autocast_off``): the same graph whether or not the caller is inside ``torch.autocast``.
 
@@ -332,22 +306,29 @@ def capture(model: nn.Module, example_inputs, training: bool | None = None, *, f
     graph the model runs in train (True) or eval (False) mode; None, the mode it is in. The model is left as
     it was: a wrapper passes ``use_cache=False`` to models that take it, and the modules' modes are restored.
     Without ``fallbacks`` only the dynamic attempt is made (a ``CaptureError`` if it fails: a shortened model
-    that ``capture.repeats`` would rather capture in full than try three ways).
+    that ``capture.repeats`` would rather capture in full than try three ways). ``speedups`` False captures without
+    the speed-ups that leave the graph as it is (``capture.speedups.speedup_switch``: the same graph, slower);
+    None: ``AUTOTP_CAPTURE_SPEEDUPS`` decides.
+
+    The process-wide replacements a capture makes (``autotp.torch_private``) hold its lock: a capture in another
+    thread meanwhile waits for this one to end.
     """
-    with autocast_off():
-        return _capture(model, example_inputs, training, fallbacks)
+    enabled = speedups_enabled(speedups)
+    with capturing(), autocast_off():
+        return _capture(model, example_inputs, training, fallbacks, enabled)
 
 
-def _capture(model: nn.Module, example_inputs, training: bool | None, fallbacks: bool) -> Captured:
+def _capture(model: nn.Module, example_inputs, training: bool | None, fallbacks: bool, speedups: bool) -> Captured:
     require_module(model)
     example = example_inputs_of(model, example_inputs)
     inputs = unaliased(example.flat)
     wrapper = _CaptureWrapper(model, example, model_kwargs(model))
+    wrapper.speedups = speedups
     errors, functions, assumptions = [], set(), ()
     config = getattr(model, "config", None)  # a transformers model's settings, which a refusal may name
     for dynamic in (True, False):
         try:
-            with _quiet_torch_logs(), _in_mode(model, training), applied_functions(functions), \
+            with quiet_torch_logs(), _in_mode(model, training), applied_functions(functions), \
                     distribution_checks_off(), unchanged_module_casts(), buffers_on_meta(model) as copies:
                 gm = _export(wrapper, inputs, dynamic)
                 put_back(gm, copies)
@@ -362,7 +343,7 @@ def _capture(model: nn.Module, example_inputs, training: bool | None, fallbacks:
         # a loop over the experts a batch routes to: run over every expert the example routes to; other branches
         # on tensor values: taken as the example takes them; both kept as runtime assertions
         try:
-            with _quiet_torch_logs(), _in_mode(model, training), applied_functions(functions), \
+            with quiet_torch_logs(), _in_mode(model, training), applied_functions(functions), \
                     distribution_checks_off(), unchanged_module_casts():
                 routed = export_over_routed_experts(wrapper, inputs, dynamic_shapes(inputs), errors[-1][1])
                 gm, assumptions = routed or export_taking_example_branches(wrapper, inputs, dynamic_shapes(inputs),

@@ -14,8 +14,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from autotp.capture.captured import Captured
-from autotp.capture.export import capture, model_kwargs
+from autotp.capture.core.captured import Captured
+from autotp.capture.core.export import capture, model_kwargs
 
 
 class _WithLoss(nn.Module):

@@ -9,20 +9,16 @@ symbol. They are registered only while such a capture runs, so the process is le
 
 from __future__ import annotations
 
-import contextlib
-
-import torch
+from autotp.torch_private import fake_kernels_registered as _registered
+from autotp.torch_private import fresh_unbacked_size
 
 
 def _ctc_loss_tensor(log_probs, targets, input_lengths, target_lengths, blank=0, zero_infinity=False):
     """``aten._ctc_loss.Tensor``'s outputs, the loss per sequence and the forward variables (batch, input length,
     2 * longest target + 1): the longest target is read from values, so it is a new size symbol. The graph never
     reads it (only the op's own backward takes the table), so it is not bound to an output."""
-    from torch._guards import detect_fake_mode
-
     batch, frames = log_probs.shape[1], log_probs.shape[0]
-    with detect_fake_mode().shape_env.ignore_fresh_unbacked_symbols():
-        longest = torch.library.get_ctx().new_dynamic_size()
+    longest = fresh_unbacked_size()
     return log_probs.new_empty(batch), log_probs.new_empty(batch, frames, 2 * longest + 1)
 
 
@@ -30,13 +26,6 @@ FAKE_KERNELS = {"aten::_ctc_loss.Tensor": _ctc_loss_tensor}
 """Op name -> fake kernel, for the ops the fallback capture may meet without one."""
 
 
-@contextlib.contextmanager
 def fake_kernels_registered():
-    """``FAKE_KERNELS`` registered while inside, removed after."""
-    library = torch.library.Library("aten", "FRAGMENT")
-    try:
-        for name, kernel in FAKE_KERNELS.items():
-            torch.library.register_fake(name, kernel, lib=library)
-        yield
-    finally:
-        library._destroy()  # private: the only way to take the registrations back
+    """``FAKE_KERNELS`` registered while inside, removed after (the fence's ``fake_kernels_registered``)."""
+    return _registered(FAKE_KERNELS)

@@ -25,14 +25,14 @@ import torch
 from torch import fx
 from torch.overrides import TorchFunctionMode
 
-from autotp.capture.torch_private import TENSOR_DATA, mutated_args
+from autotp.torch_private import mutated_args, tensor_data
 from autotp.errors import CaptureError
 
 
 def _on_data(func, args, method: str) -> bool:
     """Whether ``func(*args)`` is ``method`` (``__get__``, ``__set__``) of ``.data`` on a parameter (a leaf that
     requires grad)."""
-    return getattr(func, "__self__", None) is TENSOR_DATA and getattr(func, "__name__", "") == method and bool(args) \
+    return getattr(func, "__self__", None) is tensor_data() and getattr(func, "__name__", "") == method and bool(args) \
         and isinstance(args[0], torch.Tensor) and args[0].is_leaf and args[0].requires_grad
 
 

@@ -21,9 +21,9 @@ import contextlib
 
 import torch
 from torch import fx, nn
-from torch.utils._pytree import tree_leaves
+from autotp.torch_private.pytree import tree_leaves
 
-from autotp.capture.weight_writes import written_parameters
+from autotp.capture.quirks.weight_writes import written_parameters
 from autotp.errors import AutotpError, CaptureError, InputError
 
 SEED = 0
