@@ -16,10 +16,12 @@ from autotp.capture import Captured
 from autotp.errors import PlanError
 from autotp.options import Options
 from autotp.passes.analysis import Analysis
+from autotp.planning.expert_split import expert_notes
 from autotp.passes.choices import whole_convolutions
 from autotp.passes.graph import sizes
 from autotp.passes.placement import REPLICATED, Placement, PlacementKind
 from autotp.passes.expert_banks import per_expert
+from autotp.passes.routed_experts import expert_layers
 from autotp.passes.projections import conv_groups, packed_by_weight, packed_segments
 from autotp.passes.propagation import Propagation
 from autotp.passes.random_ops import random_refusal
@@ -295,6 +297,7 @@ def make_plan(captured: Captured, options: Options = Options(), machine: Machine
         plan_regions.append(Region(region.kind, tuple(analysis.layer(c) for c in (*region.columns, *region.convolutions)),
                                    tuple(analysis.layer(r) for r in region.rows), kept))
     notes += _whole_convolution_notes(analysis, by_target, whys, convolutions_kept)
+    notes += expert_notes(expert_layers(analysis), options.ep)
     vocab, vocab_regions, vocab_kept = vocab_placements(analysis, tp, notes, options, machine, sizes, by_target)
     by_target |= vocab
     plan_regions = vocab_regions[:1] + plan_regions + vocab_regions[1:]
