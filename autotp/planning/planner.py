@@ -16,7 +16,8 @@ from autotp.capture import Captured
 from autotp.errors import PlanError
 from autotp.options import Options
 from autotp.passes.analysis import Analysis
-from autotp.planning.expert_split import expert_notes
+from autotp.planning.expert_split import expert_banks, expert_notes
+from autotp.rewrite.expert_split import banks_of
 from autotp.passes.choices import whole_convolutions
 from autotp.passes.graph import sizes
 from autotp.passes.placement import REPLICATED, Placement, PlacementKind
@@ -297,12 +298,16 @@ def make_plan(captured: Captured, options: Options = Options(), machine: Machine
         plan_regions.append(Region(region.kind, tuple(analysis.layer(c) for c in (*region.columns, *region.convolutions)),
                                    tuple(analysis.layer(r) for r in region.rows), kept))
     notes += _whole_convolution_notes(analysis, by_target, whys, convolutions_kept)
-    notes += expert_notes(expert_layers(analysis), options.ep)
     vocab, vocab_regions, vocab_kept = vocab_placements(analysis, tp, notes, options, machine, sizes, by_target)
     by_target |= vocab
     plan_regions = vocab_regions[:1] + plan_regions + vocab_regions[1:]
     if tp == 1:
         by_target = {}  # one rank holds everything: the regions are found, but nothing is split
+    layers = expert_layers(analysis)
+    split_banks = expert_banks(layers, {captured.param_name(t): e for t, e in banks_of(analysis.graph).items()},
+                               options.ep, tp) if options.ep > 1 and tp > 1 else {}
+    by_target |= {captured.attr_target(captured.aliases.get(n, n)): p for n, p in split_banks.items()}
+    notes += expert_notes(layers, options.ep, tp, set(split_banks))
     sequence_parallel = options.sequence_parallel and tp > 1
     if sequence_parallel:
         _check_sequence_parallel(analysis)
