@@ -75,25 +75,30 @@ def _offsets(mm: fx.Node) -> fx.Node:
     return mm.args[2] if len(mm.args) > 2 else mm.kwargs["offs"]
 
 
+def expert_matmuls(graph: fx.Graph, targets) -> list[tuple[fx.Node, bool, bool]]:
+    """Each grouped matmul over a bank among ``targets`` (``get_attr`` targets split by their experts), with whether
+    it starts its chain (no other such matmul reaches its rows: ``f`` there) and whether it ends it (its output
+    reaches no other: ``g`` there)."""
+    mms = [mm for mm in grouped_matmuls(graph) if (bank := _bank(mm.args[1])) is not None and bank.target in targets]
+    chosen = set(mms)
+    return [(mm, not any(_reaches(other, {mm}) for other in chosen - {mm}), not _reaches(mm, chosen - {mm}))
+            for mm in mms]
+
+
 def split_experts(gm: fx.GraphModule, placements: dict[str, object], rank: int, tp: int, comm) -> None:
     """Make this rank's graph compute only its experts' rows of every grouped matmul whose bank is placed
     ``EXPERT`` (``placements``: ``get_attr`` target -> placement), with ``f`` before and ``g`` after each chain."""
-    mms = [mm for mm in grouped_matmuls(gm.graph)
-           if (bank := _bank(mm.args[1])) is not None and getattr(placements.get(bank.target), "kind", None)
-           is PlacementKind.EXPERT]
-    chosen = set(mms)
-    for count, mm in enumerate(mms):
-        bank = _bank(mm.args[1])
-        experts = int(bank.meta["val"].shape[0])
+    for count, (mm, first_of_chain, last_of_chain) in enumerate(expert_matmuls(gm.graph, placements)):
+        experts = int(_bank(mm.args[1]).meta["val"].shape[0])
         first, _ = chunk_span(experts, tp, rank)
         x, w, offs = mm.args[0], mm.args[1], _offsets(mm)
         mm.target, mm.args, mm.kwargs = local_grouped_mm, (x, w, offs, first), {}
-        if not any(_reaches(other, {mm}) for other in chosen - {mm}):  # the chain's first: f on its rows
+        if first_of_chain:
             name = f"autotp_expert_f_{count}"
             gm.add_submodule(name, CopyToTP(comm))
             with gm.graph.inserting_before(mm):
                 mm.args = (gm.graph.call_module(name, (x,)), *mm.args[1:])
-        if not _reaches(mm, chosen - {mm}):  # the chain's last: g on its output
+        if last_of_chain:
             name = f"autotp_expert_g_{count}"
             gm.add_submodule(name, ReduceFromTP(comm))
             users = list(mm.users)
