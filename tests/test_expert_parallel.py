@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import autotp
-from autotp.errors import InputError
-from autotp.passes.placement import PlacementKind
+from autotp.errors import InputError, PlanError
+from autotp.passes.placement import Placement, PlacementKind
 from autotp.passes.routed_experts import ExpertLayer
 from autotp.planning.expert_split import NO_BANK, NOT_TP, expert_notes
 from autotp.tools import cli
@@ -120,3 +120,18 @@ def test_the_command_line_takes_ep_and_refuses_it_with_devices(capsys):
     assert "does not price expert parallelism" in capsys.readouterr().err
     assert cli.main(["plan", "hf:mixtral", "--tp", "2", "--ep", "3"]) != 0
     assert "ep=3 must divide" in capsys.readouterr().err
+
+
+def test_an_ep_plan_file_round_trips_and_a_misplaced_expert_split_is_refused():
+    """The plan's JSON keeps the banks' placements (and the experts' all-reduces are recomputed from them); an
+    ``expert`` placement on anything but a bank of grouped matmuls would compute wrong experts, so it is refused."""
+    torch.manual_seed(0)
+    model = mixtral()
+    plan = autotp.plan(model, tp=2, ep=2, example_inputs=(_ids(),))
+    loaded = autotp.Plan.from_json(plan.to_json())
+    assert _expert_split(loaded) == _expert_split(plan)
+    assert autotp.check(model, plan=loaded, example_inputs=(_ids(),)).exact
+    query = "model.layers.0.self_attn.q_proj.weight"
+    bad = plan.replace(placements={**plan.placements, query: Placement(PlacementKind.EXPERT, dim=0)})
+    with pytest.raises(PlanError, match=f"{query} is placed 'expert'"):
+        autotp.check(model, plan=bad, example_inputs=(_ids(),))

@@ -192,6 +192,7 @@ def verify_plan(captured: Captured, plan: Plan) -> Plan:
         return _reported(plan, plan.collectives)
     analysis = captured.analysis
     check_biases_follow_weights(analysis, _by_target(analysis, plan.placements))
+    _check_expert_placements(captured, plan)
     prop = analysis.propagate_placements(plan.placements, plan.tp, plan.sequence_parallel)
     if prop.violations:
         v = prop.violations[0]
@@ -219,6 +220,20 @@ def _reported(plan: Plan, collectives: tuple[Collective, ...]) -> Plan:
         return plan
     kept = tuple(r for r in plan.regions if not why[r])
     return plan.replace(collectives=collectives, regions=kept, notes=tuple(notes))
+
+
+def _check_expert_placements(captured: Captured, plan: Plan) -> None:
+    """Refuse an ``expert`` placement the rewrite cannot honour: only a bank read by grouped matmuls, split along
+    its experts (dim 0) into whole experts per rank, is computed expert by expert."""
+    banks = banks_of(captured.analysis.graph)
+    for target, placement in expert_placements(captured, plan).items():
+        name = captured.param_name(target)
+        if target not in banks or placement.dim != 0 or placement.segments or placement.replicas != 1:
+            raise PlanError(f"{name} is placed 'expert', which splits only a bank of experts read by grouped matmuls, "
+                            "along dim 0 with no segments; place it as autotp.plan does, or re-plan with ep")
+        if banks[target] % plan.tp:
+            raise PlanError(f"{name} holds {banks[target]} experts, which tp={plan.tp} ranks cannot hold whole "
+                            "experts of evenly; re-plan with ep")
 
 
 def _expert_split(captured: Captured, by_target: dict[str, Placement], options: Options,
