@@ -33,11 +33,23 @@ def _batch(seed: int) -> dict:
     return {"input_ids": ids, "labels": ids}
 
 
-def trained(name: str, world: int) -> dict:
+def to_first_experts(model):
+    """``model`` with every router's weights zeroed: all logits tie, so the top-k picks the first k experts for
+    every token (all on the first rank; the other ranks' experts get no token)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.zero_()
+    return model
+
+
+def trained(name: str, world: int, skewed: bool = False) -> dict:
     """Errors of ``name`` at tp=ep=world against the unsharded model: outputs, STEPS AdamW steps' losses, every
-    parameter afterwards; and where its experts went."""
+    parameter afterwards; and where its experts went. ``skewed``: every token routed to the first rank's experts."""
     torch.manual_seed(0)
     ref = BUILDERS[name]()
+    if skewed:
+        to_first_experts(ref)
     pm = autotp.parallelize(ref, tp=world, ep=world, example_inputs=_batch(1))
     first = _batch(2)
     out = {"output": _error(pm(**first).logits, ref(**first).logits)}
@@ -78,5 +90,6 @@ def counted(name: str, world: int, ep: int) -> dict:
 def expert_parallel(rank: int, world: int) -> dict:
     """Every model trained at ep=world, and Mixtral's all-reduces at ep=world and ep=1."""
     out = {name: trained(name, world) for name in BUILDERS}
+    out["mixtral to one rank"] = trained("mixtral", world, skewed=True)
     out["bytes"] = {f"ep={ep}": counted("mixtral", world, ep) for ep in (1, world)}
     return out

@@ -20,7 +20,7 @@ from autotp.planning.expert_split import NO_BANK, NOT_TP, expert_notes
 from autotp.tools import cli
 from tests import models
 from tests.distributed import run_on_ranks
-from tests.ep_workers import BATCH, HIDDEN, SEQ, TOP_K, expert_parallel
+from tests.ep_workers import BATCH, BUILDERS, HIDDEN, SEQ, TOP_K, _batch, expert_parallel, to_first_experts
 from tests.moe_workers import PLANNED, deepseek, mixtral
 
 
@@ -94,13 +94,29 @@ def test_moe_models_at_ep_are_exact_in_the_checker(name):
     assert report.exact, report
 
 
+def test_one_expert_per_rank_at_ep_4_is_exact_in_the_checker():
+    torch.manual_seed(0)
+    report = autotp.check(mixtral(), tp=4, ep=4, example_inputs=(_ids(),))
+    assert report.exact, report
+
+
+def test_ranks_whose_experts_get_no_token_are_exact_in_the_checker():
+    """Every token routed to the first rank's experts: the other rank's grouped matmuls have no rows, yet its
+    output still reaches its inputs in autograd, so it runs the same all-reduces backward."""
+    torch.manual_seed(0)
+    model = to_first_experts(BUILDERS["mixtral"]())
+    report = autotp.check(model, tp=2, ep=2, example_inputs=_batch(1))
+    assert report.exact, report
+
+
 def test_ep_trains_exactly_on_two_ranks_and_moves_top_k_rows_per_layer():
     """Outputs, the losses of 2 AdamW steps (the auxiliary router loss included) and every parameter after them;
-    each rank holds 2 of the 4 experts of every bank. Counted at run time, each MoE layer's all-reduces carry
+    each rank holds 2 of the 4 experts of every bank; also with every token routed to the first rank's experts
+    (the second rank's get none, yet run the same collectives). Counted at run time, each MoE layer's all-reduces carry
     top-k x tokens x hidden each way where tensor parallelism's carry the tokens' hidden state forward and it and
     the routing weights backward; every byte counted is one the plan lists."""
     for rank in run_on_ranks(expert_parallel, 2):
-        for name in ("mixtral", "deepseek"):
+        for name in ("mixtral", "deepseek", "mixtral to one rank"):
             r = rank[name]
             assert r["output"] < 1e-5 and max(r["losses"]) < 1e-5 and r["params"] < 1e-5, (name, r)
             assert len(r["expert_split"]) == 4 and set(r["local_experts"].values()) == {2} and not r["missing"], (name, r)

@@ -33,9 +33,10 @@ def local_grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, first
     ends = offs.tolist()
     starts = [0, *ends[:-1]]
     for j in range(w.shape[0]):
+        # even with no rows: the output must reach x and w in autograd on every rank, or a rank whose experts got
+        # no token would skip the f's all-reduce in backward that the others run
         a, b = starts[first + j], ends[first + j]
-        if b > a:
-            out[a:b] = torch.mm(x[a:b], w[j])
+        out[a:b] = torch.mm(x[a:b], w[j])
     return out
 
 
