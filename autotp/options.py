@@ -111,7 +111,8 @@ def parse_bytes(budget: int | float | str | None) -> int | None:
 _MEANING = {"tp": "the number of tensor-parallel ranks", "pp": "the number of pipeline stages' ranks",
             "virtual_stages": "pipeline stages per rank", "microbatches": "microbatches per step",
             "dp": "the number of data-parallel replicas", "batch": "the batch size costs are evaluated at",
-            "seq": "the sequence length costs are evaluated at"}
+            "seq": "the sequence length costs are evaluated at",
+            "ep": "the number of expert-parallel ranks, among which the routed experts are divided"}
 
 
 def _positive(name: str, value, optional: bool = False) -> int | None:
@@ -185,6 +186,11 @@ class Options:
     """Data-parallel replicas (a runtime layout: the plan is the same for any dp)."""
     dp_mode: DataParallelMode = DataParallelMode.FSDP
     """How the replicas hold the model."""
+    ep: int = 1
+    """Expert-parallel ranks: the routed experts of every mixture-of-experts layer divided among ``ep`` ranks
+    taken from the data- and tensor-parallel ranks (Megatron's expert-model-parallel group), so ``ep`` divides
+    ``dp × tp``. A layer whose experts cannot be expert-split keeps them under tensor parallelism, and the plan's
+    notes say so (docs/expert-parallelism.md)."""
     virtual_stages: int | None = None
     """Pipeline stages per rank (None: 2 for the interleaved, zero-bubble and V schedules, else 1)."""
     microbatches: int | None = None
@@ -222,8 +228,12 @@ class Options:
     plan does not record it, and options that differ only in it are equal."""
 
     def __post_init__(self):
-        for name in ("tp", "pp", "dp"):
+        for name in ("tp", "pp", "dp", "ep"):
             _positive(name, getattr(self, name))
+        if (self.dp * self.tp) % self.ep:
+            raise InputError(f"ep={self.ep} must divide dp x tp = {self.dp} x {self.tp} = {self.dp * self.tp}: the "
+                             "expert-parallel ranks are taken from the data- and tensor-parallel ranks; use an ep "
+                             f"that divides {self.dp * self.tp}, or raise tp or dp")
         for name in ("virtual_stages", "microbatches", "batch", "seq"):
             _positive(name, getattr(self, name), optional=True)
         for name, kind in (("dp_mode", DataParallelMode), ("schedule", Schedule), ("balance", Balance),

@@ -19,7 +19,7 @@ import sympy
 from autotp.passes.adapters import Adapter, find_adapters
 from autotp.passes.choices import kept_by_choice
 from autotp.passes.graph import grad_nodes, sizes, trainable_attrs
-from autotp.passes.placement import Placement, Shard
+from autotp.passes.placement import Placement, PlacementKind, Shard
 from autotp.passes.projections import find_embeddings, find_projections
 from autotp.passes.propagate import propagate
 from autotp.passes.propagation import Propagation
@@ -155,7 +155,9 @@ class Analysis:
         """The split ``placements`` (keyed by original name) as the layouts propagation takes (keyed by the
         ``get_attr`` target each parameter is read through)."""
         by_target = {self.captured.attr_target(self.captured.aliases.get(n, n)): p for n, p in placements.items()}
-        return {t: p.layout(self.param_size(t, p.dim)) for t, p in by_target.items() if p.is_split}
+        # a bank split by its experts computes whole experts: propagation sees it whole (``rewrite.expert_split``)
+        return {t: p.layout(self.param_size(t, p.dim)) for t, p in by_target.items()
+                if p.is_split and p.kind is not PlacementKind.EXPERT}
 
     def propagate(self, layouts: Mapping[str, Shard], tp: int, sequence_parallel: bool = False,
                   inputs: Mapping[str, Shard] | None = None) -> Propagation:

@@ -136,14 +136,22 @@ def grad_nodes(graph: fx.Graph, trainable: set[str]) -> set[str]:
     for node in graph.nodes:
         if node.op == "get_attr" and node.target in trainable:
             out.add(node.name)
-        elif any(a.name in out for a in node.all_input_nodes) and not _integral(node):
+        elif any(a.name in out for a in node.all_input_nodes) and not _gradless(node):
             out.add(node.name)
     return out
 
 
-def _integral(node: fx.Node) -> bool:
-    """An integer or boolean tensor (indices, masks): no gradient flows through it."""
+_SCALARS = (int, float, bool, torch.SymInt, torch.SymFloat, torch.SymBool)
+"""Values that are numbers, not tensors: a size read off a tensor (``sym_size``, ``x.shape[1]``) or an ``item()``."""
+
+
+def _gradless(node: fx.Node) -> bool:
+    """An integer or boolean tensor (indices, masks), or a number (a size read off a tensor the gradient flows
+    through, which only says how large it is): no gradient flows through it. Counting a size as carrying the
+    gradient made a trace ask the shape of a number (a reshape to ``[x.size(0), -1, 64]`` reads the size node)."""
     value = meta_val(node)
+    if isinstance(value, _SCALARS):
+        return True
     return isinstance(value, torch.Tensor) and not (value.dtype.is_floating_point or value.dtype.is_complex)
 
 

@@ -85,6 +85,9 @@ class PlacementKind(str, Enum):
     """Split along the vocabulary (embedding rows, or the LM head's output rows)."""
     REPLICATED = "replicated"
     """A full copy on every rank."""
+    EXPERT = "expert"
+    """Split along a bank's experts (dim 0): each rank holds whole experts (expert parallelism). The values the
+    experts compute are not split by it: each rank computes its experts' rows, summed over the ranks."""
 
     @property
     def word(self) -> str:
@@ -93,7 +96,7 @@ class PlacementKind(str, Enum):
 
 
 _WORDS = {PlacementKind.COLWISE: "column", PlacementKind.ROWWISE: "row", PlacementKind.VOCAB: "vocab",
-          PlacementKind.REPLICATED: "replicated"}
+          PlacementKind.REPLICATED: "replicated", PlacementKind.EXPERT: "expert"}
 
 Layout = Shard | None | tuple  # tuple: one layout per output of a multi-output op
 

@@ -184,3 +184,24 @@ def test_loops_over_banks_indexed_per_expert_train_exactly_on_two_ranks():
         assert sorted(rank) == sorted(BANK_LOOPS)
         for name, r in rank.items():
             _trained_exactly(name, r["trained"])
+
+
+QWEN4_INDEXED = dict(layer_types=["linear_attention", "indexed_attention"], indexer_n_heads=2, indexer_kv_heads=1,
+                     indexer_head_dim=16, indexer_budget=8, indexer_compress_ratio=4)
+"""A tiny Qwen4-exp (hidden 64, 4 experts, top-2, 2 KV heads) with an indexed-attention layer, which the zoo's
+tiny config (linear attention only) lacks: its indexer views a projection by sizes read off a repeated
+embedding, and the planner once took those sizes for tensors the gradient flows through and asked their shape."""
+
+
+def test_qwen4_exp_with_an_indexed_attention_layer_plans_and_is_exact():
+    transformers = pytest.importorskip("transformers")
+    if not hasattr(transformers, "Qwen4ExpForCausalLM"):
+        pytest.skip("this transformers has no Qwen4-exp")
+    from autotp.tools.tiny import quiet, tiny_model
+
+    torch.manual_seed(0)
+    with quiet():
+        model = tiny_model("qwen4_exp_text", transformers.Qwen4ExpForCausalLM, QWEN4_INDEXED)
+    assert (model.config.hidden_size, model.config.num_experts, model.config.num_experts_per_tok) == (64, 4, 2)
+    report = autotp.check(model, tp=2, example_inputs=(torch.randint(0, 128, (2, 8)),))
+    assert report.exact, report

@@ -16,10 +16,12 @@ from autotp.passes.graph import named_arg, sizes
 from autotp.passes.propagation import Propagation
 from autotp.passes.steps import COMMUNICATION, Direction, Operator, fused
 from autotp.planning.plan import Collective
+from autotp.passes.grouped_banks import expert_matmuls
 
 
-def planned_collectives(analysis: Analysis, prop: Propagation) -> list[Collective]:
-    """The collectives the rewrite will insert, in graph order, for people and cost models."""
+def planned_collectives(analysis: Analysis, prop: Propagation, split_banks=frozenset()) -> list[Collective]:
+    """The collectives the rewrite will insert, in graph order, for people and cost models (``split_banks``: the
+    ``get_attr`` targets of banks split by their experts)."""
     order = {name: i for i, name in enumerate(analysis.nodes)}
     grad = analysis.grad
     found = [(order[conv.source], c) for conv in prop.conversions.values() for step in fused(conv.steps)
@@ -27,7 +29,19 @@ def planned_collectives(analysis: Analysis, prop: Propagation) -> list[Collectiv
              for c in _collectives_of(analysis, step.operator, conv.source, reader, grad, in_step)]
     found += [(order[node], c) for node, operator in prop.reduced.items()
               for c in _collectives_of(analysis, operator, node, node, grad)]
+    found += [(order[node], c) for node, operator in expert_chains(analysis, split_banks)
+              for c in _collectives_of(analysis, operator, node, node, grad)]
     return [c for _, c in sorted(found, key=lambda item: item[0])]
+
+
+def expert_chains(analysis: Analysis, split_banks) -> list[tuple[str, Operator]]:
+    """Where the rewrite sums the experts' rows over the ranks for banks split by their experts (``get_attr``
+    targets ``split_banks``): ``f`` on each chain's input rows, ``g`` on its output (``rewrite.expert_split``)."""
+    out = []
+    for mm, first, last in expert_matmuls(analysis.graph, split_banks):
+        out += [(mm.args[0].name, Operator.F)] if first else []
+        out += [(mm.name, Operator.G)] if last else []
+    return out
 
 
 def _readers_by_step(analysis: Analysis, conv) -> list[tuple[str, bool]]:

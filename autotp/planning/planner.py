@@ -16,10 +16,13 @@ from autotp.capture import Captured
 from autotp.errors import PlanError
 from autotp.options import Options
 from autotp.passes.analysis import Analysis
+from autotp.planning.expert_layout import expert_banks, expert_notes
+from autotp.passes.grouped_banks import banks_of, expert_placements
 from autotp.passes.choices import whole_convolutions
 from autotp.passes.graph import sizes
 from autotp.passes.placement import REPLICATED, Placement, PlacementKind
 from autotp.passes.expert_banks import per_expert
+from autotp.passes.routed_experts import expert_layers
 from autotp.passes.projections import conv_groups, packed_by_weight, packed_segments
 from autotp.passes.propagation import Propagation
 from autotp.passes.random_ops import random_refusal
@@ -190,6 +193,7 @@ def verify_plan(captured: Captured, plan: Plan) -> Plan:
         return _reported(plan, plan.collectives)
     analysis = captured.analysis
     check_biases_follow_weights(analysis, _by_target(analysis, plan.placements))
+    _check_expert_placements(captured, plan)
     prop = analysis.propagate_placements(plan.placements, plan.tp, plan.sequence_parallel)
     if prop.violations:
         v = prop.violations[0]
@@ -197,7 +201,7 @@ def verify_plan(captured: Captured, plan: Plan) -> Plan:
                         f"size of {v.size} would be split, which tp={plan.tp} does not divide; fix the placements "
                         "of the layers before it or re-plan with autotp.plan")
     _refuse_inexact(analysis, prop)
-    return _reported(plan, tuple(planned_collectives(analysis, prop)))
+    return _reported(plan, tuple(planned_collectives(analysis, prop, expert_placements(captured, plan))))
 
 
 def _reported(plan: Plan, collectives: tuple[Collective, ...]) -> Plan:
@@ -217,6 +221,40 @@ def _reported(plan: Plan, collectives: tuple[Collective, ...]) -> Plan:
         return plan
     kept = tuple(r for r in plan.regions if not why[r])
     return plan.replace(collectives=collectives, regions=kept, notes=tuple(notes))
+
+
+def _check_expert_placements(captured: Captured, plan: Plan) -> None:
+    """Refuse an ``expert`` placement the rewrite cannot honour: only a bank read by grouped matmuls, split along
+    its experts (dim 0) into whole experts per rank, is computed expert by expert."""
+    banks = banks_of(captured.analysis.graph)
+    for target, placement in expert_placements(captured, plan).items():
+        name = captured.param_name(target)
+        if target not in banks or placement.dim != 0 or placement.segments or placement.replicas != 1:
+            raise PlanError(f"{name} is placed 'expert', which splits only a bank of experts read by grouped matmuls, "
+                            "along dim 0 with no segments; place it as autotp.plan does, or re-plan with ep")
+        if banks[target] % plan.tp:
+            raise PlanError(f"{name} holds {banks[target]} experts, which tp={plan.tp} ranks cannot hold whole "
+                            "experts of evenly; re-plan with ep")
+
+
+def _expert_split(captured: Captured, by_target: dict[str, Placement], options: Options,
+                  sequence_parallel: bool) -> tuple[dict[str, Placement], list[str]]:
+    """The banks ``options.ep`` splits by their experts (parameter name -> placement) and the notes it adds. A split
+    the rewrite could not make exact (an expert's bias added in place to its rows, as GPT-OSS's) is not made: the
+    experts stay under tensor parallelism, and the notes say why."""
+    analysis, tp, ep = captured.analysis, options.tp, options.ep
+    layers = expert_layers(analysis) if ep > 1 else ()
+    banks = {captured.param_name(t): e for t, e in banks_of(analysis.graph).items()}
+    split = expert_banks(layers, banks, ep, tp) if tp > 1 else {}
+    if split:
+        trial = by_target | {captured.attr_target(captured.aliases.get(n, n)): p for n, p in split.items()}
+        placements = {n: trial.get(captured.attr_target(captured.aliases[n]), REPLICATED) for n in captured.param_names}
+        try:
+            _refuse_inexact(analysis, analysis.propagate_placements(placements, tp, sequence_parallel))
+        except PlanError as e:
+            return {}, [f"{layer.module}: {layer.experts} routed experts kept under tensor parallelism at ep={ep}: "
+                        f"split by their experts, {str(e).split(': ', 1)[-1].split(' (node')[0]}" for layer in layers]
+    return split, expert_notes(layers, ep, tp, set(split))
 
 
 def _refuse_inexact(analysis: Analysis, prop: Propagation) -> None:
@@ -306,6 +344,9 @@ def make_plan(captured: Captured, options: Options = Options(), machine: Machine
     sequence_parallel = options.sequence_parallel and tp > 1
     if sequence_parallel:
         _check_sequence_parallel(analysis)
+    split_banks, ep_notes = _expert_split(captured, by_target, options, sequence_parallel)
+    notes += ep_notes
+    by_target |= {captured.attr_target(captured.aliases.get(n, n)): p for n, p in split_banks.items()}
     placements = {name: by_target.get(captured.attr_target(captured.aliases[name]), REPLICATED)
                   for name in captured.param_names}
     prop = analysis.propagate_placements(placements, tp, sequence_parallel)
@@ -314,7 +355,8 @@ def make_plan(captured: Captured, options: Options = Options(), machine: Machine
     _refuse_inexact(analysis, prop)
     planned_stages = plan_stages(analysis, prop, tp, options.stages, options.balance, sizes, options.cuts)
     by_name = {captured.dim_names.get(k, k): v for k, v in sizes.items()}
-    plan = Plan(tp=tp, placements=placements, collectives=tuple(planned_collectives(analysis, prop)),
+    plan = Plan(tp=tp, placements=placements, collectives=tuple(planned_collectives(
+                    analysis, prop, {captured.attr_target(captured.aliases.get(n, n)) for n in split_banks})),
                 regions=tuple(plan_regions), notes=tuple(notes), model=captured.model_name, pp=options.pp,
                 stages=planned_stages, balance=options.balance, batch=by_name.get("B", 0), seq=by_name.get("T", 0),
                 by_choice=tuple(sorted({*(analysis.layer(n) for n in {*chosen, *convolutions_kept}), *vocab_kept,

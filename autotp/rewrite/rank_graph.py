@@ -31,6 +31,8 @@ from autotp.rewrite.columns import OverlappedColumnLinear, Regather, RegatheredL
 from autotp.rewrite.comm import Communicator
 from autotp.rewrite.data_writes import write_through_data
 from autotp.rewrite.dtypes import drop_dtype_checks
+from autotp.passes.grouped_banks import expert_placements
+from autotp.rewrite.expert_split import split_experts
 from autotp.rewrite.graph_edit import (
     STANDS_FOR,
     copy_graph_module,
@@ -274,6 +276,9 @@ def build_graph(captured: Captured, plan: Plan, rank: int, comm: Communicator | 
         prop = analysis.propagate_placements(plan.placements, plan.tp, plan.sequence_parallel, inputs)
         _Surgeon(gm, analysis, comm, rank, plan.tp).apply(prop)
         layouts = prop.layouts
+        experts = expert_placements(captured, plan)
+        if experts:
+            split_experts(gm, experts, rank, plan.tp, comm)
     if stream is not None:
         replace_random_ops(gm, layouts, stream, rank, plan.tp)
     write_through_data(gm)

@@ -82,6 +82,9 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="path/to/file.py:factory, package.module:factory, hf:<model_type> or hf:path/to/config.json")
     p.add_argument("--tp", type=_positive, help="tensor-parallel ranks (default: the --plan file's, else required)")
     p.add_argument("--pp", type=_positive, help="pipeline stages (default 1; with --devices, searched)")
+    p.add_argument("--ep", type=_positive,
+                   help="expert-parallel ranks among which the routed experts are divided, taken from the data- and "
+                        "tensor-parallel ranks (default 1; docs/expert-parallelism.md)")
     p.add_argument("--batch", type=_positive, default=8, help="batch size to cost the plan at (default 8)")
     p.add_argument("--seq", type=_positive, default=32, help="sequence length to cost the plan at (default 32)")
     p.add_argument("--balance", choices=[b.value for b in Balance], default=Balance.BOTH.value,
@@ -216,6 +219,9 @@ def load_and_plan(args) -> Planned:
                          "let the planner choose the layout")
     if args.plan_file and devices is not None:
         raise InputError("--devices lets the planner choose the layout, and --plan gives one: pass one of them")
+    if devices is not None and (args.ep or 1) > 1:
+        raise InputError("--ep with --devices: the layout search does not price expert parallelism yet; plan at a "
+                         "given layout (--tp, --dp, --ep) instead")
     model = build_model(spec)
     inputs = example_inputs(model, args.vocab_size)
     params = param_infos(model)
@@ -239,7 +245,7 @@ def options_of(args, plan: Plan | None = None) -> Options:
     """The settings the command line gives, as the one options value the library takes (with ``--plan``, the
     plan's tp)."""
     tp = args.tp or (plan.tp if plan is not None else None)
-    return Options.build(tp=tp, pp=args.pp, balance=args.balance, batch=args.batch, seq=args.seq,
+    return Options.build(tp=tp, pp=args.pp, ep=args.ep, balance=args.balance, batch=args.batch, seq=args.seq,
                          vocab=args.vocab, memory_budget=args.memory_budget,
                          sequence_parallel=args.sequence_parallel, recompute=args.recompute,
                          schedule=getattr(args, "schedule", None),

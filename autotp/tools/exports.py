@@ -137,6 +137,10 @@ def export_styles(plan: Plan, target: Target) -> Export:
     decided = [(r, {}, "its K/V heads are shared by several ranks (tp above the KV heads), which no sharding "
                 "style expresses") if shared & {p for m in (*r.columns, *r.rows) for p in module_params(plan, m)}
                else (r, styles, why) for r, styles, why in decided]
+    experts = {p for p, placement in plan.placements.items() if placement.kind is PlacementKind.EXPERT}
+    decided = [(r, {}, "its experts are divided among the ranks (expert parallelism), which no tensor-parallel "
+                "sharding style expresses") if experts & {p for m in (*r.columns, *r.rows) for p in module_params(plan, m)}
+               else (r, styles, why) for r, styles, why in decided]
     out = Export()
     for region, styles, why in decided:
         out.styles.update(styles)

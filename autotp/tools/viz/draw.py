@@ -10,13 +10,13 @@ from autotp.tools.viz.output import matplotlib
 
 COLOURS = {
     PlacementKind.COLWISE: "#9ecae9", PlacementKind.ROWWISE: "#ffbf79", PlacementKind.VOCAB: "#8cd17d",
-    PlacementKind.REPLICATED: "#d7d7d7", Box.OPS: "#ffffff", Box.IO: "#f2f2f2",
+    PlacementKind.REPLICATED: "#d7d7d7", PlacementKind.EXPERT: "#c5b0d5", Box.OPS: "#ffffff", Box.IO: "#f2f2f2",
     Box.COLLECTIVE: "#e15759", Box.COLLAPSED: "#f4f4f4",
 }
 """Fill colour of each decision (pale fills keep black text readable; collectives stand out in red)."""
 
 LEGEND = [(PlacementKind.COLWISE, "column-split"), (PlacementKind.ROWWISE, "row-split"), (PlacementKind.VOCAB, "vocab-split"),
-          (PlacementKind.REPLICATED, "replicated"), (Box.OPS, "ops (no parameters)"),
+          (PlacementKind.EXPERT, "expert-split"), (PlacementKind.REPLICATED, "replicated"), (Box.OPS, "ops (no parameters)"),
           (Box.COLLECTIVE, "collective (bytes per step)"), (Box.COLLAPSED, "repeated blocks")]
 
 TITLE_CHAR, DETAIL_CHAR = 0.064, 0.056  # inches per character at the fonts used below

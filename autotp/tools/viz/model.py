@@ -36,7 +36,7 @@ class Box(str, Enum):
 Decision = PlacementKind | Box
 """What a node shows, which sets its colour: a module's placement kind, or one of the other boxes."""
 
-SPLIT = {PlacementKind.COLWISE, PlacementKind.ROWWISE, PlacementKind.VOCAB}
+SPLIT = {PlacementKind.COLWISE, PlacementKind.ROWWISE, PlacementKind.VOCAB, PlacementKind.EXPERT}
 
 
 @dataclass(frozen=True)

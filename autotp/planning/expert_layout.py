@@ -1,0 +1,64 @@
+"""What ``ep`` (expert parallelism) does to a plan's mixture-of-experts layers. Each layer is found from its router
+(``passes.routed_experts``); a bank its experts' grouped matmuls read (``passes.grouped_banks``) is placed
+``PlacementKind.EXPERT`` when ``ep`` equals ``tp`` (the expert-parallel ranks are the tensor-parallel ones: the
+tokens are whole on each, so no all-to-all is needed) and ``ep`` divides its experts. Every layer gets a note:
+its experts divided among the ranks, or why they stay split by tensor parallelism (Megatron's all-reduce
+minimum, exact), so a plan never reads as expert-split where it is not.
+"""
+
+from __future__ import annotations
+
+from autotp.passes.placement import Placement, PlacementKind
+from autotp.passes.routed_experts import ExpertLayer
+
+NO_BANK = ("its experts are not grouped matmuls over a bank of their matrices (the structure expert parallelism "
+           "splits today); they stay split by tensor parallelism, exact")
+"""Why a layer whose experts are written otherwise (a loop over experts, a batched matmul) keeps tensor parallelism."""
+
+NOT_TP = ("expert parallelism over data-parallel ranks (ep other than tp) needs an all-to-all dispatch, not done "
+          "yet; use ep equal to tp. The experts stay split by tensor parallelism, exact")
+"""Why a layer keeps tensor parallelism when ``ep`` is not ``tp``."""
+
+EXPERT = Placement(PlacementKind.EXPERT, dim=0)
+"""A bank split by its experts (its first dim)."""
+
+
+def why_kept(layer: ExpertLayer, ep: int, tp: int, banked: bool) -> str | None:
+    """Why ``layer``'s routed experts stay under tensor parallelism at ``ep`` (None: they are expert-split)."""
+    if layer.experts % ep:
+        return f"its {layer.experts} experts do not divide among ep={ep} ranks; use an ep that divides {layer.experts}"
+    if ep != tp:
+        return NOT_TP
+    return None if banked else NO_BANK
+
+
+def expert_banks(layers: tuple[ExpertLayer, ...], banks: dict[str, int], ep: int, tp: int) -> dict[str, Placement]:
+    """The banks (parameter name -> experts) to place ``EXPERT``: those of a layer whose experts can be split."""
+    out = {}
+    for layer in layers:
+        own = {n: e for n, e in banks.items() if n.startswith(layer.module + ".")}
+        if own and why_kept(layer, ep, tp, True) is None and all(e % ep == 0 for e in own.values()):
+            out |= dict.fromkeys(own, EXPERT)
+    return out
+
+
+def expert_notes(layers: tuple[ExpertLayer, ...], ep: int, tp: int, split: set[str]) -> list[str]:
+    """The plan notes ``ep`` adds for ``layers`` (none at ep=1), given the parameter names placed ``EXPERT``: one
+    per layer, and one when there is no layer to split."""
+    if ep == 1:
+        return []
+    if not layers:
+        return [f"ep={ep}: the model has no mixture-of-experts router, so there are no routed experts to divide "
+                "among ranks; ep changes nothing"]
+    notes = []
+    for layer in layers:
+        own = sorted(n for n in split if n.startswith(layer.module + "."))
+        head = f"{layer.module}: {layer.experts} routed experts (top-{layer.top_k}, routed by {layer.router})"
+        if own:
+            notes.append(f"{head} divided among ep={ep} ranks, {layer.experts // ep} whole experts each "
+                         f"({', '.join(own)}): each rank computes its experts' rows, summed by one all-reduce forward "
+                         "and one of the rows' gradient backward")
+        else:
+            notes.append(f"{head} kept under tensor parallelism at ep={ep}: "
+                         f"{why_kept(layer, ep, tp, False)}")
+    return notes
