@@ -20,6 +20,7 @@ from autotp.errors import InputError, RuntimeSetupError
 from autotp.options import Options, Recompute
 from autotp.passes.placement import Source
 from autotp.planning import Plan, check_plan_fits, make_plan
+from autotp.planning.context import context_notes, plan_context
 from autotp.planning.layout_search import fixed_settings, plan_layout
 from autotp.planning.machines import cluster_for, cluster_named
 from autotp.planning.plan import check_schedule_fits
@@ -46,6 +47,7 @@ from autotp.runtime import (
     state_names,
     tied_groups,
 )
+from autotp.runtime.context import context_parallel
 from autotp.runtime.generation import Generation
 from autotp.runtime.input_spec import InputSpec
 from autotp.runtime.integrations import facing, rank_config
@@ -67,6 +69,8 @@ def with_generation_notes(chosen: Plan, model: nn.Module, captured: Captured) ->
     a model with no KV cache (``capture.kv_cache.generation_notes``)."""
     vocab = captured.analysis.vocab
     notes = generation_notes(model, bool(vocab and vocab.heads), chosen.pp)
+    if chosen.options.cp > 1:  # checked now, so that what cannot be split along the sequence is refused at plan time
+        notes = (*context_notes(plan_context(captured, chosen.options.cp), chosen.options.cp), *notes)
     return chosen.replace(notes=(*chosen.notes, *notes)) if notes else chosen
 
 
@@ -148,11 +152,11 @@ def parallelize(model: nn.Module, tp: int | None = None, example_inputs=None, *,
     example = example_inputs_of(model, example_inputs)
     if checkpoint is None:
         _check_materialised(model)
-    tp, pp, dp = chosen_options.tp, chosen_options.pp, chosen_options.dp
-    distributed = ensure_process_group(tp * pp * dp, timeout)
+    tp, pp, dp, cp = chosen_options.tp, chosen_options.pp, chosen_options.dp, chosen_options.cp
+    distributed = ensure_process_group(tp * pp * dp * cp, timeout)
     if distributed and timeout is not None:  # a group the caller made keeps its own timeout unless told
         bound_groups([group or dist.group.WORLD], as_timedelta(timeout))
-    check_world(group, distributed, tp, pp, dp)
+    check_world(group, distributed, tp, pp, dp, cp)
     source = None
     if checkpoint is not None:  # checked against the model now, before anything is captured
         source = checkpoint_source(checkpoint, model, first_rank(group, distributed) and not quiet, strict, verify,
@@ -168,6 +172,8 @@ def parallelize(model: nn.Module, tp: int | None = None, example_inputs=None, *,
     check_schedule_fits(chosen, chosen_options)
     check_same_plan(chosen, group, distributed)
     built = Built(model, graphs, chosen, chosen_options, source)
+    if chosen_options.cp > 1:
+        return context_parallel(built, group, distributed)
     return _tensor_parallel(built, group, distributed) if pp == 1 else _pipeline_parallel(built)
 
 
