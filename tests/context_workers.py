@@ -52,15 +52,112 @@ def train_against_unsharded(rank: int, world: int, name: str, seq: int = 16) -> 
         ref_loss.backward()
         assert_close(loss, ref_loss.detach(), rtol=1e-5, atol=1e-6)
         errors["loss"] = max(errors["loss"], float((loss - ref_loss.detach()).abs()))
-        grads = _grads(pm)
-        for key, p in ref.named_parameters():
-            g = grads.get(key)
-            assert g is not None, f"{name}: no gradient for {key}"
-            assert_close(g, p.grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name} grad {key}: {m}")
-            errors["grad"] = max(errors["grad"], float((g - p.grad).abs().max()))
+        errors["grad"] = max(errors["grad"], _check_grads(pm, ref, name))
         opt.step(), ref_opt.step()
         opt.zero_grad(), ref_opt.zero_grad()
+    _check_params(pm, ref, name)
+    return errors
+
+
+def _check_grads(pm, ref, label: str) -> float:
+    """Every gradient of ``pm`` equals ``ref``'s; the largest error."""
+    grads, worst = _grads(pm), 0.0
+    for key, p in ref.named_parameters():
+        g = grads.get(key)
+        assert g is not None, f"{label}: no gradient for {key}"
+        assert_close(g, p.grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"{label} grad {key}: {m}")
+        worst = max(worst, float((g - p.grad).abs().max()))
+    return worst
+
+
+def _check_params(pm, ref, label: str) -> None:
+    """Every parameter and buffer of ``pm`` equals ``ref``'s."""
     full = pm.full_state_dict()
     for key, want in ref.state_dict().items():
-        assert_close(full[key], want, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name} {key}: {m}")
+        assert_close(full[key], want, rtol=1e-5, atol=1e-5, msg=lambda m: f"{label} {key}: {m}")
+
+
+def mistral() -> torch.nn.Module:
+    """A tiny Mistral whose sliding window (4) is shorter than the sequence, so the window masks keys."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.MistralConfig(vocab_size=models.VOCAB, hidden_size=64, intermediate_size=128,
+                                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                        sliding_window=4)
+    return transformers.MistralForCausalLM(config)
+
+
+def gpt2() -> torch.nn.Module:
+    """A tiny GPT-2 (a learnt position table read with ``arange``), dropout off: dropout draws per position."""
+    import transformers
+
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=models.VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0,
+        attn_pdrop=0.0))
+
+
+def llama() -> torch.nn.Module:
+    """A tiny Llama (rotary from ``arange``, grouped-query attention: 4 heads, 2 KV heads)."""
+    torch.manual_seed(0)
+    return _llama()
+
+
+def _llama() -> torch.nn.Module:
+    import transformers
+
+    config = transformers.LlamaConfig(vocab_size=models.VOCAB, hidden_size=64, intermediate_size=128,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    return transformers.LlamaForCausalLM(config)
+
+
+HF = {"llama": llama, "mistral": mistral, "gpt2": gpt2}
+
+
+def padded(seq: int = 16) -> dict[str, torch.Tensor]:
+    """A batch of 2 whose second row is left-padded by 5 (masked, labelled -100)."""
+    ids = models.tokens(2, seq, 1)
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    ids = ids.masked_fill(mask == 0, 0)
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+
+def packed(seq: int = 16) -> dict[str, torch.Tensor]:
+    """Documents packed into rows, as ``DataCollatorWithFlattening`` packs them: position ids restarting at each
+    document (lengths 5, 7, 4 and 9, 7), the first token of each labelled -100."""
+    ids = models.tokens(2, seq, 3)
+    positions = torch.cat([torch.cat([torch.arange(n) for n in lengths])[None]
+                           for lengths in ((5, 7, 4), (9, 7))])
+    labels = ids.masked_fill(positions == 0, -100)
+    return {"input_ids": ids, "position_ids": positions, "labels": labels}
+
+
+BATCHES = {"padded": padded, "packed": packed}
+
+
+def train_batch(rank: int, world: int, name: str, batch_name: str) -> dict:
+    """cp=world on a Hugging Face ``name`` with the ``batch_name`` batch by keyword and the model's own loss:
+    eval outputs, STEPS AdamW steps (losses, gradients) and the parameters after them equal the unsharded model's."""
+    batch = BATCHES[batch_name]()
+    ref = HF[name]()
+    pm = autotp.parallelize(ref, cp=world, tp=1, example_inputs=batch)
+    pm.eval(), ref.eval()
+    with torch.no_grad():
+        got, want = pm(**batch).logits, ref(**batch, use_cache=False).logits
+    assert_close(got, want, rtol=1e-5, atol=1e-6)
+    errors = {"output": float((got - want).abs().max()), "loss": 0.0, "grad": 0.0}
+    pm.train(), ref.train()
+    opt, ref_opt = torch.optim.AdamW(pm.parameters(), **ADAM), torch.optim.AdamW(ref.parameters(), **ADAM)
+    for _ in range(STEPS):
+        loss = pm.step(**batch)
+        ref_loss = ref(**batch, use_cache=False).loss
+        ref_loss.backward()
+        assert_close(loss, ref_loss.detach(), rtol=1e-5, atol=1e-6)
+        errors["loss"] = max(errors["loss"], float((loss - ref_loss.detach()).abs()))
+        errors["grad"] = max(errors["grad"], _check_grads(pm, ref, name))
+        opt.step(), ref_opt.step()
+        opt.zero_grad(), ref_opt.zero_grad()
+    _check_params(pm, ref, name)
     return errors

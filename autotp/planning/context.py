@@ -3,9 +3,17 @@ with the op's name where it cannot be, and the notes the plan carries about it."
 
 from __future__ import annotations
 
+import torch
+from torch import fx
+
 from autotp.capture import Captured
 from autotp.errors import PlanError
 from autotp.passes.context import ContextLayout, context_layout
+from autotp.passes.graph import SHAPE_META
+
+aten = torch.ops.aten
+_PASSING = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.clone.default,
+            aten.contiguous.default, aten.to.dtype, aten._to_copy.default, aten.alias.default}
 
 
 def token_inputs(captured: Captured) -> tuple[object, dict[str, int]]:
@@ -20,13 +28,21 @@ def token_inputs(captured: Captured) -> tuple[object, dict[str, int]]:
     seq = sequence[0]
     inputs = {}
     for emb in analysis.embeddings.values():
-        ids = analysis.nodes[emb.ids]
-        if ids.op == "placeholder":
-            inputs[ids.name] = len(ids.meta["autotp_shape"]) - 1
+        ids = _source(analysis.nodes[emb.ids])
+        if ids is not None:
+            inputs[ids.name] = max(d for d, size in enumerate(ids.meta[SHAPE_META]) if size == seq)
     if not inputs:
         raise PlanError("cp splits the token ids an embedding looks up, but no embedding reads a model input; "
                         "leave cp at 1 for this model")
     return seq, inputs
+
+
+def _source(node):
+    """The model input ``node`` is (through reshapes and copies: GPT-2 views its ids ``(-1, T)``), or None."""
+    while node.op == "call_function" and node.target in _PASSING and isinstance(node.args[0], fx.Node):
+        node = node.args[0]
+    return node if node.op == "placeholder" and any(
+        not isinstance(s, int) for s in node.meta.get(SHAPE_META, ())) else None
 
 
 def plan_context(captured: Captured, cp: int) -> ContextLayout:
