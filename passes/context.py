@@ -94,10 +94,39 @@ def context_layout(graph: fx.Graph, seq, token_inputs: dict[str, int]) -> Contex
     placeholders ``token_inputs`` (name -> sequence dim) split along it."""
     layout = ContextLayout(seq, inputs=dict(token_inputs))
     layout.split.update(token_inputs)
+    hoisted = _hoisted(graph)
     for node in graph.nodes:
-        if node.op == "call_function":
+        if node.op != "call_function":
+            continue
+        if node.name in hoisted and node.args[0].name in layout.split:
+            layout.gathers.append((node.name, node.args[0].name))  # gathered before repeat_kv, not after
+            if hoisted[node.name] not in layout.exchanges:
+                layout.exchanges.append(hoisted[node.name])
+        else:
             _visit(node, layout)
     return layout
+
+
+# Ops that only rearrange (or repeat) a tensor: a gather moved above them moves the same values, or fewer.
+_REARRANGING = {*_VIEWS, aten.expand.default, aten.unsqueeze.default, aten.transpose.int, aten.permute.default,
+                aten.clone.default, aten.contiguous.default, aten.slice.Tensor}
+
+
+def _hoisted(graph: fx.Graph) -> dict[str, str]:
+    """Nodes between an attention's keys or values and the op that made them that only rearrange them for it
+    (transformers' ``repeat_kv``: unsqueeze, expand, reshape), each read by that one consumer: they are computed
+    whole, after one gather of their source, so grouped-query attention moves its KV heads, not the repeated ones.
+    Each maps to its attention's name."""
+    out = {}
+    for node in graph.nodes:
+        if node.target is not SDPA:
+            continue
+        for value in node.args[1:3]:
+            while (isinstance(value, fx.Node) and value.target in _REARRANGING and len(value.users) == 1
+                   and isinstance(value.args[0], fx.Node)):
+                out[value.name] = node.name
+                value = value.args[0]
+    return out
 
 
 def _tensor_args(node: fx.Node) -> list[fx.Node]:

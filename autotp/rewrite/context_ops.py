@@ -56,8 +56,9 @@ class _Gather(torch.autograd.Function):
     """Every rank's tokens of ``x`` along ``dim``, back in sequence order; backward: reduce-scatter."""
 
     @staticmethod
-    def forward(ctx, x, dim, order, comm):
-        ctx.args = (dim, order, comm)
+    def forward(ctx, x, dim, order, comm, counter):
+        ctx.args = (dim, order, comm, counter)
+        counter.received += (comm.size - 1) * x.numel() * x.element_size()  # every other rank's tokens
         parts = comm.all_gather(x.contiguous())
         arrived = torch.cat(parts, dim)
         inverse = torch.empty_like(order)
@@ -66,9 +67,11 @@ class _Gather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        dim, order, comm = ctx.args
+        dim, order, comm, counter = ctx.args
         arranged = grad.index_select(dim, order)  # rank 0's tokens first, as they arrived
-        return comm.reduce_scatter(list(arranged.chunk(comm.size, dim))), None, None, None
+        pieces = list(arranged.chunk(comm.size, dim))
+        counter.received += (comm.size - 1) * pieces[0].numel() * pieces[0].element_size()  # others' shares
+        return comm.reduce_scatter(pieces), None, None, None, None
 
 
 class Gather(nn.Module):
@@ -78,10 +81,13 @@ class Gather(nn.Module):
     def __init__(self, comm: Communicator, positions: Positions, dim: int):
         super().__init__()
         self.comm, self.positions, self.dim = comm, positions, dim
+        self.received = 0
+        """Bytes this rank has received through this gather (forward all-gathers and backward reduce-scatters,
+        counted as a ring moves them: every other rank's part once)."""
 
     def forward(self, x: torch.Tensor, length) -> torch.Tensor:
         _, order = self.positions.both(length, x.device)
-        return _Gather.apply(x, self.dim, order, self.comm)
+        return _Gather.apply(x, self.dim, order, self.comm, self)
 
 
 class _Scaled(torch.autograd.Function):

@@ -82,6 +82,8 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="path/to/file.py:factory, package.module:factory, hf:<model_type> or hf:path/to/config.json")
     p.add_argument("--tp", type=_positive, help="tensor-parallel ranks (default: the --plan file's, else required)")
     p.add_argument("--pp", type=_positive, help="pipeline stages (default 1; with --devices, searched)")
+    p.add_argument("--cp", type=_positive, help="context-parallel ranks: every sequence split across them for the "
+                                                "whole model, attention exchanging keys and values (default 1)")
     p.add_argument("--batch", type=_positive, default=8, help="batch size to cost the plan at (default 8)")
     p.add_argument("--seq", type=_positive, default=32, help="sequence length to cost the plan at (default 32)")
     p.add_argument("--balance", choices=[b.value for b in Balance], default=Balance.BOTH.value,
@@ -239,7 +241,7 @@ def options_of(args, plan: Plan | None = None) -> Options:
     """The settings the command line gives, as the one options value the library takes (with ``--plan``, the
     plan's tp)."""
     tp = args.tp or (plan.tp if plan is not None else None)
-    return Options.build(tp=tp, pp=args.pp, balance=args.balance, batch=args.batch, seq=args.seq,
+    return Options.build(tp=tp, pp=args.pp, cp=getattr(args, "cp", None), balance=args.balance, batch=args.batch, seq=args.seq,
                          vocab=args.vocab, memory_budget=args.memory_budget,
                          sequence_parallel=args.sequence_parallel, recompute=args.recompute,
                          schedule=getattr(args, "schedule", None),
