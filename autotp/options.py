@@ -111,7 +111,8 @@ def parse_bytes(budget: int | float | str | None) -> int | None:
 _MEANING = {"tp": "the number of tensor-parallel ranks", "pp": "the number of pipeline stages' ranks",
             "virtual_stages": "pipeline stages per rank", "microbatches": "microbatches per step",
             "dp": "the number of data-parallel replicas", "batch": "the batch size costs are evaluated at",
-            "seq": "the sequence length costs are evaluated at"}
+            "seq": "the sequence length costs are evaluated at",
+            "cp": "the number of context-parallel ranks"}
 
 
 def _positive(name: str, value, optional: bool = False) -> int | None:

@@ -51,7 +51,8 @@ class ContextLayout:
     the rank's positions along ``dim``; ``sizes``: (node, index into its size list) set to the local length;
     ``causal``: attentions whose ``is_causal`` becomes an explicit mask of the rank's query rows; ``lengths``:
     sizes read off a split value's sequence dim, which stand for the whole length; ``exchanges``: attentions (an
-    SDPA, or the products of an explicit ``softmax(QK^T)V``) whose keys or values are gathered;
+    SDPA, or the products of an explicit ``softmax(QK^T)V``) whose keys or values are gathered, and ``kv``: those
+    gathers (attention's exchange, apart from the gathers of ops that read across positions);
     ``crossing``: ops read across positions (their inputs gathered: exact, but communicated), for the notes;
     ``refused``: why the graph cannot run context-parallel (empty: it can)."""
 
@@ -64,6 +65,7 @@ class ContextLayout:
     causal: list[str] = field(default_factory=list)
     lengths: list[str] = field(default_factory=list)
     exchanges: list[str] = field(default_factory=list)
+    kv: set[tuple[str, str]] = field(default_factory=set)
     crossing: list[str] = field(default_factory=list)
     refused: list[str] = field(default_factory=list)
 
@@ -100,6 +102,7 @@ def context_layout(graph: fx.Graph, seq, token_inputs: dict[str, int]) -> Contex
             continue
         if node.name in hoisted and node.args[0].name in layout.split:
             layout.gathers.append((node.name, node.args[0].name))  # gathered before repeat_kv, not after
+            layout.kv.add((node.name, node.args[0].name))
             if hoisted[node.name] not in layout.exchanges:
                 layout.exchanges.append(hoisted[node.name])
         else:
@@ -224,6 +227,7 @@ def _matmul(node, layout, split):
     a, b = node.args[0], node.args[1]
     if b in split:
         layout.gathers.append((node.name, b.name))
+        layout.kv.add((node.name, b.name))
         layout.exchanges.append(node.name)
     if a.name not in layout.split:
         return _HANDLED
@@ -381,6 +385,7 @@ def _attention(node, layout, split):
     for x in (k, v):
         if x.name in layout.split:
             layout.gathers.append((node.name, x.name))
+            layout.kv.add((node.name, x.name))
     if k.name in layout.split or v.name in layout.split:
         layout.exchanges.append(node.name)
     if q.name not in layout.split:

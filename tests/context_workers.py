@@ -161,3 +161,28 @@ def train_batch(rank: int, world: int, name: str, batch_name: str) -> dict:
         opt.zero_grad(), ref_opt.zero_grad()
     _check_params(pm, ref, name)
     return errors
+
+
+def saved_and_moved(rank: int, world: int, seq: int = 256) -> dict:
+    """The tiny Llama at ``seq`` tokens: bytes saved for backward by one training step at cp=world and in one
+    process, and the bytes this rank's key/value gathers received (forward and backward), with their minimum."""
+    from bench.memory import SavedActivations
+
+    ref = llama()
+    x, y = models.tokens(1, seq, 1), models.tokens(1, seq, 2)
+    pm = autotp.parallelize(ref, cp=world, tp=1, example_inputs=x)
+    out = {}
+    for label, module in (("cp", pm), ("unsharded", ref)):
+        saved = SavedActivations(list(module.parameters()))
+        with saved:
+            loss = models.loss_fn(module(x), y) if module is ref else pm.loss(x, target=y, loss_fn=models.loss_fn)
+        loss.backward()
+        out[label] = saved.bytes
+    config = ref.config
+    head_dim = config.hidden_size // config.num_attention_heads
+    kv_bytes = seq * config.num_key_value_heads * head_dim * 4  # one K (or V) of the whole sequence, fp32
+    # all-gather forward, reduce-scatter backward: each rank receives the others' (world - 1) / world of K and V
+    out["minimum"] = config.num_hidden_layers * 2 * 2 * kv_bytes * (world - 1) // world
+    out["received"] = sum(m.received for gm in pm.rank_modules() for name, m in gm.named_modules()
+                          if name.startswith("cp_kv_"))
+    return out

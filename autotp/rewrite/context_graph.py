@@ -27,14 +27,15 @@ class _Rewrite:
         self.gm, self.graph, self.layout, self.comm = gm, gm.graph, layout, comm
         self.nodes = {n.name: n for n in self.graph.nodes}
         gm.add_module("cp_positions", Positions(comm.size, comm.rank))
-        self.gathers: dict[int, str] = {}
+        self.gathers: dict[tuple[str, int], str] = {}
 
-    def gather_module(self, dim: int) -> str:
-        """The name of the gather along ``dim`` (one module per dim)."""
-        if dim not in self.gathers:
-            self.gathers[dim] = f"cp_gather_{dim}"
-            self.gm.add_module(self.gathers[dim], Gather(self.comm, self.gm.cp_positions, dim))
-        return self.gathers[dim]
+    def gather_module(self, dim: int, kind: str = "gather") -> str:
+        """The name of the gather along ``dim`` (one module per dim and kind: ``kv`` for attention's keys and
+        values, ``output`` for the outputs, ``gather`` for ops that read across positions; each counts its bytes)."""
+        if (kind, dim) not in self.gathers:
+            self.gathers[kind, dim] = f"cp_{kind}_{dim}"
+            self.gm.add_module(self.gathers[kind, dim], Gather(self.comm, self.gm.cp_positions, dim))
+        return self.gathers[kind, dim]
 
     def run(self, trainable: set[str]) -> None:
         self.split_inputs()
@@ -48,7 +49,8 @@ class _Rewrite:
         for name, arg in self.layout.gathers:
             node, value = self.nodes[name], self.nodes[arg]
             with self.graph.inserting_before(node):
-                whole = self.graph.call_module(self.gather_module(self.layout.split[arg]), (value, self.length))
+                kind = "kv" if (name, arg) in self.layout.kv else "gather"
+                whole = self.graph.call_module(self.gather_module(self.layout.split[arg], kind), (value, self.length))
             node.replace_input_with(value, whole)
         selected = {}  # one read per whole value and dim, right after the value (and the positions) exist
         for name, arg, dim in self.layout.selects:
@@ -119,7 +121,7 @@ class _Rewrite:
                 return value
             with self.graph.inserting_before(out):
                 if value.name in self.layout.split:
-                    value = self.graph.call_module(self.gather_module(self.layout.split[value.name]),
+                    value = self.graph.call_module(self.gather_module(self.layout.split[value.name], "output"),
                                                    (value, self.length))
                 return self.graph.call_module("cp_output", (value,))
         out.args = (fx.node.map_aggregate(out.args[0], whole),)
