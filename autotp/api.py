@@ -20,7 +20,7 @@ from autotp.errors import InputError, RuntimeSetupError
 from autotp.options import Options, Recompute
 from autotp.passes.placement import Source
 from autotp.planning import Plan, check_plan_fits, make_plan
-from autotp.planning.context import context_notes, plan_context
+from autotp.planning.context_plan import context_notes, plan_context
 from autotp.planning.layout_search import fixed_settings, plan_layout
 from autotp.planning.machines import cluster_for, cluster_named
 from autotp.planning.plan import check_schedule_fits
@@ -47,7 +47,7 @@ from autotp.runtime import (
     state_names,
     tied_groups,
 )
-from autotp.runtime.context import context_parallel
+from autotp.context_parallel import context_parallel
 from autotp.runtime.generation import Generation
 from autotp.runtime.input_spec import InputSpec
 from autotp.runtime.integrations import facing, rank_config

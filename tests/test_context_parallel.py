@@ -10,7 +10,7 @@ from torch import nn
 
 import autotp
 from autotp.capture import capture
-from autotp.planning.context import plan_context
+from autotp.planning.context_plan import plan_context
 from autotp.rewrite.context_ops import rank_positions
 from tests import context_workers, models
 from tests.distributed import run_on_ranks

@@ -1,4 +1,4 @@
-"""Rewrite a rank graph to run context-parallel, as ``passes.context``'s layout says.
+"""Rewrite a rank graph to run context-parallel, as ``passes.sequence_split``'s layout says.
 
 The token ids are taken at this rank's positions; split values' sizes become the local length where the graph
 spells them; whole values meeting split ones are read at the rank's positions; keys and values (and the inputs
@@ -13,7 +13,7 @@ from torch import fx
 
 import torch
 
-from autotp.passes.context import ContextLayout
+from autotp.passes.sequence_split import ContextLayout
 from autotp.rewrite.comm import Communicator
 from autotp.rewrite.context_ops import Gather, OutputShare, ParamGradSum, Positions, causal_rows
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from autotp.errors import InputError
-from autotp.planning.context import plan_context
+from autotp.planning.context_plan import plan_context
 from autotp.rewrite import build_graph, materialise_all
 from autotp.rewrite.comm import TorchComm
 from autotp.rewrite.context_graph import apply_context

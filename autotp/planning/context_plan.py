@@ -1,4 +1,4 @@
-"""Context parallelism at plan time: the graph's layout split along the sequence (``passes.context``), refused
+"""Context parallelism at plan time: the graph's layout split along the sequence (``passes.sequence_split``), refused
 with the op's name where it cannot be, and the notes the plan carries about it."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from torch import fx
 
 from autotp.capture import Captured
 from autotp.errors import PlanError
-from autotp.passes.context import ContextLayout, context_layout
+from autotp.passes.sequence_split import ContextLayout, context_layout
 from autotp.passes.graph import SHAPE_META
 
 aten = torch.ops.aten
