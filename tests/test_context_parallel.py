@@ -98,3 +98,19 @@ def test_the_cli_takes_cp():
 
     args = build_parser().parse_args(["plan", "hf:llama", "--tp", "1", "--cp", "2"])
     assert options_of(args).cp == 2
+
+
+@pytest.mark.parametrize("name, cp", [("odd", 2), ("llama", 4)])
+def test_the_checker_simulates_cp_ranks(name, cp):
+    model = context_workers.build(name) if name == "odd" else context_workers.llama()
+    report = autotp.check(model, 1, models.tokens(2, 16, 1), cp=cp)
+    assert report.exact, str(report)
+
+
+def test_the_checker_sees_a_rank_computing_the_wrong_tokens():
+    """Rank 1 told it holds rank 0's positions: its tokens' outputs are wrong, and the check says so."""
+    def wrong(modules, comms):
+        modules[1].cp_positions.rank = 0
+
+    report = autotp.check(context_workers.build("odd"), 1, models.tokens(2, 16, 1), cp=2, modules_hook=wrong)
+    assert not report.exact
