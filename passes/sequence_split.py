@@ -334,16 +334,14 @@ def _select(node, layout, split):
 
 
 def _multi(node, layout, split):
-    """split/chunk/unbind along another dim: every part keeps the split."""
+    """split/chunk/unbind along another dim: every part keeps the split (unbind drops its dim)."""
     x = node.args[0]
     d, rank = layout.split[x.name], len(_sizes(x))
-    default = 0
-    dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", default)
     if node.target is aten.unbind.int:
-        dim = node.args[1] if len(node.args) > 1 else 0
-        dim = norm_dim(dim, rank)
+        dim = norm_dim(node.args[1] if len(node.args) > 1 else 0, rank)
         return None if dim == d else d - (1 if dim < d else 0)
-    return None if norm_dim(dim, rank) == d else d
+    dim = norm_dim(node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0), rank)
+    return None if dim == d else d
 
 
 def _cat(node, layout, split):

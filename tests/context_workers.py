@@ -56,6 +56,12 @@ def train_against_unsharded(rank: int, world: int, name: str, seq: int = 16) -> 
         opt.step(), ref_opt.step()
         opt.zero_grad(), ref_opt.zero_grad()
     _check_params(pm, ref, name)
+    try:
+        pm.generate(x, max_new_tokens=2)
+    except autotp.InputError as e:
+        assert "context-parallel" in str(e), e
+    else:
+        raise AssertionError("generate on a cp module ran")
     return errors
 
 
