@@ -81,7 +81,7 @@ def plan(model: nn.Module, tp: int | None = None, example_inputs=None, *, option
     ``example_inputs`` is what the model is captured on: a tensor, a tuple of positional tensors, or a dict of
     keyword tensors (``{"input_ids": ids, "attention_mask": mask}``); left out, token ids are synthesised from
     the model's vocabulary (``config.vocab_size``, else its largest embedding) and the plan's notes say so.
-    ``settings`` are ``autotp.Options`` fields (``pp``, ``balance``, ``batch``, ``seq``, ``cuts``,
+    ``settings`` are ``autotp.Options`` fields (``pp``, ``cp``, ``balance``, ``batch``, ``seq``, ``cuts``,
     ``virtual_stages``, ``vocab``, ``memory_budget``, ``sequence_parallel``; each documented there), applied
     over ``options`` if given. Stage costs are evaluated at ``batch``/``seq`` (default: the example's).
     With ``world_size`` the planner chooses the layout of that many devices (see ``parallelize``) on ``machine``
@@ -109,7 +109,7 @@ def parallelize(model: nn.Module, tp: int | None = None, example_inputs=None, *,
     """This rank's piece of ``model``, tensor-parallel over ``tp`` ranks, pipelined over ``pp`` and replicated
     over ``dp`` data-parallel replicas (ranks on a (pp, dp, tp) mesh, tp innermost).
 
-    ``settings`` are ``autotp.Options`` fields (``pp``, ``dp``, ``dp_mode``, ``microbatches``, ``schedule``,
+    ``settings`` are ``autotp.Options`` fields (``pp``, ``dp``, ``cp``, ``dp_mode``, ``microbatches``, ``schedule``,
     ``virtual_stages``, ``balance``, ``cuts``, ``vocab``, ``memory_budget``, ``sequence_parallel``,
     ``compile``; each documented there), applied over ``options`` if given.
     ``example_inputs`` are as for ``plan`` (a tensor, a tuple, a dict of keyword tensors, or left out for
@@ -199,6 +199,9 @@ def _search_world(plan, tp, options, settings: dict, world_size: int | None, gro
 def _search_options(tp, options: Options | None, settings: dict, group=None) -> tuple[Options, dict]:
     """The options the search starts from and the layout settings the caller fixed (a group given: one pipeline
     stage, one replica, as ``group`` carries tensor parallelism only)."""
+    if settings.get("cp", 1) not in (None, 1) or (options is not None and options.cp > 1):
+        raise InputError("the layout search (world_size=, autotp plan --devices) does not consider cp yet; give the "
+                         "layout yourself: tp=1, cp=N")
     fixed = fixed_settings({"tp": tp, **settings}, options)
     if group is not None:
         fixed = {"pp": 1, "dp": 1} | fixed

@@ -114,3 +114,13 @@ def test_the_checker_sees_a_rank_computing_the_wrong_tokens():
 
     report = autotp.check(context_workers.build("odd"), 1, models.tokens(2, 16, 1), cp=2, modules_hook=wrong)
     assert not report.exact
+
+
+def test_the_layout_search_refuses_cp_rather_than_dropping_it():
+    from autotp.tools.cli import UsageError, build_parser, searched_settings
+
+    with pytest.raises(autotp.InputError, match="does not consider cp"):
+        autotp.plan(context_workers.llama(), example_inputs=models.tokens(2, 16, 0), world_size=2, cp=2)
+    args = build_parser().parse_args(["plan", "hf:llama", "--devices", "2", "--cp", "2"])
+    with pytest.raises(UsageError, match="--cp"):
+        searched_settings(args)
