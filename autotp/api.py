@@ -96,7 +96,7 @@ def plan(model: nn.Module, tp: int | None = None, example_inputs=None, *, option
         base, fixed = _search_options(tp, options, settings)
         made = with_input_note(plan_layout(captured, world_size, base, fixed, cluster), example)
         return with_generation_notes(made, model, captured)
-    chosen_options = Options.build(options, tp=required_tp(tp, options), **settings)
+    chosen_options = Options.build(options, tp=required_tp(tp, options, settings.get("cp")), **settings)
     cluster = cluster_named(machine).node if machine is not None else machine_for(None)
     made = with_input_note(make_plan(captured, chosen_options, cluster), example)
     return with_generation_notes(made, model, captured)
@@ -189,7 +189,7 @@ def _search_world(plan, tp, options, settings: dict, world_size: int | None, gro
                              f"got {world_size!r}")
         return world_size
     if plan is not None or tp is not None or options is not None or any(
-            settings.get(k) is not None for k in ("tp", "pp", "dp")):
+            settings.get(k) is not None for k in ("tp", "pp", "dp", "cp")):
         return None
     if dist.is_available() and dist.is_initialized():
         return dist.get_world_size(group)
@@ -229,7 +229,7 @@ def _options_for(plan: Plan | None, options: Options | None, tp: int | None, set
     stages per rank) and the options it records are the defaults."""
     base = options
     if plan is None:
-        tp = required_tp(tp, options)
+        tp = required_tp(tp, options, settings.get("cp"))
     if isinstance(plan, Plan):
         layout = {"tp": plan.tp, "pp": plan.pp}
         if plan.stages:
@@ -238,8 +238,10 @@ def _options_for(plan: Plan | None, options: Options | None, tp: int | None, set
     return Options.build(base, tp=tp, **settings)
 
 
-def required_tp(tp: int | None, options: Options | None) -> int | None:
-    """``tp``, which must be given unless ``options`` (or a plan) say it."""
+def required_tp(tp: int | None, options: Options | None, cp: int | None = None) -> int | None:
+    """``tp``, which must be given unless ``options`` (or a plan) say it, or ``cp`` is (then 1: cp runs alone)."""
+    if tp is None and options is None and cp is not None and cp > 1:
+        return 1
     if tp is None and options is None:
         raise InputError("tp must be a positive integer (the number of tensor-parallel ranks), got None")
     return tp

@@ -243,7 +243,7 @@ def check(model: nn.Module, tp: int | None = None, example_inputs=None, *, plan:
 def _check_options(tp: int | None, plan: Plan | None, options: Options | None, settings: dict) -> Options:
     if tp is None and plan is not None and isinstance(plan, Plan):
         tp = plan.tp
-    chosen = Options.build(options, tp=required_tp(tp, options), **settings)
+    chosen = Options.build(options, tp=required_tp(tp, options, settings.get("cp")), **settings)
     if chosen.mixed_precision is not None and chosen.mixed_precision.param_dtype is not None:
         raise InputError("the checker runs a policy's compute dtype (autocast); its param_dtype is checked by the "
                          "multi-process tests: leave param_dtype unset here")

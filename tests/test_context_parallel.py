@@ -82,7 +82,7 @@ def test_what_cannot_be_split_along_the_sequence_is_refused_at_plan_time_naming_
 
 
 def test_generate_is_refused_with_the_reason_in_the_plan():
-    plan = autotp.plan(context_workers.llama(), 1, models.tokens(2, 16, 0), cp=2)
+    plan = autotp.plan(context_workers.llama(), example_inputs=models.tokens(2, 16, 0), cp=2)  # tp: 1 with cp
     assert any("pm.generate is refused" in note for note in plan.notes)
     assert any("2 attention product(s) all-gather" in note for note in plan.notes)
 
