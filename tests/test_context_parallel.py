@@ -93,11 +93,13 @@ def test_settings_cp_is_not_verified_with_are_refused(settings, match):
         autotp.Options(**{"cp": 2, **settings})
 
 
-def test_the_cli_takes_cp():
-    from autotp.tools.cli import build_parser, options_of
+def test_the_cli_takes_cp(capsys):
+    from autotp.tools.cli import build_parser, main, options_of
 
     args = build_parser().parse_args(["plan", "hf:llama", "--tp", "1", "--cp", "2"])
     assert options_of(args).cp == 2
+    assert main(["plan", "hf:llama", "--cp", "2", "--seq", "32"]) == 0  # no --tp: 1 with cp
+    assert "cp=2: every rank holds 2 of 4 sequence chunks" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("name, cp", [("odd", 2), ("llama", 4)])

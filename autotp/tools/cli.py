@@ -190,7 +190,7 @@ def run_check(args) -> int:
     from autotp.tools.report import param_infos
 
     spec = parse_spec(args.model, parse_overrides(args.overrides))
-    if args.tp is None and not args.plan_file:
+    if args.tp is None and not args.plan_file and (getattr(args, "cp", None) or 1) == 1:
         raise InputError("--tp is required (the number of tensor-parallel ranks), e.g. --tp 2")
     model = build_model(spec, weights=True)
     inputs = example_inputs(model, args.vocab_size)
@@ -213,7 +213,7 @@ def load_and_plan(args) -> Planned:
 
     spec = parse_spec(args.model, parse_overrides(args.overrides))
     devices = getattr(args, "devices", None)
-    if args.tp is None and not args.plan_file and devices is None:
+    if args.tp is None and not args.plan_file and devices is None and (getattr(args, "cp", None) or 1) == 1:
         raise InputError("--tp is required (the number of tensor-parallel ranks), e.g. --tp 2, or --devices N to "
                          "let the planner choose the layout")
     if args.plan_file and devices is not None:
