@@ -20,6 +20,7 @@ from autotp.errors import InputError, RuntimeSetupError
 from autotp.options import Options, Recompute, capture_speedups
 from autotp.passes.placement import Source
 from autotp.planning import Plan, check_plan_fits, make_plan
+from autotp.planning.context_plan import context_notes, plan_context
 from autotp.planning.layout_search import fixed_settings, plan_layout
 from autotp.planning.machines import cluster_for, cluster_named
 from autotp.planning.plan import check_schedule_fits
@@ -46,6 +47,7 @@ from autotp.runtime import (
     state_names,
     tied_groups,
 )
+from autotp.context_parallel import context_parallel
 from autotp.runtime.generation import Generation, for_generation
 from autotp.runtime.peft_adapters import PeftInfo
 from autotp.runtime.input_spec import InputSpec
@@ -68,6 +70,8 @@ def with_generation_notes(chosen: Plan, model: nn.Module, captured: Captured) ->
     a model with no KV cache (``capture.kv_cache.generation_notes``)."""
     vocab = captured.analysis.vocab
     notes = generation_notes(model, bool(vocab and vocab.heads), chosen.pp)
+    if chosen.options.cp > 1:  # checked now, so that what cannot be split along the sequence is refused at plan time
+        notes = (*context_notes(plan_context(captured, chosen.options.cp), chosen.options.cp), *notes)
     return chosen.replace(notes=(*chosen.notes, *notes)) if notes else chosen
 
 
@@ -78,7 +82,7 @@ def plan(model: nn.Module, tp: int | None = None, example_inputs=None, *, option
     ``example_inputs`` is what the model is captured on: a tensor, a tuple of positional tensors, or a dict of
     keyword tensors (``{"input_ids": ids, "attention_mask": mask}``); left out, token ids are synthesised from
     the model's vocabulary (``config.vocab_size``, else its largest embedding) and the plan's notes say so.
-    ``settings`` are ``autotp.Options`` fields (``pp``, ``balance``, ``batch``, ``seq``, ``cuts``,
+    ``settings`` are ``autotp.Options`` fields (``pp``, ``cp``, ``balance``, ``batch``, ``seq``, ``cuts``,
     ``virtual_stages``, ``vocab``, ``memory_budget``, ``sequence_parallel``; each documented there), applied
     over ``options`` if given. Stage costs are evaluated at ``batch``/``seq`` (default: the example's).
     With ``world_size`` the planner chooses the layout of that many devices (see ``parallelize``) on ``machine``
@@ -93,7 +97,7 @@ def plan(model: nn.Module, tp: int | None = None, example_inputs=None, *, option
         base, fixed = _search_options(tp, options, settings)
         made = with_input_note(plan_layout(captured, world_size, base, fixed, cluster), example)
         return with_generation_notes(made, model, captured)
-    chosen_options = Options.build(options, tp=required_tp(tp, options), **settings)
+    chosen_options = Options.build(options, tp=required_tp(tp, options, settings.get("cp")), **settings)
     cluster = cluster_named(machine).node if machine is not None else machine_for(None)
     made = with_input_note(make_plan(captured, chosen_options, cluster), example)
     return with_generation_notes(made, model, captured)
@@ -106,7 +110,7 @@ def parallelize(model: nn.Module, tp: int | None = None, example_inputs=None, *,
     """This rank's piece of ``model``, tensor-parallel over ``tp`` ranks, pipelined over ``pp`` and replicated
     over ``dp`` data-parallel replicas (ranks on a (pp, dp, tp) mesh, tp innermost).
 
-    ``settings`` are ``autotp.Options`` fields (``pp``, ``dp``, ``dp_mode``, ``microbatches``, ``schedule``,
+    ``settings`` are ``autotp.Options`` fields (``pp``, ``dp``, ``cp``, ``dp_mode``, ``microbatches``, ``schedule``,
     ``virtual_stages``, ``balance``, ``cuts``, ``vocab``, ``memory_budget``, ``sequence_parallel``,
     ``compile``; each documented there), applied over ``options`` if given.
     ``example_inputs`` are as for ``plan`` (a tensor, a tuple, a dict of keyword tensors, or left out for
@@ -149,11 +153,11 @@ def parallelize(model: nn.Module, tp: int | None = None, example_inputs=None, *,
     example = example_inputs_of(model, example_inputs)
     if checkpoint is None:
         _check_materialised(model)
-    tp, pp, dp = chosen_options.tp, chosen_options.pp, chosen_options.dp
-    distributed = ensure_process_group(tp * pp * dp, timeout)
+    tp, pp, dp, cp = chosen_options.tp, chosen_options.pp, chosen_options.dp, chosen_options.cp
+    distributed = ensure_process_group(tp * pp * dp * cp, timeout)
     if distributed and timeout is not None:  # a group the caller made keeps its own timeout unless told
         bound_groups([group or dist.group.WORLD], as_timedelta(timeout))
-    check_world(group, distributed, tp, pp, dp)
+    check_world(group, distributed, tp, pp, dp, cp)
     source = None
     if checkpoint is not None:  # checked against the model now, before anything is captured
         source = checkpoint_source(checkpoint, model, first_rank(group, distributed) and not quiet, strict, verify,
@@ -170,6 +174,8 @@ def parallelize(model: nn.Module, tp: int | None = None, example_inputs=None, *,
     check_schedule_fits(chosen, chosen_options)
     check_same_plan(chosen, group, distributed)
     built = Built(model, graphs, chosen, chosen_options, source)
+    if chosen_options.cp > 1:
+        return context_parallel(built, group, distributed)
     return _tensor_parallel(built, group, distributed) if pp == 1 else _pipeline_parallel(built)
 
 
@@ -185,7 +191,7 @@ def _search_world(plan, tp, options, settings: dict, world_size: int | None, gro
                              f"got {world_size!r}")
         return world_size
     if plan is not None or tp is not None or options is not None or any(
-            settings.get(k) is not None for k in ("tp", "pp", "dp")):
+            settings.get(k) is not None for k in ("tp", "pp", "dp", "cp")):
         return None
     if dist.is_available() and dist.is_initialized():
         return dist.get_world_size(group)
@@ -195,6 +201,9 @@ def _search_world(plan, tp, options, settings: dict, world_size: int | None, gro
 def _search_options(tp, options: Options | None, settings: dict, group=None) -> tuple[Options, dict]:
     """The options the search starts from and the layout settings the caller fixed (a group given: one pipeline
     stage, one replica, as ``group`` carries tensor parallelism only)."""
+    if settings.get("cp", 1) not in (None, 1) or (options is not None and options.cp > 1):
+        raise InputError("the layout search (world_size=, autotp plan --devices) does not consider cp yet; give the "
+                         "layout yourself: tp=1, cp=N")
     fixed = fixed_settings({"tp": tp, **settings}, options)
     if group is not None:
         fixed = {"pp": 1, "dp": 1} | fixed
@@ -222,7 +231,7 @@ def _options_for(plan: Plan | None, options: Options | None, tp: int | None, set
     stages per rank) and the options it records are the defaults."""
     base = options
     if plan is None:
-        tp = required_tp(tp, options)
+        tp = required_tp(tp, options, settings.get("cp"))
     if isinstance(plan, Plan):
         layout = {"tp": plan.tp, "pp": plan.pp}
         if plan.stages:
@@ -231,8 +240,10 @@ def _options_for(plan: Plan | None, options: Options | None, tp: int | None, set
     return Options.build(base, tp=tp, **settings)
 
 
-def required_tp(tp: int | None, options: Options | None) -> int | None:
-    """``tp``, which must be given unless ``options`` (or a plan) say it."""
+def required_tp(tp: int | None, options: Options | None, cp: int | None = None) -> int | None:
+    """``tp``, which must be given unless ``options`` (or a plan) say it, or ``cp`` is (then 1: cp runs alone)."""
+    if tp is None and options is None and cp is not None and cp > 1:
+        return 1
     if tp is None and options is None:
         raise InputError("tp must be a positive integer (the number of tensor-parallel ranks), got None")
     return tp

@@ -25,9 +25,11 @@ from autotp.mixed_precision import MixedPrecision
 from autotp.options import Options, Recompute, capture_speedups
 from autotp.passes.placement import Shard, full_tensor
 from autotp.planning import Plan, check_plan_fits, make_plan
+from autotp.planning.context_plan import plan_context
 from autotp.planning.planner import verify_plan
 from autotp.rewrite import rewrite
 from autotp.rewrite.comm import ThreadComm, join_fully
+from autotp.rewrite.context_graph import apply_context
 from autotp.rewrite.graph_edit import STANDS_FOR
 from autotp.rewrite.recompute import recompute_blocks
 from autotp.rewrite.shards import local_part
@@ -182,6 +184,8 @@ def build_ranks(captured: Captured, plan: Plan, seed: int = SEED,
                 recompute: Recompute = Recompute.NONE) -> tuple[list[fx.GraphModule], list[ThreadComm]]:
     """Every tensor-parallel rank's module for ``plan``, its collectives joined through threads; with
     ``recompute``, blocks recompute their activations in backward as ``parallelize`` makes them."""
+    if plan.options.cp > 1:
+        return _context_ranks(captured, plan, seed)
     comms = ThreadComm.group(plan.tp)
     modules = []
     for rank in range(plan.tp):
@@ -189,6 +193,18 @@ def build_ranks(captured: Captured, plan: Plan, seed: int = SEED,
         modules.append(rewrite(captured, plan, rank, comms[rank], stream))
         if recompute is Recompute.BLOCKS:
             recompute_blocks(modules[-1], captured.analysis, stream)
+    return modules, comms
+
+
+def _context_ranks(captured: Captured, plan: Plan, seed: int) -> tuple[list[fx.GraphModule], list[ThreadComm]]:
+    """Every context-parallel rank's module (each the whole model, computing its own tokens), joined by threads."""
+    cp = plan.options.cp
+    comms, layout = ThreadComm.group(cp), plan_context(captured, cp)
+    modules = []
+    for rank in range(cp):
+        gm = rewrite(captured, plan, 0, None, RankStream(seed))
+        apply_context(gm, layout, comms[rank], {n for n, p in gm.named_parameters() if p.requires_grad})
+        modules.append(gm)
     return modules, comms
 
 
@@ -228,7 +244,7 @@ def check(model: nn.Module, tp: int | None = None, example_inputs=None, *, plan:
 def _check_options(tp: int | None, plan: Plan | None, options: Options | None, settings: dict) -> Options:
     if tp is None and plan is not None and isinstance(plan, Plan):
         tp = plan.tp
-    chosen = Options.build(options, tp=required_tp(tp, options), **settings)
+    chosen = Options.build(options, tp=required_tp(tp, options, settings.get("cp")), **settings)
     if chosen.mixed_precision is not None and chosen.mixed_precision.param_dtype is not None:
         raise InputError("the checker runs a policy's compute dtype (autocast); its param_dtype is checked by the "
                          "multi-process tests: leave param_dtype unset here")

@@ -112,7 +112,8 @@ _MEANING = {"tp": "the number of tensor-parallel ranks", "pp": "the number of pi
             "virtual_stages": "pipeline stages per rank", "microbatches": "microbatches per step",
             "dp": "the number of data-parallel replicas", "batch": "the batch size costs are evaluated at",
             "seq": "the sequence length costs are evaluated at",
-            "ep": "the number of expert-parallel ranks, among which the routed experts are divided"}
+            "ep": "the number of expert-parallel ranks, among which the routed experts are divided",
+            "cp": "the number of context-parallel ranks"}
 
 
 def _positive(name: str, value, optional: bool = False) -> int | None:
@@ -171,6 +172,19 @@ def _check_schedule(options: Options) -> None:
                          f"{micro} must be a multiple of {rounds} (microbatches // pp); use a multiple of pp")
 
 
+def _check_context(options) -> None:
+    """cp > 1 runs with the settings it is tested with: the others are refused, naming them."""
+    if options.cp == 1:
+        return
+    others = [f"{name}={getattr(options, name)}" for name in ("tp", "pp", "dp") if getattr(options, name) > 1]
+    others += [name for name in ("sequence_parallel", "compile") if getattr(options, name)]
+    if options.recompute is not Recompute.NONE:
+        others.append(f"recompute={options.recompute.value!r}")
+    if others:
+        raise InputError(f"cp={options.cp} (context parallelism) runs alone for now: {', '.join(others)} with it is "
+                         "not verified; use cp with tp=1, pp=1, dp=1 and the defaults, or leave cp at 1")
+
+
 @dataclass(frozen=True, repr=False)
 class Options:
     """Every setting of a parallel layout, validated once: ``parallelize``, ``plan``, ``check`` and the CLI
@@ -184,6 +198,10 @@ class Options:
     """Pipeline-parallel ranks."""
     dp: int = 1
     """Data-parallel replicas (a runtime layout: the plan is the same for any dp)."""
+    cp: int = 1
+    """Context-parallel ranks: every sequence is split across them for the whole model (each rank computes its
+    own 2 of ``2 * cp`` chunks; attention all-gathers keys and values). Each rank is given the same batch and
+    returns the whole output. The sequence must be a multiple of ``2 * cp``."""
     dp_mode: DataParallelMode = DataParallelMode.FSDP
     """How the replicas hold the model."""
     ep: int = 1
@@ -228,7 +246,7 @@ class Options:
     plan does not record it, and options that differ only in it are equal."""
 
     def __post_init__(self):
-        for name in ("tp", "pp", "dp", "ep"):
+        for name in ("tp", "pp", "dp", "ep", "cp"):
             _positive(name, getattr(self, name))
         if (self.dp * self.tp) % self.ep:
             raise InputError(f"ep={self.ep} must divide dp x tp = {self.dp} x {self.tp} = {self.dp * self.tp}: the "
@@ -253,6 +271,7 @@ class Options:
                              f"stage) to fill the pipeline, got microbatches={self.microbatches}; raise microbatches "
                              "or use schedule='gpipe'")
         _check_schedule(self)
+        _check_context(self)
         if self.compile and self.recompute is not Recompute.NONE:
             raise InputError(f"recompute={self.recompute.value!r} with compile=True is not verified: torch.compile "
                              "would trace the recomputed blocks' random-stream replay; use one or the other")

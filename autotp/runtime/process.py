@@ -128,11 +128,11 @@ def first_rank(group, distributed: bool) -> bool:
     return not distributed or dist.get_rank(group) == 0
 
 
-def check_world(group, distributed: bool, tp: int, pp: int = 1, dp: int = 1) -> None:
-    """The group must have exactly tp × pp × dp ranks."""
-    world, needed = world_size(group, distributed), tp * pp * dp
+def check_world(group, distributed: bool, tp: int, pp: int = 1, dp: int = 1, cp: int = 1) -> None:
+    """The group must have exactly tp × pp × dp × cp ranks."""
+    world, needed = world_size(group, distributed), tp * pp * dp * cp
     if world != needed:
-        used = [(axis, n) for axis, n in (("tp", tp), ("pp", pp), ("dp", dp)) if n > 1 or axis == "tp"]
+        used = [(axis, n) for axis, n in (("tp", tp), ("pp", pp), ("dp", dp), ("cp", cp)) if n > 1 or axis == "tp"]
         setting, product = " x ".join(f"{a}={n}" for a, n in used), " x ".join(a for a, _ in used)
         raise RuntimeSetupError(
             f"the process group has {world} ranks but {setting} needs {needed}; autotp needs world size == {product}. "

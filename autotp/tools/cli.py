@@ -85,6 +85,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ep", type=_positive,
                    help="expert-parallel ranks among which the routed experts are divided, taken from the data- and "
                         "tensor-parallel ranks (default 1; docs/expert-parallelism.md)")
+    p.add_argument("--cp", type=_positive, help="context-parallel ranks: every sequence split across them for the "
+                                                "whole model, attention exchanging keys and values (default 1)")
     p.add_argument("--batch", type=_positive, default=8, help="batch size to cost the plan at (default 8)")
     p.add_argument("--seq", type=_positive, default=32, help="sequence length to cost the plan at (default 32)")
     p.add_argument("--balance", choices=[b.value for b in Balance], default=Balance.BOTH.value,
@@ -191,7 +193,7 @@ def run_check(args) -> int:
     from autotp.tools.report import param_infos
 
     spec = parse_spec(args.model, parse_overrides(args.overrides))
-    if args.tp is None and not args.plan_file:
+    if args.tp is None and not args.plan_file and (getattr(args, "cp", None) or 1) == 1:
         raise InputError("--tp is required (the number of tensor-parallel ranks), e.g. --tp 2")
     model = build_model(spec, weights=True)
     inputs = example_inputs(model, args.vocab_size)
@@ -214,7 +216,7 @@ def load_and_plan(args) -> Planned:
 
     spec = parse_spec(args.model, parse_overrides(args.overrides))
     devices = getattr(args, "devices", None)
-    if args.tp is None and not args.plan_file and devices is None:
+    if args.tp is None and not args.plan_file and devices is None and (getattr(args, "cp", None) or 1) == 1:
         raise InputError("--tp is required (the number of tensor-parallel ranks), e.g. --tp 2, or --devices N to "
                          "let the planner choose the layout")
     if args.plan_file and devices is not None:
@@ -236,6 +238,9 @@ def load_and_plan(args) -> Planned:
 def searched_settings(args) -> dict:
     """The settings of ``autotp plan --devices``: the layout flags given are fixed (the rest searched)."""
     budget = args.device_memory or args.memory_budget
+    if (args.cp or 1) > 1:
+        raise UsageError("--devices searches tp, pp and dp; it does not consider --cp yet: give the layout "
+                         "(--tp 1 --cp N) without --devices")
     return {"tp": args.tp, "pp": args.pp, "dp": args.dp, "dp_mode": args.dp_mode, "balance": args.balance,
             "batch": args.batch, "seq": args.seq, "vocab": args.vocab, "memory_budget": budget,
             "sequence_parallel": True if args.sequence_parallel else None}
@@ -245,7 +250,8 @@ def options_of(args, plan: Plan | None = None) -> Options:
     """The settings the command line gives, as the one options value the library takes (with ``--plan``, the
     plan's tp)."""
     tp = args.tp or (plan.tp if plan is not None else None)
-    return Options.build(tp=tp, pp=args.pp, ep=args.ep, balance=args.balance, batch=args.batch, seq=args.seq,
+    return Options.build(tp=tp, pp=args.pp, ep=args.ep, cp=getattr(args, "cp", None), balance=args.balance,
+                         batch=args.batch, seq=args.seq,
                          vocab=args.vocab, memory_budget=args.memory_budget,
                          sequence_parallel=args.sequence_parallel, recompute=args.recompute,
                          schedule=getattr(args, "schedule", None),

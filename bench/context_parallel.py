@@ -1,0 +1,87 @@
+"""Context parallelism: step time, bytes saved for backward and bytes moved per rank at cp=1, 2 and 4.
+
+    python -m bench.context_parallel [--seq 4096] [--steps 3]
+
+A Llama (4 layers, hidden 256, 8 heads over 2 KV heads, vocabulary 1024, batch 1) at ``--seq`` tokens on gloo
+ranks on the CPU (one thread each): the unsharded model itself, then ``parallelize(model, cp=N, tp=1)`` at
+cp=1 (one process: the captured graph, whose mask transformers builds whole), 2 and 4. Each steps AdamW
+``--steps`` times after one warm-up (median step time, the slowest rank's); saved bytes are the storages autograd keeps for backward in one forward (parameters excluded,
+``bench.memory.SavedActivations``); bytes moved are what each rank's key/value gathers received (forward all-gather
+and backward reduce-scatter), next to the all-gather's minimum (every other rank's KV heads, twice).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+import autotp
+from bench.memory import SavedActivations
+from bench.ranks import run_on_ranks
+
+
+def build(seed: int = 0) -> torch.nn.Module:
+    """The benchmark's Llama (transformers)."""
+    import transformers
+
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(vocab_size=1024, hidden_size=256, intermediate_size=512,
+                                      num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
+                                      max_position_embeddings=1 << 17)
+    return transformers.LlamaForCausalLM(config)
+
+
+def _loss(out, y):
+    logits = getattr(out, "logits", out)
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+
+def measure(rank: int, world: int, seq: int, steps: int, cp: int) -> dict:
+    """One rank's figures at ``cp`` (0: the unsharded model itself; 1: autotp's module of it in one process)."""
+    model = build()
+    x = torch.randint(0, 1024, (1, seq), generator=torch.Generator().manual_seed(1))
+    y = torch.randint(0, 1024, (1, seq), generator=torch.Generator().manual_seed(2))
+    pm = autotp.parallelize(model, cp=cp, tp=1, example_inputs=x) if cp else model
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-4)
+
+    def loss_of():
+        return pm.loss(x, target=y, loss_fn=_loss) if cp else _loss(model(x), y)
+    times = []
+    for step in range(steps + 1):
+        start = time.perf_counter()
+        saved = SavedActivations(list(pm.parameters()))
+        with saved:
+            loss = loss_of()
+        loss.backward()
+        opt.step(), opt.zero_grad()
+        if step:
+            times.append(time.perf_counter() - start)
+    received = sum(m.received for gm in (pm.rank_modules() if cp else ()) for name, m in gm.named_modules()
+                   if name.startswith("cp_kv_")) // (steps + 1)
+    c = model.config
+    kv = seq * c.num_key_value_heads * (c.hidden_size // c.num_attention_heads) * 4
+    return {"step_s": statistics.median(times), "saved": saved.bytes, "received": received,
+            "minimum": c.num_hidden_layers * 2 * 2 * kv * (cp - 1) // cp if cp else 0, "loss": float(loss.detach())}
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seq", type=int, default=4096)
+    parser.add_argument("--steps", type=int, default=3)
+    args = parser.parse_args(argv)
+    print(f"Llama 4 x 256 (8 heads, 2 KV heads), batch 1 x {args.seq}, fp32, gloo on the CPU, one thread per rank")
+    print("run             step s  saved for backward/rank  KV bytes received/rank/step  all-gather minimum  loss")
+    for cp in (0, 1, 2, 4):
+        ranks = run_on_ranks(measure, "cpu", [1] * max(cp, 1), args.seq, args.steps, cp, start_method="spawn")
+        step = max(r["step_s"] for r in ranks)
+        r = ranks[0]
+        label = "unsharded model" if cp == 0 else f"autotp cp={cp}"
+        print(f"{label:<15} {step:6.2f}  {r['saved'] / 2**20:10.1f} MiB {r['received'] / 2**20:22.2f} MiB "
+              f"{r['minimum'] / 2**20:18.2f} MiB  {r['loss']:.6f}")
+
+
+if __name__ == "__main__":
+    main()

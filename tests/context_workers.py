@@ -1,0 +1,194 @@
+"""Per-rank bodies of the context-parallelism tests on gloo: each rank computes its own chunks of every sequence,
+and outputs, losses, gradients and parameters after AdamW steps equal the unsharded model's."""
+
+from __future__ import annotations
+
+import torch
+from torch.testing import assert_close
+
+import autotp
+from tests import models
+from tests.full_context_models import OddLM, hf_model
+from tests.workers import ADAM, STEPS
+
+
+def build(name: str) -> torch.nn.Module:
+    """A small model of ``name``: ``odd`` (hand-written, a causal-mask buffer and a position table), or one of
+    ``full_context_models.hf_model``'s Hugging Face decoders."""
+    torch.manual_seed(0)
+    return OddLM() if name == "odd" else hf_model(name)
+
+
+def _logits(out) -> torch.Tensor:
+    return models.first_tensor(out)
+
+
+def _grads(pm) -> dict[str, torch.Tensor]:
+    """Every parameter's gradient under its original name (a cp rank holds every parameter whole)."""
+    out = {}
+    for module in pm.rank_modules():
+        for name, param in pm._names.params(module).items():
+            if param.grad is not None:
+                out[name] = param.grad
+    return out
+
+
+def train_against_unsharded(rank: int, world: int, name: str, seq: int = 16) -> dict:
+    """cp=world: eval outputs, then STEPS AdamW steps of cross-entropy (the loss, every gradient, every parameter
+    afterwards) equal the unsharded model's; returns the largest errors."""
+    ref = build(name)
+    x, y = models.tokens(2, seq, 1), models.tokens(2, seq, 2)
+    pm = autotp.parallelize(ref, cp=world, tp=1, example_inputs=x)
+    pm.eval(), ref.eval()
+    with torch.no_grad():
+        got, want = _logits(pm(x)), _logits(ref(x))
+    assert_close(got, want, rtol=1e-5, atol=1e-6)
+    errors = {"output": float((got - want).abs().max()), "loss": 0.0, "grad": 0.0}
+    pm.train(), ref.train()
+    opt, ref_opt = torch.optim.AdamW(pm.parameters(), **ADAM), torch.optim.AdamW(ref.parameters(), **ADAM)
+    for _ in range(STEPS):
+        loss = pm.step(x, target=y, loss_fn=models.loss_fn)
+        ref_loss = models.loss_fn(ref(x), y)
+        ref_loss.backward()
+        assert_close(loss, ref_loss.detach(), rtol=1e-5, atol=1e-6)
+        errors["loss"] = max(errors["loss"], float((loss - ref_loss.detach()).abs()))
+        errors["grad"] = max(errors["grad"], _check_grads(pm, ref, name))
+        opt.step(), ref_opt.step()
+        opt.zero_grad(), ref_opt.zero_grad()
+    _check_params(pm, ref, name)
+    try:
+        pm.generate(x, max_new_tokens=2)
+    except autotp.InputError as e:
+        assert "context-parallel" in str(e), e
+    else:
+        raise AssertionError("generate on a cp module ran")
+    return errors
+
+
+def _check_grads(pm, ref, label: str) -> float:
+    """Every gradient of ``pm`` equals ``ref``'s; the largest error."""
+    grads, worst = _grads(pm), 0.0
+    for key, p in ref.named_parameters():
+        g = grads.get(key)
+        assert g is not None, f"{label}: no gradient for {key}"
+        assert_close(g, p.grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"{label} grad {key}: {m}")
+        worst = max(worst, float((g - p.grad).abs().max()))
+    return worst
+
+
+def _check_params(pm, ref, label: str) -> None:
+    """Every parameter and buffer of ``pm`` equals ``ref``'s."""
+    full = pm.full_state_dict()
+    for key, want in ref.state_dict().items():
+        assert_close(full[key], want, rtol=1e-5, atol=1e-5, msg=lambda m: f"{label} {key}: {m}")
+
+
+def mistral() -> torch.nn.Module:
+    """A tiny Mistral whose sliding window (4) is shorter than the sequence, so the window masks keys."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.MistralConfig(vocab_size=models.VOCAB, hidden_size=64, intermediate_size=128,
+                                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                        sliding_window=4)
+    return transformers.MistralForCausalLM(config)
+
+
+def gpt2() -> torch.nn.Module:
+    """A tiny GPT-2 (a learnt position table read with ``arange``), dropout off: dropout draws per position."""
+    import transformers
+
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=models.VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0,
+        attn_pdrop=0.0))
+
+
+def llama() -> torch.nn.Module:
+    """A tiny Llama (rotary from ``arange``, grouped-query attention: 4 heads, 2 KV heads)."""
+    torch.manual_seed(0)
+    return _llama()
+
+
+def _llama() -> torch.nn.Module:
+    import transformers
+
+    config = transformers.LlamaConfig(vocab_size=models.VOCAB, hidden_size=64, intermediate_size=128,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    return transformers.LlamaForCausalLM(config)
+
+
+HF = {"llama": llama, "mistral": mistral, "gpt2": gpt2}
+
+
+def padded(seq: int = 16) -> dict[str, torch.Tensor]:
+    """A batch of 2 whose second row is left-padded by 5 (masked, labelled -100)."""
+    ids = models.tokens(2, seq, 1)
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    ids = ids.masked_fill(mask == 0, 0)
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+
+def packed(seq: int = 16) -> dict[str, torch.Tensor]:
+    """Documents packed into rows, as ``DataCollatorWithFlattening`` packs them: position ids restarting at each
+    document (lengths 5, 7, 4 and 9, 7), the first token of each labelled -100."""
+    ids = models.tokens(2, seq, 3)
+    positions = torch.cat([torch.cat([torch.arange(n) for n in lengths])[None]
+                           for lengths in ((5, 7, 4), (9, 7))])
+    labels = ids.masked_fill(positions == 0, -100)
+    return {"input_ids": ids, "position_ids": positions, "labels": labels}
+
+
+BATCHES = {"padded": padded, "packed": packed}
+
+
+def train_batch(rank: int, world: int, name: str, batch_name: str) -> dict:
+    """cp=world on a Hugging Face ``name`` with the ``batch_name`` batch by keyword and the model's own loss:
+    eval outputs, STEPS AdamW steps (losses, gradients) and the parameters after them equal the unsharded model's."""
+    batch = BATCHES[batch_name]()
+    ref = HF[name]()
+    pm = autotp.parallelize(ref, cp=world, tp=1, example_inputs=batch)
+    pm.eval(), ref.eval()
+    with torch.no_grad():
+        got, want = pm(**batch).logits, ref(**batch, use_cache=False).logits
+    assert_close(got, want, rtol=1e-5, atol=1e-6)
+    errors = {"output": float((got - want).abs().max()), "loss": 0.0, "grad": 0.0}
+    pm.train(), ref.train()
+    opt, ref_opt = torch.optim.AdamW(pm.parameters(), **ADAM), torch.optim.AdamW(ref.parameters(), **ADAM)
+    for _ in range(STEPS):
+        loss = pm.step(**batch)
+        ref_loss = ref(**batch, use_cache=False).loss
+        ref_loss.backward()
+        assert_close(loss, ref_loss.detach(), rtol=1e-5, atol=1e-6)
+        errors["loss"] = max(errors["loss"], float((loss - ref_loss.detach()).abs()))
+        errors["grad"] = max(errors["grad"], _check_grads(pm, ref, name))
+        opt.step(), ref_opt.step()
+        opt.zero_grad(), ref_opt.zero_grad()
+    _check_params(pm, ref, name)
+    return errors
+
+
+def saved_and_moved(rank: int, world: int, seq: int = 256) -> dict:
+    """The tiny Llama at ``seq`` tokens: bytes saved for backward by one training step at cp=world and in one
+    process, and the bytes this rank's key/value gathers received (forward and backward), with their minimum."""
+    from bench.memory import SavedActivations
+
+    ref = llama()
+    x, y = models.tokens(1, seq, 1), models.tokens(1, seq, 2)
+    pm = autotp.parallelize(ref, cp=world, tp=1, example_inputs=x)
+    out = {}
+    for label, module in (("cp", pm), ("unsharded", ref)):
+        saved = SavedActivations(list(module.parameters()))
+        with saved:
+            loss = models.loss_fn(module(x), y) if module is ref else pm.loss(x, target=y, loss_fn=models.loss_fn)
+        loss.backward()
+        out[label] = saved.bytes
+    config = ref.config
+    head_dim = config.hidden_size // config.num_attention_heads
+    kv_bytes = seq * config.num_key_value_heads * head_dim * 4  # one K (or V) of the whole sequence, fp32
+    # all-gather forward, reduce-scatter backward: each rank receives the others' (world - 1) / world of K and V
+    out["minimum"] = config.num_hidden_layers * 2 * 2 * kv_bytes * (world - 1) // world
+    out["received"] = sum(m.received for gm in pm.rank_modules() for name, m in gm.named_modules()
+                          if name.startswith("cp_kv_"))
+    return out

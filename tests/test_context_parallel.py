@@ -1,0 +1,128 @@
+"""Context parallelism (cp): every sequence split across ranks for the whole model, attention exchanging keys
+and values, found from the graph. Each model against the unsharded one on real gloo ranks: outputs, the loss,
+every gradient and every parameter after AdamW steps; then the layout itself, and what is refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import autotp
+from autotp.capture import capture
+from autotp.planning.context_plan import plan_context
+from autotp.rewrite.context_ops import rank_positions
+from tests import context_workers, models
+from tests.distributed import run_on_ranks
+
+
+@pytest.mark.parametrize("name", ["odd", "llama"])
+def test_cp2_trains_exactly_with_a_loss_fn(name):
+    """A hand-written decoder (a causal-mask buffer, a position table, explicit softmax(QK^T)V) and
+    transformers' Llama (rotary from arange, grouped-query SDPA) at cp=2, trained with a cross-entropy loss_fn."""
+    for errors in run_on_ranks(context_workers.train_against_unsharded, 2, name):
+        assert errors["output"] <= 1e-6 and errors["loss"] <= 1e-6 and errors["grad"] <= 1e-6, errors
+
+
+@pytest.mark.parametrize("name, batch", [("llama", "packed"), ("mistral", "padded"), ("gpt2", "padded")])
+def test_cp2_trains_exactly_on_the_models_own_loss(name, batch):
+    """Packed documents (position ids restarting: block-diagonal causal masks), Mistral's sliding window over a
+    left-padded batch, GPT-2's learnt positions over a right-padded one; the model's own shifted loss."""
+    for errors in run_on_ranks(context_workers.train_batch, 2, name, batch):
+        assert errors["output"] <= 1e-6 and errors["loss"] <= 1e-5 and errors["grad"] <= 1e-6, errors
+
+
+def test_cp4_trains_exactly():
+    """Four ranks, each two of eight chunks of the packed batch."""
+    for errors in run_on_ranks(context_workers.train_batch, 4, "llama", "packed"):
+        assert errors["loss"] <= 1e-5 and errors["grad"] <= 1e-6, errors
+
+
+def test_keys_and_values_move_at_the_all_gathers_minimum_and_less_is_saved():
+    """Each rank receives exactly the other ranks' keys and values (KV heads, before repeat_kv) forward and their
+    gradients' shares backward, and saves less for backward than one process does."""
+    for result in run_on_ranks(context_workers.saved_and_moved, 2, 256):
+        assert result["received"] == result["minimum"], result
+        assert result["cp"] < result["unsharded"], result
+
+
+def test_positions_are_two_chunks_per_rank_front_and_back():
+    assert rank_positions(8, 2, 0) == [0, 1, 6, 7]
+    assert rank_positions(8, 2, 1) == [2, 3, 4, 5]
+    every = sorted(p for r in range(4) for p in rank_positions(16, 4, r))
+    assert every == list(range(16))
+    with pytest.raises(autotp.InputError, match="multiple of 4"):
+        rank_positions(10, 2, 0)
+
+
+def test_the_layout_splits_every_token_op_and_exchanges_only_at_attention():
+    """Llama: every projection computes the rank's tokens; two attentions gather KV heads (before repeat_kv);
+    rotary tables and the mask are read at the rank's positions; no op needs its input gathered otherwise."""
+    c = capture(context_workers.llama(), (models.tokens(2, 16, 1),), training=True)
+    layout = plan_context(c, 2)
+    linears = [n.name for n in c.module.graph.nodes if n.target is torch.ops.aten.linear.default]
+    assert linears and all(name in layout.split for name in linears)
+    assert layout.attention == 2 and len(layout.kv) == 4 and not layout.crossing
+    assert any(name.startswith("scaled_dot_product_attention") for name, _, _ in layout.selects)  # mask rows
+
+
+class _DropoutLM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.tok, self.up = nn.Embedding(models.VOCAB, 32), nn.Linear(32, models.VOCAB)
+        self.drop = nn.Dropout(0.1)
+
+    def forward(self, ids):
+        return self.up(self.drop(self.tok(ids)))
+
+
+def test_what_cannot_be_split_along_the_sequence_is_refused_at_plan_time_naming_the_op():
+    with pytest.raises(autotp.PlanError, match="dropout.*draws random numbers per position"):
+        autotp.plan(_DropoutLM().train(), 1, models.tokens(2, 8, 0), cp=2)
+
+
+def test_generate_is_refused_with_the_reason_in_the_plan():
+    plan = autotp.plan(context_workers.llama(), example_inputs=models.tokens(2, 16, 0), cp=2)  # tp: 1 with cp
+    assert any("pm.generate is refused" in note for note in plan.notes)
+    assert any("2 attention product(s) all-gather" in note for note in plan.notes)
+
+
+@pytest.mark.parametrize("settings, match", [({"tp": 2}, "tp=2"), ({"pp": 2}, "pp=2"), ({"cp": 0}, "cp")])
+def test_settings_cp_is_not_verified_with_are_refused(settings, match):
+    with pytest.raises(autotp.InputError, match=match):
+        autotp.Options(**{"cp": 2, **settings})
+
+
+def test_the_cli_takes_cp(capsys):
+    from autotp.tools.cli import build_parser, main, options_of
+
+    args = build_parser().parse_args(["plan", "hf:llama", "--tp", "1", "--cp", "2"])
+    assert options_of(args).cp == 2
+    assert main(["plan", "hf:llama", "--cp", "2", "--seq", "32"]) == 0  # no --tp: 1 with cp
+    assert "cp=2: every rank holds 2 of 4 sequence chunks" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name, cp", [("odd", 2), ("llama", 4)])
+def test_the_checker_simulates_cp_ranks(name, cp):
+    model = context_workers.build(name) if name == "odd" else context_workers.llama()
+    report = autotp.check(model, 1, models.tokens(2, 16, 1), cp=cp)
+    assert report.exact, str(report)
+
+
+def test_the_checker_sees_a_rank_computing_the_wrong_tokens():
+    """Rank 1 told it holds rank 0's positions: its tokens' outputs are wrong, and the check says so."""
+    def wrong(modules, comms):
+        modules[1].cp_positions.rank = 0
+
+    report = autotp.check(context_workers.build("odd"), 1, models.tokens(2, 16, 1), cp=2, modules_hook=wrong)
+    assert not report.exact
+
+
+def test_the_layout_search_refuses_cp_rather_than_dropping_it():
+    from autotp.tools.cli import UsageError, build_parser, searched_settings
+
+    with pytest.raises(autotp.InputError, match="does not consider cp"):
+        autotp.plan(context_workers.llama(), example_inputs=models.tokens(2, 16, 0), world_size=2, cp=2)
+    args = build_parser().parse_args(["plan", "hf:llama", "--devices", "2", "--cp", "2"])
+    with pytest.raises(UsageError, match="--cp"):
+        searched_settings(args)
