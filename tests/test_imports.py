@@ -20,7 +20,7 @@ LAYERS = [
     ("planning", ("autotp.planning",)),
     ("rewrite", ("autotp.rewrite",)),
     ("runtime", ("autotp.runtime",)),
-    ("api", ("autotp.api", "autotp.checker", "autotp")),
+    ("api", ("autotp.api", "autotp.checker", "autotp.plan_choice", "autotp")),
     ("tools", ("autotp.tools", "autotp.__main__")),
 ]
 """Layers from the bottom up; a module's layer is the one whose longest prefix names it."""

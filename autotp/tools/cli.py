@@ -31,8 +31,8 @@ from autotp.mixed_precision import DTYPES
 from autotp.options import Balance, DataParallelMode, Options, Recompute, Schedule, VocabChoice
 from autotp.tools.generate_cli import add_parser as add_generate_parser
 
-CLUSTER_NAMES = ("cpu", "h100", "h200", "a100")
-"""``autotp.planning.machines.CLUSTERS``' names (written out so that --help loads no torch; a test checks them)."""
+MACHINE_NAMES = ("cpu", "h100", "h200", "a100")
+"""``autotp.planning.machines.MACHINES``' names (written out so that --help loads no torch; a test checks them)."""
 
 if TYPE_CHECKING:  # torch and everything built on it load only when a command runs: --help answers at once
     from torch import nn
@@ -128,8 +128,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--devices", type=_positive, metavar="N",
                       help="let the planner choose the layout of N devices (tp, pp, dp, schedule, microbatches, "
                            "sequence parallelism; any of them given is kept) and print the ranked layouts")
-    plan.add_argument("--machine", choices=sorted(CLUSTER_NAMES),
-                      help="the machine --devices are priced on: " + ", ".join(sorted(CLUSTER_NAMES))
+    plan.add_argument("--machine", choices=sorted(MACHINE_NAMES),
+                      help="the machine --devices are priced on: " + ", ".join(sorted(MACHINE_NAMES))
                            + " (default: this one)")
     plan.add_argument("--device-memory", metavar="BYTES",
                       help="memory per device for --devices, e.g. 80GiB (default: the machine's; same as "
