@@ -46,7 +46,7 @@ from autotp.runtime import (
 from autotp.runtime.generation import Generation
 from autotp.runtime.input_spec import InputSpec
 from autotp.runtime.integrations import facing, rank_config
-from autotp.runtime.loss_graphs import LossGraphs
+from autotp.runtime.loss import LossGraphs
 from autotp.runtime.peers import as_timedelta, bound_groups, group_timeout
 from autotp.runtime.process import first_rank, from_first_rank, shared_seed
 from autotp.runtime.process import world_size as group_size
