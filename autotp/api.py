@@ -14,18 +14,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from autotp.capture import Captured, ExampleInputs, capture, capture_repeated, example_inputs_of
-from autotp.capture.core.kv_cache import generation_notes
+from autotp.capture import ExampleInputs, capture, capture_repeated, example_inputs_of
 from autotp.errors import InputError, RuntimeSetupError
 from autotp.options import Options, Recompute, capture_speedups
 from autotp.passes.placement import Source
-from autotp.planning import Plan, check_plan_fits, make_plan
-from autotp.planning.context_plan import context_notes, plan_context
-from autotp.planning.layout_search import fixed_settings, plan_layout
-from autotp.planning.machines import cluster_for, cluster_named
+from autotp.plan_choice import Search, choose_plan, required_tp, search_options
+from autotp.planning import Plan
+from autotp.planning.machines import machine_for, machine_named
 from autotp.planning.plan import check_schedule_fits
-from autotp.planning.planner import verify_plan
-from autotp.planning.pricing import machine_for
 from autotp.rewrite import build_graph, materialise_all, split_stages
 from autotp.rewrite.cache_layout import build_cache_steps
 from autotp.rewrite.comm import TorchComm
@@ -52,27 +48,12 @@ from autotp.runtime.generation import Generation, for_generation
 from autotp.runtime.peft_adapters import PeftInfo
 from autotp.runtime.input_spec import InputSpec
 from autotp.runtime.integrations import facing, rank_config
-from autotp.runtime.loss_graphs import LossGraphs
+from autotp.runtime.loss import LossGraphs
 from autotp.runtime.peers import as_timedelta, bound_groups, group_timeout
 from autotp.runtime.process import first_rank, from_first_rank, shared_seed
 from autotp.runtime.process import world_size as group_size
 from autotp.runtime.readers import checkpoint_source
 from autotp.runtime.tp_params import expressible, layout_of, shared_holders, tp_mesh, tp_mesh_2d, warn_plain
-
-
-def with_input_note(chosen: Plan, example: ExampleInputs) -> Plan:
-    """``chosen``, noting that its example inputs were synthesised (the plan was made from guessed inputs)."""
-    return chosen.replace(notes=(*chosen.notes, example.synthesised)) if example.synthesised else chosen
-
-
-def with_generation_notes(chosen: Plan, model: nn.Module, captured: Captured) -> Plan:
-    """``chosen``, noting how ``pm.generate`` would run on it: refused on a pipeline, or re-running the sequence for
-    a model with no KV cache (``capture.kv_cache.generation_notes``)."""
-    vocab = captured.analysis.vocab
-    notes = generation_notes(model, bool(vocab and vocab.heads), chosen.pp)
-    if chosen.options.cp > 1:  # checked now, so that what cannot be split along the sequence is refused at plan time
-        notes = (*context_notes(plan_context(captured, chosen.options.cp), chosen.options.cp), *notes)
-    return chosen.replace(notes=(*chosen.notes, *notes)) if notes else chosen
 
 
 def plan(model: nn.Module, tp: int | None = None, example_inputs=None, *, options: Options | None = None,
@@ -86,21 +67,18 @@ def plan(model: nn.Module, tp: int | None = None, example_inputs=None, *, option
     ``virtual_stages``, ``vocab``, ``memory_budget``, ``sequence_parallel``; each documented there), applied
     over ``options`` if given. Stage costs are evaluated at ``batch``/``seq`` (default: the example's).
     With ``world_size`` the planner chooses the layout of that many devices (see ``parallelize``) on ``machine``
-    (a name from ``autotp.planning.machines.CLUSTERS``: ``cpu``, ``h100``, ``h200``, ``a100``; default: this one).
+    (a name from ``autotp.planning.machines.MACHINES``: ``cpu``, ``h100``, ``h200``, ``a100``; default: this one).
     """
     example = example_inputs_of(model, example_inputs)
     # Planning reads shapes and structure only, so identical blocks are captured once and stamped out
     # (``capture_repeated``: the same graph, checked, or the full capture); the rewrite captures in full.
     captured = capture_repeated(model, example, speedups=capture_speedups(options, settings))
+    hardware = machine_named(machine) if machine is not None else machine_for()
     if world_size is not None:
-        cluster = cluster_named(machine) if machine is not None else cluster_for(None)
-        base, fixed = _search_options(tp, options, settings)
-        made = with_input_note(plan_layout(captured, world_size, base, fixed, cluster), example)
-        return with_generation_notes(made, model, captured)
+        return choose_plan(model, captured, example, hardware,
+                           search=search_options(tp, options, settings, world_size))
     chosen_options = Options.build(options, tp=required_tp(tp, options, settings.get("cp")), **settings)
-    cluster = cluster_named(machine).node if machine is not None else machine_for(None)
-    made = with_input_note(make_plan(captured, chosen_options, cluster), example)
-    return with_generation_notes(made, model, captured)
+    return choose_plan(model, captured, example, hardware, options=chosen_options)
 
 
 def parallelize(model: nn.Module, tp: int | None = None, example_inputs=None, *, plan: Plan | None = None,
@@ -143,40 +121,59 @@ def parallelize(model: nn.Module, tp: int | None = None, example_inputs=None, *,
     ``layouts`` and notes give the runner-ups and why. Any of those settings given explicitly is kept.
     """
     world = _search_world(plan, tp, options, settings, world_size, group)
-    if world is not None:
-        return _parallelize_searched(model, example_inputs, world, group, timeout, checkpoint, quiet, strict, verify,
-                                     _search_options(tp, options, settings, group))
-    chosen_options = _options_for(plan, options, tp, settings)
-    if (chosen_options.pp > 1 or chosen_options.dp > 1) and group is not None:
-        raise InputError("pp > 1 or dp > 1 lays ranks out on a (pp x dp x tp) mesh over the default process group; "
-                         "do not pass group")
-    example = example_inputs_of(model, example_inputs)
+    launch = Launch(group, timeout, checkpoint, quiet, strict, verify)
     if checkpoint is None:
         _check_materialised(model)
-    tp, pp, dp, cp = chosen_options.tp, chosen_options.pp, chosen_options.dp, chosen_options.cp
-    distributed = ensure_process_group(tp * pp * dp * cp, timeout)
-    if distributed and timeout is not None:  # a group the caller made keeps its own timeout unless told
-        bound_groups([group or dist.group.WORLD], as_timedelta(timeout))
+    example = example_inputs_of(model, example_inputs)
+    if world is not None:
+        return _parallelize_searched(model, example, search_options(tp, options, settings, world, group), launch)
+    return _parallelize(model, example, plan, _options_for(plan, options, tp, settings), launch)
+
+
+@dataclass(frozen=True)
+class Launch:
+    """How ``parallelize`` runs this rank: the caller's group and timeout, and where the weights come from."""
+
+    group: object
+    timeout: float | timedelta | None
+    checkpoint: str | os.PathLike | None
+    quiet: bool
+    strict: bool
+    verify: bool
+
+
+def _parallelize(model: nn.Module, example: ExampleInputs, plan: Plan | None, options: Options, launch: Launch,
+                 graphs: dict | None = None):
+    """``parallelize`` at the layout ``options`` give, applying ``plan`` (or the planner's); ``graphs``: the
+    model's train- and eval-mode captures, when the caller captured them already."""
+    group = launch.group
+    if (options.pp > 1 or options.dp > 1) and group is not None:
+        raise InputError("pp > 1 or dp > 1 lays ranks out on a (pp x dp x tp) mesh over the default process group; "
+                         "do not pass group")
+    tp, pp, dp, cp = options.tp, options.pp, options.dp, options.cp
+    distributed = ensure_process_group(tp * pp * dp * cp, launch.timeout)
+    if distributed and launch.timeout is not None:  # a group the caller made keeps its own timeout unless told
+        bound_groups([group or dist.group.WORLD], as_timedelta(launch.timeout))
     check_world(group, distributed, tp, pp, dp, cp)
     source = None
-    if checkpoint is not None:  # checked against the model now, before anything is captured
-        source = checkpoint_source(checkpoint, model, first_rank(group, distributed) and not quiet, strict, verify,
-                                   group, distributed)
-    graphs = {mode: capture(model, example, training=mode, speedups=chosen_options.capture_speedups)
-              for mode in (True, False)}
-    captured = graphs[True]
-    if plan is not None:
-        chosen = verify_plan(captured, check_plan_fits(plan, param_shapes(model), tp, pp, chosen_options.stages))
-    else:
-        machine = machine_for(device_for(group, distributed) or "cpu")
-        chosen = with_input_note(make_plan(captured, chosen_options, machine), example)
-        chosen = with_generation_notes(chosen, model, captured)
-    check_schedule_fits(chosen, chosen_options)
+    if launch.checkpoint is not None:  # checked against the model before the rewrite's captures
+        source = checkpoint_source(launch.checkpoint, model, first_rank(group, distributed) and not launch.quiet,
+                                   launch.strict, launch.verify, group, distributed)
+    graphs = graphs or _captures(model, example, options.capture_speedups)
+    chosen = choose_plan(model, graphs[True], example, machine_for(device_for(group, distributed) or "cpu"),
+                         options=options, given=plan)
+    check_schedule_fits(chosen, options)
     check_same_plan(chosen, group, distributed)
-    built = Built(model, graphs, chosen, chosen_options, source)
-    if chosen_options.cp > 1:
+    built = Built(model, graphs, chosen, options, source)
+    if cp > 1:
         return context_parallel(built, group, distributed)
     return _tensor_parallel(built, group, distributed) if pp == 1 else _pipeline_parallel(built)
+
+
+def _captures(model: nn.Module, example: ExampleInputs, speedups: bool | None) -> dict:
+    """The model's train- and eval-mode graphs (``pm.train()``/``pm.eval()`` switch between them), captured with
+    the capture's speed-ups or without (``Options.capture_speedups``)."""
+    return {mode: capture(model, example, training=mode, speedups=speedups) for mode in (True, False)}
 
 
 def _search_world(plan, tp, options, settings: dict, world_size: int | None, group) -> int | None:
@@ -198,32 +195,19 @@ def _search_world(plan, tp, options, settings: dict, world_size: int | None, gro
     return int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ and "RANK" in os.environ else None
 
 
-def _search_options(tp, options: Options | None, settings: dict, group=None) -> tuple[Options, dict]:
-    """The options the search starts from and the layout settings the caller fixed (a group given: one pipeline
-    stage, one replica, as ``group`` carries tensor parallelism only)."""
-    if settings.get("cp", 1) not in (None, 1) or (options is not None and options.cp > 1):
-        raise InputError("the layout search (world_size=, autotp plan --devices) does not consider cp yet; give the "
-                         "layout yourself: tp=1, cp=N")
-    fixed = fixed_settings({"tp": tp, **settings}, options)
-    if group is not None:
-        fixed = {"pp": 1, "dp": 1} | fixed
-    return Options.build(options, tp=tp, **settings), fixed
-
-
-def _parallelize_searched(model, example_inputs, world: int, group, timeout, checkpoint, quiet, strict, verify,
-                          search: tuple[Options, dict]):
-    """``parallelize`` with the layout of ``world`` devices the planner chooses, then applied as a plan."""
-    distributed = ensure_process_group(world, timeout)
-    if group_size(group, distributed) != world:
-        raise RuntimeSetupError(f"world_size={world} but the process group has {group_size(group, distributed)} "
-                                f"ranks; launch {world} processes (torchrun --nproc-per-node {world})")
-    example = example_inputs_of(model, example_inputs)
-    cluster = cluster_for(device_for(group, distributed) or "cpu")
-    captured = capture(model, example, speedups=search[0].capture_speedups)
-    chosen = with_input_note(plan_layout(captured, world, *search, cluster), example)
-    chosen = with_generation_notes(chosen, model, captured)
-    return parallelize(model, example_inputs=example_inputs, plan=chosen, group=group, timeout=timeout,
-                       checkpoint=checkpoint, quiet=quiet, strict=strict, verify=verify, options=chosen.options)
+def _parallelize_searched(model: nn.Module, example: ExampleInputs, search: Search, launch: Launch):
+    """``parallelize`` with the layout of ``search.world`` devices the planner chooses, then applied as a plan.
+    The search plans on the train-mode graph ``_parallelize`` applies, so the model is captured once per mode,
+    as for an explicit layout."""
+    distributed = ensure_process_group(search.world, launch.timeout)
+    if group_size(launch.group, distributed) != search.world:
+        raise RuntimeSetupError(f"world_size={search.world} but the process group has "
+                                f"{group_size(launch.group, distributed)} ranks; launch {search.world} processes "
+                                f"(torchrun --nproc-per-node {search.world})")
+    graphs = _captures(model, example, search.options.capture_speedups)
+    machine = machine_for(device_for(launch.group, distributed) or "cpu")
+    chosen = choose_plan(model, graphs[True], example, machine, search=search)
+    return _parallelize(model, example, chosen, _options_for(chosen, chosen.options, None, {}), launch, graphs)
 
 
 def _options_for(plan: Plan | None, options: Options | None, tp: int | None, settings: dict) -> Options:
@@ -240,15 +224,6 @@ def _options_for(plan: Plan | None, options: Options | None, tp: int | None, set
     return Options.build(base, tp=tp, **settings)
 
 
-def required_tp(tp: int | None, options: Options | None, cp: int | None = None) -> int | None:
-    """``tp``, which must be given unless ``options`` (or a plan) say it, or ``cp`` is (then 1: cp runs alone)."""
-    if tp is None and options is None and cp is not None and cp > 1:
-        return 1
-    if tp is None and options is None:
-        raise InputError("tp must be a positive integer (the number of tensor-parallel ranks), got None")
-    return tp
-
-
 @dataclass(frozen=True)
 class Built:
     """What both kinds of parallel module are built from: the user's model (read, never changed), its
@@ -259,11 +234,6 @@ class Built:
     plan: Plan
     options: Options
     source: Source | None
-
-
-def param_shapes(model: nn.Module) -> dict[str, tuple]:
-    """Every parameter's shape, tied ones under each of their names (what a plan may name)."""
-    return {name: tuple(p.shape) for name, p in model.named_parameters(remove_duplicate=False)}
 
 
 def _check_materialised(model: nn.Module) -> None:

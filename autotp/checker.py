@@ -18,15 +18,15 @@ import torch
 from torch import fx, nn
 from autotp.torch_private.pytree import tree_leaves, tree_map
 
-from autotp.api import param_shapes, required_tp, with_input_note
 from autotp.capture import Captured, capture, example_inputs_of, model_kwargs
 from autotp.errors import AutotpError, CaptureError, InputError, InternalError
 from autotp.mixed_precision import MixedPrecision
 from autotp.options import Options, Recompute, capture_speedups
 from autotp.passes.placement import Shard, full_tensor
-from autotp.planning import Plan, check_plan_fits, make_plan
+from autotp.plan_choice import choose_plan, required_tp
+from autotp.planning import Plan
+from autotp.planning.machines import machine_for
 from autotp.planning.context_plan import plan_context
-from autotp.planning.planner import verify_plan
 from autotp.rewrite import rewrite
 from autotp.rewrite.comm import ThreadComm, join_fully
 from autotp.rewrite.context_graph import apply_context
@@ -237,8 +237,8 @@ def check(model: nn.Module, tp: int | None = None, example_inputs=None, *, plan:
     whole). ``modules_hook(modules, comms)`` may alter the rank modules before they run (the tests inject faults
     this way). The model is not changed."""
     _check_options(tp, plan, options, settings)  # refuse bad options before the capture's cost
-    return check_prepared(prepare(model, example_inputs, capture_speedups(options, settings)), tp, plan=plan, modules_hook=modules_hook,
-                          options=options, **settings)
+    prepared = prepare(model, example_inputs, capture_speedups(options, settings))
+    return check_prepared(prepared, tp, plan=plan, modules_hook=modules_hook, options=options, **settings)
 
 
 def _check_options(tp: int | None, plan: Plan | None, options: Options | None, settings: dict) -> Options:
@@ -259,10 +259,7 @@ def check_prepared(prepared: Prepared, tp: int | None = None, *, plan: Plan | No
     """``check`` of a model ``prepare`` captured: the same check, at any tp, without capturing it again."""
     chosen_options = _check_options(tp, plan, options, settings)
     model, example, captured = prepared.model, prepared.example, prepared.captured
-    if plan is not None:
-        chosen = verify_plan(captured, check_plan_fits(plan, param_shapes(model), chosen_options.tp))
-    else:
-        chosen = with_input_note(make_plan(captured, chosen_options), example)
+    chosen = choose_plan(model, captured, example, machine_for(), options=chosen_options, given=plan)
     modules, comms = build_ranks(captured, chosen, recompute=chosen_options.recompute)
     if modules_hook is not None:
         modules_hook(modules, comms)

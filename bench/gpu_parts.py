@@ -106,8 +106,8 @@ def rms_diff(full: dict, want: dict) -> float:
 def checker(device: str, small: bool) -> dict:
     """``autotp.check`` at tp=2 (every rank simulated in this process) on the device: one training step compared
     with the unsharded model (output, loss, gradients, parameters after SGD), in fp32 and bf16."""
-    from autotp.tools.tiny import quiet
-    from autotp.tools.zoo import entries
+    from devtools.tiny import quiet
+    from devtools.zoo import entries
     from bench.one_gpu import DTYPES, check_one
 
     models = {"examples/gpt.py:build_gpt"} | (set() if small else {"llama", "qwen3_moe"})

@@ -32,8 +32,7 @@ import autotp
 from autotp.capture import capture, example_inputs_of
 from autotp.options import Options, Recompute
 from autotp.planning.layout_search import search_layouts
-from autotp.planning.machines import CLUSTERS, Cluster
-from autotp.planning.pricing import Machine
+from autotp.planning.machines import MACHINES, Link, Machine
 from bench.ranks import run_on_ranks
 from examples.gpt import build_gpt
 
@@ -68,7 +67,7 @@ def _model(name: str):
     return MODELS[name]()
 
 
-def predictions(name: str, cluster: Cluster = CLUSTERS["cpu"]) -> list:
+def predictions(name: str, cluster: Machine = MACHINES["cpu"]) -> list:
     """Every layout of WORLD devices for model ``name``, priced on ``cluster``, best first."""
     model = _model(name)
     captured = capture(model, example_inputs_of(model, (_batch(1),)))
@@ -151,7 +150,7 @@ def calibrate(rank: int, world: int) -> dict:
     return out
 
 
-def measured_cluster(cal: dict) -> Cluster:
+def measured_cluster(cal: dict) -> Machine:
     """This machine as the bench runs it, from ``calibrate``: one core's compute and op cost, the host's cores
     (WORLD ranks time-share them), a collective's latency as the ranks pay it between computations, and the
     bandwidth of a two-rank all-reduce (2(n-1)/n = 1 at n=2)."""
@@ -159,12 +158,12 @@ def measured_cluster(cal: dict) -> Cluster:
                        if k in cal)
     bandwidth = size / max(large - cal["all_reduce 4 KiB ms"], 1e-3) * 1e3
     latency = max(cal.get("synced all_reduce ms", 0.0), cal["all_reduce 4 KiB ms"]) / 1e3
-    machine = Machine("CPU over gloo, as measured", cal["matmul GFLOP/s"] * 1e9, bandwidth, latency,
+    machine = Link("CPU over gloo, as measured", cal["matmul GFLOP/s"] * 1e9, bandwidth, latency,
                       cal["op us"] / 1e6)
     # The ranks' share of the host: with other work running, 4 ranks get more of it than one (the scheduler
     # shares the cores per task), so the cores they effectively time-share are measured, at most the host's.
     cores = min(cal.get("cores free", cal.get("cores", os.cpu_count() or 1)), cal.get("cores", os.cpu_count() or 1))
-    return Cluster("cpu-measured", f"{WORLD} gloo ranks on {cores:.3g} cores, calibrated under the bench's load",
+    return Machine("cpu-measured", f"{WORLD} gloo ranks on {cores:.3g} cores, calibrated under the bench's load",
                    machine, machine, 1 << 30, None, cores)
 
 
@@ -281,7 +280,7 @@ def measured_layouts(ranked: list, twins: int, sample: int | None = None) -> lis
     return [p for p in ranked if p.layout in wanted]
 
 
-def run_model(name: str, steps: int, cluster: Cluster, twins: int = 12, sample: int | None = None) -> dict:
+def run_model(name: str, steps: int, cluster: Machine, twins: int = 12, sample: int | None = None) -> dict:
     """Predict (on ``cluster``), measure and compare the layouts of model ``name`` (``measured_layouts``)."""
     ranked = measured_layouts(predictions(name, cluster), twins, sample)
     measured = run_on_ranks(measure_all, "cpu", [1] * WORLD, name, [_settings(p) for p in ranked], steps)[0]
@@ -291,7 +290,7 @@ def run_model(name: str, steps: int, cluster: Cluster, twins: int = 12, sample: 
     return _summary(rows)
 
 
-def repredicted(name: str, result: dict, cluster: Cluster) -> dict:
+def repredicted(name: str, result: dict, cluster: Machine) -> dict:
     """``result``'s measurements against predictions made now on ``cluster`` (after a change to the cost model or
     its calibration; the rows keep what was measured): the same summary as ``run_model``'s."""
     now = {p.layout.label(): p for p in predictions(name, cluster)}

@@ -25,9 +25,9 @@ from autotp.capture import capture, example_inputs_of
 from autotp.options import Options
 from autotp.planning.layout_cost import Profile
 from autotp.planning.layout_search import profile_of, rank_layouts
-from autotp.planning.machines import CLUSTERS
+from autotp.planning.machines import MACHINES
 
-H100 = CLUSTERS["h100"]
+H100 = MACHINES["h100"]
 CAPTURED_LAYERS, SEQ = 3, 8192
 RESULTS = Path(__file__).parent / "results" / "layouts_at_scale.json"
 

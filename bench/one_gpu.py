@@ -21,8 +21,8 @@ import torch
 from torch.utils._pytree import tree_map
 
 import autotp
-from autotp.tools.zoo import entries
-from autotp.tools.tiny import quiet
+from devtools.zoo import entries
+from devtools.tiny import quiet
 
 DEFAULT_MODELS = ("examples/gpt.py:build_gpt", "llama", "qwen3_moe", "bert:mlm", "deberta-v2:mlm", "vit:image",
                   "whisper:speech", "nn.Transformer")

@@ -37,7 +37,7 @@ def _spec(text: str):
 
 
 def _zoo(name: str):
-    from autotp.tools.zoo import entries
+    from devtools.zoo import entries
 
     (entry,) = entries({name})
     model = entry.build()

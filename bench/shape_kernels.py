@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", default="", help="comma-separated zoo entries (default: all)")
     parser.add_argument("--every", type=int, default=1, help="every N-th entry of the zoo's order")
     args = parser.parse_args(argv)
-    from autotp.tools.zoo import entries
+    from devtools.zoo import entries
 
     torch.set_num_threads(1)
     chosen = entries(set(args.only.split(",")) if args.only else None)[::args.every]

@@ -7,7 +7,7 @@ with ``vocab="split"`` (Megatron's choice: vocab-parallel embedding, head and lo
 tables on every rank, no vocabulary communication) and the default ``vocab="auto"`` (the cost model's
 choice). The variants take turns every round (order rotated); a step's time is the slower rank's. Ratios
 are medians of per-round ratios with 95% bootstrap intervals. Also prints the calibration the cost model's
-CPU machine (``autotp.planning.pricing.CPU``) was set from: a matmul's rate and gloo all-reduce times.
+CPU machine (``autotp.planning.machines.CPU``) was set from: a matmul's rate and gloo all-reduce times.
 """
 
 from __future__ import annotations

@@ -53,7 +53,7 @@ from autotp.checker import check_prepared, prepare
 from autotp.options import Options
 from autotp.planning import make_plan
 from autotp.passes.region_match import RegionKind
-from autotp.tools.zoo import entries  # every child imports what the zoo's do, so no capture pays an import
+from devtools.zoo import entries  # every child imports what the zoo's do, so no capture pays an import
 name, tp, vit, text, relative = sys.argv[1], int(sys.argv[2]), *map(json.loads, sys.argv[3:6])
 part = sys.argv[6]
 torch.manual_seed(0)

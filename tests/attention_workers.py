@@ -13,7 +13,7 @@ from torch.utils._pytree import tree_leaves
 
 import autotp
 from tests.test_attention_split import _beit, _deberta_v2
-from autotp.tools.zoo_diffusers import MODELS
+from devtools.zoo_diffusers import MODELS
 
 STEPS, LR = 2, 1e-2
 

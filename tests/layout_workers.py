@@ -11,7 +11,7 @@ import autotp
 from autotp.capture import capture, example_inputs_of
 from autotp.options import Options, Recompute
 from autotp.planning.layout_search import search_layouts
-from autotp.planning.machines import cluster_for
+from autotp.planning.machines import machine_for
 from tests import models
 from tests.workers import ADAM, STEPS
 
@@ -45,7 +45,7 @@ def _budget_only_recompute_fits(world: int) -> int:
     """A memory budget under every layout's without recompute and over some layout's with it."""
     model = models.build("gpt", layers=2)
     captured = capture(model, example_inputs_of(model, (models.tokens(BATCH, SEQ, seed=1),)))
-    ranked = search_layouts(captured, world, Options(), {}, cluster_for("cpu")).ranked
+    ranked = search_layouts(captured, world, Options(), {}, machine_for("cpu")).ranked
     budget = min(p.memory for p in ranked if p.layout.recompute is Recompute.NONE) - 1
     assert min(p.memory for p in ranked) <= budget, "recompute saves nothing here"
     return budget

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import autotp
-from autotp.tools.zoo_diffusers import MODELS
+from devtools.zoo_diffusers import MODELS
 
 
 def _forward_all_reduces(plan: autotp.Plan) -> Counter:
@@ -65,7 +65,7 @@ def test_flux_blocks_all_reduce_as_megatron_does():
 
 def _deberta_v2():
     transformers = pytest.importorskip("transformers")
-    from autotp.tools.tiny import tiny_config
+    from devtools.tiny import tiny_config
 
     config = tiny_config("deberta-v2", dict(relative_attention=True, pos_att_type=["p2c", "c2p"], position_buckets=8,
                                             max_relative_positions=-1, hidden_dropout_prob=0.0,

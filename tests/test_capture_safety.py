@@ -18,7 +18,7 @@ from tests import models
 
 
 def _zoo(name: str):
-    from autotp.tools.zoo import entries
+    from devtools.zoo import entries
 
     (entry,) = entries({name})
     torch.manual_seed(0)

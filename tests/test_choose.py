@@ -6,7 +6,8 @@ import pytest
 
 import autotp
 from autotp.options import parse_bytes
-from autotp.planning.pricing import CPU, GPU, VocabCost, machine_for, vocab_verdict
+from autotp.planning.machines import CPU, MACHINES, machine_for
+from autotp.planning.pricing import VocabCost, vocab_verdict
 from examples.gpt import build_gpt
 from tests import models
 
@@ -37,7 +38,7 @@ def test_whole_only_when_faster_and_within_the_budget():
 def test_a_machines_collectives_and_compute_are_priced():
     assert CPU.all_reduce(0, 2) == CPU.latency and CPU.all_reduce(6e8, 2) == pytest.approx(CPU.latency + 1)
     assert CPU.all_gather(6e8, 2) == pytest.approx(CPU.latency + 0.5) and CPU.compute(5e10) == pytest.approx(1)
-    assert machine_for("cpu") is CPU and machine_for("cuda") is GPU
+    assert machine_for("cpu") is MACHINES["cpu"] and MACHINES["cpu"].node is CPU
 
 
 def test_a_small_vocabulary_is_kept_whole_and_a_large_one_split():

@@ -148,24 +148,37 @@ def test_user_error_in_a_process_is_one_line_and_exit_2(runs):
 def isolated_bench(monkeypatch, tmp_path):
     """A working directory holding a fake bench/ package, with the repository's own bench/ out of reach."""
     monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", ".", str(ROOT))])
-    saved = sys.modules.pop("bench", None)
+    tools = ("bench", "devtools", "devtools.zoo")
+    saved = {name: sys.modules.pop(name) for name in tools if name in sys.modules}
     (tmp_path / "fake" / "bench").mkdir(parents=True)
     (tmp_path / "fake" / "bench" / "__init__.py").write_text(FAKE_BENCH)
     (tmp_path / "bare").mkdir()
     yield tmp_path
-    sys.modules.pop("bench", None)
-    if saved is not None:
-        sys.modules["bench"] = saved
+    for name in tools:
+        sys.modules.pop(name, None)
+    sys.modules.update(saved)
 
 
-def test_bench_passes_arguments_or_explains(isolated_bench, monkeypatch, capsys):
+@pytest.mark.parametrize("command, where", [("bench", "bench/"), ("zoo", "devtools/zoo.py")])
+def test_repository_tools_say_so_outside_a_checkout(isolated_bench, monkeypatch, capsys, command, where):
+    """``autotp bench`` and ``autotp zoo`` run tools of the repository, which the package does not install."""
     monkeypatch.chdir(isolated_bench / "bare")
-    assert cli.main(["bench", "--quick"]) == 2
+    assert cli.main([command, "--quick"]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "run it from the autotp repository root" in err
+    assert err.count("\n") == 1 and f"autotp {command} is a repository tool: it runs {where}" in err
+    assert "run it from the repository root" in err
+
+
+def test_bench_passes_arguments_through(isolated_bench, monkeypatch, capsys):
     monkeypatch.chdir(isolated_bench / "fake")
     assert cli.main(["bench", "--quick", "x"]) == 3
     assert "bench got ['--quick', 'x']" in capsys.readouterr().out
+
+
+def test_the_help_names_the_repository_tools(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    assert " ".join(capsys.readouterr().out.split()).count("A repository tool") == 2
 
 
 ERRORS = [

@@ -76,7 +76,7 @@ def test_a_group_norm_cutting_its_groups_sees_its_input_whole():
 
 @pytest.fixture(scope="module")
 def resnet():
-    from autotp.tools import zoo
+    from devtools import zoo
 
     entry, = zoo.entries({"resnet:image"})
     torch.manual_seed(0)

@@ -37,7 +37,7 @@ def test_a_mask_inspected_by_value_is_captured_with_a_runtime_check():
 
 def _wav2vec2(**settings):
     transformers = pytest.importorskip("transformers")
-    from autotp.tools.tiny import tiny_config
+    from devtools.tiny import tiny_config
 
     torch.manual_seed(0)
     return transformers.Wav2Vec2ForCTC(tiny_config("wav2vec2", settings))
@@ -118,7 +118,7 @@ def test_a_setting_of_a_nested_config_is_named_by_its_path_and_the_zoo_rebuilds_
     model's config, and the zoo's re-check sets it there."""
     transformers = pytest.importorskip("transformers")
     from autotp.errors import TrainingSettingError
-    from autotp.tools.zoo import _with_settings
+    from devtools.zoo import _with_settings
 
     config = transformers.PretrainedConfig()
     config.encoder_config = transformers.PretrainedConfig(encoder_layerdrop=0.1)

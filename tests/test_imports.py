@@ -21,7 +21,7 @@ LAYERS = [
     ("planning", ("autotp.planning",)),
     ("rewrite", ("autotp.rewrite",)),
     ("runtime", ("autotp.runtime",)),
-    ("api", ("autotp.api", "autotp.checker", "autotp")),
+    ("api", ("autotp.api", "autotp.checker", "autotp.plan_choice", "autotp")),
     ("tools", ("autotp.tools", "autotp.__main__")),
 ]
 """Layers from the bottom up; a module's layer is the one whose longest prefix names it."""
@@ -223,3 +223,100 @@ def test_every_package_is_installed():
     listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["tool"]["setuptools"]["packages"])
     found = {name for name, path in _module_files().items() if path.name == "__init__.py"}
     assert found == listed, f"listed but absent: {sorted(listed - found)}; absent from the list: {sorted(found - listed)}"
+
+
+REPOSITORY_PACKAGES = ("devtools", "bench")
+"""Packages of the repository that are not installed (the zoo and the tiny-config builder; the benchmarks)."""
+
+
+def _repository_files() -> dict[str, Path]:
+    """``_module_files`` and the repository's own packages' modules (dotted name -> file)."""
+    out = _module_files()
+    for package in REPOSITORY_PACKAGES:
+        for path in (ROOT / package).rglob("*.py"):
+            parts = list(path.relative_to(ROOT).with_suffix("").parts)
+            out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return out
+
+
+def _runtime_imports(path: Path, modules: dict[str, Path]) -> set[str]:
+    """The modules ``path`` imports when it runs, at any depth (``TYPE_CHECKING`` blocks are never run); ``from
+    package import module`` names the module, not the package's ``__init__``."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    unrun = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+             for statement in node.body for n in ast.walk(statement)}
+    found = set()
+    for node in ast.walk(tree):
+        if id(node) in unrun:
+            continue
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.update(f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module
+                         for a in node.names)
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+    return {m for m in (_known(name, modules) for name in found) if m}
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The cycles of ``graph`` (module -> modules it imports): each strongly connected component of more than one
+    module, found by Tarjan's algorithm without recursion."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles = []
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, edges = work[-1]
+            following = next((t for t in edges if t in graph and (t not in index or t in on_stack)), None)
+            if following is not None and following not in index:
+                index[following] = low[following] = len(index)
+                stack.append(following)
+                on_stack.add(following)
+                work.append((following, iter(sorted(graph[following]))))
+                continue
+            if following is not None:  # an edge back into the current component
+                low[node] = min(low[node], index[following])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    cycles.append(sorted(component))
+    return cycles
+
+
+def test_no_import_cycles_anywhere():
+    """No module of the package, the zoo or the benchmarks imports (even inside a function) one that imports it
+    back: each layer's modules can be read and tested from the bottom up."""
+    modules = _repository_files()
+    graph = {m: _runtime_imports(path, modules) - {m} for m, path in modules.items()}
+    assert not import_cycles(graph), "\n".join(" <-> ".join(c) for c in import_cycles(graph))
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
+    assert import_cycles(graph) == [["a", "b", "c"]]
+    assert import_cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_the_library_never_imports_the_repository_tools():
+    """``devtools`` and ``bench`` are not installed: the package must run without them."""
+    modules = _repository_files()
+    wrong = [f"{m} imports {t}" for m, path in modules.items() if m.split(".")[0] == "autotp"
+             for t in _runtime_imports(path, modules) if t.split(".")[0] in REPOSITORY_PACKAGES]
+    assert not wrong, "\n".join(wrong)

@@ -11,14 +11,13 @@ import pytest
 from autotp.options import Recompute
 from autotp.planning.layout_cost import Layout, Prediction, Profile, predict, shared_cores
 from autotp.planning.layout_search import layouts, rank_layouts
-from autotp.planning.machines import CLUSTERS
-from autotp.planning.pricing import Machine
+from autotp.planning.machines import MACHINES, Link
 from autotp.planning.recompute_cost import saved_per_unit, units_cost
 from autotp.planning.stage_split import Units
 
-ONE_CORE = Machine("test core", flops=1e9, bandwidth=1e9, latency=1e-3, op_overhead=1e-4)
+ONE_CORE = Link("test core", flops=1e9, bandwidth=1e9, latency=1e-3, op_overhead=1e-4)
 """1 GFLOP/s, 1 ms a collective, 100 us an op: round numbers to price by hand."""
-TWO_CORES = dataclasses.replace(CLUSTERS["cpu"], node=ONE_CORE, network=ONE_CORE, cores=2)
+TWO_CORES = dataclasses.replace(MACHINES["cpu"], node=ONE_CORE, network=ONE_CORE, cores=2)
 
 
 def _profile(**changes) -> Profile:
@@ -62,9 +61,9 @@ def test_oversubscribed_ranks_pay_every_ranks_ops():
 
 
 def test_gpu_clusters_have_a_device_per_rank():
-    assert all(CLUSTERS[name].cores is None for name in ("h100", "h200", "a100"))
-    assert CLUSTERS["cpu"].cores >= 1
-    h100 = CLUSTERS["h100"]
+    assert all(MACHINES[name].cores is None for name in ("h100", "h200", "a100"))
+    assert MACHINES["cpu"].cores >= 1
+    h100 = MACHINES["h100"]
     pipe = predict(_profile(), Layout(1, 4, 1, microbatches=8), [0, 1, 2, 3], h100, None)
     assert pipe.bubble == pytest.approx((pipe.compute + pipe.tp_comm) * 3 / 8)
 

@@ -13,14 +13,14 @@ from autotp.capture import capture, example_inputs_of
 from autotp.options import Options
 from autotp.planning.layout_cost import Layout, Profile, predict
 from autotp.planning.layout_search import fixed_settings, search_layouts
-from autotp.planning.machines import CLUSTERS, cluster_named
+from autotp.planning.machines import MACHINES, machine_named
 from autotp.planning.plan import Plan
 from autotp.passes.steps import CollectiveOp
 from autotp.tools import cli
 from tests import layout_workers, models
 from tests.distributed import run_on_ranks
 
-CPU = CLUSTERS["cpu"]
+CPU = MACHINES["cpu"]
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +82,7 @@ def _profile(**changes) -> Profile:
 
 
 def test_the_prediction_adds_its_parts():
-    h100 = CLUSTERS["h100"]
+    h100 = MACHINES["h100"]
     one = predict(_profile(), Layout(1, 1, 1), [0], h100, None)
     assert one.step_time == pytest.approx(3 * 4e9 / h100.node.flops) and one.memory == 4 * 4e6 * 4 + 4e6
     pipe = predict(_profile(), Layout(1, 4, 1, microbatches=8), [0, 1, 2, 3], h100, None)
@@ -121,12 +121,12 @@ def test_the_plan_records_the_ranked_layouts_and_the_file_check_reads_them():
 
 
 def test_machines():
-    assert sorted(cli.CLUSTER_NAMES) == sorted(CLUSTERS)
-    h100 = cluster_named("h100")
+    assert sorted(cli.MACHINE_NAMES) == sorted(MACHINES)
+    h100 = machine_named("h100")
     assert h100.link(8, 1) is h100.node and h100.link(2, 8) is h100.network and h100.link(4, 2) is h100.node
     assert h100.ring(4, 1).latency == 3 * h100.node.latency and h100.ring(2, 1) == h100.node
     with pytest.raises(autotp.InputError, match="unknown machine 'tpu'; the machines are: cpu, h100"):
-        cluster_named("tpu")
+        machine_named("tpu")
 
 
 def test_cli_prints_the_ranked_layouts(capsys):

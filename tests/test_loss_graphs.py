@@ -1,8 +1,8 @@
-"""A user's loss_fn captured with the model (``runtime.loss_graphs``): when a captured graph may be reused."""
+"""A user's loss_fn captured with the model (``runtime.loss``): when a captured graph may be reused."""
 
 from __future__ import annotations
 
-from autotp.runtime.loss_graphs import _scalars
+from autotp.runtime.loss import _scalars
 
 
 def _z_loss(coefficient: float):

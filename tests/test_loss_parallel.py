@@ -113,7 +113,7 @@ def test_the_vocab_parallel_loss_refuses_a_second_backward():
 
 
 def test_the_default_loss_of_an_output_without_logits_names_the_way_out():
-    from autotp.runtime.outputs import default_loss
+    from autotp.runtime.loss import default_loss
 
     with pytest.raises(autotp.InputError, match=r"output is a dict with no logits; pass loss_fn="):
         default_loss({"hidden": torch.zeros(2, 3)}, torch.zeros(2, dtype=torch.long))
@@ -121,7 +121,8 @@ def test_the_default_loss_of_an_output_without_logits_names_the_way_out():
 
 def test_the_default_loss_names_a_target_that_does_not_fit_the_logits():
     from autotp.rewrite.collectives import OutputGather
-    from autotp.runtime.outputs import SplitOutputs, default_loss
+    from autotp.runtime.loss import default_loss
+    from autotp.runtime.outputs import SplitOutputs
 
     def mismatched(comm):
         logits = torch.randn(2, 3, 4)  # this rank's half of 8 classes

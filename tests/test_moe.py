@@ -197,7 +197,7 @@ def test_qwen4_exp_with_an_indexed_attention_layer_plans_and_is_exact():
     transformers = pytest.importorskip("transformers")
     if not hasattr(transformers, "Qwen4ExpForCausalLM"):
         pytest.skip("this transformers has no Qwen4-exp")
-    from autotp.tools.tiny import quiet, tiny_model
+    from devtools.tiny import quiet, tiny_model
 
     torch.manual_seed(0)
     with quiet():

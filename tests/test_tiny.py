@@ -1,4 +1,4 @@
-"""The zoo's tiny-config builder (autotp/tools/tiny.py): configs only, no model built, so these are fast."""
+"""The zoo's tiny-config builder (devtools/tiny.py): configs only, no model built, so these are fast."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ pytest.importorskip("transformers")
 
 import torch  # noqa: E402
 
-from autotp.tools.tiny import LAYERS, tiny_config, tiny_model  # noqa: E402
+from devtools.tiny import LAYERS, tiny_config, tiny_model  # noqa: E402
 
 
 def test_per_layer_lists_follow_the_layer_count_and_keep_each_kind():
@@ -92,7 +92,7 @@ def test_a_value_the_validation_states_as_an_expression_is_taken_from_its_messag
 def test_a_depthwise_group_count_follows_the_width_and_channel_counts_stay():
     """A group count equal to the width (Mimi's depthwise upsampling) shrinks with it; ``num_channels`` is not
     a width (Dia's nine audio codebooks, which its delay pattern lists one by one)."""
-    from autotp.tools.tiny import shrink
+    from devtools.tiny import shrink
 
     small = shrink({"hidden_size": 512, "upsample_groups": 512, "num_groups": 32, "num_channels": 9})
     assert small["upsample_groups"] == small["hidden_size"] == 64
@@ -111,7 +111,7 @@ def test_multimodal_rotary_sections_fit_the_shrunk_head(model_type):
 def test_rotary_sections_follow_a_partial_rotary_share_and_each_kind_of_layer():
     """Sections split the turned half of a head: a quarter of 16 wide heads turned (4), halved, is 2; settings per
     kind of layer are scaled kind by kind; none to scale, nothing changes."""
-    from autotp.tools.tiny import shrink
+    from devtools.tiny import shrink
 
     one = {"rope_type": "default", "partial_rotary_factor": 0.25, "mrope_section": [8, 12, 12]}
     fields = {"hidden_size": 4096, "num_attention_heads": 32, "rope_parameters": {"full_attention": one}}
@@ -123,7 +123,7 @@ def test_rotary_sections_follow_a_partial_rotary_share_and_each_kind_of_layer():
 
 def test_stage_lists_whose_widths_the_block_list_repeats_are_kept():
     """PP-LCNet lists each block with its widths: shrinking the per-stage widths alone would break the tie."""
-    from autotp.tools.tiny import shrink
+    from devtools.tiny import shrink
 
     blocks = [[[3, 96, 96, 1]], [[3, 96, 192, 2], [3, 192, 192, 1]]]
     small = shrink({"stage_out_channels": [96, 192], "depths": [1, 2], "block_configs": blocks})
@@ -132,7 +132,7 @@ def test_stage_lists_whose_widths_the_block_list_repeats_are_kept():
 
 
 def test_image_leaves_a_patch_after_the_trunk_stride_and_prefixed_part_sizes_shrink():
-    from autotp.tools.tiny import shrink
+    from devtools.tiny import shrink
 
     assert shrink({"image_size": 256, "patch_size": 2, "output_stride": 32})["image_size"] == 64
     small = shrink({"hidden_size": 1024, "speech_encoder_intermediate_size": 4096, "speech_encoder_layers": 24,
@@ -144,7 +144,7 @@ def test_image_leaves_a_patch_after_the_trunk_stride_and_prefixed_part_sizes_shr
 def test_placeholder_tokens_index_the_text_vocabulary():
     """A multimodal config's image token (set, or None for the processor to set) fits its text model's
     vocabulary."""
-    from autotp.tools.tiny import shrink
+    from devtools.tiny import shrink
 
     small = shrink({"image_token_index": None, "video_token_id": 151344, "pad_token_id": None,
                     "text_config": {"vocab_size": 151552, "model_type": "glm4v_text"}})
@@ -153,8 +153,8 @@ def test_placeholder_tokens_index_the_text_vocabulary():
 
 def test_sizes_the_messages_tie_by_name_are_set_where_they_live():
     from autotp.tools.model_spec import SMALL_HF
-    from autotp.tools.tiny import TINY_EXTRA
-    from autotp.tools.tiny_repairs import apply_required
+    from devtools.tiny import TINY_EXTRA
+    from devtools.tiny_repairs import apply_required
 
     sizes = SMALL_HF | TINY_EXTRA
     small = {"text_config": {"hidden_size": 64}, "audio_config": {"hidden_size": 32, "adapter_input_size": 1280}}
@@ -171,7 +171,7 @@ def test_sizes_the_messages_tie_by_name_are_set_where_they_live():
 
 def test_a_low_rank_size_of_zero_stays_zero():
     """glm5_next's NoPE layers: ``qk_rope_head_dim=0`` must not become a rotary part."""
-    from autotp.tools.tiny import shrink
+    from devtools.tiny import shrink
 
     small = shrink({"kv_lora_rank": 512, "qk_rope_head_dim": 0, "qk_nope_head_dim": 256, "hidden_size": 4096})
     assert small.get("qk_rope_head_dim", 0) == 0
@@ -179,7 +179,7 @@ def test_a_low_rank_size_of_zero_stays_zero():
 
 def _on_meta(cls):
     """A build function for ``tiny_model``: ``cls`` made on the meta device from the part of the config it takes."""
-    from autotp.tools.zoo_entries import config_of
+    from devtools.zoo_entries import config_of
 
     def build(config):
         config = config_of(cls, config)
@@ -223,7 +223,7 @@ def test_sizes_the_config_derives_from_the_width_are_left_to_it():
 def test_a_size_given_per_layer_shrinks_under_any_size_name():
     """Gemma 3n lists ``intermediate_size`` per layer."""
     assert tiny_config("gemma3n_text").intermediate_size == [128] * LAYERS
-    from autotp.tools.tiny import shrink
+    from devtools.tiny import shrink
 
     assert shrink({"num_hidden_layers": 4, "intermediate_size": [512, 512, 1024, 1024]})["intermediate_size"] == \
         [128, 128]
@@ -238,7 +238,7 @@ def test_an_adapter_into_the_text_model_takes_the_text_width():
 def test_layer_indices_a_validation_finds_past_the_tiny_tower_move_into_it_in_order():
     """molmo2's validation says ``adapter_config.vision_feature_layer [24, 18] must index the 2 layers of
     vision_config``: the deepest index becomes the last layer, the next the one below."""
-    from autotp.tools.tiny_repairs import apply_required
+    from devtools.tiny_repairs import apply_required
 
     small = {"adapter_config": {}}
     message = "`adapter_config.vision_feature_layer` [24, 18] must index the 2 layers of `vision_config`."
@@ -250,7 +250,7 @@ def test_layer_indices_a_validation_finds_past_the_tiny_tower_move_into_it_in_or
 def test_a_layer_count_that_counts_per_stage_lists_takes_their_length_where_they_are():
     """muse_spark's audio tower says ``patch_sizes, hidden_sizes and depths must have one entry per layer, got 4, 4
     and 4 for num_hidden_layers=2``: the count is set in the sub-config holding the lists, not the text model's."""
-    from autotp.tools.tiny_repairs import apply_required
+    from devtools.tiny_repairs import apply_required
 
     small = {"text_config": {"num_hidden_layers": 2}, "audio_config": {"depths": [2, 2, 2, 2], "num_hidden_layers": 2}}
     message = ("`patch_sizes`, `hidden_sizes` and `depths` must have one entry per layer, got 4, 4 and 4 for "
@@ -264,7 +264,7 @@ def test_key_value_heads_as_many_as_heads_where_the_default_has_as_many():
     """The fallback for a model written for multi-head attention alone (Moonshine views its queries by the
     key-value count): key-value heads follow the query heads where the default config has the two equal, under any
     prefix and in sub-configs; grouped-query defaults keep their fewer key-value heads."""
-    from autotp.tools.tiny import same_heads
+    from devtools.tiny import same_heads
 
     fields = {"encoder_num_attention_heads": 8, "encoder_num_key_value_heads": 8, "num_attention_heads": 32,
               "num_key_value_heads": 8, "text_config": {"model_type": "t", "num_attention_heads": 16,

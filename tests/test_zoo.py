@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from autotp.tools import zoo
+from devtools import zoo
 
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLE = ["llama", "gpt2", "gemma3", "bert:mlm", "longformer:mlm", "t5:seq2seq", "lilt:cls", "bros:tokens",
@@ -70,7 +70,7 @@ def test_every_task_group_has_entries():
 
 
 def test_saved_results_make_the_same_table(tmp_path):
-    from autotp.tools.zoo_table import coverage_table, load_results, save_results
+    from devtools.zoo_table import coverage_table, load_results, save_results
 
     results = {"a": {2: zoo.Result(zoo.Status.EXACT, 1.0)}, "b:mlm": {2: zoo.Result(zoo.Status.NOT_BUILDABLE,
                                                                                    notes=["ValueError: x"])}}
@@ -93,7 +93,7 @@ def test_a_sample_with_sequence_parallelism_is_never_silently_wrong():
 
 
 def test_a_missing_optional_library_is_the_reason_in_one_line():
-    from autotp.tools.zoo_entries import build_reason
+    from devtools.zoo_entries import build_reason
 
     message = "\nDinatBackbone requires the natten library but it was not found in your environment. You can ...\n"
     assert build_reason(ImportError(message)) == "needs the natten library, not installed"
@@ -109,7 +109,7 @@ def test_a_missing_optional_library_is_the_reason_in_one_line():
 def test_a_document_model_is_fed_a_valid_box_per_token():
     from torch import nn
 
-    from autotp.tools.zoo_inputs import document_inputs
+    from devtools.zoo_inputs import document_inputs
 
     class Document(nn.Module):
         def __init__(self):
@@ -132,7 +132,7 @@ def test_a_vision_language_model_is_fed_what_its_forward_asks_for():
     import torch
     from torch import nn
 
-    from autotp.tools.zoo_inputs import vision_text_inputs
+    from devtools.zoo_inputs import vision_text_inputs
 
     config = SimpleNamespace(vocab_size=64, image_size=8, num_channels=3, is_encoder_decoder=False)
 
@@ -185,7 +185,7 @@ def test_the_time_limit_counts_cpu_time_with_a_clock_backstop():
 def test_audio_features_are_sized_by_the_encoder_sub_config_where_the_config_has_none():
     from types import SimpleNamespace
 
-    from autotp.tools.zoo_inputs import _features
+    from devtools.zoo_inputs import _features
 
     model = SimpleNamespace(config=SimpleNamespace(encoder_config=SimpleNamespace(num_mel_bins=16)))
     assert _features(model).shape[-1] == 16
@@ -231,7 +231,7 @@ def test_tables_joined_to_the_activations_are_told_from_matrices():
 
 
 def test_a_table_of_a_sweep_stopped_early_counts_only_what_ran():
-    from autotp.tools.zoo_table import coverage_table
+    from devtools.zoo_table import coverage_table
 
     results = {"a": {2: zoo.Result(zoo.Status.EXACT, 1.0)}, "b": {2: zoo.Result(zoo.Status.PENDING)}}
     table = coverage_table(results, {"a": "causal-lm", "b": "causal-lm"}, tps=(2,))
@@ -261,7 +261,7 @@ def test_composite_configs_build_their_causal_lm():
     timm MobileNet) build tiny."""
     import torch
 
-    from autotp.tools.tiny import MAX_PARAMS
+    from devtools.tiny import MAX_PARAMS
 
     import importlib.util
 
@@ -298,7 +298,7 @@ def test_audio_features_are_as_wide_as_the_first_projection_reads_them():
     import torch
     from types import SimpleNamespace
 
-    from autotp.tools.zoo_inputs import audio_inputs
+    from devtools.zoo_inputs import audio_inputs
 
     class Stacked(torch.nn.Module):
         main_input_name = "input_features"
@@ -316,7 +316,7 @@ def test_audio_features_are_as_wide_as_the_first_projection_reads_them():
 
 
 def test_a_model_that_fails_in_its_own_code_is_named_at_the_line(tmp_path):
-    from autotp.tools.zoo_entries import build_reason
+    from devtools.zoo_entries import build_reason
 
     source = tmp_path / "models" / "toy" / "modeling_toy.py"
     source.parent.mkdir(parents=True)

@@ -1,6 +1,6 @@
 """What one layout (tp, pp, dp, microbatches, schedule, ...) is predicted to cost: pure functions over a model's
 ``Profile`` at one tp (its units' compute, parameters, activations and collectives, from the analysis' costs) and a
-``machines.Cluster``; no torch here, so a layout for 1024 devices is priced in microseconds.
+``machines.Machine``; no torch here, so a layout for 1024 devices is priced in microseconds.
 
 Step time = the fullest pipeline rank's compute (forward and backward: 3x the forward FLOPs, and 3x its ops per
 microbatch at the machine's fixed cost per op) and tensor-parallel
@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 from autotp.options import DataParallelMode, Recompute, Schedule
 from autotp.passes.steps import CollectiveOp
-from autotp.planning.machines import Cluster
-from autotp.planning.pricing import TRAINING_COPIES, Machine
+from autotp.planning.machines import Link, Machine
+from autotp.planning.pricing import TRAINING_COPIES
 
 
 @dataclass(frozen=True)
@@ -126,7 +126,7 @@ def stage_bounds(starts: list[int], units: int) -> list[tuple[int, int]]:
     return list(zip(starts, ends))
 
 
-def _tp_time(profile: Profile, link: Machine, share: float, calls: int, units: range) -> float:
+def _tp_time(profile: Profile, link: Link, share: float, calls: int, units: range) -> float:
     """Seconds of the tensor-parallel collectives of ``units`` in one step over ``share`` of the global batch,
     each run in ``calls`` calls (one per microbatch): the latency per call, the bytes once."""
     if profile.tp == 1:
@@ -140,7 +140,7 @@ def _tp_time(profile: Profile, link: Machine, share: float, calls: int, units: r
     return total
 
 
-def _dp_time(layout: Layout, grad_bytes: float, link: Machine) -> float:
+def _dp_time(layout: Layout, grad_bytes: float, link: Link) -> float:
     """Seconds of data-parallel collectives per step: replicate all-reduces the gradients once; fsdp all-gathers
     the parameters before every forward and backward of a microbatch, and reduce-scatters the gradients once."""
     if layout.dp == 1:
@@ -196,13 +196,13 @@ def shared_cores(busy: list[float], fullest: int, slices: int, bubble: float, ra
     return compute, max(0.0, path - compute)
 
 
-def predict(profile: Profile, layout: Layout, starts: list[int], cluster: Cluster,
+def predict(profile: Profile, layout: Layout, starts: list[int], machine: Machine,
             budget: int | None) -> Prediction:
     """The predicted step time and memory of ``layout`` with pipeline stages starting at units ``starts`` (stage
-    ``s`` on pipeline rank ``s % pp``), on ``cluster``, against ``budget`` bytes per device (None: the cluster's)."""
+    ``s`` on pipeline rank ``s % pp``), on ``machine``, against ``budget`` bytes per device (None: the machine's)."""
     tp, pp, dp, m, v = layout.tp, layout.pp, layout.dp, layout.microbatches, layout.virtual_stages
     stages = stage_bounds(starts, len(profile.compute))
-    tp_link, dp_link, pp_link = cluster.ring(tp, 1), cluster.ring(dp, tp), cluster.link(pp, tp * dp)
+    tp_link, dp_link, pp_link = machine.ring(tp, 1), machine.ring(dp, tp), machine.link(pp, tp * dp)
     busy, param_bytes, act_bytes = [0.0] * pp, [0.0] * pp, [0.0] * pp
     comm, transient = [0.0] * pp, [0.0] * pp
     for s, (a, b) in enumerate(stages):
@@ -210,20 +210,20 @@ def predict(profile: Profile, layout: Layout, starts: list[int], cluster: Cluste
         flops = sum(profile.compute[a:b])
         rank = s % pp
         # Backward runs about two ops per forward op, once per microbatch.
-        busy[rank] += cluster.node.compute((3 * flops + again) / dp, m * (3 * sum(profile.ops[a:b]) + again_ops))
+        busy[rank] += machine.node.compute((3 * flops + again) / dp, m * (3 * sum(profile.ops[a:b]) + again_ops))
         comm[rank] += _tp_time(profile, tp_link, 1 / dp, m, range(a, b))
         param_bytes[rank] += sum(profile.params[a:b]) * profile.itemsize
         act_bytes[rank] += (sum(profile.activations[a:b]) - saved) / dp
         transient[rank] = max(transient[rank], largest / dp)
     fullest = max(range(pp), key=lambda r: busy[r] + comm[r])
     work = busy[fullest] + comm[fullest]
-    compute, bubble = shared_cores(busy, fullest, v * m, work * (pp - 1) / (v * m), tp * pp * dp, cluster.cores)
+    compute, bubble = shared_cores(busy, fullest, v * m, work * (pp - 1) / (v * m), tp * pp * dp, machine.cores)
     boundary = max((profile.boundaries[b - 1] for _, b in stages[:-1]), default=0.0) / dp
     p2p = 2 * v * (m * pp_link.latency + boundary / pp_link.bandwidth) if pp > 1 else 0.0
     dp_comm = max(_dp_time(layout, param_bytes[r], dp_link) for r in range(pp))
     memory = max(_state_bytes(layout, param_bytes[r]) + (act_bytes[r] * _in_flight(layout) + transient[r]) / m
                  for r in range(pp))
-    limit = budget if budget is not None else cluster.device_memory
+    limit = budget if budget is not None else machine.device_memory
     step = compute + comm[fullest] + bubble + p2p + dp_comm
     return Prediction(layout, step, compute, comm[fullest], bubble, p2p, dp_comm, int(memory),
                       limit is None or memory <= limit, profile.vocab_split)

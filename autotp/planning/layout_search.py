@@ -21,7 +21,7 @@ from autotp.passes.cuts import find_cuts
 from autotp.passes.placement import PlacementKind
 from autotp.planning.balance import balanced_split
 from autotp.planning.layout_cost import Layout, Prediction, Profile, predict, ranked
-from autotp.planning.machines import Cluster
+from autotp.planning.machines import Machine
 from autotp.planning.plan import Plan
 from autotp.planning.planner import cost_sizes, make_plan
 from autotp.planning.recompute_cost import cut_outputs, saved_per_unit
@@ -53,9 +53,9 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def profile_of(captured: Captured, options: Options, cluster: Cluster) -> Profile:
+def profile_of(captured: Captured, options: Options, machine: Machine) -> Profile:
     """The costs of ``captured`` planned at ``options.tp`` (one stage), per unit between cut candidates."""
-    plan = make_plan(captured, options.replace(pp=1, dp=1, microbatches=None, virtual_stages=None), cluster.node)
+    plan = make_plan(captured, options.replace(pp=1, dp=1, microbatches=None, virtual_stages=None), machine)
     analysis = captured.analysis
     sizes = cost_sizes(captured, options.batch, options.seq)
     prop = analysis.propagate_placements(plan.placements, plan.tp, plan.sequence_parallel)
@@ -79,7 +79,7 @@ def profile_of(captured: Captured, options: Options, cluster: Cluster) -> Profil
                    tuple(units.activations), boundaries, collectives, itemsize, vocab, tuple(ops), recomputed)
 
 
-def _profiles(captured: Captured, world: int, options: Options, fixed: Mapping, cluster: Cluster) -> list[Profile]:
+def _profiles(captured: Captured, world: int, options: Options, fixed: Mapping, machine: Machine) -> list[Profile]:
     """A profile for every tp dividing ``world`` at which the model splits (and with sequence parallelism where it
     applies), as ``fixed`` allows."""
     out = []
@@ -87,7 +87,7 @@ def _profiles(captured: Captured, world: int, options: Options, fixed: Mapping, 
         flags = [fixed["sequence_parallel"]] if "sequence_parallel" in fixed else [False, True]
         for sp in dict.fromkeys(f and tp > 1 for f in flags):
             try:
-                out.append(profile_of(captured, options.replace(tp=tp, sequence_parallel=sp), cluster))
+                out.append(profile_of(captured, options.replace(tp=tp, sequence_parallel=sp), machine))
             except PlanError:
                 continue  # tp does not divide the model's heads or widths, or it has no sequence to split
     return out
@@ -138,18 +138,18 @@ def layouts(profile: Profile, world: int, batch: int, fixed: Mapping) -> Iterato
                     yield Layout(profile.tp, pp, dp, mode, schedule, m, v, profile.sequence_parallel, recompute)
 
 
-def search_layouts(captured: Captured, world: int, options: Options, fixed: Mapping, cluster: Cluster,
+def search_layouts(captured: Captured, world: int, options: Options, fixed: Mapping, machine: Machine,
                    budget: int | None = None, profiles: list[Profile] | None = None) -> Search:
     """Price every layout of ``world`` devices (``fixed``: the settings the caller gave) and rank them; the chosen
-    one is the fastest whose memory fits ``budget`` (default: ``options.memory_budget``, else the cluster's).
+    one is the fastest whose memory fits ``budget`` (default: ``options.memory_budget``, else the machine's).
     ``profiles`` (default: planned here, one per tp dividing ``world``) may be given to price many worlds."""
     analysis = captured.analysis
     if profiles is None:
-        profiles = _profiles(captured, world, options, fixed, cluster)
+        profiles = _profiles(captured, world, options, fixed, machine)
     batch = options.batch or cost_sizes(captured, None, None).get(_batch_symbol(captured), 1)
     # The cut candidates are the graph's, the same at every tp.
     forced = forced_units(analysis, find_cuts(analysis.graph, analysis.trainable, analysis.grad), options.cuts) if options.cuts else []
-    found = rank_layouts(profiles, world, batch, fixed, cluster, budget if budget is not None else
+    found = rank_layouts(profiles, world, batch, fixed, machine, budget if budget is not None else
                          options.memory_budget, options.balance, forced)
     if not found:
         raise PlanError(f"no layout of {world} devices suits {captured.model_name} with {dict(fixed) or 'nothing'} "
@@ -157,14 +157,14 @@ def search_layouts(captured: Captured, world: int, options: Options, fixed: Mapp
                         "fix fewer settings or use another number of devices")
     if not found[0].fits:
         least = min(found, key=lambda p: p.memory)
-        limit = budget if budget is not None else options.memory_budget or cluster.device_memory
+        limit = budget if budget is not None else options.memory_budget or machine.device_memory
         raise PlanError(f"no layout of {world} devices fits {captured.model_name} in {_mib(limit)} per device: the "
                         f"least memory is {least.layout.label()} at {_mib(least.memory)}; use more devices, a larger "
                         "memory_budget or a smaller batch")
     return Search(tuple(found), options.replace(**found[0].layout.settings()), world)
 
 
-def rank_layouts(profiles: list[Profile], world: int, batch: int, fixed: Mapping, cluster: Cluster,
+def rank_layouts(profiles: list[Profile], world: int, batch: int, fixed: Mapping, machine: Machine,
                  budget: int | None, balance: Balance = Balance.BOTH, forced=()) -> list[Prediction]:
     """Every layout of ``world`` devices the profiles and ``fixed`` allow, priced and ranked (a pure function: the
     stages are the planner's balanced split of each profile's units)."""
@@ -176,7 +176,7 @@ def rank_layouts(profiles: list[Profile], world: int, batch: int, fixed: Mapping
             key = (id(profile), layout.pp * layout.virtual_stages)
             if key not in starts:
                 starts[key] = balanced_split(profile.compute, profile.params, key[1], balance, forced)
-            predictions.append(predict(profile, layout, starts[key], cluster, budget))
+            predictions.append(predict(profile, layout, starts[key], machine, budget))
     return ranked(predictions)
 
 
@@ -203,13 +203,13 @@ def fixed_settings(settings: Mapping, options: Options | None) -> dict:
     return fixed
 
 
-def plan_layout(captured: Captured, world: int, options: Options, fixed: Mapping, cluster: Cluster) -> Plan:
+def plan_layout(captured: Captured, world: int, options: Options, fixed: Mapping, machine: Machine) -> Plan:
     """The plan of the layout the search chooses, with the ranked layouts (the chosen one first) and why."""
-    found = search_layouts(captured, world, options, fixed, cluster)
+    found = search_layouts(captured, world, options, fixed, machine)
     best = found.chosen
-    plan = make_plan(captured, found.options, cluster.node)
+    plan = make_plan(captured, found.options, machine)
     runner = next((p for p in found.ranked[1:] if p.fits), None)
-    why = (f"layout {best.layout.label()} chosen by the cost model ({cluster.description}) among "
+    why = (f"layout {best.layout.label()} chosen by the cost model ({machine.description}) among "
            f"{len(found.ranked)} layouts of {world} devices: predicted step {best.step_time * 1e3:.4g} ms, "
            f"{_mib(best.memory)} per device")
     if runner is not None:

@@ -38,9 +38,8 @@ from autotp.planning.plan import (
     region_contradictions,
 )
 from autotp.planning.planned_collectives import planned_collectives
+from autotp.planning.machines import MACHINES, Link, Machine
 from autotp.planning.pricing import (
-    CPU,
-    Machine,
     region_cost,
     regions_kept_whole,
     training_bytes_per_rank,
@@ -163,20 +162,20 @@ def _region_placements(analysis: Analysis, region: RegionMatch) -> dict[str, Pla
 
 
 def _choose_regions(analysis: Analysis, regions: list[RegionMatch], tp: int, values: dict[str, int],
-                    options: Options, machine: Machine, notes: list[str]) -> tuple[list[RegionMatch], tuple[str, ...]]:
+                    options: Options, link: Link, notes: list[str]) -> tuple[list[RegionMatch], tuple[str, ...]]:
     """The regions to split, and the layers of those the cost model keeps whole within the memory budget."""
     if options.memory_budget is None or tp == 1:
         return regions, ()
     everything = {}
     for region in regions:
         everything |= _region_placements(analysis, region)
-    costs = [region_cost(analysis, r, tp, values, machine) for r in regions]
+    costs = [region_cost(analysis, r, tp, values, link) for r in regions]
     kept = regions_kept_whole(costs, training_bytes_per_rank(analysis, everything, tp), options.memory_budget)
     if not kept:
         return regions, ()
     layers = tuple(analysis.layer(n) for c in kept for n in (*c.region.columns, *c.region.rows))
     saved = sum(c.gain for c in kept)
-    notes.append(f"{len(kept)} of {len(regions)} regions kept whole by the cost model ({machine.name}, at the "
+    notes.append(f"{len(kept)} of {len(regions)} regions kept whole by the cost model ({link.name}, at the "
                  f"plan's batch and sequence; within the memory budget of {options.memory_budget / 2**20:.4g} MiB): "
                  f"their splits would cost more communication than the compute they save, {saved * 1e3:.3g} ms per "
                  f"step in all ({', '.join(layers[:4])}{', ...' if len(layers) > 4 else ''})")
@@ -283,10 +282,11 @@ def cost_sizes(captured: Captured, batch: int | None, seq: int | None) -> dict[s
     return sizes
 
 
-def make_plan(captured: Captured, options: Options = Options(), machine: Machine = CPU) -> Plan:
+def make_plan(captured: Captured, options: Options = Options(), machine: Machine = MACHINES["cpu"]) -> Plan:
     """Plan Megatron-style tensor parallelism over ``options.tp`` ranks and ``options.pp`` pipeline ranks
     (``options.stages`` stages in all), costs priced on ``machine`` at ``options.batch``/``seq`` (default: the
-    example's sizes). The plan records ``options``."""
+    example's sizes; a tensor-parallel group's collectives run over the node's link). The plan records
+    ``options``."""
     tp = options.tp
     analysis = captured.analysis
     search = analysis.regions(tp)
@@ -318,7 +318,7 @@ def make_plan(captured: Captured, options: Options = Options(), machine: Machine
         if region.violations:
             raise _divisibility_error(analysis, region, tp, _valid_tp(analysis, regions))
     regions = without_adapters(regions, analysis.adapters)  # placed by their base layers below
-    regions, regions_kept = _choose_regions(analysis, regions, tp, sizes, options, machine, notes)
+    regions, regions_kept = _choose_regions(analysis, regions, tp, sizes, options, machine.node, notes)
     for region in regions:
         by_target |= _region_placements(analysis, region)
         if region.kind is RegionKind.ROW:
@@ -336,7 +336,7 @@ def make_plan(captured: Captured, options: Options = Options(), machine: Machine
                                    tuple(analysis.layer(r) for r in region.rows), kept))
     by_target |= adapter_placements(analysis, by_target)
     notes += _whole_convolution_notes(analysis, by_target, whys, convolutions_kept)
-    vocab, vocab_regions, vocab_kept = vocab_placements(analysis, tp, notes, options, machine, sizes, by_target)
+    vocab, vocab_regions, vocab_kept = vocab_placements(analysis, tp, notes, options, machine.node, sizes, by_target)
     by_target |= vocab
     plan_regions = vocab_regions[:1] + plan_regions + vocab_regions[1:]
     if tp == 1:

@@ -10,8 +10,8 @@ costs communication every step: an all-reduce of the embedding's (B, T, D) outpu
 head input's gradient backward, and the vocab-parallel loss's three numbers per token. For a small
 vocabulary the communication costs more than the compute it saves (measured: bench.vocab_choice). Megatron
 always splits; torchtitan and HF's ``tp_plan`` hard-code one choice too. Here the planner prices both with
-a machine's compute rate and collective cost, at the plan's batch and sequence, and keeps the vocabulary
-whole only when that is faster and its whole tables (with their gradients and AdamW moments) still fit the
+a link's compute rate and collective cost (``machines.Link``), at the plan's batch and sequence, and keeps the
+vocabulary whole only when that is faster and its whole tables (with their gradients and AdamW moments) still fit the
 memory budget.
 """
 
@@ -20,58 +20,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import torch
-
 from autotp.passes.analysis import Analysis
 from autotp.passes.costs import evaluate, node_cost
 from autotp.passes.graph import sizes
 from autotp.passes.region_match import RegionKind, RegionMatch
+from autotp.planning.machines import Link
 
 TRAINING_COPIES = 4
 """Bytes per parameter byte while training with AdamW: the parameter, its gradient and two moments."""
-
-
-@dataclass(frozen=True)
-class Machine:
-    """What the cost model assumes of the hardware: per-rank compute rate and a collective's cost."""
-
-    name: str
-    flops: float
-    """Matmul FLOP/s of one rank."""
-    bandwidth: float
-    """Bytes/s one rank sends in a ring collective."""
-    latency: float
-    """Seconds a collective costs regardless of its size."""
-    op_overhead: float = 0.0
-    """Seconds each op costs regardless of its size (eager dispatch and autograd; a kernel launch on GPUs)."""
-
-    def compute(self, flops: float, ops: float = 0) -> float:
-        """Seconds for ``flops`` spread over ``ops`` ops."""
-        return flops / self.flops + ops * self.op_overhead
-
-    def all_reduce(self, nbytes: float, tp: int) -> float:
-        """Seconds for a ring all-reduce of ``nbytes`` over ``tp`` ranks."""
-        return self.latency + 2 * (tp - 1) / tp * nbytes / self.bandwidth
-
-    def all_gather(self, nbytes: float, tp: int) -> float:
-        """Seconds for a ring all-gather whose result is ``nbytes``."""
-        return self.latency + (tp - 1) / tp * nbytes / self.bandwidth
-
-
-CPU = Machine("CPU processes over gloo", flops=5e10, bandwidth=6e8, latency=1e-3, op_overhead=7e-5)
-"""Measured on the 2-core development machine (bench.vocab_choice prints the calibration): a 512x256 by
-256x8192 fp32 matmul at ~55 GFLOP/s on one thread; a gloo all-reduce of 512 KiB ~1.9 ms, of 2 MiB ~4.5 ms;
-an eager op ~70 us forward or backward (bench.layouts' calibration: a narrow GPT's step over its graph's ops,
-on the machine shared with other work, load average ~20)."""
-GPU = Machine("GPUs over NCCL", flops=2e14, bandwidth=1.5e11, latency=2e-5)
-"""An H100 class GPU in bf16 over NVLink (nominal figures, not measured here)."""
-
-
-def machine_for(device: torch.device | str | None) -> Machine:
-    """The cost model's machine for ranks on ``device`` (default: CUDA when this process sees a GPU)."""
-    if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    return GPU if torch.device(device).type == "cuda" else CPU
 
 
 @dataclass(frozen=True)
@@ -91,7 +47,7 @@ class VocabCost:
         return self.communication > self.saved
 
 
-def vocab_cost(analysis: Analysis, tp: int, values: dict[str, int], machine: Machine) -> VocabCost:
+def vocab_cost(analysis: Analysis, tp: int, values: dict[str, int], link: Link) -> VocabCost:
     """Price the vocabulary split of ``analysis`` at ``tp`` with the size symbols set to ``values``."""
     vocab, saved, communication = analysis.vocab, 0.0, 0.0
     share = 1 - 1 / tp
@@ -100,12 +56,12 @@ def vocab_cost(analysis: Analysis, tp: int, values: dict[str, int], machine: Mac
         x = analysis.nodes[proj.input]
         tokens = evaluate(math.prod(sizes(x)[:-1]), values)
         itemsize = x.meta["val"].element_size()
-        saved += machine.compute(6 * tokens * proj.in_features * proj.out_features * share)  # forward + backward
-        communication += machine.all_reduce(tokens * proj.in_features * itemsize, tp)  # f before the head
-        communication += machine.all_gather(tokens * 3 * 4 * tp, tp)  # the loss's statistics
+        saved += link.compute(6 * tokens * proj.in_features * proj.out_features * share)  # forward + backward
+        communication += link.all_reduce(tokens * proj.in_features * itemsize, tp)  # f before the head
+        communication += link.all_gather(tokens * 3 * 4 * tp, tp)  # the loss's statistics
     for embedding in vocab.embeddings:
         out = analysis.nodes[embedding]
-        communication += machine.all_reduce(evaluate(math.prod(sizes(out)), values) * out.meta["val"].element_size(),
+        communication += link.all_reduce(evaluate(math.prod(sizes(out)), values) * out.meta["val"].element_size(),
                                             tp)
     tables = {analysis.embeddings[e].weight for e in vocab.embeddings} | {
         analysis.projections[h].weight for h in vocab.heads}
@@ -142,7 +98,7 @@ class RegionCost:
 
 
 def region_cost(analysis: Analysis, region: RegionMatch, tp: int, values: dict[str, int],
-                machine: Machine) -> RegionCost:
+                link: Link) -> RegionCost:
     """Price ``region``'s split: the forward and backward compute of its nodes divided by tp, against its
     two collectives (the closing all-reduce forward; the opening all-reduce, or a lone row's all-gather, of
     the input's gradient backward)."""
@@ -152,13 +108,13 @@ def region_cost(analysis: Analysis, region: RegionMatch, tp: int, values: dict[s
     x = analysis.nodes[analysis.projections[region.rows[0]].input]
     out_bytes = evaluate(math.prod(sizes(row)), values) * row.meta["val"].element_size()
     in_bytes = evaluate(math.prod(sizes(x)), values) * x.meta["val"].element_size()
-    backward = (machine.all_gather(in_bytes, tp) if region.kind is RegionKind.ROW
-                else machine.all_reduce(out_bytes, tp))
+    backward = (link.all_gather(in_bytes, tp) if region.kind is RegionKind.ROW
+                else link.all_reduce(out_bytes, tp))
     params = {analysis.projections[n].weight for n in (*region.columns, *region.rows)}
     params |= {analysis.projections[n].bias for n in region.columns if analysis.projections[n].bias}
     params |= {t for t, _ in region.params}
     whole = sum(_param_bytes(analysis, t) for t in params) * share * TRAINING_COPIES
-    return RegionCost(region, machine.compute(3 * flops * share), machine.all_reduce(out_bytes, tp) + backward,
+    return RegionCost(region, link.compute(3 * flops * share), link.all_reduce(out_bytes, tp) + backward,
                       int(whole))
 
 

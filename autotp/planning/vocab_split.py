@@ -16,20 +16,20 @@ from autotp.passes.graph import arg_or_default
 from autotp.passes.placement import Placement, PlacementKind
 from autotp.passes.region_match import RegionKind
 from autotp.planning.plan import Region
+from autotp.planning.machines import Link
 from autotp.planning.pricing import (
-    Machine,
     training_bytes_per_rank,
     vocab_cost,
     vocab_verdict,
 )
 
 
-def vocab_placements(analysis: Analysis, tp: int, notes: list[str], options: Options, machine: Machine,
+def vocab_placements(analysis: Analysis, tp: int, notes: list[str], options: Options, link: Link,
                      values: dict[str, int], others: dict[str, Placement]
                      ) -> tuple[dict[str, Placement], list[Region], tuple[str, ...]]:
     """The vocabulary split (placements keyed by ``get_attr`` target, and regions), unless it cannot be exact or
     ``choices`` keep it whole (then the layers kept whole by choice, as ``options`` ask or the cost model on
-    ``machine`` finds, at the size symbols' ``values``); the reason goes to ``notes``. ``others``: the plan's other
+    ``link`` finds, at the size symbols' ``values``); the reason goes to ``notes``. ``others``: the plan's other
     split parameters."""
     vocab = analysis.vocab
     if vocab is None or tp == 1:
@@ -52,10 +52,10 @@ def vocab_placements(analysis: Analysis, tp: int, notes: list[str], options: Opt
         notes.append(f"embedding and LM head replicated: {blocker}")
         return {}, [], ()
     if options.vocab is VocabChoice.AUTO:
-        cost = vocab_cost(analysis, tp, values, machine)
+        cost = vocab_cost(analysis, tp, values, link)
         whole, why = vocab_verdict(cost, training_bytes_per_rank(analysis, others | out, tp), options.memory_budget)
         verdict = "kept whole" if whole else "split"
-        notes.append(f"vocabulary of {vocab.vocab_size} {verdict} by the cost model ({machine.name}, at the "
+        notes.append(f"vocabulary of {vocab.vocab_size} {verdict} by the cost model ({link.name}, at the "
                      f"plan's batch and sequence): {why}; vocab='split' or 'whole' overrides it")
         if whole:
             return {}, [], layers

@@ -1,6 +1,7 @@
 """A rank's graph of the model and a user's loss function together (``capture.with_loss``), reading a parallel
 module's own tensors: the plan's splits propagate into the loss, so a cross-entropy of vocabulary-split logits
-runs as the vocab-parallel cross-entropy instead of on gathered logits."""
+runs as the vocab-parallel cross-entropy instead of on gathered logits. The rewrite step of
+``runtime.loss.LossGraphs``, where the loss is owned."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 from autotp.runtime.data_parallel import DataParallel
 from autotp.runtime.mesh import Mesh
-from autotp.runtime.outputs import default_loss
+from autotp.runtime.loss import default_loss
 from autotp.runtime.parallel_base import ParallelBase, RankParts
 from autotp.runtime.pipeline import PipelineModule, tied_groups
 from autotp.runtime.process import (

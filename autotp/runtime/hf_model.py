@@ -22,6 +22,7 @@ from autotp.errors import CheckpointError, InputError, ModelPartError
 from autotp.passes.placement import Part, part_of
 from autotp.runtime.data_parallel import dp_shard
 from autotp.runtime.peft_adapters import load_adapter, merge_adapters, save_adapters
+from autotp.runtime.tp_params import plain
 
 DEFAULT_SHARD_SIZE = "50GB"
 """``save_pretrained``'s default ``max_shard_size`` (transformers 5's)."""
@@ -38,11 +39,6 @@ class IncompatibleKeys(NamedTuple):
 
     missing_keys: list[str]
     unexpected_keys: list[str]
-
-
-def plain(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's local tensor of ``tensor`` (a DTensor's local shard, sharing its storage), else itself."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def shard_bytes(size) -> int:

@@ -20,7 +20,8 @@ from autotp.passes.graph import sizes
 from autotp.passes.projections import find_embeddings
 from autotp.planning import Plan
 from autotp.runtime.batch_agreement import check_token_ids
-from autotp.runtime.labels import LABELS, labels_feed_loss_only, stand_in, without_loss
+from autotp.runtime.labels import LABELS, labels_feed_loss_only, stand_in
+from autotp.runtime.loss import without_loss
 
 
 @dataclass(frozen=True)

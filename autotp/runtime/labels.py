@@ -13,6 +13,8 @@ import torch
 from torch import fx
 from autotp.torch_private.pytree import tree_unflatten
 
+from autotp.runtime.loss import model_loss
+
 LABELS = "labels"
 
 
@@ -28,13 +30,6 @@ def _dependents(start: fx.Node) -> set[fx.Node]:
     return seen
 
 
-def loss_of(output):
-    """The ``loss`` entry of a model output (a ``ModelOutput`` or dict), or None (a tuple names no loss)."""
-    if isinstance(output, dict):  # a ModelOutput is an OrderedDict
-        return output.get("loss")
-    return getattr(output, "loss", None)
-
-
 def labels_feed_loss_only(graph: fx.Graph, input_names: tuple[str, ...], out_spec) -> bool:
     """Whether the graph's ``labels`` input reaches its output only through the model's ``loss`` entry."""
     if LABELS not in input_names:
@@ -47,7 +42,7 @@ def labels_feed_loss_only(graph: fx.Graph, input_names: tuple[str, ...], out_spe
         rebuilt = tree_unflatten(list(range(len(leaves))), out_spec)
     except Exception:  # an output type that cannot be rebuilt from placeholders: keep labels required
         return False
-    loss = loss_of(rebuilt)
+    loss = model_loss(rebuilt)
     if not isinstance(loss, int):
         return False
     reached = _dependents(labels)
@@ -72,11 +67,3 @@ def stand_in(sizes: tuple[str, ...], dtype: torch.dtype, named: dict, captured_s
             return None
         shape.append(size)
     return torch.zeros(shape, dtype=dtype, device=like.device)
-
-
-def without_loss(output):
-    """``output`` as the model returns it without labels: its ``loss`` entry gone."""
-    if isinstance(output, dict):
-        kept = {k: v for k, v in output.items() if k != "loss"}
-        return type(output)(**kept) if type(output) is not dict else kept
-    return output

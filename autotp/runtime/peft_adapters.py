@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from autotp.errors import CheckpointError, InputError
+from autotp.runtime.tp_params import plain
 
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
@@ -109,7 +110,6 @@ def merge_adapters(pm, info: PeftInfo, adapter: str = "default") -> None:
     every rank, locally, and zero its ``B`` so that the module computes the merged model. Only plain LoRA on linear
     layers (no DoRA, no embeddings)."""
     held = dict(pm.state_dict(keep_vars=True))
-    from autotp.runtime.hf_model import plain
 
     with torch.no_grad():
         for module, scales in info.scalings.items():

@@ -35,9 +35,9 @@ from autotp.rewrite.comm import TorchComm
 from autotp.runtime.batch_agreement import check_same_inputs
 from autotp.runtime.data_parallel import DataParallel, check_unshared, local, unsharded
 from autotp.runtime.integrations import RefusesDDP
-from autotp.runtime.labels import without_loss
 from autotp.runtime.mesh import Mesh, global_rank
-from autotp.runtime.outputs import SplitOutputs, deferred, output_gathers, step_loss
+from autotp.runtime.loss import step_loss, without_loss
+from autotp.runtime.outputs import SplitOutputs, deferred, output_gathers
 from autotp.runtime.parallel_base import ParallelBase, RankParts, checked_scale
 from autotp.runtime.peers import group_timeout, guarded
 

@@ -15,8 +15,8 @@ from autotp.runtime.data_parallel import local
 from autotp.runtime.drift import Fingerprints
 from autotp.runtime.generation import Generation, rank_tensors
 from autotp.runtime.integrations import TrainerFacing, signed_forward
-from autotp.runtime.loss_graphs import LossGraphs
-from autotp.runtime.outputs import checked_loss, deferred, output_gathers, step_loss
+from autotp.runtime.loss import LossGraphs, checked_loss, step_loss
+from autotp.runtime.outputs import deferred, output_gathers
 from autotp.runtime.parallel_base import ParallelBase, RankParts, checked_scale
 from autotp.runtime.peers import guarded
 from autotp.runtime.sampling import check_extra
@@ -37,7 +37,7 @@ class ParallelModule(TrainerFacing, ParallelBase):
         self.generation = generation
         """What ``generate`` needs of the model (``runtime.generation``); None: this module cannot generate."""
         self.loss_graphs = loss_graphs
-        """The model captured with each ``loss_fn`` (``runtime.loss_graphs``); None: a loss_fn gets gathered outputs."""
+        """The model captured with each ``loss_fn`` (``runtime.loss``); None: a loss_fn gets gathered outputs."""
         self.module, self.eval_module = graphs[True], graphs[False]
         self.fsdp_unit = self._dp.wrap(self.module, self.eval_module) if self._dp is not None else None
         self._output_gathers = output_gathers([self.module, self.eval_module])
@@ -194,7 +194,7 @@ class ParallelModule(TrainerFacing, ParallelBase):
         """The forward half of ``step``: the loss it trains on (same arguments), with its graph, for a backward
         of your own. Split outputs are not gathered for it: the default cross-entropy and a model's own loss
         are computed on the vocabulary-split logits; a ``loss_fn`` is captured with the model on first use, so a
-        cross-entropy inside it is too (``runtime.loss_graphs``; where it cannot be, it gets the outputs whole)."""
+        cross-entropy inside it is too (``runtime.loss``; where it cannot be, it gets the outputs whole)."""
         kwargs = self._hf_sorted(kwargs).kwargs
         graph = self._loss_graph(loss_fn, inputs, kwargs, target)
         if graph is not None:

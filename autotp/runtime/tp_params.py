@@ -30,11 +30,16 @@ import warnings
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from autotp.torch_private import release_groups
 from autotp.planning.plan import Plan
 from autotp.runtime.state import StateNames
+
+
+def plain(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's local tensor of ``tensor`` (a DTensor's local shard, sharing its storage), else itself."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def tp_mesh(group, device: torch.device) -> DeviceMesh:

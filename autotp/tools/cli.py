@@ -21,24 +21,17 @@ import os
 import sys
 import traceback
 import warnings
-from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from autotp.errors import AutotpError, InputError, InternalError
 from autotp.mixed_precision import DTYPES
-from autotp.options import Balance, DataParallelMode, Options, Recompute, Schedule, VocabChoice
+from autotp.options import Balance, DataParallelMode, Recompute, Schedule, VocabChoice
 from autotp.tools.generate_cli import add_parser as add_generate_parser
+from autotp.tools.planned import load_and_plan, load_plan_file, options_of, plan_text
 
-CLUSTER_NAMES = ("cpu", "h100", "h200", "a100")
-"""``autotp.planning.machines.CLUSTERS``' names (written out so that --help loads no torch; a test checks them)."""
-
-if TYPE_CHECKING:  # torch and everything built on it load only when a command runs: --help answers at once
-    from torch import nn
-
-    from autotp.planning import Plan
-    from autotp.tools.report import ParamInfo
+MACHINE_NAMES = ("cpu", "h100", "h200", "a100")
+"""``autotp.planning.machines.MACHINES``' names (written out so that --help loads no torch; a test checks them)."""
 
 EXIT_USAGE = 2
 EXIT_BUG = 1
@@ -133,8 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--devices", type=_positive, metavar="N",
                       help="let the planner choose the layout of N devices (tp, pp, dp, schedule, microbatches, "
                            "sequence parallelism; any of them given is kept) and print the ranked layouts")
-    plan.add_argument("--machine", choices=sorted(CLUSTER_NAMES),
-                      help="the machine --devices are priced on: " + ", ".join(sorted(CLUSTER_NAMES))
+    plan.add_argument("--machine", choices=sorted(MACHINE_NAMES),
+                      help="the machine --devices are priced on: " + ", ".join(sorted(MACHINE_NAMES))
                            + " (default: this one)")
     plan.add_argument("--device-memory", metavar="BYTES",
                       help="memory per device for --devices, e.g. 80GiB (default: the machine's; same as "
@@ -153,32 +146,12 @@ def build_parser() -> argparse.ArgumentParser:
                                          "the unsharded model (exit 0 exact, 1 mismatch)")
     _common(check)
     add_generate_parser(sub)
-    sub.add_parser("zoo", help="check every transformers model type (and more); writes docs/COVERAGE.md",
+    sub.add_parser("zoo", help="check every transformers model type (and more); writes docs/COVERAGE.md. A "
+                               "repository tool (devtools/, not installed): run it from an autotp checkout's root",
                    add_help=False)
-    sub.add_parser("bench", help="run the benchmarks (bench/ in the repository; arguments pass through)",
-                   add_help=False)
+    sub.add_parser("bench", help="run the benchmarks (arguments pass through). A repository tool (bench/, not "
+                                 "installed): run it from an autotp checkout's root", add_help=False)
     return parser
-
-
-@dataclass(frozen=True)
-class Planned:
-    """A model, the example it was captured with, its plan and its parameter shapes."""
-
-    model: nn.Module
-    inputs: tuple
-    plan: Plan
-    params: dict[str, ParamInfo]
-
-
-def _load_plan_file(path: str, params: dict[str, ParamInfo], tp: int | None) -> Plan:
-    from autotp.planning import Plan, check_plan_fits
-
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except OSError as e:
-        raise InputError(f"cannot read the plan file {path}: {e.strerror}") from e
-    shapes = {name: info.shape for name, info in params.items()}
-    return check_plan_fits(Plan.from_json(text), shapes, tp=tp, source=f"the plan in {path}")
 
 
 def run_check(args) -> int:
@@ -197,76 +170,10 @@ def run_check(args) -> int:
         raise InputError("--tp is required (the number of tensor-parallel ranks), e.g. --tp 2")
     model = build_model(spec, weights=True)
     inputs = example_inputs(model, args.vocab_size)
-    plan = _load_plan_file(args.plan_file, param_infos(model), args.tp) if args.plan_file else None
+    plan = load_plan_file(args.plan_file, param_infos(model), args.tp) if args.plan_file else None
     report = autotp.check(model, args.tp or plan.tp, inputs, plan=plan, options=options_of(args, plan))
     print(report)
     return 0 if report.exact else EXIT_MISMATCH
-
-
-def load_and_plan(args) -> Planned:
-    """Build MODEL, make its example inputs, and plan it (or read ``--plan``)."""
-    import autotp
-    from autotp.tools.model_spec import (
-        build_model,
-        example_inputs,
-        parse_overrides,
-        parse_spec,
-    )
-    from autotp.tools.report import param_infos
-
-    spec = parse_spec(args.model, parse_overrides(args.overrides))
-    devices = getattr(args, "devices", None)
-    if args.tp is None and not args.plan_file and devices is None and (getattr(args, "cp", None) or 1) == 1:
-        raise InputError("--tp is required (the number of tensor-parallel ranks), e.g. --tp 2, or --devices N to "
-                         "let the planner choose the layout")
-    if args.plan_file and devices is not None:
-        raise InputError("--devices lets the planner choose the layout, and --plan gives one: pass one of them")
-    if devices is not None and (args.ep or 1) > 1:
-        raise InputError("--ep with --devices: the layout search does not price expert parallelism yet; plan at a "
-                         "given layout (--tp, --dp, --ep) instead")
-    model = build_model(spec)
-    inputs = example_inputs(model, args.vocab_size)
-    params = param_infos(model)
-    if args.plan_file:
-        return Planned(model, inputs, _load_plan_file(args.plan_file, params, args.tp), params)
-    if devices is not None:
-        return Planned(model, inputs, autotp.plan(model, example_inputs=inputs, world_size=devices,
-                                                  machine=args.machine, **searched_settings(args)), params)
-    return Planned(model, inputs, autotp.plan(model, example_inputs=inputs, options=options_of(args)), params)
-
-
-def searched_settings(args) -> dict:
-    """The settings of ``autotp plan --devices``: the layout flags given are fixed (the rest searched)."""
-    budget = args.device_memory or args.memory_budget
-    if (args.cp or 1) > 1:
-        raise UsageError("--devices searches tp, pp and dp; it does not consider --cp yet: give the layout "
-                         "(--tp 1 --cp N) without --devices")
-    return {"tp": args.tp, "pp": args.pp, "dp": args.dp, "dp_mode": args.dp_mode, "balance": args.balance,
-            "batch": args.batch, "seq": args.seq, "vocab": args.vocab, "memory_budget": budget,
-            "sequence_parallel": True if args.sequence_parallel else None}
-
-
-def options_of(args, plan: Plan | None = None) -> Options:
-    """The settings the command line gives, as the one options value the library takes (with ``--plan``, the
-    plan's tp)."""
-    tp = args.tp or (plan.tp if plan is not None else None)
-    return Options.build(tp=tp, pp=args.pp, ep=args.ep, cp=getattr(args, "cp", None), balance=args.balance,
-                         batch=args.batch, seq=args.seq,
-                         vocab=args.vocab, memory_budget=args.memory_budget,
-                         sequence_parallel=args.sequence_parallel, recompute=args.recompute,
-                         schedule=getattr(args, "schedule", None),
-                         mixed_precision=getattr(args, "mixed_precision", None))
-
-
-def _table(planned: Planned, args) -> str:
-    from autotp.tools.report import plan_table
-
-    if getattr(args, "devices", None) is not None:
-        from autotp.tools.layout_table import layout_table
-
-        return layout_table(planned.plan, args.devices, args.machine or "this machine")
-    return plan_table(planned.plan, planned.params, args.batch, args.seq, expand=args.expand,
-                      dp=getattr(args, "dp", None) or 1, dp_mode=DataParallelMode(getattr(args, "dp_mode", None) or "fsdp"))
 
 
 def _emit(text: str, output: str | None) -> None:
@@ -306,7 +213,7 @@ def run_plan(args) -> int:
     elif fmt is TextFormat.TORCH:
         text = torch_plan_source(plan)
     else:
-        text = _table(planned, args)
+        text = plan_text(planned, args)
     _emit(text, args.output)
     if args.output:  # on stderr: stdout stays what was asked for
         print(f"autotp: wrote {args.output}: {_WRITTEN[fmt]} (tp={plan.tp}, pp={plan.pp})", file=sys.stderr)
@@ -323,18 +230,32 @@ def _run_viz(args) -> int:
     return run_viz(args)
 
 
-def run_bench(argv: list[str]) -> int:
-    """``autotp bench ARGS``: the repository's ``bench`` package, run from the repository root."""
+REPOSITORY_TOOLS = {"bench": ("bench", "bench/"), "zoo": ("devtools.zoo", "devtools/zoo.py")}
+"""The commands that run a tool of the repository, not of the installed package: its module and where it lives."""
+
+
+def repository_tool(command: str):
+    """The module ``autotp COMMAND`` runs, imported from the current directory (an autotp checkout's root): these
+    tools are not installed with the package, so anywhere else this is an ``InputError`` that says so."""
+    module, where = REPOSITORY_TOOLS[command]
     if str(Path.cwd()) not in sys.path and "" not in sys.path:
         sys.path.insert(0, str(Path.cwd()))
     try:
-        bench = importlib.import_module("bench")
+        return importlib.import_module(module)
     except ImportError as e:
-        return _fail(f"autotp bench runs the repository's bench/ package, which cannot be imported here ({e}); "
-                     "run it from the autotp repository root")
-    if not callable(getattr(bench, "main", None)):
-        return _fail("the bench package has no main(argv) function; update the repository")
-    result = bench.main(argv)
+        missing = e.name is not None and module.startswith(e.name)
+        why = "it is not here" if missing else f"it cannot be imported here ({e})"
+        raise InputError(f"autotp {command} is a repository tool: it runs {where} of an autotp checkout, which is "
+                         f"not installed with the package, and {why}; run it from the repository root "
+                         f"(git clone the autotp repository, cd into it, then autotp {command} ...)") from e
+
+
+def run_repository_tool(command: str, argv: list[str]) -> int:
+    """``autotp bench ARGS`` or ``autotp zoo ARGS``: the repository tool's own ``main(argv)``."""
+    tool = repository_tool(command)
+    if not callable(getattr(tool, "main", None)):
+        raise InputError(f"{REPOSITORY_TOOLS[command][1]} has no main(argv) function; update the repository")
+    result = tool.main(argv)
     return result if isinstance(result, int) else 0
 
 
@@ -346,12 +267,11 @@ def _fail(message: str) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Run the command line ``argv`` (default ``sys.argv[1:]``); returns the exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["bench"]:  # everything after `bench` belongs to the benchmark's own parser
-        return run_bench(argv[1:])
-    if argv[:1] == ["zoo"]:  # the sweep has its own parser
-        from autotp.tools.zoo import main as zoo_main
-
-        return zoo_main(argv[1:])
+    if argv[:1] in (["bench"], ["zoo"]):  # everything after the command belongs to the tool's own parser
+        try:
+            return run_repository_tool(argv[0], argv[1:])
+        except AutotpError as e:
+            return _fail(str(e))
     try:
         args = build_parser().parse_args(argv)
     except UsageError as e:

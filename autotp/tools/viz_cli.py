@@ -6,7 +6,7 @@ from pathlib import Path
 
 from autotp.errors import InputError
 from autotp.planning.plan import Plan
-from autotp.tools.cli import Planned, _table, load_and_plan
+from autotp.tools.planned import Planned, load_and_plan, plan_text
 
 
 def _stage_scale(plan: Plan, batch: int, seq: int) -> float:
@@ -35,7 +35,7 @@ def _draw_timeline(planned: Planned, args, fmt) -> None:
     timeline = simulate([gflop / micro for _, gflop in costs], micro, TimelineSchedule(args.schedule))
     title = f"{plan.model or 'model'} · tp={plan.tp} · pp={plan.pp} · batch {args.batch}, seq {args.seq}"
     save(draw_timeline(timeline, [label for label, _ in costs], title), args.output, fmt, title,
-         text=_table(planned, args))
+         text=plan_text(planned, args))
 
 
 def _draw_graph(planned: Planned, args, fmt) -> None:
@@ -48,7 +48,7 @@ def _draw_graph(planned: Planned, args, fmt) -> None:
         Path(args.output).write_text(to_dot(vg), encoding="utf-8")
         return
     fig, tooltips = draw_graph(vg)
-    save(fig, args.output, fmt, vg.title, tooltips, text=_table(planned, args))
+    save(fig, args.output, fmt, vg.title, tooltips, text=plan_text(planned, args))
 
 
 def run_viz(args) -> int:

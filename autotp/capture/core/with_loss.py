@@ -1,4 +1,5 @@
-"""A user's loss function captured with the model: one graph from the inputs and the target to the loss.
+"""A user's loss function captured with the model: one graph from the inputs and the target to the loss (the
+capture step of ``runtime.loss.LossGraphs``, where the loss is owned).
 
 ``pm.step(x, target=y, loss_fn=f)`` trains on ``f(model(x), y)``. Captured apart from the model, ``f`` would get
 the model's outputs whole, so vocabulary-split logits would be all-gathered for it; captured together, a

@@ -1,7 +1,9 @@
 """The zoo: every transformer a user might bring, planned and checked in one process, as a coverage table.
+A repository tool (``devtools/`` is not installed with autotp): run it from the repository root.
 
     autotp zoo                          # every type, tp=2 and tp=4, writes docs/COVERAGE.md
     autotp zoo --only llama,gpt2 -o -   # some types, the table on stdout
+    python -m devtools.zoo --only gpt2  # the same, without the autotp command
 
 Entries: every model type of the installed transformers' causal-LM mapping (a tiny config of each,
 random weights), encoders (BERT family), encoder-decoders (fed ``decoder_input_ids``), torch's own
@@ -16,8 +18,6 @@ import signal
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from enum import Enum
 from pathlib import Path
 
 import torch
@@ -29,8 +29,8 @@ from autotp.checker import check_prepared, prepare
 from autotp.errors import AutotpError, TrainingSettingError
 from autotp.names import within
 from autotp.passes.choices import whole_convolutions
-from autotp.tools.zoo_diffusers import diffusers_entries
-from autotp.tools.zoo_entries import (
+from devtools.zoo_diffusers import diffusers_entries
+from devtools.zoo_entries import (
     Entry,
     build_reason,
     error_line,
@@ -39,42 +39,11 @@ from autotp.tools.zoo_entries import (
     timm_entries,
     torch_entries,
 )
+from devtools.zoo_results import Result, Status
 
 SIZEABLE = 4096
 """A matrix (or a bank of expert matrices) of at least this many elements (64 x 64 in the tiny configs)
 should be split."""
-
-
-class Status(str, Enum):
-    """The verdict of one entry at one tp."""
-
-    EXACT = "exact"
-    """Exact, and every sizeable matrix the forward uses is split."""
-    PARTIAL = "partial"
-    """Exact, something sizeable kept whole (the notes say what and why)."""
-    REFUSED = "refused"
-    """A clear autotp error (capture or plan), not a wrong answer."""
-    NOT_BUILDABLE = "not buildable"
-    """The tiny config or its model cannot be built."""
-    TIMEOUT = "timeout"
-    """Did not finish within the sweep's time limit per entry (slow planning, not a wrong answer)."""
-    MISMATCH = "MISMATCH"
-    """The checker found a difference: a bug in autotp."""
-    CRASH = "CRASH"
-    """Something raised that is not an autotp error: a bug in autotp."""
-    PENDING = "pending"
-    """Not swept yet: the table was written from a sweep that stopped early."""
-
-
-@dataclass
-class Result:
-    """One entry at one tp."""
-
-    status: Status
-    split: float | None = None
-    """Fraction of the parameters the forward uses that are split."""
-    notes: list[str] = field(default_factory=list)
-    seconds: float = 0.0
 
 
 def entries(only: set[str] | None = None, extra: tuple[str, ...] = (), families: set[str] | None = None,
@@ -324,7 +293,7 @@ def main(argv: list[str]) -> int:
     """``autotp zoo [--only a,b] [--family f,g] [--tp 2 4] [-o FILE] [--save F.json] [--load F.json ...]``."""
     import argparse
 
-    from autotp.tools.zoo_table import coverage_table, load_results, save_results
+    from devtools.zoo_table import coverage_table, load_results, save_results
 
     parser = argparse.ArgumentParser(prog="autotp zoo", description="check every model type, write the coverage table")
     parser.add_argument("--only", help="comma-separated entry names (default: all)")
@@ -378,3 +347,7 @@ def main(argv: list[str]) -> int:
             f.write(table)
         print(f"wrote {args.output}", file=sys.stderr)
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,4 +1,4 @@
-"""Repairs of a tiny config from the errors it raises. The zoo's tiny configs (``autotp.tools.tiny``) shrink every
+"""Repairs of a tiny config from the errors it raises. The zoo's tiny configs (``devtools.tiny``) shrink every
 size field by rule, and some architectures tie sizes together in their own validation: where that validation (or
 the model built from the config) states in its message the value a field must take (``X must be 0``, ``X (2) must
 equal Y (4)``, ``X (16) must be divisible by Y (32)``, ``X must equal A + B``, a size the config reads but does not

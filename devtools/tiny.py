@@ -14,10 +14,10 @@ from __future__ import annotations
 import re
 
 from autotp.tools.model_spec import SMALL_HF, _small_low_rank
-from autotp.tools.tiny_overrides import TYPE_OVERRIDES
-from autotp.tools.tiny_repairs import repaired
-from autotp.tools.tiny_rotary import rotary_sections
-from autotp.tools.tiny_stages import (
+from devtools.tiny_overrides import TYPE_OVERRIDES
+from devtools.tiny_repairs import repaired
+from devtools.tiny_rotary import rotary_sections
+from devtools.tiny_stages import (
     is_stage_list,
     small_stages,
     spelled_out_blocks,

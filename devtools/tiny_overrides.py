@@ -1,4 +1,4 @@
-"""Per-architecture values of the zoo's tiny configs (``autotp.tools.tiny``): sizes one architecture ties together
+"""Per-architecture values of the zoo's tiny configs (``devtools.tiny``): sizes one architecture ties together
 in a way no general rule reads, and defaults of a model's config that do not build or run. Type names appear only
 here and in the zoo's other tables, never in autotp's logic.
 """

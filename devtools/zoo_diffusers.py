@@ -8,7 +8,7 @@ import importlib.util
 import torch
 from torch import nn
 
-from autotp.tools.zoo_entries import Entry
+from devtools.zoo_entries import Entry
 
 B = 2
 

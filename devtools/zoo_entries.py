@@ -19,8 +19,8 @@ import torch
 from torch import nn
 
 from autotp.capture.core.examples import EXAMPLE_BATCH, EXAMPLE_SEQ
-from autotp.tools.tiny import MAX_PARAMS, default_config, quiet, tiny_model
-from autotp.tools.zoo_inputs import (
+from devtools.tiny import MAX_PARAMS, default_config, quiet, tiny_model
+from devtools.zoo_inputs import (
     _seeded,
     audio_inputs,
     document_inputs,
@@ -30,7 +30,7 @@ from autotp.tools.zoo_inputs import (
     token_ids,
     vision_text_inputs,
 )
-from autotp.tools.zoo_stubs import refresh_transformers_checks, torchvision_stub
+from devtools.zoo_stubs import refresh_transformers_checks, torchvision_stub
 
 
 @dataclass(frozen=True)

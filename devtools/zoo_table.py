@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import os
 
-from autotp.tools.zoo import Result, Status
+from devtools.zoo_results import Result, Status
 
 COUNTED = (Status.EXACT, Status.PARTIAL, Status.REFUSED, Status.NOT_BUILDABLE, Status.TIMEOUT, Status.MISMATCH,
            Status.CRASH)
