@@ -119,10 +119,11 @@ def test_the_checker_sees_a_rank_computing_the_wrong_tokens():
 
 
 def test_the_layout_search_refuses_cp_rather_than_dropping_it():
-    from autotp.tools.cli import UsageError, build_parser, searched_settings
+    from autotp.tools.cli import build_parser
+    from autotp.tools.planned import searched_settings
 
     with pytest.raises(autotp.InputError, match="does not consider cp"):
         autotp.plan(context_workers.llama(), example_inputs=models.tokens(2, 16, 0), world_size=2, cp=2)
     args = build_parser().parse_args(["plan", "hf:llama", "--devices", "2", "--cp", "2"])
-    with pytest.raises(UsageError, match="--cp"):
+    with pytest.raises(autotp.InputError, match="--cp"):
         searched_settings(args)

@@ -100,7 +100,7 @@ def test_zoo_sample_with_lora_on_every_linear_layer(name, biased_rows):
     import peft
     import torch
 
-    from autotp.tools import zoo
+    from devtools import zoo
 
     entry = zoo.entries({name})[0]
     torch.manual_seed(0)

@@ -211,15 +211,15 @@ class Generation:
         config = given.pop("generation_config", None)
         settings = resolve(config if config is not None else pm.generation_config, given)
         ids, mask = prompt_of(input_ids, attention_mask)
-        # Ranks given different prompts would each decode a mixture of both; one all-gather of their
-        # fingerprints refuses that on every rank, as a training forward does.
-        check_same_inputs(("input_ids", "attention_mask"), (ids, mask), pm.comm)
         seen = [] if output_logits else None
         if not self.no_cache:
             self._build(pm)
         elif not self.warned:  # once per module: what it costs, and what to add
             warnings.warn(f"autotp generate: {self.no_cache}", stacklevel=3)
             self.warned = True
+        # Ranks given different prompts would each decode a mixture of both; one all-gather of their
+        # fingerprints, over what the steps talk over, refuses that on every rank, as a training forward does.
+        check_same_inputs(("input_ids", "attention_mask"), (ids, mask), self.comm or pm.comm)
         pick = picker(settings, self.generator, self.comm or pm.comm)
         with torch.inference_mode():
             if self.no_cache:

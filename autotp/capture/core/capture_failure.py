@@ -49,9 +49,9 @@ def raise_capture_failure(model: nn.Module, example: ExampleInputs, errors: list
 
 
 def _user_frame(exc: BaseException) -> str:
-    """The innermost traceback frame outside torch, i.e. where in the user's code capture broke."""
+    """The innermost traceback frame outside torch and autotp, i.e. where in the user's code capture broke."""
     torch_dir = os.path.dirname(torch.__file__)
-    here = os.path.dirname(__file__)
+    here = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))  # autotp/: its capture wraps the forward
     frames = [f for f in traceback.extract_tb(exc.__traceback__)
               if not f.filename.startswith((torch_dir, here))]
     if not frames:
