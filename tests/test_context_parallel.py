@@ -109,8 +109,14 @@ def test_the_checker_simulates_cp_ranks(name, cp):
     assert report.exact, str(report)
 
 
-def test_the_checker_sees_a_rank_computing_the_wrong_tokens():
-    """Rank 1 told it holds rank 0's positions: its tokens' outputs are wrong, and the check says so."""
+def test_the_checker_sees_a_rank_computing_the_wrong_tokens(monkeypatch):
+    """Rank 1 told it holds rank 0's positions: its tokens' outputs are wrong, and the check says so. (The wrong
+    rank may leave its peer waiting at a collective, so the simulated ranks wait 20 s here, not 120.)"""
+    from autotp.rewrite.comm import ThreadComm
+
+    group = ThreadComm.group
+    monkeypatch.setattr(ThreadComm, "group", lambda size, timeout=20.0: group(size, timeout))
+
     def wrong(modules, comms):
         modules[1].cp_positions.rank = 0
 
