@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from autotp.errors import InputError
+from autotp.rewrite.collectives import CopyToTP
 from autotp.rewrite.comm import Communicator
 
 
@@ -113,27 +114,13 @@ class OutputShare(nn.Module):
         return _Scaled.apply(x, 1.0 / self.cp) if isinstance(x, torch.Tensor) and x.requires_grad else x
 
 
-class _Summed(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, comm):
-        ctx.comm = comm
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return ctx.comm.all_reduce(grad), None
-
-
-class ParamGradSum(nn.Module):
+class ParamGradSum(CopyToTP):
     """A parameter's read: identity forward; backward, the gradient summed over the cp ranks (each computed its
-    tokens' part), so every rank holds the whole gradient, as the unsharded model does."""
-
-    def __init__(self, comm: Communicator):
-        super().__init__()
-        self.comm = comm
+    tokens' part), so every rank holds the whole gradient, as the unsharded model does: Megatron's ``f`` over
+    the cp ranks, skipped where no gradient flows."""
 
     def forward(self, x):
-        return _Summed.apply(x, self.comm) if x.requires_grad and torch.is_grad_enabled() else x
+        return super().forward(x) if x.requires_grad and torch.is_grad_enabled() else x
 
 
 def causal_rows(positions: torch.Tensor, length: int) -> torch.Tensor:
