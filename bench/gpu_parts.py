@@ -103,6 +103,22 @@ def rms_diff(full: dict, want: dict) -> float:
     return (squares / sum(want[k].numel() for k in keys)) ** 0.5
 
 
+def against_unsharded(pm, losses: list[float], want_losses: list[float], want: dict) -> dict:
+    """How far a parallel module's training went from the unsharded model's: losses and parameters after it."""
+    full = pm.full_state_dict()
+    return {"loss_diff": max(abs(a - b) for a, b in zip(losses, want_losses)),
+            "param_max_diff": max_diff(full, want), "param_rms_diff": rms_diff(full, want)}
+
+
+def step_of(pm, x, y):
+    """One timed training step of ``pm`` (forward, backward; gradients dropped so none accumulate)."""
+    def pm_step():
+        pm.step(x, target=y, loss_fn=lm_loss)
+        for p in pm.parameters():
+            p.grad = None
+    return pm_step
+
+
 def checker(device: str, small: bool) -> dict:
     """``autotp.check`` at tp=2 (every rank simulated in this process) on the device: one training step compared
     with the unsharded model (output, loss, gradients, parameters after SGD), in fp32 and bf16."""
@@ -133,14 +149,8 @@ def single(device: str, small: bool) -> dict:
                                 mixed_precision=torch.bfloat16 if policy else None)
         losses = parallel_training(pm, x, y, STEPS)
         want_losses, want = unsharded_training(ref, x, y, device, policy, STEPS)
-        full = pm.full_state_dict()
-        found[kind] = {"loss_diff": max(abs(a - b) for a, b in zip(losses, want_losses)),
-                       "param_max_diff": max_diff(full, want), "param_rms_diff": rms_diff(full, want)}
-
-        def pm_step():
-            pm.step(x, target=y, loss_fn=lm_loss)
-            for p in pm.parameters():
-                p.grad = None
+        found[kind] = against_unsharded(pm, losses, want_losses, want)
+        pm_step = step_of(pm, x, y)
 
         def ref_step():
             with _autocast(device, policy):
@@ -234,14 +244,8 @@ def two_ranks(rank: int, world: int, device: str, small: bool) -> dict:
         losses = parallel_training(pm, x, y, STEPS, clip=1.0)
         ref = copy.deepcopy(model).to(here)
         want_losses, want = _unsharded_clipped(ref, x, y, here, policy)
-        full = pm.full_state_dict()
-        found[kind] = {"loss_diff": max(abs(a - b) for a, b in zip(losses, want_losses)),
-                       "param_max_diff": max_diff(full, want), "param_rms_diff": rms_diff(full, want)}
-
-        def pm_step():
-            pm.step(x, target=y, loss_fn=lm_loss)
-            for p in pm.parameters():
-                p.grad = None
+        found[kind] = against_unsharded(pm, losses, want_losses, want)
+        pm_step = step_of(pm, x, y)
 
         found[kind]["step_ms"] = timed_ms(pm_step, device, 3 if small else 20)
     found["bf16_policy"]["unsharded_bf16_vs_fp32_rms"] = policy_gap(model, x, y, here, _unsharded_clipped)

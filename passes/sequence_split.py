@@ -244,13 +244,20 @@ def _softmax(node, layout, split):
     return d if norm_dim(node.args[1], len(_sizes(x))) != d else None
 
 
-def _reduction(node, layout, split):
-    x = node.args[0]
-    d, rank = layout.split[x.name], len(_sizes(x))
+def _dims_of(node, rank: int) -> list[int] | None:
+    """The dims a reduction or squeeze names (its second argument), made non-negative; None: every dim."""
     dims = node.args[1] if len(node.args) > 1 else None
     if dims is None:
         return None
-    dims = [norm_dim(k, rank) for k in ([dims] if isinstance(dims, int) else dims)]
+    return [norm_dim(k, rank) for k in ([dims] if isinstance(dims, int) else dims)]
+
+
+def _reduction(node, layout, split):
+    x = node.args[0]
+    d, rank = layout.split[x.name], len(_sizes(x))
+    dims = _dims_of(node, rank)
+    if dims is None:
+        return None
     keep = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
     if d in dims:
         return None
@@ -301,10 +308,9 @@ def _unsqueeze(node, layout, split):
 def _squeeze(node, layout, split):
     x = node.args[0]
     d, rank = layout.split[x.name], len(_sizes(x))
-    dims = node.args[1] if len(node.args) > 1 else None
+    dims = _dims_of(node, rank)
     if dims is None:
         return None
-    dims = [norm_dim(k, rank) for k in ([dims] if isinstance(dims, int) else dims)]
     return None if d in dims else d - sum(1 for k in dims if k < d)
 
 
