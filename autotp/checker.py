@@ -198,13 +198,17 @@ def build_ranks(captured: Captured, plan: Plan, seed: int = SEED,
 
 def _context_ranks(captured: Captured, plan: Plan, seed: int) -> tuple[list[fx.GraphModule], list[ThreadComm]]:
     """Every context-parallel rank's module (each the whole model, computing its own tokens), joined by threads."""
-    cp = plan.options.cp
-    comms, layout = ThreadComm.group(cp), plan_context(captured, cp)
-    modules = []
-    for rank in range(cp):
-        gm = rewrite(captured, plan, 0, None, RankStream(seed))
-        apply_context(gm, layout, comms[rank], {n for n, p in gm.named_parameters() if p.requires_grad})
-        modules.append(gm)
+    cp, tp = plan.options.cp, plan.tp
+    layout = plan_context(captured, cp)
+    tp_comms = [ThreadComm.group(tp) if tp > 1 else [None] for _ in range(cp)]
+    cp_comms = [ThreadComm.group(cp) for _ in range(tp)]
+    modules, comms = [], []
+    for c in range(cp):  # rank c * tp + t: tp innermost, as on the mesh
+        for t in range(tp):
+            gm = rewrite(captured, plan, t, tp_comms[c][t], RankStream(seed))
+            apply_context(gm, layout, cp_comms[t][c], {n for n, p in gm.named_parameters() if p.requires_grad})
+            modules.append(gm)
+            comms.append(cp_comms[t][c])
     return modules, comms
 
 
@@ -277,7 +281,7 @@ def check_prepared(prepared: Prepared, tp: int | None = None, *, plan: Plan | No
     report = CheckReport(tp=chosen.tp, plan=chosen, read=read)
     compare = _Compare(report)
     _compare_step(compare, chosen, captured, reference, ranks, ref_out, ref_loss)
-    if not report.exact and report.mismatch.what in ("output", "loss"):
+    if not report.exact and report.mismatch.what in ("output", "loss") and chosen.options.cp == 1:
         report.located = locate(captured, chosen, modules, comms, inputs)
     if not report.exact:
         return _checked_wider(model, prepared.example_inputs, chosen, report, modules_hook)
@@ -336,6 +340,14 @@ def _compare_step(compare: _Compare, plan: Plan, captured: Captured, reference: 
             if isinstance(want, torch.Tensor):
                 compare("output", f"output {i} on rank {r.comm.rank}", got, want)
         compare("loss", f"loss on rank {r.comm.rank}", r.loss, ref_loss)
+    for first in range(0, len(ranks), plan.tp):  # each cp rank's tp group holds the whole model (tp innermost)
+        _compare_params(compare, plan, captured, reference, ranks[first:first + plan.tp])
+    _compare_buffers(compare, captured, reference, ranks)
+
+
+def _compare_params(compare: _Compare, plan: Plan, captured: Captured, reference: nn.Module,
+                    ranks: list[_Rank]) -> None:
+    """The gradients and parameters after a step of one group of tp ranks against the unsharded model's."""
     per_rank = [{captured.aliases.get(captured.param_name(k), k): p for k, p in r.module.named_parameters()}
                 for r in ranks]
     ref_params = dict(reference.named_parameters())
@@ -348,7 +360,6 @@ def _compare_step(compare: _Compare, plan: Plan, captured: Captured, reference: 
             continue
         after = [rank[name].detach() - LR * g for rank, g in zip(per_rank, grads)]
         compare("parameter after a step", name, full_tensor(plan.placements.get(name), after), ref_param.detach() - LR * want)
-    _compare_buffers(compare, captured, reference, ranks)
 
 
 def _compare_buffers(compare: _Compare, captured: Captured, reference: nn.Module, ranks: list[_Rank]) -> None:

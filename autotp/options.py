@@ -176,13 +176,15 @@ def _check_context(options) -> None:
     """cp > 1 runs with the settings it is tested with: the others are refused, naming them."""
     if options.cp == 1:
         return
-    others = [f"{name}={getattr(options, name)}" for name in ("tp", "pp", "dp") if getattr(options, name) > 1]
+    others = [f"{name}={getattr(options, name)}" for name in ("pp",) if getattr(options, name) > 1]
+    if options.tp > 1 and options.dp > 1:
+        others.append(f"tp={options.tp} and dp={options.dp} together")
     others += [name for name in ("sequence_parallel", "compile") if getattr(options, name)]
     if options.recompute is not Recompute.NONE:
         others.append(f"recompute={options.recompute.value!r}")
     if others:
-        raise InputError(f"cp={options.cp} (context parallelism) runs alone for now: {', '.join(others)} with it is "
-                         "not verified; use cp with tp=1, pp=1, dp=1 and the defaults, or leave cp at 1")
+        raise InputError(f"cp={options.cp} (context parallelism) runs with tp or dp (one of them) and the defaults "
+                         f"for now: {', '.join(others)} with it is not verified; drop those settings, or leave cp at 1")
 
 
 @dataclass(frozen=True, repr=False)
@@ -200,8 +202,9 @@ class Options:
     """Data-parallel replicas (a runtime layout: the plan is the same for any dp)."""
     cp: int = 1
     """Context-parallel ranks: every sequence is split across them for the whole model (each rank computes its
-    own 2 of ``2 * cp`` chunks; attention all-gathers keys and values). Each rank is given the same batch and
-    returns the whole output. The sequence must be a multiple of ``2 * cp``."""
+    own 2 of ``2 * cp`` chunks; attention all-gathers keys and values). Each rank of a cp group is given the same
+    batch and returns the whole output. With tp or dp, ranks lie on a (dp x cp x tp) mesh, tp innermost. The
+    sequence must be a multiple of ``2 * cp``."""
     dp_mode: DataParallelMode = DataParallelMode.FSDP
     """How the replicas hold the model."""
     ep: int = 1

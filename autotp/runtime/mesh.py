@@ -53,7 +53,7 @@ class Mesh:
         return global_rank(self.placement(stage, self.pp), self.dp_rank, self.tp_rank, self.dp, self.tp)
 
 
-def _with_timeout(device: torch.device, timeout: timedelta | None):
+def _with_timeout(device: torch.device, timeout: timedelta | None, axes: tuple[str, ...] = AXES):
     """Each axis's group made with ``timeout``: a group's point-to-point waits (a pipeline's sends and receives)
     keep the timeout it was made with, and torch would make the mesh's with its own default (30 minutes)."""
     if timeout is None:
@@ -63,4 +63,4 @@ def _with_timeout(device: torch.device, timeout: timedelta | None):
     else:
         options, backend = dist.ProcessGroupGloo._Options(), "gloo"
     options._timeout = timeout
-    return {axis: (backend, options) for axis in AXES}
+    return {axis: (backend, options) for axis in axes}

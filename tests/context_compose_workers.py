@@ -1,0 +1,65 @@
+"""Per-rank bodies of the tests of context parallelism composed with tensor, data and pipeline parallelism on gloo:
+outputs, losses, every gradient and every parameter after AdamW steps equal the unsharded model's."""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import DTensor
+from torch.testing import assert_close
+
+import autotp
+from tests import models
+from tests.context_workers import build
+from tests.workers import ADAM, STEPS
+
+
+def _whole(grad: torch.Tensor) -> torch.Tensor:
+    """A gradient whole: a DTensor's (tensor-parallel shards, FSDP shards) gathered; collective over its mesh."""
+    return grad.full_tensor() if isinstance(grad, DTensor) else grad
+
+
+def _check_grads(pm, ref, label: str) -> float:
+    """Every gradient of ``pm`` (gathered whole) equals ``ref``'s; the largest error. Collective."""
+    worst, ref_params = 0.0, dict(ref.named_parameters())
+    for module in pm.rank_modules():
+        for name, param in sorted(pm._names.params(module).items()):
+            got, want = _whole(param.grad), ref_params[name].grad
+            assert_close(got, want, rtol=1e-4, atol=1e-6, msg=lambda m: f"{label} grad {name}: {m}")
+            worst = max(worst, float((got - want).abs().max()))
+    return worst
+
+
+def train_composed(rank: int, world: int, name: str, settings: dict, seq: int = 16) -> dict:
+    """``name`` at ``settings`` (cp with tp, dp or pp): eval outputs, then STEPS AdamW steps of cross-entropy (each
+    replica on its rows of the batch) with the loss, every gradient and every parameter afterwards equal to the
+    unsharded model's on the whole batch; returns the largest errors."""
+    ref = build(name)
+    dp = settings.get("dp", 1)
+    x, y = models.tokens(2 * dp, seq, 1), models.tokens(2 * dp, seq, 2)
+    pm = autotp.parallelize(ref, example_inputs=x[:2], **{"tp": 1, **settings})
+    rows = slice(2 * pm.dp_rank, 2 * pm.dp_rank + 2)
+    errors = {"output": 0.0, "loss": 0.0, "grad": 0.0}
+    if settings.get("pp", 1) == 1:
+        pm.eval(), ref.eval()
+        with torch.no_grad():
+            got, want = models.first_tensor(pm(x[rows])), models.first_tensor(ref(x[rows]))
+        assert_close(got, want, rtol=1e-5, atol=1e-6)
+        errors["output"] = float((got - want).abs().max())
+    pm.train(), ref.train()
+    opt, ref_opt = torch.optim.AdamW(pm.parameters(), **ADAM), torch.optim.AdamW(ref.parameters(), **ADAM)
+    for _ in range(STEPS):
+        loss = pm.step(x[rows], target=y[rows], loss_fn=models.loss_fn)
+        with torch.no_grad():
+            mine = models.loss_fn(ref(x[rows]), y[rows])  # this replica's rows' loss, as pm.step returns it
+        ref_loss = models.loss_fn(ref(x), y)
+        ref_loss.backward()
+        assert_close(loss, mine, rtol=1e-5, atol=1e-6)
+        errors["loss"] = max(errors["loss"], float((loss - mine).abs()))
+        errors["grad"] = max(errors["grad"], _check_grads(pm, ref, f"{name} {settings}"))
+        opt.step(), ref_opt.step()
+        opt.zero_grad(), ref_opt.zero_grad()
+    full = pm.full_state_dict()
+    for key, want in ref.state_dict().items():
+        assert_close(full[key], want, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name} {settings} {key}: {m}")
+    pm.close()
+    return errors
