@@ -53,13 +53,10 @@ def choose_plan(model: nn.Module, captured: Captured, example: ExampleInputs, ma
 
 def search_options(tp: int | None, options: Options | None, settings: dict, world: int, group=None) -> Search:
     """The search of ``world`` devices from ``options`` and ``settings``, with the layout settings the caller
-    fixed (a group given: one pipeline stage, one replica, as ``group`` carries tensor parallelism only)."""
-    if settings.get("cp", 1) not in (None, 1) or (options is not None and options.cp > 1):
-        raise InputError("the layout search (world_size=, autotp plan --devices) does not consider cp yet; give the "
-                         "layout yourself: tp=1, cp=N")
+    fixed (a group given: one pipeline stage, one replica, no cp, as ``group`` carries tensor parallelism only)."""
     fixed = fixed_settings({"tp": tp, **settings}, options)
     if group is not None:
-        fixed = {"pp": 1, "dp": 1} | fixed
+        fixed = {"pp": 1, "dp": 1, "cp": 1} | fixed
     return Search(world, Options.build(options, tp=tp, **settings), fixed)
 
 

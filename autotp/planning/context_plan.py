@@ -9,6 +9,7 @@ from torch import fx
 from autotp.capture import Captured
 from autotp.errors import PlanError
 from autotp.passes.sequence_split import ContextLayout, context_layout
+from autotp.passes.costs import tensor_bytes
 from autotp.passes.graph import SHAPE_META
 
 aten = torch.ops.aten
@@ -66,3 +67,21 @@ def context_notes(layout: ContextLayout, cp: int) -> tuple[str, ...]:
                      f"(exact, communicated): {', '.join(layout.crossing[:6])}"
                      + (" ..." if len(layout.crossing) > 6 else ""))
     return tuple(notes)
+
+
+def exchanged_kv(captured: Captured, sizes: dict[str, int], unit_of: dict[str, int], units: int,
+                 tp: int) -> tuple[tuple[float, ...], int]:
+    """(bytes of the keys and values each unit's attention gathers under cp, at ``sizes`` and one of ``tp`` ranks'
+    heads; the sequence length at ``sizes``) for the layout search; ((), 0) where the model cannot run
+    context-parallel (it is then not offered)."""
+    try:
+        seq, inputs = token_inputs(captured)
+        layout = context_layout(captured.module.graph, seq, inputs)
+    except PlanError:
+        return (), 0
+    if layout.refused or not layout.kv:
+        return (), 0
+    nodes, kv = captured.analysis.nodes, [0.0] * units
+    for _, arg in sorted(layout.kv):
+        kv[unit_of.get(arg, 0)] += tensor_bytes(nodes[arg], sizes) / tp
+    return tuple(kv), int(sizes.get(str(seq), 0))

@@ -6,7 +6,8 @@ Step time = the fullest pipeline rank's compute (forward and backward: 3x the fo
 microbatch at the machine's fixed cost per op) and tensor-parallel
 collectives over its share of the batch, + the pipeline bubble ((pp-1)/(v*m) of that, every schedule: GPipe and
 1F1B idle alike, interleaving divides it by the v stages per rank), + point-to-point sends of the stage
-boundaries, + the data-parallel gradient collectives. Nothing is taken to overlap (autotp's runtime overlaps
+boundaries, + the data-parallel gradient collectives, + context parallelism's K/V exchange and gradient sum
+(``context_cost``; cp divides compute and activations as dp does, but over one sequence's tokens). Nothing is taken to overlap (autotp's runtime overlaps
 little), which over-prices communication on GPUs where it does.
 
 Memory per device = the rank's parameters, gradients and AdamW moments (``pricing.TRAINING_COPIES``; fsdp shards
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 
 from autotp.options import DataParallelMode, Recompute, Schedule
 from autotp.passes.steps import CollectiveOp
+from autotp.planning.context_cost import exchange_memory, exchange_time, grad_sum_time
 from autotp.planning.machines import Link, Machine
 from autotp.planning.pricing import TRAINING_COPIES
 
@@ -52,11 +54,17 @@ class Profile:
     recomputed: tuple[float, ...] = ()
     """Activation bytes per tensor-parallel rank, per unit, that ``Recompute.BLOCKS`` no longer keeps (its
     activations less its output, ``recompute_cost.units_cost``; the last unit, kept, 0). Empty: not offered."""
+    kv: tuple[float, ...] = ()
+    """Bytes of the keys and values each unit's attention would exchange under context parallelism (the whole
+    sequence, the global batch, one tensor-parallel rank's heads). Empty: cp is not offered (nothing to split
+    along a sequence, or an op that cannot be)."""
+    seq: int = 0
+    """The sequence length the costs are evaluated at (cp must cut it in ``2 * cp`` equal chunks)."""
 
 
 @dataclass(frozen=True)
 class Layout:
-    """One way to lay a model out on ``tp * pp * dp`` devices."""
+    """One way to lay a model out on ``tp * cp * pp * dp`` devices."""
 
     tp: int
     pp: int
@@ -67,6 +75,7 @@ class Layout:
     virtual_stages: int = 1
     sequence_parallel: bool = False
     recompute: Recompute = Recompute.NONE
+    cp: int = 1
 
     def __post_init__(self):
         object.__setattr__(self, "dp_mode", DataParallelMode(self.dp_mode))
@@ -76,7 +85,7 @@ class Layout:
     def settings(self) -> dict:
         """The ``Options`` fields this layout fixes (pipeline settings only where there is a pipeline)."""
         out = {"tp": self.tp, "pp": self.pp, "dp": self.dp, "dp_mode": self.dp_mode,
-               "sequence_parallel": self.sequence_parallel, "recompute": self.recompute}
+               "sequence_parallel": self.sequence_parallel, "recompute": self.recompute, "cp": self.cp}
         if self.pp > 1:
             out |= {"schedule": self.schedule, "microbatches": self.microbatches,
                     "virtual_stages": self.virtual_stages}
@@ -87,7 +96,8 @@ class Layout:
         pipe = f" {self.schedule.value} m{self.microbatches}" + (f" v{self.virtual_stages}" if self.virtual_stages > 1
                                                                  else "") if self.pp > 1 else ""
         data = f" {self.dp_mode.value}" if self.dp > 1 else ""
-        return (f"tp{self.tp} pp{self.pp} dp{self.dp}{data}{pipe}" + (" sp" if self.sequence_parallel else "")
+        context = f" cp{self.cp}" if self.cp > 1 else ""
+        return (f"tp{self.tp}{context} pp{self.pp} dp{self.dp}{data}{pipe}" + (" sp" if self.sequence_parallel else "")
                 + (" rc" if self.recompute is not Recompute.NONE else ""))
 
 
@@ -105,11 +115,14 @@ class Prediction:
     memory: int
     fits: bool
     vocab_split: bool = False
+    cp_comm: float = 0.0
+    """Seconds of context parallelism's exchanges and gradient sum (``context_cost``)."""
 
     def to_dict(self) -> dict:
         """A JSON-ready dict (the plan's ``layouts`` entries)."""
         layout = {k: v.value if hasattr(v, "value") else v for k, v in dataclasses.asdict(self.layout).items()}
-        times = {k: getattr(self, k) for k in ("step_time", "compute", "tp_comm", "bubble", "p2p", "dp_comm")}
+        times = {k: getattr(self, k) for k in ("step_time", "compute", "tp_comm", "bubble", "p2p", "dp_comm",
+                                               "cp_comm")}
         return layout | times | {"memory": self.memory, "fits": self.fits, "vocab_split": self.vocab_split}
 
     @classmethod
@@ -201,32 +214,40 @@ def predict(profile: Profile, layout: Layout, starts: list[int], machine: Machin
     """The predicted step time and memory of ``layout`` with pipeline stages starting at units ``starts`` (stage
     ``s`` on pipeline rank ``s % pp``), on ``machine``, against ``budget`` bytes per device (None: the machine's)."""
     tp, pp, dp, m, v = layout.tp, layout.pp, layout.dp, layout.microbatches, layout.virtual_stages
+    cp = layout.cp
+    share = dp * cp  # each rank computes its replica's rows and its cp chunk of their tokens
     stages = stage_bounds(starts, len(profile.compute))
-    tp_link, dp_link, pp_link = machine.ring(tp, 1), machine.ring(dp, tp), machine.link(pp, tp * dp)
+    tp_link, cp_link, dp_link = machine.ring(tp, 1), machine.ring(cp, tp), machine.ring(dp, tp * cp)
+    pp_link = machine.link(pp, tp * cp * dp)
     busy, param_bytes, act_bytes = [0.0] * pp, [0.0] * pp, [0.0] * pp
-    comm, transient = [0.0] * pp, [0.0] * pp
+    comm, transient, exchange = [0.0] * pp, [0.0] * pp, [0.0] * pp
     for s, (a, b) in enumerate(stages):
         again, again_ops, saved, largest = _recompute_extra(profile, layout, a, b)
         flops = sum(profile.compute[a:b])
         rank = s % pp
         # Backward runs about two ops per forward op, once per microbatch.
-        busy[rank] += machine.node.compute((3 * flops + again) / dp, m * (3 * sum(profile.ops[a:b]) + again_ops))
-        comm[rank] += _tp_time(profile, tp_link, 1 / dp, m, range(a, b))
+        busy[rank] += machine.node.compute((3 * flops + again) / share, m * (3 * sum(profile.ops[a:b]) + again_ops))
+        comm[rank] += _tp_time(profile, tp_link, 1 / share, m, range(a, b))
         param_bytes[rank] += sum(profile.params[a:b]) * profile.itemsize
-        act_bytes[rank] += (sum(profile.activations[a:b]) - saved) / dp
-        transient[rank] = max(transient[rank], largest / dp)
-    fullest = max(range(pp), key=lambda r: busy[r] + comm[r])
-    work = busy[fullest] + comm[fullest]
-    compute, bubble = shared_cores(busy, fullest, v * m, work * (pp - 1) / (v * m), tp * pp * dp, machine.cores)
-    boundary = max((profile.boundaries[b - 1] for _, b in stages[:-1]), default=0.0) / dp
+        act_bytes[rank] += (sum(profile.activations[a:b]) - saved) / share
+        transient[rank] = max(transient[rank], largest / share)
+        kv = profile.kv[a:b] if cp > 1 and profile.kv else ()
+        exchange[rank] += sum(m * exchange_time(k / (dp * m), cp, cp_link) for k in kv)
+        act_bytes[rank] += sum(exchange_memory(k / dp, cp) for k in kv)
+    fullest = max(range(pp), key=lambda r: busy[r] + comm[r] + exchange[r])
+    work = busy[fullest] + comm[fullest] + exchange[fullest]
+    compute, bubble = shared_cores(busy, fullest, v * m, work * (pp - 1) / (v * m), tp * cp * pp * dp,
+                                   machine.cores)
+    boundary = max((profile.boundaries[b - 1] for _, b in stages[:-1]), default=0.0) / share
     p2p = 2 * v * (m * pp_link.latency + boundary / pp_link.bandwidth) if pp > 1 else 0.0
     dp_comm = max(_dp_time(layout, param_bytes[r], dp_link) for r in range(pp))
+    cp_comm = exchange[fullest] + max(m * grad_sum_time(param_bytes[r], cp, cp_link) for r in range(pp))
     memory = max(_state_bytes(layout, param_bytes[r]) + (act_bytes[r] * _in_flight(layout) + transient[r]) / m
                  for r in range(pp))
     limit = budget if budget is not None else machine.device_memory
-    step = compute + comm[fullest] + bubble + p2p + dp_comm
+    step = compute + comm[fullest] + bubble + p2p + dp_comm + cp_comm
     return Prediction(layout, step, compute, comm[fullest], bubble, p2p, dp_comm, int(memory),
-                      limit is None or memory <= limit, profile.vocab_split)
+                      limit is None or memory <= limit, profile.vocab_split, cp_comm)
 
 
 def ranked(predictions: list[Prediction]) -> list[Prediction]:

@@ -1,4 +1,4 @@
-"""The planner decides the layout: every valid (tp, pp, dp, dp mode, schedule, microbatches, sequence parallelism)
+"""The planner decides the layout: every valid (tp, cp, pp, dp, dp mode, schedule, microbatches, sequence parallelism)
 of ``world`` devices, priced by ``layout_cost`` from the analysis' costs, ranked, the fastest that fits the memory
 budget chosen. Settings the caller gave are fixed; the rest are searched.
 
@@ -20,6 +20,8 @@ from autotp.passes.costs import tensor_bytes
 from autotp.passes.cuts import find_cuts
 from autotp.passes.placement import PlacementKind
 from autotp.planning.balance import balanced_split
+from autotp.planning.context_cost import sequence_divides
+from autotp.planning.context_plan import exchanged_kv
 from autotp.planning.layout_cost import Layout, Prediction, Profile, predict, ranked
 from autotp.planning.machines import Machine
 from autotp.planning.plan import Plan
@@ -28,7 +30,7 @@ from autotp.planning.recompute_cost import cut_outputs, saved_per_unit
 from autotp.planning.stage_split import build_units, forced_units
 
 SEARCHED = ("tp", "pp", "dp", "dp_mode", "schedule", "microbatches", "virtual_stages", "sequence_parallel",
-            "recompute")
+            "recompute", "cp")
 """The ``Options`` fields the search chooses unless the caller fixes them."""
 
 KEPT = 8
@@ -75,8 +77,9 @@ def profile_of(captured: Captured, options: Options, machine: Machine) -> Profil
     # compile=True refuses recompute (Options): not offered then.
     recomputed = () if options.compile else tuple(saved_per_unit(units, cut_outputs(analysis, prop, plan.tp, units,
                                                                                      sizes)))
+    kv, seq = exchanged_kv(captured, sizes, units.unit_of, len(units.compute), plan.tp)
     return Profile(plan.tp, plan.sequence_parallel, tuple(units.compute), tuple(units.rank_params),
-                   tuple(units.activations), boundaries, collectives, itemsize, vocab, tuple(ops), recomputed)
+                   tuple(units.activations), boundaries, collectives, itemsize, vocab, tuple(ops), recomputed, kv, seq)
 
 
 def _profiles(captured: Captured, world: int, options: Options, fixed: Mapping, machine: Machine) -> list[Profile]:
@@ -124,18 +127,41 @@ def _recomputes(profile: Profile, fixed: Mapping) -> list[Recompute]:
     return [Recompute.NONE, Recompute.BLOCKS] if any(profile.recomputed) else [Recompute.NONE]
 
 
+def _contexts(profile: Profile, rest: int, fixed: Mapping) -> list[int]:
+    """The cp sizes to try with ``rest`` devices per tp group: those dividing it and the sequence's ``2 * cp``
+    chunks, where the profile offers cp (``fixed`` may name one)."""
+    if "cp" in fixed:
+        return [fixed["cp"]] if rest % fixed["cp"] == 0 else []
+    offered = bool(profile.kv)
+    return [cp for cp in _divisors(rest) if cp == 1 or (offered and sequence_divides(profile.seq, cp))]
+
+
+def runs(layout: Layout) -> bool:
+    """Whether parallelize runs ``layout``: its settings make valid ``Options`` (which refuse what cp is not yet
+    verified with), so the search never chooses a layout it would then refuse."""
+    try:
+        Options(**layout.settings())
+    except InputError:
+        return False
+    return True
+
+
 def layouts(profile: Profile, world: int, batch: int, fixed: Mapping) -> Iterator[Layout]:
     """Every layout of ``world`` devices at the profile's tp that ``fixed`` allows, for a global ``batch``."""
-    rest = world // profile.tp
-    for pp in [fixed["pp"]] if "pp" in fixed else _divisors(rest):
-        dp = rest // pp
-        if rest % pp or fixed.get("dp", dp) != dp or batch % dp or pp > len(profile.compute):
-            continue
-        modes = [DataParallelMode(fixed["dp_mode"])] if "dp_mode" in fixed else list(DataParallelMode)
-        for mode in modes if dp > 1 else modes[:1]:
-            for schedule, m, v in _pipelines(pp, batch // dp, len(profile.compute), fixed):
-                for recompute in _recomputes(profile, fixed):
-                    yield Layout(profile.tp, pp, dp, mode, schedule, m, v, profile.sequence_parallel, recompute)
+    for cp in _contexts(profile, world // profile.tp, fixed):
+        rest = world // (profile.tp * cp)
+        for pp in [fixed["pp"]] if "pp" in fixed else _divisors(rest):
+            dp = rest // pp
+            if rest % pp or fixed.get("dp", dp) != dp or batch % dp or pp > len(profile.compute):
+                continue
+            modes = [DataParallelMode(fixed["dp_mode"])] if "dp_mode" in fixed else list(DataParallelMode)
+            for mode in modes if dp > 1 else modes[:1]:
+                for schedule, m, v in _pipelines(pp, batch // dp, len(profile.compute), fixed):
+                    for recompute in _recomputes(profile, fixed):
+                        layout = Layout(profile.tp, pp, dp, mode, schedule, m, v, profile.sequence_parallel,
+                                        recompute, cp)
+                        if cp == 1 or runs(layout):
+                            yield layout
 
 
 def search_layouts(captured: Captured, world: int, options: Options, fixed: Mapping, machine: Machine,
@@ -197,7 +223,7 @@ def fixed_settings(settings: Mapping, options: Options | None) -> dict:
         defaults = Options()
         fixed = {k: getattr(options, k) for k in SEARCHED if getattr(options, k) != getattr(defaults, k)} | fixed
     for name, value in fixed.items():
-        if name in ("tp", "pp", "dp", "microbatches", "virtual_stages") and (
+        if name in ("tp", "pp", "dp", "cp", "microbatches", "virtual_stages") and (
                 isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise InputError(f"{name} must be a positive integer, got {value!r}")
     return fixed

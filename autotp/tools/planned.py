@@ -74,10 +74,7 @@ def load_and_plan(args) -> Planned:
 def searched_settings(args) -> dict:
     """The settings of ``autotp plan --devices``: the layout flags given are fixed (the rest searched)."""
     budget = args.device_memory or args.memory_budget
-    if (getattr(args, "cp", None) or 1) > 1:
-        raise InputError("--devices searches tp, pp and dp; it does not consider --cp yet: give the layout "
-                         "(--tp 1 --cp N) without --devices")
-    return {"tp": args.tp, "pp": args.pp, "dp": args.dp, "dp_mode": args.dp_mode, "balance": args.balance,
+    return {"tp": args.tp, "pp": args.pp, "dp": args.dp, "cp": getattr(args, "cp", None), "dp_mode": args.dp_mode, "balance": args.balance,
             "batch": args.batch, "seq": args.seq, "vocab": args.vocab, "memory_budget": budget,
             "sequence_parallel": True if args.sequence_parallel else None}
 
