@@ -1,11 +1,13 @@
-"""Context parallelism: step time, bytes saved for backward and bytes moved per rank at cp=1, 2 and 4.
+"""Context parallelism: step time, peak memory, bytes saved for backward and bytes moved per rank at cp=1, 2 and 4.
 
-    python -m bench.context_parallel [--seq 4096] [--steps 3]
+    python -m bench.context_parallel [--seq 8192] [--steps 3]
 
 A Llama (4 layers, hidden 256, 8 heads over 2 KV heads, vocabulary 1024, batch 1) at ``--seq`` tokens on gloo
 ranks on the CPU (one thread each): the unsharded model itself, then ``parallelize(model, cp=N, tp=1)`` at
 cp=1 (one process: the captured graph, whose mask transformers builds whole), 2 and 4. Each steps AdamW
-``--steps`` times after one warm-up (median step time, the slowest rank's); saved bytes are the storages autograd keeps for backward in one forward (parameters excluded,
+``--steps`` times after one warm-up (median step time, the slowest rank's); peak memory is the rank process's
+peak resident set (each run's ranks are fresh processes, so it is that run's: model, optimizer, activations and
+the Python runtime alike); saved bytes are the storages autograd keeps for backward in one forward (parameters excluded,
 ``bench.memory.SavedActivations``); bytes moved are what each rank's key/value gathers received (forward all-gather
 and backward reduce-scatter), next to the all-gather's minimum (every other rank's KV heads, twice).
 """
@@ -13,6 +15,7 @@ and backward reduce-scatter), next to the all-gather's minimum (every other rank
 from __future__ import annotations
 
 import argparse
+import resource
 import statistics
 import time
 
@@ -63,23 +66,26 @@ def measure(rank: int, world: int, seq: int, steps: int, cp: int) -> dict:
                    if name.startswith("cp_kv_")) // (steps + 1)
     c = model.config
     kv = seq * c.num_key_value_heads * (c.hidden_size // c.num_attention_heads) * 4
-    return {"step_s": statistics.median(times), "saved": saved.bytes, "received": received,
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    return {"step_s": statistics.median(times), "saved": saved.bytes, "received": received, "peak": peak,
             "minimum": c.num_hidden_layers * 2 * 2 * kv * (cp - 1) // cp if cp else 0, "loss": float(loss.detach())}
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seq", type=int, default=4096)
+    parser.add_argument("--seq", type=int, default=8192)
     parser.add_argument("--steps", type=int, default=3)
     args = parser.parse_args(argv)
     print(f"Llama 4 x 256 (8 heads, 2 KV heads), batch 1 x {args.seq}, fp32, gloo on the CPU, one thread per rank")
-    print("run             step s  saved for backward/rank  KV bytes received/rank/step  all-gather minimum  loss")
+    print("run             step s  peak RSS/rank  saved for backward/rank  KV bytes received/rank/step  "
+          "all-gather minimum  loss")
     for cp in (0, 1, 2, 4):
         ranks = run_on_ranks(measure, "cpu", [1] * max(cp, 1), args.seq, args.steps, cp, start_method="spawn")
         step = max(r["step_s"] for r in ranks)
         r = ranks[0]
         label = "unsharded model" if cp == 0 else f"autotp cp={cp}"
-        print(f"{label:<15} {step:6.2f}  {r['saved'] / 2**20:10.1f} MiB {r['received'] / 2**20:22.2f} MiB "
+        peak = max(r["peak"] for r in ranks)
+        print(f"{label:<15} {step:6.2f}  {peak / 2**20:9.0f} MiB  {r['saved'] / 2**20:10.1f} MiB {r['received'] / 2**20:22.2f} MiB "
               f"{r['minimum'] / 2**20:18.2f} MiB  {r['loss']:.6f}")
 
 

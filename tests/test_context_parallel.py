@@ -125,12 +125,30 @@ def test_the_checker_sees_a_rank_computing_the_wrong_tokens(monkeypatch):
     assert not report.exact
 
 
-def test_the_layout_search_refuses_cp_rather_than_dropping_it():
+def test_the_layout_search_picks_cp_at_128k_tokens_and_not_at_4k():
+    """Four H100s: at 131072 tokens (batch 1) activations dominate and cp divides them without tp's per-layer
+    all-reduces or a pipeline's bubble; at 4096 tokens (batch 8) data parallelism divides the same compute with
+    no K/V exchange. Every cp layout offered is one parallelize runs."""
+    from autotp.capture import capture_repeated
+    from autotp.planning.layout_search import runs, search_layouts
+    from autotp.planning.machines import MACHINES
+
+    captured = capture_repeated(context_workers.llama(), models.tokens(2, 16, 0))
+    long = search_layouts(captured, 4, autotp.Options(seq=131072, batch=1), {}, MACHINES["h100"])
+    short = search_layouts(captured, 4, autotp.Options(seq=4096, batch=8), {}, MACHINES["h100"])
+    assert long.chosen.layout.cp > 1 and long.options.cp == long.chosen.layout.cp, long.chosen
+    assert long.chosen.cp_comm > 0 and long.chosen.fits
+    assert short.chosen.layout.cp == 1, short.chosen
+    assert any(p.layout.cp > 1 for p in short.ranked)  # considered, and ranked below
+    assert all(runs(p.layout) for p in (*long.ranked, *short.ranked))
+
+
+def test_cp_is_a_fixed_setting_of_the_search():
     from autotp.tools.cli import build_parser
     from autotp.tools.planned import searched_settings
 
-    with pytest.raises(autotp.InputError, match="does not consider cp"):
-        autotp.plan(context_workers.llama(), example_inputs=models.tokens(2, 16, 0), world_size=2, cp=2)
-    args = build_parser().parse_args(["plan", "hf:llama", "--devices", "2", "--cp", "2"])
-    with pytest.raises(autotp.InputError, match="--cp"):
-        searched_settings(args)
+    args = build_parser().parse_args(["plan", "hf:llama", "--devices", "4", "--cp", "2"])
+    assert searched_settings(args)["cp"] == 2
+    assert autotp.planning.layout_search.fixed_settings({"cp": 2, "tp": None}, None) == {"cp": 2}
+    with pytest.raises(autotp.InputError, match="cp must be a positive integer"):
+        autotp.planning.layout_search.fixed_settings({"cp": 0}, None)
