@@ -35,9 +35,11 @@ def _labels(search) -> set[str]:
 
 def test_every_valid_layout_of_four_devices_is_priced(gpt):
     found = search_layouts(gpt, 4, Options(), {}, CPU)
-    shapes = {(p.layout.tp, p.layout.pp, p.layout.dp) for p in found.ranked}
-    # The GPT's 4 heads take tp 1, 2 and 4; its 4 blocks (plus embedding and head units) take pp up to 4.
-    assert shapes == {(1, 1, 4), (1, 2, 2), (1, 4, 1), (2, 1, 2), (2, 2, 1), (4, 1, 1)}
+    shapes = {(p.layout.tp, p.layout.cp, p.layout.pp, p.layout.dp) for p in found.ranked}
+    # The GPT's 4 heads take tp 1, 2 and 4; its 4 blocks (plus embedding and head units) take pp up to 4; its 16
+    # tokens take cp 2 and 4, with tp or dp but not both, and not with pp (what parallelize runs).
+    assert shapes == {(1, 1, 1, 4), (1, 1, 2, 2), (1, 1, 4, 1), (2, 1, 1, 2), (2, 1, 2, 1), (4, 1, 1, 1),
+                      (1, 2, 1, 2), (2, 2, 1, 1), (1, 4, 1, 1)}
     assert {p.layout.schedule.value for p in found.ranked if p.layout.pp > 1} == {"gpipe", "1f1b", "interleaved1f1b"}
     assert {p.layout.sequence_parallel for p in found.ranked if p.layout.tp > 1} == {False, True}
     for p in found.ranked:  # microbatches divide each replica's batch; 1F1B has one per stage at least
@@ -137,9 +139,9 @@ def test_cli_prints_the_ranked_layouts(capsys):
     assert lines[1].split()[:4] == ["#", "layout", "step", "ms"]
     rows = [line.split() for line in lines[3:] if line[:1].isdigit()]
     assert len(rows) == 8 and all(r[1] == "tp2" for r in rows)
-    times = [float(r[r.index("yes") - 7]) for r in rows]
+    times = [float(r[r.index("yes") - 8]) for r in rows]
     assert times == sorted(times)
-    assert lines[-1].startswith(f"note: layout {' '.join(rows[0][1:rows[0].index('yes') - 7])} chosen")
+    assert lines[-1].startswith(f"note: layout {' '.join(rows[0][1:rows[0].index('yes') - 8])} chosen")
     assert cli.main(["plan", gpt, "--devices", "4", "--plan", "x.json"]) == 2
     assert "--plan gives one" in capsys.readouterr().err
 
