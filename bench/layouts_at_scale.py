@@ -104,16 +104,17 @@ def deepen(profile: Profile, layers: int) -> Profile:
     return dataclasses.replace(profile, compute=tiled(profile.compute, units), params=tiled(profile.params, units),
                                ops=tiled(profile.ops, units), recomputed=tiled(profile.recomputed, units),
                                activations=tiled(profile.activations, units),
-                               boundaries=tiled(profile.boundaries, units - 1), collectives=tuple(shifted))
+                               boundaries=tiled(profile.boundaries, units - 1), collectives=tuple(shifted),
+                               kv=tiled(profile.kv, units) if profile.kv else ())
 
 
-def profiles(name: str, batch: int) -> list[Profile]:
+def profiles(name: str, batch: int, seq: int = SEQ) -> list[Profile]:
     """The model's profiles at every tp in TPS (with and without sequence parallelism), at its real depth."""
     captured, layers = _captured(name), CONFIGS[name][2]
     out = []
     for tp in TPS:
         for sp in (False, True) if tp > 1 else (False,):
-            options = Options(tp=tp, sequence_parallel=sp, batch=batch, seq=SEQ)
+            options = Options(tp=tp, sequence_parallel=sp, batch=batch, seq=seq)
             out.append(deepen(profile_of(captured, options, H100), layers))
     return out
 

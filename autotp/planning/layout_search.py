@@ -146,8 +146,9 @@ def runs(layout: Layout) -> bool:
     return True
 
 
-def layouts(profile: Profile, world: int, batch: int, fixed: Mapping) -> Iterator[Layout]:
-    """Every layout of ``world`` devices at the profile's tp that ``fixed`` allows, for a global ``batch``."""
+def layouts(profile: Profile, world: int, batch: int, fixed: Mapping, every: bool = False) -> Iterator[Layout]:
+    """Every layout of ``world`` devices at the profile's tp that ``fixed`` allows, for a global ``batch``
+    (``every``: cp layouts parallelize does not run yet too, to price published ones)."""
     for cp in _contexts(profile, world // profile.tp, fixed):
         rest = world // (profile.tp * cp)
         for pp in [fixed["pp"]] if "pp" in fixed else _divisors(rest):
@@ -160,7 +161,7 @@ def layouts(profile: Profile, world: int, batch: int, fixed: Mapping) -> Iterato
                     for recompute in _recomputes(profile, fixed):
                         layout = Layout(profile.tp, pp, dp, mode, schedule, m, v, profile.sequence_parallel,
                                         recompute, cp)
-                        if cp == 1 or runs(layout):
+                        if cp == 1 or every or runs(layout):
                             yield layout
 
 
@@ -191,14 +192,14 @@ def search_layouts(captured: Captured, world: int, options: Options, fixed: Mapp
 
 
 def rank_layouts(profiles: list[Profile], world: int, batch: int, fixed: Mapping, machine: Machine,
-                 budget: int | None, balance: Balance = Balance.BOTH, forced=()) -> list[Prediction]:
+                 budget: int | None, balance: Balance = Balance.BOTH, forced=(), every: bool = False) -> list[Prediction]:
     """Every layout of ``world`` devices the profiles and ``fixed`` allow, priced and ranked (a pure function: the
-    stages are the planner's balanced split of each profile's units)."""
+    stages are the planner's balanced split of each profile's units; ``every``: as for ``layouts``)."""
     starts, predictions = {}, []
     for profile in profiles:
         if world % profile.tp:
             continue
-        for layout in layouts(profile, world, batch, fixed):
+        for layout in layouts(profile, world, batch, fixed, every):
             key = (id(profile), layout.pp * layout.virtual_stages)
             if key not in starts:
                 starts[key] = balanced_split(profile.compute, profile.params, key[1], balance, forced)
