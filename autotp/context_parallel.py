@@ -88,8 +88,9 @@ def context_parallel(built, group, distributed: bool) -> ParallelModule:
     stream = RankStream(shared_seed(group, distributed))
     source = built.source or from_first_rank(built.model, group, distributed)
     graphs, tp_rank = built.graphs, tp_comm.rank if tp_comm is not None else 0
-    modules = {mode: build_graph(captured, built.plan, tp_rank, tp_comm, stream=stream)
-               for mode, captured in graphs.items()}
+    # No random stream: cp refuses random draws on split values, and the stream's rewrite renames dropout nodes
+    # (p=0 ones too) that the sequence layout names.
+    modules = {mode: build_graph(captured, built.plan, tp_rank, tp_comm) for mode, captured in graphs.items()}
     for gm in modules.values():
         cast_for_policy(gm, options)
     materialise_all([(modules[mode], graphs[mode]) for mode in modules], built.plan, tp_rank, source=source)
