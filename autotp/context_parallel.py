@@ -106,6 +106,9 @@ def context_parallel(built, group, distributed: bool) -> ParallelModule:
         else:
             warn_plain(built.plan)
     dp = DataParallel(mesh, options.dp_mode, options.mixed_precision) if options.dp > 1 else None
-    parts = RankParts(built.plan, options, tp_comm, stream, InputSpec.of(graphs[True], built.plan), names, dp,
+    # With a mesh the module's comm is its tp group even at tp=1: the gradient norm and checkpoints then run as
+    # collectives (over norm_group, the world), not as one process's.
+    module_comm = tp_comm or (TorchComm(mesh.tp_group) if mesh is not None else None)
+    parts = RankParts(built.plan, options, module_comm, stream, InputSpec.of(graphs[True], built.plan), names, dp,
                       rank_config(getattr(built.model, "config", None), options), built.model.training, None)
     return facing(ContextParallelModule(parts, modules, mesh), built.model)

@@ -31,8 +31,8 @@ def _check_grads(pm, ref, label: str) -> float:
 
 def train_composed(rank: int, world: int, name: str, settings: dict, seq: int = 16) -> dict:
     """``name`` at ``settings`` (cp with tp, dp or pp): eval outputs, then STEPS AdamW steps of cross-entropy (each
-    replica on its rows of the batch) with the loss, every gradient and every parameter afterwards equal to the
-    unsharded model's on the whole batch; returns the largest errors."""
+    replica on its rows of the batch) with the loss, every gradient, the gradient norm and every parameter afterwards
+    equal to the unsharded model's on the whole batch; returns the largest errors."""
     ref = build(name)
     dp = settings.get("dp", 1)
     x, y = models.tokens(2 * dp, seq, 1), models.tokens(2 * dp, seq, 2)
@@ -56,6 +56,9 @@ def train_composed(rank: int, world: int, name: str, settings: dict, seq: int = 
         assert_close(loss, mine, rtol=1e-5, atol=1e-6)
         errors["loss"] = max(errors["loss"], float((loss - mine).abs()))
         errors["grad"] = max(errors["grad"], _check_grads(pm, ref, f"{name} {settings}"))
+        # each gradient counted once in the norm, not once per cp rank holding it
+        norm, ref_norm = pm.clip_grad_norm_(1e6), torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e6)
+        assert_close(norm, ref_norm, rtol=1e-5, atol=1e-7)
         opt.step(), ref_opt.step()
         opt.zero_grad(), ref_opt.zero_grad()
     full = pm.full_state_dict()
