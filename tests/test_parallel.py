@@ -4,19 +4,27 @@ from __future__ import annotations
 
 import pytest
 
-from tests import models, workers
+from tests import capture_cache, models, workers
 from tests.distributed import run_on_ranks
 
 ALL = list(models.BUILDERS)
 
 
 @pytest.fixture(scope="module")
-def tp2():
+def warmed():
+    """Every model captured here once, before any rank is forked: the ranks find the captures made (4 ranks on 2
+    cores would otherwise capture each model twice per core), and the tp=1 checks hit them too."""
+    for name in ALL:
+        capture_cache.warm(models.build(name), (models.tokens(2, 16, seed=1),))
+
+
+@pytest.fixture(scope="module")
+def tp2(warmed):
     return run_on_ranks(workers.check_models, 2, ALL)
 
 
 @pytest.fixture(scope="module")
-def tp4():
+def tp4(warmed):
     return run_on_ranks(workers.check_models, 4, ALL)
 
 
@@ -42,7 +50,7 @@ def _expected_counts(result: dict) -> tuple[dict, dict]:
 
 
 @pytest.mark.parametrize("name", ALL)
-def test_tp1_single_process(name):
+def test_tp1_single_process(name, warmed):
     """tp=1 needs no process group and changes nothing."""
     results = workers.check_model(name, 1)
     assert results["local_params"] == results["total_params"]
