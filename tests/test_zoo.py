@@ -20,28 +20,51 @@ vision tower and a backbone, a speech encoder-decoder, a CTC encoder (refused cl
 SpecAugment masks in numpy), a vision-language model fed text, torch's own, an example; diffusers' and timm's
 when installed (they are the ``[zoo]`` extra)."""
 OPTIONAL = {"diffusers": "diffusers:DiTTransformer2DModel", "timm": "timm:vit_base_patch16_224"}
+DEFAULT_SAMPLE = ["llama", "gemma3", "longformer:mlm", "t5:seq2seq", "vit:image", "nn.TransformerEncoder",
+                  "examples/gpt.py:build_gpt"]
+"""The part of the sample the default run checks: decoders, windowed attention, an encoder-decoder, a vision tower,
+torch's own and an example. The rest of the sample (every other task group) runs with ``-m slow``."""
 
 
-@pytest.fixture(scope="module")
-def sample():
-    import importlib.util
-
-    names = set(SAMPLE) | {name for package, name in OPTIONAL.items() if importlib.util.find_spec(package)}
+def _swept(names: set[str]) -> dict:
     chosen = zoo.entries(names)
     assert {e.name for e in chosen} == names
     return zoo.sweep(chosen, tps=(2,))
 
 
-def test_sample_is_never_silently_wrong(sample):
-    for name, runs in sample.items():
+@pytest.fixture(scope="module")
+def sample():
+    return _swept(set(DEFAULT_SAMPLE))
+
+
+@pytest.fixture(scope="module")
+def rest_of_sample():
+    import importlib.util
+
+    optional = {name for package, name in OPTIONAL.items() if importlib.util.find_spec(package)}
+    return _swept((set(SAMPLE) | optional) - set(DEFAULT_SAMPLE))
+
+
+def _never_silently_wrong(results: dict) -> None:
+    for name, runs in results.items():
         result = runs[2]
         assert result.status not in (zoo.Status.MISMATCH, zoo.Status.CRASH), f"{name}: {result.notes}"
         assert result.status is not zoo.Status.NOT_BUILDABLE, f"{name}: {result.notes}"
 
 
-def test_the_sample_has_every_task_group(sample):
+def test_sample_is_never_silently_wrong(sample):
+    _never_silently_wrong(sample)
+
+
+@pytest.mark.slow
+def test_the_rest_of_the_sample_is_never_silently_wrong(rest_of_sample):
+    _never_silently_wrong(rest_of_sample)
+
+
+@pytest.mark.slow
+def test_the_sample_has_every_task_group(sample, rest_of_sample):
     families = {e.name: e.family for e in zoo.entries()}
-    assert set(families.values()) == {families[name] for name in sample}
+    assert set(families.values()) == {families[name] for name in {*sample, *rest_of_sample}}
 
 
 def test_sample_splits_the_decoders_and_windowed_attention(sample):

@@ -66,7 +66,10 @@ def profile_of(captured: Captured, options: Options, machine: Machine) -> Profil
     unit_of_layer: dict[str, int] = {}
     for name, unit in units.unit_of.items():  # a collective is listed at a layer: the unit of its first node
         unit_of_layer.setdefault(analysis.layer(name), unit)
-    collectives = tuple((c.op, float(c.nbytes(plan.batch or 1, plan.seq or 1)), unit_of_layer.get(c.module, 0))
+    # every size symbol by the name the plan's shapes use: a second input's sizes (an encoder-decoder's decoder
+    # length) at the example's values, as the stage costs take them
+    named = {captured.dim_names.get(symbol, symbol): size for symbol, size in sizes.items()}
+    collectives = tuple((c.op, float(c.nbytes(plan.batch or 1, plan.seq or 1, named)), unit_of_layer.get(c.module, 0))
                         for c in plan.collectives if c.in_step)
     itemsize = next((p.element_size() for p in captured.module.parameters()), 4)
     vocab = any(p.kind is PlacementKind.VOCAB for p in plan.placements.values())

@@ -76,12 +76,22 @@ class Collective:
         object.__setattr__(self, "operator", Operator(self.operator))
         object.__setattr__(self, "shape", tuple(self.shape))
 
-    def nbytes(self, batch: int, seq: int) -> int:
-        """Bytes this collective moves per call at the given batch size and sequence length."""
-        values = {"B": batch, "T": seq}
+    def nbytes(self, batch: int, seq: int, sizes: Mapping[str, int] | None = None) -> int:
+        """Bytes this collective moves per call at the given batch size (``B``) and sequence length (``T``).
+
+        ``sizes`` gives the other size symbols of the shape by name (an encoder-decoder's decoder length, a second
+        input's sizes: the capture names only the first input's ``B`` and ``T``). A symbol left without a value
+        raises ``PlanError`` naming it."""
+        values = {sympy.Symbol(k): v for k, v in {**(sizes or {}), "B": batch, "T": seq}.items()}
+        dims = [parse_size(dim).subs(values) for dim in self.shape]
+        unknown = sorted({str(s) for d in dims for s in d.free_symbols})
+        if unknown:
+            raise PlanError(f"the {self.op.value} at {self.module or 'the model'} sends a tensor of shape "
+                            f"[{', '.join(self.shape)}]: its size needs a value for {', '.join(unknown)} (only "
+                            f"B={batch} and T={seq} were given); pass the other size symbols' values as sizes")
         count = 1
-        for dim in self.shape:
-            count *= int(parse_size(dim).subs({sympy.Symbol(k): v for k, v in values.items()}))
+        for d in dims:
+            count *= int(d)
         return count * self.itemsize
 
     def to_dict(self) -> dict:

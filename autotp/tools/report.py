@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import sympy
 from torch import nn
 
 from autotp.capture import tensor_aliases
+from autotp.errors import PlanError
 from autotp.names import block_numbers, block_of, block_pattern, within_any
 from autotp.options import DataParallelMode
 from autotp.passes.steps import ring_share
@@ -76,7 +76,7 @@ def collective_bytes(c: Collective, batch: int, seq: int) -> int | None:
     """Bytes of the communicated tensor at ``batch``/``seq`` (None when its shape has other symbols)."""
     try:
         return c.nbytes(batch, seq)
-    except (TypeError, ValueError, sympy.SympifyError):  # a symbol other than B and T: no size to give
+    except (PlanError, ValueError):  # a symbol other than B and T (or a size not in the plan language): no size
         return None
 
 
