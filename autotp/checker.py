@@ -199,10 +199,13 @@ def build_ranks(captured: Captured, plan: Plan, seed: int = SEED,
 def _context_ranks(captured: Captured, plan: Plan, seed: int) -> tuple[list[fx.GraphModule], list[ThreadComm]]:
     """Every context-parallel rank's module (each the whole model, computing its own tokens), joined by threads."""
     cp = plan.options.cp
-    comms, layout = ThreadComm.group(cp), plan_context(captured, cp)
+    comms = ThreadComm.group(cp)
+    layout = plan_context(captured, cp, plan.options.cp_exchange, plan.options.memory_budget)
     modules = []
     for rank in range(cp):
-        gm = rewrite(captured, plan, 0, None, RankStream(seed))
+        # No random stream, as ``parallelize`` builds them: cp refuses random draws, and a stream would rename the
+        # (probability 0) dropouts the layout names.
+        gm = rewrite(captured, plan, 0, None)
         apply_context(gm, layout, comms[rank], {n for n, p in gm.named_parameters() if p.requires_grad})
         modules.append(gm)
     return modules, comms

@@ -52,7 +52,7 @@ def context_parallel(built, group, distributed: bool) -> ParallelModule:
         cast_for_policy(gm, built.options)
     materialise_all([(modules[mode], graphs[mode]) for mode in modules], built.plan, 0, source=source)
     for mode, gm in modules.items():
-        layout = plan_context(graphs[mode], comm.size)
+        layout = plan_context(graphs[mode], comm.size, built.options.cp_exchange, built.options.memory_budget)
         apply_context(gm, layout, comm, {n for n, p in gm.named_parameters() if p.requires_grad})
     names = state_names(built.model, graphs[True], modules.values(), source)
     parts = RankParts(built.plan, built.options, None, stream, InputSpec.of(graphs[True], built.plan), names, None,
