@@ -73,10 +73,11 @@ def context_notes(layout: ContextLayout, cp: int) -> tuple[str, ...]:
 
 
 def _exchange_note(layout: ContextLayout) -> str:
-    """How the attentions exchange: the all-gather's count as before, then each ring or Ulysses attention."""
+    """How the attentions exchange: each ring or Ulysses attention by name, the all-gathers counted."""
     gathered = [n for n in layout.exchanges if layout.methods.get(n, "all_gather") == "all_gather"]
-    others = [f"{n}: {layout.methods[n]}" for n in layout.exchanges if n not in gathered]
-    note = f"{len(gathered)} attention product(s) all-gather their keys or values (reduce-scatter of their gradients)"
-    if others:
-        note += f"; exchanged by ring or Ulysses: {', '.join(others)}"
-    return note
+    others = [f"{n} by {layout.methods[n]}" for n in layout.exchanges if n not in gathered]
+    notes = [f"attention exchanges keys and values: {', '.join(others)}"] if others else []
+    if gathered or not others:
+        notes.append(f"{len(gathered)} attention product(s) all-gather their keys or values (reduce-scatter of "
+                     "their gradients)")
+    return "; ".join(notes)

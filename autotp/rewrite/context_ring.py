@@ -7,7 +7,8 @@ The statistics are the running row maximum ``m`` and sum ``l`` (not their log-su
 is masked by a large finite negative (transformers' float masks) then averages the values exactly as the
 unsharded softmax does, and a row no key of which may be seen (a boolean mask) gives zeros, as torch's does.
 
-Backward recomputes each block's probabilities from ``m`` and ``l`` (flash attention's backward) and passes the
+Backward recomputes each block's probabilities from the log-sum-exp ``m + log l`` (flash attention's backward:
+a row a float mask masks whole gets the gradients torch's SDPA kernel gives it) and passes the
 blocks around again, the key/value gradients travelling with them and arriving home after ``cp - 1`` steps.
 Causal attention (``is_causal``) skips the chunk pairs whose keys all follow the queries (with the load-balanced
 chunks, about half the pairs); a boolean mask skips the chunk pairs it masks whole.
@@ -47,7 +48,8 @@ class _Geometry:
                 elif self.mask is None:
                     yield rows, cols, None
                 else:
-                    block = self.mask[..., rows, :].index_select(-1, theirs[cols])
+                    mine = self.mask if self.mask.shape[-2] == 1 else self.mask[..., rows, :]  # rows broadcast
+                    block = mine.index_select(-1, theirs[cols])
                     if block.dtype == torch.bool and not bool(block.any()):
                         continue
                     yield rows, cols, block
@@ -98,12 +100,11 @@ def _forward_block(geo, q, kv, source, state):
 def _backward_block(geo, q, kv, source, saved, dq, dkv):
     """Add ``source``'s block's share of the gradients: into ``dq`` (this rank's queries) and ``dkv`` (the
     block's keys and values, wherever they live now)."""
-    out, m, l, grad, delta = saved
+    out, lse, grad, delta = saved
     k, v = kv[0], kv[1]
     for rows, cols, mask in geo.pairs(source):
         s = geo.scores(q[..., rows, :], k[..., cols, :], mask)
-        lr = l[..., rows, :]
-        p = torch.exp(s - _safe(m[..., rows, :])) / torch.where(lr > 0, lr, torch.ones_like(lr))
+        p = torch.exp(s - lse[..., rows, :])
         g = grad[..., rows, :]
         dkv[1][..., cols, :] += _fold(torch.matmul(p.transpose(-1, -2), g), geo.n_rep)
         dp = torch.matmul(g, _repeat(v[..., cols, :], geo.n_rep).transpose(-1, -2))
@@ -128,16 +129,20 @@ class _Ring(torch.autograd.Function):
         m, l, acc = state
         out = acc / torch.where(l > 0, l, torch.ones_like(l))
         ctx.geo, ctx.counter = geo, counter
-        ctx.save_for_backward(q, k, v, out, m, l)
+        ctx.save_for_backward(q, k, v, out, m, l, mask)  # the mask too, so that what is saved is counted
+        geo.mask = None
         return out
 
     @staticmethod
     def backward(ctx, grad):
         geo, counter = ctx.geo, ctx.counter
-        q, k, v, out, m, l = ctx.saved_tensors
+        q, k, v, out, m, l, geo.mask = ctx.saved_tensors
         comm, rank, size = geo.comm, geo.comm.rank, geo.comm.size
         grad = grad.contiguous()
-        saved = (out, m, l, grad, (grad * out).sum(-1, keepdim=True))
+        # Probabilities from the log-sum-exp, as flash attention's backward (torch's CPU kernel) takes them: a
+        # row whose every key a float mask masks then gets the gradients the unsharded SDPA gives it.
+        lse = torch.where(l > 0, _safe(m) + torch.log(l), torch.full_like(l, float("inf")))
+        saved = (out, lse, grad, (grad * out).sum(-1, keepdim=True))
         dq, kv = torch.zeros_like(q), torch.stack([k, v])
         home = torch.zeros_like(kv)  # this rank's own block's gradient, computed here
         arriving = comm.ring_shift_started(kv) if size > 1 else None
