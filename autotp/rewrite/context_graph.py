@@ -16,6 +16,7 @@ import torch
 from autotp.passes.sequence_split import ContextLayout
 from autotp.rewrite.comm import Communicator
 from autotp.rewrite.context_attention import exchange_attention, without_exchanged
+from autotp.rewrite.context_rows import push_rows
 from autotp.rewrite.context_ops import Gather, OutputShare, ParamGradSum, Positions, causal_rows
 
 aten = torch.ops.aten
@@ -144,3 +145,4 @@ def apply_context(gm: fx.GraphModule, layout: ContextLayout, comm: Communicator,
     rewrite = _Rewrite(gm, without_exchanged(layout), comm)
     rewrite.run(trainable)
     exchange_attention(gm, layout, comm, rewrite.length)
+    push_rows(gm, layout.seq, rewrite.positions, rewrite.local_length)
