@@ -140,9 +140,12 @@ def test_exchange_cost_prices_each_method():
 def test_auto_gathers_while_keys_fit_and_leaves_the_all_gather_when_they_do_not():
     small = AttentionShape(1, 64, 4, 2, 16)
     assert choose_exchange([small, None], 2) == ["all_gather", "all_gather"]
-    assert choose_exchange([SHAPE] * 32, 4) == ["ulysses"] * 32  # 32 layers' whole K/V: over HOLD_LIMIT
+    assert choose_exchange([SHAPE] * 8, 4) == ["ulysses"] * 8  # 8 layers' whole K/V: over HOLD_LIMIT
+    assert choose_exchange([SHAPE] * 32, 4) == ["ring"] * 32  # and Ulysses' heads of 32 layers too
     assert choose_exchange([SHAPE], 16) == ["all_gather"]
     assert choose_exchange([SHAPE], 16, memory_budget=2 ** 20) == ["ring"]  # 16 does not divide 8 KV heads
+    masked = AttentionShape(1, 65536, 32, 8, 128, 2, masked=True)  # Ulysses would hold a 16 GiB mask whole
+    assert choose_exchange([masked] * 32, 8, memory_budget=80 * 2 ** 30) == ["ring"] * 32
 
 
 def test_the_setting_and_its_command_line_flag():

@@ -44,6 +44,8 @@ class AttentionShape:
     kv_heads: int
     head_dim: int
     itemsize: int = 4
+    masked: bool = False
+    """Whether the attention takes a mask (Ulysses reads it whole: SDPA keeps it as ``[B, 1, T, T]`` floats)."""
 
 
 @dataclass(frozen=True)
@@ -76,7 +78,8 @@ def exchange_cost(method: ContextExchange | str, shape: AttentionShape, cp: int)
         return ExchangeCost(method.value, 3 * 2 * s.kv_heads * block * (cp - 1), 3 * (cp - 1),
                             2 * 2 * s.kv_heads * block)
     moved = 2 * (s.heads + s.kv_heads) * block * (cp - 1) // cp  # Q, K, V there, the output back
-    return ExchangeCost(method.value, 2 * moved, 8, 2 * (s.heads + s.kv_heads) * block)
+    mask = s.batch * s.seq * s.seq * 4 if s.masked else 0
+    return ExchangeCost(method.value, 2 * moved, 8, 2 * (s.heads + s.kv_heads) * block + mask)
 
 
 def applicable(method: ContextExchange, shape: AttentionShape | None, cp: int) -> str | None:
@@ -94,7 +97,8 @@ def applicable(method: ContextExchange, shape: AttentionShape | None, cp: int) -
 def choose_exchange(shapes: list[AttentionShape | None], cp: int, memory_budget: int | None = None) -> list[str]:
     """``auto``'s method for each attention: the all-gather (fewest bytes) while every attention's keys and values
     held whole fit ``HOLD_LIMIT`` (a quarter of ``memory_budget`` when given); beyond, for each attention, the
-    fastest method holding about ``1/cp`` of them (ring, or Ulysses where cp divides the KV heads)."""
+    fastest of ring and Ulysses (where cp divides the KV heads) among those whose holdings, over all attentions,
+    fit that limit (the one holding least if neither does: Ulysses holds a mask whole)."""
     limit = memory_budget // 4 if memory_budget else HOLD_LIMIT
     whole = sum(exchange_cost(ContextExchange.ALL_GATHER, s, cp).held for s in shapes if s is not None)
     out = []
@@ -102,8 +106,10 @@ def choose_exchange(shapes: list[AttentionShape | None], cp: int, memory_budget:
         if shape is None or whole <= limit:
             out.append(ContextExchange.ALL_GATHER.value)
             continue
-        light = [m for m in (ContextExchange.RING, ContextExchange.ULYSSES) if applicable(m, shape, cp) is None]
-        out.append(min(light, key=lambda m: exchange_cost(m, shape, cp).seconds()).value)
+        light = [exchange_cost(m, shape, cp) for m in (ContextExchange.RING, ContextExchange.ULYSSES)
+                 if applicable(m, shape, cp) is None]
+        fit = [c for c in light if c.held * len(shapes) <= limit]
+        out.append(min(fit, key=ExchangeCost.seconds).method if fit else min(light, key=lambda c: c.held).method)
     return out
 
 
@@ -128,7 +134,7 @@ def attention_shape(graph: fx.Graph, layout: ContextLayout, name: str, batch: in
     batch = batch or (b if isinstance(b, int) else 1)
     val = q.meta.get("val")
     itemsize = val.element_size() if isinstance(val, torch.Tensor) else 4
-    return AttentionShape(batch, seq or _example_length(q), h, kv_heads, d, itemsize)
+    return AttentionShape(batch, seq or _example_length(q), h, kv_heads, d, itemsize, isinstance(mask, fx.Node))
 
 
 def kv_source(nodes: dict, layout: ContextLayout, value: fx.Node) -> fx.Node:
