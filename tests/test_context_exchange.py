@@ -114,8 +114,9 @@ def test_an_attention_a_method_cannot_take_falls_back_to_all_gather_with_a_note(
     Ulysses where cp does not divide the KV heads."""
     plan = autotp.plan(context_workers.build("odd"), example_inputs=models.tokens(2, 16, 0), cp=2, cp_exchange="ring")
     assert any("falls back to all-gather (ring cannot take it: not an SDPA" in n for n in plan.notes), plan.notes
-    assert applicable(ContextExchange.ULYSSES, AttentionShape(1, 16, 4, 2, 16), 4) == "cp=4 does not divide its 2 KV heads"
-    assert applicable(ContextExchange.ULYSSES, AttentionShape(1, 16, 4, 2, 16), 2) is None
+    gqa = AttentionShape(1, 16, 4, 2, 16)
+    assert applicable(ContextExchange.ULYSSES, gqa, 4) == "cp=4 does not divide its 2 KV heads"
+    assert applicable(ContextExchange.ULYSSES, gqa, 2) is None
 
 
 def test_the_plan_names_each_attentions_method():

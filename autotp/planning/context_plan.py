@@ -46,7 +46,8 @@ def _source(node):
         not isinstance(s, int) for s in node.meta.get(SHAPE_META, ())) else None
 
 
-def plan_context(captured: Captured, cp: int, exchange: str = "auto", memory_budget: int | None = None) -> ContextLayout:
+def plan_context(captured: Captured, cp: int, exchange: str = "auto",
+                 memory_budget: int | None = None) -> ContextLayout:
     """The context-parallel layout of ``captured`` at ``cp`` ranks, each attention's exchange chosen under the
     ``cp_exchange`` setting ``exchange`` (``planning.context_exchange``); PlanError naming each op that cannot be
     split along the sequence."""
