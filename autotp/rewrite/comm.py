@@ -83,6 +83,8 @@ class TorchComm:
         self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
         self.closed = False
         self.pending: Callable[[], None] | None = None
+        self.shifts = 0
+        """Ring shifts begun: each one's tag, so that two in flight between the same ranks never cross."""
 
     def _run(self, what: str, call):
         settle(self)
@@ -143,8 +145,8 @@ class TorchComm:
         x, out = x.contiguous(), torch.empty_like(x, memory_format=torch.contiguous_format)
         peers = [dist.get_global_rank(self.group, (self.rank + step) % self.size) if self.group is not None
                  else (self.rank + step) % self.size for step in (1, -1)]
-        self.shifts = getattr(self, "shifts", 0) + 1
-        tag = self.shifts % 1024  # two shifts in flight between the same ranks never cross
+        self.shifts += 1
+        tag = self.shifts % 1024
         works = self._run("ring shift", lambda: [dist.isend(x, peers[0], group=self.group, tag=tag),
                                                  dist.irecv(out, peers[1], group=self.group, tag=tag)])
 
