@@ -199,13 +199,15 @@ def build_ranks(captured: Captured, plan: Plan, seed: int = SEED,
 def _context_ranks(captured: Captured, plan: Plan, seed: int) -> tuple[list[fx.GraphModule], list[ThreadComm]]:
     """Every context-parallel rank's module (each the whole model, computing its own tokens), joined by threads."""
     cp, tp = plan.options.cp, plan.tp
-    layout = plan_context(captured, cp)
+    layout = plan_context(captured, cp, plan.options.cp_exchange, plan.options.memory_budget)
     tp_comms = [ThreadComm.group(tp) if tp > 1 else [None] for _ in range(cp)]
     cp_comms = [ThreadComm.group(cp) for _ in range(tp)]
     modules, comms = [], []
     for c in range(cp):  # rank c * tp + t: tp innermost, as on the mesh
         for t in range(tp):
-            gm = rewrite(captured, plan, t, tp_comms[c][t], RankStream(seed))
+            # No random stream, as ``parallelize`` builds them: cp refuses random draws, and a stream would
+            # rename the (probability 0) dropouts the layout names.
+            gm = rewrite(captured, plan, t, tp_comms[c][t])
             apply_context(gm, layout, cp_comms[t][c], {n for n, p in gm.named_parameters() if p.requires_grad})
             modules.append(gm)
             comms.append(cp_comms[t][c])

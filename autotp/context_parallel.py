@@ -95,7 +95,7 @@ def context_parallel(built, group, distributed: bool) -> ParallelModule:
         cast_for_policy(gm, options)
     materialise_all([(modules[mode], graphs[mode]) for mode in modules], built.plan, tp_rank, source=source)
     for mode, gm in modules.items():
-        layout = plan_context(graphs[mode], cp_comm.size)
+        layout = plan_context(graphs[mode], cp_comm.size, built.options.cp_exchange, built.options.memory_budget)
         apply_context(gm, layout, cp_comm, {n for n, p in gm.named_parameters() if p.requires_grad})
         if device is not None:
             gm.to(device)

@@ -91,6 +91,20 @@ class VocabChoice(str, Enum):
     """Never: every rank holds both tables whole."""
 
 
+class ContextExchange(str, Enum):
+    """How attention exchanges keys and values across the cp ranks (docs/context-parallelism.md)."""
+
+    AUTO = "auto"
+    """Per attention, the fastest method that keeps its keys and values within the memory the cost model allows
+    (``autotp.planning.context_exchange``)."""
+    ALL_GATHER = "all_gather"
+    """Every rank gathers the whole keys and values (least bytes; holds them whole)."""
+    RING = "ring"
+    """Key/value blocks passed around the ring, merged by running softmax statistics (holds one block)."""
+    ULYSSES = "ulysses"
+    """All-to-all from sequence to heads and back (where cp divides the KV heads)."""
+
+
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
@@ -205,6 +219,10 @@ class Options:
     own 2 of ``2 * cp`` chunks; attention all-gathers keys and values). Each rank of a cp group is given the same
     batch and returns the whole output. With tp or dp, ranks lie on a (dp x cp x tp) mesh, tp innermost. The
     sequence must be a multiple of ``2 * cp``."""
+    cp_exchange: ContextExchange = ContextExchange.AUTO
+    """How each attention exchanges keys and values across the cp ranks: ``"all_gather"``, ``"ring"``,
+    ``"ulysses"`` (where cp divides the KV heads), or ``"auto"``, the cost model's choice per attention; an
+    attention the chosen method cannot take falls back to all-gather, and the plan's notes say so."""
     dp_mode: DataParallelMode = DataParallelMode.FSDP
     """How the replicas hold the model."""
     ep: int = 1
@@ -258,7 +276,8 @@ class Options:
         for name in ("virtual_stages", "microbatches", "batch", "seq"):
             _positive(name, getattr(self, name), optional=True)
         for name, kind in (("dp_mode", DataParallelMode), ("schedule", Schedule), ("balance", Balance),
-                           ("vocab", VocabChoice), ("recompute", Recompute)):
+                           ("vocab", VocabChoice), ("recompute", Recompute),
+                           ("cp_exchange", ContextExchange)):
             object.__setattr__(self, name, _member(kind, name, getattr(self, name)))
         for name in ("sequence_parallel", "compile"):
             _flag(name, getattr(self, name))

@@ -71,7 +71,8 @@ def with_generation_notes(chosen: Plan, model: nn.Module, captured: Captured) ->
     vocab = captured.analysis.vocab
     notes = generation_notes(model, bool(vocab and vocab.heads), chosen.pp)
     if chosen.options.cp > 1:  # checked now, so that what cannot be split along the sequence is refused at plan time
-        notes = (*context_notes(plan_context(captured, chosen.options.cp), chosen.options.cp), *notes)
+        layout = plan_context(captured, chosen.options.cp, chosen.options.cp_exchange, chosen.options.memory_budget)
+        notes = (*context_notes(layout, chosen.options.cp), *notes)
     return chosen.replace(notes=(*chosen.notes, *notes)) if notes else chosen
 
 

@@ -69,6 +69,12 @@ class ContextLayout:
     kv: set[tuple[str, str]] = field(default_factory=set)
     crossing: list[str] = field(default_factory=list)
     refused: list[str] = field(default_factory=list)
+    hoisted: dict[str, str] = field(default_factory=dict)
+    """``repeat_kv``'s nodes (computed whole after the gather of their source) -> their attention."""
+    methods: dict[str, str] = field(default_factory=dict)
+    """Each attention's exchange (``planning.context_exchange``): all_gather, ring or ulysses."""
+    fallbacks: list[str] = field(default_factory=list)
+    """Notes on attentions the chosen method could not take (exchanged by all-gather instead)."""
 
     @property
     def attention(self) -> int:
@@ -97,7 +103,7 @@ def context_layout(graph: fx.Graph, seq, token_inputs: dict[str, int]) -> Contex
     placeholders ``token_inputs`` (name -> sequence dim) split along it."""
     layout = ContextLayout(seq, inputs=dict(token_inputs))
     layout.split.update(token_inputs)
-    hoisted = _hoisted(graph)
+    hoisted = layout.hoisted = _hoisted(graph)
     for node in graph.nodes:
         if node.op != "call_function":
             continue
@@ -117,19 +123,24 @@ _REARRANGING = {*_VIEWS, aten.expand.default, aten.unsqueeze.default, aten.trans
 
 
 def _hoisted(graph: fx.Graph) -> dict[str, str]:
-    """Nodes between an attention's keys or values and the op that made them that only rearrange them for it
-    (transformers' ``repeat_kv``: unsqueeze, expand, reshape), each read by that one consumer: they are computed
-    whole, after one gather of their source, so grouped-query attention moves its KV heads, not the repeated ones.
-    Each maps to its attention's name."""
+    """The nodes of transformers' ``repeat_kv`` (unsqueeze, expand, reshape, and the full slices around them)
+    between an attention's keys or values and the op that made them, each read by that one consumer: they are
+    computed whole, after one gather of their source, so grouped-query attention moves its KV heads, not the
+    repeated ones (and a ring or Ulysses exchange moves the source). Each maps to its attention's name."""
     out = {}
     for node in graph.nodes:
         if node.target is not SDPA:
             continue
         for value in node.args[1:3]:
+            chain = []
             while (isinstance(value, fx.Node) and value.target in _REARRANGING and len(value.users) == 1
                    and isinstance(value.args[0], fx.Node)):
-                out[value.name] = node.name
+                chain.append(value)
                 value = value.args[0]
+            for at, link in enumerate(chain):
+                if link.target is aten.unsqueeze.default and any(c.target is aten.expand.default for c in chain[:at]):
+                    out.update((c.name, node.name) for c in chain[:at + 1])
+                    break
     return out
 
 

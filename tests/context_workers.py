@@ -33,12 +33,13 @@ def _grads(pm) -> dict[str, torch.Tensor]:
     return out
 
 
-def train_against_unsharded(rank: int, world: int, name: str, seq: int = 16) -> dict:
+def train_against_unsharded(rank: int, world: int, name: str, seq: int = 16, exchange: str = "auto") -> dict:
     """cp=world: eval outputs, then STEPS AdamW steps of cross-entropy (the loss, every gradient, every parameter
     afterwards) equal the unsharded model's; returns the largest errors."""
-    ref = build(name)
+    ref = llama4() if name == "llama4" else build(name)
     x, y = models.tokens(2, seq, 1), models.tokens(2, seq, 2)
-    pm = autotp.parallelize(ref, cp=world, tp=1, example_inputs=x)
+    pm = autotp.parallelize(ref, cp=world, tp=1, example_inputs=x, cp_exchange=exchange)
+    _check_exchange(pm, exchange)
     pm.eval(), ref.eval()
     with torch.no_grad():
         got, want = _logits(pm(x)), _logits(ref(x))
@@ -118,7 +119,17 @@ def _llama() -> torch.nn.Module:
     return transformers.LlamaForCausalLM(config)
 
 
-HF = {"llama": llama, "mistral": mistral, "gpt2": gpt2}
+def llama4() -> torch.nn.Module:
+    """A tiny Llama of 8 query and 4 KV heads (head dim 8), so that Ulysses runs at cp=4."""
+    import transformers
+
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=models.VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
+        num_key_value_heads=4))
+
+
+HF = {"llama": llama, "mistral": mistral, "gpt2": gpt2, "llama4": llama4}
 
 
 def padded(seq: int = 16) -> dict[str, torch.Tensor]:
@@ -143,12 +154,13 @@ def packed(seq: int = 16) -> dict[str, torch.Tensor]:
 BATCHES = {"padded": padded, "packed": packed}
 
 
-def train_batch(rank: int, world: int, name: str, batch_name: str) -> dict:
+def train_batch(rank: int, world: int, name: str, batch_name: str, exchange: str = "auto") -> dict:
     """cp=world on a Hugging Face ``name`` with the ``batch_name`` batch by keyword and the model's own loss:
     eval outputs, STEPS AdamW steps (losses, gradients) and the parameters after them equal the unsharded model's."""
     batch = BATCHES[batch_name]()
     ref = HF[name]()
-    pm = autotp.parallelize(ref, cp=world, tp=1, example_inputs=batch)
+    pm = autotp.parallelize(ref, cp=world, tp=1, example_inputs=batch, cp_exchange=exchange)
+    _check_exchange(pm, exchange)
     pm.eval(), ref.eval()
     with torch.no_grad():
         got, want = pm(**batch).logits, ref(**batch, use_cache=False).logits
@@ -169,14 +181,34 @@ def train_batch(rank: int, world: int, name: str, batch_name: str) -> dict:
     return errors
 
 
-def saved_and_moved(rank: int, world: int, seq: int = 256) -> dict:
-    """The tiny Llama at ``seq`` tokens: bytes saved for backward by one training step at cp=world and in one
-    process, and the bytes this rank's key/value gathers received (forward and backward), with their minimum."""
-    from bench.memory import SavedActivations
+def _check_exchange(pm, exchange: str) -> None:
+    """Every attention of ``pm`` exchanges by ``exchange`` (``auto``: any)."""
+    if exchange in ("auto", "all_gather"):
+        return
+    for gm in pm.rank_modules():
+        names = [n for n, _ in gm.named_modules()]
+        assert any(n.startswith(f"cp_{exchange}_") for n in names) and not any(
+            n.startswith("cp_kv_") for n in names), (exchange, names)
 
-    ref = llama()
+
+def train_cases(rank: int, world: int, cases) -> list[dict]:
+    """Several trainings in one spawned group: each case ``(name, batch or None, exchange)`` as ``train_batch``
+    (a batch) or ``train_against_unsharded`` (None: token ids and a loss_fn)."""
+    return [train_batch(rank, world, name, batch, exchange) if batch else
+            train_against_unsharded(rank, world, name, exchange=exchange) for name, batch, exchange in cases]
+
+
+def saved_and_moved(rank: int, world: int, seq: int = 256, exchange: str = "all_gather", name: str = "llama") -> dict:
+    """The tiny Llama at ``seq`` tokens: bytes saved for backward by one training step at cp=world and in one
+    process, and the bytes this rank's key/value exchanges received (forward and backward), with their minimum
+    (``planning.context_exchange.exchange_cost``)."""
+    from bench.memory import SavedActivations
+    from autotp.planning.context_exchange import AttentionShape, exchange_cost
+
+    ref = HF[name]()
     x, y = models.tokens(1, seq, 1), models.tokens(1, seq, 2)
-    pm = autotp.parallelize(ref, cp=world, tp=1, example_inputs=x)
+    pm = autotp.parallelize(ref, cp=world, tp=1, example_inputs=x, cp_exchange=exchange)
+    _check_exchange(pm, exchange)
     out = {}
     for label, module in (("cp", pm), ("unsharded", ref)):
         saved = SavedActivations(list(module.parameters()))
@@ -185,10 +217,19 @@ def saved_and_moved(rank: int, world: int, seq: int = 256) -> dict:
         loss.backward()
         out[label] = saved.bytes
     config = ref.config
-    head_dim = config.hidden_size // config.num_attention_heads
-    kv_bytes = seq * config.num_key_value_heads * head_dim * 4  # one K (or V) of the whole sequence, fp32
-    # all-gather forward, reduce-scatter backward: each rank receives the others' (world - 1) / world of K and V
-    out["minimum"] = config.num_hidden_layers * 2 * 2 * kv_bytes * (world - 1) // world
-    out["received"] = sum(m.received for gm in pm.rank_modules() for name, m in gm.named_modules()
-                          if name.startswith("cp_kv_"))
+    shape = AttentionShape(1, seq, config.num_attention_heads, config.num_key_value_heads,
+                           config.hidden_size // config.num_attention_heads)
+    # all-gather: K and V forward, their gradients' shares backward, (world - 1) / world of each whole
+    assert exchange_cost("all_gather", shape, world).received == 2 * 2 * seq * shape.kv_heads * shape.head_dim * 4 \
+        * (world - 1) // world
+    out["minimum"] = config.num_hidden_layers * exchange_cost(exchange, shape, world).received
+    out["received"] = sum(m.received for gm in pm.rank_modules() for key, m in gm.named_modules()
+                          if key.startswith(("cp_kv_", "cp_ring_", "cp_ulysses_")))
     return out
+
+
+def exchange_suite(rank: int, world: int, cases, moved: list[tuple[str, str]], seq: int = 64) -> dict:
+    """``train_cases(cases)``, then ``saved_and_moved`` for each ``(exchange, model name)`` of ``moved``: one
+    spawned group for all of them."""
+    return {"errors": train_cases(rank, world, cases),
+            "moved": {exchange: saved_and_moved(rank, world, seq, exchange, name) for exchange, name in moved}}

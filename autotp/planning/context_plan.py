@@ -11,6 +11,7 @@ from autotp.errors import PlanError
 from autotp.passes.sequence_split import ContextLayout, context_layout
 from autotp.passes.costs import tensor_bytes
 from autotp.passes.graph import SHAPE_META
+from autotp.planning.context_exchange import exchange_methods
 
 aten = torch.ops.aten
 _PASSING = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.clone.default,
@@ -46,22 +47,26 @@ def _source(node):
         not isinstance(s, int) for s in node.meta.get(SHAPE_META, ())) else None
 
 
-def plan_context(captured: Captured, cp: int) -> ContextLayout:
-    """The context-parallel layout of ``captured`` at ``cp`` ranks; PlanError naming each op that cannot be split
-    along the sequence."""
+def plan_context(captured: Captured, cp: int, exchange: str = "auto",
+                 memory_budget: int | None = None) -> ContextLayout:
+    """The context-parallel layout of ``captured`` at ``cp`` ranks, each attention's exchange chosen under the
+    ``cp_exchange`` setting ``exchange`` (``planning.context_exchange``); PlanError naming each op that cannot be
+    split along the sequence."""
     seq, inputs = token_inputs(captured)
     layout = context_layout(captured.module.graph, seq, inputs)
     if layout.refused:
         raise PlanError(f"cp={cp} cannot split this model along the sequence: " + "; ".join(layout.refused))
+    layout.methods, layout.fallbacks = exchange_methods(captured.module.graph, layout, cp, exchange, memory_budget)
     return layout
 
 
 def context_notes(layout: ContextLayout, cp: int) -> tuple[str, ...]:
     """What the plan says about its context parallelism."""
     notes = [f"cp={cp}: every rank holds 2 of {2 * cp} sequence chunks (load-balanced for causal attention); "
-             f"{layout.attention} attention product(s) all-gather their keys or values (reduce-scatter of their gradients)",
+             + _exchange_note(layout),
              "cp: pm.generate is refused (decoding from a sequence-split cache is not implemented); generate with "
              "a cp=1 module"]
+    notes.extend(layout.fallbacks)
     if layout.crossing:
         notes.append(f"cp: {len(layout.crossing)} op(s) read across positions and take their inputs gathered whole "
                      f"(exact, communicated): {', '.join(layout.crossing[:6])}"
@@ -85,3 +90,14 @@ def exchanged_kv(captured: Captured, sizes: dict[str, int], unit_of: dict[str, i
     for _, arg in sorted(layout.kv):
         kv[unit_of.get(arg, 0)] += tensor_bytes(nodes[arg], sizes) / tp
     return tuple(kv), int(sizes.get(str(seq), 0))
+
+
+def _exchange_note(layout: ContextLayout) -> str:
+    """How the attentions exchange: each ring or Ulysses attention by name, the all-gathers counted."""
+    gathered = [n for n in layout.exchanges if layout.methods.get(n, "all_gather") == "all_gather"]
+    others = [f"{n} by {layout.methods[n]}" for n in layout.exchanges if n not in gathered]
+    notes = [f"attention exchanges keys and values: {', '.join(others)}"] if others else []
+    if gathered or not others:
+        notes.append(f"{len(gathered)} attention product(s) all-gather their keys or values (reduce-scatter of "
+                     "their gradients)")
+    return "; ".join(notes)

@@ -49,6 +49,14 @@ class Communicator(Protocol):
         """``all_reduce(x)`` begun, in place when ``x`` is contiguous (pass a tensor nothing else reads): returns
         the function that waits for it and gives the sum, so that work in between overlaps the communication."""
 
+    def all_to_all(self, pieces: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Piece ``r`` sent to rank ``r`` (one piece per rank, all of one shape): every rank's piece for this
+        rank, in rank order."""
+
+    def ring_shift_started(self, x: torch.Tensor) -> Callable[[], torch.Tensor]:
+        """``x`` sent to the next rank of the ring, the previous rank's received (pass a tensor nothing writes
+        until it is done): returns the function that waits and gives the previous rank's ``x``."""
+
 
 def all_gather_chunks(comm: Communicator, x: torch.Tensor, dim: int, lengths: list[int]) -> list[torch.Tensor]:
     """Every rank's ``x``, of ``lengths[rank]`` along ``dim`` (a vocabulary cut unevenly): padded to the longest
@@ -75,6 +83,8 @@ class TorchComm:
         self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
         self.closed = False
         self.pending: Callable[[], None] | None = None
+        self.shifts = 0
+        """Ring shifts begun: each one's tag, so that two in flight between the same ranks never cross."""
 
     def _run(self, what: str, call):
         settle(self)
@@ -124,6 +134,26 @@ class TorchComm:
         whole = torch.cat([p.reshape(-1) for p in pieces])
         self._run("reduce_scatter", lambda: dist.reduce_scatter_single(out, whole, group=self.group))
         return out.view(mine.shape)
+
+    def all_to_all(self, pieces: list[torch.Tensor]) -> list[torch.Tensor]:
+        whole = torch.cat([p.reshape(-1) for p in pieces])
+        out = torch.empty_like(whole)
+        self._run("all_to_all", lambda: dist.all_to_all_single(out, whole, group=self.group))
+        return list(out.view(self.size, *pieces[0].shape).unbind(0))
+
+    def ring_shift_started(self, x: torch.Tensor) -> Callable[[], torch.Tensor]:
+        x, out = x.contiguous(), torch.empty_like(x, memory_format=torch.contiguous_format)
+        peers = [dist.get_global_rank(self.group, (self.rank + step) % self.size) if self.group is not None
+                 else (self.rank + step) % self.size for step in (1, -1)]
+        self.shifts += 1
+        tag = self.shifts % 1024
+        works = self._run("ring shift", lambda: [dist.isend(x, peers[0], group=self.group, tag=tag),
+                                                 dist.irecv(out, peers[1], group=self.group, tag=tag)])
+
+        def finish() -> torch.Tensor:
+            self._run("ring shift", lambda: [w.wait() for w in works])
+            return out
+        return finish
 
     def close(self) -> None:
         """Drop the group reference (a later collective raises ``RankFailure``)."""
@@ -211,6 +241,13 @@ class ThreadComm:
     def all_reduce_started(self, x: torch.Tensor) -> Callable[[], torch.Tensor]:
         out = self.all_reduce(x)  # threads exchange at once; the faults injected into all_reduce apply
         return lambda: out
+
+    def all_to_all(self, pieces: list[torch.Tensor]) -> list[torch.Tensor]:
+        return [p[self.rank].clone() for p in self._exchange(torch.stack(pieces))]
+
+    def ring_shift_started(self, x: torch.Tensor) -> Callable[[], torch.Tensor]:
+        arrived = self._exchange(x)[(self.rank - 1) % self.size]  # threads exchange at once
+        return lambda: arrived
 
     def reduce_scatter(self, pieces: list[torch.Tensor]) -> torch.Tensor:
         parts = self._exchange(torch.stack(pieces))

@@ -15,6 +15,8 @@ import torch
 
 from autotp.passes.sequence_split import ContextLayout
 from autotp.rewrite.comm import Communicator
+from autotp.rewrite.context_attention import exchange_attention, without_exchanged
+from autotp.rewrite.context_rows import push_rows
 from autotp.rewrite.context_ops import Gather, OutputShare, ParamGradSum, Positions, causal_rows
 
 aten = torch.ops.aten
@@ -138,5 +140,9 @@ class _Rewrite:
 
 def apply_context(gm: fx.GraphModule, layout: ContextLayout, comm: Communicator, trainable: set[str]) -> None:
     """Rewrite ``gm`` in place to compute this rank's tokens (``comm``: the cp ranks; ``trainable``: the
-    ``get_attr`` targets of the parameters)."""
-    _Rewrite(gm, layout, comm).run(trainable)
+    ``get_attr`` targets of the parameters). Attentions the layout exchanges by ring or Ulysses
+    (``layout.methods``) are replaced by their calls (``rewrite.context_attention``)."""
+    rewrite = _Rewrite(gm, without_exchanged(layout), comm)
+    rewrite.run(trainable)
+    exchange_attention(gm, layout, comm, rewrite.length)
+    push_rows(gm, layout.seq, rewrite.positions, rewrite.local_length)

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from autotp.errors import AutotpError, InputError, InternalError
 from autotp.mixed_precision import DTYPES
-from autotp.options import Balance, DataParallelMode, Recompute, Schedule, VocabChoice
+from autotp.options import Balance, ContextExchange, DataParallelMode, Recompute, Schedule, VocabChoice
 from autotp.tools.generate_cli import add_parser as add_generate_parser
 from autotp.tools.planned import load_and_plan, load_plan_file, options_of, plan_text
 
@@ -80,6 +80,9 @@ def _common(p: argparse.ArgumentParser) -> None:
                         "tensor-parallel ranks (default 1; docs/expert-parallelism.md)")
     p.add_argument("--cp", type=_positive, help="context-parallel ranks: every sequence split across them for the "
                                                 "whole model, attention exchanging keys and values (default 1)")
+    p.add_argument("--cp-exchange", choices=[c.value for c in ContextExchange],
+                   help="how attention exchanges keys and values across the cp ranks: all_gather, ring, ulysses, or "
+                        "auto, the cost model's choice per attention (default auto)")
     p.add_argument("--batch", type=_positive, default=8, help="batch size to cost the plan at (default 8)")
     p.add_argument("--seq", type=_positive, default=32, help="sequence length to cost the plan at (default 32)")
     p.add_argument("--balance", choices=[b.value for b in Balance], default=Balance.BOTH.value,

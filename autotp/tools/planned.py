@@ -84,7 +84,7 @@ def options_of(args, plan: Plan | None = None) -> Options:
     plan's tp)."""
     tp = args.tp or (plan.tp if plan is not None else None)
     return Options.build(tp=tp, pp=args.pp, ep=getattr(args, "ep", None), cp=getattr(args, "cp", None),
-                         balance=args.balance, batch=args.batch, seq=args.seq,
+                         cp_exchange=getattr(args, "cp_exchange", None), balance=args.balance, batch=args.batch, seq=args.seq,
                          vocab=args.vocab, memory_budget=args.memory_budget,
                          sequence_parallel=args.sequence_parallel, recompute=args.recompute,
                          schedule=getattr(args, "schedule", None),
