@@ -103,8 +103,8 @@ class PretrainedModelLike:
             raise ModelPartError(
                 f"autotp: the parallel module has no attribute {name!r}: it is a part of the original model, and the "
                 "parallel module runs the model captured as a whole (one graph per rank), not its submodules. Call "
-                "pm(...) or pm.generate(...) as a whole; code that calls a model's parts apart (TRL's SFTTrainer "
-                "replaces the forward with a fused LM head that does) cannot drive it") from None
+                "pm(...) or pm.generate(...) as a whole; code that calls a model's parts apart cannot drive it "
+                "(TRL's SFTTrainer is handled: its fused LM head is computed from pm's logits)") from None
 
     @property
     def device(self) -> torch.device:
