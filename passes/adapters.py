@@ -21,7 +21,7 @@ from torch import fx
 from autotp.passes.graph import meta_val
 from autotp.passes.projections import Projection
 from autotp.passes.propagation import Conversion
-from autotp.passes.steps import COPY
+from autotp.passes.steps import COPY, GRAD_SUM, Step
 
 aten = torch.ops.aten
 
@@ -122,7 +122,8 @@ def copy_before_down(prop, nodes: dict[str, fx.Node], adapters: dict[str, Adapte
     The propagation reads a column-split ``B``'s whole input ``h = A x`` through ``f`` (an all-reduce of the
     gradient of ``h``, per adapter). The gradient of ``h`` is linear in the ranks' shares, so the sum may run after
     ``A`` instead: ``A x`` then reads ``x`` through ``f`` (the base's own: one all-reduce serves both) and ``A``'s
-    weight gradient, each rank's share, is summed on its own (``f`` on the weight: r x in, not batch x seq x r)."""
+    weight gradient, each rank's share (r x in, not batch x seq x r), is summed in the end-of-backward bucket with
+    every other adapter's (``weight_sum``)."""
     for adapter in adapters.values():
         up, down = projections[adapter.up], projections[adapter.down]
         key = next((k for k, c in prop.conversions.items() if c.steps == (COPY,) and (up.node, (0,)) in c.consumers
@@ -140,7 +141,7 @@ def copy_before_down(prop, nodes: dict[str, fx.Node], adapters: dict[str, Adapte
         _read_through(prop, value, edge)
         _base_copy_to(prop, nodes, adapter.base, value)
         if weight.name in grad:  # a frozen A has no gradient to sum
-            _read_through(prop, weight.name, (down.node, (1,)))
+            _read_through(prop, weight.name, (down.node, (1,)), weight_sum(weight))
 
 
 def _earliest_read(nodes: dict[str, fx.Node], reader: str, edges: set) -> tuple[str, tuple]:
@@ -173,8 +174,15 @@ def _base_copy_to(prop, nodes: dict[str, fx.Node], base: str, value: str) -> Non
         return
 
 
-def _read_through(prop, value: str, edge: tuple) -> None:
-    prop.conversions.setdefault((value, (COPY,)), Conversion(value, (COPY,))).consumers.append(edge)
+def _read_through(prop, value: str, edge: tuple, step: Step = COPY) -> None:
+    prop.conversions.setdefault((value, (step,)), Conversion(value, (step,))).consumers.append(edge)
+
+
+def weight_sum(weight: fx.Node) -> Step:
+    """How an adapter's whole weight is read when each rank computes a share of its gradient: a parameter read as
+    it is (``get_attr``) goes into the end-of-backward bucket (``GRAD_SUM``: one all-reduce for all adapters, not
+    one each); any other value (a cast of it) through ``f``, whose backward sums the share where it arrives."""
+    return GRAD_SUM if weight.op == "get_attr" else COPY
 
 
 def up_projections(columns: list[Projection], ups: dict[str, str], projections: dict[str, Projection]) -> dict:

@@ -22,7 +22,7 @@ import sympy
 import torch
 from torch import fx
 
-from autotp.passes.adapters import copy_before_down, find_adapters
+from autotp.passes.adapters import copy_before_down, find_adapters, weight_sum
 from autotp.passes.costs import expert_load
 from autotp.passes.graph import ArgPath, get_arg, is_tensor, meta_val, sizes, tensor_args
 from autotp.passes.projections import Projection
@@ -177,7 +177,8 @@ def _deferred(order, reduced, projections, layouts, grad, consumed, unpaid: set[
         if once is not None:  # its gradient, the sum's, is whole on every rank: no ``f``
             copies.append((node.name, once, ONCE))
         else:
-            copies += [(node.name, p, COPY) for p in whole if get_arg(node, p).name in grad]
+            copies += [(node.name, p, weight_sum(get_arg(node, p)) if node.name in ups else COPY)
+                       for p in whole if get_arg(node, p).name in grad]
     moved = {s: end for end, sources in source_of.items() for s in sources if s != end}
     return moved, copies, chain, source_of, onces
 

@@ -55,6 +55,11 @@ class Operator(str, Enum):
     RUNNING_STATS = "running_stats"
     """A batch norm of channels split, in training: each rank updates its channels' running mean and variance,
     all-gathered forward into the whole buffers every rank keeps (no gradient flows through them)."""
+    GRAD_SUM = "grad_sum"
+    """A whole parameter of which each rank computes only a share of the gradient (a low-rank adapter's whole
+    matrix beside a split base layer): identity forward; backward, the shares of all such parameters are summed in
+    one bucketed all-reduce at the end of the backward (Megatron's ``finalize_model_grads`` for replicated
+    parameters), not one all-reduce each."""
 
 
 class CollectiveOp(str, Enum):
@@ -104,6 +109,7 @@ COMMUNICATION: dict[Operator, tuple[Communication, ...]] = {
     Operator.SHARED_GRAD: (Communication(CollectiveOp.ALL_GATHER, Direction.BACKWARD, at_source=True),),
     Operator.CROSS_ENTROPY: (Communication(CollectiveOp.ALL_GATHER, Direction.FORWARD, at_source=True),),
     Operator.RUNNING_STATS: (Communication(CollectiveOp.ALL_GATHER, Direction.FORWARD, at_source=True),),
+    Operator.GRAD_SUM: (),  # one bucket for all of them, listed once (planning.planned_collectives)
 }
 
 
@@ -117,12 +123,12 @@ class Step:
     def __post_init__(self):
         if self.operator not in CONVERSIONS:
             raise ValueError(f"{self.operator} is not a conversion step (one of {sorted(CONVERSIONS)})")
-        if (self.shard is None) != (self.operator in (Operator.F, Operator.ONCE)):
+        if (self.shard is None) != (self.operator in (Operator.F, Operator.ONCE, Operator.GRAD_SUM)):
             raise ValueError(f"step {self.operator.value} needs a shard iff it gathers or slices, got {self.shard}")
 
 
 CONVERSIONS = frozenset({Operator.F, Operator.GATHER, Operator.SCATTER, Operator.GATHER_TO_REGION, Operator.NARROW,
-                         Operator.ONCE})
+                         Operator.ONCE, Operator.GRAD_SUM})
 """The operators that convert a value on an edge (the others reduce a node's own output)."""
 
 COPY = Step(Operator.F)
@@ -130,6 +136,10 @@ COPY = Step(Operator.F)
 
 ONCE = Step(Operator.ONCE)
 """Add a whole value to a partial sum on one rank only (``Operator.ONCE``)."""
+
+GRAD_SUM = Step(Operator.GRAD_SUM)
+"""Read a whole parameter whose gradient each rank computes a share of, the shares summed in the end-of-backward
+bucket (``Operator.GRAD_SUM``)."""
 
 
 def gather(shard: Shard) -> Step:

@@ -76,19 +76,37 @@ def collectives(rank: int, world: int) -> dict:
     return {"adapted": counted(pm, x, y), "base": counted(base, x, y)}
 
 
-def training(rank: int, world: int, tp: int, pp: int, dropout: float) -> dict:
-    """AdamW steps, clipped, of the adapted model at tp x pp against one process seeded alike: losses, every parameter
-    after the steps; the frozen base weights get no gradient and no optimizer state."""
+def bucket_bytes(pm) -> int:
+    """Bytes of this rank's adapter weights read through ``GradSum`` (whose gradient shares the bucket sums)."""
+    from autotp.rewrite.grad_bucket import GradSum
+
+    total = 0
+    for gm in pm.rank_modules():
+        for node in gm.graph.nodes:
+            if node.op == "call_module" and isinstance(gm.get_submodule(node.target), GradSum):
+                param = gm.get_parameter(node.args[0].target)  # whole on every rank: its local tensor is all of it
+                total += param.numel() * param.element_size()
+    return total
+
+
+def training(rank: int, world: int, tp: int, pp: int, dropout: float, dp: int = 1) -> dict:
+    """AdamW steps, clipped, of the adapted model at tp x pp (x dp replicas, each its slice of the batch) against one
+    process seeded alike: losses, every parameter after the steps; the frozen base weights get no gradient and no
+    optimizer state; the all-reduces of the first step (their bytes) and the size of this rank's gradient bucket."""
     model = adapted(dropout).train()
     ref = copy.deepcopy(model)
     x, y = models.tokens(4, 8, 1), models.tokens(4, 8, 2)
-    pm = autotp.parallelize(model, tp=tp, pp=pp, example_inputs=(x,), quiet=True)
+    settings = {"dp": dp, "dp_mode": "replicate"} if dp > 1 else {}
+    pm = autotp.parallelize(model, tp=tp, pp=pp, example_inputs=(x,), quiet=True, **settings)
+    mine = slice(pm.dp_rank * len(x) // dp, (pm.dp_rank + 1) * len(x) // dp)
     torch.manual_seed(100 + rank)  # the ranks' global generators differ: dropout must not depend on them
     pm.manual_seed(SEED)
     opt = torch.optim.AdamW([p for p in pm.parameters() if p.requires_grad], **ADAM)
-    losses, norms = [], []
+    losses, norms, reduces = [], [], None
     for _ in range(STEPS):
-        loss = pm.step(x, target=y, loss_fn=_loss)
+        with CommBytes() as seen:
+            loss = pm.step(x[mine], target=y[mine], loss_fn=_loss)
+        reduces = [n for what, n in seen.events if what == "all_reduce"] if reduces is None else reduces
         losses.append(float(loss) if loss is not None else None)
         frozen_grads = [n for n, p in pm.named_parameters() if not p.requires_grad and p.grad is not None]
         norms.append(float(pm.clip_grad_norm_(CLIP)))
@@ -112,7 +130,7 @@ def training(rank: int, world: int, tp: int, pp: int, dropout: float) -> dict:
     frozen_params = sum(1 for p in pm.parameters() if not p.requires_grad)
     return {"losses": losses, "ref_losses": ref_losses, "norms": norms, "worst": worst, "moved": moved,
             "frozen_grads": frozen_grads, "frozen_state": frozen_state, "frozen_params": frozen_params,
-            "rank": dist.get_rank()}
+            "rank": dist.get_rank(), "reduces": reduces, "bucket": bucket_bytes(pm)}
 
 
 def _logits(out):

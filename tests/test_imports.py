@@ -179,9 +179,10 @@ def test_the_checker_sees_a_back_edge(tmp_path):
 
 
 RUNTIME_MAY_USE_FROM_REWRITE = ("autotp.rewrite.comm", "autotp.rewrite.streams", "autotp.rewrite.collectives",
-                                "autotp.rewrite.dtypes")
+                                "autotp.rewrite.dtypes", "autotp.rewrite.grad_bucket")
 """The rewrite objects a running module holds: its communicators (and the collectives its outputs and loss run
-through, the vocab-parallel cross-entropy among them), its random stream, and its graphs' dtypes (``pm.to(dtype)``
+through, the vocab-parallel cross-entropy among them; the end-of-backward bucket of gradient shares, which a
+pipeline's step holds until its schedule ends), its random stream, and its graphs' dtypes (``pm.to(dtype)``
 retypes their constants, and a graph built on first use casts its parameters as the policy says). Everything else
 the runtime needs of a rank's tensors (placements, parts, weight sources) lives in ``autotp.passes.placement``, and
 the writes a forward makes to its weights (made again on FSDP's stored shards) are found with

@@ -14,7 +14,7 @@ import sympy
 from autotp.passes.analysis import Analysis
 from autotp.passes.graph import named_arg, sizes
 from autotp.passes.propagation import Propagation
-from autotp.passes.steps import COMMUNICATION, Direction, Operator, fused
+from autotp.passes.steps import COMMUNICATION, CollectiveOp, Direction, Operator, fused
 from autotp.planning.plan import Collective
 from autotp.passes.grouped_banks import expert_matmuls
 
@@ -31,7 +31,23 @@ def planned_collectives(analysis: Analysis, prop: Propagation, split_banks=froze
               for c in _collectives_of(analysis, operator, node, node, grad)]
     found += [(order[node], c) for node, operator in expert_chains(analysis, split_banks)
               for c in _collectives_of(analysis, operator, node, node, grad)]
-    return [c for _, c in sorted(found, key=lambda item: item[0])]
+    listed = [c for _, c in sorted(found, key=lambda item: item[0])]
+    return listed + _gradient_bucket(analysis, prop)
+
+
+BUCKET = "(gradient bucket)"
+"""The module named for the end-of-backward bucket, which belongs to no one module."""
+
+
+def _gradient_bucket(analysis: Analysis, prop: Propagation) -> list[Collective]:
+    """The one all-reduce summing, at the end of the backward, the gradient shares of every parameter read through
+    ``GRAD_SUM`` (``rewrite.grad_bucket``), sized as all of them together; none when there is none."""
+    sources = sorted({conv.source for conv in prop.conversions.values()
+                      if any(step.operator is Operator.GRAD_SUM for step in conv.steps) and conv.source in analysis.grad})
+    if not sources:
+        return []
+    numel = sympy.Add(*[sympy.Mul(*[sympy.sympify(d) for d in sizes(analysis.nodes[s])]) for s in sources])
+    return [Collective(CollectiveOp.ALL_REDUCE, Direction.BACKWARD, Operator.GRAD_SUM, BUCKET, (str(numel),))]
 
 
 def expert_chains(analysis: Analysis, split_banks) -> list[tuple[str, Operator]]:

@@ -31,6 +31,7 @@ from autotp.passes.placement import (
 )
 from autotp.passes.steps import Operator
 from autotp.rewrite.comm import Communicator, all_gather_chunks
+from autotp.rewrite.grad_bucket import GradSum
 from autotp.rewrite.running_stats import ChannelBatchNorm
 from autotp.rewrite.shards import local_value, runtime_segments
 from autotp.rewrite.vocab_parallel import MEAN, vocab_parallel_cross_entropy
@@ -363,6 +364,7 @@ IMPLEMENTATIONS: dict[Operator, Callable[[Communicator, Shard | None], nn.Module
     Operator.REDUCE_SCATTER: lambda comm, shard: ReduceScatterToTP(comm, *split_args(shard)),
     Operator.GATHER_TO_REGION: lambda comm, shard: GatherToRegion(comm, *split_args(shard)),
     Operator.RUNNING_STATS: lambda comm, shard: ChannelBatchNorm(comm, split_args(shard)[1]),
+    Operator.GRAD_SUM: lambda comm, shard: GradSum(comm),
 }
 """Operator -> a factory of the module that runs it, given the communicator and (for gathers and slices)
 the split."""

@@ -13,6 +13,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
 from autotp.rewrite.data_writes import data_of
+from autotp.rewrite.grad_bucket import GradSum
 from autotp.rewrite.graph_edit import get_tensor, set_tensor
 
 
@@ -30,13 +31,22 @@ def read_locally(gm: fx.GraphModule) -> None:
     for node in list(gm.graph.find_nodes(op="get_attr")):
         if not isinstance(get_tensor(gm, node.target), DTensor) or any(u.target is to_local for u in node.users):
             continue
+        if all(_takes_parameter(gm, u) for u in node.users):
+            continue
         with gm.graph.inserting_after(node):
             reader = gm.graph.call_function(to_local, (node,))
-        node.replace_all_uses_with(reader, delete_user_cb=lambda user: user is not reader and user.target is not data_of)
+        node.replace_all_uses_with(reader, delete_user_cb=lambda user: user is not reader and user.target is not data_of
+                                   and not _takes_parameter(gm, user))
         changed = True
     if changed:
         gm.graph.lint()
         gm.recompile()
+
+
+def _takes_parameter(gm: fx.GraphModule, user: fx.Node) -> bool:
+    """Whether ``user`` reads the parameter itself, DTensor or not (a ``GradSum``, which adds its gradient to the
+    parameter at the end of the backward, as a DTensor of its placement)."""
+    return user.op == "call_module" and isinstance(gm.get_submodule(user.target), GradSum)
 
 
 def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:

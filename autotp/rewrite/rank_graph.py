@@ -30,6 +30,7 @@ from autotp.rewrite.collectives import (
 from autotp.rewrite.columns import OverlappedColumnLinear, Regather, RegatheredLinear
 from autotp.rewrite.comm import Communicator
 from autotp.rewrite.data_writes import write_through_data
+from autotp.rewrite.grad_bucket import GradSum
 from autotp.rewrite.dtypes import drop_dtype_checks
 from autotp.passes.grouped_banks import expert_placements
 from autotp.rewrite.expert_split import split_experts
@@ -151,7 +152,10 @@ class _Surgeon:
     def insert_steps(self, source: str, steps, consumers, module_of) -> None:
         value = self.nodes[source]
         for step in fused(steps):
-            value = self.call_module(module_of(step.operator, self.comm, step.shard), value, (value,))
+            module = module_of(step.operator, self.comm, step.shard)
+            if isinstance(module, GradSum):  # its bucket sums the shares in one order on every rank: by name
+                module.key = source
+            value = self.call_module(module, value, (value,))
         for consumer, path in consumers:
             if get_arg(self.nodes[consumer], path) is not self.nodes[source]:
                 raise InternalError(f"node {consumer} no longer reads {source} at argument {path}")

@@ -192,6 +192,19 @@ class DataParallel:
         for p in params:
             p.register_post_accumulate_grad_hook(hook)
 
+    def take_buckets(self, buckets, pipelined: bool) -> None:
+        """Set up the ranks' end-of-backward gradient buckets (``rewrite.grad_bucket``) for the replicas: under fsdp
+        each share is summed where it arrives (FSDP reduce-scatters what the graph's unsharded parameter gets);
+        under ``replicate`` without pipelines the bucket sums over the whole tp x dp world and divides by dp, so the
+        adapters' tp sum and dp average are one all-reduce (a pipeline's step averages after its schedule)."""
+        from autotp.rewrite.comm import TorchComm
+
+        for bucket in buckets:
+            if self.sharded:
+                bucket.immediate = True
+            elif not pipelined and dist.get_world_size() == self.mesh.tp * self.size:
+                bucket.comm, bucket.scale = TorchComm(None), 1.0 / self.size
+
     def counts(self) -> bool:
         """Whether this replica's gradients enter a norm over all ranks: each shard under fsdp; under
         ``replicate`` every replica holds the same whole gradient, so only the first counts it."""

@@ -19,6 +19,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from autotp.errors import CheckpointError, InputError, ModelPartError
+from autotp.runtime.fused_head import fused_forward, is_fused_head
 from autotp.passes.placement import Part, part_of
 from autotp.runtime.data_parallel import dp_shard
 from autotp.runtime.peft_adapters import load_adapter, merge_adapters, save_adapters
@@ -84,6 +85,12 @@ class PretrainedModelLike:
             raise AttributeError(f"{type(self).__name__} has no config: the model passed to parallelize had none")
         return self.model_config
 
+    def __setattr__(self, name: str, value) -> None:
+        # TRL's SFTTrainer binds a fused LM head as the forward: computed here from the module's logits
+        if name == "forward" and is_fused_head(value):
+            value = fused_forward(self, value)
+        super().__setattr__(name, value)
+
     def __getattr__(self, name: str):
         """``nn.Module``'s attributes, else a ``ModelPartError`` for a part of the original model (a first
         component of its parameters' names): code that drives a model's parts apart cannot drive this one."""
@@ -96,8 +103,8 @@ class PretrainedModelLike:
             raise ModelPartError(
                 f"autotp: the parallel module has no attribute {name!r}: it is a part of the original model, and the "
                 "parallel module runs the model captured as a whole (one graph per rank), not its submodules. Call "
-                "pm(...) or pm.generate(...) as a whole; code that calls a model's parts apart (TRL's SFTTrainer "
-                "replaces the forward with a fused LM head that does) cannot drive it") from None
+                "pm(...) or pm.generate(...) as a whole; code that calls a model's parts apart cannot drive it "
+                "(TRL's SFTTrainer is handled: its fused LM head is computed from pm's logits)") from None
 
     @property
     def device(self) -> torch.device:

@@ -120,6 +120,11 @@ class TrainerFacing(RefusesDDP):
     loss_type: str | None = None
     """The original model's ``loss_type`` (``facing``)."""
 
+    def add_model_tags(self, tags: list[str] | str) -> None:
+        """Tags for a model card, as ``PreTrainedModel.add_model_tags`` keeps them (TRL's trainers add theirs)."""
+        held = list(self.__dict__.get("model_tags") or [])
+        self.model_tags = held + [t for t in ([tags] if isinstance(tags, str) else tags) if t not in held]
+
     @property
     def tp_size(self) -> int | None:
         """The tensor-parallel degree, as transformers' ``model.tp_size``: Trainer builds accelerate's

@@ -10,6 +10,7 @@ import torch
 from torch import fx, nn
 
 from autotp.errors import InputError
+from autotp.rewrite.grad_bucket import grad_buckets
 from autotp.runtime.batch_agreement import inputs_started
 from autotp.runtime.data_parallel import local
 from autotp.runtime.drift import Fingerprints
@@ -48,6 +49,7 @@ class ParallelModule(TrainerFacing, ParallelBase):
             gather.overwritable = False  # a compiled graph may keep its outputs for its own backward
         if self._dp is not None:
             self._dp.average_in_backward(self.parameters())  # replicate: as DDP, at the end of every backward
+            self._dp.take_buckets(grad_buckets([self.module, self.eval_module]), pipelined=False)
         self._replicated = self._fingerprints()
         self._start(parts.training)
 

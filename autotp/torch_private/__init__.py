@@ -21,7 +21,8 @@ the torch version, instead of autotp silently computing something else. Nothing 
 each entry looks torch's object up when it is used.
 """
 
-from autotp.torch_private.engine import active_ddp_module, at_backward_end, forget_dtensor_meshes, release_groups
+from autotp.torch_private.engine import (active_ddp_module, at_backward_end, forget_dtensor_meshes, release_groups,
+                                         viewed_leaf)
 from autotp.torch_private.entries import ENTRIES, Entry, table
 from autotp.torch_private.fake_internals import (attention_backend, backed_size_oblivious, broadcast_sizes,
                                                          composite, contiguous_or_false, fresh_unbacked_size,
@@ -52,4 +53,5 @@ __all__ = ["CAPTURE_LOCK", "DECOMPOSITIONS_UNSOUND_IN_DRAFT_EXPORT", "ENTRIES", 
            "no_cycle_collection", "no_stack_traces", "no_symbolic_layout_probes", "op_schema", "output_spec", "overload_packet",
            "plain_sizes", "quiet_torch_logs", "real_tensors", "release_groups", "set_grad_enabled_op",
            "shape_of_varargs", "size_expr", "size_hint", "sizes_not_fixed_by_probes", "symbolic_expr", "symbolic_size", "table",
-           "tensor_data", "torch_composite", "torch_fake_view", "unchanged_module_casts", "view_has_unbacked_input"]
+           "tensor_data", "torch_composite", "torch_fake_view", "unchanged_module_casts", "view_has_unbacked_input",
+           "viewed_leaf"]

@@ -22,6 +22,15 @@ def at_backward_end(callback) -> None:
     queue(callback)
 
 
+@fenced("Tensor._base, the tensor a view was made of", FIRST_RELEASE)
+def viewed_leaf(tensor: torch.Tensor) -> torch.Tensor:
+    """The leaf tensor ``tensor`` is a view of, through views of views (a module's full backward hook hands its
+    forward a view of each input: ``nn.modules._functions.BackwardHookFunction``), or ``tensor`` itself."""
+    while not tensor.is_leaf and getattr(tensor, "_base", None) is not None:
+        tensor = tensor._base
+    return tensor
+
+
 @fenced("DeviceMesh._pg_registry and _root_mesh; a release without them keeps the groups", FIRST_RELEASE)
 def release_groups(mesh) -> None:
     """Drop the references a DeviceMesh (and its root) keeps to its process groups, so that a closed module's

@@ -1,0 +1,163 @@
+"""Whole parameters whose gradient each rank computes only a share of, summed in one all-reduce per backward.
+
+A low-rank adapter beside a split base layer keeps one of its matrices whole (``A`` on a column-split layer, ``B``
+on a row-split one: r x d numbers), and each rank computes only its share of that matrix's gradient (it sees only
+its part of the layer's outputs or inputs). Summing each share where it arrives (Megatron's ``f`` on the weight)
+costs one small all-reduce per adapted layer. Megatron's ``finalize_model_grads`` instead all-reduces the gradients
+of such replicated parameters together once the backward is done; so does this: ``GradSum`` (Operator
+``GRAD_SUM``) reads the parameter unchanged forward and, backward, hands its share to the rank's ``GradBucket``
+instead of to autograd. The bucket sums every share over the ranks in one all-reduce when the backward pass ends
+(or, while ``held``, when a pipeline's schedule ends) and adds the sums to the parameters' ``.grad``.
+
+Over data parallelism (``replicate``, one pipeline stage) the bucket's group is the whole tp x dp world and it
+divides by dp: the adapters' tp sum and dp average are one collective. Under ``fsdp`` the parameter the graph reads
+is FSDP's unsharded copy, whose gradient FSDP reduce-scatters itself: there each share is summed where it arrives.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from autotp.torch_private import at_backward_end, viewed_leaf
+
+_BUCKETS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""Communicator -> its bucket: every ``GradSum`` of a rank's graphs over one group shares one."""
+
+
+class GradBucket:
+    """Gradient shares of whole parameters waiting to be summed over ``comm``'s ranks."""
+
+    def __init__(self, comm):
+        self.comm = comm
+        self.scale = 1.0
+        """Multiplies the sum (1/dp when ``comm`` spans the data-parallel replicas too: their mean)."""
+        self.immediate = False
+        """Sum each share where it arrives (under fsdp), as ``f`` on the weight would."""
+        self.held = False
+        """Wait for ``flush`` (a pipeline's schedule runs one backward per microbatch)."""
+        self._shares: dict[str, tuple[nn.Parameter, torch.Tensor]] = {}
+        self._queued = False
+
+    def add(self, key: str, param: nn.Parameter, grad: torch.Tensor) -> torch.Tensor | None:
+        """Take ``param``'s gradient share (``key``: its name, the same on every rank); returns the gradient autograd
+        should pass on to it now (the sum, when ``immediate``), else None."""
+        if self.immediate:
+            return self.comm.all_reduce(grad)
+        held = self._shares.get(key)
+        self._shares[key] = (param, grad if held is None else held[1] + grad)
+        if not self.held and not self._queued:
+            self._queued = True
+            at_backward_end(self.flush)
+        return None
+
+    def flush(self) -> None:
+        """Sum the shares taken so far over the ranks, in one all-reduce per dtype, and add them to ``.grad``."""
+        self._queued = False
+        shares, self._shares = self._shares, {}
+        by_dtype: dict[torch.dtype, list[tuple[nn.Parameter, torch.Tensor]]] = {}
+        for key in sorted(shares):  # the same order on every rank, whatever order the backward reached them in
+            param, grad = shares[key]
+            by_dtype.setdefault(grad.dtype, []).append((param, grad))
+        for entries in by_dtype.values():
+            flat = self.comm.all_reduce(torch.cat([g.reshape(-1) for _, g in entries]))
+            if self.scale != 1.0:
+                flat = flat * self.scale
+            for (param, grad), part in zip(entries, flat.split([g.numel() for _, g in entries])):
+                _accumulate(param, part.view_as(grad))
+
+
+def _accumulate(param: nn.Parameter, grad: torch.Tensor) -> None:
+    """Add ``grad`` (this rank's local tensor) to ``param.grad`` as autograd's accumulation would: a DTensor of the
+    parameter's placement for a DTensor parameter (``runtime.tp_params``). A module's full backward hook may have
+    left plain zeros there (it materialises the gradient ``GradSum`` does not pass on): those are taken as local."""
+    with torch.no_grad():
+        grad = grad.to(param.dtype)
+        held = param.grad
+        if held is not None:
+            grad = grad + (held.to_local() if isinstance(held, DTensor) else held)
+        if isinstance(param, DTensor):
+            grad = DTensor.from_local(grad, param.device_mesh, param.placements, run_check=False,
+                                      shape=param.shape, stride=param.stride())
+        if held is None or type(held) is not type(grad):
+            param.grad = grad if held is not None else grad.clone()
+        else:
+            held.copy_(grad)
+
+
+def bucket_of(comm) -> GradBucket:
+    """The bucket of ``comm``'s group (made on first use)."""
+    bucket = _BUCKETS.get(comm)
+    if bucket is None:
+        bucket = _BUCKETS[comm] = GradBucket(comm)
+    return bucket
+
+
+class _GradSum(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, param, bucket, key, stored):
+        # ``stored``: the tensor the module was given, in a list (as an argument autograd would hand ``forward``
+        # another object for it); a view of the parameter when a module hook wrapped it (``viewed_leaf``)
+        ctx.stored, ctx.bucket, ctx.key = stored, bucket, key
+        if isinstance(param, DTensor):  # the graph computes on local tensors
+            return param.to_local().detach()  # not a view: autograd would route its gradient to the DTensor's inside
+        return param.view_as(param)
+
+    @staticmethod
+    def backward(ctx, grad):
+        given = ctx.stored[0]
+        param = viewed_leaf(given)
+        if not (param.is_leaf and param.requires_grad):  # not a parameter as stored (a cast): sum the share here
+            return ctx.bucket.comm.all_reduce(grad), None, None, None
+        now = ctx.bucket.add(ctx.key, param, grad)
+        # zeros rather than None: a module's backward hook between the parameter and here would make its own plain
+        # zeros of a DTensor parameter's gradient; these are of the parameter's type (and start its ``.grad``)
+        return (now if now is not None else torch.zeros_like(given)), None, None, None
+
+
+class GradSum(nn.Module):
+    """Read a whole parameter unchanged (its local tensor, for a DTensor parameter); backward, its gradient share
+    goes to the rank's ``GradBucket``."""
+
+    def __init__(self, comm, key: str = ""):
+        super().__init__()
+        self.comm, self.key = comm, key
+        """``key``: the parameter's node name in the captured graph, the same on every rank (set by the rewrite)."""
+
+    @property
+    def bucket(self) -> GradBucket:
+        """The bucket this module's shares go to."""
+        return bucket_of(self.comm)
+
+    def forward(self, param):
+        return _GradSum.apply(param, self.bucket, self.key, [param])
+
+
+def grad_buckets(modules: Iterable[nn.Module]) -> list[GradBucket]:
+    """The buckets the ``GradSum`` modules in ``modules`` (and their children) use, each once."""
+    found: dict[int, GradBucket] = {}
+    for module in modules:
+        for child in module.modules():
+            if isinstance(child, GradSum):
+                found.setdefault(id(child.bucket), child.bucket)
+    return list(found.values())
+
+
+@contextlib.contextmanager
+def held(buckets: list[GradBucket]):
+    """The buckets wait through the block (a pipeline schedule's many backwards) and sum their shares once at its
+    end."""
+    for bucket in buckets:
+        bucket.held = True
+    try:
+        yield
+    finally:
+        for bucket in buckets:
+            bucket.held = False
+    for bucket in buckets:
+        bucket.flush()
