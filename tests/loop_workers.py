@@ -35,13 +35,25 @@ def _full(pm) -> dict:
     return {k: v for k, v in pm.full_state_dict().items() if isinstance(v, torch.Tensor)}
 
 
-def loop_trains_like_one_process(rank: int, world: int, tp: int, dp: int, mode: str) -> str:
+def _llama(kv_heads: int):
+    if kv_heads == 2:
+        return models.build("hf_llama", layers=2)
+    import transformers
+
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=models.VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=kv_heads))
+
+
+def loop_trains_like_one_process(rank: int, world: int, tp: int, dp: int, mode: str, kv_heads: int = 2) -> str:
     """STEPS steps of the plain loop (accumulation over MICRO micro-batches with ``loss / MICRO``, torch's
-    ``clip_grad_norm_``, AdamW, an LR scheduler, ``zero_grad``) on ``pm`` and on the unsharded model."""
+    ``clip_grad_norm_``, AdamW, an LR scheduler, ``zero_grad``) on ``pm`` and on the unsharded model (a Llama with
+    ``kv_heads`` KV heads: fewer than tp, each is a chunk several ranks hold)."""
     label = f"tp={tp} dp={dp} {mode}"
     if not reform_world(tp * dp, "cpu"):
         return label
-    ref = models.build("hf_llama", layers=2)
+    ref = _llama(kv_heads)
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)  # warn_plain: a parameter left plain would clip wrongly
         pm = autotp.parallelize(copy.deepcopy(ref), tp=tp, dp=dp, dp_mode=mode, example_inputs=_batch(0, 0))

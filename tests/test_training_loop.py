@@ -15,13 +15,15 @@ from tests import loop_workers
 from tests.distributed import run_on_ranks
 
 
-@pytest.mark.parametrize("tp, dp, mode", [(2, 1, "replicate"), (2, 2, "replicate"), (2, 2, "fsdp"),
-                                          (4, 1, "replicate")])
-def test_the_plain_loop_with_torch_clipping_trains_like_one_process(tp, dp, mode):
+@pytest.mark.parametrize("tp, dp, mode, kv_heads", [(2, 1, "replicate", 2), (2, 2, "fsdp", 2),
+                                                    (4, 1, "replicate", 2), (2, 2, "replicate", 1)])
+def test_the_plain_loop_with_torch_clipping_trains_like_one_process(tp, dp, mode, kv_heads):
     """The worker compared torch's clipped norm every step and every parameter after; here: each rank finished.
-    At tp=4 the Llama's 2 KV heads are chunks two ranks hold each: DTensors on the (2, 2) view of the tp ranks,
-    so torch's clipping counts each once (no plain parameters, no warning)."""
-    assert run_on_ranks(loop_workers.loop_trains_like_one_process, tp * dp, tp, dp, mode) == [
+    At tp=4 the Llama's 2 KV heads (at tp=2 x dp=2 its 1 KV head) are chunks two ranks hold each: DTensors on the
+    (tp / 2, 2) view of each replica's tp ranks, so torch's clipping counts each once (no plain parameters, no
+    warning). tp=2 x dp=2 under replicate with 2 KV heads (a 1-D tp mesh per replica) is Trainer's and
+    accelerate's case in test_trainer.py."""
+    assert run_on_ranks(loop_workers.loop_trains_like_one_process, tp * dp, tp, dp, mode, kv_heads) == [
         f"tp={tp} dp={dp} {mode}"] * (tp * dp)
 
 
