@@ -143,3 +143,30 @@ def scheduler_survives_save_and_load(rank: int, world: int, path: str) -> None:
     assert sched2.get_last_lr() == ref_sched.get_last_lr()
     for name, value in _full(second).items():
         assert_close(value, ref.state_dict()[name], rtol=0, atol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+def fast_optimizers_train_like_one_process(rank: int, world: int) -> list[str]:
+    """AdamW with ``foreach=True`` and with ``fused=True`` (the cheap ways to step DTensor parameters: one dispatch
+    per op over all of them) and torch's ``clip_grad_norm_(..., foreach=True)``: STEPS steps on ``pm`` against the
+    same on the unsharded model, every parameter after. One module serves both, put back to the first weights by
+    ``load_state_dict`` of the unsharded model's state dict between them."""
+    start = models.build("hf_llama", layers=1)
+    pm = autotp.parallelize(copy.deepcopy(start), tp=2, example_inputs=_batch(0, 0))
+    done = []
+    for kind in ({"foreach": True}, {"fused": True}):
+        ref = copy.deepcopy(start)
+        pm.load_state_dict(start.state_dict())
+        opt, ref_opt = torch.optim.AdamW(pm.parameters(), **ADAM, **kind), torch.optim.AdamW(ref.parameters(), **ADAM,
+                                                                                               **kind)
+        for step in range(STEPS):
+            pm(**_batch(step, 0)).loss.backward()
+            ref(**_batch(step, 0)).loss.backward()
+            norm = torch.nn.utils.clip_grad_norm_(pm.parameters(), MAX_NORM, foreach=True)
+            ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM, foreach=True)
+            norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+            assert_close(norm, ref_norm, rtol=1e-5, atol=0, msg=lambda m: f"{kind} step {step} norm: {m}")
+            opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()
+        for name, value in _full(pm).items():
+            assert_close(value, ref.state_dict()[name], rtol=0, atol=1e-5, msg=lambda m: f"{kind} {name}: {m}")
+        done.append(next(iter(kind)))
+    return done

@@ -49,3 +49,7 @@ def test_the_scheduler_is_saved_and_loaded_with_the_module(tmp_path):
 def test_a_loss_scale_that_is_no_positive_number_is_refused(bad):
     with pytest.raises(InputError, match="loss_scale must be a positive finite number"):
         checked_scale(bad)
+
+
+def test_foreach_and_fused_optimizers_and_clipping_over_dtensor_parameters():
+    assert run_on_ranks(loop_workers.fast_optimizers_train_like_one_process, 2) == [["foreach", "fused"]] * 2
