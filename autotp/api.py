@@ -307,7 +307,7 @@ def _distribute_shared(plan: Plan, names, graphs: list, comm, dp, device) -> Non
     holders = shared_holders(plan)
     usable = holders and (dp is None or not dp.sharded)
     layout = tp_layout(comm.group, dp.mesh.mesh if dp is not None else None) if usable else None
-    mesh = tp_mesh_2d(layout, device or torch.device("cpu"), holders) if usable else None
+    mesh = tp_mesh_2d(layout, device or torch.device("cpu"), holders, comm.group) if usable else None
     if mesh is None:
         warn_plain(plan)
         return

@@ -57,6 +57,13 @@ def loop_trains_like_one_process(rank: int, world: int, tp: int, dp: int, mode: 
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)  # warn_plain: a parameter left plain would clip wrongly
         pm = autotp.parallelize(copy.deepcopy(ref), tp=tp, dp=dp, dp_mode=mode, example_inputs=_batch(0, 0))
+    _trains_like(pm, ref, dp, label)
+    return label
+
+
+def _trains_like(pm, ref, dp: int, label: str) -> None:
+    """The loop on ``pm`` (its replica's rows of each batch) and on ``ref``: torch's clipped norm every step,
+    every parameter after."""
     assert all(hasattr(p, "device_mesh") for p in pm.parameters()), label  # every parameter a DTensor
     opt, ref_opt = torch.optim.AdamW(pm.parameters(), **ADAM), torch.optim.AdamW(ref.parameters(), **ADAM)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
@@ -79,7 +86,18 @@ def loop_trains_like_one_process(rank: int, world: int, tp: int, dp: int, mode: 
     for name, value in got.items():
         assert_close(value, want[name], rtol=0, atol=1e-5, msg=lambda m: f"{label} {name}: {m}")
     dist.barrier()
-    return label
+
+
+def shared_chunks_in_a_group(rank: int, world: int) -> str:
+    """Two tp=2 modules on a 1-KV-head Llama, one per pair of ranks given as ``group=``: the KV head is a chunk
+    both ranks of a pair hold, on a 2-D view made among the pair alone; the loop as above on each."""
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    ref = _llama(1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        pm = autotp.parallelize(copy.deepcopy(ref), tp=2, example_inputs=_batch(0, 0), group=pairs[rank // 2])
+    _trains_like(pm, ref, 1, f"pair {rank // 2}")
+    return f"pair {rank // 2}"
 
 
 def drift_is_named(rank: int, world: int) -> tuple[str, list[str]]:

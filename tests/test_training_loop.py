@@ -27,6 +27,12 @@ def test_the_plain_loop_with_torch_clipping_trains_like_one_process(tp, dp, mode
         f"tp={tp} dp={dp} {mode}"] * (tp * dp)
 
 
+def test_shared_chunks_in_a_tensor_parallel_group_of_part_of_the_world():
+    """``group=`` a pair of 4 ranks, a 1-KV-head Llama at tp=2: DTensors on the pair's own 2-D view, torch's
+    clipping exact (no warning)."""
+    assert run_on_ranks(loop_workers.shared_chunks_in_a_group, 4) == ["pair 0"] * 2 + ["pair 1"] * 2
+
+
 def test_replicated_parameters_that_drift_apart_are_named():
     """An optimizer stepped on one rank only: the next forward names a replicated parameter and the likely causes,
     on both ranks alike."""
