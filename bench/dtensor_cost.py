@@ -7,9 +7,10 @@ three times on 2 gloo ranks: ``dtensor`` (parameters are DTensors read through a
 parameters fingerprinted in the batch check: what ``parallelize`` builds), ``torch_reads`` (the same, its graphs
 reading the parameters through torch's own ``DTensor.to_local``: what autotp ran before its local read) and
 ``plain`` (parameters left plain and no fingerprints). One step of each (forward, loss, backward, torch's AdamW
-with its defaults, ``zero_grad``) takes turns, order rotated; ratios are medians of per-round ratios with 95%
-intervals. The optimizer's share is measured alone too: AdamW's step over the same parameters, DTensors against
-their local tensors (CPU time of this process, so that other load on the machine counts less).
+with ``foreach=True``, ``zero_grad``) takes turns, order rotated; ratios are medians of per-round ratios with 95%
+intervals. The DTensor shares are measured alone too, in CPU time of this process (other load on the machine
+counts less there): the parameters' local reads with their backward (autotp's, torch's ``to_local``, plain), and
+AdamW's step over the same parameters (defaults, ``foreach``, ``fused``), DTensors against their local tensors.
 """
 
 from __future__ import annotations
@@ -60,19 +61,46 @@ def _torch_reads(pm) -> None:
             gm.recompile()
 
 
-def _optimizer_seconds(params: list, rounds: int) -> float:
-    """Median CPU seconds of AdamW's step (torch's defaults) over ``params``' gradients (set to ones)."""
-    params = [torch.nn.Parameter(p.detach().clone()) for p in params]
-    for p in params:
-        p.grad = torch.ones_like(p)
-    opt = torch.optim.AdamW(params, lr=1e-4)
-    opt.step()
+def _cpu_median(run, rounds: int) -> float:
+    """Median CPU seconds of this process over ``rounds`` calls of ``run`` (after one untimed call)."""
+    run()
     samples = []
     for _ in range(rounds):
         start = time.process_time()
-        opt.step()
+        run()
         samples.append(time.process_time() - start)
     return statistics.median(samples)
+
+
+def _optimizer_seconds(params: list, rounds: int, **kind) -> float:
+    """Median CPU seconds of AdamW's step (torch's defaults, or ``kind``: foreach, fused) over ``params``' gradients
+    (set to ones)."""
+    params = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    for p in params:
+        p.grad = torch.ones_like(p)
+    return _cpu_median(torch.optim.AdamW(params, lr=1e-4, **kind).step, rounds)
+
+
+def _read_seconds(params: list, read, rounds: int) -> float:
+    """Median CPU seconds of reading every parameter through ``read``, a backward through the reads, and dropping
+    the gradients: the local reads' share of a step, without the model's arithmetic."""
+    def run():
+        sum(read(p).sum() for p in params).backward()
+        for p in params:
+            p.grad = None
+    return _cpu_median(run, rounds)
+
+
+def _cpu_shares(dtensors: list, rounds: int) -> dict:
+    """The CPU cost of DTensor parameters outside the model's arithmetic: the local reads (autotp's, torch's
+    ``to_local``, plain parameters) and AdamW's step (defaults, foreach, fused; DTensors and their local tensors)."""
+    plain = [torch.nn.Parameter(p.to_local().detach().clone()) for p in dtensors]
+    reads = {"autotp": _read_seconds(dtensors, to_local, rounds),
+             "torch to_local": _read_seconds(dtensors, _torch_to_local, rounds),
+             "plain": _read_seconds(plain, lambda p: p, rounds)}
+    adamw = {f"{kind or 'default'} {name}": _optimizer_seconds(params, rounds, **({kind: True} if kind else {}))
+             for kind in (None, "foreach", "fused") for name, params in (("dtensor", dtensors), ("plain", plain))}
+    return {"reads": reads, "adamw": adamw}
 
 
 def _measure(rank: int, world: int, rounds: int) -> dict:
@@ -86,7 +114,7 @@ def _measure(rank: int, world: int, rounds: int) -> dict:
     _torch_reads(built["torch_reads"])
 
     def stepper(pm):
-        opt = torch.optim.AdamW(pm.parameters(), lr=1e-4)
+        opt = torch.optim.AdamW(pm.parameters(), lr=1e-4, foreach=True)  # the setting training.md recommends
 
         def run():
             pm.step(x, target=y)
@@ -95,23 +123,22 @@ def _measure(rank: int, world: int, rounds: int) -> dict:
         return run
 
     samples = alternate({name: stepper(pm) for name, pm in built.items()}, rounds)
-    dtensors = list(built["dtensor"].parameters())
-    optimizer = {"dtensor": _optimizer_seconds(dtensors, rounds),
-                 "plain": _optimizer_seconds([p.to_local() for p in dtensors], rounds)}
+    shares = _cpu_shares(list(built["dtensor"].parameters()), rounds)
     return {"times": {k: summary(v) for k, v in samples.items()},
             "dtensor / plain": paired_ratio(samples["dtensor"], samples["plain"]),
             "torch_reads / plain": paired_ratio(samples["torch_reads"], samples["plain"]),
             "torch_reads / dtensor": paired_ratio(samples["torch_reads"], samples["dtensor"]),
-            "adamw cpu seconds": optimizer}
+            "cpu seconds": shares}
 
 
 def main(argv=None) -> int:
     """Measure, print, write ``bench/results/dtensor_cost.json``."""
     r = two_rank_command(_measure, __doc__, RESULTS, argv)
     times = {k: f"{v['median'] * 1e3:.1f} ms" for k, v in r["times"].items()}
-    adamw = {k: f"{v * 1e3:.1f} ms" for k, v in r["adamw cpu seconds"].items()}
-    print(f"tp=2 step with AdamW: {times}; dtensor / plain {with_interval(r['dtensor / plain'])}; with torch's "
-          f"to_local reads / plain {with_interval(r['torch_reads / plain'])}; AdamW's step alone (CPU): {adamw}")
+    cpu = {share: {k: f"{v * 1e3:.1f} ms" for k, v in values.items()} for share, values in r["cpu seconds"].items()}
+    print(f"tp=2 step with AdamW(foreach=True): {times}; dtensor / plain {with_interval(r['dtensor / plain'])}; with torch's "
+          f"to_local reads / plain {with_interval(r['torch_reads / plain'])}; CPU time of the reads (forward and "
+          f"backward) and of AdamW's step: {cpu}")
     return 0
 
 
