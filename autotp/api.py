@@ -53,7 +53,7 @@ from autotp.runtime.peers import as_timedelta, bound_groups, group_timeout
 from autotp.runtime.process import first_rank, from_first_rank, shared_seed
 from autotp.runtime.process import world_size as group_size
 from autotp.runtime.readers import checkpoint_source
-from autotp.runtime.tp_params import expressible, layout_of, shared_holders, tp_mesh, tp_mesh_2d, warn_plain
+from autotp.runtime.tp_params import expressible, layout_of, shared_holders, tp_layout, tp_mesh, tp_mesh_2d, warn_plain
 
 
 def plan(model: nn.Module, tp: int | None = None, example_inputs=None, *, options: Options | None = None,
@@ -303,9 +303,11 @@ def _tensor_parallel(built: Built, group, distributed: bool) -> ParallelModule:
 
 def _distribute_shared(plan: Plan, names, graphs: list, comm, dp, device) -> None:
     """Parameters of a plan with chunks several tp ranks hold: DTensors on the 2-D view of the tp ranks where it
-    can be made (``tp_params.tp_mesh_2d``), else plain, with a warning."""
+    can be made (``tp_params.tp_mesh_2d``: not under fsdp), else plain, with a warning."""
     holders = shared_holders(plan)
-    mesh = tp_mesh_2d(comm.group, device or torch.device("cpu"), holders) if dp is None and holders else None
+    usable = holders and (dp is None or not dp.sharded)
+    layout = tp_layout(comm.group, dp.mesh.mesh if dp is not None else None) if usable else None
+    mesh = tp_mesh_2d(layout, device or torch.device("cpu"), holders, comm.group) if usable else None
     if mesh is None:
         warn_plain(plan)
         return

@@ -8,8 +8,11 @@ shared/reference/megatron-core-on-cpu.md). Two gloo ranks on the CPU, one thread
 ``GPTModel`` is built twice from the same seed with CPU initialisation (so both hold the same master weights):
 at tensor-parallel size 1, an ordinary unparallelised transformer that autotp captures and shards at tp=2,
 and at size 2, megatron-core's own Megatron split. Both train on the vocab-parallel cross-entropy. Their losses
-must agree before anything is timed; then one training step of each (forward, loss, backward) takes turns,
-order rotated; a step's time is the slower rank's. Ratios are medians of per-round ratios, 95% intervals.
+must agree before anything is timed. In the same run, the example GPT of the same shape (examples.gpt) is
+parallelized by autotp and split by the hand-written Megatron (bench.megatron, vocab-parallel loss). One training
+step of each of the four (forward, loss, backward) takes turns, order rotated; a step's time is the slower rank's.
+Ratios are medians of per-round ratios, 95% intervals: autotp / megatron-core on GPTModel, autotp / hand-written
+Megatron on the example GPT.
 """
 
 from __future__ import annotations
@@ -76,6 +79,28 @@ class CausalLM(nn.Module):
         return self.gpt(input_ids, positions, self.mask[..., :seq, :seq], labels=labels)
 
 
+def _hand_written_steps(x, y, world: int) -> dict:
+    """A step of autotp and of the hand-written Megatron on the example GPT of this shape (bench.runtime's pair)."""
+    from bench.megatron import MegatronGPT
+    from examples.gpt import build_gpt
+
+    torch.manual_seed(0)
+    gpt = build_gpt(n_layer=LAYERS, n_embd=HIDDEN, n_head=HEADS, vocab_size=VOCAB, block_size=SEQ)
+    pm = autotp.parallelize(gpt, tp=world, example_inputs=(x,), vocab="split", quiet=True)
+    hand = MegatronGPT(gpt, None)
+
+    def autotp_step():
+        pm.step(x, target=y)
+        for p in pm.parameters():
+            p.grad = None
+
+    def hand_step():
+        hand(x, y).backward()
+        for p in hand.parameters():
+            p.grad = None
+    return {"autotp (example GPT)": autotp_step, "hand-written Megatron": hand_step}
+
+
 def _measure(rank: int, world: int, rounds: int) -> dict:
     gen = torch.Generator().manual_seed(1)
     x, y = (torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen) for _ in range(2))
@@ -97,10 +122,12 @@ def _measure(rank: int, world: int, rounds: int) -> dict:
         for p in own.parameters():
             p.grad = None
 
-    samples = alternate({"autotp": autotp_step, "megatron-core": core_step}, rounds)
+    samples = alternate({"autotp": autotp_step, "megatron-core": core_step} | _hand_written_steps(x, y, world), rounds)
     split = sum(p.is_split for p in pm.plan.placements.values())
     return {"times": {k: summary(v) for k, v in samples.items()},
             "autotp / megatron-core": paired_ratio(samples["autotp"], samples["megatron-core"]),
+            "autotp / hand-written Megatron": paired_ratio(samples["autotp (example GPT)"],
+                                                           samples["hand-written Megatron"]),
             "losses": [auto_loss.item(), core_loss.item()],
             "split": f"{split}/{len(pm.plan.placements)} parameters split", "notes": list(pm.plan.notes),
             "params per rank": {"autotp": sum(local(p).numel() for p in pm.parameters()),
@@ -114,7 +141,8 @@ def main(argv=None) -> int:
     ratio, times = r["autotp / megatron-core"], r["times"]
     print(f"megatron-core GPTModel {LAYERS} x {HIDDEN}, vocabulary {VOCAB}, batch {BATCH} x {SEQ}, tp=2: "
           f"autotp {times['autotp']['median'] * 1e3:.1f} ms, megatron-core {times['megatron-core']['median'] * 1e3:.1f}"
-          f" ms per step; autotp / megatron-core {with_interval(ratio)}; "
+          f" ms per step; autotp / megatron-core {with_interval(ratio)}; on the example GPT autotp / hand-written "
+          f"Megatron {with_interval(r['autotp / hand-written Megatron'])}; "
           f"losses {r['losses']}; autotp {r['split']}; parameters per rank {r['params per rank']}")
     return 0
 

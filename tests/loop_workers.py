@@ -35,16 +35,35 @@ def _full(pm) -> dict:
     return {k: v for k, v in pm.full_state_dict().items() if isinstance(v, torch.Tensor)}
 
 
-def loop_trains_like_one_process(rank: int, world: int, tp: int, dp: int, mode: str) -> str:
+def _llama(kv_heads: int):
+    if kv_heads == 2:
+        return models.build("hf_llama", layers=2)
+    import transformers
+
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=models.VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=kv_heads))
+
+
+def loop_trains_like_one_process(rank: int, world: int, tp: int, dp: int, mode: str, kv_heads: int = 2) -> str:
     """STEPS steps of the plain loop (accumulation over MICRO micro-batches with ``loss / MICRO``, torch's
-    ``clip_grad_norm_``, AdamW, an LR scheduler, ``zero_grad``) on ``pm`` and on the unsharded model."""
+    ``clip_grad_norm_``, AdamW, an LR scheduler, ``zero_grad``) on ``pm`` and on the unsharded model (a Llama with
+    ``kv_heads`` KV heads: fewer than tp, each is a chunk several ranks hold)."""
     label = f"tp={tp} dp={dp} {mode}"
     if not reform_world(tp * dp, "cpu"):
         return label
-    ref = models.build("hf_llama", layers=2)
+    ref = _llama(kv_heads)
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)  # warn_plain: a parameter left plain would clip wrongly
         pm = autotp.parallelize(copy.deepcopy(ref), tp=tp, dp=dp, dp_mode=mode, example_inputs=_batch(0, 0))
+    _trains_like(pm, ref, dp, label)
+    return label
+
+
+def _trains_like(pm, ref, dp: int, label: str) -> None:
+    """The loop on ``pm`` (its replica's rows of each batch) and on ``ref``: torch's clipped norm every step,
+    every parameter after."""
     assert all(hasattr(p, "device_mesh") for p in pm.parameters()), label  # every parameter a DTensor
     opt, ref_opt = torch.optim.AdamW(pm.parameters(), **ADAM), torch.optim.AdamW(ref.parameters(), **ADAM)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
@@ -67,7 +86,18 @@ def loop_trains_like_one_process(rank: int, world: int, tp: int, dp: int, mode: 
     for name, value in got.items():
         assert_close(value, want[name], rtol=0, atol=1e-5, msg=lambda m: f"{label} {name}: {m}")
     dist.barrier()
-    return label
+
+
+def shared_chunks_in_a_group(rank: int, world: int) -> str:
+    """Two tp=2 modules on a 1-KV-head Llama, one per pair of ranks given as ``group=``: the KV head is a chunk
+    both ranks of a pair hold, on a 2-D view made among the pair alone; the loop as above on each."""
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    ref = _llama(1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        pm = autotp.parallelize(copy.deepcopy(ref), tp=2, example_inputs=_batch(0, 0), group=pairs[rank // 2])
+    _trains_like(pm, ref, 1, f"pair {rank // 2}")
+    return f"pair {rank // 2}"
 
 
 def drift_is_named(rank: int, world: int) -> tuple[str, list[str]]:
@@ -131,3 +161,30 @@ def scheduler_survives_save_and_load(rank: int, world: int, path: str) -> None:
     assert sched2.get_last_lr() == ref_sched.get_last_lr()
     for name, value in _full(second).items():
         assert_close(value, ref.state_dict()[name], rtol=0, atol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+def fast_optimizers_train_like_one_process(rank: int, world: int) -> list[str]:
+    """AdamW with ``foreach=True`` and with ``fused=True`` (the cheap ways to step DTensor parameters: one dispatch
+    per op over all of them) and torch's ``clip_grad_norm_(..., foreach=True)``: STEPS steps on ``pm`` against the
+    same on the unsharded model, every parameter after. One module serves both, put back to the first weights by
+    ``load_state_dict`` of the unsharded model's state dict between them."""
+    start = models.build("hf_llama", layers=1)
+    pm = autotp.parallelize(copy.deepcopy(start), tp=2, example_inputs=_batch(0, 0))
+    done = []
+    for kind in ({"foreach": True}, {"fused": True}):
+        ref = copy.deepcopy(start)
+        pm.load_state_dict(start.state_dict())
+        opt, ref_opt = torch.optim.AdamW(pm.parameters(), **ADAM, **kind), torch.optim.AdamW(ref.parameters(), **ADAM,
+                                                                                               **kind)
+        for step in range(STEPS):
+            pm(**_batch(step, 0)).loss.backward()
+            ref(**_batch(step, 0)).loss.backward()
+            norm = torch.nn.utils.clip_grad_norm_(pm.parameters(), MAX_NORM, foreach=True)
+            ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM, foreach=True)
+            norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+            assert_close(norm, ref_norm, rtol=1e-5, atol=0, msg=lambda m: f"{kind} step {step} norm: {m}")
+            opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()
+        for name, value in _full(pm).items():
+            assert_close(value, ref.state_dict()[name], rtol=0, atol=1e-5, msg=lambda m: f"{kind} {name}: {m}")
+        done.append(next(iter(kind)))
+    return done

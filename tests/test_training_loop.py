@@ -15,14 +15,22 @@ from tests import loop_workers
 from tests.distributed import run_on_ranks
 
 
-@pytest.mark.parametrize("tp, dp, mode", [(2, 1, "replicate"), (2, 2, "replicate"), (2, 2, "fsdp"),
-                                          (4, 1, "replicate")])
-def test_the_plain_loop_with_torch_clipping_trains_like_one_process(tp, dp, mode):
+@pytest.mark.parametrize("tp, dp, mode, kv_heads", [(2, 1, "replicate", 2), (2, 2, "fsdp", 2),
+                                                    (4, 1, "replicate", 2), (2, 2, "replicate", 1)])
+def test_the_plain_loop_with_torch_clipping_trains_like_one_process(tp, dp, mode, kv_heads):
     """The worker compared torch's clipped norm every step and every parameter after; here: each rank finished.
-    At tp=4 the Llama's 2 KV heads are chunks two ranks hold each: DTensors on the (2, 2) view of the tp ranks,
-    so torch's clipping counts each once (no plain parameters, no warning)."""
-    assert run_on_ranks(loop_workers.loop_trains_like_one_process, tp * dp, tp, dp, mode) == [
+    At tp=4 the Llama's 2 KV heads (at tp=2 x dp=2 its 1 KV head) are chunks two ranks hold each: DTensors on the
+    (tp / 2, 2) view of each replica's tp ranks, so torch's clipping counts each once (no plain parameters, no
+    warning). tp=2 x dp=2 under replicate with 2 KV heads (a 1-D tp mesh per replica) is Trainer's and
+    accelerate's case in test_trainer.py."""
+    assert run_on_ranks(loop_workers.loop_trains_like_one_process, tp * dp, tp, dp, mode, kv_heads) == [
         f"tp={tp} dp={dp} {mode}"] * (tp * dp)
+
+
+def test_shared_chunks_in_a_tensor_parallel_group_of_part_of_the_world():
+    """``group=`` a pair of 4 ranks, a 1-KV-head Llama at tp=2: DTensors on the pair's own 2-D view, torch's
+    clipping exact (no warning)."""
+    assert run_on_ranks(loop_workers.shared_chunks_in_a_group, 4) == ["pair 0"] * 2 + ["pair 1"] * 2
 
 
 def test_replicated_parameters_that_drift_apart_are_named():
@@ -47,3 +55,7 @@ def test_the_scheduler_is_saved_and_loaded_with_the_module(tmp_path):
 def test_a_loss_scale_that_is_no_positive_number_is_refused(bad):
     with pytest.raises(InputError, match="loss_scale must be a positive finite number"):
         checked_scale(bad)
+
+
+def test_foreach_and_fused_optimizers_and_clipping_over_dtensor_parameters():
+    assert run_on_ranks(loop_workers.fast_optimizers_train_like_one_process, 2) == [["foreach", "fused"]] * 2

@@ -18,9 +18,11 @@ Chunks several ranks hold (``placement.replicas > 1``: KV heads when tp exceeds 
 (tp / holders, holders), rank ``chunk * holders + j`` (as autotp lays such chunks out), where a shared chunk is
 ``(Shard(dim), Replicate())`` (each chunk counted once), a chunk of one rank ``(Shard(dim), Shard(dim))`` and a
 whole parameter ``(Replicate(), Replicate())``: every parameter on one mesh, so torch's clipping stacks their
-norms. That view needs one holder count for the module and a tensor-parallel group that is the whole world
-(its subgroups are made collectively over the world): dp = 1 and no ``group``. Elsewhere the module keeps plain
-tensors and warns (``warn_plain``), and ``pm.clip_grad_norm_`` is then the exact way to clip.
+norms. That view needs one holder count for the module. Where every rank knows every tp group (tp alone over
+the world, or dp > 1 replicas) it is cut from one (groups, tp / holders, holders) mesh made over the world; a
+``group=`` that is not the world makes its view's subgroups among its own ranks. Under FSDP's sharding (which
+composes with a 1-D tp mesh only) the module keeps plain tensors and warns (``warn_plain``), and
+``pm.clip_grad_norm_`` is then the exact way to clip.
 """
 
 from __future__ import annotations
@@ -63,8 +65,8 @@ def warn_plain(plan: Plan) -> None:
     """Say once that this module's parameters stay plain tensors, and how to clip exactly then."""
     shared = sorted(n for n, p in plan.placements.items() if p.is_split and p.replicas > 1)
     warnings.warn(f"autotp: {shared[0]} (and {len(shared) - 1} more) is split in chunks several tensor-parallel ranks "
-                  "hold, which a DTensor placement over the tp mesh cannot state (a 2-D view of it can, with tp "
-                  "alone: dp=1, pp=1, no group=), so pm.parameters() stay plain "
+                  "hold, which a DTensor placement over the tp mesh cannot state (a 2-D view of it can, with pp=1 "
+                  "and dp_mode='replicate'), so pm.parameters() stay plain "
                   "local tensors: torch.nn.utils.clip_grad_norm_ would clip each rank by its own norm (and the "
                   "next forward would raise DriftError); clip with pm.clip_grad_norm_(max_norm)", stacklevel=3)
 
@@ -76,17 +78,48 @@ def shared_holders(plan: Plan) -> int | None:
     return counts.pop() if len(counts) == 1 else None
 
 
-def tp_mesh_2d(group, device: torch.device, holders: int) -> DeviceMesh | None:
-    """The (tp / holders, holders) view of the tensor-parallel ranks, or None where it cannot be made here: a
-    ``group`` that is not the whole world (the view's subgroups are made collectively over the world)."""
-    group = group or dist.group.WORLD
-    ranks = dist.get_process_group_ranks(group)
-    if len(ranks) != dist.get_world_size() or len(ranks) % holders:
+def tp_layout(group, dp_mesh: DeviceMesh | None = None) -> torch.Tensor | None:
+    """Every tensor-parallel group's ranks, one row each (an (n, tp) tensor over the whole world), or None where
+    this rank cannot know them: a ``group`` that is not the whole world. Under data parallelism ``dp_mesh`` (the
+    (pp, dp, tp) mesh) has them: each replica's tp group is a row."""
+    if dp_mesh is not None:
+        return dp_mesh.mesh.reshape(-1, dp_mesh.mesh.shape[-1])
+    ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
+    return torch.tensor(ranks).reshape(1, -1) if len(ranks) == dist.get_world_size() else None
+
+
+def tp_mesh_2d(layout: torch.Tensor | None, device: torch.device, holders: int, group=None) -> DeviceMesh | None:
+    """This rank's (tp / holders, holders) view of its tensor-parallel ranks, or None where it cannot be made.
+
+    With every tp group known (``layout``: see ``tp_layout``) the view's subgroups are made collectively over the
+    world, so the mesh is made over all of them at once, (groups, tp / holders, holders), and this rank's group
+    taken from it: under dp > 1 every replica has its own view of the same shape. A ``group`` that is not the
+    world (no ``layout``) makes the two subgroups of its own view among its own ranks alone (``_view_of_group``)."""
+    if layout is None:
+        return _view_of_group(group, device, holders)
+    if layout.shape[1] % holders:
         return None
-    layout = torch.tensor(ranks).reshape(len(ranks) // holders, holders)
-    mesh = DeviceMesh(device.type, layout, mesh_dim_names=("tp_chunks", "tp_holders"))
-    release_groups(mesh)  # as tp_mesh: DTensor's collectives find the subgroups by name
-    return mesh
+    cube = layout.reshape(layout.shape[0], layout.shape[1] // holders, holders)
+    view = DeviceMesh(device.type, cube, mesh_dim_names=("tp_groups", "tp_chunks", "tp_holders"))["tp_chunks",
+                                                                                                    "tp_holders"]
+    release_groups(view)  # as tp_mesh (and the view's root): DTensor's collectives find the subgroups by name
+    return view
+
+
+def _view_of_group(group, device: torch.device, holders: int) -> DeviceMesh | None:
+    """The (tp / holders, holders) view of the ranks of ``group`` alone: this rank's column and row of it made
+    as process groups with local synchronization (only their members take part, every member in the same order:
+    the column first), then put together as a 2-D mesh."""
+    ranks = dist.get_process_group_ranks(group)
+    if len(ranks) % holders:
+        return None
+    square = torch.tensor(ranks).reshape(len(ranks) // holders, holders)
+    row, column = (int(i) for i in (square == dist.get_rank()).nonzero()[0])
+    axes = [dist.new_group(square[:, column].tolist(), use_local_synchronization=True),
+            dist.new_group(square[row].tolist(), use_local_synchronization=True)]
+    view = DeviceMesh.from_group(axes, device.type, mesh=square, mesh_dim_names=("tp_chunks", "tp_holders"))
+    release_groups(view)
+    return view
 
 
 def placement_of(plan: Plan, name: str, holders: int | None = None) -> tuple:

@@ -8,7 +8,8 @@ loggers, the cycle collector). All of it is here, and nowhere else in the librar
 for ``torch._`` outside this package):
 
 - ``graph_facts``: reads about captured graphs and their values;
-- ``engine``: reads the runtime makes (autograd engine callbacks, DeviceMesh groups, DDP, DTensor caches);
+- ``engine``: reads the runtime makes (autograd engine callbacks, DeviceMesh groups, DDP, DTensor caches, a
+  DTensor parameter's local tensor and spec);
 - ``pytree``: torch's (private) pytree functions;
 - ``fake_internals``: reads the speed-ups and fallbacks make while tracing;
 - ``replacements``, ``tracing_switches``, ``kernel_tables``: the process-wide replacements, each put back after
@@ -21,8 +22,8 @@ the torch version, instead of autotp silently computing something else. Nothing 
 each entry looks torch's object up when it is used.
 """
 
-from autotp.torch_private.engine import (active_ddp_module, at_backward_end, forget_dtensor_meshes, release_groups,
-                                         viewed_leaf)
+from autotp.torch_private.engine import (active_ddp_module, at_backward_end, dtensor_of, forget_dtensor_meshes,
+                                         local_and_spec, release_groups, viewed_leaf)
 from autotp.torch_private.entries import ENTRIES, Entry, table
 from autotp.torch_private.fake_internals import (attention_backend, backed_size_oblivious, broadcast_sizes,
                                                          composite, contiguous_or_false, fresh_unbacked_size,
@@ -43,7 +44,7 @@ from autotp.torch_private.replacements import (CAPTURE_LOCK, DECOMPOSITIONS_UNSO
 from autotp.torch_private.tracing_switches import (lazy_recompiles, no_cycle_collection, no_stack_traces,
                                                            no_symbolic_layout_probes, quiet_torch_logs)
 
-__all__ = ["CAPTURE_LOCK", "DECOMPOSITIONS_UNSOUND_IN_DRAFT_EXPORT", "ENTRIES", "Entry", "GUARDS_MODULE",
+__all__ = ["dtensor_of", "local_and_spec", "CAPTURE_LOCK", "DECOMPOSITIONS_UNSOUND_IN_DRAFT_EXPORT", "ENTRIES", "Entry", "GUARDS_MODULE",
            "LAYOUT_PROBES", "active_ddp_module", "applied_functions", "at_backward_end", "attention_backend",
            "backed_size_oblivious", "broadcast_sizes", "capturing", "changed", "check", "composite",
            "composite_kernels_replaced", "contiguous_or_false", "decompositions_off", "distribution_checks_off",

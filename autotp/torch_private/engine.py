@@ -70,3 +70,24 @@ def forget_dtensor_meshes() -> None:
                   getattr(debug, "_clear_sharding_prop_cache", None)):
         if clear is not None:
             clear()
+
+
+@fenced("DTensor._local_tensor and DTensor._spec; a release without them takes the public from_local/to_local", FIRST_RELEASE)
+def local_and_spec(param):
+    """A DTensor's local tensor (itself, not a view) and its spec, or None where the release lacks either: what a
+    parameter's local read needs to hand its gradient back without rebuilding the spec each backward."""
+    local, spec = getattr(param, "_local_tensor", None), getattr(param, "_spec", None)
+    return None if local is None or getattr(spec, "tensor_meta", None) is None else (local, spec)
+
+
+@fenced("DTensor(local, spec, requires_grad=), the constructor DTensor.from_local ends in", FIRST_RELEASE)
+def dtensor_of(local, spec):
+    """A DTensor (no autograd history) whose local tensor is ``local`` and spec a copy of ``spec``: what
+    ``DTensor.from_local`` builds, without its autograd node and its spec's recomputation. ``local`` must have the
+    dtype and strides ``spec`` was made for (the parameter's own). The spec is copied, as torch's own ``to_local``
+    backward does, so that no two DTensors share one."""
+    import copy
+
+    from torch.distributed.tensor import DTensor
+
+    return DTensor(local, copy.copy(spec), requires_grad=False)
