@@ -49,6 +49,10 @@ class Communicator(Protocol):
         """``all_reduce(x)`` begun, in place when ``x`` is contiguous (pass a tensor nothing else reads): returns
         the function that waits for it and gives the sum, so that work in between overlaps the communication."""
 
+    def all_to_all(self, x: torch.Tensor, send: list[int], receive: list[int]) -> torch.Tensor:
+        """Rows of ``x`` exchanged: the ``send[r]`` rows after ``sum(send[:r])`` go to rank ``r``; the result holds
+        the ``receive[r]`` rows rank ``r`` sent this rank, in rank order (variable sizes: an expert dispatch)."""
+
 
 def all_gather_chunks(comm: Communicator, x: torch.Tensor, dim: int, lengths: list[int]) -> list[torch.Tensor]:
     """Every rank's ``x``, of ``lengths[rank]`` along ``dim`` (a vocabulary cut unevenly): padded to the longest
@@ -116,6 +120,13 @@ class TorchComm:
             self._run("all_reduce", work.wait)
             return out
         return finish
+
+    def all_to_all(self, x: torch.Tensor, send: list[int], receive: list[int]) -> torch.Tensor:
+        out = x.new_empty((sum(receive), *x.shape[1:]))
+        # gloo runs all_to_all_single with variable split sizes as NCCL does (checked on torch 2.13): each rank
+        # receives only the rows sent to it, so the bytes counted are those the NCCL path moves
+        self._run("all_to_all", lambda: dist.all_to_all_single(out, x.contiguous(), receive, send, group=self.group))
+        return out
 
     def reduce_scatter(self, pieces: list[torch.Tensor]) -> torch.Tensor:
         mine = pieces[self.rank]
@@ -211,6 +222,12 @@ class ThreadComm:
     def all_reduce_started(self, x: torch.Tensor) -> Callable[[], torch.Tensor]:
         out = self.all_reduce(x)  # threads exchange at once; the faults injected into all_reduce apply
         return lambda: out
+
+    def all_to_all(self, x: torch.Tensor, send: list[int], receive: list[int]) -> torch.Tensor:
+        parts = self._exchange(x)
+        sent = self._exchange(torch.tensor(send))  # where each rank's rows for this one start
+        out = [p[int(s[:self.rank].sum()):][:n] for p, s, n in zip(parts, sent, receive)]
+        return torch.cat(out) if out else x[:0]
 
     def reduce_scatter(self, pieces: list[torch.Tensor]) -> torch.Tensor:
         parts = self._exchange(torch.stack(pieces))
