@@ -170,6 +170,7 @@ def test_ep_over_data_parallel_ranks_trains_exactly_by_all_to_all():
             assert sum(rank[label]["all_to_all"][d] for rank in ranks) == 2 * 2 * rows, (label, d)
 
 
+@pytest.mark.slow  # about 3 minutes on 2 cores: the 2-rank tests cover ep over tp and over dp by default
 def test_ep_over_tensor_and_data_parallel_ranks_on_four_ranks():
     """On 4 ranks: tp=2 x dp=2 with ep=4 (one expert per rank, each tp rank dispatching its half of the rows),
     tp=1 x dp=4 with ep=2 (each expert held by two replicas, which sum its gradient) and DeepSeek-V3 (shared expert,
