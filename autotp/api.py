@@ -25,7 +25,7 @@ from autotp.planning.plan import check_schedule_fits
 from autotp.rewrite import build_graph, materialise_all, split_stages
 from autotp.rewrite.cache_layout import build_cache_steps
 from autotp.rewrite.comm import TorchComm
-from autotp.runtime.expert_groups import expert_ranks, reduce_experts_over_replicas
+from autotp.runtime.expert_groups import check_pipelined_ep, expert_ranks, reduce_experts_over_replicas
 from autotp.rewrite.dtypes import cast_for_policy
 from autotp.rewrite.local_reads import distribute
 from autotp.rewrite.loss_graph import build_loss_graph
@@ -323,6 +323,7 @@ def _distribute_shared(plan: Plan, names, graphs: list, comm, dp, device) -> Non
 
 def _pipeline_parallel(built: Built) -> PipelineModule:
     plan, graphs = built.plan, built.graphs
+    check_pipelined_ep(built.options)
     device = device_for(None, True) or torch.device("cpu")
     schedule = built.options.schedule
     mesh = Mesh(plan.pp, plan.tp, device, dp=built.options.dp, timeout=group_timeout(), placement=schedule.rank_of)

@@ -158,3 +158,31 @@ def over_data_parallel(name: str, tp: int, dp: int, ep: int, skewed: bool = Fals
 def expert_parallel_over_dp(rank: int, world: int, configs: list) -> dict:
     """``over_data_parallel`` for each (name, tp, dp, ep, skewed) of ``configs``, on ``world`` ranks."""
     return {" ".join(map(str, c)): over_data_parallel(*c) for c in configs}
+
+
+def _logits_loss(out, target: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(out.logits.flatten(0, 1), target.flatten())
+
+
+def with_pipeline(rank: int, world: int, tp: int, pp: int, ep: int) -> dict:
+    """Errors of Mixtral at (tp, pp, ep), 2 microbatches, against the unsharded model: STEPS AdamW steps' losses
+    (a cross-entropy of the logits: a pipeline takes target= and a loss_fn, not the model's own loss) and every
+    parameter after them; the experts this rank's stage holds."""
+    torch.manual_seed(0)
+    ref = mixtral()  # no router logits nor auxiliary loss among the outputs: a pipeline merges batch-sized ones
+    pm = autotp.parallelize(ref, tp=tp, pp=pp, ep=ep, microbatches=2, example_inputs=(models.tokens(BATCH, SEQ, 1),))
+    opt, ref_opt = torch.optim.AdamW(pm.parameters(), **ADAM), torch.optim.AdamW(ref.parameters(), **ADAM)
+    out = {"losses": []}
+    for step in range(STEPS):
+        batch = _global_batch(3 + step)
+        loss = pm.step(batch["input_ids"], target=batch["labels"], loss_fn=_logits_loss)
+        want = _logits_loss(ref(batch["input_ids"]), batch["labels"])
+        want.backward()
+        out["losses"].append(_error(loss.detach(), want.detach()))
+        opt.step(), ref_opt.step()
+        opt.zero_grad(), ref_opt.zero_grad()
+    full = pm.full_state_dict()
+    out["params"] = max(_error(full[k], v) for k, v in ref.state_dict().items() if v.is_floating_point())
+    local = {n: p.to_local() if hasattr(p, "to_local") else p for n, p in pm.named_parameters()}
+    out["local_experts"] = sorted({p.shape[0] for n, p in local.items() if "experts" in n and p.dim() == 3})
+    return out

@@ -17,6 +17,7 @@ from autotp.errors import InputError, PlanError
 from autotp.passes.placement import Placement, PlacementKind
 from autotp.passes.routed_experts import ExpertLayer
 from autotp.planning.expert_layout import NO_BANK, NOT_TP, expert_notes
+from autotp.runtime.expert_groups import check_ep_layout, check_pipelined_ep
 from autotp.tools import cli
 from tests import models
 from tests.distributed import run_on_ranks
@@ -31,6 +32,7 @@ from tests.ep_workers import (
     expert_parallel,
     expert_parallel_over_dp,
     to_first_experts,
+    with_pipeline,
 )
 from tests.moe_workers import PLANNED, deepseek, mixtral
 
@@ -186,6 +188,26 @@ def test_ep_over_tensor_and_data_parallel_ranks_on_four_ranks():
     for label in ranks[0]:
         for d in ("forward", "backward"):
             assert sum(rank[label]["all_to_all"][d] for rank in ranks) == 2 * 2 * rows, (label, d)
+
+
+@pytest.mark.slow  # about 2 minutes on 2 cores
+def test_ep_with_pipeline_stages_trains_exactly():
+    """tp=2, pp=2, ep=2 on 4 ranks: each stage's MoE layer holds 2 of its 4 experts per rank and dispatches over its
+    tp ranks; 2 AdamW steps over 2 microbatches equal the unsharded model's, losses and every parameter."""
+    for rank in run_on_ranks(with_pipeline, 4, 2, 2, 2):
+        assert max(rank["losses"]) < 1e-5 and rank["params"] < 1e-5 and rank["local_experts"] == [2], rank
+
+
+def test_ep_above_tp_is_refused_where_it_cannot_be_exact():
+    """FSDP would average the experts' gradients over replicas holding other experts; a pipeline's stages dispatch
+    over their tp ranks; the checker simulates one replica's tp ranks."""
+    with pytest.raises(InputError, match="needs dp_mode='replicate'"):
+        check_ep_layout(autotp.Options(tp=1, dp=2, ep=2))
+    with pytest.raises(InputError, match="above tp=1 with pp=2 is not supported"):
+        check_pipelined_ep(autotp.Options(tp=1, dp=2, pp=2, ep=2))
+    torch.manual_seed(0)
+    with pytest.raises(InputError, match="the checker simulates the tensor-parallel ranks of one replica"):
+        autotp.check(mixtral(), tp=1, dp=2, ep=2, example_inputs=(_ids(),))
 
 
 def test_the_command_line_takes_ep_and_refuses_it_with_devices(capsys):

@@ -45,6 +45,14 @@ class ExpertGroups:
     """This rank's place in its expert-parallel group."""
 
 
+def check_pipelined_ep(options: Options) -> None:
+    """Refuse ``ep`` above ``tp`` in a pipeline: its stages dispatch over their tp ranks only (``ep = tp``)."""
+    if options.ep > options.tp:
+        raise InputError(f"ep={options.ep} above tp={options.tp} with pp={options.pp} is not supported yet: a "
+                         "pipeline's stages dispatch their tokens over their tensor-parallel ranks; use ep=tp with pp, "
+                         "or pp=1")
+
+
 def check_ep_layout(options: Options) -> None:
     """Refuse what the dispatch over data-parallel ranks cannot do exactly: FSDP would shard the experts over all
     data-parallel replicas and average their gradients over them all, where only the replicas holding the same
