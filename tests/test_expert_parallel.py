@@ -88,15 +88,17 @@ def test_each_rank_holds_whole_experts_and_the_routed_rows_are_dispatched_and_co
                           ("all_to_all", "forward", "combine", share), ("all_to_all", "forward", "dispatch", share)]
 
 
-def test_experts_that_cannot_be_split_exactly_keep_tensor_parallelism_with_a_note():
-    """GPT-OSS adds each expert's bias in place to its rows: kept under tensor parallelism, exactly as at ep=1."""
+def test_gpt_oss_interleaved_bank_is_expert_split_with_its_biases_dispatched_with_their_rows():
+    """GPT-OSS adds each expert's bias, picked per row, in place to its grouped matmul's rows: the banks are split by
+    their experts, the biases kept whole, and the bias rows dispatched with the rows they are added to (its
+    exactness: ``test_moe_models_at_ep_are_exact_in_the_checker``)."""
     torch.manual_seed(0)
-    at_one = autotp.plan(PLANNED["gpt_oss"](), tp=2, example_inputs=(_ids(),))
-    torch.manual_seed(0)
-    at_two = autotp.plan(PLANNED["gpt_oss"](), tp=2, ep=2, example_inputs=(_ids(),))
-    assert (at_two.placements, at_two.collectives) == (at_one.placements, at_one.collectives)
-    added = [n for n in at_two.notes if n not in at_one.notes]
-    assert len(added) == 2 and all("kept under tensor parallelism at ep=2" in n and "in place" in n for n in added)
+    plan = autotp.plan(PLANNED["gpt_oss"](), tp=2, ep=2, example_inputs=(_ids(),))
+    experts = {n: p.kind.value for n, p in plan.placements.items() if ".mlp.experts." in n}
+    assert experts == {f"model.layers.{i}.mlp.experts.{w}": kind for i in (0, 1)
+                       for w, kind in (("gate_up_proj", "expert"), ("down_proj", "expert"),
+                                       ("gate_up_proj_bias", "replicated"), ("down_proj_bias", "replicated"))}
+    assert sum("2 whole experts each" in n for n in plan.notes) == 2, plan.notes
 
 
 def test_a_dense_model_at_ep_says_there_is_nothing_to_divide():

@@ -248,6 +248,9 @@ def _expert_split(captured: Captured, by_target: dict[str, Placement], options: 
     banks = {captured.param_name(t): e for t, e in banks_of(analysis.graph).items()}
     split = expert_banks(layers, banks, ep, tp)
     if split:
+        # the experts' other parameters (GPT-OSS's biases, picked per row) stay whole: their rows are dispatched
+        modules = {n.rpartition(".")[0] for n in split}
+        split |= {n: REPLICATED for n in captured.param_names if n not in split and n.rpartition(".")[0] in modules}
         trial = by_target | {captured.attr_target(captured.aliases.get(n, n)): p for n, p in split.items()}
         placements = {n: trial.get(captured.attr_target(captured.aliases[n]), REPLICATED) for n in captured.param_names}
         try:
@@ -255,7 +258,7 @@ def _expert_split(captured: Captured, by_target: dict[str, Placement], options: 
         except PlanError as e:
             return {}, [f"{layer.module}: {layer.experts} routed experts kept under tensor parallelism at ep={ep}: "
                         f"split by their experts, {str(e).split(': ', 1)[-1].split(' (node')[0]}" for layer in layers]
-    return split, expert_notes(layers, ep, tp, set(split))
+    return split, expert_notes(layers, ep, tp, {n for n, p in split.items() if p.kind is PlacementKind.EXPERT})
 
 
 def _refuse_inexact(analysis: Analysis, prop: Propagation) -> None:
@@ -358,7 +361,8 @@ def make_plan(captured: Captured, options: Options = Options(), machine: Machine
     planned_stages = plan_stages(analysis, prop, tp, options.stages, options.balance, sizes, options.cuts)
     by_name = {captured.dim_names.get(k, k): v for k, v in sizes.items()}
     plan = Plan(tp=tp, placements=placements, collectives=tuple(planned_collectives(
-                    analysis, prop, {captured.attr_target(captured.aliases.get(n, n)) for n in split_banks}, options.ep)),
+                    analysis, prop, {captured.attr_target(captured.aliases.get(n, n)) for n, p in split_banks.items()
+                                     if p.kind is PlacementKind.EXPERT}, options.ep)),
                 regions=tuple(plan_regions), notes=tuple(notes), model=captured.model_name, pp=options.pp,
                 stages=planned_stages, balance=options.balance, batch=by_name.get("B", 0), seq=by_name.get("T", 0),
                 by_choice=tuple(sorted({*(analysis.layer(n) for n in {*chosen, *convolutions_kept}), *vocab_kept,

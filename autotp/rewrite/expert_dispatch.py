@@ -207,6 +207,48 @@ def _chains(graph: fx.Graph, placements) -> list[list[fx.Node]]:
     return [c for c in chains if c]
 
 
+def _inside(chain: list[fx.Node], received: fx.Node) -> list[fx.Node]:
+    """The nodes computing on the rows received: from the dispatch to the chain's last grouped matmul."""
+    last, found, frontier = chain[-1], [], [received]
+    seen = {received}
+    while frontier:
+        frontier = [u for n in frontier for u in n.users if u not in seen and not seen.add(u)]
+        found += frontier
+        frontier = [n for n in frontier if n is not last]
+    return [n for n in found if n is last or _reaches(n, last)]
+
+
+def _reaches(node: fx.Node, target: fx.Node) -> bool:
+    frontier, seen = [node], {node}
+    while frontier:
+        if target in frontier:
+            return True
+        frontier = [u for n in frontier for u in n.users if u not in seen and not seen.add(u)]
+    return False
+
+
+def _rows_of(node) -> object:
+    val = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return str(val.shape[0]) if isinstance(val, torch.Tensor) and val.dim() else None
+
+
+def _dispatch_rows_read_inside(gm: fx.GraphModule, chain: list[fx.Node], x: fx.Node, route: fx.Node,
+                               received: fx.Node, dispatch: str) -> None:
+    """Dispatch with the chain's rows any other per-row value an op inside the chain reads (GPT-OSS's bias picked
+    per row, added to a grouped matmul's output): it must travel with its rows."""
+    inside = _inside(chain, received)
+    rows, members = _rows_of(x), set(inside) | {received}
+    sent: dict[fx.Node, fx.Node] = {}
+    for node in inside:
+        for arg in node.all_input_nodes:
+            if arg in members or arg.op == "get_attr" or _rows_of(arg) != rows or arg is route:
+                continue
+            if arg not in sent:
+                with gm.graph.inserting_before(node):
+                    sent[arg] = gm.graph.call_module(dispatch, (arg, route))
+            node.replace_input_with(arg, sent[arg])
+
+
 def dispatch_experts(gm: fx.GraphModule, placements: dict[str, object], ep_comm: Communicator,
                      tp_comm: Communicator | None) -> None:
     """Make this rank's graph dispatch every chain of grouped matmuls over banks placed ``EXPERT``
@@ -224,6 +266,7 @@ def dispatch_experts(gm: fx.GraphModule, placements: dict[str, object], ep_comm:
             assert bank_of(mm.args[1]) is not None  # expert_matmuls chose it by its bank
             rows = received if mm is first else mm.args[0]
             mm.target, mm.args, mm.kwargs = expert_blocks_mm, (rows, mm.args[1], route), {}
+        _dispatch_rows_read_inside(gm, chain, x, route, received, f"autotp_expert_dispatch_{count}")
         users = list(last.users)
         with graph.inserting_after(last):
             combined = graph.call_module(f"autotp_expert_combine_{count}", (last, route))
