@@ -4,9 +4,12 @@ time."""
 
 from __future__ import annotations
 
+import tempfile
+
 import torch
 
 import autotp
+from autotp.errors import InputError
 from bench.comm import count_step
 from tests import models
 from tests.moe_workers import deepseek, mixtral
@@ -149,6 +152,11 @@ def over_data_parallel(name: str, tp: int, dp: int, ep: int, skewed: bool = Fals
     out["params"] = max(_error(full[k], v) for k, v in ref.state_dict().items() if v.is_floating_point())
     local = {n: p.to_local() if hasattr(p, "to_local") else p for n, p in pm.named_parameters()}
     out["local_experts"] = sorted({p.shape[0] for n, p in local.items() if "experts" in n and p.dim() == 3})
+    try:  # sharded checkpoints record parts by tp rank: refused above tp, not written wrong
+        pm.save(tempfile.mkdtemp())
+        out["save"] = "saved"
+    except InputError as e:
+        out["save"] = str(e)
     ids = models.tokens(BATCH_DP // dp, SEQ, 1)
     got = count_step(lambda: pm(ids), lambda o: models.first_tensor(o).square().mean())
     out["all_to_all"] = {d: got[d].get("all_to_all", {"bytes": 0})["bytes"] for d in ("forward", "backward")}

@@ -164,6 +164,10 @@ class ParallelBase(PretrainedModelLike, Checkpointing, Retyped, nn.Module):
         return {name: gathered(t) for module in self.rank_modules() for name, t in self._names.local(module).items()}
 
     def _holding(self) -> Holding:
+        if self.expert_comm is not None:  # its parts are recorded by tp rank, which holds no expert chunk here
+            raise InputError(f"a sharded checkpoint (pm.save, pm.load) at ep={self.options.ep} above "
+                             f"tp={self.plan.tp} is not supported yet: save pm.full_state_dict() instead (the full "
+                             "tensors, which load at any layout), or use ep=tp")
         own = {n: t for module in self.rank_modules() for n, t in self._names.local(module).items()}
         params = {n: p for module in self.rank_modules() for n, p in self._names.params(module).items()}
         group = self._checkpoint_group()
