@@ -89,7 +89,8 @@ def counted(name: str, world: int, ep: int) -> dict:
     listed = {f"{op} {d}": sum(c.nbytes(BATCH, SEQ) for c in pm.plan.collectives
                            if c.direction.value == d and c.in_step and c.op.value == op)
               for op in OPS for d in ("forward", "backward")}
-    return {"counted": {f"{op} {d}": got[d].get(op, {"bytes": 0})["bytes"] for op in OPS for d in ("forward", "backward")},
+    return {"counted": {f"{op} {d}": got[d].get(op, {"bytes": 0})["bytes"]
+                        for op in OPS for d in ("forward", "backward")},
             "listed": listed,
             "expert": sorted({(c.op.value, c.direction.value, c.operator.value) for c in pm.plan.collectives
                               if "experts" in c.module})}

@@ -113,6 +113,22 @@ def test_moe_models_at_ep_are_exact_in_the_checker(name):
     assert report.exact, report
 
 
+def test_qwen3_moe_with_its_auxiliary_loss_is_exact_in_the_checker():
+    """Qwen3-MoE's bank (indexed per expert by transformers 5.x's grouped matmuls), its router's auxiliary loss
+    in the model's loss."""
+    import transformers
+
+    config = transformers.Qwen3MoeConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
+                                         moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                         num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
+                                         output_router_logits=True, router_aux_loss_coef=0.5)
+    torch.manual_seed(0)
+    ids = _ids()
+    report = autotp.check(transformers.Qwen3MoeForCausalLM(config), tp=2, ep=2,
+                          example_inputs={"input_ids": ids, "labels": ids})
+    assert report.exact, report
+
+
 def test_one_expert_per_rank_at_ep_4_is_exact_in_the_checker():
     torch.manual_seed(0)
     report = autotp.check(mixtral(), tp=4, ep=4, example_inputs=(_ids(),))

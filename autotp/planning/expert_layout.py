@@ -1,9 +1,9 @@
 """What ``ep`` (expert parallelism) does to a plan's mixture-of-experts layers. Each layer is found from its router
 (``passes.routed_experts``); a bank its experts' grouped matmuls read (``passes.grouped_banks``) is placed
 ``PlacementKind.EXPERT`` when ``ep`` is a multiple of ``tp`` (an expert-parallel group holds whole tensor-parallel
-groups, each of whose ranks dispatches its share of the rows by all-to-all) and ``ep`` divides its experts. Every layer gets a note:
-its experts divided among the ranks, or why they stay split by tensor parallelism (Megatron's all-reduce
-minimum, exact), so a plan never reads as expert-split where it is not.
+groups, each of whose ranks dispatches its share of the rows by all-to-all) and ``ep`` divides its experts.
+Every layer gets a note: its experts divided among the ranks, or why they stay split by tensor parallelism
+(Megatron's all-reduce minimum, exact), so a plan never reads as expert-split where it is not.
 """
 
 from __future__ import annotations

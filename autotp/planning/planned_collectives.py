@@ -19,7 +19,8 @@ from autotp.planning.plan import Collective
 from autotp.passes.grouped_banks import expert_matmuls
 
 
-def planned_collectives(analysis: Analysis, prop: Propagation, split_banks=frozenset(), ep: int = 1) -> list[Collective]:
+def planned_collectives(analysis: Analysis, prop: Propagation, split_banks=frozenset(),
+                        ep: int = 1) -> list[Collective]:
     """The collectives the rewrite will insert, in graph order, for people and cost models (``split_banks``: the
     ``get_attr`` targets of banks split by their experts among ``ep`` ranks)."""
     order = {name: i for i, name in enumerate(analysis.nodes)}
