@@ -25,6 +25,7 @@ from autotp.planning.plan import check_schedule_fits
 from autotp.rewrite import build_graph, materialise_all, split_stages
 from autotp.rewrite.cache_layout import build_cache_steps
 from autotp.rewrite.comm import TorchComm
+from autotp.runtime.expert_groups import check_pipelined_ep, expert_ranks, reduce_experts_over_replicas
 from autotp.rewrite.dtypes import cast_for_policy
 from autotp.rewrite.local_reads import distribute
 from autotp.rewrite.loss_graph import build_loss_graph
@@ -277,17 +278,24 @@ def _tensor_parallel(built: Built, group, distributed: bool) -> ParallelModule:
     stream = RankStream(shared_seed(group, distributed))
     source = built.source or from_first_rank(built.model, group, distributed)
     graphs = built.graphs
-    modules = {mode: build_graph(captured, built.plan, rank, comm, stream=stream) for mode, captured in graphs.items()}
+    experts = expert_ranks(built.options, dp.rank if dp is not None else 0, rank) if distributed else None
+    ep_comm = experts.comm if experts is not None else None
+    modules = {mode: build_graph(captured, built.plan, rank, comm, stream=stream, ep_comm=ep_comm)
+               for mode, captured in graphs.items()}
     for gm in modules.values():
         cast_for_policy(gm, built.options)
-    materialise_all([(modules[mode], graphs[mode]) for mode in modules], built.plan, rank, source=source)
+    materialise_all([(modules[mode], graphs[mode]) for mode in modules], built.plan, rank, source=source,
+                    expert_rank=experts.rank if experts is not None else None)
+    if experts is not None:
+        reduce_experts_over_replicas(dp, experts, [(modules[mode], graphs[mode]) for mode in modules], built.plan)
     _recompute(built, [modules[True]], stream)
     device = device_for(group, distributed)
     if device is not None:
         for gm in modules.values():
             gm.to(device)  # NCCL communicates GPU tensors; inputs must then be on this device too
     names = state_names(built.model, graphs[True], modules.values(), source)
-    if comm is not None and comm.size > 1:
+    # at ep above tp a rank's experts are not a tp shard, which a DTensor over the tp mesh would say: plain tensors
+    if comm is not None and comm.size > 1 and experts is None:
         if expressible(built.plan):
             mesh = dp.mesh.mesh["tp"] if dp is not None else tp_mesh(comm.group, device or torch.device("cpu"))
             distribute(list(modules.values()), layout_of(built.plan, names), mesh)
@@ -296,6 +304,7 @@ def _tensor_parallel(built: Built, group, distributed: bool) -> ParallelModule:
     generation = Generation(built.model, build_cache_steps)
     losses = LossGraphs(built.model, build_loss_graph)
     pm = facing(ParallelModule(_parts(built, comm, stream, names, dp), modules, generation, losses), built.model)
+    pm.expert_comm = ep_comm
     if for_generation(built.model, graphs[False].input_names, pm.fsdp_unit is None):
         pm.prepare_generation()  # set-up, not the first generate, pays its capture
     return pm
@@ -316,6 +325,7 @@ def _distribute_shared(plan: Plan, names, graphs: list, comm, dp, device) -> Non
 
 def _pipeline_parallel(built: Built) -> PipelineModule:
     plan, graphs = built.plan, built.graphs
+    check_pipelined_ep(built.options)
     device = device_for(None, True) or torch.device("cpu")
     schedule = built.options.schedule
     mesh = Mesh(plan.pp, plan.tp, device, dp=built.options.dp, timeout=group_timeout(), placement=schedule.rank_of)

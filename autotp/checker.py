@@ -22,7 +22,7 @@ from autotp.capture import Captured, capture, example_inputs_of, model_kwargs
 from autotp.errors import AutotpError, CaptureError, InputError, InternalError
 from autotp.mixed_precision import MixedPrecision
 from autotp.options import Options, Recompute, capture_speedups
-from autotp.passes.placement import Shard, full_tensor
+from autotp.passes.placement import PlacementKind, Shard, full_tensor
 from autotp.plan_choice import choose_plan, required_tp
 from autotp.planning import Plan
 from autotp.planning.machines import machine_for
@@ -186,6 +186,10 @@ def build_ranks(captured: Captured, plan: Plan, seed: int = SEED,
     ``recompute``, blocks recompute their activations in backward as ``parallelize`` makes them."""
     if plan.options.cp > 1:
         return _context_ranks(captured, plan, seed)
+    if plan.options.ep > plan.tp and any(p.kind is PlacementKind.EXPERT for p in plan.placements.values()):
+        raise InputError(f"the checker simulates the tensor-parallel ranks of one replica, and ep={plan.options.ep} "
+                         f"spreads the experts over data-parallel replicas too (tp={plan.tp}); check at ep=tp "
+                         "(the same dispatch over the tp ranks), and train ep above tp on real ranks")
     comms = ThreadComm.group(plan.tp)
     modules = []
     for rank in range(plan.tp):

@@ -29,6 +29,7 @@ _PAYLOAD = {
     "reduce_scatter_tensor": ("reduce_scatter", "args0"),
     "_reduce_scatter_base_": ("reduce_scatter", "args1"),
     "all_to_all_single": ("all_to_all", "out"),
+    "alltoall_base_": ("all_to_all", "args0"),  # torch.distributed.all_to_all_single's c10d op (its output first)
     "broadcast_": ("broadcast", "args0"),
 }
 

@@ -155,7 +155,7 @@ class Analysis:
         """The split ``placements`` (keyed by original name) as the layouts propagation takes (keyed by the
         ``get_attr`` target each parameter is read through)."""
         by_target = {self.captured.attr_target(self.captured.aliases.get(n, n)): p for n, p in placements.items()}
-        # a bank split by its experts computes whole experts: propagation sees it whole (``rewrite.expert_split``)
+        # a bank split by its experts computes whole experts: propagation sees it whole (``rewrite.expert_dispatch``)
         return {t: p.layout(self.param_size(t, p.dim)) for t, p in by_target.items()
                 if p.is_split and p.kind is not PlacementKind.EXPERT}
 

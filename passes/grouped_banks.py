@@ -1,6 +1,6 @@
 """The banks of experts that grouped matmuls read, found in a graph (read-only): which ``get_attr`` each grouped
 matmul reads its experts' matrices from, how many experts it holds, and the chains of grouped matmuls (gate-up,
-then down) over one token order that expert parallelism splits (``rewrite.expert_split``)."""
+then down) over one token order that expert parallelism splits (``rewrite.expert_dispatch``)."""
 
 from __future__ import annotations
 

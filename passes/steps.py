@@ -52,6 +52,15 @@ class Operator(str, Enum):
     """A whole value added to a partial sum (an expert's bias before the router's weight): itself on the first
     rank, zeros on the others, so the sum over the ranks adds it once; no communication (its gradient, the sum's,
     is whole on every rank: identity backward)."""
+    DISPATCH = "dispatch"
+    """Expert parallelism's dispatch: each rank's routed rows to the ranks holding their experts (all-to-all of
+    variable sizes forward, the reverse all-to-all of their gradient backward)."""
+    COMBINE = "combine"
+    """Expert parallelism's combine: the experts' results back to the ranks the rows came from (all-to-all forward,
+    the reverse all-to-all of their gradient backward)."""
+    ROUTE = "route"
+    """The rows each rank routes to each expert, all-gathered over the expert-parallel ranks (the all-to-alls'
+    sizes, a few integers); forward only."""
     RUNNING_STATS = "running_stats"
     """A batch norm of channels split, in training: each rank updates its channels' running mean and variance,
     all-gathered forward into the whole buffers every rank keeps (no gradient flows through them)."""
@@ -68,6 +77,7 @@ class CollectiveOp(str, Enum):
     ALL_REDUCE = "all_reduce"
     ALL_GATHER = "all_gather"
     REDUCE_SCATTER = "reduce_scatter"
+    ALL_TO_ALL = "all_to_all"
 
 
 def ring_share(op: CollectiveOp, tp: int) -> float:
@@ -108,6 +118,11 @@ COMMUNICATION: dict[Operator, tuple[Communication, ...]] = {
     Operator.ONCE: (),
     Operator.SHARED_GRAD: (Communication(CollectiveOp.ALL_GATHER, Direction.BACKWARD, at_source=True),),
     Operator.CROSS_ENTROPY: (Communication(CollectiveOp.ALL_GATHER, Direction.FORWARD, at_source=True),),
+    Operator.DISPATCH: (Communication(CollectiveOp.ALL_TO_ALL, Direction.FORWARD, at_source=True),
+                        Communication(CollectiveOp.ALL_TO_ALL, Direction.BACKWARD, at_source=True)),
+    Operator.COMBINE: (Communication(CollectiveOp.ALL_TO_ALL, Direction.FORWARD, at_source=True),
+                       Communication(CollectiveOp.ALL_TO_ALL, Direction.BACKWARD, at_source=True)),
+    Operator.ROUTE: (Communication(CollectiveOp.ALL_GATHER, Direction.FORWARD, at_source=True),),
     Operator.RUNNING_STATS: (Communication(CollectiveOp.ALL_GATHER, Direction.FORWARD, at_source=True),),
     Operator.GRAD_SUM: (),  # one bucket for all of them, listed once (planning.planned_collectives)
 }

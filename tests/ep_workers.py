@@ -1,12 +1,15 @@
 """Per-rank bodies of the expert-parallel tests on gloo: a mixture of experts at ep=tp trained with AdamW on its
-own loss (the auxiliary router loss included) next to the unsharded model, and its all-reduces counted at run
+own loss (the auxiliary router loss included) next to the unsharded model, and its collectives counted at run
 time."""
 
 from __future__ import annotations
 
+import tempfile
+
 import torch
 
 import autotp
+from autotp.errors import InputError
 from bench.comm import count_step
 from tests import models
 from tests.moe_workers import deepseek, mixtral
@@ -72,24 +75,123 @@ def trained(name: str, world: int, skewed: bool = False) -> dict:
     return out
 
 
+OPS = ("all_reduce", "all_gather", "all_to_all")
+
+
 def counted(name: str, world: int, ep: int) -> dict:
-    """All-reduce bytes of one forward and backward at tp=world, ep=``ep`` (vocabulary whole), counted at run
-    time, next to the bytes the plan lists."""
+    """Bytes of one forward and backward at tp=world, ep=``ep`` (vocabulary whole), counted at run time per
+    collective and direction, next to the bytes the plan lists (an all-to-all's per rank at balanced routing)."""
     torch.manual_seed(0)
     model = BUILDERS[name]()
     ids = models.tokens(BATCH, SEQ, 1)
     pm = autotp.parallelize(model, tp=world, ep=ep, vocab="whole", example_inputs=(ids,))
     got = count_step(lambda: pm(ids), lambda out: models.first_tensor(out).square().mean())
-    listed = {d: sum(c.nbytes(BATCH, SEQ) for c in pm.plan.collectives if c.direction.value == d and c.in_step)
-              for d in ("forward", "backward")}
-    return {"counted": {d: got[d].get("all_reduce", {"bytes": 0})["bytes"] for d in ("forward", "backward")},
+    listed = {f"{op} {d}": sum(c.nbytes(BATCH, SEQ) for c in pm.plan.collectives
+                           if c.direction.value == d and c.in_step and c.op.value == op)
+              for op in OPS for d in ("forward", "backward")}
+    return {"counted": {f"{op} {d}": got[d].get(op, {"bytes": 0})["bytes"]
+                        for op in OPS for d in ("forward", "backward")},
             "listed": listed,
-            "expert": [(c.direction.value, c.shape) for c in pm.plan.collectives if "experts" in c.module]}
+            "expert": sorted({(c.op.value, c.direction.value, c.operator.value) for c in pm.plan.collectives
+                              if "experts" in c.module})}
 
 
 def expert_parallel(rank: int, world: int) -> dict:
-    """Every model trained at ep=world, and Mixtral's all-reduces at ep=world and ep=1."""
+    """Every model trained at ep=world, and Mixtral's collectives at ep=world and ep=1."""
     out = {name: trained(name, world) for name in BUILDERS}
     out["mixtral to one rank"] = trained("mixtral", world, skewed=True)
     out["bytes"] = {f"ep={ep}": counted("mixtral", world, ep) for ep in (1, world)}
+    return out
+
+
+def _sliced(batch: dict, dp_rank: int, dp: int) -> dict:
+    """Replica ``dp_rank``'s rows of ``batch``."""
+    rows = slice(dp_rank * BATCH_DP // dp, (dp_rank + 1) * BATCH_DP // dp)
+    return {k: v[rows] for k, v in batch.items()}
+
+
+BATCH_DP = 4
+"""The global batch of the data-parallel runs: each of up to 4 replicas takes its rows."""
+
+
+def _global_batch(seed: int) -> dict:
+    ids = models.tokens(BATCH_DP, SEQ, seed)
+    return {"input_ids": ids, "labels": ids}
+
+
+def _reference_loss(ref, batch: dict, dp: int) -> torch.Tensor:
+    """The loss data parallelism trains: the mean over the replicas' slices of the model's own loss (its auxiliary
+    router loss is the model's over each replica's tokens, as every replica computes it)."""
+    return sum(ref(**_sliced(batch, r, dp)).loss for r in range(dp)) / dp
+
+
+def over_data_parallel(name: str, tp: int, dp: int, ep: int, skewed: bool = False) -> dict:
+    """Errors of ``name`` at (tp, dp, ep), replicas under ``replicate``, against the unsharded model trained on the
+    replicas' mean loss: outputs, STEPS AdamW steps' losses and gradient norms, every parameter after them; the
+    experts this rank holds; the all-to-all bytes of one forward and backward counted at run time."""
+    torch.manual_seed(0)
+    ref = BUILDERS[name]()
+    if skewed:
+        to_first_experts(ref)
+    pm = autotp.parallelize(ref, tp=tp, dp=dp, ep=ep, dp_mode="replicate", example_inputs=_batch(1))
+    mine = lambda batch: _sliced(batch, pm.dp_rank, dp)  # noqa: E731
+    first = _global_batch(2)
+    out = {"output": _error(pm(**mine(first)).logits, ref(**mine(first)).logits)}
+    opt, ref_opt = torch.optim.AdamW(pm.parameters(), **ADAM), torch.optim.AdamW(ref.parameters(), **ADAM)
+    out["losses"] = []
+    for step in range(STEPS):
+        batch = _global_batch(3 + step)
+        loss = pm.step(**mine(batch))
+        want = ref(**mine(batch)).loss.detach()
+        _reference_loss(ref, batch, dp).backward()
+        out["losses"].append(_error(loss.detach(), want))
+        norm, ref_norm = pm.clip_grad_norm_(1e9), torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e9)
+        out.setdefault("norms", []).append(_error(norm, ref_norm))
+        opt.step(), ref_opt.step()
+        opt.zero_grad(), ref_opt.zero_grad()
+    full = pm.full_state_dict()
+    out["params"] = max(_error(full[k], v) for k, v in ref.state_dict().items() if v.is_floating_point())
+    local = {n: p.to_local() if hasattr(p, "to_local") else p for n, p in pm.named_parameters()}
+    out["local_experts"] = sorted({p.shape[0] for n, p in local.items() if "experts" in n and p.dim() == 3})
+    try:  # sharded checkpoints record parts by tp rank: refused above tp, not written wrong
+        pm.save(tempfile.mkdtemp())
+        out["save"] = "saved"
+    except InputError as e:
+        out["save"] = str(e)
+    ids = models.tokens(BATCH_DP // dp, SEQ, 1)
+    got = count_step(lambda: pm(ids), lambda o: models.first_tensor(o).square().mean())
+    out["all_to_all"] = {d: got[d].get("all_to_all", {"bytes": 0})["bytes"] for d in ("forward", "backward")}
+    return out
+
+
+def expert_parallel_over_dp(rank: int, world: int, configs: list) -> dict:
+    """``over_data_parallel`` for each (name, tp, dp, ep, skewed) of ``configs``, on ``world`` ranks."""
+    return {" ".join(map(str, c)): over_data_parallel(*c) for c in configs}
+
+
+def _logits_loss(out, target: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(out.logits.flatten(0, 1), target.flatten())
+
+
+def with_pipeline(rank: int, world: int, tp: int, pp: int, ep: int) -> dict:
+    """Errors of Mixtral at (tp, pp, ep), 2 microbatches, against the unsharded model: STEPS AdamW steps' losses
+    (a cross-entropy of the logits: a pipeline takes target= and a loss_fn, not the model's own loss) and every
+    parameter after them; the experts this rank's stage holds."""
+    torch.manual_seed(0)
+    ref = mixtral()  # no router logits nor auxiliary loss among the outputs: a pipeline merges batch-sized ones
+    pm = autotp.parallelize(ref, tp=tp, pp=pp, ep=ep, microbatches=2, example_inputs=(models.tokens(BATCH, SEQ, 1),))
+    opt, ref_opt = torch.optim.AdamW(pm.parameters(), **ADAM), torch.optim.AdamW(ref.parameters(), **ADAM)
+    out = {"losses": []}
+    for step in range(STEPS):
+        batch = _global_batch(3 + step)
+        loss = pm.step(batch["input_ids"], target=batch["labels"], loss_fn=_logits_loss)
+        want = _logits_loss(ref(batch["input_ids"]), batch["labels"])
+        want.backward()
+        out["losses"].append(_error(loss.detach(), want.detach()))
+        opt.step(), ref_opt.step()
+        opt.zero_grad(), ref_opt.zero_grad()
+    full = pm.full_state_dict()
+    out["params"] = max(_error(full[k], v) for k, v in ref.state_dict().items() if v.is_floating_point())
+    local = {n: p.to_local() if hasattr(p, "to_local") else p for n, p in pm.named_parameters()}
+    out["local_experts"] = sorted({p.shape[0] for n, p in local.items() if "experts" in n and p.dim() == 3})
     return out

@@ -17,10 +17,23 @@ from autotp.errors import InputError, PlanError
 from autotp.passes.placement import Placement, PlacementKind
 from autotp.passes.routed_experts import ExpertLayer
 from autotp.planning.expert_layout import NO_BANK, NOT_TP, expert_notes
+from autotp.runtime.expert_groups import check_ep_layout, check_pipelined_ep
 from autotp.tools import cli
 from tests import models
 from tests.distributed import run_on_ranks
-from tests.ep_workers import BATCH, BUILDERS, HIDDEN, SEQ, TOP_K, _batch, expert_parallel, to_first_experts
+from tests.ep_workers import (
+    BATCH,
+    BATCH_DP,
+    BUILDERS,
+    HIDDEN,
+    SEQ,
+    TOP_K,
+    _batch,
+    expert_parallel,
+    expert_parallel_over_dp,
+    to_first_experts,
+    with_pipeline,
+)
 from tests.moe_workers import PLANNED, deepseek, mixtral
 
 
@@ -55,7 +68,7 @@ def test_notes_say_where_the_experts_went_and_why():
 
 
 @pytest.mark.parametrize("build", [mixtral, deepseek], ids=["mixtral", "deepseek"])
-def test_each_rank_holds_whole_experts_and_the_routed_rows_are_summed_once_each_way(build):
+def test_each_rank_holds_whole_experts_and_the_routed_rows_are_dispatched_and_combined(build):
     """DeepSeek-V3's router first picks among groups of experts: its experts are counted from the widest top-k;
     its shared expert keeps its tensor-parallel split."""
     torch.manual_seed(0)
@@ -66,20 +79,26 @@ def test_each_rank_holds_whole_experts_and_the_routed_rows_are_summed_once_each_
     assert [n.split(":")[0] for n in notes] == ["model.layers.0.mlp", "model.layers.1.mlp"]
     assert all("4 routed experts (top-2" in n and "2 whole experts each" in n for n in notes), notes
     for layer in (0, 1):
-        routed = sorted((c.direction.value, c.operator.value, c.shape) for c in plan.collectives
+        routed = sorted((c.op.value, c.direction.value, c.operator.value, c.shape) for c in plan.collectives
                         if c.module.startswith(f"model.layers.{layer}.mlp.experts"))
-        assert routed == [("backward", "f", (f"{TOP_K}*B*T", "64")), ("forward", "g", (f"{TOP_K}*B*T", "64"))]
+        share, rows = ("B*T", "64"), (f"{TOP_K}*B*T", "64")  # a tp rank's share of the routed rows; all of them
+        assert routed == [("all_gather", "backward", "scatter", rows), ("all_gather", "forward", "gather", rows),
+                          ("all_gather", "forward", "route", ("2", "4")),
+                          ("all_to_all", "backward", "combine", share), ("all_to_all", "backward", "dispatch", share),
+                          ("all_to_all", "forward", "combine", share), ("all_to_all", "forward", "dispatch", share)]
 
 
-def test_experts_that_cannot_be_split_exactly_keep_tensor_parallelism_with_a_note():
-    """GPT-OSS adds each expert's bias in place to its rows: kept under tensor parallelism, exactly as at ep=1."""
+def test_gpt_oss_interleaved_bank_is_expert_split_with_its_biases_dispatched_with_their_rows():
+    """GPT-OSS adds each expert's bias, picked per row, in place to its grouped matmul's rows: the banks are split by
+    their experts, the biases kept whole, and the bias rows dispatched with the rows they are added to (its
+    exactness: ``test_moe_models_at_ep_are_exact_in_the_checker``)."""
     torch.manual_seed(0)
-    at_one = autotp.plan(PLANNED["gpt_oss"](), tp=2, example_inputs=(_ids(),))
-    torch.manual_seed(0)
-    at_two = autotp.plan(PLANNED["gpt_oss"](), tp=2, ep=2, example_inputs=(_ids(),))
-    assert (at_two.placements, at_two.collectives) == (at_one.placements, at_one.collectives)
-    added = [n for n in at_two.notes if n not in at_one.notes]
-    assert len(added) == 2 and all("kept under tensor parallelism at ep=2" in n and "in place" in n for n in added)
+    plan = autotp.plan(PLANNED["gpt_oss"](), tp=2, ep=2, example_inputs=(_ids(),))
+    experts = {n: p.kind.value for n, p in plan.placements.items() if ".mlp.experts." in n}
+    assert experts == {f"model.layers.{i}.mlp.experts.{w}": kind for i in (0, 1)
+                       for w, kind in (("gate_up_proj", "expert"), ("down_proj", "expert"),
+                                       ("gate_up_proj_bias", "replicated"), ("down_proj_bias", "replicated"))}
+    assert sum("2 whole experts each" in n for n in plan.notes) == 2, plan.notes
 
 
 def test_a_dense_model_at_ep_says_there_is_nothing_to_divide():
@@ -91,6 +110,22 @@ def test_a_dense_model_at_ep_says_there_is_nothing_to_divide():
 def test_moe_models_at_ep_are_exact_in_the_checker(name):
     torch.manual_seed(0)
     report = autotp.check(PLANNED[name](), tp=2, ep=2, example_inputs=(_ids(),))
+    assert report.exact, report
+
+
+def test_qwen3_moe_with_its_auxiliary_loss_is_exact_in_the_checker():
+    """Qwen3-MoE's bank (indexed per expert by transformers 5.x's grouped matmuls), its router's auxiliary loss
+    in the model's loss."""
+    import transformers
+
+    config = transformers.Qwen3MoeConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
+                                         moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                         num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
+                                         output_router_logits=True, router_aux_loss_coef=0.5)
+    torch.manual_seed(0)
+    ids = _ids()
+    report = autotp.check(transformers.Qwen3MoeForCausalLM(config), tp=2, ep=2,
+                          example_inputs={"input_ids": ids, "labels": ids})
     assert report.exact, report
 
 
@@ -109,24 +144,90 @@ def test_ranks_whose_experts_get_no_token_are_exact_in_the_checker():
     assert report.exact, report
 
 
-def test_ep_trains_exactly_on_two_ranks_and_moves_top_k_rows_per_layer():
+def test_ep_trains_exactly_on_two_ranks_and_dispatches_top_k_rows_per_layer_by_all_to_all():
     """Outputs, the losses of 2 AdamW steps (the auxiliary router loss included) and every parameter after them;
     each rank holds 2 of the 4 experts of every bank; also with every token routed to the first rank's experts
-    (the second rank's get none, yet run the same collectives). Counted at run time, each MoE layer's all-reduces carry
-    top-k x tokens x hidden each way where tensor parallelism's carry the tokens' hidden state forward and it and
-    the routing weights backward; every byte counted is one the plan lists."""
-    for rank in run_on_ranks(expert_parallel, 2):
+    (the second rank's get none, yet run the same collectives). Counted at run time, each MoE layer's dispatch and
+    combine all-to-alls carry top-k x tokens x hidden over the ranks, each way; no all-reduce over the experts'
+    outputs (the all-reduces are those of ep=1 less the experts' own); every other byte counted is one the plan
+    lists."""
+    ranks = run_on_ranks(expert_parallel, 2)
+    for rank in ranks:
         for name in ("mixtral", "deepseek", "mixtral to one rank"):
             r = rank[name]
             assert r["output"] < 1e-5 and max(r["losses"]) < 1e-5 and r["params"] < 1e-5, (name, r)
             assert len(r["expert_split"]) == 4 and set(r["local_experts"].values()) == {2} and not r["missing"], (name, r)
         at_one, at_two = rank["bytes"]["ep=1"], rank["bytes"]["ep=2"]
-        for counted in (at_one, at_two):
-            assert counted["counted"] == counted["listed"], counted
-        rows, tokens = TOP_K * BATCH * SEQ * HIDDEN * 4, BATCH * SEQ * HIDDEN * 4
-        assert at_two["counted"]["forward"] - at_one["counted"]["forward"] == 2 * (rows - tokens)
-        assert at_two["counted"]["backward"] - at_one["counted"]["backward"] == \
-            2 * (rows - tokens - TOP_K * BATCH * SEQ * 4)
+        for d in ("forward", "backward"):
+            assert at_two["counted"][f"all_reduce {d}"] == at_two["listed"][f"all_reduce {d}"], (d, at_two)
+            # the step's own checks (the batch agreed on) all-gather a few bytes the plan does not list, at any ep
+            unlisted = [at["counted"][f"all_gather {d}"] - at["listed"][f"all_gather {d}"] for at in (at_one, at_two)]
+            assert unlisted[0] == unlisted[1], (d, at_one, at_two)
+        assert "all_reduce" not in {op for op, _, _ in at_two["expert"]}, at_two["expert"]
+    rows = TOP_K * BATCH * SEQ * HIDDEN * 4
+    for d in ("forward", "backward"):
+        # two layers, a dispatch and a combine each: every routed row once each way, whatever the routing
+        assert sum(r["bytes"]["ep=2"]["counted"][f"all_to_all {d}"] for r in ranks) == 2 * 2 * rows
+        assert sum(r["bytes"]["ep=2"]["listed"][f"all_to_all {d}"] for r in ranks) == 2 * 2 * rows
+        at_one, at_two = (ranks[0]["bytes"][k]["counted"][f"all_reduce {d}"] for k in ("ep=1", "ep=2"))
+        assert at_two < at_one, (d, at_one, at_two)
+
+
+def test_ep_over_data_parallel_ranks_trains_exactly_by_all_to_all():
+    """tp=1, dp=2, ep=2: each replica holds half the experts and routes its own tokens to both ranks' experts;
+    outputs, the losses of 2 AdamW steps (the auxiliary router loss included) and every parameter after them equal
+    the unsharded model trained on the replicas' mean loss, also with every token routed to the first rank's
+    experts. Each all-to-all carries every routed row of both replicas once, each way. A sharded checkpoint is
+    refused (its parts are recorded by tp rank); full_state_dict gathers the experts over their ep group."""
+    configs = [("mixtral", 1, 2, 2, False), ("mixtral", 1, 2, 2, True)]
+    ranks = run_on_ranks(expert_parallel_over_dp, 2, configs)
+    for rank in ranks:
+        for label, r in rank.items():
+            assert r["output"] < 1e-5 and max(r["losses"]) < 1e-5 and r["params"] < 1e-5, (label, r)
+            assert max(r["norms"]) < 1e-5 and r["local_experts"] == [2], (label, r)
+            assert "save pm.full_state_dict() instead" in r["save"], r["save"]
+    rows = TOP_K * BATCH_DP * SEQ * HIDDEN * 4  # both replicas' routed rows
+    for label in ranks[0]:
+        for d in ("forward", "backward"):
+            assert sum(rank[label]["all_to_all"][d] for rank in ranks) == 2 * 2 * rows, (label, d)
+
+
+@pytest.mark.slow  # about 3 minutes on 2 cores: the 2-rank tests cover ep over tp and over dp by default
+def test_ep_over_tensor_and_data_parallel_ranks_on_four_ranks():
+    """On 4 ranks: tp=2 x dp=2 with ep=4 (one expert per rank, each tp rank dispatching its half of the rows),
+    tp=1 x dp=4 with ep=2 (each expert held by two replicas, which sum its gradient) and DeepSeek-V3 (shared expert,
+    grouped router) at tp=2 x dp=2 with ep=4: exact as on 2 ranks, gradient norms included, and every routed row
+    crosses once each way."""
+    configs = [("mixtral", 2, 2, 4, False), ("mixtral", 1, 4, 2, False), ("deepseek", 2, 2, 4, False)]
+    ranks = run_on_ranks(expert_parallel_over_dp, 4, configs)
+    for rank in ranks:
+        for label, r in rank.items():
+            assert r["output"] < 1e-5 and max(r["losses"]) < 1e-5 and r["params"] < 1e-5, (label, r)
+            assert max(r["norms"]) < 1e-5 and r["local_experts"] == [4 // int(label.split()[3])], (label, r)
+    rows = TOP_K * BATCH_DP * SEQ * HIDDEN * 4
+    for label in ranks[0]:
+        for d in ("forward", "backward"):
+            assert sum(rank[label]["all_to_all"][d] for rank in ranks) == 2 * 2 * rows, (label, d)
+
+
+@pytest.mark.slow  # about 2 minutes on 2 cores
+def test_ep_with_pipeline_stages_trains_exactly():
+    """tp=2, pp=2, ep=2 on 4 ranks: each stage's MoE layer holds 2 of its 4 experts per rank and dispatches over its
+    tp ranks; 2 AdamW steps over 2 microbatches equal the unsharded model's, losses and every parameter."""
+    for rank in run_on_ranks(with_pipeline, 4, 2, 2, 2):
+        assert max(rank["losses"]) < 1e-5 and rank["params"] < 1e-5 and rank["local_experts"] == [2], rank
+
+
+def test_ep_above_tp_is_refused_where_it_cannot_be_exact():
+    """FSDP would average the experts' gradients over replicas holding other experts; a pipeline's stages dispatch
+    over their tp ranks; the checker simulates one replica's tp ranks."""
+    with pytest.raises(InputError, match="needs dp_mode='replicate'"):
+        check_ep_layout(autotp.Options(tp=1, dp=2, ep=2))
+    with pytest.raises(InputError, match="above tp=1 with pp=2 is not supported"):
+        check_pipelined_ep(autotp.Options(tp=1, dp=2, pp=2, ep=2))
+    torch.manual_seed(0)
+    with pytest.raises(InputError, match="the checker simulates the tensor-parallel ranks of one replica"):
+        autotp.check(mixtral(), tp=1, dp=2, ep=2, example_inputs=(_ids(),))
 
 
 def test_the_command_line_takes_ep_and_refuses_it_with_devices(capsys):

@@ -1,9 +1,9 @@
 """What ``ep`` (expert parallelism) does to a plan's mixture-of-experts layers. Each layer is found from its router
 (``passes.routed_experts``); a bank its experts' grouped matmuls read (``passes.grouped_banks``) is placed
-``PlacementKind.EXPERT`` when ``ep`` equals ``tp`` (the expert-parallel ranks are the tensor-parallel ones: the
-tokens are whole on each, so no all-to-all is needed) and ``ep`` divides its experts. Every layer gets a note:
-its experts divided among the ranks, or why they stay split by tensor parallelism (Megatron's all-reduce
-minimum, exact), so a plan never reads as expert-split where it is not.
+``PlacementKind.EXPERT`` when ``ep`` is a multiple of ``tp`` (an expert-parallel group holds whole tensor-parallel
+groups, each of whose ranks dispatches its share of the rows by all-to-all) and ``ep`` divides its experts.
+Every layer gets a note: its experts divided among the ranks, or why they stay split by tensor parallelism
+(Megatron's all-reduce minimum, exact), so a plan never reads as expert-split where it is not.
 """
 
 from __future__ import annotations
@@ -15,9 +15,10 @@ NO_BANK = ("its experts are not grouped matmuls over a bank of their matrices (t
            "splits today); they stay split by tensor parallelism, exact")
 """Why a layer whose experts are written otherwise (a loop over experts, a batched matmul) keeps tensor parallelism."""
 
-NOT_TP = ("expert parallelism over data-parallel ranks (ep other than tp) needs an all-to-all dispatch, not done "
-          "yet; use ep equal to tp. The experts stay split by tensor parallelism, exact")
-"""Why a layer keeps tensor parallelism when ``ep`` is not ``tp``."""
+NOT_TP = ("an expert-parallel group must hold whole tensor-parallel groups (each tp rank dispatches its share of the "
+          "rows), so ep must be a multiple of tp; use ep = tp or a multiple of it. The experts stay split by tensor "
+          "parallelism, exact")
+"""Why a layer keeps tensor parallelism when ``ep`` is not a multiple of ``tp``."""
 
 EXPERT = Placement(PlacementKind.EXPERT, dim=0)
 """A bank split by its experts (its first dim)."""
@@ -27,7 +28,7 @@ def why_kept(layer: ExpertLayer, ep: int, tp: int, banked: bool) -> str | None:
     """Why ``layer``'s routed experts stay under tensor parallelism at ``ep`` (None: they are expert-split)."""
     if layer.experts % ep:
         return f"its {layer.experts} experts do not divide among ep={ep} ranks; use an ep that divides {layer.experts}"
-    if ep != tp:
+    if ep % tp:
         return NOT_TP
     return None if banked else NO_BANK
 
@@ -56,8 +57,8 @@ def expert_notes(layers: tuple[ExpertLayer, ...], ep: int, tp: int, split: set[s
         head = f"{layer.module}: {layer.experts} routed experts (top-{layer.top_k}, routed by {layer.router})"
         if own:
             notes.append(f"{head} divided among ep={ep} ranks, {layer.experts // ep} whole experts each "
-                         f"({', '.join(own)}): each rank computes its experts' rows, summed by one all-reduce forward "
-                         "and one of the rows' gradient backward")
+                         f"({', '.join(own)}): the routed rows go to their experts' ranks and back by all-to-all "
+                         "(dispatch and combine, forward and backward), nothing summed over ranks")
         else:
             notes.append(f"{head} kept under tensor parallelism at ep={ep}: "
                          f"{why_kept(layer, ep, tp, False)}")

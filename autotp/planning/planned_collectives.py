@@ -19,9 +19,10 @@ from autotp.planning.plan import Collective
 from autotp.passes.grouped_banks import expert_matmuls
 
 
-def planned_collectives(analysis: Analysis, prop: Propagation, split_banks=frozenset()) -> list[Collective]:
+def planned_collectives(analysis: Analysis, prop: Propagation, split_banks=frozenset(),
+                        ep: int = 1) -> list[Collective]:
     """The collectives the rewrite will insert, in graph order, for people and cost models (``split_banks``: the
-    ``get_attr`` targets of banks split by their experts)."""
+    ``get_attr`` targets of banks split by their experts among ``ep`` ranks)."""
     order = {name: i for i, name in enumerate(analysis.nodes)}
     grad = analysis.grad
     found = [(order[conv.source], c) for conv in prop.conversions.values() for step in fused(conv.steps)
@@ -29,8 +30,7 @@ def planned_collectives(analysis: Analysis, prop: Propagation, split_banks=froze
              for c in _collectives_of(analysis, step.operator, conv.source, reader, grad, in_step)]
     found += [(order[node], c) for node, operator in prop.reduced.items()
               for c in _collectives_of(analysis, operator, node, node, grad)]
-    found += [(order[node], c) for node, operator in expert_chains(analysis, split_banks)
-              for c in _collectives_of(analysis, operator, node, node, grad)]
+    found += [(order[node], c) for node, c in expert_chains(analysis, split_banks, prop.tp, ep)]
     listed = [c for _, c in sorted(found, key=lambda item: item[0])]
     return listed + _gradient_bucket(analysis, prop)
 
@@ -50,14 +50,35 @@ def _gradient_bucket(analysis: Analysis, prop: Propagation) -> list[Collective]:
     return [Collective(CollectiveOp.ALL_REDUCE, Direction.BACKWARD, Operator.GRAD_SUM, BUCKET, (str(numel),))]
 
 
-def expert_chains(analysis: Analysis, split_banks) -> list[tuple[str, Operator]]:
-    """Where the rewrite sums the experts' rows over the ranks for banks split by their experts (``get_attr``
-    targets ``split_banks``): ``f`` on each chain's input rows, ``g`` on its output (``rewrite.expert_split``)."""
+def expert_chains(analysis: Analysis, split_banks, tp: int, ep: int) -> list[tuple[str, Collective]]:
+    """The collectives of the chains of grouped matmuls over banks split by their experts (``get_attr`` targets
+    ``split_banks``) among ``ep`` ranks (``rewrite.expert_dispatch``), each at the node it is listed at: the routed
+    counts all-gathered; the dispatch and combine all-to-alls, each carrying this rank's share of the routed rows
+    (top-k x tokens x hidden over tp ranks, at balanced routing) both ways; at tp > 1 the all-gathers of the
+    shares (the output rows forward, the input rows' gradient backward)."""
     out = []
     for mm, first, last in expert_matmuls(analysis.graph, split_banks):
-        out += [(mm.args[0].name, Operator.F)] if first else []
-        out += [(mm.name, Operator.G)] if last else []
+        if first:
+            rows = mm.args[0].name
+            experts = int(mm.args[1].meta["val"].shape[0])
+            layer = analysis.layer(rows)
+            out.append((rows, Collective(CollectiveOp.ALL_GATHER, Direction.FORWARD, Operator.ROUTE, layer,
+                                         (str(ep), str(experts)), itemsize=8)))
+            out += [(rows, c) for c in _shared(analysis, Operator.DISPATCH, rows, tp, layer)]
+            if tp > 1:
+                out += [(rows, c) for c in _collectives_of(analysis, Operator.SCATTER, rows, rows, analysis.grad)]
+        if last:
+            out += [(mm.name, c) for c in _shared(analysis, Operator.COMBINE, mm.name, tp, analysis.layer(mm.name))]
+            if tp > 1:
+                out += [(mm.name, c) for c in _collectives_of(analysis, Operator.GATHER, mm.name, mm.name, set())]
     return out
+
+
+def _shared(analysis: Analysis, operator: Operator, rows: str, tp: int, layer: str) -> list[Collective]:
+    """``operator``'s all-to-alls of a tp rank's share of ``rows``."""
+    first, *rest = _shape(analysis, rows)
+    share = (str(sympy.sympify(first) / tp), *rest)
+    return [Collective(c.op, c.direction, operator, layer, share) for c in COMMUNICATION[operator]]
 
 
 def _readers_by_step(analysis: Analysis, conv) -> list[tuple[str, bool]]:

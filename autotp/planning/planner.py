@@ -188,7 +188,7 @@ def verify_plan(captured: Captured, plan: Plan) -> Plan:
     splits divides by tp, nothing it splits needs what the rewrite cannot do, and its regions agree with its
     placements (``PlanError`` otherwise). Returns the plan to apply, its report-only fields brought in line with its
     placements: collectives recomputed from them, regions they contradict dropped, each change said in a note."""
-    if plan.tp == 1:
+    if plan.tp == 1 and not expert_placements(captured, plan):
         return _reported(plan, plan.collectives)
     analysis = captured.analysis
     check_biases_follow_weights(analysis, _by_target(analysis, plan.placements))
@@ -200,7 +200,8 @@ def verify_plan(captured: Captured, plan: Plan) -> Plan:
                         f"size of {v.size} would be split, which tp={plan.tp} does not divide; fix the placements "
                         "of the layers before it or re-plan with autotp.plan")
     _refuse_inexact(analysis, prop)
-    return _reported(plan, tuple(planned_collectives(analysis, prop, expert_placements(captured, plan))))
+    return _reported(plan, tuple(planned_collectives(analysis, prop, expert_placements(captured, plan),
+                                                      plan.options.ep if plan.options else plan.tp)))
 
 
 def _reported(plan: Plan, collectives: tuple[Collective, ...]) -> Plan:
@@ -231,9 +232,10 @@ def _check_expert_placements(captured: Captured, plan: Plan) -> None:
         if target not in banks or placement.dim != 0 or placement.segments or placement.replicas != 1:
             raise PlanError(f"{name} is placed 'expert', which splits only a bank of experts read by grouped matmuls, "
                             "along dim 0 with no segments; place it as autotp.plan does, or re-plan with ep")
-        if banks[target] % plan.tp:
-            raise PlanError(f"{name} holds {banks[target]} experts, which tp={plan.tp} ranks cannot hold whole "
-                            "experts of evenly; re-plan with ep")
+        ep = plan.options.ep if plan.options else plan.tp
+        if banks[target] % ep or ep % plan.tp:
+            raise PlanError(f"{name} holds {banks[target]} experts, which ep={ep} ranks (a multiple of tp={plan.tp}) "
+                            "cannot hold whole experts of evenly; re-plan with ep")
 
 
 def _expert_split(captured: Captured, by_target: dict[str, Placement], options: Options,
@@ -244,8 +246,11 @@ def _expert_split(captured: Captured, by_target: dict[str, Placement], options: 
     analysis, tp, ep = captured.analysis, options.tp, options.ep
     layers = expert_layers(analysis) if ep > 1 else ()
     banks = {captured.param_name(t): e for t, e in banks_of(analysis.graph).items()}
-    split = expert_banks(layers, banks, ep, tp) if tp > 1 else {}
+    split = expert_banks(layers, banks, ep, tp)
     if split:
+        # the experts' other parameters (GPT-OSS's biases, picked per row) stay whole: their rows are dispatched
+        modules = {n.rpartition(".")[0] for n in split}
+        split |= {n: REPLICATED for n in captured.param_names if n not in split and n.rpartition(".")[0] in modules}
         trial = by_target | {captured.attr_target(captured.aliases.get(n, n)): p for n, p in split.items()}
         placements = {n: trial.get(captured.attr_target(captured.aliases[n]), REPLICATED) for n in captured.param_names}
         try:
@@ -253,7 +258,7 @@ def _expert_split(captured: Captured, by_target: dict[str, Placement], options: 
         except PlanError as e:
             return {}, [f"{layer.module}: {layer.experts} routed experts kept under tensor parallelism at ep={ep}: "
                         f"split by their experts, {str(e).split(': ', 1)[-1].split(' (node')[0]}" for layer in layers]
-    return split, expert_notes(layers, ep, tp, set(split))
+    return split, expert_notes(layers, ep, tp, {n for n, p in split.items() if p.kind is PlacementKind.EXPERT})
 
 
 def _refuse_inexact(analysis: Analysis, prop: Propagation) -> None:
@@ -356,7 +361,8 @@ def make_plan(captured: Captured, options: Options = Options(), machine: Machine
     planned_stages = plan_stages(analysis, prop, tp, options.stages, options.balance, sizes, options.cuts)
     by_name = {captured.dim_names.get(k, k): v for k, v in sizes.items()}
     plan = Plan(tp=tp, placements=placements, collectives=tuple(planned_collectives(
-                    analysis, prop, {captured.attr_target(captured.aliases.get(n, n)) for n in split_banks})),
+                    analysis, prop, {captured.attr_target(captured.aliases.get(n, n)) for n, p in split_banks.items()
+                                     if p.kind is PlacementKind.EXPERT}, options.ep)),
                 regions=tuple(plan_regions), notes=tuple(notes), model=captured.model_name, pp=options.pp,
                 stages=planned_stages, balance=options.balance, batch=by_name.get("B", 0), seq=by_name.get("T", 0),
                 by_choice=tuple(sorted({*(analysis.layer(n) for n in {*chosen, *convolutions_kept}), *vocab_kept,

@@ -49,9 +49,9 @@ class Communicator(Protocol):
         """``all_reduce(x)`` begun, in place when ``x`` is contiguous (pass a tensor nothing else reads): returns
         the function that waits for it and gives the sum, so that work in between overlaps the communication."""
 
-    def all_to_all(self, pieces: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Piece ``r`` sent to rank ``r`` (one piece per rank, all of one shape): every rank's piece for this
-        rank, in rank order."""
+    def all_to_all(self, x: torch.Tensor, send: list[int], receive: list[int]) -> torch.Tensor:
+        """Rows of ``x`` exchanged: the ``send[r]`` rows after ``sum(send[:r])`` go to rank ``r``; the result holds
+        the ``receive[r]`` rows rank ``r`` sent this rank, in rank order (variable sizes: an expert dispatch)."""
 
     def ring_shift_started(self, x: torch.Tensor) -> Callable[[], torch.Tensor]:
         """``x`` sent to the next rank of the ring, the previous rank's received (pass a tensor nothing writes
@@ -127,6 +127,13 @@ class TorchComm:
             return out
         return finish
 
+    def all_to_all(self, x: torch.Tensor, send: list[int], receive: list[int]) -> torch.Tensor:
+        out = x.new_empty((sum(receive), *x.shape[1:]))
+        # gloo runs all_to_all_single with variable split sizes as NCCL does (checked on torch 2.13): each rank
+        # receives only the rows sent to it, so the bytes counted are those the NCCL path moves
+        self._run("all_to_all", lambda: dist.all_to_all_single(out, x.contiguous(), receive, send, group=self.group))
+        return out
+
     def reduce_scatter(self, pieces: list[torch.Tensor]) -> torch.Tensor:
         mine = pieces[self.rank]
         out = mine.new_empty(mine.numel())
@@ -134,12 +141,6 @@ class TorchComm:
         whole = torch.cat([p.reshape(-1) for p in pieces])
         self._run("reduce_scatter", lambda: dist.reduce_scatter_single(out, whole, group=self.group))
         return out.view(mine.shape)
-
-    def all_to_all(self, pieces: list[torch.Tensor]) -> list[torch.Tensor]:
-        whole = torch.cat([p.reshape(-1) for p in pieces])
-        out = torch.empty_like(whole)
-        self._run("all_to_all", lambda: dist.all_to_all_single(out, whole, group=self.group))
-        return list(out.view(self.size, *pieces[0].shape).unbind(0))
 
     def ring_shift_started(self, x: torch.Tensor) -> Callable[[], torch.Tensor]:
         x, out = x.contiguous(), torch.empty_like(x, memory_format=torch.contiguous_format)
@@ -242,8 +243,11 @@ class ThreadComm:
         out = self.all_reduce(x)  # threads exchange at once; the faults injected into all_reduce apply
         return lambda: out
 
-    def all_to_all(self, pieces: list[torch.Tensor]) -> list[torch.Tensor]:
-        return [p[self.rank].clone() for p in self._exchange(torch.stack(pieces))]
+    def all_to_all(self, x: torch.Tensor, send: list[int], receive: list[int]) -> torch.Tensor:
+        parts = self._exchange(x)
+        sent = self._exchange(torch.tensor(send))  # where each rank's rows for this one start
+        out = [p[int(s[:self.rank].sum()):][:n] for p, s, n in zip(parts, sent, receive)]
+        return torch.cat(out) if out else x[:0]
 
     def ring_shift_started(self, x: torch.Tensor) -> Callable[[], torch.Tensor]:
         arrived = self._exchange(x)[(self.rank - 1) % self.size]  # threads exchange at once

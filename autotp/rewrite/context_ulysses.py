@@ -34,7 +34,10 @@ class _AllToAll(torch.autograd.Function):
 def _exchange(x, split, join, comm, counter):
     pieces = [p.contiguous() for p in x.chunk(comm.size, split)]
     counter.received += (comm.size - 1) * pieces[0].numel() * pieces[0].element_size()
-    return torch.cat(comm.all_to_all(pieces), join)
+    # Equal pieces as rows of one flat tensor: the variable-size all-to-all with every count the same.
+    n = pieces[0].numel()
+    got = comm.all_to_all(torch.cat([p.reshape(-1) for p in pieces]), [n] * comm.size, [n] * comm.size)
+    return torch.cat([g.view(pieces[0].shape) for g in got.split(n)], join)
 
 
 class UlyssesAttention(nn.Module):

@@ -16,7 +16,7 @@ from autotp.capture import Captured
 from autotp.errors import InternalError
 from autotp.passes.analysis import Analysis
 from autotp.passes.graph import ChunkOf, DividedBy, WritesWithin, arg_or_default, get_arg
-from autotp.passes.placement import Source, Want, chunk_span, own_tensors, part_of
+from autotp.passes.placement import PlacementKind, Source, Want, chunk_span, own_tensors, part_of
 from autotp.passes.projections import CONVOLUTIONS, Projection
 from autotp.passes.propagation import Conversion, Propagation
 from autotp.passes.steps import COPY, Operator, fused
@@ -33,7 +33,7 @@ from autotp.rewrite.data_writes import write_through_data
 from autotp.rewrite.grad_bucket import GradSum
 from autotp.rewrite.dtypes import drop_dtype_checks
 from autotp.passes.grouped_banks import expert_placements
-from autotp.rewrite.expert_split import split_experts
+from autotp.rewrite.expert_dispatch import dispatch_experts
 from autotp.rewrite.graph_edit import (
     STANDS_FOR,
     copy_graph_module,
@@ -50,7 +50,20 @@ from autotp.rewrite.vocab_parallel import masked_embedding
 aten = torch.ops.aten
 
 
-def _wants(modules, plan: Plan, rank: int, made: dict[int, torch.Tensor]) -> dict[int, Want]:
+def plan_ep(plan: Plan) -> int:
+    """The expert-parallel ranks of ``plan`` (a plan without options split its experts over the tp ranks)."""
+    return plan.options.ep if plan.options is not None else plan.tp
+
+
+def _part(placement, shape: tuple[int, ...], plan: Plan, rank: int, expert_rank: int | None):
+    """This rank's part of a tensor placed ``placement``: a bank split by experts among the ep ranks, else among tp."""
+    if placement is not None and placement.kind is PlacementKind.EXPERT:
+        return part_of(placement, shape, rank if expert_rank is None else expert_rank, plan_ep(plan))
+    return part_of(placement, shape, rank, plan.tp)
+
+
+def _wants(modules, plan: Plan, rank: int, made: dict[int, torch.Tensor],
+           expert_rank: int | None = None) -> dict[int, Want]:
     """Every tensor of ``modules`` (pairs of a GraphModule and its capture) not yet in ``made``, by id."""
     wants: dict[int, Want] = {}
     for gm, captured in modules:
@@ -60,21 +73,21 @@ def _wants(modules, plan: Plan, rank: int, made: dict[int, torch.Tensor]) -> dic
                 continue
             name = captured.aliases.get(captured.param_name(target), captured.param_name(target))
             placement = plan.placements.get(name) if target in params else None  # buffers are never split
-            wants[id(tensor)] = Want(name, tensor, part_of(placement, tuple(tensor.shape), rank, plan.tp))
+            wants[id(tensor)] = Want(name, tensor, _part(placement, tuple(tensor.shape), plan, rank, expert_rank))
     return wants
 
 
 def materialise_all(modules, plan: Plan, rank: int, made: dict[int, torch.Tensor] | None = None,
-                    source: Source | None = None) -> None:
+                    source: Source | None = None, expert_rank: int | None = None) -> None:
     """Give every GraphModule of ``modules`` (pairs of a module and its capture) its own tensors: this rank's
     part of split parameters, copies of the rest, all asked of ``source`` at once (default: the model's own).
 
     Tied weights (one tensor under several names) get one new tensor, so they stay tied; the modules share
     tensors they both read (train and eval graphs, pipeline stages on one rank), as does a later call given the
-    same ``made``.
+    same ``made``. ``expert_rank``: this rank's place among the ep ranks (default: its tp rank, as at ep = tp).
     """
     made = {} if made is None else made
-    wants = _wants(modules, plan, rank, made)
+    wants = _wants(modules, plan, rank, made, expert_rank)
     for (key, want), data in zip(wants.items(), (source or own_tensors)(list(wants.values()))):
         if tuple(data.shape) != want.part.local_shape:
             raise InternalError(f"the tensor source gave {want.name} shape {list(data.shape)}, "
@@ -267,10 +280,10 @@ class _Surgeon:
 
 
 def build_graph(captured: Captured, plan: Plan, rank: int, comm: Communicator | None,
-                stream: RankStream | None = None, inputs=None) -> fx.GraphModule:
+                stream: RankStream | None = None, inputs=None, ep_comm: Communicator | None = None) -> fx.GraphModule:
     """This tensor-parallel rank's graph (fixed shapes, collectives over ``comm``, random ops drawing from
     ``stream``); its attributes still point at the model's tensors. ``inputs`` (placeholder name -> Shard): inputs
-    the rank is given split (a KV cache)."""
+    the rank is given split (a KV cache). ``ep_comm``: the expert-parallel group (default: ``comm``, as at ep = tp)."""
     gm = copy_graph_module(captured.module)
     # autocast and pm.to(dtype) change the captured dtypes on purpose (``rewrite.dtypes``)
     checks_dropped = drop_dtype_checks(gm)
@@ -280,9 +293,9 @@ def build_graph(captured: Captured, plan: Plan, rank: int, comm: Communicator | 
         prop = analysis.propagate_placements(plan.placements, plan.tp, plan.sequence_parallel, inputs)
         _Surgeon(gm, analysis, comm, rank, plan.tp).apply(prop)
         layouts = prop.layouts
-        experts = expert_placements(captured, plan)
-        if experts:
-            split_experts(gm, experts, rank, plan.tp, comm)
+    experts = expert_placements(captured, plan)
+    if experts:
+        dispatch_experts(gm, experts, ep_comm or comm, comm if plan.tp > 1 else None)
     if stream is not None:
         replace_random_ops(gm, layouts, stream, rank, plan.tp)
     write_through_data(gm)

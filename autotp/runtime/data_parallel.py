@@ -133,6 +133,14 @@ class DataParallel:
     def __init__(self, mesh: Mesh, mode: DataParallelMode, policy: MixedPrecision | None = None):
         self.mesh, self.mode, self.policy = mesh, mode, policy
         self.size, self.rank = mesh.dp, mesh.dp_rank
+        self.experts: set[int] = set()
+        """Ids of parameters holding experts split among ep ranks above tp (``hold_experts``)."""
+        self.expert_replicas = None
+
+    def hold_experts(self, ids: set[int], replicas, count: int) -> None:
+        """The parameters ``ids`` hold experts whose gradients are summed over ``replicas`` (a process group of
+        ``count`` ranks) rather than over every data-parallel replica."""
+        self.experts, self.expert_replicas = ids, replicas if count > 1 else None
 
     @property
     def sharded(self) -> bool:
@@ -158,12 +166,20 @@ class DataParallel:
         """Average the gradients of ``params`` over the replicas (``replicate``; FSDP's hooks already did)."""
         if self.sharded:
             return
-        grads = [local(p.grad) for p in _unique(params) if p.grad is not None]
+        held = [p for p in _unique(params) if p.grad is not None]
+        grads = [local(p.grad) for p in held if id(p) not in self.experts]
+        self._average(grads, self.mesh.dp_group)
+        # an expert's gradient: the rows each expert-parallel group routed to it, summed over the ranks holding it
+        self._average([p.grad for p in held if id(p) in self.experts], self.expert_replicas)
+
+    def _average(self, grads: list[torch.Tensor], group) -> None:
+        """Sum ``grads`` over ``group`` (None: no other rank) and divide by the replicas (the mean loss's)."""
         reduce_dtype = self.policy.reduce if self.policy is not None else None
         for bucket in _buckets(grads, BUCKET_BYTES):
             flat = torch.cat([g.reshape(-1) for g in bucket])
             flat = flat.to(reduce_dtype) if reduce_dtype is not None else flat  # the policy's reduction dtype
-            dist.all_reduce(flat, group=self.mesh.dp_group)
+            if group is not None:
+                dist.all_reduce(flat, group=group)
             flat.div_(self.size)
             for grad, part in zip(bucket, flat.split([g.numel() for g in bucket])):
                 grad.copy_(part.view_as(grad))

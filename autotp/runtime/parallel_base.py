@@ -19,6 +19,7 @@ from torch import fx, nn
 from autotp.torch_private import release_groups
 from autotp.errors import InputError
 from autotp.options import Options
+from autotp.passes.placement import PlacementKind
 from autotp.planning.plan import Plan
 from autotp.rewrite.comm import Communicator
 from autotp.rewrite.streams import RankStream
@@ -70,6 +71,8 @@ class ParallelBase(PretrainedModelLike, Checkpointing, Retyped, nn.Module):
     def __init__(self, parts: RankParts):
         super().__init__()
         self.plan, self.options, self.comm = parts.plan, parts.options, parts.comm
+        self.expert_comm: Communicator | None = None
+        """The expert-parallel group when it is not the tp group (ep above tp; set by ``parallelize``)."""
         self.model_config, self.generation_config = parts.model_config, parts.generation_config
         self.peft = parts.peft
         self._stream, self._inputs, self._names, self._dp = parts.stream, parts.inputs, parts.names, parts.dp
@@ -144,6 +147,8 @@ class ParallelBase(PretrainedModelLike, Checkpointing, Retyped, nn.Module):
                 seen.add(id(p))
                 split = split_param(self.plan, self._names, target, self.tp_rank)
                 counted = is_counted(split, self.tp_rank, dp_counts, self._is_first_holder(target))
+                if self._dp is not None and id(p) in self._dp.experts:  # ep above tp: each expert's first holder
+                    counted = self.dp_rank * self.plan.tp + self.tp_rank < self.options.ep
                 pieces.append((local(p.grad), counted))
         return clip_grad_norm_(pieces, max_norm, norm_type, self._norm_group(), distributed=self.comm is not None)
 
@@ -159,6 +164,10 @@ class ParallelBase(PretrainedModelLike, Checkpointing, Retyped, nn.Module):
         return {name: gathered(t) for module in self.rank_modules() for name, t in self._names.local(module).items()}
 
     def _holding(self) -> Holding:
+        if self.expert_comm is not None:  # its parts are recorded by tp rank, which holds no expert chunk here
+            raise InputError(f"a sharded checkpoint (pm.save, pm.load) at ep={self.options.ep} above "
+                             f"tp={self.plan.tp} is not supported yet: save pm.full_state_dict() instead (the full "
+                             "tensors, which load at any layout), or use ep=tp")
         own = {n: t for module in self.rank_modules() for n, t in self._names.local(module).items()}
         params = {n: p for module in self.rank_modules() for n, p in self._names.params(module).items()}
         group = self._checkpoint_group()
@@ -175,9 +184,16 @@ class ParallelBase(PretrainedModelLike, Checkpointing, Retyped, nn.Module):
         A collective call: every rank must make it (a rank calling it alone fails once the group's timeout
         passes, with ``RankFailure``).
         """
-        mine = {name: gather_tp(self.plan, name, t, self.comm, self._names.shapes.get(name))
-                for name, t in self.local_state_dict().items()}
+        mine = {name: self._gathered(name, t) for name, t in self.local_state_dict().items()}
         return self._names.complete(self._collect_stages(mine))
+
+    def _gathered(self, name: str, local: torch.Tensor) -> torch.Tensor:
+        """The full tensor of ``name``: a bank split among ep ranks above tp gathered over its ep group (its experts
+        held in ep-rank order), any other over tp."""
+        placement = self.plan.placements.get(name)
+        if self.expert_comm is not None and placement is not None and placement.kind is PlacementKind.EXPERT:
+            return torch.cat(self.expert_comm.all_gather(local.detach()))
+        return gather_tp(self.plan, name, local, self.comm, self._names.shapes.get(name))
 
     def close(self) -> None:
         """Release the process groups this module holds (done at exit); it cannot communicate afterwards."""
