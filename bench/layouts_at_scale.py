@@ -101,7 +101,16 @@ def deepen(profile: Profile, layers: int) -> Profile:
             shifted += [(op, nbytes, unit + 2 * k) for k in range(extra + 1)]
         else:
             shifted.append((op, nbytes, unit + 2 * extra))
+    moe = []
+    for layer in profile.moe:  # a mixture-of-experts layer moves with its unit, as the collectives do
+        if layer.unit < middle.start:
+            moe.append(layer)
+        elif layer.unit < middle.stop:
+            moe += [dataclasses.replace(layer, unit=layer.unit + 2 * k) for k in range(extra + 1)]
+        else:
+            moe.append(dataclasses.replace(layer, unit=layer.unit + 2 * extra))
     return dataclasses.replace(profile, compute=tiled(profile.compute, units), params=tiled(profile.params, units),
+                               moe=tuple(moe),
                                ops=tiled(profile.ops, units), recomputed=tiled(profile.recomputed, units),
                                activations=tiled(profile.activations, units),
                                boundaries=tiled(profile.boundaries, units - 1), collectives=tuple(shifted))
