@@ -11,6 +11,7 @@ Sequences of 4096 tokens (every published run below used 4096). Writes ``bench/r
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 
@@ -85,6 +86,18 @@ def profiles(name: str, batch: int) -> list[Profile]:
     return out
 
 
+def rescaled(profile: Profile, factor: float) -> Profile:
+    """``profile`` for ``factor`` times its global batch at the same sequence length: every batch-dependent cost
+    (FLOPs, activations, collective and boundary bytes, routed tokens) is linear in the batch; parameters and ops
+    are not. Saves planning a model once per published batch."""
+    scale = lambda values: tuple(v * factor for v in values)  # noqa: E731
+    return dataclasses.replace(
+        profile, compute=scale(profile.compute), activations=scale(profile.activations),
+        boundaries=scale(profile.boundaries), recomputed=scale(profile.recomputed),
+        collectives=tuple((op, nbytes * factor, unit) for op, nbytes, unit in profile.collectives),
+        moe=tuple(dataclasses.replace(m, tokens=m.tokens * factor) for m in profile.moe))
+
+
 def _row(p) -> dict:
     return {"layout": p.layout.label(), "ep": p.layout.ep, "step s": p.step_time, "memory GiB": p.memory / 2**30,
             "fits": p.fits, "compute s": p.compute, "tp comm s": p.tp_comm, "ep comm s": p.ep_comm,
@@ -101,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.ep_at_scale", description=__doc__.splitlines()[0])
     p.add_argument("--models", default=",".join(CONFIGS))
     p.add_argument("--devices", default=",".join(map(str, SWEEP)))
+    p.add_argument("--out", default=str(RESULTS))
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     results = []
@@ -109,7 +123,10 @@ def main(argv: list[str] | None = None) -> int:
         for model, devices, batch, layout, published, source in PUBLISHED:
             if model != name:
                 continue
-            found = cache.setdefault(batch, profiles(name, batch))
+            if not cache:
+                cache[batch] = profiles(name, batch)
+            base = next(iter(cache))
+            found = cache.setdefault(batch, [rescaled(q, batch / base) for q in cache[base]])
             ours, theirs = best(found, devices, batch, {}), best(found, devices, batch, layout)
             tp_only = best(found, devices, batch, {"ep": 1})
             results.append({"model": name, "devices": devices, "batch": batch, "source": source,
@@ -128,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
                 results.append({"model": name, "devices": devices, "batch": batch, "sweep": True, "ours": ours})
                 print(f"  {name} on {devices}: {ours[0]['layout']} {ours[0]['step s']:.3g} s "
                       f"{ours[0]['memory GiB']:.3g} GiB fits={ours[0]['fits']}", flush=True)
-    RESULTS.write_text(json.dumps(results, indent=2) + "\n")
+    Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
     return 0
 
 

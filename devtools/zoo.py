@@ -362,7 +362,7 @@ def _ep_main(args) -> int:
                      set(args.family.split(",")) if args.family else None, args.full_context)
     seen: set[str] = set()  # one entry per model type: the first group's (causal LM)
     chosen = [e for e in chosen if (kind := e.name.split(":")[0]) not in seen and not seen.add(kind)]
-    section = ep_section(run(chosen, args.ep), args.ep, args.note)
+    section = ep_section(run(chosen, args.ep, _prepared, _outcome), args.ep, args.note)
     if args.output == "-":
         print(section)
         return 0

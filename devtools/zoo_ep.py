@@ -15,6 +15,8 @@ import time
 import torch
 
 from autotp.checker import check_prepared
+from devtools.zoo_entries import build_reason
+from devtools.zoo_results import Result
 from autotp.passes.placement import PlacementKind
 from autotp.passes.routed_experts import expert_layers
 
@@ -58,10 +60,10 @@ def verdict(prepared, ep: int) -> tuple[str, str]:
     return f"{exact}, kept under tp", f"{shape}; {kept[0] if kept else 'kept under tensor parallelism'}"
 
 
-def run(entries, ep: int, limit_s: int = 240, progress=sys.stderr) -> dict[str, tuple[str, str]]:
-    """Every mixture-of-experts entry's verdict at ``ep`` (built and captured as the zoo does)."""
-    from devtools.zoo import _outcome, _prepared, build_reason
-    from devtools.zoo_results import Result
+def run(entries, ep: int, prepared_of, outcome_of, limit_s: int = 240,
+        progress=sys.stderr) -> dict[str, tuple[str, str]]:
+    """Every mixture-of-experts entry's verdict at ``ep``, built and captured as the zoo does: ``prepared_of`` and
+    ``outcome_of`` are its ``_prepared`` and ``_outcome`` (passed in: the zoo imports this module)."""
 
     out = {}
     chosen = [e for e in entries if is_moe(e)]
@@ -74,8 +76,8 @@ def run(entries, ep: int, limit_s: int = 240, progress=sys.stderr) -> dict[str, 
         except Exception as e:  # the entry's, not autotp's
             out[entry.name] = ("not buildable", build_reason(e))
             continue
-        prepared, model, _ = _prepared(model, inputs, limit_s, start)
-        result = prepared if isinstance(prepared, Result) else _outcome(lambda: verdict(prepared, ep), limit_s, start)
+        prepared, model, _ = prepared_of(model, inputs, limit_s, start)
+        result = prepared if isinstance(prepared, Result) else outcome_of(lambda: verdict(prepared, ep), limit_s, start)
         out[entry.name] = ((result.status.value, "; ".join(result.notes)[:300]) if isinstance(result, Result)
                            else result)
         print(f"[{i}/{len(chosen)}] {entry.name} ep={ep}: {out[entry.name][0]} ({time.perf_counter() - start:.1f} s)",
