@@ -138,8 +138,6 @@ def main(argv: list[str] | None = None) -> int:
                   f"(published {'-' if published is None else f'{published:.3g} s'})", flush=True)
         batch = next(b for m, _, b, *_ in PUBLISHED if m == name)
         for devices in map(int, args.devices.split(",")):
-            if batch % devices and devices > batch:
-                continue
             ours = best(cache[batch], devices, batch, {})
             if ours:
                 results.append({"model": name, "devices": devices, "batch": batch, "sweep": True, "ours": ours})

@@ -64,8 +64,8 @@ PUBLISHED = [
     ("llama3-405b", 1024, 512, {"tp": 8, "pp": 16, "dp": 8, "dp_mode": "fsdp"} | AC,
      6 * 405e9 * 512 * SEQ / (1024 * 400e12),
      "Llama 3 paper's layout (TP8 PP16, DP as the devices allow; 400 TFLOPS/GPU reported at 16K GPUs)"),
-    ("deepseek-v3", 1024, 1024, {"tp": 1, "pp": 16, "dp": 64, "dp_mode": "fsdp"}, None,
-     "DeepSeek-V3 report: PP16, EP64, ZeRO-1 DP, no TP (on 2048 H800); autotp has no expert parallelism"),
+    ("deepseek-v3", 1024, 1024, {"tp": 1, "pp": 16, "dp": 64, "ep": 64, "dp_mode": "fsdp"}, None,
+     "DeepSeek-V3 report: PP16, EP64, ZeRO-1 DP, no TP (on 2048 H800); more in bench.ep_at_scale"),
 ]
 """(model, devices, global batch of SEQ-token sequences, layout, published step seconds or None, source)."""
 

@@ -356,13 +356,20 @@ def main(argv: list[str]) -> int:
 def _ep_main(args) -> int:
     """``autotp zoo --ep N``: the mixture-of-experts entries at tp=ep=N, written into the coverage page's ep
     section (or printed with ``-o -``)."""
-    from devtools.zoo_ep import ep_section, run, with_section
+    from devtools.zoo_ep import ep_section, load, run, save, with_section
 
-    chosen = entries(set(args.only.split(",")) if args.only else None, tuple(args.file),
-                     set(args.family.split(",")) if args.family else None, args.full_context)
-    seen: set[str] = set()  # one entry per model type: the first group's (causal LM)
-    chosen = [e for e in chosen if (kind := e.name.split(":")[0]) not in seen and not seen.add(kind)]
-    section = ep_section(run(chosen, args.ep, _prepared, _outcome), args.ep, args.note)
+    if args.load:
+        results = load(args.load)
+    else:
+        chosen = entries(set(args.only.split(",")) if args.only else None, tuple(args.file),
+                         set(args.family.split(",")) if args.family else None, args.full_context)
+        seen: set[str] = set()  # one entry per model type: the first group's (causal LM)
+        chosen = [e for e in chosen if (kind := e.name.split(":")[0]) not in seen and not seen.add(kind)]
+        first, _, count = args.shard.partition("/")
+        chosen = chosen[int(first)::int(count)] if count else chosen
+        results = run(chosen, args.ep, _prepared, _outcome,
+                      on_result=(lambda done: save(args.save, done)) if args.save else None)
+    section = ep_section(results, args.ep, args.note)
     if args.output == "-":
         print(section)
         return 0

@@ -9,8 +9,10 @@ what to sweep; what is expert-split is the planner's finding from the graph.
 
 from __future__ import annotations
 
+import json
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -60,10 +62,11 @@ def verdict(prepared, ep: int) -> tuple[str, str]:
     return f"{exact}, kept under tp", f"{shape}; {kept[0] if kept else 'kept under tensor parallelism'}"
 
 
-def run(entries, ep: int, prepared_of, outcome_of, limit_s: int = 240,
-        progress=sys.stderr) -> dict[str, tuple[str, str]]:
+def run(entries, ep: int, prepared_of, outcome_of, limit_s: int = 240, progress=sys.stderr,
+        on_result=None) -> dict[str, tuple[str, str]]:
     """Every mixture-of-experts entry's verdict at ``ep``, built and captured as the zoo does: ``prepared_of`` and
-    ``outcome_of`` are its ``_prepared`` and ``_outcome`` (passed in: the zoo imports this module)."""
+    ``outcome_of`` are its ``_prepared`` and ``_outcome`` (passed in: the zoo imports this module);
+    ``on_result(results)`` after each entry (a long sweep stopped early keeps what it did)."""
 
     out = {}
     chosen = [e for e in entries if is_moe(e)]
@@ -75,6 +78,8 @@ def run(entries, ep: int, prepared_of, outcome_of, limit_s: int = 240,
             inputs = entry.inputs(model)
         except Exception as e:  # the entry's, not autotp's
             out[entry.name] = ("not buildable", build_reason(e))
+            if on_result is not None:
+                on_result(out)
             continue
         prepared, model, _ = prepared_of(model, inputs, limit_s, start)
         result = prepared if isinstance(prepared, Result) else outcome_of(lambda: verdict(prepared, ep), limit_s, start)
@@ -82,6 +87,8 @@ def run(entries, ep: int, prepared_of, outcome_of, limit_s: int = 240,
                            else result)
         print(f"[{i}/{len(chosen)}] {entry.name} ep={ep}: {out[entry.name][0]} ({time.perf_counter() - start:.1f} s)",
               file=progress, flush=True)
+        if on_result is not None:
+            on_result(out)
     return out
 
 
@@ -103,3 +110,16 @@ def with_section(page: str, section: str) -> str:
         head, rest = page.split(BEGIN, 1)
         return head + section.rstrip("\n") + rest.split(END, 1)[1]
     return page.rstrip("\n") + "\n\n" + section
+
+
+def save(path: str, results: dict[str, tuple[str, str]]) -> None:
+    """Write ``results`` as JSON (to merge parallel sweeps with ``load``)."""
+    Path(path).write_text(json.dumps(results, indent=1, sort_keys=True) + "\n", encoding="utf-8")
+
+
+def load(paths) -> dict[str, tuple[str, str]]:
+    """Saved sweeps' results, later files winning."""
+    out: dict[str, tuple[str, str]] = {}
+    for path in paths:
+        out |= {k: tuple(v) for k, v in json.loads(Path(path).read_text(encoding="utf-8")).items()}
+    return out
