@@ -19,6 +19,7 @@ from autotp.errors import InputError, RuntimeSetupError
 from autotp.options import Options, Recompute, capture_speedups
 from autotp.passes.placement import Source
 from autotp.plan_choice import Search, choose_plan, required_tp, search_options
+from autotp.planning.ep_runtime import refuse_unrunnable_ep
 from autotp.planning import Plan
 from autotp.planning.machines import machine_for, machine_named
 from autotp.planning.plan import check_schedule_fits
@@ -208,6 +209,7 @@ def _parallelize_searched(model: nn.Module, example: ExampleInputs, search: Sear
     graphs = _captures(model, example, search.options.capture_speedups)
     machine = machine_for(device_for(launch.group, distributed) or "cpu")
     chosen = choose_plan(model, graphs[True], example, machine, search=search)
+    refuse_unrunnable_ep(chosen.options, search.world)
     return _parallelize(model, example, chosen, _options_for(chosen, chosen.options, None, {}), launch, graphs)
 
 

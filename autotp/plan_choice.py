@@ -57,7 +57,8 @@ def search_options(tp: int | None, options: Options | None, settings: dict, worl
     fixed = fixed_settings({"tp": tp, **settings}, options)
     if group is not None:
         fixed = {"pp": 1, "dp": 1, "cp": 1} | fixed
-    return Search(world, Options.build(options, tp=tp, **settings), fixed)
+    # ep is checked against the layout the search lays out (it must divide that dp x tp), not the defaults'.
+    return Search(world, Options.build(options, tp=tp, **{k: v for k, v in settings.items() if k != "ep"}), fixed)
 
 
 def with_input_note(chosen: Plan, example: ExampleInputs) -> Plan:

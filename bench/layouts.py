@@ -31,6 +31,7 @@ import torch.distributed as dist
 import autotp
 from autotp.capture import capture, example_inputs_of
 from autotp.options import Options, Recompute
+from autotp.planning.ep_runtime import ep_unrunnable
 from autotp.planning.layout_search import search_layouts
 from autotp.planning.machines import MACHINES, Link, Machine
 from bench.ranks import run_on_ranks
@@ -68,10 +69,12 @@ def _model(name: str):
 
 
 def predictions(name: str, cluster: Machine = MACHINES["cpu"]) -> list:
-    """Every layout of WORLD devices for model ``name``, priced on ``cluster``, best first."""
+    """Every layout of WORLD devices for model ``name`` the runtime runs (an ep it cannot run yet is priced, not
+    measured: ``planning.ep_runtime``), priced on ``cluster``, best first."""
     model = _model(name)
     captured = capture(model, example_inputs_of(model, (_batch(1),)))
-    return list(search_layouts(captured, WORLD, Options(), {}, cluster).ranked)
+    ranked = search_layouts(captured, WORLD, Options(), {}, cluster).ranked
+    return [p for p in ranked if ep_unrunnable(Options().replace(**p.layout.settings())) is None]
 
 
 def _median_ms(fn, repeats: int = 20) -> float:

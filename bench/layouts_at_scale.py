@@ -64,8 +64,8 @@ PUBLISHED = [
     ("llama3-405b", 1024, 512, {"tp": 8, "pp": 16, "dp": 8, "dp_mode": "fsdp"} | AC,
      6 * 405e9 * 512 * SEQ / (1024 * 400e12),
      "Llama 3 paper's layout (TP8 PP16, DP as the devices allow; 400 TFLOPS/GPU reported at 16K GPUs)"),
-    ("deepseek-v3", 1024, 1024, {"tp": 1, "pp": 16, "dp": 64, "dp_mode": "fsdp"}, None,
-     "DeepSeek-V3 report: PP16, EP64, ZeRO-1 DP, no TP (on 2048 H800); autotp has no expert parallelism"),
+    ("deepseek-v3", 1024, 1024, {"tp": 1, "pp": 16, "dp": 64, "ep": 64, "dp_mode": "fsdp"}, None,
+     "DeepSeek-V3 report: PP16, EP64, ZeRO-1 DP, no TP (on 2048 H800); more in bench.ep_at_scale"),
 ]
 """(model, devices, global batch of SEQ-token sequences, layout, published step seconds or None, source)."""
 
@@ -101,7 +101,16 @@ def deepen(profile: Profile, layers: int) -> Profile:
             shifted += [(op, nbytes, unit + 2 * k) for k in range(extra + 1)]
         else:
             shifted.append((op, nbytes, unit + 2 * extra))
+    moe = []
+    for layer in profile.moe:  # a mixture-of-experts layer moves with its unit, as the collectives do
+        if layer.unit < middle.start:
+            moe.append(layer)
+        elif layer.unit < middle.stop:
+            moe += [dataclasses.replace(layer, unit=layer.unit + 2 * k) for k in range(extra + 1)]
+        else:
+            moe.append(dataclasses.replace(layer, unit=layer.unit + 2 * extra))
     return dataclasses.replace(profile, compute=tiled(profile.compute, units), params=tiled(profile.params, units),
+                               moe=tuple(moe),
                                ops=tiled(profile.ops, units), recomputed=tiled(profile.recomputed, units),
                                activations=tiled(profile.activations, units),
                                boundaries=tiled(profile.boundaries, units - 1), collectives=tuple(shifted),

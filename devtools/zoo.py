@@ -313,7 +313,11 @@ def main(argv: list[str]) -> int:
                              "sequence (max_position_embeddings and the like set to it)")
     parser.add_argument("--shard", default="", metavar="I/N", help="every N-th entry from the I-th (parallel sweeps)")
     parser.add_argument("--resume", action="store_true", help="skip the entries already in the --save file")
+    parser.add_argument("--ep", type=int, help="check the mixtures of experts at tp=ep=EP instead, and write their "
+                                               "column of the coverage page (devtools.zoo_ep)")
     args = parser.parse_args(argv)
+    if args.ep:
+        return _ep_main(args)
     if args.load:
         results, families = load_results(args.load)
         if args.pending:  # a sweep stopped early: list the entries it did not reach, so that every type has a row
@@ -346,6 +350,32 @@ def main(argv: list[str]) -> int:
         with open(args.output, "w", encoding="utf-8") as f:
             f.write(table)
         print(f"wrote {args.output}", file=sys.stderr)
+    return 0
+
+
+def _ep_main(args) -> int:
+    """``autotp zoo --ep N``: the mixture-of-experts entries at tp=ep=N, written into the coverage page's ep
+    section (or printed with ``-o -``)."""
+    from devtools.zoo_ep import ep_section, load, run, save, with_section
+
+    if args.load:
+        results = load(args.load)
+    else:
+        chosen = entries(set(args.only.split(",")) if args.only else None, tuple(args.file),
+                         set(args.family.split(",")) if args.family else None, args.full_context)
+        seen: set[str] = set()  # one entry per model type: the first group's (causal LM)
+        chosen = [e for e in chosen if (kind := e.name.split(":")[0]) not in seen and not seen.add(kind)]
+        first, _, count = args.shard.partition("/")
+        chosen = chosen[int(first)::int(count)] if count else chosen
+        results = run(chosen, args.ep, _prepared, _outcome,
+                      on_result=(lambda done: save(args.save, done)) if args.save else None)
+    section = ep_section(results, args.ep, args.note)
+    if args.output == "-":
+        print(section)
+        return 0
+    page = Path(args.output).read_text(encoding="utf-8") if Path(args.output).exists() else ""
+    Path(args.output).write_text(with_section(page, section), encoding="utf-8")
+    print(f"wrote the ep={args.ep} section of {args.output}", file=sys.stderr)
     return 0
 
 

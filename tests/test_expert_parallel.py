@@ -230,11 +230,12 @@ def test_ep_above_tp_is_refused_where_it_cannot_be_exact():
         autotp.check(mixtral(), tp=1, dp=2, ep=2, example_inputs=(_ids(),))
 
 
-def test_the_command_line_takes_ep_and_refuses_it_with_devices(capsys):
+def test_the_command_line_takes_ep_and_fixes_it_with_devices(capsys):
     assert cli.main(["plan", "hf:mixtral", "--tp", "2", "--ep", "2"]) == 0
     assert "divided among ep=2 ranks" in capsys.readouterr().out
-    assert cli.main(["plan", "hf:mixtral", "--devices", "4", "--ep", "2"]) != 0
-    assert "does not price expert parallelism" in capsys.readouterr().err
+    assert cli.main(["plan", "hf:mixtral", "--devices", "4", "--ep", "2"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line[:1].isdigit()]
+    assert rows and all("ep2" in r and r[r.index("yes") - 9] == "2" for r in rows), rows
     assert cli.main(["plan", "hf:mixtral", "--tp", "2", "--ep", "3"]) != 0
     assert "ep=3 must divide" in capsys.readouterr().err
 

@@ -136,12 +136,12 @@ def test_cli_prints_the_ranked_layouts(capsys):
     assert cli.main(["plan", gpt, "--devices", "8", "--machine", "h100", "--tp", "2"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("autotp layouts for GPT on 8 devices (h100), batch 8, seq 32"), lines[0]
-    assert lines[1].split()[:4] == ["#", "layout", "step", "ms"]
+    assert lines[1].split()[:5] == ["#", "layout", "ep", "step", "ms"]
     rows = [line.split() for line in lines[3:] if line[:1].isdigit()]
     assert len(rows) == 8 and all(r[1] == "tp2" for r in rows)
-    times = [float(r[r.index("yes") - 8]) for r in rows]
-    assert times == sorted(times)
-    assert lines[-1].startswith(f"note: layout {' '.join(rows[0][1:rows[0].index('yes') - 8])} chosen")
+    times = [float(r[r.index("yes") - 9]) for r in rows]  # after the label: ep, then the step time
+    assert times == sorted(times) and all(r[r.index("yes") - 10] == "1" for r in rows)  # a dense model: ep 1
+    assert lines[-1].startswith(f"note: layout {' '.join(rows[0][1:rows[0].index('yes') - 10])} chosen")
     assert cli.main(["plan", gpt, "--devices", "4", "--plan", "x.json"]) == 2
     assert "--plan gives one" in capsys.readouterr().err
 

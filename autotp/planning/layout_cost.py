@@ -7,7 +7,8 @@ microbatch at the machine's fixed cost per op) and tensor-parallel
 collectives over its share of the batch, + the pipeline bubble ((pp-1)/(v*m) of that, every schedule: GPipe and
 1F1B idle alike, interleaving divides it by the v stages per rank), + point-to-point sends of the stage
 boundaries, + the data-parallel gradient collectives, + context parallelism's K/V exchange and gradient sum
-(``context_cost``; cp divides compute and activations as dp does, but over one sequence's tokens). Nothing is taken to overlap (autotp's runtime overlaps
+(``context_cost``; cp divides compute and activations as dp does, but over one sequence's tokens), + at ep > 1 the
+experts' all-to-alls (``expert_cost``). Nothing is taken to overlap (autotp's runtime overlaps
 little), which over-prices communication on GPUs where it does.
 
 Memory per device = the rank's parameters, gradients and AdamW moments (``pricing.TRAINING_COPIES``; fsdp shards
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 from autotp.options import DataParallelMode, Recompute, Schedule
 from autotp.passes.steps import CollectiveOp
 from autotp.planning.context_cost import exchange_memory, exchange_time, grad_sum_time
+from autotp.planning.expert_cost import ALL_TO_ALLS, MoeLayer, dispatch_bytes, slowdown_flops
 from autotp.planning.machines import Link, Machine
 from autotp.planning.pricing import TRAINING_COPIES
 
@@ -60,6 +62,8 @@ class Profile:
     along a sequence, or an op that cannot be)."""
     seq: int = 0
     """The sequence length the costs are evaluated at (cp must cut it in ``2 * cp`` equal chunks)."""
+    moe: tuple[MoeLayer, ...] = ()
+    """The mixture-of-experts layers, what expert parallelism divides (``expert_cost``); empty: none."""
 
 
 @dataclass(frozen=True)
@@ -76,6 +80,9 @@ class Layout:
     sequence_parallel: bool = False
     recompute: Recompute = Recompute.NONE
     cp: int = 1
+    """Context-parallel ranks each sequence is split across (from the tp x cp x dp ranks)."""
+    ep: int = 1
+    """Expert-parallel ranks among which the routed experts are divided (from the dp x tp ranks)."""
 
     def __post_init__(self):
         object.__setattr__(self, "dp_mode", DataParallelMode(self.dp_mode))
@@ -85,19 +92,22 @@ class Layout:
     def settings(self) -> dict:
         """The ``Options`` fields this layout fixes (pipeline settings only where there is a pipeline)."""
         out = {"tp": self.tp, "pp": self.pp, "dp": self.dp, "dp_mode": self.dp_mode,
-               "sequence_parallel": self.sequence_parallel, "recompute": self.recompute, "cp": self.cp}
+               "sequence_parallel": self.sequence_parallel, "recompute": self.recompute, "cp": self.cp,
+               "ep": self.ep}
         if self.pp > 1:
             out |= {"schedule": self.schedule, "microbatches": self.microbatches,
                     "virtual_stages": self.virtual_stages}
         return out
 
     def label(self) -> str:
-        """``tp2 pp2 dp1 1f1b m4`` for tables (`` sp``: sequence parallel, `` rc``: blocks recomputed)."""
+        """``tp2 pp2 dp1 1f1b m4`` for tables (`` ep4`` after tp: experts divided among 4 ranks; `` sp``: sequence
+        parallel, `` rc``: blocks recomputed)."""
         pipe = f" {self.schedule.value} m{self.microbatches}" + (f" v{self.virtual_stages}" if self.virtual_stages > 1
                                                                  else "") if self.pp > 1 else ""
         data = f" {self.dp_mode.value}" if self.dp > 1 else ""
         context = f" cp{self.cp}" if self.cp > 1 else ""
-        return (f"tp{self.tp}{context} pp{self.pp} dp{self.dp}{data}{pipe}" + (" sp" if self.sequence_parallel else "")
+        experts = f" ep{self.ep}" if self.ep > 1 else ""
+        return (f"tp{self.tp}{experts}{context} pp{self.pp} dp{self.dp}{data}{pipe}" + (" sp" if self.sequence_parallel else "")
                 + (" rc" if self.recompute is not Recompute.NONE else ""))
 
 
@@ -117,12 +127,14 @@ class Prediction:
     vocab_split: bool = False
     cp_comm: float = 0.0
     """Seconds of context parallelism's exchanges and gradient sum (``context_cost``)."""
+    ep_comm: float = 0.0
+    """Seconds of the experts' all-to-alls (dispatch and combine) on the fullest pipeline rank."""
 
     def to_dict(self) -> dict:
         """A JSON-ready dict (the plan's ``layouts`` entries)."""
         layout = {k: v.value if hasattr(v, "value") else v for k, v in dataclasses.asdict(self.layout).items()}
         times = {k: getattr(self, k) for k in ("step_time", "compute", "tp_comm", "bubble", "p2p", "dp_comm",
-                                               "cp_comm")}
+                                               "cp_comm", "ep_comm")}
         return layout | times | {"memory": self.memory, "fits": self.fits, "vocab_split": self.vocab_split}
 
     @classmethod
@@ -162,6 +174,38 @@ def _dp_time(layout: Layout, grad_bytes: float, link: Link) -> float:
         return link.all_reduce(grad_bytes, layout.dp)
     gathers = 2 * layout.microbatches if layout.pp > 1 else 2
     return (gathers + 1) * link.all_gather(grad_bytes, layout.dp)
+
+
+def _expert_split(profile: Profile, layout: Layout, a: int, b: int) -> tuple[float, float]:
+    """(parameter elements per rank, of them the routed experts') of the units ``a:b`` at the layout's ep: at ep > 1
+    the experts are whole, ``E / ep`` per rank, in place of the profile's ``1 / tp`` of each."""
+    params = sum(profile.params[a:b])
+    if layout.ep == 1:
+        return params, 0.0
+    moe = [layer for layer in profile.moe if a <= layer.unit < b]
+    return params - sum(m.rank_params for m in moe), sum(m.params for m in moe) / layout.ep
+
+
+def _expert_group(layout: Layout) -> Layout:
+    """The layout the experts' gradients and states are reduced and sharded over: the dp x tp / ep ranks that hold
+    the same experts (their data-parallel group)."""
+    return dataclasses.replace(layout, dp=layout.dp * layout.tp // layout.ep)
+
+
+def _ep_time(profile: Profile, layout: Layout, link: Link, units: range) -> float:
+    """Seconds of the experts' all-to-alls of ``units`` in one step (none at ep=1)."""
+    if layout.ep == 1:
+        return 0.0
+    m = layout.microbatches
+    return sum(ALL_TO_ALLS * m * link.all_to_all(dispatch_bytes(layer, layout.tp, layout.dp, m, profile.itemsize),
+                                                 layout.ep)
+               for layer in profile.moe if layer.unit in units)
+
+
+def _expert_slowdown(profile: Profile, layout: Layout, tile: int, units: range) -> float:
+    """Forward FLOPs per rank the expert matmuls' tile efficiency adds in ``units`` (``expert_cost``)."""
+    return sum(slowdown_flops(layer, layout.tp, layout.ep, layout.dp, layout.microbatches, tile)
+               for layer in profile.moe if layer.unit in units)
 
 
 def _in_flight(layout: Layout) -> float:
@@ -219,39 +263,48 @@ def predict(profile: Profile, layout: Layout, starts: list[int], machine: Machin
     stages = stage_bounds(starts, len(profile.compute))
     tp_link, cp_link, dp_link = machine.ring(tp, 1), machine.ring(cp, tp), machine.ring(dp, tp * cp)
     pp_link = machine.link(pp, tp * cp * dp)
+    ep_link, edp_link = machine.link(layout.ep, 1), machine.ring(tp * dp // layout.ep, layout.ep)
     busy, param_bytes, act_bytes = [0.0] * pp, [0.0] * pp, [0.0] * pp
     comm, transient, exchange = [0.0] * pp, [0.0] * pp, [0.0] * pp
+    expert_bytes, ep_comm = [0.0] * pp, [0.0] * pp
     for s, (a, b) in enumerate(stages):
         again, again_ops, saved, largest = _recompute_extra(profile, layout, a, b)
-        flops = sum(profile.compute[a:b])
+        # The expert matmuls' slowdown is per rank already (their FLOPs divided by tp x dp).
+        flops = sum(profile.compute[a:b]) + _expert_slowdown(profile, layout, machine.node.tile, range(a, b)) * share
         rank = s % pp
         # Backward runs about two ops per forward op, once per microbatch.
         busy[rank] += machine.node.compute((3 * flops + again) / share, m * (3 * sum(profile.ops[a:b]) + again_ops))
         comm[rank] += _tp_time(profile, tp_link, 1 / share, m, range(a, b))
-        param_bytes[rank] += sum(profile.params[a:b]) * profile.itemsize
+        ep_comm[rank] += _ep_time(profile, layout, ep_link, range(a, b))
+        dense, experts = _expert_split(profile, layout, a, b)
+        param_bytes[rank] += dense * profile.itemsize
+        expert_bytes[rank] += experts * profile.itemsize
         act_bytes[rank] += (sum(profile.activations[a:b]) - saved) / share
         transient[rank] = max(transient[rank], largest / share)
         kv = profile.kv[a:b] if cp > 1 and profile.kv else ()
         exchange[rank] += sum(m * exchange_time(k / (dp * m), cp, cp_link) for k in kv)
         act_bytes[rank] += sum(exchange_memory(k / dp, cp) for k in kv)
-    fullest = max(range(pp), key=lambda r: busy[r] + comm[r] + exchange[r])
-    work = busy[fullest] + comm[fullest] + exchange[fullest]
+    fullest = max(range(pp), key=lambda r: busy[r] + comm[r] + exchange[r] + ep_comm[r])
+    work = busy[fullest] + comm[fullest] + exchange[fullest] + ep_comm[fullest]
     compute, bubble = shared_cores(busy, fullest, v * m, work * (pp - 1) / (v * m), tp * cp * pp * dp,
                                    machine.cores)
     boundary = max((profile.boundaries[b - 1] for _, b in stages[:-1]), default=0.0) / share
     p2p = 2 * v * (m * pp_link.latency + boundary / pp_link.bandwidth) if pp > 1 else 0.0
-    dp_comm = max(_dp_time(layout, param_bytes[r], dp_link) for r in range(pp))
-    cp_comm = exchange[fullest] + max(m * grad_sum_time(param_bytes[r], cp, cp_link) for r in range(pp))
-    memory = max(_state_bytes(layout, param_bytes[r]) + (act_bytes[r] * _in_flight(layout) + transient[r]) / m
-                 for r in range(pp))
+    experts = _expert_group(layout)
+    dp_comm = max(_dp_time(layout, param_bytes[r], dp_link)
+                  + (_dp_time(experts, expert_bytes[r], edp_link) if expert_bytes[r] else 0.0) for r in range(pp))
+    cp_comm = exchange[fullest] + max(m * grad_sum_time(param_bytes[r] + expert_bytes[r], cp, cp_link)
+                                      for r in range(pp))
+    memory = max(_state_bytes(layout, param_bytes[r]) + _state_bytes(experts, expert_bytes[r])
+                 + (act_bytes[r] * _in_flight(layout) + transient[r]) / m for r in range(pp))
     limit = budget if budget is not None else machine.device_memory
-    step = compute + comm[fullest] + bubble + p2p + dp_comm + cp_comm
+    step = compute + comm[fullest] + ep_comm[fullest] + bubble + p2p + dp_comm + cp_comm
     return Prediction(layout, step, compute, comm[fullest], bubble, p2p, dp_comm, int(memory),
-                      limit is None or memory <= limit, profile.vocab_split, cp_comm)
+                      limit is None or memory <= limit, profile.vocab_split, cp_comm, ep_comm[fullest])
 
 
 def ranked(predictions: list[Prediction]) -> list[Prediction]:
     """Fitting layouts first, fastest first; among equal times the fewest pipeline stages and tp ranks (less
     to go wrong), then the least memory."""
     return sorted(predictions, key=lambda p: (not p.fits, round(p.step_time, 12), p.layout.pp, p.layout.tp,
-                                              p.memory, p.layout.label()))
+                                              p.layout.ep, p.memory, p.layout.label()))

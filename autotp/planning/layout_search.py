@@ -10,6 +10,8 @@ those units, so the predicted stages are the ones ``make_plan`` will build.
 
 from __future__ import annotations
 
+import math
+
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
@@ -22,6 +24,8 @@ from autotp.passes.placement import PlacementKind
 from autotp.planning.balance import balanced_split
 from autotp.planning.context_cost import sequence_divides
 from autotp.planning.context_plan import exchanged_kv
+from autotp.planning.expert_cost import ep_sizes
+from autotp.planning.expert_profile import moe_layers
 from autotp.planning.layout_cost import Layout, Prediction, Profile, predict, ranked
 from autotp.planning.machines import Machine
 from autotp.planning.plan import Plan
@@ -30,7 +34,7 @@ from autotp.planning.recompute_cost import cut_outputs, saved_per_unit
 from autotp.planning.stage_split import build_units, forced_units
 
 SEARCHED = ("tp", "pp", "dp", "dp_mode", "schedule", "microbatches", "virtual_stages", "sequence_parallel",
-            "recompute", "cp")
+            "recompute", "cp", "ep")
 """The ``Options`` fields the search chooses unless the caller fixes them."""
 
 KEPT = 8
@@ -56,8 +60,9 @@ def _divisors(n: int) -> list[int]:
 
 
 def profile_of(captured: Captured, options: Options, machine: Machine) -> Profile:
-    """The costs of ``captured`` planned at ``options.tp`` (one stage), per unit between cut candidates."""
-    plan = make_plan(captured, options.replace(pp=1, dp=1, microbatches=None, virtual_stages=None), machine)
+    """The costs of ``captured`` planned at ``options.tp`` (one stage, the experts split by tp: ep is priced from
+    the profile's mixture-of-experts layers), per unit between cut candidates."""
+    plan = make_plan(captured, options.replace(pp=1, dp=1, ep=1, microbatches=None, virtual_stages=None), machine)
     analysis = captured.analysis
     sizes = cost_sizes(captured, options.batch, options.seq)
     prop = analysis.propagate_placements(plan.placements, plan.tp, plan.sequence_parallel)
@@ -81,8 +86,20 @@ def profile_of(captured: Captured, options: Options, machine: Machine) -> Profil
     recomputed = () if options.compile else tuple(saved_per_unit(units, cut_outputs(analysis, prop, plan.tp, units,
                                                                                      sizes)))
     kv, seq = exchanged_kv(captured, sizes, units.unit_of, len(units.compute), plan.tp)
+    shapes = {captured.param_name(t): tuple(p.shape) for t, p in captured.module.named_parameters()}
+    moe = moe_layers(analysis, shapes, unit_of_layer, _rank_elements(plan, shapes),
+                     float((plan.batch or 1) * (plan.seq or 1)))
     return Profile(plan.tp, plan.sequence_parallel, tuple(units.compute), tuple(units.rank_params),
-                   tuple(units.activations), boundaries, collectives, itemsize, vocab, tuple(ops), recomputed, kv, seq)
+                   tuple(units.activations), boundaries, collectives, itemsize, vocab, tuple(ops), recomputed, kv, seq,
+                   moe)
+
+
+def _rank_elements(plan: Plan, shapes: dict[str, tuple[int, ...]]) -> dict[str, float]:
+    """Elements of each parameter one tensor-parallel rank holds under ``plan``."""
+    def split(name: str) -> bool:
+        placement = plan.placements.get(name)
+        return placement is not None and placement.kind is not PlacementKind.REPLICATED
+    return {n: math.prod(s) / (plan.tp if split(n) else 1) for n, s in shapes.items()}
 
 
 def _profiles(captured: Captured, world: int, options: Options, fixed: Mapping, machine: Machine) -> list[Profile]:
@@ -162,10 +179,12 @@ def layouts(profile: Profile, world: int, batch: int, fixed: Mapping, every: boo
             for mode in modes if dp > 1 else modes[:1]:
                 for schedule, m, v in _pipelines(pp, batch // dp, len(profile.compute), fixed):
                     for recompute in _recomputes(profile, fixed):
-                        layout = Layout(profile.tp, pp, dp, mode, schedule, m, v, profile.sequence_parallel,
-                                        recompute, cp)
-                        if cp == 1 or every or runs(layout):
-                            yield layout
+                        # Experts divided among ep ranks only without cp (not run together yet).
+                        for ep in ep_sizes(profile.moe, profile.tp, dp, fixed.get("ep")) if cp == 1 else [1]:
+                            layout = Layout(profile.tp, pp, dp, mode, schedule, m, v, profile.sequence_parallel,
+                                            recompute, cp, ep)
+                            if cp == 1 or every or runs(layout):
+                                yield layout
 
 
 def search_layouts(captured: Captured, world: int, options: Options, fixed: Mapping, machine: Machine,
@@ -183,7 +202,8 @@ def search_layouts(captured: Captured, world: int, options: Options, fixed: Mapp
                          options.memory_budget, options.balance, forced)
     if not found:
         raise PlanError(f"no layout of {world} devices suits {captured.model_name} with {dict(fixed) or 'nothing'} "
-                        f"fixed: tp must divide its heads and widths, pp at most its blocks, dp the batch of {batch}; "
+                        f"fixed: tp must divide its heads and widths, pp at most its blocks, dp the batch of {batch}, ep "
+                        "dp x tp and every mixture-of-experts layer's experts; "
                         "fix fewer settings or use another number of devices")
     if not found[0].fits:
         least = min(found, key=lambda p: p.memory)
@@ -227,7 +247,7 @@ def fixed_settings(settings: Mapping, options: Options | None) -> dict:
         defaults = Options()
         fixed = {k: getattr(options, k) for k in SEARCHED if getattr(options, k) != getattr(defaults, k)} | fixed
     for name, value in fixed.items():
-        if name in ("tp", "pp", "dp", "cp", "microbatches", "virtual_stages") and (
+        if name in ("tp", "pp", "dp", "cp", "microbatches", "virtual_stages", "ep") and (
                 isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise InputError(f"{name} must be a positive integer, got {value!r}")
     return fixed

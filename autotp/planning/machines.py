@@ -42,6 +42,9 @@ class Link:
     """Seconds a collective costs regardless of its size."""
     op_overhead: float = 0.0
     """Seconds each op costs regardless of its size (eager dispatch and autograd; a kernel launch on GPUs)."""
+    tile: int = 1
+    """Rows (and columns) a matmul's output needs in each dimension to reach ``flops``: a GPU's tensor-core tile
+    (1: any size does, as on CPUs, where the per-op cost dominates small matmuls instead)."""
 
     def compute(self, flops: float, ops: float = 0) -> float:
         """Seconds for ``flops`` spread over ``ops`` ops."""
@@ -54,6 +57,11 @@ class Link:
     def all_gather(self, nbytes: float, tp: int) -> float:
         """Seconds for a ring all-gather whose result is ``nbytes``."""
         return self.latency + (tp - 1) / tp * nbytes / self.bandwidth
+
+    def all_to_all(self, nbytes: float, ranks: int) -> float:
+        """Seconds for an all-to-all in which each of ``ranks`` ranks sends ``nbytes``, spread evenly: all but its
+        own share leave it, the pairs' exchanges at once (one latency)."""
+        return self.latency + (ranks - 1) / ranks * nbytes / self.bandwidth
 
 
 CPU = Link("CPU processes over gloo", flops=5e10, bandwidth=6e8, latency=1e-3, op_overhead=7e-5)
@@ -93,14 +101,19 @@ class Machine:
         return dataclasses.replace(link, latency=link.latency * max(1, size - 1))
 
 
+TILE = 128
+"""Rows and columns a GPU matmul's output needs in each dimension to keep its tensor cores busy: H100's wgmma
+tiles are 64 to 256 wide, cuBLAS's common 128 x 128 (an assumption of the cost model, not measured here)."""
+
+
 def _gpu(name: str, peak: float, nvlink: float, network: float, memory_gib: int, per_node: int = 8) -> Machine:
     """A GPU machine from published figures: bf16 dense ``peak`` FLOP/s, NVLink and per-GPU network bus bandwidth
     in bytes/s (NCCL latencies: ~10 us within a node, ~30 us across InfiniBand)."""
     flops = peak * MFU
     return Machine(name, f"{per_node}x {name.upper()} per node, bf16 {peak / 1e12:.0f} TFLOPS at {MFU:.0%} MFU, "
                          f"NVLink {nvlink / 1e9:.0f} GB/s, network {network / 1e9:.0f} GB/s per GPU",
-                   Link(f"{name} NVLink", flops, nvlink, 1e-5, LAUNCH),
-                   Link(f"{name} InfiniBand", flops, network, 3e-5, LAUNCH),
+                   Link(f"{name} NVLink", flops, nvlink, 1e-5, LAUNCH, TILE),
+                   Link(f"{name} InfiniBand", flops, network, 3e-5, LAUNCH, TILE),
                    per_node, memory_gib * 2**30)
 
 

@@ -112,10 +112,10 @@ _LAYOUT = {"tp": lambda w, v: _int(w, v, 1), "pp": lambda w, v: _int(w, v, 1), "
            "microbatches": lambda w, v: _int(w, v, 1), "virtual_stages": lambda w, v: _int(w, v, 1),
            "sequence_parallel": _bool, "recompute": lambda w, v: _choice(w, v, Recompute), "step_time": _number, "compute": _number, "tp_comm": _number,
            "bubble": _number, "p2p": _number, "dp_comm": _number, "memory": _int, "fits": _bool, "vocab_split": _bool,
-           "cp": lambda w, v: _int(w, v, 1), "cp_comm": _number}
-"""A ranked layout (``layout_cost.Prediction.to_dict``): every field required but ``recompute``, ``cp`` and
-``cp_comm`` (plans written before the search tried them: none)."""
-_LAYOUT_REQUIRED = tuple(k for k in _LAYOUT if k not in ("recompute", "cp", "cp_comm"))
+           "cp": lambda w, v: _int(w, v, 1), "cp_comm": _number, "ep": lambda w, v: _int(w, v, 1), "ep_comm": _number}
+"""A ranked layout (``layout_cost.Prediction.to_dict``): every field required but ``recompute``, ``cp``,
+``cp_comm``, ``ep`` and ``ep_comm`` (plans written before the search tried them: none)."""
+_LAYOUT_REQUIRED = tuple(k for k in _LAYOUT if k not in ("recompute", "cp", "cp_comm", "ep", "ep_comm"))
 
 
 def _options(where: str, value) -> None:

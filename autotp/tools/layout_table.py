@@ -13,14 +13,16 @@ def _gib(nbytes: float) -> str:
     return f"{nbytes / 2**30:.4g}"
 
 
-HEADER = ("#", "layout", "step ms", "compute", "tp comm", "bubble", "p2p", "dp comm", "cp comm", "GiB/device", "fits",
-          "vocab")
+HEADER = ("#", "layout", "ep", "step ms", "compute", "tp comm", "ep comm", "bubble", "p2p", "dp comm", "cp comm",
+          "GiB/device", "fits", "vocab")
 
 
 def layout_rows(plan: Plan) -> list[tuple[str, ...]]:
-    """One row per ranked layout, the chosen one first: predicted step time and its parts (ms), memory per device."""
-    return [(str(i + 1), p.layout.label(), _ms(p.step_time), _ms(p.compute), _ms(p.tp_comm), _ms(p.bubble),
-             _ms(p.p2p), _ms(p.dp_comm), _ms(p.cp_comm), _gib(p.memory), "yes" if p.fits else "NO",
+    """One row per ranked layout, the chosen one first: its expert-parallel ranks (ep: the routed experts divided
+    among them; 1: split by tp), predicted step time and its parts (ms), memory per device."""
+    return [(str(i + 1), p.layout.label(), str(p.layout.ep), _ms(p.step_time), _ms(p.compute), _ms(p.tp_comm),
+             _ms(p.ep_comm), _ms(p.bubble), _ms(p.p2p), _ms(p.dp_comm), _ms(p.cp_comm), _gib(p.memory),
+             "yes" if p.fits else "NO",
              "-" if p.layout.tp == 1 else "split" if p.vocab_split else "whole") for i, p in enumerate(plan.layouts)]
 
 

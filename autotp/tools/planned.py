@@ -57,9 +57,6 @@ def load_and_plan(args) -> Planned:
                          "let the planner choose the layout")
     if args.plan_file and devices is not None:
         raise InputError("--devices lets the planner choose the layout, and --plan gives one: pass one of them")
-    if devices is not None and (getattr(args, "ep", None) or 1) > 1:
-        raise InputError("--ep with --devices: the layout search does not price expert parallelism yet; plan at a "
-                         "given layout (--tp, --dp, --ep) instead")
     model = build_model(spec)
     inputs = example_inputs(model, args.vocab_size)
     params = param_infos(model)
@@ -72,9 +69,11 @@ def load_and_plan(args) -> Planned:
 
 
 def searched_settings(args) -> dict:
-    """The settings of ``autotp plan --devices``: the layout flags given are fixed (the rest searched)."""
+    """The settings of ``autotp plan --devices``: the layout flags given (``--ep`` too) are fixed (the rest
+    searched)."""
     budget = args.device_memory or args.memory_budget
-    return {"tp": args.tp, "pp": args.pp, "dp": args.dp, "cp": getattr(args, "cp", None), "dp_mode": args.dp_mode, "balance": args.balance,
+    return {"tp": args.tp, "pp": args.pp, "dp": args.dp, "cp": getattr(args, "cp", None),
+            "ep": getattr(args, "ep", None), "dp_mode": args.dp_mode, "balance": args.balance,
             "batch": args.batch, "seq": args.seq, "vocab": args.vocab, "memory_budget": budget,
             "sequence_parallel": True if args.sequence_parallel else None}
 
