@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from autotp.options import DataParallelMode, Recompute, Schedule
 from autotp.passes.steps import CollectiveOp
-from autotp.planning.context_cost import exchange_memory, exchange_time, grad_sum_time
+from autotp.planning.context_cost import exchange_memory, exchange_time, grad_sum_time, ring_chosen
 from autotp.planning.expert_cost import ALL_TO_ALLS, MoeLayer, dispatch_bytes, slowdown_flops
 from autotp.planning.machines import Link, Machine
 from autotp.planning.pricing import TRAINING_COPIES
@@ -260,6 +260,7 @@ def predict(profile: Profile, layout: Layout, starts: list[int], machine: Machin
     tp, pp, dp, m, v = layout.tp, layout.pp, layout.dp, layout.microbatches, layout.virtual_stages
     cp = layout.cp
     share = dp * cp  # each rank computes its replica's rows and its cp chunk of their tokens
+    ring = ring_chosen(tuple(k / dp for k in profile.kv), cp, budget)  # as cp_exchange="auto" would run it
     stages = stage_bounds(starts, len(profile.compute))
     tp_link, cp_link, dp_link = machine.ring(tp, 1), machine.ring(cp, tp), machine.ring(dp, tp * cp)
     pp_link = machine.link(pp, tp * cp * dp)
@@ -282,8 +283,8 @@ def predict(profile: Profile, layout: Layout, starts: list[int], machine: Machin
         act_bytes[rank] += (sum(profile.activations[a:b]) - saved) / share
         transient[rank] = max(transient[rank], largest / share)
         kv = profile.kv[a:b] if cp > 1 and profile.kv else ()
-        exchange[rank] += sum(m * exchange_time(k / (dp * m), cp, cp_link) for k in kv)
-        act_bytes[rank] += sum(exchange_memory(k / dp, cp) for k in kv)
+        exchange[rank] += sum(m * exchange_time(k / (dp * m), cp, cp_link, ring) for k in kv)
+        act_bytes[rank] += sum(exchange_memory(k / dp, cp, ring) for k in kv)
     fullest = max(range(pp), key=lambda r: busy[r] + comm[r] + exchange[r] + ep_comm[r])
     work = busy[fullest] + comm[fullest] + exchange[fullest] + ep_comm[fullest]
     compute, bubble = shared_cores(busy, fullest, v * m, work * (pp - 1) / (v * m), tp * cp * pp * dp,
