@@ -106,7 +106,8 @@ def _row(p) -> dict:
 
 def best(found: list[Profile], devices: int, batch: int, fixed: dict) -> list[dict]:
     """The ranked layouts of ``devices`` devices with ``fixed`` settings, the first five."""
-    return [_row(p) for p in rank_layouts(found, devices, batch, fixed, H100, None)[:5]]
+    # every=True: the layouts priced, ep above tp with pp included, which the runtime does not run yet.
+    return [_row(p) for p in rank_layouts(found, devices, batch, fixed, H100, None, every=True)[:5]]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -38,7 +38,7 @@ def _moe(tp: int, experts: int, top_k: int, width: int, hidden: int, sequences: 
 
 def _search(world: int, sequences: int, fixed=None, **moe):
     profiles = [_moe(tp, sequences=sequences, **moe) for tp in (1, 2, 4, 8)]
-    return rank_layouts(profiles, world, sequences, fixed or {}, H100, None)
+    return rank_layouts(profiles, world, sequences, fixed or {}, H100, None, every=True)  # the pricing alone
 
 
 MIXTRAL = dict(experts=8, top_k=2, width=14336, hidden=4096)

@@ -24,6 +24,7 @@ from autotp.passes.placement import PlacementKind
 from autotp.planning.balance import balanced_split
 from autotp.planning.context_cost import sequence_divides
 from autotp.planning.context_plan import exchanged_kv
+from autotp.planning.ep_runtime import ep_unrunnable
 from autotp.planning.expert_cost import ep_sizes
 from autotp.planning.expert_profile import moe_layers
 from autotp.planning.layout_cost import Layout, Prediction, Profile, predict, ranked
@@ -158,17 +159,18 @@ def _contexts(profile: Profile, rest: int, fixed: Mapping) -> list[int]:
 
 def runs(layout: Layout) -> bool:
     """Whether parallelize runs ``layout``: its settings make valid ``Options`` (which refuse what cp is not yet
-    verified with), so the search never chooses a layout it would then refuse."""
+    verified with) whose ep the runtime runs (``ep_runtime``), so the search never chooses a layout it would then
+    refuse."""
     try:
-        Options(**layout.settings())
+        options = Options(**layout.settings())
     except InputError:
         return False
-    return True
+    return ep_unrunnable(options) is None
 
 
 def layouts(profile: Profile, world: int, batch: int, fixed: Mapping, every: bool = False) -> Iterator[Layout]:
     """Every layout of ``world`` devices at the profile's tp that ``fixed`` allows, for a global ``batch``
-    (``every``: cp layouts parallelize does not run yet too, to price published ones)."""
+    (``every``: cp and ep layouts parallelize does not run yet too, to price published ones)."""
     for cp in _contexts(profile, world // profile.tp, fixed):
         rest = world // (profile.tp * cp)
         for pp in [fixed["pp"]] if "pp" in fixed else _divisors(rest):
@@ -180,10 +182,11 @@ def layouts(profile: Profile, world: int, batch: int, fixed: Mapping, every: boo
                 for schedule, m, v in _pipelines(pp, batch // dp, len(profile.compute), fixed):
                     for recompute in _recomputes(profile, fixed):
                         # Experts divided among ep ranks only without cp (not run together yet).
-                        for ep in ep_sizes(profile.moe, profile.tp, dp, fixed.get("ep")) if cp == 1 else [1]:
+                        for ep in (ep_sizes(profile.moe, profile.tp, dp, fixed.get("ep")) if cp == 1
+                                   else [1] if fixed.get("ep", 1) == 1 else []):
                             layout = Layout(profile.tp, pp, dp, mode, schedule, m, v, profile.sequence_parallel,
                                             recompute, cp, ep)
-                            if cp == 1 or every or runs(layout):
+                            if (cp == 1 and ep == 1) or every or runs(layout):
                                 yield layout
 
 
