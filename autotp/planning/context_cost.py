@@ -31,7 +31,8 @@ def exchange_time(kv_bytes: float, cp: int, link: Link, ring: bool = False) -> f
     if cp == 1 or not kv_bytes:
         return 0.0
     if ring:
-        return 3 * (cp - 1) * (link.latency + kv_bytes / cp / link.bandwidth)
+        # ``link`` is the cp ring's (``Machine.ring``): its latency is a whole ring collective's, cp - 1 hops.
+        return 3 * (link.latency + (cp - 1) * kv_bytes / cp / link.bandwidth)
     return 2 * link.all_gather(kv_bytes, cp)
 
 
