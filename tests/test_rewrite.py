@@ -147,4 +147,7 @@ def test_every_operator_has_a_description_and_an_implementation():
 
     from autotp.rewrite.collectives import IMPLEMENTATIONS
 
-    assert set(COMMUNICATION) == set(Operator) == set(IMPLEMENTATIONS)
+    from autotp.rewrite.expert_dispatch import EXPERT_IMPLEMENTATIONS
+
+    assert not set(IMPLEMENTATIONS) & set(EXPERT_IMPLEMENTATIONS)
+    assert set(COMMUNICATION) == set(Operator) == set(IMPLEMENTATIONS) | set(EXPERT_IMPLEMENTATIONS)

@@ -28,6 +28,7 @@ from torch import fx, nn
 
 from autotp.passes.grouped_banks import bank_of, expert_matmuls, offsets_of
 from autotp.passes.placement import chunk_span
+from autotp.passes.steps import Operator
 from autotp.rewrite.comm import Communicator, all_gather_chunks
 
 
@@ -274,3 +275,9 @@ def dispatch_experts(gm: fx.GraphModule, placements: dict[str, object], ep_comm:
             user.replace_input_with(last, combined)
     graph.lint()
     gm.recompile()
+
+
+EXPERT_IMPLEMENTATIONS: dict[Operator, type[nn.Module]] = {
+    Operator.ROUTE: ExpertRoute, Operator.DISPATCH: ExpertDispatch, Operator.COMBINE: ExpertCombine}
+"""The modules that run the expert operators (``passes.steps.COMMUNICATION`` describes them), each made with the
+ep and tp communicators (``collectives.IMPLEMENTATIONS`` holds those made from one communicator and a shard)."""

@@ -209,6 +209,19 @@ class SharedMemoryComm:
         out = self.all_reduce(x)
         return lambda: out
 
+    def all_to_all(self, x: torch.Tensor, send: list[int], receive: list[int]) -> torch.Tensor:
+        """Rows of ``x`` exchanged, as ``Communicator.all_to_all`` says (an expert dispatch while generating): every
+        rank's rows gathered, padded to the longest, and the rows sent to this rank taken (on one host the copies
+        are the cost, not the bytes)."""
+        sends = [s.tolist() for s in self.all_gather(torch.tensor(send, dtype=torch.int64))]
+        longest = max(sum(s) for s in sends)
+        if longest == 0:
+            return x[:0]
+        padded = x.new_zeros((longest, *x.shape[1:]))
+        padded[:sum(send)] = x[:sum(send)]
+        parts = self.all_gather(padded)
+        return torch.cat([part[sum(s[:self.rank]):][:n] for part, s, n in zip(parts, sends, receive)])
+
     def reduce_scatter(self, pieces: list[torch.Tensor]) -> torch.Tensor:
         """The sum over the ranks of their ``pieces[rank]``."""
         return self.all_reduce(torch.stack(pieces))[self.rank]
