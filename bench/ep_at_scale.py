@@ -17,11 +17,11 @@ from pathlib import Path
 
 import torch
 
-from autotp.capture import capture, example_inputs_of
 from autotp.options import Options
 from autotp.planning.layout_cost import Profile
 from autotp.planning.layout_search import profile_of, rank_layouts
-from bench.layouts_at_scale import CAPTURED_LAYERS, H100, deepen
+from bench.layouts_at_scale import H100, deepen
+from bench.layouts_at_scale import captured as captured_at
 
 SEQ = 4096
 RESULTS = Path(__file__).parent / "results" / "ep_at_scale.json"
@@ -65,19 +65,9 @@ SWEEP = (64, 256, 1024, 2048)
 TPS = (1, 2, 4, 8)
 
 
-def _captured(name: str):
-    import transformers
-
-    config_class, model_class, _, fields = CONFIGS[name]
-    config = getattr(transformers, config_class)(num_hidden_layers=CAPTURED_LAYERS, **fields)
-    with torch.device("meta"):
-        model = getattr(transformers, model_class)(config).to(torch.bfloat16)
-    return capture(model, example_inputs_of(model, (torch.randint(0, 1000, (2, 16)),)))
-
-
 def profiles(name: str, batch: int) -> list[Profile]:
     """The model's profiles at every tp in TPS (with and without sequence parallelism), at its real depth."""
-    captured, layers = _captured(name), CONFIGS[name][2]
+    captured, layers = captured_at(CONFIGS[name]), CONFIGS[name][2]
     out = []
     for tp in TPS:
         for sp in (False, True) if tp > 1 else (False,):

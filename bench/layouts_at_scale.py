@@ -73,9 +73,15 @@ TPS = (1, 2, 4, 8)
 
 
 def _captured(name: str):
+    return captured(CONFIGS[name])
+
+
+def captured(entry: tuple):
+    """The model of a ``CONFIGS`` entry (config class, model class, depth, config fields) captured at
+    CAPTURED_LAYERS layers, built on the meta device in bf16."""
     import transformers
 
-    config_class, model_class, _, fields = CONFIGS[name]
+    config_class, model_class, _, fields = entry
     config = getattr(transformers, config_class)(num_hidden_layers=CAPTURED_LAYERS, **fields)
     with torch.device("meta"):
         model = getattr(transformers, model_class)(config).to(torch.bfloat16)
