@@ -149,10 +149,7 @@ def over_data_parallel(name: str, tp: int, dp: int, ep: int, skewed: bool = Fals
         out.setdefault("norms", []).append(_error(norm, ref_norm))
         opt.step(), ref_opt.step()
         opt.zero_grad(), ref_opt.zero_grad()
-    full = pm.full_state_dict()
-    out["params"] = max(_error(full[k], v) for k, v in ref.state_dict().items() if v.is_floating_point())
-    local = {n: p.to_local() if hasattr(p, "to_local") else p for n, p in pm.named_parameters()}
-    out["local_experts"] = sorted({p.shape[0] for n, p in local.items() if "experts" in n and p.dim() == 3})
+    out |= _after_steps(pm, ref)
     try:  # sharded checkpoints record parts by tp rank: refused above tp, not written wrong
         pm.save(tempfile.mkdtemp())
         out["save"] = "saved"
@@ -162,6 +159,15 @@ def over_data_parallel(name: str, tp: int, dp: int, ep: int, skewed: bool = Fals
     got = count_step(lambda: pm(ids), lambda o: models.first_tensor(o).square().mean())
     out["all_to_all"] = {d: got[d].get("all_to_all", {"bytes": 0})["bytes"] for d in ("forward", "backward")}
     return out
+
+
+def _after_steps(pm, ref) -> dict:
+    """The largest error of any parameter against the unsharded model's after the steps, and the numbers of
+    experts this rank's banks hold."""
+    full = pm.full_state_dict()
+    local = {n: p.to_local() if hasattr(p, "to_local") else p for n, p in pm.named_parameters()}
+    return {"params": max(_error(full[k], v) for k, v in ref.state_dict().items() if v.is_floating_point()),
+            "local_experts": sorted({p.shape[0] for n, p in local.items() if "experts" in n and p.dim() == 3})}
 
 
 def expert_parallel_over_dp(rank: int, world: int, configs: list) -> dict:
@@ -190,8 +196,5 @@ def with_pipeline(rank: int, world: int, tp: int, pp: int, ep: int) -> dict:
         out["losses"].append(_error(loss.detach(), want.detach()))
         opt.step(), ref_opt.step()
         opt.zero_grad(), ref_opt.zero_grad()
-    full = pm.full_state_dict()
-    out["params"] = max(_error(full[k], v) for k, v in ref.state_dict().items() if v.is_floating_point())
-    local = {n: p.to_local() if hasattr(p, "to_local") else p for n, p in pm.named_parameters()}
-    out["local_experts"] = sorted({p.shape[0] for n, p in local.items() if "experts" in n and p.dim() == 3})
+    out |= _after_steps(pm, ref)
     return out
