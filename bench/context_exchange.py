@@ -20,6 +20,8 @@ import torch
 
 import autotp
 from autotp.planning.context_exchange import AttentionShape, exchange_cost
+from bench.context_parallel import build as build_llama
+from bench.context_parallel import logits_loss
 from bench.memory import SavedActivations
 from bench.ranks import run_on_ranks
 
@@ -27,18 +29,8 @@ _EXCHANGES = ("cp_kv_", "cp_ring_", "cp_ulysses_")
 
 
 def build(seed: int = 0) -> torch.nn.Module:
-    """The benchmark's Llama (transformers)."""
-    import transformers
-
-    torch.manual_seed(seed)
-    config = transformers.LlamaConfig(vocab_size=1024, hidden_size=256, intermediate_size=512,
-                                      num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
-                                      max_position_embeddings=1 << 17)
-    return transformers.LlamaForCausalLM(config)
-
-
-def _loss(out, y):
-    return torch.nn.functional.cross_entropy(getattr(out, "logits", out).flatten(0, 1), y.flatten())
+    """``bench.context_parallel``'s Llama with 4 KV heads, which cp=4 divides (Ulysses exchanges heads)."""
+    return build_llama(seed, kv_heads=4)
 
 
 def measure(rank: int, world: int, seq: int, steps: int, cp: int, exchange: str) -> dict:
@@ -53,7 +45,7 @@ def measure(rank: int, world: int, seq: int, steps: int, cp: int, exchange: str)
         start = time.perf_counter()
         saved = SavedActivations(list(pm.parameters()))
         with saved:
-            loss = pm.loss(x, target=y, loss_fn=_loss)
+            loss = pm.loss(x, target=y, loss_fn=logits_loss)
         loss.backward()
         opt.step(), opt.zero_grad()
         if step:

@@ -26,18 +26,19 @@ from bench.memory import SavedActivations
 from bench.ranks import run_on_ranks
 
 
-def build(seed: int = 0) -> torch.nn.Module:
-    """The benchmark's Llama (transformers)."""
+def build(seed: int = 0, kv_heads: int = 2) -> torch.nn.Module:
+    """The benchmark's Llama (transformers), its 8 heads over ``kv_heads`` KV heads."""
     import transformers
 
     torch.manual_seed(seed)
     config = transformers.LlamaConfig(vocab_size=1024, hidden_size=256, intermediate_size=512,
-                                      num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
+                                      num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=kv_heads,
                                       max_position_embeddings=1 << 17)
     return transformers.LlamaForCausalLM(config)
 
 
-def _loss(out, y):
+def logits_loss(out, y):
+    """Cross-entropy of the output's logits (or the output itself) against ``y``."""
     logits = getattr(out, "logits", out)
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
 
@@ -51,7 +52,7 @@ def measure(rank: int, world: int, seq: int, steps: int, cp: int) -> dict:
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-4)
 
     def loss_of():
-        return pm.loss(x, target=y, loss_fn=_loss) if cp else _loss(model(x), y)
+        return pm.loss(x, target=y, loss_fn=logits_loss) if cp else logits_loss(model(x), y)
     times = []
     for step in range(steps + 1):
         start = time.perf_counter()
