@@ -17,6 +17,7 @@ from typing import Protocol
 
 import sympy
 from autotp.passes.adapters import Adapter, find_adapters
+from autotp.passes.embedding_adapters import EmbeddingAdapter, find_embedding_adapters
 from autotp.passes.choices import kept_by_choice
 from autotp.passes.graph import grad_nodes, sizes, trainable_attrs
 from autotp.passes.placement import Placement, PlacementKind, Shard
@@ -130,6 +131,12 @@ class Analysis:
     def adapters(self) -> dict[str, Adapter]:
         """Low-rank adapters added to projections (LoRA), by their up-projection's node (``adapters``)."""
         return run_pass("adapters", lambda: find_adapters(self.graph, self.projections), list(self.passes_run))
+
+    @functools.cached_property
+    def embedding_adapters(self) -> dict[str, EmbeddingAdapter]:
+        """Low-rank adapters added to token embeddings (LoRA), by their lookup node (``embedding_adapters``)."""
+        return run_pass("embedding_adapters", lambda: find_embedding_adapters(self.graph, self.projections,
+                                                                              self.embeddings), list(self.passes_run))
 
     @functools.cached_property
     def chosen_whole(self) -> dict[str, str]:

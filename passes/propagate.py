@@ -28,6 +28,7 @@ from autotp.passes.graph import (
 )
 from autotp.passes.partial import carry_partial_sums
 from autotp.passes.placement import Layout, PlacementKind, Shard
+from autotp.passes.embedding_adapters import split_rows_lookup
 from autotp.passes.expert_banks import one_expert
 from autotp.passes.graph_index import GraphIndex
 from autotp.passes.projections import Embedding, Projection, segment_of
@@ -206,11 +207,13 @@ class _Walker:
             lookup = self.sequence_lookup(node, emb)
             if lookup is not None:
                 return lookup
+        if emb is None and node.target is aten.embedding.default and split_rows_lookup(self.layout(node.args[0])):
+            table = self.layout(node.args[0])  # a computed table split by rows (``embedding_adapters``)
         if isinstance(table, Shard):
             out = self.sequence_shard(node)
             self.result.reduced[node.name] = Operator.REDUCE_SCATTER if out else Operator.VOCAB_EMBEDDING
             return Decision(out, wants={(1,): None},
-                            checks=[(emb.num_embeddings, "vocabulary size")])
+                            checks=[(emb.num_embeddings if emb else table.size, "vocabulary size")])
         if self.decisions is None:
             return self.ruled(node, ins)
         key = (node, tuple((path, lay) for path, (_, lay) in ins.items()))

@@ -41,7 +41,7 @@ def adapted(dropout: float = 0.0, layers: int = 2, targets=TARGETS):
                                                                lora_dropout=dropout))
     torch.manual_seed(1)
     for name, p in model.named_parameters():
-        if "lora_B" in name:
+        if "lora_B" in name or "lora_embedding" in name:  # peft starts an embedding's A at zero: draw it too
             torch.nn.init.normal_(p, std=0.05)
     return model
 

@@ -16,6 +16,7 @@ from autotp.passes.graph import named_arg, sizes
 from autotp.passes.propagation import Propagation
 from autotp.passes.steps import COMMUNICATION, CollectiveOp, Direction, Operator, fused
 from autotp.planning.plan import Collective
+from autotp.passes.embedding_adapters import joined_lookups
 from autotp.passes.grouped_banks import expert_matmuls
 
 
@@ -28,7 +29,8 @@ def planned_collectives(analysis: Analysis, prop: Propagation, split_banks=froze
     found = [(order[conv.source], c) for conv in prop.conversions.values() for step in fused(conv.steps)
              for reader, in_step in _readers_by_step(analysis, conv)
              for c in _collectives_of(analysis, step.operator, conv.source, reader, grad, in_step)]
-    found += [(order[node], c) for node, operator in prop.reduced.items()
+    joined = {lookup for lookups in joined_lookups(analysis, prop).values() for lookup in lookups}
+    found += [(order[node], c) for node, operator in prop.reduced.items() if node not in joined  # in its base's
               for c in _collectives_of(analysis, operator, node, node, grad)]
     found += [(order[node], c) for node, c in expert_chains(analysis, split_banks, prop.tp, ep)]
     listed = [c for _, c in sorted(found, key=lambda item: item[0])]

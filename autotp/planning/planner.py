@@ -28,7 +28,7 @@ from autotp.passes.propagation import Propagation
 from autotp.passes.random_ops import random_refusal
 from autotp.passes.region_match import RegionKind, RegionMatch
 from autotp.passes.steps import Operator
-from autotp.planning.adapter_placements import adapter_placements, without_adapters
+from autotp.planning.adapter_placements import adapter_placements, embedding_adapter_placements, without_adapters
 from autotp.planning.consistency import check_biases_follow_weights
 from autotp.planning.plan import (
     Collective,
@@ -322,7 +322,7 @@ def make_plan(captured: Captured, options: Options = Options(), machine: Machine
     for region in regions:
         if region.violations:
             raise _divisibility_error(analysis, region, tp, _valid_tp(analysis, regions))
-    regions = without_adapters(regions, analysis.adapters)  # placed by their base layers below
+    regions = without_adapters(regions, analysis.adapters, analysis.embedding_adapters)  # placed by their bases below
     regions, regions_kept = _choose_regions(analysis, regions, tp, sizes, options, machine.node, notes)
     for region in regions:
         by_target |= _region_placements(analysis, region)
@@ -343,6 +343,7 @@ def make_plan(captured: Captured, options: Options = Options(), machine: Machine
     notes += _whole_convolution_notes(analysis, by_target, whys, convolutions_kept)
     vocab, vocab_regions, vocab_kept = vocab_placements(analysis, tp, notes, options, machine.node, sizes, by_target)
     by_target |= vocab
+    by_target |= embedding_adapter_placements(analysis, by_target)
     plan_regions = vocab_regions[:1] + plan_regions + vocab_regions[1:]
     if tp == 1:
         by_target = {}  # one rank holds everything: the regions are found, but nothing is split

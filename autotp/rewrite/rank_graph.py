@@ -32,6 +32,8 @@ from autotp.rewrite.comm import Communicator
 from autotp.rewrite.data_writes import write_through_data
 from autotp.rewrite.grad_bucket import GradSum
 from autotp.rewrite.dtypes import drop_dtype_checks
+from autotp.passes.embedding_adapters import joined_lookups, lookup_rows
+from autotp.rewrite.joined_lookups import reduce_joined
 from autotp.passes.grouped_banks import expert_placements
 from autotp.rewrite.expert_dispatch import dispatch_experts
 from autotp.rewrite.graph_edit import (
@@ -237,12 +239,17 @@ class _Surgeon:
             node.args = node.args[:2]
         self.reduce_after(node, reduction, bias, shard)
 
-    def embedding(self, node: fx.Node, vocab_rows: int, reduction: Operator, shard) -> None:
-        start, local = chunk_span(vocab_rows, self.tp, self.rank)  # this rank's rows, as the table was cut
-        padding_idx = arg_or_default(node, 2, "padding_idx", -1)  # the planner refused the other options
-        node.target = masked_embedding
-        node.args, node.kwargs = (node.args[0], node.args[1], start, start + local, padding_idx), {}
-        self.reduce_after(node, reduction, None, shard)
+    def embedding(self, node: fx.Node, vocab_rows: int, reduction: Operator, shard, adapters=()) -> None:
+        """A masked lookup of this rank's rows, all-reduced (with its ``adapters``' lookups: ``rewrite.joined_lookups``)."""
+        for lookup in (node, *adapters):
+            start, local = chunk_span(vocab_rows, self.tp, self.rank)  # this rank's rows, as the table was cut
+            padding_idx = arg_or_default(lookup, 2, "padding_idx", -1)  # the planner refused the other options
+            lookup.target = masked_embedding
+            lookup.args, lookup.kwargs = (lookup.args[0], lookup.args[1], start, start + local, padding_idx), {}
+        if adapters:
+            reduce_joined(node, list(adapters), self.analysis, collective_module(reduction, self.comm, shard), self.add)
+        else:
+            self.reduce_after(node, reduction, None, shard)
 
     def apply(self, prop: Propagation) -> None:
         for name, path, value in prop.fixes:
@@ -260,10 +267,15 @@ class _Surgeon:
                 route_single_group(node)  # one group per rank: a dense convolution (``single_group``)
         for conv in prop.conversions.values():
             self.convert(conv)
+        joined = joined_lookups(self.analysis, prop)
+        partners = {lookup for lookups in joined.values() for lookup in lookups}
         for name, reduction in prop.reduced.items():
             node, shard = self.nodes[name], prop.layouts.get(name)  # a shard: reduce-scattered onto it
-            if name in self.analysis.embeddings and reduction in (Operator.VOCAB_EMBEDDING, Operator.REDUCE_SCATTER):
-                self.embedding(node, self.analysis.embeddings[name].num_embeddings, reduction, shard)
+            if name in partners:
+                continue  # an adapter's lookup, reduced with its base lookup's
+            rows = lookup_rows(self.analysis, name)
+            if rows is not None and reduction in (Operator.VOCAB_EMBEDDING, Operator.REDUCE_SCATTER):
+                self.embedding(node, rows, reduction, shard, [self.nodes[n] for n in joined.get(name, ())])
             elif reduction is Operator.CROSS_ENTROPY:  # told the logits' split, to find this rank's classes
                 self.replace(node, collective_module(reduction, self.comm, prop.layouts[node.args[0].name]))
             elif reduction is Operator.RUNNING_STATS:

@@ -1,0 +1,67 @@
+"""LoRA on a vocabulary-split token embedding (peft's ``lora_embedding_A`` / ``_B``): ``A`` split by the vocabulary
+like the base table, its lookup's partial sum all-reduced in the base lookup's one all-reduce (``B`` whole)."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("peft")
+
+from tests import lora_workers, models
+from tests.lora_checks import checked
+
+EMBED = "base_model.model.model.embed_tokens."
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_embedding_adapter_at_the_base_models_collectives(tp):
+    """Forward: the base model's collectives, the first all-reduce ``r`` wider (the rank-r lookup beside the
+    base's); backward: the base model's (at tp=4 fewer: the base's K/V weights, each held by two ranks, sum their
+    gradient shares, which frozen ones need not). With every linear layer adapted too (tp=2), backward: the base
+    model's activation all-reduces (the embedding's adapter needs the gradient a frozen base would not) and the one
+    bucket of the linear adapters' gradient shares. Counted at run time in the checker."""
+    x = models.tokens(2, 8, 1)
+    _, base_forward, base_backward = checked(lora_workers.llama(1), tp, (x,), vocab="split")
+    report, forward, backward = checked(lora_workers.adapted(layers=1, targets=["embed_tokens"]), tp, (x,),
+                                        vocab="split")
+    assert report.exact, str(report)
+    assert repr(report.plan.placements[EMBED + "lora_embedding_A.default"]) == "vocab(dim=1)"
+    assert repr(report.plan.placements[EMBED + "lora_embedding_B.default"]) == "replicated"
+    assert forward[1:] == base_forward[1:]
+    assert forward[0] == ("all_reduce", (2, 8, 64 + lora_workers.RANK)) and base_forward[0][-1] == (2, 8, 64)
+    assert backward == base_backward[:len(backward)] and (tp == 4 or len(backward) == len(base_backward))
+    assert len([c for c in report.plan.collectives if c.direction.value == "forward"]) == len(forward)
+    if tp == 4:
+        return
+    model = lora_workers.adapted(layers=1, targets=[*lora_workers.TARGETS, "embed_tokens"])
+    report, forward, backward = checked(model, tp, (x,), vocab="split")
+    assert report.exact, str(report)
+    assert len(forward) == len(base_forward)
+    *activations, bucket = backward
+    assert activations == base_backward
+    assert bucket == ("all_reduce", (len(lora_workers.TARGETS) * lora_workers.RANK * 64,))
+
+
+@pytest.mark.parametrize("vocab,pad,tp,sequence_parallel", [(129, 3, 2, False), (131, None, 4, False),
+                                                            (128, None, 2, True)])
+def test_embedding_adapter_uneven_vocabulary_padding_and_sequence_parallel(vocab, pad, tp, sequence_parallel):
+    """A vocabulary tp does not divide (cut unevenly, ``A`` as its base table), a padding row (no gradient on the
+    rank holding it), and a reduce-scatter onto the sequence (both lookups in the one collective)."""
+    import peft
+    import torch
+    import transformers
+
+    config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=2, pad_token_id=pad)
+    torch.manual_seed(0)
+    model = peft.get_peft_model(transformers.LlamaForCausalLM(config),
+                                peft.LoraConfig(r=4, target_modules=["embed_tokens", "q_proj"]))
+    for name, p in model.named_parameters():
+        if "lora_B" in name or "lora_embedding" in name:
+            torch.nn.init.normal_(p, std=0.05)
+    x = models.tokens(2, 8, 1) % vocab
+    x[0, :2] = torch.tensor([3, vocab - 1])
+    report, forward, _ = checked(model, tp, (x,), vocab="split", sequence_parallel=sequence_parallel)
+    assert report.exact, str(report)
+    assert repr(report.plan.placements[EMBED + "lora_embedding_A.default"]) == "vocab(dim=1)"
+    assert forward[0][1][-1] == 64 + 4  # the two lookups in one collective
