@@ -7,7 +7,8 @@ import pytest
 
 pytest.importorskip("peft")
 
-from tests import lora_workers, models
+from tests import lora_embed_workers, lora_workers, models
+from tests.distributed import run_on_ranks
 from tests.lora_checks import checked
 
 EMBED = "base_model.model.model.embed_tokens."
@@ -65,3 +66,16 @@ def test_embedding_adapter_uneven_vocabulary_padding_and_sequence_parallel(vocab
     assert report.exact, str(report)
     assert repr(report.plan.placements[EMBED + "lora_embedding_A.default"]) == "vocab(dim=1)"
     assert forward[0][1][-1] == 64 + 4  # the two lookups in one collective
+
+
+def test_embedding_adapter_and_modules_to_save_train_exactly_and_round_trip_peft_files(tmp_path):
+    """On gloo at tp=2: AdamW steps of LoRA on every projection and the embedding with the LM head in
+    ``modules_to_save``, every parameter as one process has it after the steps, the frozen base without gradients;
+    ``save_pretrained`` writes what peft's ``save_pretrained`` writes (its keys and values), ``from_pretrained`` of
+    it gives the trained outputs, a peft-saved adapter loads back with peft's outputs, and merges as peft merges it."""
+    result = run_on_ranks(lora_embed_workers.trained_and_saved, 2, str(tmp_path))[0]
+    assert result["worst"] < 1e-5 and result["moved"] > 1e-4, result
+    assert result["frozen_grads"] == [], result
+    assert result["keys"], result
+    for what in ("saved_values", "saved", "loaded", "merged", "merged_table"):
+        assert result[what] < 1e-5, (what, result)

@@ -30,12 +30,15 @@ _ADAPTER_PARTS = ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B", "l
 
 @dataclass(frozen=True)
 class PeftInfo:
-    """What a parallel module keeps of a ``peft`` model: its configs and each LoRA layer's scaling."""
+    """What a parallel module keeps of a ``peft`` model: its configs, each LoRA layer's scaling, and its skeleton."""
 
     configs: dict = field(default_factory=dict)
     """Adapter name -> its peft config (a copy)."""
     scalings: dict = field(default_factory=dict)
     """Module name (as the model names it) -> {adapter name: the ``scaling`` its LoRA output is multiplied by}."""
+    skeleton: object = None
+    """The peft model with every parameter and buffer on the meta device (its modules, configs and wrappers, no
+    data): peft's own ``get_peft_model_state_dict`` reads it to choose what to save, as ``save_pretrained`` does."""
 
     @classmethod
     def of(cls, model) -> PeftInfo | None:
@@ -45,7 +48,18 @@ class PeftInfo:
             return None
         scalings = {name: dict(m.scaling) for name, m in model.named_modules()
                     if isinstance(getattr(m, "scaling", None), dict) and hasattr(m, "lora_A")}
-        return cls(copy.deepcopy(configs), scalings)
+        return cls(copy.deepcopy(configs), scalings, _skeleton(model))
+
+
+def _skeleton(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of ``model`` whose parameters and buffers are on the meta device (the user's model untouched, no
+    memory held for its data)."""
+    memo: dict[int, object] = {}
+    for tensor in (*model.parameters(), *model.buffers()):
+        meta = tensor.detach().to("meta")
+        memo[id(tensor)] = torch.nn.Parameter(meta, tensor.requires_grad) if isinstance(tensor, torch.nn.Parameter) \
+            else meta
+    return copy.deepcopy(model, memo)
 
 
 def _peft_key(key: str, adapter: str) -> str | None:
@@ -57,8 +71,15 @@ def _peft_key(key: str, adapter: str) -> str | None:
     return None
 
 
-def adapter_state(full: dict, adapter: str) -> dict[str, torch.Tensor]:
-    """The adapter's tensors of a full state dict, under the keys peft writes."""
+def adapter_state(full: dict, adapter: str, info: PeftInfo | None = None) -> dict[str, torch.Tensor]:
+    """The adapter's tensors of a full state dict, under the keys peft writes: chosen by peft's own
+    ``get_peft_model_state_dict`` on ``info``'s skeleton (LoRA weights, ``modules_to_save`` copies, embedding layers
+    as peft saves them); without a skeleton, the LoRA weights alone."""
+    if info is not None and info.skeleton is not None:
+        from peft import get_peft_model_state_dict
+
+        chosen = get_peft_model_state_dict(info.skeleton, state_dict=full, adapter_name=adapter)
+        return {key: value.detach().contiguous() for key, value in chosen.items()}
     out = {}
     for key, value in full.items():
         saved = _peft_key(key, adapter)
@@ -80,9 +101,22 @@ def save_adapters(pm, directory: str | os.PathLike, info: PeftInfo) -> None:
             folder = Path(directory) if name == "default" else Path(directory) / name
             folder.mkdir(parents=True, exist_ok=True)
             config.save_pretrained(str(folder))
-            save_file(adapter_state(full, name), str(folder / WEIGHTS_NAME), metadata={"format": "pt"})
+            # tensors sharing memory (tied weights) are written apart, as peft's save_pretrained clones them
+            state = {k: v.clone() for k, v in adapter_state(full, name, info).items()}
+            save_file(state, str(folder / WEIGHTS_NAME), metadata={"format": "pt"})
     if distributed:
         dist.barrier()  # the files are complete on return, on every rank
+
+
+def _ours(key: str, adapter: str, known: set[str]) -> str | None:
+    """The parallel module's key for ``key`` of a file peft saved: an adapter weight with the adapter's name put
+    back, a ``modules_to_save`` copy's (``lm_head.weight`` -> ``lm_head.modules_to_save.default.weight``), or a
+    base weight peft saves as it is (a targeted embedding's)."""
+    pattern = r"\.(" + "|".join(_ADAPTER_PARTS) + r")(\.|$)"
+    candidates = [re.sub(pattern, lambda m: f".{m.group(1)}.{adapter}{m.group(2)}", key, count=1)]
+    module, _, leaf = key.rpartition(".")
+    candidates += [f"{module}.modules_to_save.{adapter}.{leaf}", key]
+    return next((c for c in candidates if c in known), None)
 
 
 def load_adapter(pm, directory: str | os.PathLike, adapter: str = "default") -> None:
@@ -97,18 +131,18 @@ def load_adapter(pm, directory: str | os.PathLike, adapter: str = "default") -> 
     known = set(pm.state_dict())
     mapped = {}
     for key, value in saved.items():
-        ours = re.sub(r"\.(" + "|".join(_ADAPTER_PARTS) + r")\.", lambda m: f".{m.group(1)}.{adapter}.", key, count=1)
-        if ours not in known:
-            raise CheckpointError(f"{path} holds {key}, which this model has no place for (as {ours}); load an adapter "
-                                  f"saved for this model and adapter name {adapter!r}")
+        ours = _ours(key, adapter, known)
+        if ours is None:
+            raise CheckpointError(f"{path} holds {key}, which this model has no place for; load an adapter saved "
+                                  f"for this model and adapter name {adapter!r}")
         mapped[ours] = value
     pm.load_state_dict(mapped, strict=False)
 
 
 def merge_adapters(pm, info: PeftInfo, adapter: str = "default") -> None:
     """Fold adapter ``adapter`` into the base weights (peft's ``merge_and_unload`` arithmetic, ``W += s * B @ A``) on
-    every rank, locally, and zero its ``B`` so that the module computes the merged model. Only plain LoRA on linear
-    layers (no DoRA, no embeddings)."""
+    every rank, locally, and zero its ``B`` so that the module computes the merged model: LoRA on linear layers and
+    on vocabulary-split embeddings (``A`` split like the table's rows), not DoRA."""
     held = dict(pm.state_dict(keep_vars=True))
 
     with torch.no_grad():
@@ -119,6 +153,12 @@ def merge_adapters(pm, info: PeftInfo, adapter: str = "default") -> None:
             base = f"{module}.base_layer.weight"
             if f"{module}.lora_magnitude_vector.{adapter}.weight" in held:
                 raise InputError(f"merge_adapters: {module} is a DoRA layer; merge it with peft on the unsharded model")
+            table = (f"{module}.lora_embedding_A.{adapter}", f"{module}.lora_embedding_B.{adapter}")
+            if base in held and all(n in held for n in table):  # an embedding's: rows [vocab_j] += s * A_j.T @ B.T
+                a, b, w = (plain(held[n]) for n in (*table, base))
+                w.add_((a.t() @ b.t()).to(w.dtype), alpha=scales[adapter])
+                b.zero_()
+                continue
             if base not in held or any(n not in held for n in names.values()):
                 continue  # another pipeline stage's layer
             a, b, w = (plain(held[n]) for n in (names["lora_A"], names["lora_B"], base))
