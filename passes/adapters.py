@@ -68,7 +68,7 @@ def _added_to(node: fx.Node) -> fx.Node | None:
     """The other operand of the add that ``node`` reaches through scalings by a number or a whole factor, if any."""
     at = node
     while (reader := _only_reader(at)) is not None:
-        if reader.target in _SCALES and reader.args[0] is at:
+        if reader.target in _SCALES and (reader.args[0] is at or (reader.target is aten.mul.Tensor and reader.args[1] is at)):
             at = reader
             continue
         if reader.target in _ADDS and len(reader.args) == 2 and not reader.kwargs:
@@ -85,6 +85,10 @@ def _added_base(node: fx.Node, by_node: dict[str, Projection]) -> fx.Node | None
     while other is not None and other.target in _RESHAPES and other.args[0].name in by_node:
         other = other.args[0]
     while other is not None and other.name not in by_node:
+        scaled = [a for a in other.args if isinstance(a, fx.Node) and a.name in by_node] \
+            if other.target is aten.mul.Tensor else []
+        if len(scaled) == 1:  # DoRA's ``(m / ||W + sBA|| - 1) * W x`` beside its adapter's term
+            return scaled[0]
         if other.target not in _ADDS or len(other.args) != 2:
             return None
         other = other.args[0] if isinstance(other.args[0], fx.Node) else None

@@ -356,8 +356,14 @@ def find_projections(graph: fx.Graph) -> dict[str, Projection]:
     """Every projection in ``graph``, keyed by node name, in graph order."""
     specs = _PROJECTION_OPS | grouped_ops()
     found = (_projection(n, specs) or _left_projection(n) or _einsum_projection(n) or _conv_projection(n)
-             for n in graph.nodes if n.op == "call_function")
+             for n in graph.nodes if n.op == "call_function" and not _of_weights(n))
     return {p.node: p for p in found if p is not None}
+
+
+def _of_weights(node: fx.Node) -> bool:
+    """A product of parameters only (DoRA's ``B @ A``): a weight computed from weights, not a layer of activations."""
+    args = [a for a in node.args if isinstance(a, fx.Node)]
+    return len(args) >= 2 and all(param_attr(a) is not None for a in args)
 
 
 def find_embeddings(graph: fx.Graph) -> dict[str, Embedding]:

@@ -1,9 +1,13 @@
 """LoRA on a vocabulary-split token embedding (peft's ``lora_embedding_A`` / ``_B``): ``A`` split by the vocabulary
-like the base table, its lookup's partial sum all-reduced in the base lookup's one all-reduce (``B`` whole)."""
+like the base table, its lookup's partial sum all-reduced in the base lookup's one all-reduce (``B`` whole);
+``modules_to_save`` trained and saved as peft saves it; DoRA split with its base layers. Collectives are counted at
+run time in the one-process checker (``tests.lora_checks``)."""
 
 from __future__ import annotations
 
 import pytest
+
+import autotp
 
 pytest.importorskip("peft")
 
@@ -79,3 +83,36 @@ def test_embedding_adapter_and_modules_to_save_train_exactly_and_round_trip_peft
     assert result["keys"], result
     for what in ("saved_values", "saved", "loaded", "merged", "merged_table"):
         assert result[what] < 1e-5, (what, result)
+
+
+def test_dora_split_with_its_base_layers():
+    """DoRA (``use_dora=True``) split as LoRA is, its magnitude with the base's outputs: exact at tp=2 and tp=4.
+    A column-split layer's row norms are local (no collective); a row-split layer's sum of squares over its split
+    inputs is all-reduced (an ``[out]`` vector, forward only), its adapter's term all-reduced apart from the base's
+    output (both read the base's output), and its magnitude's gradient share summed in backward (``[1, out]``)."""
+    import peft
+    import torch
+
+    x = models.tokens(2, 8, 1)
+    _, base_forward, base_backward = checked(lora_workers.llama(1), 2, (x,))
+    model = peft.get_peft_model(lora_workers.llama(1), peft.LoraConfig(r=4, target_modules=lora_workers.TARGETS,
+                                                                       use_dora=True))
+    torch.manual_seed(1)
+    for p in (p for p in model.parameters() if p.requires_grad):
+        torch.nn.init.normal_(p, std=0.05)
+    report, forward, backward = checked(model, 2, (x,))
+    assert report.exact, str(report)
+    at = "base_model.model.model.layers.0."
+    placed = {k.removeprefix(at): repr(v) for k, v in report.plan.placements.items() if k.startswith(at)}
+    for layer in ("self_attn.q_proj", "mlp.up_proj"):
+        assert placed[f"{layer}.base_layer.weight"] == placed[f"{layer}.lora_B.default.weight"] == "colwise(dim=0)"
+        assert placed[f"{layer}.lora_magnitude_vector.default.weight"] == "colwise(dim=0)"
+        assert placed[f"{layer}.lora_A.default.weight"] == "replicated"
+    for layer in ("self_attn.o_proj", "mlp.down_proj"):
+        assert placed[f"{layer}.base_layer.weight"] == placed[f"{layer}.lora_A.default.weight"] == "rowwise(dim=1)"
+    rows = 2
+    assert sorted(forward) == sorted([*base_forward, *[("all_reduce", (64,)), ("all_reduce", (2, 8, 64))] * rows])
+    *rest, bucket = backward
+    assert bucket[0] == "all_reduce" and len(bucket[1]) == 1
+    assert sorted(rest) == sorted([*base_backward[1:], *[("all_reduce", (1, 64))] * rows])
+    assert autotp.check(model, tp=4, example_inputs=(x,)).exact

@@ -45,6 +45,7 @@ from autotp.torch_private import (
     sizes_not_fixed_by_probes,
     unchanged_module_casts,
 )
+from autotp.capture.quirks.low_rank_norms import write_low_rank_norms
 from autotp.capture.quirks.weight_norms import expand_weight_norms
 from autotp.capture.quirks.weight_writes import data_as_no_grad, read_parameters_past_writes
 from autotp.errors import CaptureError, InputError, TrainingSettingError
@@ -365,6 +366,7 @@ def _capture(model: nn.Module, example_inputs, training: bool | None, fallbacks:
     out_of_place_draws(gm)
     whole_view_writes(gm)
     expand_weight_norms(gm)
+    write_low_rank_norms(gm)
     aliases = tensor_aliases(model)
     _merge_tied_reads(gm, aliases)
     _meta_devices_to_cpu(gm)
