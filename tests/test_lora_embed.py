@@ -116,3 +116,34 @@ def test_dora_split_with_its_base_layers():
     assert bucket[0] == "all_reduce" and len(bucket[1]) == 1
     assert sorted(rest) == sorted([*base_backward[1:], *[("all_reduce", (1, 64))] * rows])
     assert autotp.check(model, tp=4, example_inputs=(x,)).exact
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["qwen2", "mistral", "mixtral", "bert:mlm"])
+def test_zoo_sample_with_lora_on_every_linear_layer_counted(name):
+    """LoRA on every linear layer (``target_modules="all-linear"``) of zoo models beyond Llama, checked at tp=2 and
+    counted at run time against the base model: exact; forward at most the base's collectives, backward at most the
+    base's count, the adapters' gradient shares in one bucket (the last collective). BERT is exact only: its
+    row-split layers with a bias each add an all-reduce of their adapter's rank-r partial sum (its g stays before
+    the bias), and its head transform one more."""
+    import peft
+    import torch
+
+    from devtools import zoo
+
+    entry = zoo.entries({name})[0]
+    torch.manual_seed(0)
+    base = entry.build()
+    inputs = entry.inputs(base)
+    _, base_forward, base_backward = checked(base, 2, inputs, vocab="split")
+    model = peft.get_peft_model(base, peft.LoraConfig(r=4, target_modules="all-linear"))
+    for key, p in model.named_parameters():
+        if "lora_B" in key:
+            torch.nn.init.normal_(p, std=0.05)
+    report, forward, backward = checked(model, 2, inputs, vocab="split")
+    assert report.exact, str(report)
+    if name == "bert:mlm":  # row-split layers with a bias: exact, above the base's count (docs/finetuning.md)
+        return
+    assert len(forward) <= len(base_forward)
+    assert len(backward) <= len(base_backward)
+    assert [c for c in backward if len(c[1]) == 1 and c[1] not in {s for _, s in base_backward}][-1:] == backward[-1:]
