@@ -42,6 +42,30 @@ def _worst(got: dict, want: dict) -> float:
     return max((got[k] - v).abs().max().item() for k, v in want.items() if v.is_floating_point())
 
 
+def dora(rank: int, world: int) -> dict:
+    """AdamW steps of a DoRA-adapted Llama (every projection) at tp=world against one process: the worst
+    difference of any parameter after the steps, and how far the adapters moved."""
+    import peft
+
+    model = peft.get_peft_model(lora_workers.llama(1), peft.LoraConfig(r=lora_workers.RANK, use_dora=True,
+                                                                       target_modules=lora_workers.TARGETS))
+    torch.manual_seed(1)
+    for p in model.parameters():
+        if p.requires_grad:
+            torch.nn.init.normal_(p, mean=1.0 if p.dim() == 1 else 0.0, std=0.05)
+    start, ref = copy.deepcopy(model.state_dict()), copy.deepcopy(model)
+    x, y = models.tokens(2, 8, 1), models.tokens(2, 8, 2)
+    pm = autotp.parallelize(model, tp=world, example_inputs=(x,), quiet=True)
+    opt = torch.optim.AdamW([p for p in pm.parameters() if p.requires_grad], **ADAM)
+    ref_opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], **ADAM)
+    for _ in range(lora_workers.STEPS):
+        pm.step(x, target=y, loss_fn=_loss)
+        opt.step(), opt.zero_grad()
+        _loss(ref(x), y).backward()
+        ref_opt.step(), ref_opt.zero_grad()
+    return {"worst": _worst(pm.full_state_dict(), ref.state_dict()), "moved": _worst(ref.state_dict(), start)}
+
+
 def trained_and_saved(rank: int, world: int, folder: str) -> dict:
     """AdamW steps of the adapted model at tp=world against one process; the frozen base without gradients; then
     ``save_pretrained`` writes the tensors peft's ``get_peft_model_state_dict`` picks, which
@@ -86,4 +110,5 @@ def trained_and_saved(rank: int, world: int, folder: str) -> dict:
     out["merged"] = (_logits(pm(x)) - _logits(merged(x))).abs().max().item()
     table = pm.full_state_dict()["base_model.model.model.embed_tokens.base_layer.weight"]
     out["merged_table"] = (table - merged.state_dict()["model.embed_tokens.weight"]).abs().max().item()
+    out["dora"] = dora(rank, world)  # on the same ranks: a spawned group is the costly part
     return out
