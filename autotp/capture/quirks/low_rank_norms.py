@@ -1,4 +1,4 @@
-"""DoRA's weight norm written as ops a split can follow.
+"""DoRA's weight norm and output written as ops a split can follow.
 
 peft's DoRA divides a layer's output by the norm of each output row of its adapted weight ``W + s * B @ A``,
 computed in the forward (and detached) as ``linalg_norm(W + s * (B(A(eye(in)))).T, dim=1)``: the adapter's
@@ -10,6 +10,11 @@ or ``B`` is, and a sum over a split dim is a partial sum one all-reduce complete
 - on a column-split base each rank holds whole rows: its rows' norms are local;
 - on a row-split base each row's sum of squares is a partial sum over the ranks' input features: an all-reduce of
   an ``[out]`` vector, in the forward only (the norm is detached).
+
+peft adds DoRA's output to the base layer's as ``W x + (v - 1) * W x + v * s * B(A(x))`` (``v``: magnitude over
+norm), reading ``W x`` twice; written as DoRA's own ``v * (W x + s * B(A(x)))`` the base's output has one reader,
+so a row-split base's partial sum carries through the sum and the product into the base's one all-reduce
+(``passes.partial``), the adapter adding no all-reduce of activations.
 
 The values are those of the original ops up to float rounding (the same products, summed in another order).
 """
@@ -79,6 +84,26 @@ def _plain_norm(node: fx.Node) -> bool:
         and _detached(node)
 
 
+def _args(node, target) -> tuple | None:
+    """``node``'s two arguments when it is a call of ``target`` with two, else None."""
+    ok = isinstance(node, fx.Node) and node.op == "call_function" and node.target is target and len(node.args) == 2
+    return tuple(node.args) if ok and not node.kwargs else None
+
+
+def _dora_sum(node: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node, object] | None:
+    """``(v, base, low_rank, s)`` when ``node`` is peft's DoRA output ``base + ((v - 1) * base + (v * low_rank) * s)``
+    (``base``: the base layer's output without a bias, ``v``: magnitude over norm, ``s`` a number)."""
+    top = _args(node, aten.add.Tensor)
+    inner = _args(top[1], aten.add.Tensor) if top else None
+    left, right = (_args(inner[0], aten.mul.Tensor), _args(inner[1], aten.mul.Tensor)) if inner else (None, None)
+    if not left or not right or left[1] is not top[0] or not isinstance(right[1], (int, float)):
+        return None
+    minus, scaled = _args(left[0], aten.sub.Tensor), _args(right[0], aten.mul.Tensor)
+    if not minus or not scaled or minus[1] != 1 or scaled[0] is not minus[0]:
+        return None
+    return minus[0], top[0], scaled[1], right[1]
+
+
 def write_low_rank_norms(gm: fx.GraphModule) -> int:
     """Write DoRA's adapter products and row norms out (module docstring); returns how many nodes were."""
     graph = gm.graph
@@ -95,6 +120,14 @@ def write_low_rank_norms(gm: fx.GraphModule) -> int:
                 if not dead.users:
                     graph.erase_node(dead)
             done += 1
+        elif (dora := _dora_sum(node)) is not None:
+            # ``v * (base + s * low_rank)``, DoRA's own formula: the base's output has one reader, so a row-split
+            # base's partial sum carries through the sum and the product by ``v`` into one all-reduce
+            v, base, low_rank, s = dora
+            _replace(graph, node, [(aten.mul.Tensor, lambda _: (low_rank, s)),
+                                   (aten.add.Tensor, lambda value: (base, value)),
+                                   (aten.mul.Tensor, lambda value: (v, value))])
+            done += 1
         elif _plain_norm(node):
             x, dims = node.args[0], list(node.kwargs.get("dim", node.args[2] if len(node.args) > 2 else None))
             _replace(graph, node, [(aten.mul.Tensor, lambda _: (x, x)),
@@ -102,6 +135,7 @@ def write_low_rank_norms(gm: fx.GraphModule) -> int:
                                    (aten.sqrt.default, lambda value: (value,))])
             done += 1
     if done:
+        graph.eliminate_dead_code()
         graph.lint()
         gm.recompile()
     return done
