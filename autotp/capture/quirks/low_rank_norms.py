@@ -80,8 +80,8 @@ def _plain_norm(node: fx.Node) -> bool:
     ord_, dims = node.kwargs.get("ord", args[1]), node.kwargs.get("dim", args[2])
     keepdim = node.kwargs.get("keepdim", args[3] or False)
     return node.target is aten.linalg_norm.default and ord_ is None and isinstance(dims, (list, tuple)) \
-        and keepdim is False and "dtype" not in node.kwargs and _val(node.args[0]).dtype.is_floating_point \
-        and _detached(node)
+        and keepdim is False and "dtype" not in node.kwargs and _detached(node) \
+        and _val(node.args[0]).dtype in (torch.float32, torch.float64, torch.bfloat16)  # float16's x * x overflows
 
 
 def _args(node, target) -> tuple | None:
