@@ -68,7 +68,8 @@ def _added_to(node: fx.Node) -> fx.Node | None:
     """The other operand of the add that ``node`` reaches through scalings by a number or a whole factor, if any."""
     at = node
     while (reader := _only_reader(at)) is not None:
-        if reader.target in _SCALES and (reader.args[0] is at or (reader.target is aten.mul.Tensor and reader.args[1] is at)):
+        scaled = reader.args[0] is at or (reader.target is aten.mul.Tensor and reader.args[1] is at)  # DoRA: v * BAx
+        if reader.target in _SCALES and scaled:
             at = reader
             continue
         if reader.target in _ADDS and len(reader.args) == 2 and not reader.kwargs:

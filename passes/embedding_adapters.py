@@ -95,8 +95,8 @@ def split_rows_lookup(table: object) -> bool:
 
 
 def joined_lookups(analysis, prop) -> dict[str, list[str]]:
-    """Of ``analysis`` (``passes.analysis.Analysis``) and its ``prop`` (a ``Propagation``): {base lookup node: the adapter lookups reduced with it}: those reduced as it is (the same collective, onto
-    the same layout)."""
+    """Of ``analysis`` (``passes.analysis.Analysis``) and its ``prop`` (a ``Propagation``): {base lookup node: the
+    adapter lookups reduced with it}: those reduced as it is (the same collective, onto the same layout)."""
     out: dict[str, list[str]] = {}
     for adapter in analysis.embedding_adapters.values():
         reduction = prop.reduced.get(adapter.lookup)

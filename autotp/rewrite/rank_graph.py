@@ -240,7 +240,8 @@ class _Surgeon:
         self.reduce_after(node, reduction, bias, shard)
 
     def embedding(self, node: fx.Node, vocab_rows: int, reduction: Operator, shard, adapters=()) -> None:
-        """A masked lookup of this rank's rows, all-reduced (with its ``adapters``' lookups: ``rewrite.joined_lookups``)."""
+        """A masked lookup of this rank's rows, all-reduced (with its ``adapters``' lookups:
+        ``rewrite.joined_lookups``)."""
         for lookup in (node, *adapters):
             start, local = chunk_span(vocab_rows, self.tp, self.rank)  # this rank's rows, as the table was cut
             padding_idx = arg_or_default(lookup, 2, "padding_idx", -1)  # the planner refused the other options
