@@ -70,8 +70,8 @@ def trained_and_saved(rank: int, world: int, folder: str) -> dict:
     """AdamW steps of the adapted model at tp=world against one process; the frozen base without gradients; then
     ``save_pretrained`` writes the tensors peft's ``get_peft_model_state_dict`` picks, which
     ``PeftModel.from_pretrained`` loads with the trained model's outputs; a peft-saved adapter (embedding adapter and
-    ``modules_to_save`` copy included) loads into the parallel module with peft's outputs, and merged there (the
-    embedding's adapter too) computes what peft's ``merge_and_unload`` does."""
+    ``modules_to_save`` copy included) loads into the parallel module with peft's outputs and generation, and
+    merged there (the embedding's adapter too) computes what peft's ``merge_and_unload`` does."""
     import peft
 
     model = adapted().train()
@@ -105,6 +105,9 @@ def trained_and_saved(rank: int, world: int, folder: str) -> dict:
     dist.barrier()
     pm.load_adapter(theirs)
     out["loaded"] = (_logits(pm(x)) - _logits(other(x))).abs().max().item()
+    ids = models.tokens(1, 5, 3)
+    out["generate"] = bool(torch.equal(pm.generate(ids, max_new_tokens=4, do_sample=False),
+                                       other.generate(input_ids=ids, max_new_tokens=4, do_sample=False)))
     pm.merge_adapters()
     merged = other.merge_and_unload().eval()
     out["merged"] = (_logits(pm(x)) - _logits(merged(x))).abs().max().item()

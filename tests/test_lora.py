@@ -135,8 +135,8 @@ def test_zoo_sample_with_lora_on_every_linear_layer(name, biased_rows):
 
 
 def test_ia3_split_with_its_base_and_dora_exact():
-    """IA3's scaling vectors split with their base layers' features at the base's collectives; DoRA is exact (its
-    layers run whole: its magnitude divides by the norm of each row of the whole adapted weight)."""
+    """IA3's scaling vectors split with their base layers' features at the base's collectives; DoRA is exact (split
+    with its base layers: ``test_lora_embed.test_dora_split_with_its_base_layers``)."""
     import peft
     import torch
 

@@ -76,7 +76,8 @@ def test_embedding_adapter_and_modules_to_save_train_exactly_and_round_trip_peft
     """On gloo at tp=2: AdamW steps of LoRA on every projection and the embedding with the LM head in
     ``modules_to_save``, every parameter as one process has it after the steps, the frozen base without gradients;
     ``save_pretrained`` writes what peft's ``save_pretrained`` writes (its keys and values), ``from_pretrained`` of
-    it gives the trained outputs, a peft-saved adapter loads back with peft's outputs, and merges as peft merges it.
+    it gives the trained outputs, a peft-saved adapter loads back with peft's outputs and generation, and merges as
+    peft merges it.
     DoRA on every projection, split with its base layers, takes the same AdamW steps as one process."""
     result = run_on_ranks(lora_embed_workers.trained_and_saved, 2, str(tmp_path))[0]
     assert result["worst"] < 1e-5 and result["moved"] > 1e-4, result
@@ -84,6 +85,7 @@ def test_embedding_adapter_and_modules_to_save_train_exactly_and_round_trip_peft
     assert result["keys"], result
     for what in ("saved_values", "saved", "loaded", "merged", "merged_table"):
         assert result[what] < 1e-5, (what, result)
+    assert result["generate"], result
     assert result["dora"]["worst"] < 1e-5 and result["dora"]["moved"] > 1e-4, result  # DoRA's AdamW steps too
 
 
