@@ -190,7 +190,7 @@ def _check_context(options) -> None:
     """cp > 1 runs with the settings it is tested with: the others are refused, naming them."""
     if options.cp == 1:
         return
-    others = [f"{name}={getattr(options, name)}" for name in ("pp",) if getattr(options, name) > 1]
+    others = []
     if options.tp > 1 and options.dp > 1:
         others.append(f"tp={options.tp} and dp={options.dp} together")
     others += [name for name in ("sequence_parallel", "compile") if getattr(options, name)]

@@ -29,6 +29,14 @@ def _check_grads(pm, ref, label: str) -> float:
     return worst
 
 
+def _check_exchanged(pm, cp: int) -> None:
+    """Every graph (every pipeline stage) this rank holds computes its own chunks: its attentions' keys and values
+    arrived from the other cp ranks (``cp - 1`` of every ``cp`` of their bytes are received)."""
+    for module in pm.rank_modules():
+        received = sum(m.received for name, m in module.named_modules() if name.startswith("cp_kv_"))
+        assert received > 0, f"a graph of this rank exchanged no keys or values at cp={cp}"
+
+
 def train_composed(rank: int, world: int, name: str, settings: dict, seq: int = 16) -> dict:
     """``name`` at ``settings`` (cp with tp, dp or pp): eval outputs, then STEPS AdamW steps of cross-entropy (each
     replica on its rows of the batch) with the loss, every gradient, the gradient norm and every parameter afterwards
@@ -38,13 +46,11 @@ def train_composed(rank: int, world: int, name: str, settings: dict, seq: int = 
     x, y = models.tokens(2 * dp, seq, 1), models.tokens(2 * dp, seq, 2)
     pm = autotp.parallelize(ref, example_inputs=x[:2], **{"tp": 1, **settings})
     rows = slice(2 * pm.dp_rank, 2 * pm.dp_rank + 2)
-    errors = {"output": 0.0, "loss": 0.0, "grad": 0.0}
-    if settings.get("pp", 1) == 1:
-        pm.eval(), ref.eval()
-        with torch.no_grad():
-            got, want = models.first_tensor(pm(x[rows])), models.first_tensor(ref(x[rows]))
-        assert_close(got, want, rtol=1e-5, atol=1e-6)
-        errors["output"] = float((got - want).abs().max())
+    pm.eval(), ref.eval()
+    with torch.no_grad():
+        got, want = models.first_tensor(pm(x[rows])), models.first_tensor(ref(x[rows]))
+    assert_close(got, want, rtol=1e-5, atol=1e-6)
+    errors = {"output": float((got - want).abs().max()), "loss": 0.0, "grad": 0.0}
     pm.train(), ref.train()
     opt, ref_opt = torch.optim.AdamW(pm.parameters(), **ADAM), torch.optim.AdamW(ref.parameters(), **ADAM)
     for _ in range(STEPS):
@@ -61,6 +67,7 @@ def train_composed(rank: int, world: int, name: str, settings: dict, seq: int = 
         assert_close(norm, ref_norm, rtol=1e-5, atol=1e-7)
         opt.step(), ref_opt.step()
         opt.zero_grad(), ref_opt.zero_grad()
+    _check_exchanged(pm, settings.get("cp", 1))
     full = pm.full_state_dict()
     for key, want in ref.state_dict().items():
         assert_close(full[key], want, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name} {settings} {key}: {m}")
