@@ -194,8 +194,6 @@ def _check_context(options) -> None:
     if options.tp > 1 and options.dp > 1:
         others.append(f"tp={options.tp} and dp={options.dp} together")
     others += [name for name in ("sequence_parallel", "compile") if getattr(options, name)]
-    if options.recompute is not Recompute.NONE:
-        others.append(f"recompute={options.recompute.value!r}")
     if others:
         raise InputError(f"cp={options.cp} (context parallelism) runs with tp or dp (one of them) and the defaults "
                          f"for now: {', '.join(others)} with it is not verified; drop those settings, or leave cp at 1")

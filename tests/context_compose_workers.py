@@ -68,6 +68,8 @@ def train_composed(rank: int, world: int, name: str, settings: dict, seq: int = 
         opt.step(), ref_opt.step()
         opt.zero_grad(), ref_opt.zero_grad()
     _check_exchanged(pm, settings.get("cp", 1))
+    if settings.get("recompute", "none") != "none":  # the blocks of every graph this rank trains recompute
+        assert all(any(n.startswith("autotp_recompute_") for n, _ in m.named_children()) for m in pm.rank_modules())
     full = pm.full_state_dict()
     for key, want in ref.state_dict().items():
         assert_close(full[key], want, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name} {settings} {key}: {m}")

@@ -11,11 +11,13 @@ from tests.distributed import run_each_on_ranks
 
 
 def test_cp_with_tp_dp_and_pp_train_exactly_on_four_ranks():
-    """cp=2 x tp=2 (heads and MLP split inside each rank's chunk; K/V exchanged over the cp group) on Llama,
+    """cp=2 x tp=2 (heads and MLP split inside each rank's chunk; K/V exchanged over the cp group) on Llama with
+    every block recomputed in backward (its exchanges run again),
     cp=2 x dp=2 (FSDP replicas, each a cp group reading its own rows) and cp=2 x pp=2 (each stage on its rank's
     chunks, the hidden state sent between stages split) on the hand-written decoder: outputs, losses, every
     gradient, the gradient norm and every parameter after AdamW steps."""
-    jobs = {"cp2 x tp2": (context_compose_workers.train_composed, "llama", {"cp": 2, "tp": 2}),
+    recomputed = {"cp": 2, "tp": 2, "recompute": "blocks"}
+    jobs = {"cp2 x tp2": (context_compose_workers.train_composed, "llama", recomputed),
             "cp2 x dp2": (context_compose_workers.train_composed, "odd", {"cp": 2, "dp": 2}),
             "cp2 x pp2": (context_compose_workers.train_composed, "odd", {"cp": 2, "pp": 2})}
     for per_rank in run_each_on_ranks(4, jobs):
@@ -27,6 +29,21 @@ def test_the_checker_simulates_cp_with_tp():
     report = autotp.check(context_workers.llama(), 2, models.tokens(2, 16, 1), cp=2)
     assert report.exact, str(report)
     assert report.plan.tp == 2 and report.plan.options.cp == 2
+
+
+def test_the_checker_simulates_cp_with_recompute_by_each_exchange():
+    """Blocks of the rewritten graph recompute in backward, running their exchange again (the ring's and Ulysses'
+    own backward inside the recompute): exact, and every rank's graph has recomputed blocks."""
+    blocks = []
+
+    def count(modules, comms):
+        blocks.extend(sum(n.startswith("autotp_recompute_") for n, _ in m.named_children()) for m in modules)
+
+    for exchange in ("ring", "ulysses"):
+        report = autotp.check(context_workers.llama(), 1, models.tokens(2, 16, 1), cp=2, recompute="blocks",
+                              cp_exchange=exchange, modules_hook=count)
+        assert report.exact, (exchange, str(report))
+    assert len(blocks) == 4 and min(blocks) > 0, blocks
 
 
 def test_the_checker_sees_a_cp_rank_of_one_tp_group_computing_the_wrong_tokens(monkeypatch):
