@@ -1,5 +1,6 @@
-"""Context parallelism composed with tensor and data parallelism: cp=2 x tp=2 and cp=2 x dp=2 on four real gloo
-ranks (one spawn), trained against the unsharded model; the checker simulating cp x tp; what stays refused."""
+"""Context parallelism composed with tensor, data and pipeline parallelism and recompute: cp=2 x tp=2, x dp=2 and
+x pp=2 on four real gloo ranks (one spawn; eight ranks for three axes under ``-m slow``), trained against the
+unsharded model; the checker simulating cp x tp and recompute; what stays refused."""
 
 from __future__ import annotations
 
@@ -20,9 +21,32 @@ def test_cp_with_tp_dp_and_pp_train_exactly_on_four_ranks():
     jobs = {"cp2 x tp2": (context_compose_workers.train_composed, "llama", recomputed),
             "cp2 x dp2": (context_compose_workers.train_composed, "odd", {"cp": 2, "dp": 2}),
             "cp2 x pp2": (context_compose_workers.train_composed, "odd", {"cp": 2, "pp": 2})}
-    for per_rank in run_each_on_ranks(4, jobs):
-        for label, errors in per_rank.items():
-            assert errors["output"] <= 1e-6 and errors["loss"] <= 1e-6 and errors["grad"] <= 1e-6, (label, errors)
+    _exact(run_each_on_ranks(4, jobs))
+
+
+def _exact(per_rank: list[dict]) -> None:
+    for errors_of in per_rank:
+        for label, errors in errors_of.items():  # the loss (about 5.5) within 2e-6 of its size, as the workers check
+            assert errors["output"] <= 1e-6 and errors["loss"] <= 1e-5 and errors["grad"] <= 1e-6, (label, errors)
+
+
+@pytest.mark.slow
+def test_cp_with_tp_and_dp_together_trains_exactly_on_eight_ranks():
+    """cp=2 x tp=2 x dp=2 on Llama (FSDP over the tp shards, each replica a cp group): outputs, losses, every
+    gradient, the gradient norm and every parameter after AdamW steps against the unsharded model on the whole
+    batch."""
+    _exact(run_each_on_ranks(8, {"cp2 x tp2 x dp2": (context_compose_workers.train_composed, "llama",
+                                                     {"cp": 2, "tp": 2, "dp": 2})}))
+
+
+@pytest.mark.slow
+def test_cp_with_pp_and_tp_or_dp_trains_exactly_on_eight_ranks():
+    """cp=2 x pp=2 x tp=2 on Llama, and cp=2 x pp=2 x dp=2 with every block recomputed on the hand-written
+    decoder, the same way."""
+    jobs = {"cp2 x pp2 x tp2": (context_compose_workers.train_composed, "llama", {"cp": 2, "pp": 2, "tp": 2}),
+            "cp2 x pp2 x dp2 recompute": (context_compose_workers.train_composed, "odd",
+                                          {"cp": 2, "pp": 2, "dp": 2, "recompute": "blocks"})}
+    _exact(run_each_on_ranks(8, jobs))
 
 
 def test_the_checker_simulates_cp_with_tp():
@@ -61,6 +85,7 @@ def test_the_checker_sees_a_cp_rank_of_one_tp_group_computing_the_wrong_tokens(m
     assert not report.exact
 
 
-def test_cp_with_tp_and_dp_together_is_refused_naming_them():
-    with pytest.raises(autotp.InputError, match="tp=2 and dp=2 together"):
-        autotp.Options(cp=2, tp=2, dp=2)
+def test_cp_with_sequence_parallel_or_compile_is_refused_naming_them():
+    for setting in ("sequence_parallel", "compile"):
+        with pytest.raises(autotp.InputError, match=setting):
+            autotp.Options(cp=2, tp=2, **{setting: True})
