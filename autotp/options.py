@@ -195,8 +195,8 @@ def _check_context(options) -> None:
     if others:
         raise InputError(f"cp={options.cp} (context parallelism) runs with tp, dp, pp and recompute, not yet with "
                          f"{', '.join(others)}: sequence parallelism would split each cp chunk again over tp, which "
-                         "the sequence rewrite does not follow, and torch.compile is not verified over its "
-                         "exchanges; drop those settings, or leave cp at 1")
+                         "the sequence rewrite does not follow, and torch.compile recompiles the exchanges until "
+                         "its recompile limit; drop those settings, or leave cp at 1")
 
 
 @dataclass(frozen=True, repr=False)
