@@ -83,9 +83,3 @@ def test_the_checker_sees_a_cp_rank_of_one_tp_group_computing_the_wrong_tokens(m
 
     report = autotp.check(context_workers.build("odd"), 2, models.tokens(2, 16, 1), cp=2, modules_hook=wrong)
     assert not report.exact
-
-
-def test_cp_with_sequence_parallel_or_compile_is_refused_naming_them():
-    for setting in ("sequence_parallel", "compile"):
-        with pytest.raises(autotp.InputError, match=setting):
-            autotp.Options(cp=2, tp=2, **{setting: True})
