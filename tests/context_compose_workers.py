@@ -29,15 +29,16 @@ def _check_grads(pm, ref, label: str) -> float:
     return worst
 
 
-def _check_exchanged(pm, cp: int) -> None:
+def _check_exchanged(pm, cp: int, every_graph: bool) -> None:
     """Every graph (every pipeline stage) this rank holds computes its own chunks: its attentions' keys and values
-    arrived from the other cp ranks (``cp - 1`` of every ``cp`` of their bytes are received)."""
-    for module in pm.rank_modules():
-        received = sum(m.received for name, m in module.named_modules() if name.startswith("cp_kv_"))
-        assert received > 0, f"a graph of this rank exchanged no keys or values at cp={cp}"
+    arrived from the other cp ranks; not ``every_graph``: one of them at least (a model whose graph reads across
+    positions computes whole from there on: OPT's later stages)."""
+    received = [sum(m.received for name, m in module.named_modules() if name.startswith("cp_kv_"))
+                for module in pm.rank_modules()]
+    assert (min(received) if every_graph else max(received)) > 0, f"no keys or values exchanged at cp={cp}"
 
 
-def train_composed(rank: int, world: int, name: str, settings: dict, seq: int = 16) -> dict:
+def train_composed(rank: int, world: int, name: str, settings: dict, every_graph: bool = True, seq: int = 16) -> dict:
     """``name`` at ``settings`` (cp with tp, dp or pp): eval outputs, then STEPS AdamW steps of cross-entropy (each
     replica on its rows of the batch) with the loss, every gradient, the gradient norm and every parameter afterwards
     equal to the unsharded model's on the whole batch; returns the largest errors."""
@@ -67,7 +68,7 @@ def train_composed(rank: int, world: int, name: str, settings: dict, seq: int = 
         assert_close(norm, ref_norm, rtol=1e-5, atol=1e-7)
         opt.step(), ref_opt.step()
         opt.zero_grad(), ref_opt.zero_grad()
-    _check_exchanged(pm, settings.get("cp", 1))
+    _check_exchanged(pm, settings.get("cp", 1), every_graph)
     if settings.get("recompute", "none") != "none":  # the blocks of every graph this rank trains recompute
         assert all(any(n.startswith("autotp_recompute_") for n, _ in m.named_children()) for m in pm.rank_modules())
     full = pm.full_state_dict()

@@ -31,6 +31,14 @@ def _exact(per_rank: list[dict]) -> None:
 
 
 @pytest.mark.slow
+def test_cp_with_pp_sums_a_weight_tied_across_stages():
+    """OPT's embedding and head, tied, on the first and last of two stages at cp=2: their gradients are summed
+    over the cp ranks on each stage, then over the stages, as the unsharded model's."""
+    _exact(run_each_on_ranks(4, {"cp2 x pp2 OPT": (context_compose_workers.train_composed, "opt",
+                                                   {"cp": 2, "pp": 2}, False)}))
+
+
+@pytest.mark.slow
 def test_cp_with_tp_and_dp_together_trains_exactly_on_eight_ranks():
     """cp=2 x tp=2 x dp=2 on Llama (FSDP over the tp shards, each replica a cp group): outputs, losses, every
     gradient, the gradient norm and every parameter after AdamW steps against the unsharded model on the whole
