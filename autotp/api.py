@@ -46,6 +46,7 @@ from autotp.runtime import (
     tied_groups,
 )
 from autotp.context_parallel import context_parallel
+from autotp.context_pipeline import ContextPipelineModule, context_stages
 from autotp.runtime.generation import Generation, for_generation
 from autotp.runtime.peft_adapters import PeftInfo
 from autotp.runtime.input_spec import InputSpec
@@ -167,7 +168,7 @@ def _parallelize(model: nn.Module, example: ExampleInputs, plan: Plan | None, op
     check_schedule_fits(chosen, options)
     check_same_plan(chosen, group, distributed)
     built = Built(model, graphs, chosen, options, source)
-    if cp > 1:
+    if cp > 1 and pp == 1:
         return context_parallel(built, group, distributed)
     return _tensor_parallel(built, group, distributed) if pp == 1 else _pipeline_parallel(built)
 
@@ -330,7 +331,8 @@ def _pipeline_parallel(built: Built) -> PipelineModule:
     check_pipelined_ep(built.options)
     device = device_for(None, True) or torch.device("cpu")
     schedule = built.options.schedule
-    mesh = Mesh(plan.pp, plan.tp, device, dp=built.options.dp, timeout=group_timeout(), placement=schedule.rank_of)
+    mesh = Mesh(plan.pp, plan.tp, device, dp=built.options.dp, timeout=group_timeout(), placement=schedule.rank_of,
+                cp=built.options.cp)
     comm, stream = TorchComm(mesh.tp_group), RankStream(shared_seed(None, True))
     source = built.source or from_first_rank(built.model, None, True)
     stages: dict[bool, dict[int, torch.fx.GraphModule]] = {}
@@ -344,6 +346,8 @@ def _pipeline_parallel(built: Built) -> PipelineModule:
             cast_for_policy(g, built.options)
     materialise_all([(g, graphs[mode]) for mode in stages for g in stages[mode].values()], plan, mesh.tp_rank,
                     source=source)
+    if built.options.cp > 1:  # after the weights are in, before the DTensors (as without pipelines)
+        context_stages(stages, graphs, plan, mesh, built.options)
     _recompute(built, list(stages[True].values()), stream)
     for held in stages.values():
         for g in held.values():
@@ -353,4 +357,5 @@ def _pipeline_parallel(built: Built) -> PipelineModule:
     elif plan.tp > 1:
         warn_plain(plan)
     parts = _parts(built, comm, stream, names, _data_parallel(built.options, mesh))
-    return PipelineModule(parts, stages, mesh, graphs[True].out_spec, tied)
+    kind = ContextPipelineModule if built.options.cp > 1 else PipelineModule
+    return kind(parts, stages, mesh, graphs[True].out_spec, tied)

@@ -185,7 +185,7 @@ def build_ranks(captured: Captured, plan: Plan, seed: int = SEED,
     """Every tensor-parallel rank's module for ``plan``, its collectives joined through threads; with
     ``recompute``, blocks recompute their activations in backward as ``parallelize`` makes them."""
     if plan.options.cp > 1:
-        return _context_ranks(captured, plan, seed)
+        return _context_ranks(captured, plan, recompute)
     if plan.options.ep > plan.tp and any(p.kind is PlacementKind.EXPERT for p in plan.placements.values()):
         raise InputError(f"the checker simulates the tensor-parallel ranks of one replica, and ep={plan.options.ep} "
                          f"spreads the experts over data-parallel replicas too (tp={plan.tp}); check at ep=tp "
@@ -200,8 +200,10 @@ def build_ranks(captured: Captured, plan: Plan, seed: int = SEED,
     return modules, comms
 
 
-def _context_ranks(captured: Captured, plan: Plan, seed: int) -> tuple[list[fx.GraphModule], list[ThreadComm]]:
-    """Every context-parallel rank's module (each the whole model, computing its own tokens), joined by threads."""
+def _context_ranks(captured: Captured, plan: Plan,
+                   recompute: Recompute) -> tuple[list[fx.GraphModule], list[ThreadComm]]:
+    """Every context-parallel rank's module (each the whole model, computing its own tokens), joined by threads;
+    with ``recompute``, its blocks recompute (and exchange again) in backward."""
     cp, tp = plan.options.cp, plan.tp
     layout = plan_context(captured, cp, plan.options.cp_exchange, plan.options.memory_budget)
     tp_comms = [ThreadComm.group(tp) if tp > 1 else [None] for _ in range(cp)]
@@ -213,6 +215,8 @@ def _context_ranks(captured: Captured, plan: Plan, seed: int) -> tuple[list[fx.G
             # rename the (probability 0) dropouts the layout names.
             gm = rewrite(captured, plan, t, tp_comms[c][t])
             apply_context(gm, layout, cp_comms[t][c], {n for n, p in gm.named_parameters() if p.requires_grad})
+            if recompute is Recompute.BLOCKS:
+                recompute_blocks(gm, captured.analysis, None)
             modules.append(gm)
             comms.append(cp_comms[t][c])
     return modules, comms

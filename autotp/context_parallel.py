@@ -8,11 +8,13 @@ from __future__ import annotations
 import torch
 
 from autotp.errors import InputError
+from autotp.options import Recompute
 from autotp.planning.context_plan import plan_context
 from autotp.rewrite import build_graph, materialise_all
 from autotp.rewrite.comm import TorchComm
 from autotp.rewrite.context_graph import apply_context
 from autotp.rewrite.dtypes import cast_for_policy
+from autotp.rewrite.recompute import recompute_blocks
 from autotp.rewrite.local_reads import distribute
 from autotp.rewrite.streams import RankStream
 from autotp.runtime.context_mesh import ContextMesh
@@ -97,6 +99,8 @@ def context_parallel(built, group, distributed: bool) -> ParallelModule:
     for mode, gm in modules.items():
         layout = plan_context(graphs[mode], cp_comm.size, built.options.cp_exchange, built.options.memory_budget)
         apply_context(gm, layout, cp_comm, {n for n, p in gm.named_parameters() if p.requires_grad})
+        if mode and options.recompute is Recompute.BLOCKS:  # blocks of the rewritten graph: their exchanges rerun
+            recompute_blocks(gm, graphs[mode].analysis, None)
         if device is not None:
             gm.to(device)
     names = state_names(built.model, graphs[True], modules.values(), source)

@@ -190,15 +190,13 @@ def _check_context(options) -> None:
     """cp > 1 runs with the settings it is tested with: the others are refused, naming them."""
     if options.cp == 1:
         return
-    others = [f"{name}={getattr(options, name)}" for name in ("pp",) if getattr(options, name) > 1]
-    if options.tp > 1 and options.dp > 1:
-        others.append(f"tp={options.tp} and dp={options.dp} together")
+    others = []
     others += [name for name in ("sequence_parallel", "compile") if getattr(options, name)]
-    if options.recompute is not Recompute.NONE:
-        others.append(f"recompute={options.recompute.value!r}")
     if others:
-        raise InputError(f"cp={options.cp} (context parallelism) runs with tp or dp (one of them) and the defaults "
-                         f"for now: {', '.join(others)} with it is not verified; drop those settings, or leave cp at 1")
+        raise InputError(f"cp={options.cp} (context parallelism) runs with tp, dp, pp and recompute, not yet with "
+                         f"{', '.join(others)}: sequence parallelism would split each cp chunk again over tp, which "
+                         "the sequence rewrite does not follow, and torch.compile recompiles the exchanges until "
+                         "its recompile limit; drop those settings, or leave cp at 1")
 
 
 @dataclass(frozen=True, repr=False)
@@ -217,8 +215,8 @@ class Options:
     cp: int = 1
     """Context-parallel ranks: every sequence is split across them for the whole model (each rank computes its
     own 2 of ``2 * cp`` chunks; attention all-gathers keys and values). Each rank of a cp group is given the same
-    batch and returns the whole output. With tp or dp, ranks lie on a (dp x cp x tp) mesh, tp innermost. The
-    sequence must be a multiple of ``2 * cp``."""
+    batch and returns the whole output. With tp, dp or pp, ranks lie on a (pp x dp x cp x tp) mesh, tp innermost.
+    The sequence must be a multiple of ``2 * cp``."""
     cp_exchange: ContextExchange = ContextExchange.AUTO
     """How each attention exchanges keys and values across the cp ranks: ``"all_gather"``, ``"ring"``,
     ``"ulysses"`` (where cp divides the KV heads), or ``"auto"``, the cost model's choice per attention; an

@@ -1,6 +1,6 @@
 """Context parallelism: step time, peak memory, bytes saved for backward and bytes moved per rank at cp=1, 2 and 4.
 
-    python -m bench.context_parallel [--seq 8192] [--steps 3]
+    python -m bench.context_parallel [--seq 8192] [--steps 3] [--cps 0,1,2,4] [--recompute]
 
 A Llama (4 layers, hidden 256, 8 heads over 2 KV heads, vocabulary 1024, batch 1) at ``--seq`` tokens on gloo
 ranks on the CPU (one thread each): the unsharded model itself, then ``parallelize(model, cp=N, tp=1)`` at
@@ -9,7 +9,10 @@ cp=1 (one process: the captured graph, whose mask transformers builds whole), 2 
 peak resident set (each run's ranks are fresh processes, so it is that run's: model, optimizer, activations and
 the Python runtime alike); saved bytes are the storages autograd keeps for backward in one forward (parameters excluded,
 ``bench.memory.SavedActivations``); bytes moved are what each rank's key/value gathers received (forward all-gather
-and backward reduce-scatter), next to the all-gather's minimum (every other rank's KV heads, twice).
+and backward reduce-scatter), next to the all-gather's minimum (every other rank's KV heads, twice). ``--recompute``
+adds, after each autotp run, the same run with ``recompute="blocks"`` (each block recomputed in backward, its
+exchange too: the bytes received then include one more forward all-gather); autograd's saved bytes then leave out the
+blocks' inputs, which checkpoint keeps itself, so the peak resident set is the figure to compare.
 """
 
 from __future__ import annotations
@@ -43,12 +46,12 @@ def logits_loss(out, y):
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
 
 
-def measure(rank: int, world: int, seq: int, steps: int, cp: int) -> dict:
+def measure(rank: int, world: int, seq: int, steps: int, cp: int, recompute: str = "none") -> dict:
     """One rank's figures at ``cp`` (0: the unsharded model itself; 1: autotp's module of it in one process)."""
     model = build()
     x = torch.randint(0, 1024, (1, seq), generator=torch.Generator().manual_seed(1))
     y = torch.randint(0, 1024, (1, seq), generator=torch.Generator().manual_seed(2))
-    pm = autotp.parallelize(model, cp=cp, tp=1, example_inputs=x) if cp else model
+    pm = autotp.parallelize(model, cp=cp, tp=1, example_inputs=x, recompute=recompute) if cp else model
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-4)
 
     def loss_of():
@@ -76,15 +79,20 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seq", type=int, default=8192)
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--cps", default="0,1,2,4", help="the runs: 0 is the unsharded model, N autotp at cp=N")
+    parser.add_argument("--recompute", action="store_true", help="each autotp run again with recompute='blocks'")
     args = parser.parse_args(argv)
     print(f"Llama 4 x 256 (8 heads, 2 KV heads), batch 1 x {args.seq}, fp32, gloo on the CPU, one thread per rank")
     print("run             step s  peak RSS/rank  saved for backward/rank  KV bytes received/rank/step  "
           "all-gather minimum  loss")
-    for cp in (0, 1, 2, 4):
-        ranks = run_on_ranks(measure, "cpu", [1] * max(cp, 1), args.seq, args.steps, cp, start_method="spawn")
+    cps = [int(c) for c in args.cps.split(",")]
+    runs = [(cp, rc) for cp in cps for rc in ("none", "blocks") if rc == "none" or (cp and args.recompute)]
+    for cp, recompute in runs:
+        ranks = run_on_ranks(measure, "cpu", [1] * max(cp, 1), args.seq, args.steps, cp, recompute,
+                             start_method="spawn")
         step = max(r["step_s"] for r in ranks)
         r = ranks[0]
-        label = "unsharded model" if cp == 0 else f"autotp cp={cp}"
+        label = "unsharded model" if cp == 0 else f"autotp cp={cp}" + (" rc" if recompute != "none" else "")
         peak = max(r["peak"] for r in ranks)
         print(f"{label:<15} {step:6.2f}  {peak / 2**20:9.0f} MiB  {r['saved'] / 2**20:10.1f} MiB {r['received'] / 2**20:22.2f} MiB "
               f"{r['minimum'] / 2**20:18.2f} MiB  {r['loss']:.6f}")

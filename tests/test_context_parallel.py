@@ -87,8 +87,8 @@ def test_generate_is_refused_with_the_reason_in_the_plan():
     assert any("2 attention product(s) all-gather" in note for note in plan.notes)
 
 
-@pytest.mark.parametrize("settings, match", [({"tp": 2, "dp": 2}, "tp=2 and dp=2"), ({"pp": 2}, "pp=2"),
-                                             ({"cp": 0}, "cp")])
+@pytest.mark.parametrize("settings, match", [({"tp": 2, "sequence_parallel": True}, "sequence_parallel"),
+                                             ({"compile": True}, "compile"), ({"cp": 0}, "cp")])
 def test_settings_cp_is_not_verified_with_are_refused(settings, match):
     with pytest.raises(autotp.InputError, match=match):
         autotp.Options(**{"cp": 2, **settings})

@@ -39,7 +39,7 @@ class _Rewrite:
             self.gm.add_module(self.gathers[kind, dim], Gather(self.comm, self.gm.cp_positions, dim))
         return self.gathers[kind, dim]
 
-    def run(self, trainable: set[str]) -> None:
+    def run(self, trainable: set[str], last: bool = True) -> None:
         self.split_inputs()
         for name in self.layout.lengths:
             self.nodes[name].replace_all_uses_with(self.length)
@@ -65,7 +65,8 @@ class _Rewrite:
             node.replace_input_with(value, selected[arg, dim])
         for name in self.layout.causal:
             self.causal_mask(self.nodes[name])
-        self.outputs()
+        if last:  # a pipeline stage before the last passes its hidden state on as it is: the next takes it split
+            self.outputs()
         self.params(trainable)
         self.graph.lint()
         self.gm.recompile()
@@ -138,11 +139,14 @@ class _Rewrite:
                 node.replace_all_uses_with(summed, delete_user_cb=lambda u: u is not summed)
 
 
-def apply_context(gm: fx.GraphModule, layout: ContextLayout, comm: Communicator, trainable: set[str]) -> None:
+def apply_context(gm: fx.GraphModule, layout: ContextLayout, comm: Communicator, trainable: set[str],
+                  last: bool = True) -> None:
     """Rewrite ``gm`` in place to compute this rank's tokens (``comm``: the cp ranks; ``trainable``: the
     ``get_attr`` targets of the parameters). Attentions the layout exchanges by ring or Ulysses
-    (``layout.methods``) are replaced by their calls (``rewrite.context_attention``)."""
+    (``layout.methods``) are replaced by their calls (``rewrite.context_attention``). ``last``: False for a
+    pipeline stage before the last, whose outputs (its hidden state, split, and the model's inputs) are passed on
+    as they are (``rewrite.context_stages``)."""
     rewrite = _Rewrite(gm, without_exchanged(layout), comm)
-    rewrite.run(trainable)
+    rewrite.run(trainable, last)
     exchange_attention(gm, layout, comm, rewrite.length)
     push_rows(gm, layout.seq, rewrite.positions, rewrite.local_length)

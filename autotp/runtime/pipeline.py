@@ -66,8 +66,8 @@ def tied_groups(stage_graphs: list[fx.GraphModule], mesh: Mesh) -> dict[str, obj
         holders = {mesh.placement(s, mesh.pp) for s in readers[target]}
         if len(holders) < 2:
             continue  # one rank holds every copy: they are one shared tensor already
-        for dp_rank, tp_rank in product(range(mesh.dp), range(mesh.tp)):
-            ranks = sorted(global_rank(p, dp_rank, tp_rank, mesh.dp, mesh.tp) for p in holders)
+        for dp_rank, cp_rank, tp_rank in product(range(mesh.dp), range(mesh.cp), range(mesh.tp)):
+            ranks = sorted(global_rank(p, dp_rank, tp_rank, mesh.dp, mesh.tp, cp_rank, mesh.cp) for p in holders)
             group = dist.new_group(ranks, timeout=group_timeout())
             if dist.get_rank() in ranks:
                 groups[target] = group
