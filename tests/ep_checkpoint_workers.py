@@ -86,9 +86,9 @@ def across_layouts(rank: int, world: int, folder) -> dict:
     return out
 
 
-def _layout(tp: int, dp: int, ep: int) -> dict:
-    """``parallelize``'s keywords for (tp, dp, ep); replicas replicate (ep above tp needs it)."""
-    return {"tp": tp, "dp": dp, "ep": ep} | ({"dp_mode": "replicate"} if dp > 1 else {})
+def _layout(tp: int, dp: int, ep: int, mode: str = "replicate") -> dict:
+    """``parallelize``'s keywords for (tp, dp, ep) with replicas under ``mode``."""
+    return {"tp": tp, "dp": dp, "ep": ep} | ({"dp_mode": mode} if dp > 1 else {})
 
 
 def _replica_step(pm, opt, ref, ref_opt, batch: dict, dp: int) -> float:
@@ -104,7 +104,7 @@ def _replica_step(pm, opt, ref, ref_opt, batch: dict, dp: int) -> float:
 
 
 def through_layouts(rank: int, world: int, folder, layouts: list) -> list:
-    """Mixtral trained one AdamW step at each (tp, dp, ep) of ``layouts`` in turn, each module made with other
+    """Mixtral trained one AdamW step at each (tp, dp, ep[, dp_mode]) of ``layouts`` in turn, each module made with other
     initial weights and loaded (AdamW's state too) from the DCP checkpoint the one before saved; per layout the
     error of the loaded values against those saved (bit for bit: 0), of the step's loss and of every parameter
     after it against the unsharded model trained alike, and the experts a rank's banks hold."""
@@ -112,11 +112,12 @@ def through_layouts(rank: int, world: int, folder, layouts: list) -> list:
     ref = BUILDERS["mixtral"]()
     ref_opt = torch.optim.AdamW(ref.parameters(), **ADAM)
     out, saved = [], None
-    for at, (tp, dp, ep) in enumerate(layouts):
+    for at, layout in enumerate(layouts):
+        tp, dp, ep = layout[:3]
         torch.manual_seed(at)  # other initial weights after the first: every value must come from the checkpoint
-        pm = autotp.parallelize(BUILDERS["mixtral"](), example_inputs=_batch(1), quiet=True, **_layout(tp, dp, ep))
+        pm = autotp.parallelize(BUILDERS["mixtral"](), example_inputs=_batch(1), quiet=True, **_layout(*layout))
         opt = torch.optim.AdamW(pm.parameters(), **ADAM)
-        row = {"layout": (tp, dp, ep)}
+        row = {"layout": tuple(layout)}
         if saved is not None:
             pm.load(folder / f"dcp{at - 1}", optimizer=opt, quiet=True)
             row["loaded"] = _errors(pm.full_state_dict(), saved)

@@ -188,8 +188,10 @@ def _expert_split(profile: Profile, layout: Layout, a: int, b: int) -> tuple[flo
 
 def _expert_group(layout: Layout) -> Layout:
     """The layout the experts' gradients and states are reduced and sharded over: the dp x tp / ep ranks that hold
-    the same experts (their data-parallel group)."""
-    return dataclasses.replace(layout, dp=layout.dp * layout.tp // layout.ep)
+    the same experts (their data-parallel group). Above tp FSDP leaves the experts whole on their ranks (the
+    runtime all-reduces their gradients over that group, as replicas do)."""
+    mode = DataParallelMode.REPLICATE if layout.ep > layout.tp else layout.dp_mode
+    return dataclasses.replace(layout, dp=layout.dp * layout.tp // layout.ep, dp_mode=mode)
 
 
 def _ep_time(profile: Profile, layout: Layout, link: Link, units: range) -> float:
