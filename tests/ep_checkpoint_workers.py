@@ -104,8 +104,8 @@ def _replica_step(pm, opt, ref, ref_opt, batch: dict, dp: int) -> float:
 
 
 def through_layouts(rank: int, world: int, folder, layouts: list) -> list:
-    """Mixtral trained one AdamW step at each (tp, dp, ep[, dp_mode]) of ``layouts`` in turn, each module made with other
-    initial weights and loaded (AdamW's state too) from the DCP checkpoint the one before saved; per layout the
+    """Mixtral trained one AdamW step at each (tp, dp, ep[, dp_mode]) of ``layouts`` in turn, each module made with
+    other initial weights and loaded (AdamW's state too) from the DCP checkpoint the one before saved; per layout the
     error of the loaded values against those saved (bit for bit: 0), of the step's loss and of every parameter
     after it against the unsharded model trained alike, and the experts a rank's banks hold."""
     torch.manual_seed(0)
