@@ -26,7 +26,7 @@ from autotp.planning.plan import check_schedule_fits
 from autotp.rewrite import build_graph, materialise_all, split_stages
 from autotp.rewrite.cache_layout import build_cache_steps
 from autotp.rewrite.comm import TorchComm
-from autotp.runtime.expert_groups import check_pipelined_ep, expert_ranks, reduce_experts_over_replicas
+from autotp.runtime.expert_groups import expert_ranks, reduce_experts_over_replicas
 from autotp.rewrite.dtypes import cast_for_policy
 from autotp.rewrite.local_reads import distribute
 from autotp.rewrite.loss_graph import build_loss_graph
@@ -328,34 +328,42 @@ def _distribute_shared(plan: Plan, names, graphs: list, comm, dp, device) -> Non
 
 def _pipeline_parallel(built: Built) -> PipelineModule:
     plan, graphs = built.plan, built.graphs
-    check_pipelined_ep(built.options)
     device = device_for(None, True) or torch.device("cpu")
     schedule = built.options.schedule
     mesh = Mesh(plan.pp, plan.tp, device, dp=built.options.dp, timeout=group_timeout(), placement=schedule.rank_of,
                 cp=built.options.cp)
     comm, stream = TorchComm(mesh.tp_group), RankStream(shared_seed(None, True))
     source = built.source or from_first_rank(built.model, None, True)
+    dp = _data_parallel(built.options, mesh)
+    # ep above tp: each stage dispatches over its own dp x tp ranks (Megatron's expert-model-parallel group)
+    experts = expert_ranks(built.options, mesh.dp_rank, mesh.tp_rank, mesh.pp_rank)
+    ep_comm = experts.comm if experts is not None else None
     stages: dict[bool, dict[int, torch.fx.GraphModule]] = {}
     for mode, captured in graphs.items():
-        gm = build_graph(captured, plan, mesh.tp_rank, comm, stream)
+        gm = build_graph(captured, plan, mesh.tp_rank, comm, stream, ep_comm=ep_comm)
         every = split_stages(gm, captured.analysis, plan, list(range(len(plan.stages))))
         if mode:
             names, tied = state_names(built.model, captured, every, source), tied_groups(every, mesh)
         stages[mode] = {i: g for i, g in enumerate(every) if schedule.rank_of(i, plan.pp) == mesh.pp_rank}
         for g in stages[mode].values():
             cast_for_policy(g, built.options)
-    materialise_all([(g, graphs[mode]) for mode in stages for g in stages[mode].values()], plan, mesh.tp_rank,
-                    source=source)
+    held_graphs = [(g, graphs[mode]) for mode in stages for g in stages[mode].values()]
+    materialise_all(held_graphs, plan, mesh.tp_rank, source=source,
+                    expert_rank=experts.rank if experts is not None else None)
+    if experts is not None:
+        reduce_experts_over_replicas(dp, experts, held_graphs, plan)
     if built.options.cp > 1:  # after the weights are in, before the DTensors (as without pipelines)
         context_stages(stages, graphs, plan, mesh, built.options)
     _recompute(built, list(stages[True].values()), stream)
     for held in stages.values():
         for g in held.values():
             g.to(device)
-    if plan.tp > 1 and expressible(plan):
+    # at ep above tp a rank's experts are not a tp shard (see _tensor_parallel): plain tensors
+    if plan.tp > 1 and expressible(plan) and experts is None:
         distribute([g for held in stages.values() for g in held.values()], layout_of(plan, names), mesh.mesh["tp"])
-    elif plan.tp > 1:
+    elif plan.tp > 1 and experts is None:
         warn_plain(plan)
-    parts = _parts(built, comm, stream, names, _data_parallel(built.options, mesh))
     kind = ContextPipelineModule if built.options.cp > 1 else PipelineModule
-    return kind(parts, stages, mesh, graphs[True].out_spec, tied)
+    pm = kind(_parts(built, comm, stream, names, dp), stages, mesh, graphs[True].out_spec, tied)
+    pm.expert_comm = ep_comm
+    return pm

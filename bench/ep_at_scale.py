@@ -96,7 +96,8 @@ def _row(p) -> dict:
 
 def best(found: list[Profile], devices: int, batch: int, fixed: dict) -> list[dict]:
     """The ranked layouts of ``devices`` devices with ``fixed`` settings, the first five."""
-    # every=True: the layouts priced, ep above tp with pp included, which the runtime does not run yet.
+    # every=True: every layout priced, also those parallelize does not run yet (cp with ep, a mixed-precision fsdp
+    # policy at ep above tp), to price published layouts beside ours.
     return [_row(p) for p in rank_layouts(found, devices, batch, fixed, H100, None, every=True)[:5]]
 
 

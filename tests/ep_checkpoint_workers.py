@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 import autotp
-from tests.ep_workers import BUILDERS, _batch
+from tests.ep_workers import BUILDERS, _batch, _global_batch, _reference_loss, _sliced
 from tests.moe_workers import mixtral
 from tests.structures_workers import ADAM, _error
 
@@ -83,4 +83,50 @@ def across_layouts(rank: int, world: int, folder) -> dict:
     exported = transformers.MixtralForCausalLM.from_pretrained(str(folder / "hf"))
     out["from_pretrained"] = _errors(exported.state_dict(), after["saved"])
     out["generate"] = generates_alike(world)
+    return out
+
+
+def _layout(tp: int, dp: int, ep: int, mode: str = "replicate") -> dict:
+    """``parallelize``'s keywords for (tp, dp, ep) with replicas under ``mode``."""
+    return {"tp": tp, "dp": dp, "ep": ep} | ({"dp_mode": mode} if dp > 1 else {})
+
+
+def _replica_step(pm, opt, ref, ref_opt, batch: dict, dp: int) -> float:
+    """One AdamW step of ``pm`` on its replica's rows of ``batch`` and of ``ref`` on the replicas' mean loss (what
+    data parallelism trains); the error of this replica's loss."""
+    mine = _sliced(batch, pm.dp_rank if dp > 1 else 0, dp)
+    loss = _step(pm, opt, mine)
+    want = ref(**mine).loss.detach()
+    _reference_loss(ref, batch, dp).backward()
+    ref_opt.step()
+    ref_opt.zero_grad()
+    return _error(loss, want)
+
+
+def through_layouts(rank: int, world: int, folder, layouts: list) -> list:
+    """Mixtral trained one AdamW step at each (tp, dp, ep[, dp_mode]) of ``layouts`` in turn, each module made with
+    other initial weights and loaded (AdamW's state too) from the DCP checkpoint the one before saved; per layout the
+    error of the loaded values against those saved (bit for bit: 0), of the step's loss and of every parameter
+    after it against the unsharded model trained alike, and the experts a rank's banks hold."""
+    torch.manual_seed(0)
+    ref = BUILDERS["mixtral"]()
+    ref_opt = torch.optim.AdamW(ref.parameters(), **ADAM)
+    out, saved = [], None
+    for at, layout in enumerate(layouts):
+        tp, dp, ep = layout[:3]
+        torch.manual_seed(at)  # other initial weights after the first: every value must come from the checkpoint
+        pm = autotp.parallelize(BUILDERS["mixtral"](), example_inputs=_batch(1), quiet=True, **_layout(*layout))
+        opt = torch.optim.AdamW(pm.parameters(), **ADAM)
+        row = {"layout": tuple(layout)}
+        if saved is not None:
+            pm.load(folder / f"dcp{at - 1}", optimizer=opt, quiet=True)
+            row["loaded"] = _errors(pm.full_state_dict(), saved)
+        row["loss"] = _replica_step(pm, opt, ref, ref_opt, _global_batch(3 + at), dp)
+        full = pm.full_state_dict()
+        row["params"] = _errors(full, ref.state_dict())
+        saved = {k: v.clone() for k, v in full.items() if k in ref.state_dict()}
+        pm.save(folder / f"dcp{at}", optimizer=opt)
+        local = {n: p.to_local() if hasattr(p, "to_local") else p for n, p in pm.named_parameters()}
+        row["local_experts"] = sorted({p.shape[0] for n, p in local.items() if "experts" in n and p.dim() == 3})
+        out.append(row)
     return out

@@ -111,11 +111,13 @@ def test_a_plan_file_reads_ep_layouts_and_those_written_before_them():
 def test_parallelize_refuses_a_searched_ep_the_runtime_cannot_run_yet():
     assert ep_unrunnable(autotp.Options(tp=2, ep=2)) is None and ep_unrunnable(autotp.Options(tp=2)) is None
     assert ep_unrunnable(autotp.Options(tp=1, dp=4, ep=4, dp_mode="replicate")) is None  # the all-to-all dispatch
-    assert "fsdp" in ep_unrunnable(autotp.Options(tp=1, dp=4, ep=4, dp_mode="fsdp"))
-    assert "pp=2" in ep_unrunnable(autotp.Options(tp=1, dp=2, pp=2, ep=2, dp_mode="replicate"))
+    assert ep_unrunnable(autotp.Options(tp=1, dp=4, ep=4, dp_mode="fsdp")) is None
+    assert ep_unrunnable(autotp.Options(tp=1, dp=2, pp=2, ep=2, dp_mode="replicate")) is None
+    bf16 = autotp.Options(tp=1, dp=4, ep=4, dp_mode="fsdp", mixed_precision="bfloat16")
+    assert "mixed_precision" in ep_unrunnable(bf16)
     assert "multiple of tp" in ep_unrunnable(autotp.Options(tp=4, ep=2))
     with pytest.raises(PlanError, match=r"chose tp=1 pp=1 dp=4 ep=4 for 4 devices.*Fix ep"):
-        refuse_unrunnable_ep(autotp.Options(tp=1, dp=4, ep=4, dp_mode="fsdp"), 4)
+        refuse_unrunnable_ep(bf16, 4)
 
 
 def test_a_captured_mixtures_layers_are_found_for_the_search():

@@ -17,7 +17,8 @@ from autotp.errors import InputError, PlanError
 from autotp.passes.placement import Placement, PlacementKind
 from autotp.passes.routed_experts import ExpertLayer
 from autotp.planning.expert_layout import NO_BANK, NOT_TP, expert_notes
-from autotp.runtime.expert_groups import check_ep_layout, check_pipelined_ep
+from autotp.planning.ep_runtime import ep_unrunnable
+from autotp.runtime.expert_groups import check_ep_layout, group_members
 from autotp.tools import cli
 from tests import models
 from tests.distributed import run_on_ranks
@@ -177,15 +178,14 @@ def test_ep_over_data_parallel_ranks_trains_exactly_by_all_to_all():
     """tp=1, dp=2, ep=2: each replica holds half the experts and routes its own tokens to both ranks' experts;
     outputs, the losses of 2 AdamW steps (the auxiliary router loss included) and every parameter after them equal
     the unsharded model trained on the replicas' mean loss, also with every token routed to the first rank's
-    experts. Each all-to-all carries every routed row of both replicas once, each way. A sharded checkpoint is
-    refused (its parts are recorded by tp rank); full_state_dict gathers the experts over their ep group."""
+    experts. Each all-to-all carries every routed row of both replicas once, each way; full_state_dict gathers the
+    experts over their ep group (sharded checkpoints: tests/test_ep_checkpoint.py)."""
     configs = [("mixtral", 1, 2, 2, False), ("mixtral", 1, 2, 2, True)]
     ranks = run_on_ranks(expert_parallel_over_dp, 2, configs)
     for rank in ranks:
         for label, r in rank.items():
             assert r["output"] < 1e-5 and max(r["losses"]) < 1e-5 and r["params"] < 1e-5, (label, r)
             assert max(r["norms"]) < 1e-5 and r["local_experts"] == [2], (label, r)
-            assert "save pm.full_state_dict() instead" in r["save"], r["save"]
     rows = TOP_K * BATCH_DP * SEQ * HIDDEN * 4  # both replicas' routed rows
     for label in ranks[0]:
         for d in ("forward", "backward"):
@@ -196,9 +196,11 @@ def test_ep_over_data_parallel_ranks_trains_exactly_by_all_to_all():
 def test_ep_over_tensor_and_data_parallel_ranks_on_four_ranks():
     """On 4 ranks: tp=2 x dp=2 with ep=4 (one expert per rank, each tp rank dispatching its half of the rows),
     tp=1 x dp=4 with ep=2 (each expert held by two replicas, which sum its gradient) and DeepSeek-V3 (shared expert,
-    grouped router) at tp=2 x dp=2 with ep=4: exact as on 2 ranks, gradient norms included, and every routed row
+    grouped router) at tp=2 x dp=2 with ep=4, and tp=1 x dp=4 with ep=2 under fsdp (the experts whole, their
+    gradients summed over their two holders): exact as on 2 ranks, gradient norms included, and every routed row
     crosses once each way."""
-    configs = [("mixtral", 2, 2, 4, False), ("mixtral", 1, 4, 2, False), ("deepseek", 2, 2, 4, False)]
+    configs = [("mixtral", 2, 2, 4, False), ("mixtral", 1, 4, 2, False), ("deepseek", 2, 2, 4, False),
+               ("mixtral", 1, 4, 2, False, "fsdp")]
     ranks = run_on_ranks(expert_parallel_over_dp, 4, configs)
     for rank in ranks:
         for label, r in rank.items():
@@ -218,13 +220,30 @@ def test_ep_with_pipeline_stages_trains_exactly():
         assert max(rank["losses"]) < 1e-5 and rank["params"] < 1e-5 and rank["local_experts"] == [2], rank
 
 
+@pytest.mark.slow  # about 2 minutes on 2 cores each
+@pytest.mark.parametrize("mode", ["replicate", "fsdp"])
+def test_ep_above_tp_with_pipeline_stages_trains_exactly(mode):
+    """tp=1, dp=2, pp=2, ep=2 on 4 ranks: each stage dispatches over its own two replicas (its expert-parallel
+    group), each holding 2 of the 4 experts (under fsdp the dense layers sharded over the replicas, the experts
+    whole); 2 AdamW steps over 2 microbatches equal the unsharded model's."""
+    for rank in run_on_ranks(with_pipeline, 4, 1, 2, 2, 2, mode):
+        assert max(rank["losses"]) < 1e-5 and rank["params"] < 1e-5 and rank["local_experts"] == [2], rank
+
+
+def test_each_pipeline_stage_dispatches_over_its_own_data_and_tensor_parallel_ranks():
+    """ep above tp with pp: a stage's expert-parallel groups and replica groups are ranks of that stage only."""
+    assert group_members(1, dp=2, tp=1, ep=2) == ([[2, 3]], [[2], [3]])
+    assert group_members(1, dp=2, tp=2, ep=2) == ([[4, 5], [6, 7]], [[4, 6], [5, 7]])
+    assert ep_unrunnable(autotp.Options(tp=1, dp=2, pp=2, ep=2, dp_mode="replicate")) is None
+    assert ep_unrunnable(autotp.Options(tp=1, dp=2, pp=2, ep=2, dp_mode="fsdp")) is None
+
+
 def test_ep_above_tp_is_refused_where_it_cannot_be_exact():
-    """FSDP would average the experts' gradients over replicas holding other experts; a pipeline's stages dispatch
-    over their tp ranks; the checker simulates one replica's tp ranks."""
-    with pytest.raises(InputError, match="needs dp_mode='replicate'"):
-        check_ep_layout(autotp.Options(tp=1, dp=2, ep=2))
-    with pytest.raises(InputError, match="above tp=1 with pp=2 is not supported"):
-        check_pipelined_ep(autotp.Options(tp=1, dp=2, pp=2, ep=2))
+    """FSDP's mixed precision would not cast the experts it leaves whole; the checker simulates one replica's tp
+    ranks."""
+    with pytest.raises(InputError, match="under dp_mode='fsdp' with mixed_precision is not supported"):
+        check_ep_layout(autotp.Options(tp=1, dp=2, ep=2, mixed_precision="bfloat16"))
+    check_ep_layout(autotp.Options(tp=1, dp=2, ep=2))  # fsdp leaves the experts whole, reduced over their replicas
     torch.manual_seed(0)
     with pytest.raises(InputError, match="the checker simulates the tensor-parallel ranks of one replica"):
         autotp.check(mixtral(), tp=1, dp=2, ep=2, example_inputs=(_ids(),))

@@ -16,10 +16,8 @@ def ep_unrunnable(options: Options) -> str | None:
         return None
     if options.ep % options.tp:
         return f"ep={options.ep} is not a multiple of tp={options.tp} (an ep group is made of whole tp groups)"
-    if options.pp > 1:
-        return f"ep={options.ep} above tp={options.tp} with pp={options.pp} (stages dispatch over their tp ranks)"
-    if options.dp > 1 and options.dp_mode is DataParallelMode.FSDP:
-        return f"ep={options.ep} above tp={options.tp} under dp_mode='fsdp' (the runtime needs 'replicate')"
+    if options.dp_mode is DataParallelMode.FSDP and options.mixed_precision is not None:
+        return f"ep={options.ep} above tp={options.tp} under dp_mode='fsdp' with mixed_precision"
     return None
 
 

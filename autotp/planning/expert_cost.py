@@ -11,8 +11,9 @@ experts, and prices, per MoE layer:
   Megatron dispatches them with sequence parallelism), over the ep group's link (NVLink when the ep consecutive
   ranks fit in a node, InfiniBand otherwise). The tensor-parallel collectives of the layer are kept (Megatron
   gathers the tokens over tp around the dispatch at tp > 1), so ep never looks cheaper than it is there;
-- **memory**: ``E / ep`` whole experts per rank, against ``1 / tp`` of every expert; their gradients reduced (and,
-  under fsdp, their states sharded) over the ``dp x tp / ep`` ranks that hold the same experts;
+- **memory**: ``E / ep`` whole experts per rank, against ``1 / tp`` of every expert; their gradients reduced over
+  the ``dp x tp / ep`` ranks that hold the same experts (and under fsdp their states sharded over them at
+  ``ep = tp``; above tp FSDP leaves the experts whole, ``layout_cost._expert_group``);
 - **compute**: the routing's expected load (``tokens x top-k / E`` rows per expert) is the same FLOPs per rank
   either way, but the matmuls differ in shape: under tp each expert's matmul is ``rows x width / tp``, under ep
   ``rows x ep / tp`` by the whole ``width``. A matmul with a dimension under the machine's ``tile`` runs at that

@@ -28,6 +28,7 @@ from autotp.planning.context_cost import exchange_memory, exchange_time, grad_su
 from autotp.planning.expert_cost import ALL_TO_ALLS, MoeLayer, dispatch_bytes, slowdown_flops
 from autotp.planning.machines import Link, Machine
 from autotp.planning.pricing import TRAINING_COPIES
+from autotp.planning.unit_index import UnitIndex, index_of
 
 
 @dataclass(frozen=True)
@@ -151,18 +152,23 @@ def stage_bounds(starts: list[int], units: int) -> list[tuple[int, int]]:
     return list(zip(starts, ends))
 
 
+def _index(profile: Profile) -> UnitIndex:
+    """``profile``'s collectives and MoE layers by unit (built once per profile)."""
+    return index_of(profile)
+
+
 def _tp_time(profile: Profile, link: Link, share: float, calls: int, units: range) -> float:
     """Seconds of the tensor-parallel collectives of ``units`` in one step over ``share`` of the global batch,
     each run in ``calls`` calls (one per microbatch): the latency per call, the bytes once."""
     if profile.tp == 1:
         return 0.0
-    total = 0.0
-    for op, nbytes, unit in profile.collectives:
-        if unit not in units:
-            continue
-        price = link.all_reduce if op is CollectiveOp.ALL_REDUCE else link.all_gather
-        total += calls * link.latency + price(nbytes * share, profile.tp) - link.latency
-    return total
+    count, reduced, gathered = _index(profile).collectives_in(units)
+    if not count:
+        return 0.0
+    # a collective's price is linear in its bytes (machines.Link): priced from the stage's count and byte sums
+    bytes_time = (link.all_reduce(reduced * share, profile.tp) - link.latency
+                  + link.all_gather(gathered * share, profile.tp) - link.latency)
+    return count * calls * link.latency + bytes_time
 
 
 def _dp_time(layout: Layout, grad_bytes: float, link: Link) -> float:
@@ -182,14 +188,16 @@ def _expert_split(profile: Profile, layout: Layout, a: int, b: int) -> tuple[flo
     params = sum(profile.params[a:b])
     if layout.ep == 1:
         return params, 0.0
-    moe = [layer for layer in profile.moe if a <= layer.unit < b]
+    moe = list(_index(profile).moe_in(range(a, b)))
     return params - sum(m.rank_params for m in moe), sum(m.params for m in moe) / layout.ep
 
 
 def _expert_group(layout: Layout) -> Layout:
     """The layout the experts' gradients and states are reduced and sharded over: the dp x tp / ep ranks that hold
-    the same experts (their data-parallel group)."""
-    return dataclasses.replace(layout, dp=layout.dp * layout.tp // layout.ep)
+    the same experts (their data-parallel group). Above tp FSDP leaves the experts whole on their ranks (the
+    runtime all-reduces their gradients over that group, as replicas do)."""
+    mode = DataParallelMode.REPLICATE if layout.ep > layout.tp else layout.dp_mode
+    return dataclasses.replace(layout, dp=layout.dp * layout.tp // layout.ep, dp_mode=mode)
 
 
 def _ep_time(profile: Profile, layout: Layout, link: Link, units: range) -> float:
@@ -199,13 +207,13 @@ def _ep_time(profile: Profile, layout: Layout, link: Link, units: range) -> floa
     m = layout.microbatches
     return sum(ALL_TO_ALLS * m * link.all_to_all(dispatch_bytes(layer, layout.tp, layout.dp, m, profile.itemsize),
                                                  layout.ep)
-               for layer in profile.moe if layer.unit in units)
+               for layer in _index(profile).moe_in(units))
 
 
 def _expert_slowdown(profile: Profile, layout: Layout, tile: int, units: range) -> float:
     """Forward FLOPs per rank the expert matmuls' tile efficiency adds in ``units`` (``expert_cost``)."""
     return sum(slowdown_flops(layer, layout.tp, layout.ep, layout.dp, layout.microbatches, tile)
-               for layer in profile.moe if layer.unit in units)
+               for layer in _index(profile).moe_in(units))
 
 
 def _in_flight(layout: Layout) -> float:

@@ -10,6 +10,7 @@ those units, so the predicted stages are the ones ``make_plan`` will build.
 
 from __future__ import annotations
 
+import functools
 import math
 
 from collections.abc import Iterator, Mapping
@@ -228,9 +229,16 @@ def rank_layouts(profiles: list[Profile], world: int, batch: int, fixed: Mapping
         for layout in layouts(profile, world, batch, fixed, every):
             key = (id(profile), layout.pp * layout.virtual_stages)
             if key not in starts:
-                starts[key] = balanced_split(profile.compute, profile.params, key[1], balance, forced)
+                starts[key] = _split(profile.compute, profile.params, key[1], balance, tuple(forced))
             predictions.append(predict(profile, layout, starts[key], machine, budget))
     return ranked(predictions)
+
+
+@functools.lru_cache(maxsize=1024)
+def _split(compute: tuple, params: tuple, stages: int, balance: Balance, forced: tuple) -> tuple[int, ...]:
+    """``balance.balanced_split``, kept: a sweep over device counts (and the profiles with and without sequence
+    parallelism, whose units cost alike) asks for the same splits again, each a dynamic program over the units."""
+    return tuple(balanced_split(compute, params, stages, balance, list(forced)))
 
 
 def _batch_symbol(captured: Captured) -> str:

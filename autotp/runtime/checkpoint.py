@@ -22,7 +22,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from autotp.errors import InputError
-from autotp.passes.placement import Part, part_of
+from autotp.passes.placement import Part, PlacementKind, part_of
 from autotp.planning.plan import Plan
 from autotp.runtime import dcp
 from autotp.runtime.data_parallel import dp_shard, gathered, local, placed_like
@@ -61,21 +61,32 @@ class Holding:
 
 def holding(plan: Plan, tp_rank: int, own: dict[str, torch.Tensor], params: dict[str, nn.Parameter],
             extra: dict[str, object], aliases: dict[str, str], group, distributed: bool,
-            shapes: dict[str, tuple[int, ...]]) -> Holding:
+            shapes: dict[str, tuple[int, ...]], experts: tuple[int, int] | None = None) -> Holding:
     """The ``Holding`` of a rank whose tensors are ``own`` (tp shards under original names; FSDP DTensors are
     gathered over dp, a collective), plus ``extra`` state every rank keeps whole (tensors only are saved).
     With data parallelism every replica holds the same chunks: a save over the whole world writes each once.
-    ``shapes``: the full tensors' shapes by name (a shard does not tell them where its chunks differ)."""
+    ``shapes``: the full tensors' shapes by name (a shard does not tell them where its chunks differ).
+    ``experts``: (this rank's place in its expert-parallel group, ep) when ep is above tp: a bank split by expert
+    is then recorded by the experts the rank holds, not by its tp rank, so any layout reads the right rows."""
     tensors, sharded = {}, {name: t for name, t in own.items() if isinstance(t, DTensor)}
     for name, tensor in own.items():
         tensor = gathered(tensor)
         placement = plan.placements.get(name)
         shape = shapes[name] if placement is not None and placement.is_split else tuple(tensor.shape)
-        tensors[name] = (tensor, part_of(placement, shape, tp_rank, plan.tp))
+        rank, count = _part_rank(placement, tp_rank, plan.tp, experts)
+        tensors[name] = (tensor, part_of(placement, shape, rank, count))
     for name, value in extra.items():
         if isinstance(value, torch.Tensor):
             tensors.setdefault(name, (value, Part(tuple(value.shape))))
     return Holding(tensors, params, aliases, group, distributed, sharded)
+
+
+def _part_rank(placement, tp_rank: int, tp: int, experts: tuple[int, int] | None) -> tuple[int, int]:
+    """The (rank, ranks) a tensor placed as ``placement`` is cut by: an expert-split bank by its expert-parallel
+    rank among ``ep`` when ``experts`` is given (ep above tp), anything else by its tp rank among ``tp``."""
+    if experts is not None and placement is not None and placement.kind is PlacementKind.EXPERT:
+        return experts
+    return tp_rank, tp
 
 
 def _format(value: str) -> str:

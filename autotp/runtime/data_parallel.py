@@ -157,18 +157,21 @@ class DataParallel:
         # Explicitly True: FSDP's default keeps a root's parameters whole after forward until the backward,
         # so after a forward with no backward (an evaluation, a forward before the optimizer is made)
         # ``parameters()`` would hand out the whole tensors instead of the shards.
-        fully_shard(unit, mesh=self.mesh.dp_mesh, reshard_after_forward=True, mp_policy=fsdp_policy(self.policy))
+        # ep above tp: a rank's experts are not its dp replicas' (they hold other experts), so FSDP leaves them
+        # whole on the rank; their gradients are summed over the ranks holding the same experts (average_gradients)
+        experts = {p for p in unit.parameters() if id(p) in self.experts} or None
+        fully_shard(unit, mesh=self.mesh.dp_mesh, reshard_after_forward=True, mp_policy=fsdp_policy(self.policy),
+                    ignored_params=experts)
         if data_writes(train_graph):  # before FSDP's own pre-forward hook gathers the shards
             unit.register_forward_pre_hook(_write_shards, prepend=True)
         return unit
 
     def average_gradients(self, params: Iterable[nn.Parameter]) -> None:
-        """Average the gradients of ``params`` over the replicas (``replicate``; FSDP's hooks already did)."""
-        if self.sharded:
-            return
+        """Average the gradients of ``params`` over the replicas (``replicate``; under fsdp FSDP's hooks already
+        did, but for the experts it leaves whole at ep above tp)."""
         held = [p for p in _unique(params) if p.grad is not None]
-        grads = [local(p.grad) for p in held if id(p) not in self.experts]
-        self._average(grads, self.mesh.dp_group)
+        if not self.sharded:
+            self._average([local(p.grad) for p in held if id(p) not in self.experts], self.mesh.dp_group)
         # an expert's gradient: the rows each expert-parallel group routed to it, summed over the ranks holding it
         self._average([p.grad for p in held if id(p) in self.experts], self.expert_replicas)
 
@@ -188,10 +191,11 @@ class DataParallel:
         """Under ``replicate``, average the gradients of ``params`` at the end of every backward that reaches them,
         as DDP does: the loop written for one process (``loss.backward()`` per micro-batch, then the optimizer) then
         trains the replicas as one. Each backward averages everything accumulated so far; what earlier backwards
-        averaged is already equal on every replica, so the sum stays the mean of the micro-batches' gradients."""
-        if self.sharded:
+        averaged is already equal on every replica, so the sum stays the mean of the micro-batches' gradients.
+        Under fsdp only the experts FSDP leaves whole (ep above tp) are averaged so."""
+        params = [p for p in _unique(params) if p.requires_grad and (not self.sharded or id(p) in self.experts)]
+        if not params:
             return
-        params = [p for p in _unique(params) if p.requires_grad]
         queued = False
 
         def run() -> None:

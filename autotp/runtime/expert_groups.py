@@ -45,22 +45,14 @@ class ExpertGroups:
     """This rank's place in its expert-parallel group."""
 
 
-def check_pipelined_ep(options: Options) -> None:
-    """Refuse ``ep`` above ``tp`` in a pipeline: its stages dispatch over their tp ranks only (``ep = tp``)."""
-    if options.ep > options.tp:
-        raise InputError(f"ep={options.ep} above tp={options.tp} with pp={options.pp} is not supported yet: a "
-                         "pipeline's stages dispatch their tokens over their tensor-parallel ranks; use ep=tp with pp, "
-                         "or pp=1")
-
-
 def check_ep_layout(options: Options) -> None:
-    """Refuse what the dispatch over data-parallel ranks cannot do exactly: FSDP would shard the experts over all
-    data-parallel replicas and average their gradients over them all, where only the replicas holding the same
-    experts may sum them."""
-    if options.ep > options.tp and options.dp > 1 and options.dp_mode is DataParallelMode.FSDP:
-        raise InputError(f"ep={options.ep} over data-parallel ranks (ep > tp={options.tp}) needs "
-                         "dp_mode='replicate': fsdp would shard each rank's experts over all dp replicas and average "
-                         "their gradients over replicas holding other experts; pass dp_mode='replicate' or ep=tp")
+    """Refuse what the dispatch over data-parallel ranks cannot do exactly: under fsdp the experts (which FSDP
+    leaves whole on their rank, as its replicas hold other experts) would keep fp32 weights where a mixed-precision
+    policy casts the rest."""
+    if options.ep > options.tp and options.dp_mode is DataParallelMode.FSDP and options.mixed_precision is not None:
+        raise InputError(f"ep={options.ep} above tp={options.tp} under dp_mode='fsdp' with mixed_precision is not "
+                         "supported yet: FSDP leaves the experts whole on their ranks, outside its mixed-precision "
+                         "policy; pass dp_mode='replicate', drop mixed_precision, or use ep=tp")
 
 
 def expert_groups(options: Options, pp_rank: int, dp_rank: int, tp_rank: int) -> ExpertGroups:
@@ -93,6 +85,8 @@ def expert_ranks(options: Options, dp_rank: int, tp_rank: int, pp_rank: int = 0)
 
 def reduce_experts_over_replicas(dp, groups: ExpertGroups, modules, plan) -> None:
     """Have ``dp`` (a ``runtime.data_parallel.DataParallel``) sum the gradients of the experts the graphs of
-    ``modules`` (pairs of a GraphModule and its capture) hold over their replicas only."""
-    targets = [(gm, t) for gm, captured in modules for t in expert_placements(captured, plan)]
-    dp.hold_experts({id(gm.get_parameter(t)) for gm, t in targets}, groups.replicas, groups.replica_count)
+    ``modules`` (pairs of a GraphModule, or a pipeline stage's, and its capture) hold over their replicas only."""
+    held = [(dict(gm.named_parameters()), captured) for gm, captured in modules]
+    # a pipeline stage's graph holds only its own layers' banks
+    ids = {id(params[t]) for params, captured in held for t in expert_placements(captured, plan) if t in params}
+    dp.hold_experts(ids, groups.replicas, groups.replica_count)

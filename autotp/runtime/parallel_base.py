@@ -25,6 +25,7 @@ from autotp.rewrite.comm import Communicator
 from autotp.rewrite.streams import RankStream
 from autotp.runtime.checkpoint import Checkpointing, Holding, holding
 from autotp.runtime.data_parallel import DataParallel, gathered, local
+from autotp.runtime.expert_groups import expert_rank
 from autotp.runtime.grad_norm import clip_grad_norm_, is_counted
 from autotp.runtime.hf_model import PretrainedModelLike
 from autotp.runtime.input_spec import InputSpec
@@ -164,15 +165,15 @@ class ParallelBase(PretrainedModelLike, Checkpointing, Retyped, nn.Module):
         return {name: gathered(t) for module in self.rank_modules() for name, t in self._names.local(module).items()}
 
     def _holding(self) -> Holding:
-        if self.expert_comm is not None:  # its parts are recorded by tp rank, which holds no expert chunk here
-            raise InputError(f"a sharded checkpoint (pm.save, pm.load) at ep={self.options.ep} above "
-                             f"tp={self.plan.tp} is not supported yet: save pm.full_state_dict() instead (the full "
-                             "tensors, which load at any layout), or use ep=tp")
         own = {n: t for module in self.rank_modules() for n, t in self._names.local(module).items()}
         params = {n: p for module in self.rank_modules() for n, p in self._names.params(module).items()}
         group = self._checkpoint_group()
+        # ep above tp: a rank's experts are its place in the expert-parallel group, not its tp rank
+        experts = None
+        if self.expert_comm is not None:
+            experts = (expert_rank(self.dp_rank, self.tp_rank, self.plan.tp, self.options.ep), self.options.ep)
         return holding(self.plan, self.tp_rank, own, params, self._names.extra_state, self._names.aliases, group,
-                       self.comm is not None, self._names.shapes)
+                       self.comm is not None, self._names.shapes, experts)
 
     def _checkpoint_group(self):
         """The group a checkpoint's collectives span (None: the whole world)."""
