@@ -18,6 +18,7 @@ import sympy
 import torch
 from torch import fx
 
+from autotp.passes.attention_chains import SDPA, ExplicitAttention, explicit_attentions, hoisted_repeats
 from autotp.passes.graph import SHAPE_META, meta_val, mutated_args
 from autotp.passes.rule_kit import norm_dim
 from autotp.torch_private import is_op_overload
@@ -38,7 +39,6 @@ _SOFTMAX = {aten.softmax.int, aten._softmax.default, aten.log_softmax.int, aten.
 _MULTI = {aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default, aten.unbind.int}
 _RANDOM = {aten.dropout.default, aten.native_dropout.default, aten.bernoulli.default, aten.bernoulli.p,
            aten.rand_like.default, aten.randn_like.default}
-SDPA = aten.scaled_dot_product_attention.default
 _FULL_END = 2 ** 62  # a slice ``x[a:]`` records its end as the largest int64
 
 
@@ -52,7 +52,8 @@ class ContextLayout:
     the rank's positions along ``dim``; ``sizes``: (node, index into its size list) set to the local length;
     ``causal``: attentions whose ``is_causal`` becomes an explicit mask of the rank's query rows; ``lengths``:
     sizes read off a split value's sequence dim, which stand for the whole length; ``exchanges``: attentions (an
-    SDPA, or the products of an explicit ``softmax(QK^T)V``) whose keys or values are gathered, and ``kv``: those
+    SDPA, an explicit ``softmax(QK^T)V``'s ``@ v`` product, or another product whose right operand is gathered)
+    whose keys or values are gathered, and ``kv``: those
     gathers (attention's exchange, apart from the gathers of ops that read across positions);
     ``crossing``: ops read across positions (their inputs gathered: exact, but communicated), for the notes;
     ``refused``: why the graph cannot run context-parallel (empty: it can)."""
@@ -75,6 +76,15 @@ class ContextLayout:
     """Each attention's exchange (``planning.context_exchange``): all_gather, ring or ulysses."""
     fallbacks: list[str] = field(default_factory=list)
     """Notes on attentions the chosen method could not take (exchanged by all-gather instead)."""
+    explicit: dict[str, ExplicitAttention] = field(default_factory=dict)
+    """Explicit ``softmax(QK^T)V`` attentions, by their ``@ v`` product (named in ``exchanges``; their ``q @ k^T``
+    product is not)."""
+
+    def owner(self, name: str) -> str:
+        """The attention (an SDPA, or an explicit attention's ``@ v`` product) that node ``name`` is part of or
+        feeds through ``repeat_kv``; ``name`` itself when none."""
+        name = self.hoisted.get(name, name)
+        return next((out for out, e in self.explicit.items() if name in e.members), name)
 
     @property
     def attention(self) -> int:
@@ -103,7 +113,7 @@ def context_layout(graph: fx.Graph, seq, token_inputs: dict[str, int]) -> Contex
     placeholders ``token_inputs`` (name -> sequence dim) split along it."""
     layout = ContextLayout(seq, inputs=dict(token_inputs))
     layout.split.update(token_inputs)
-    hoisted = layout.hoisted = _hoisted(graph)
+    hoisted = layout.hoisted = hoisted_repeats(graph)
     for node in graph.nodes:
         if node.op != "call_function":
             continue
@@ -114,34 +124,10 @@ def context_layout(graph: fx.Graph, seq, token_inputs: dict[str, int]) -> Contex
                 layout.exchanges.append(hoisted[node.name])
         else:
             _visit(node, layout)
+    layout.explicit = explicit_attentions(graph, layout.split, hoisted)
+    scores = {e.scores for e in layout.explicit.values()}
+    layout.exchanges = [n for n in layout.exchanges if n not in scores]  # one exchange per attention
     return layout
-
-
-# Ops that only rearrange (or repeat) a tensor: a gather moved above them moves the same values, or fewer.
-_REARRANGING = {*_VIEWS, aten.expand.default, aten.unsqueeze.default, aten.transpose.int, aten.permute.default,
-                aten.clone.default, aten.contiguous.default, aten.slice.Tensor}
-
-
-def _hoisted(graph: fx.Graph) -> dict[str, str]:
-    """The nodes of transformers' ``repeat_kv`` (unsqueeze, expand, reshape, and the full slices around them)
-    between an attention's keys or values and the op that made them, each read by that one consumer: they are
-    computed whole, after one gather of their source, so grouped-query attention moves its KV heads, not the
-    repeated ones (and a ring or Ulysses exchange moves the source). Each maps to its attention's name."""
-    out = {}
-    for node in graph.nodes:
-        if node.target is not SDPA:
-            continue
-        for value in node.args[1:3]:
-            chain = []
-            while (isinstance(value, fx.Node) and value.target in _REARRANGING and len(value.users) == 1
-                   and isinstance(value.args[0], fx.Node)):
-                chain.append(value)
-                value = value.args[0]
-            for at, link in enumerate(chain):
-                if link.target is aten.unsqueeze.default and any(c.target is aten.expand.default for c in chain[:at]):
-                    out.update((c.name, node.name) for c in chain[:at + 1])
-                    break
-    return out
 
 
 def _tensor_args(node: fx.Node) -> list[fx.Node]:

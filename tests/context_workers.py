@@ -129,7 +129,17 @@ def llama4() -> torch.nn.Module:
         num_key_value_heads=4))
 
 
-HF = {"llama": llama, "mistral": mistral, "gpt2": gpt2, "llama4": llama4}
+def eager(build):
+    """``build``'s model on transformers' eager attention: an explicit ``softmax(QK^T * scale + mask)V``."""
+    def built() -> torch.nn.Module:
+        model = build()
+        model.config._attn_implementation = "eager"
+        return model
+    return built
+
+
+HF = {"llama": llama, "mistral": mistral, "gpt2": gpt2, "llama4": llama4, "llama_eager": eager(llama),
+      "mistral_eager": eager(mistral), "gpt2_eager": eager(gpt2)}
 
 
 def padded(seq: int = 16) -> dict[str, torch.Tensor]:
