@@ -79,16 +79,21 @@ class Gather(nn.Module):
     """A split value made whole (all-gather forward, reduce-scatter backward): keys and values before attention,
     and the input of an op that reads across positions."""
 
-    def __init__(self, comm: Communicator, positions: Positions, dim: int):
+    def __init__(self, comm: Communicator, positions: Positions, dim: int, inner: int | None = None):
         super().__init__()
-        self.comm, self.positions, self.dim = comm, positions, dim
+        self.comm, self.positions, self.dim, self.inner = comm, positions, dim, inner
+        """``inner``: where ``dim`` merges the sequence with others (GPT-2's ``[B*T, C]``), the positions after the
+        sequence in it (``passes.sequence_merge``); the dim is unflattened around the sequence to gather it."""
         self.received = 0
         """Bytes this rank has received through this gather (forward all-gathers and backward reduce-scatters,
         counted as a ring moves them: every other rank's part once)."""
 
     def forward(self, x: torch.Tensor, length) -> torch.Tensor:
-        _, order = self.positions.both(length, x.device)
-        return _Gather.apply(x, self.dim, order, self.comm, self)
+        mine, order = self.positions.both(length, x.device)
+        if self.inner is None:
+            return _Gather.apply(x, self.dim, order, self.comm, self)
+        x = x.unflatten(self.dim, (-1, mine.numel(), self.inner))
+        return _Gather.apply(x, self.dim + 1, order, self.comm, self).flatten(self.dim, self.dim + 2)
 
 
 class _Scaled(torch.autograd.Function):
