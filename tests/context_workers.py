@@ -227,8 +227,8 @@ def saved_and_moved(rank: int, world: int, seq: int = 256, exchange: str = "all_
         loss.backward()
         out[label] = saved.bytes
     config = ref.config
-    shape = AttentionShape(1, seq, config.num_attention_heads, config.num_key_value_heads,
-                           config.hidden_size // config.num_attention_heads)
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads  # GPT-2: no GQA
+    shape = AttentionShape(1, seq, config.num_attention_heads, kv_heads, config.hidden_size // config.num_attention_heads)
     # all-gather: K and V forward, their gradients' shares backward, (world - 1) / world of each whole
     assert exchange_cost("all_gather", shape, world).received == 2 * 2 * seq * shape.kv_heads * shape.head_dim * 4 \
         * (world - 1) // world
