@@ -67,13 +67,16 @@ def test_an_attention_no_method_takes_falls_back_to_all_gather_with_a_note():
 
 
 def test_explicit_attention_trains_exactly_on_gloo_and_moves_its_minimum():
-    """Two ranks: eager Mistral (sliding window, left-padded batch) by ring with the model's own loss, AdamW
-    steps against the unsharded model; eager Llama by Ulysses: the bytes received equal ``exchange_cost``'s
-    minimum, and less is saved for backward than unsharded."""
-    cases = [("mistral_eager", "padded", "ring")]
-    for result in run_on_ranks(context_workers.exchange_suite, 2, cases, [("ulysses", "llama_eager")]):
+    """Two ranks, one spawned group: eager Mistral (sliding window, left-padded batch) and eager GPT-2 (``Conv1D``'s
+    merged ``[B*T, C]``, right-padded batch) by ring with the model's own loss, AdamW steps against the unsharded
+    model; then eager Llama by Ulysses and GPT-2 by all-gather at 64 tokens: the bytes received equal
+    ``exchange_cost``'s minimum, and less is saved for backward than one process saves."""
+    cases = [("mistral_eager", "padded", "ring"), ("gpt2_eager", "padded", "ring")]
+    moved = [("ulysses", "llama_eager"), ("all_gather", "gpt2")]
+    for result in run_on_ranks(context_workers.exchange_suite, 2, cases, moved):
         for errors in result["errors"]:
             assert errors["output"] <= 1e-6 and errors["loss"] <= 1e-5 and errors["grad"] <= 1e-6, errors
+        assert set(result["moved"]) == {"ulysses", "all_gather"}
         for method, got in result["moved"].items():
             assert got["received"] == got["minimum"], (method, got)
             assert got["cp"] < got["unsharded"], (method, got)

@@ -1,7 +1,8 @@
 """Context parallelism through reshapes that merge the sequence with other dims (GPT-2's ``Conv1D`` views
 ``[B, T, C]`` as ``[B*T, C]`` around its ``addmm``; a loss flattens its logits): where the merged dim holds the
 sequence (``passes.sequence_merge.view_split``), that GPT-2's layers then compute each rank's tokens only, and that
-it trains exactly on gloo with less saved for backward."""
+it trains exactly on gloo with less saved for backward (``test_context_explicit``'s gloo run, and
+``test_context_parallel``'s GPT-2 over a padded batch)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,6 @@ from autotp.capture import capture
 from autotp.planning.context_plan import plan_context
 from passes.sequence_merge import view_split
 from tests import context_workers, models
-from tests.distributed import run_on_ranks
 
 B, T, C, H = sympy.symbols("B T C H", positive=True, integer=True)
 
@@ -35,15 +35,3 @@ def test_gpt2s_layers_compute_each_ranks_tokens():
     assert len(addmms) == 8 and all(name in layout.split and name in layout.merged for name in addmms)
     assert layout.attention == 2 and len(layout.kv) == 4
     assert all("cross_entropy" in op for op in layout.crossing), layout.crossing
-
-
-def test_gpt2_trains_exactly_at_cp2_and_saves_less():
-    """Two ranks: eager GPT-2 (explicit softmax(QK^T)V) by ring over a right-padded batch with the model's own loss,
-    against the unsharded model; GPT-2 (SDPA) at 64 tokens: keys and values received at the all-gather's minimum,
-    and less saved for backward than one process saves."""
-    cases = [("gpt2_eager", "padded", "ring")]
-    for result in run_on_ranks(context_workers.exchange_suite, 2, cases, [("all_gather", "gpt2")]):
-        for errors in result["errors"]:
-            assert errors["output"] <= 1e-6 and errors["loss"] <= 1e-5 and errors["grad"] <= 1e-6, errors
-        got = result["moved"]["all_gather"]
-        assert got["received"] == got["minimum"] and got["cp"] < got["unsharded"], got
