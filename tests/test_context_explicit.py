@@ -80,3 +80,13 @@ def test_explicit_attention_trains_exactly_on_gloo_and_moves_its_minimum():
         for method, got in result["moved"].items():
             assert got["received"] == got["minimum"], (method, got)
             assert got["cp"] < got["unsharded"], (method, got)
+
+
+def test_a_trained_scale_is_refused_by_the_ring_and_ulysses():
+    """A learnt temperature would get no gradient through the exchange's numeric scale: an InputError says to use
+    the all-gather."""
+    from autotp.rewrite.context_ops import trained_scale
+
+    trained_scale(torch.tensor(0.25))  # a computed constant is taken
+    with pytest.raises(autotp.InputError, match="cp_exchange='all_gather'"):
+        trained_scale(torch.tensor(0.25, requires_grad=True))

@@ -131,3 +131,11 @@ class ParamGradSum(CopyToTP):
 def causal_rows(positions: torch.Tensor, length: int) -> torch.Tensor:
     """The causal mask of this rank's query rows over all ``length`` keys (True: may attend)."""
     return positions[:, None] >= torch.arange(int(length), device=positions.device)[None, :]
+
+
+def trained_scale(scale) -> None:
+    """Refuse a scale the model trains (a learnt temperature): the ring and Ulysses take the scores' scale as a
+    number, through which no gradient would flow."""
+    if isinstance(scale, torch.Tensor) and scale.requires_grad:
+        raise InputError("an attention's scale needs a gradient (a trained temperature), which the ring and Ulysses "
+                         "exchanges do not carry; use cp_exchange='all_gather'")

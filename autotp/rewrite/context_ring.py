@@ -22,7 +22,7 @@ from torch import nn
 
 from autotp.errors import InputError
 from autotp.rewrite.comm import Communicator
-from autotp.rewrite.context_ops import Positions
+from autotp.rewrite.context_ops import Positions, trained_scale
 
 
 class _Geometry:
@@ -191,6 +191,7 @@ class RingAttention(nn.Module):
             raise InputError("ring exchange (cp_exchange='ring') takes an attention mask that needs no gradient; "
                              "this model's mask is trained: use cp_exchange='all_gather'")
         table = self._table(length, q.device)
+        trained_scale(scale)
         scale = float(scale) if scale is not None else self.scale if self.scale is not None else q.shape[-1] ** -0.5
         geo = _Geometry(self.comm, table, mask, self.causal, scale, self.n_rep)
         geo.explicit = self.explicit

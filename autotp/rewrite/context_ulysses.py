@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from autotp.rewrite.comm import Communicator
-from autotp.rewrite.context_ops import Positions
+from autotp.rewrite.context_ops import Positions, trained_scale
 
 
 class _AllToAll(torch.autograd.Function):
@@ -71,6 +71,7 @@ class UlyssesAttention(nn.Module):
         if mask is not None and mask.dim() >= 3 and mask.shape[-3] > 1:  # a mask per head: this rank's heads
             heads = mask.shape[-3] // self.comm.size
             mask = mask.narrow(-3, self.comm.rank * heads, heads)
+        trained_scale(scale)
         scale = float(scale) if scale is not None else self.scale
         if self.explicit:
             out = _explicit(q, k, v, mask, scale if scale is not None else q.shape[-1] ** -0.5)
