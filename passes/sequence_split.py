@@ -18,8 +18,10 @@ import sympy
 import torch
 from torch import fx
 
+from autotp.passes.attention_chains import SDPA, ExplicitAttention, explicit_attentions, hoisted_repeats
 from autotp.passes.graph import SHAPE_META, meta_val, mutated_args
 from autotp.passes.rule_kit import norm_dim
+from autotp.passes.sequence_merge import plain, view_split
 from autotp.torch_private import is_op_overload
 
 aten = torch.ops.aten
@@ -38,7 +40,7 @@ _SOFTMAX = {aten.softmax.int, aten._softmax.default, aten.log_softmax.int, aten.
 _MULTI = {aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default, aten.unbind.int}
 _RANDOM = {aten.dropout.default, aten.native_dropout.default, aten.bernoulli.default, aten.bernoulli.p,
            aten.rand_like.default, aten.randn_like.default}
-SDPA = aten.scaled_dot_product_attention.default
+_CHECK = aten._assert_tensor_metadata.default
 _FULL_END = 2 ** 62  # a slice ``x[a:]`` records its end as the largest int64
 
 
@@ -52,7 +54,8 @@ class ContextLayout:
     the rank's positions along ``dim``; ``sizes``: (node, index into its size list) set to the local length;
     ``causal``: attentions whose ``is_causal`` becomes an explicit mask of the rank's query rows; ``lengths``:
     sizes read off a split value's sequence dim, which stand for the whole length; ``exchanges``: attentions (an
-    SDPA, or the products of an explicit ``softmax(QK^T)V``) whose keys or values are gathered, and ``kv``: those
+    SDPA, an explicit ``softmax(QK^T)V``'s ``@ v`` product, or another product whose right operand is gathered)
+    whose keys or values are gathered, and ``kv``: those
     gathers (attention's exchange, apart from the gathers of ops that read across positions);
     ``crossing``: ops read across positions (their inputs gathered: exact, but communicated), for the notes;
     ``refused``: why the graph cannot run context-parallel (empty: it can)."""
@@ -75,6 +78,18 @@ class ContextLayout:
     """Each attention's exchange (``planning.context_exchange``): all_gather, ring or ulysses."""
     fallbacks: list[str] = field(default_factory=list)
     """Notes on attentions the chosen method could not take (exchanged by all-gather instead)."""
+    merged: dict[str, tuple] = field(default_factory=dict)
+    """Split values whose split dim merges the sequence with others (``passes.sequence_merge``): (outer, inner)
+    positions around it (GPT-2's ``[B*T, C]``: (B, 1)); gathered by unflattening it."""
+    explicit: dict[str, ExplicitAttention] = field(default_factory=dict)
+    """Explicit ``softmax(QK^T)V`` attentions, by their ``@ v`` product (named in ``exchanges``; their ``q @ k^T``
+    product is not)."""
+
+    def owner(self, name: str) -> str:
+        """The attention (an SDPA, or an explicit attention's ``@ v`` product) that node ``name`` is part of or
+        feeds through ``repeat_kv``; ``name`` itself when none."""
+        name = self.hoisted.get(name, name)
+        return next((out for out, e in self.explicit.items() if name in e.members), name)
 
     @property
     def attention(self) -> int:
@@ -103,7 +118,7 @@ def context_layout(graph: fx.Graph, seq, token_inputs: dict[str, int]) -> Contex
     placeholders ``token_inputs`` (name -> sequence dim) split along it."""
     layout = ContextLayout(seq, inputs=dict(token_inputs))
     layout.split.update(token_inputs)
-    hoisted = layout.hoisted = _hoisted(graph)
+    hoisted = layout.hoisted = hoisted_repeats(graph)
     for node in graph.nodes:
         if node.op != "call_function":
             continue
@@ -114,34 +129,10 @@ def context_layout(graph: fx.Graph, seq, token_inputs: dict[str, int]) -> Contex
                 layout.exchanges.append(hoisted[node.name])
         else:
             _visit(node, layout)
+    layout.explicit = explicit_attentions(graph, layout.split, hoisted)
+    scores = {e.scores for e in layout.explicit.values()}
+    layout.exchanges = [n for n in layout.exchanges if n not in scores]  # one exchange per attention
     return layout
-
-
-# Ops that only rearrange (or repeat) a tensor: a gather moved above them moves the same values, or fewer.
-_REARRANGING = {*_VIEWS, aten.expand.default, aten.unsqueeze.default, aten.transpose.int, aten.permute.default,
-                aten.clone.default, aten.contiguous.default, aten.slice.Tensor}
-
-
-def _hoisted(graph: fx.Graph) -> dict[str, str]:
-    """The nodes of transformers' ``repeat_kv`` (unsqueeze, expand, reshape, and the full slices around them)
-    between an attention's keys or values and the op that made them, each read by that one consumer: they are
-    computed whole, after one gather of their source, so grouped-query attention moves its KV heads, not the
-    repeated ones (and a ring or Ulysses exchange moves the source). Each maps to its attention's name."""
-    out = {}
-    for node in graph.nodes:
-        if node.target is not SDPA:
-            continue
-        for value in node.args[1:3]:
-            chain = []
-            while (isinstance(value, fx.Node) and value.target in _REARRANGING and len(value.users) == 1
-                   and isinstance(value.args[0], fx.Node)):
-                chain.append(value)
-                value = value.args[0]
-            for at, link in enumerate(chain):
-                if link.target is aten.unsqueeze.default and any(c.target is aten.expand.default for c in chain[:at]):
-                    out.update((c.name, node.name) for c in chain[:at + 1])
-                    break
-    return out
 
 
 def _tensor_args(node: fx.Node) -> list[fx.Node]:
@@ -159,6 +150,8 @@ def _visit(node: fx.Node, layout: ContextLayout) -> None:
     if node.target is operator.getitem:
         if isinstance(node.args[0], fx.Node) and node.args[0].name in layout.split:
             layout.split[node.name] = layout.split[node.args[0].name]
+            if node.args[0].name in layout.merged:
+                layout.merged[node.name] = layout.merged[node.args[0].name]
         return
     if not split:
         return
@@ -170,11 +163,16 @@ def _visit(node: fx.Node, layout: ContextLayout) -> None:
         layout.refused.append(f"{node.name} ({node.target}) writes in place into a value split along the sequence")
         return
     rule = _rule_for(node)
+    merged = {layout.merged.get(a.name) for a in split}
+    if merged != {None} and (rule not in _MERGED_SAFE or len(merged) != 1):
+        rule = None  # a dim merging the sequence with others: only ops that keep its rows apart follow it
     dim = rule(node, layout, split) if rule is not None else None
     if dim is None:
         _gather_all(node, layout, split)
     elif dim is not _HANDLED:
         layout.split[node.name] = dim
+        if rule is not _view and merged != {None}:
+            layout.merged[node.name] = merged.pop()
 
 
 _HANDLED = object()
@@ -215,11 +213,14 @@ def _broadcast(node: fx.Node, layout: ContextLayout, split: list[fx.Node]):
     dim = dims.pop()
     if node.target in (aten.layer_norm.default, aten.rms_norm.default) and dim >= len(out) - len(node.args[1]):
         return None
+    merged = any(a.name in layout.merged for a in split)
     for a in _tensor_args(node):
         if a.name in layout.split:
             continue
         sizes = _sizes(a)
         at = dim - (len(out) - len(sizes))
+        if at >= 0 and merged and sizes[at] != 1:
+            return None  # a whole value along a merged dim: its rows are not read at positions
         if at >= 0 and _is(sizes[at], layout.seq):
             layout.selects.append((node.name, a.name, at))
     return dim
@@ -276,22 +277,34 @@ def _reduction(node, layout, split):
 
 
 def _view(node, layout, split):
-    """A reshape keeps the split when one output dim is exactly the sequence with the same elements before it;
-    the size given for it becomes the local length."""
+    """A reshape keeps the split when one output dim holds the sequence with the same positions before and after
+    it (``passes.sequence_merge``): exactly the sequence (the size given for it becomes the local length), or the
+    sequence merged with dims around it (GPT-2's ``[B*T, C]``; given as -1, the local size follows)."""
     x = node.args[0]
-    d, before, out = layout.split[x.name], _sizes(x), _sizes(node)
-    prefix = sympy.Mul(*[sympy.sympify(s) for s in before[:d]])
-    for od, size in enumerate(out):
-        if _is(size, layout.seq) and sympy.simplify(sympy.Mul(*[sympy.sympify(s) for s in out[:od]]) - prefix) == 0:
-            if node.args[1][od] != -1:
-                layout.sizes.append((node.name, (1, od)))
-            return od
-    return None
+    found = view_split(_sizes(x), layout.split[x.name], layout.merged.get(x.name, (1, 1)), _sizes(node), layout.seq)
+    if found is None:
+        return None
+    od, factors = found
+    if plain(factors):
+        if node.args[1][od] != -1:
+            layout.sizes.append((node.name, (1, od)))
+        return od
+    if node.args[1][od] != -1 or not isinstance(factors[1], (int, sympy.Integer)):
+        return None  # a merged size spelled out (it would be the whole one), or inner dims of dynamic size
+    layout.merged[node.name] = (factors[0], int(factors[1]))
+    return od
+
+
+def _addmm(node, layout, split):
+    """``bias + x @ w`` (GPT-2's ``Conv1D``): ``x``'s rows keep the split."""
+    return 0 if split == [node.args[1]] and layout.split[node.args[1].name] == 0 else None
 
 
 def _expand(node, layout, split):
     x = node.args[0]
     od = layout.split[x.name] + len(node.args[1]) - len(_sizes(x))
+    if node.args[1][od] != -1 and x.name in layout.merged:
+        return None
     if node.args[1][od] != -1:
         layout.sizes.append((node.name, (1, od)))
     return od
@@ -384,6 +397,8 @@ def _embedding(node, layout, split):
 def _length(node, layout, split):
     """A size read off a value: of its split dim, the graph meant the whole sequence (the rewrite says so)."""
     if layout.split[node.args[0].name] == norm_dim(node.args[1], len(_sizes(node.args[0]))):
+        if node.args[0].name in layout.merged:
+            return None  # not the sequence's length: the whole size is read off the gathered value
         layout.lengths.append(node.name)
     return _HANDLED
 
@@ -427,4 +442,8 @@ _RULES = {aten.linear.default: _linear, aten.matmul.default: _matmul, aten.bmm.d
           aten.permute.default: _permute, aten.unsqueeze.default: _unsqueeze, aten.squeeze.dim: _squeeze,
           aten.squeeze.dims: _squeeze, aten.slice.Tensor: _slice, aten.select.int: _select,
           **dict.fromkeys(_MULTI, _multi), aten.cat.default: _cat, aten.embedding.default: _embedding,
-          SDPA: _attention, aten.sym_size.int: _length, aten._assert_tensor_metadata.default: lambda n, l, s: _HANDLED}
+          SDPA: _attention, aten.sym_size.int: _length, _CHECK: lambda n, l, s: _HANDLED,
+          aten.addmm.default: _addmm}
+_MERGED_SAFE = {_broadcast, _linear, _matmul, _addmm, _softmax, _reduction, _view, _expand, _transpose, _permute,
+                _unsqueeze, _squeeze, _slice, _select, _multi, _embedding, _length, _RULES[_CHECK]}
+"""Rules that follow a merged split dim (``ContextLayout.merged``): they keep its rows apart, or refuse."""

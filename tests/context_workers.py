@@ -129,7 +129,17 @@ def llama4() -> torch.nn.Module:
         num_key_value_heads=4))
 
 
-HF = {"llama": llama, "mistral": mistral, "gpt2": gpt2, "llama4": llama4}
+def eager(build):
+    """``build``'s model on transformers' eager attention: an explicit ``softmax(QK^T * scale + mask)V``."""
+    def built() -> torch.nn.Module:
+        model = build()
+        model.config._attn_implementation = "eager"
+        return model
+    return built
+
+
+HF = {"llama": llama, "mistral": mistral, "gpt2": gpt2, "llama4": llama4, "llama_eager": eager(llama),
+      "mistral_eager": eager(mistral), "gpt2_eager": eager(gpt2)}
 
 
 def padded(seq: int = 16) -> dict[str, torch.Tensor]:
@@ -217,8 +227,8 @@ def saved_and_moved(rank: int, world: int, seq: int = 256, exchange: str = "all_
         loss.backward()
         out[label] = saved.bytes
     config = ref.config
-    shape = AttentionShape(1, seq, config.num_attention_heads, config.num_key_value_heads,
-                           config.hidden_size // config.num_attention_heads)
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads  # GPT-2: no GQA
+    shape = AttentionShape(1, seq, config.num_attention_heads, kv_heads, config.hidden_size // config.num_attention_heads)
     # all-gather: K and V forward, their gradients' shares backward, (world - 1) / world of each whole
     assert exchange_cost("all_gather", shape, world).received == 2 * 2 * seq * shape.kv_heads * shape.head_dim * 4 \
         * (world - 1) // world

@@ -109,11 +109,8 @@ def test_the_checker_simulates_each_exchange(name, cp, method):
     assert report.exact, str(report)
 
 
-def test_an_attention_a_method_cannot_take_falls_back_to_all_gather_with_a_note():
-    """The hand-written decoder's explicit softmax(QK^T)V under ring: all-gather, named in the plan's notes; and
-    Ulysses where cp does not divide the KV heads."""
-    plan = autotp.plan(context_workers.build("odd"), example_inputs=models.tokens(2, 16, 0), cp=2, cp_exchange="ring")
-    assert any("falls back to all-gather (ring cannot take it: not an SDPA" in n for n in plan.notes), plan.notes
+def test_ulysses_cannot_take_an_attention_whose_kv_heads_cp_does_not_divide():
+    """(An attention no method but the all-gather takes: ``tests/test_context_explicit.py``.)"""
     gqa = AttentionShape(1, 16, 4, 2, 16)
     assert applicable(ContextExchange.ULYSSES, gqa, 4) == "cp=4 does not divide its 2 KV heads"
     assert applicable(ContextExchange.ULYSSES, gqa, 2) is None

@@ -83,12 +83,14 @@ def exchange_cost(method: ContextExchange | str, shape: AttentionShape, cp: int)
 
 
 def applicable(method: ContextExchange, shape: AttentionShape | None, cp: int) -> str | None:
-    """Why ``method`` cannot take an attention of ``shape`` (None for an explicit ``softmax(QK^T)V`` or an SDPA
-    whose operands are not ``[B, heads, T, D]``), or None when it can."""
+    """Why ``method`` cannot take an attention of ``shape`` (None: ``attention_shape`` found no SDPA or explicit
+    ``softmax(QK^T)V`` over ``[B, heads, T, D]`` operands there), or None when it can."""
     if method is ContextExchange.ALL_GATHER:
         return None
     if shape is None:
-        return "not an SDPA over [batch, heads, sequence, head dim] operands with a mask read by query rows"
+        return ("not an SDPA or softmax(QK^T * scale + mask)V over [batch, heads, sequence, head dim] operands with a "
+                "mask read by query rows (casts that change the dtype, dropout p > 0, a masked_fill by a finite "
+                "value and probabilities read elsewhere are not taken)")
     if method is ContextExchange.ULYSSES and shape.kv_heads % cp:
         return f"cp={cp} does not divide its {shape.kv_heads} KV heads"
     return None
@@ -116,14 +118,20 @@ def choose_exchange(shapes: list[AttentionShape | None], cp: int, memory_budget:
 def attention_shape(graph: fx.Graph, layout: ContextLayout, name: str, batch: int | None = None,
                     seq: int | None = None) -> AttentionShape | None:
     """The shape of attention ``name`` of ``layout`` (sizes at ``batch`` x ``seq``, default the captured
-    example's), or None when a ring or Ulysses exchange cannot take it: not an SDPA, operands not
+    example's), or None when a ring or Ulysses exchange cannot take it: neither an SDPA nor an explicit
+    ``softmax(QK^T)V`` (``passes.attention_chains``), operands not
     ``[B, heads, T, D]`` split along T, or a mask split along the sequence or without a key per position."""
     nodes = {n.name: n for n in graph.nodes}
     node = nodes[name]
-    if node.target is not SDPA:
+    if name in layout.explicit:
+        e = layout.explicit[name]
+        q, k, v = nodes[e.q], nodes[e.k], nodes[e.v]
+        mask = nodes[e.mask_op].args[e.mask_arg] if e.mask_op is not None else None
+    elif node.target is SDPA:
+        q, k, v = (_source(nodes, layout, a) for a in node.args[:3])
+        mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
+    else:
         return None
-    q, k, v = (_source(nodes, layout, a) for a in node.args[:3])
-    mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
     if any(x is None or len(_shape(x)) != 4 or layout.split.get(x.name) != 2 for x in (q, k, v)):
         return None
     if isinstance(mask, fx.Node) and (mask.name in layout.split or str(_shape(mask)[-1]) != str(layout.seq)):

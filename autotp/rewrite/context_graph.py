@@ -29,15 +29,17 @@ class _Rewrite:
         self.gm, self.graph, self.layout, self.comm = gm, gm.graph, layout, comm
         self.nodes = {n.name: n for n in self.graph.nodes}
         gm.add_module("cp_positions", Positions(comm.size, comm.rank))
-        self.gathers: dict[tuple[str, int], str] = {}
+        self.gathers: dict[tuple, str] = {}
 
-    def gather_module(self, dim: int, kind: str = "gather") -> str:
+    def gather_module(self, dim: int, kind: str = "gather", merged: tuple | None = None) -> str:
         """The name of the gather along ``dim`` (one module per dim and kind: ``kv`` for attention's keys and
-        values, ``output`` for the outputs, ``gather`` for ops that read across positions; each counts its bytes)."""
-        if (kind, dim) not in self.gathers:
-            self.gathers[kind, dim] = f"cp_{kind}_{dim}"
-            self.gm.add_module(self.gathers[kind, dim], Gather(self.comm, self.gm.cp_positions, dim))
-        return self.gathers[kind, dim]
+        values, ``output`` for the outputs, ``gather`` for ops that read across positions; each counts its bytes;
+        ``merged``: the dim's (outer, inner) factors where it merges the sequence with others)."""
+        inner = merged[1] if merged is not None else None
+        if (kind, dim, inner) not in self.gathers:
+            self.gathers[kind, dim, inner] = f"cp_{kind}_{dim}" + (f"_merged_{inner}" if merged is not None else "")
+            self.gm.add_module(self.gathers[kind, dim, inner], Gather(self.comm, self.gm.cp_positions, dim, inner))
+        return self.gathers[kind, dim, inner]
 
     def run(self, trainable: set[str], last: bool = True) -> None:
         self.split_inputs()
@@ -52,7 +54,8 @@ class _Rewrite:
             node, value = self.nodes[name], self.nodes[arg]
             with self.graph.inserting_before(node):
                 kind = "kv" if (name, arg) in self.layout.kv else "gather"
-                whole = self.graph.call_module(self.gather_module(self.layout.split[arg], kind), (value, self.length))
+                whole = self.graph.call_module(self.gather_module(self.layout.split[arg], kind,
+                                                                  self.layout.merged.get(arg)), (value, self.length))
             node.replace_input_with(value, whole)
         selected = {}  # one read per whole value and dim, right after the value (and the positions) exist
         for name, arg, dim in self.layout.selects:
@@ -124,8 +127,9 @@ class _Rewrite:
                 return value
             with self.graph.inserting_before(out):
                 if value.name in self.layout.split:
-                    value = self.graph.call_module(self.gather_module(self.layout.split[value.name], "output"),
-                                                   (value, self.length))
+                    module = self.gather_module(self.layout.split[value.name], "output",
+                                                self.layout.merged.get(value.name))
+                    value = self.graph.call_module(module, (value, self.length))
                 return self.graph.call_module("cp_output", (value,))
         out.args = (fx.node.map_aggregate(out.args[0], whole),)
 

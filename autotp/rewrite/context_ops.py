@@ -79,16 +79,21 @@ class Gather(nn.Module):
     """A split value made whole (all-gather forward, reduce-scatter backward): keys and values before attention,
     and the input of an op that reads across positions."""
 
-    def __init__(self, comm: Communicator, positions: Positions, dim: int):
+    def __init__(self, comm: Communicator, positions: Positions, dim: int, inner: int | None = None):
         super().__init__()
-        self.comm, self.positions, self.dim = comm, positions, dim
+        self.comm, self.positions, self.dim, self.inner = comm, positions, dim, inner
+        """``inner``: where ``dim`` merges the sequence with others (GPT-2's ``[B*T, C]``), the positions after the
+        sequence in it (``passes.sequence_merge``); the dim is unflattened around the sequence to gather it."""
         self.received = 0
         """Bytes this rank has received through this gather (forward all-gathers and backward reduce-scatters,
         counted as a ring moves them: every other rank's part once)."""
 
     def forward(self, x: torch.Tensor, length) -> torch.Tensor:
-        _, order = self.positions.both(length, x.device)
-        return _Gather.apply(x, self.dim, order, self.comm, self)
+        mine, order = self.positions.both(length, x.device)
+        if self.inner is None:
+            return _Gather.apply(x, self.dim, order, self.comm, self)
+        x = x.unflatten(self.dim, (-1, mine.numel(), self.inner))
+        return _Gather.apply(x, self.dim + 1, order, self.comm, self).flatten(self.dim, self.dim + 2)
 
 
 class _Scaled(torch.autograd.Function):
@@ -126,3 +131,11 @@ class ParamGradSum(CopyToTP):
 def causal_rows(positions: torch.Tensor, length: int) -> torch.Tensor:
     """The causal mask of this rank's query rows over all ``length`` keys (True: may attend)."""
     return positions[:, None] >= torch.arange(int(length), device=positions.device)[None, :]
+
+
+def trained_scale(scale) -> None:
+    """Refuse a scale the model trains (a learnt temperature): the ring and Ulysses take the scores' scale as a
+    number, through which no gradient would flow."""
+    if isinstance(scale, torch.Tensor) and scale.requires_grad:
+        raise InputError("an attention's scale needs a gradient (a trained temperature), which the ring and Ulysses "
+                         "exchanges do not carry; use cp_exchange='all_gather'")

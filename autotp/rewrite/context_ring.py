@@ -8,7 +8,8 @@ is masked by a large finite negative (transformers' float masks) then averages t
 unsharded softmax does, and a row no key of which may be seen (a boolean mask) gives zeros, as torch's does.
 
 Backward recomputes each block's probabilities from the log-sum-exp ``m + log l`` (flash attention's backward:
-a row a float mask masks whole gets the gradients torch's SDPA kernel gives it) and passes the
+a row a float mask masks whole gets the gradients torch's SDPA kernel gives it; for an explicit softmax, from
+``exp(s - m) / l``, softmax's own gradient, uniform over such a row's keys) and passes the
 blocks around again, the key/value gradients travelling with them and arriving home after ``cp - 1`` steps.
 Causal attention (``is_causal``) skips the chunk pairs whose keys all follow the queries (with the load-balanced
 chunks, about half the pairs); a boolean mask skips the chunk pairs it masks whole.
@@ -21,7 +22,7 @@ from torch import nn
 
 from autotp.errors import InputError
 from autotp.rewrite.comm import Communicator
-from autotp.rewrite.context_ops import Positions
+from autotp.rewrite.context_ops import Positions, trained_scale
 
 
 class _Geometry:
@@ -100,11 +101,12 @@ def _forward_block(geo, q, kv, source, state):
 def _backward_block(geo, q, kv, source, saved, dq, dkv):
     """Add ``source``'s block's share of the gradients: into ``dq`` (this rank's queries) and ``dkv`` (the
     block's keys and values, wherever they live now)."""
-    out, lse, grad, delta = saved
+    out, (shift, norm), grad, delta = saved
     k, v = kv[0], kv[1]
     for rows, cols, mask in geo.pairs(source):
         s = geo.scores(q[..., rows, :], k[..., cols, :], mask)
-        p = torch.exp(s - lse[..., rows, :])
+        p = torch.exp(s - shift[..., rows, :])
+        p = p if norm is None else p / norm[..., rows, :]
         g = grad[..., rows, :]
         dkv[1][..., cols, :] += _fold(torch.matmul(p.transpose(-1, -2), g), geo.n_rep)
         dp = torch.matmul(g, _repeat(v[..., cols, :], geo.n_rep).transpose(-1, -2))
@@ -141,8 +143,11 @@ class _Ring(torch.autograd.Function):
         grad = grad.contiguous()
         # Probabilities from the log-sum-exp, as flash attention's backward (torch's CPU kernel) takes them: a
         # row whose every key a float mask masks then gets the gradients the unsharded SDPA gives it.
-        lse = torch.where(l > 0, _safe(m) + torch.log(l), torch.full_like(l, float("inf")))
-        saved = (out, lse, grad, (grad * out).sum(-1, keepdim=True))
+        if geo.explicit:  # softmax's own gradient: a row masked whole by a float mask is uniform over its keys
+            stats = (_safe(m), torch.where(l > 0, l, torch.ones_like(l)))
+        else:
+            stats = (torch.where(l > 0, _safe(m) + torch.log(l), torch.full_like(l, float("inf"))), None)
+        saved = (out, stats, grad, (grad * out).sum(-1, keepdim=True))
         dq, kv = torch.zeros_like(q), torch.stack([k, v])
         home = torch.zeros_like(kv)  # this rank's own block's gradient, computed here
         arriving = comm.ring_shift_started(kv) if size > 1 else None
@@ -171,19 +176,25 @@ class RingAttention(nn.Module):
     any repeat), the mask's rows of this rank's queries over all keys (``[..., t, T]``, or None), and the whole
     length ``T``."""
 
-    def __init__(self, comm: Communicator, positions: Positions, causal: bool, scale: float | None, n_rep: int):
+    def __init__(self, comm: Communicator, positions: Positions, causal: bool, scale: float | None, n_rep: int,
+                 explicit: bool = False):
         super().__init__()
         self.comm, self.positions, self.causal, self.scale, self.n_rep = comm, positions, causal, scale, n_rep
+        self.explicit = explicit
+        """Whether it stands for an explicit ``softmax(QK^T)V`` (its gradients are softmax's, not SDPA's kernel's)."""
         self.received = 0
         """Bytes this rank has received: the key/value blocks (forward and backward) and their gradients."""
 
-    def forward(self, q, k, v, mask, length):
+    def forward(self, q, k, v, mask, length, scale=None):
+        """(``scale``: a 0-dim tensor the scores are multiplied by, where the model computes it at run time.)"""
         if mask is not None and mask.requires_grad:
             raise InputError("ring exchange (cp_exchange='ring') takes an attention mask that needs no gradient; "
                              "this model's mask is trained: use cp_exchange='all_gather'")
         table = self._table(length, q.device)
-        scale = self.scale if self.scale is not None else q.shape[-1] ** -0.5
+        trained_scale(scale)
+        scale = float(scale) if scale is not None else self.scale if self.scale is not None else q.shape[-1] ** -0.5
         geo = _Geometry(self.comm, table, mask, self.causal, scale, self.n_rep)
+        geo.explicit = self.explicit
         return _Ring.apply(q, k.contiguous(), v.contiguous(), mask, geo, self)
 
     def _table(self, length, device) -> torch.Tensor:

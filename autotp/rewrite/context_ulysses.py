@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from autotp.rewrite.comm import Communicator
-from autotp.rewrite.context_ops import Positions
+from autotp.rewrite.context_ops import Positions, trained_scale
 
 
 class _AllToAll(torch.autograd.Function):
@@ -46,9 +46,13 @@ class UlyssesAttention(nn.Module):
     Called with this rank's ``q`` ``[B, H, t, D]``, ``k``, ``v`` ``[B, Hkv, t, D]`` (before any repeat), the
     whole mask (``[..., T, T]``, or None) and the whole length ``T``."""
 
-    def __init__(self, comm: Communicator, positions: Positions, causal: bool, scale: float | None, n_rep: int):
+    def __init__(self, comm: Communicator, positions: Positions, causal: bool, scale: float | None, n_rep: int,
+                 explicit: bool = False):
         super().__init__()
         self.comm, self.positions, self.causal, self.scale, self.n_rep = comm, positions, causal, scale, n_rep
+        self.explicit = explicit
+        """Whether it stands for an explicit ``softmax(QK^T)V``: computed so on this rank's heads, with softmax's
+        gradients (SDPA's kernel differs on a row a float mask masks whole)."""
         self.received = 0
         """Bytes this rank has received through its all-to-alls (forward and backward)."""
 
@@ -56,7 +60,8 @@ class UlyssesAttention(nn.Module):
         """This rank's tokens of every head -> every token (in sequence order) of this rank's heads."""
         return _AllToAll.apply(x, 1, 2, self.comm, self).index_select(2, inverse)
 
-    def forward(self, q, k, v, mask, length):
+    def forward(self, q, k, v, mask, length, scale=None):
+        """(``scale``: a 0-dim tensor the scores are multiplied by, where the model computes it at run time.)"""
         _, order = self.positions.both(length, q.device)
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(order.numel(), device=order.device)
@@ -66,5 +71,18 @@ class UlyssesAttention(nn.Module):
         if mask is not None and mask.dim() >= 3 and mask.shape[-3] > 1:  # a mask per head: this rank's heads
             heads = mask.shape[-3] // self.comm.size
             mask = mask.narrow(-3, self.comm.rank * heads, heads)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=self.causal, scale=self.scale)
+        trained_scale(scale)
+        scale = float(scale) if scale is not None else self.scale
+        if self.explicit:
+            out = _explicit(q, k, v, mask, scale if scale is not None else q.shape[-1] ** -0.5)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=self.causal, scale=scale)
         return _AllToAll.apply(out.index_select(2, order), 2, 1, self.comm, self)
+
+
+def _explicit(q, k, v, mask, scale: float):
+    """``softmax(q k^T * scale + mask) v`` as the model writes it (a boolean mask: True where a key may be seen)."""
+    s = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask
+    return torch.matmul(s.softmax(-1), v)
