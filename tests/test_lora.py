@@ -65,6 +65,22 @@ def test_collectives_are_the_base_models_forward_and_backward():
     assert bucket == ["all_reduce", layers * lora_workers.RANK * 64 * 4]
 
 
+def test_biased_row_layers_carry_their_adapters_in_the_base_all_reduce():
+    """A row-split base with a bias (GPT-2's ``Conv1D``, an ``nn.Linear``): the adapter's partial sum joins the base's
+    one all-reduce and the bias is added once (by one rank), so forward makes the base model's collectives; backward
+    the base's activation all-reduces (less the frozen embedding's, where no trained parameter needs it) and one
+    bucket. Exact with the biases trained too (peft's ``bias="all"``): loss and every gradient."""
+    for name, r in run_on_ranks(lora_workers.biased_rows, 2)[0].items():
+        adapted, base = r["adapted"], r["base"]
+        assert r["loss"] < 1e-5 and r["worst"] < 1e-5, (name, r)
+        assert len(adapted["forward"]) == len(base["forward"]), (name, adapted, base)
+        assert _by_size(adapted["forward"], 2 * 8) == _by_size(base["forward"], 2 * 8), name
+        *activations, bucket = adapted["backward"]
+        assert bucket == ["all_reduce", r["bucket"]] and r["bucket"] > 0, (name, adapted)
+        assert len(activations) >= len(base["backward"]) - 1, (name, adapted, base)
+        assert activations == base["backward"][len(base["backward"]) - len(activations):], (name, adapted, base)
+
+
 @pytest.mark.parametrize("tp,pp,dp,dropout", [(2, 1, 1, 0.0), (2, 1, 1, 0.1), (2, 2, 1, 0.0), (2, 1, 2, 0.0)])
 def test_clipped_adamw_steps_exact_and_frozen_base_untouched(tp, pp, dp, dropout):
     """Exact after clipped AdamW steps; each step sums the adapters' gradient shares in one all-reduce, the size of
@@ -102,12 +118,12 @@ def _split(plan, direction: str, rank: int = 4) -> tuple[list, list]:
     return tokens, [c for c in mine if c not in tokens]
 
 
-@pytest.mark.parametrize("name,biased_rows", [("llama", False), ("gpt2", True), ("gemma3", False)])
-def test_zoo_sample_with_lora_on_every_linear_layer(name, biased_rows):
-    """Exact, and at the base model's collectives: the base layers' the same forward, backward the base's activation
-    all-reduces less those the frozen base does not need, plus the one bucket of the adapters' gradient shares, and on
-    a row-split base with a bias (GPT-2's ``Conv1D``), whose g the rewrite keeps before the bias, one all-reduce of
-    the rank-r partial sum."""
+@pytest.mark.parametrize("name", ["llama", "gpt2", "gemma3"])
+def test_zoo_sample_with_lora_on_every_linear_layer(name):
+    """Exact, and at the base model's collectives: the base layers' the same forward (a row-split base with a bias,
+    GPT-2's ``Conv1D``, too: its adapter's partial sum joins its all-reduce, its bias added once), backward the base's
+    activation all-reduces less those the frozen base does not need, plus the one bucket of the adapters' gradient
+    shares."""
     import peft
     import torch
 
@@ -120,7 +136,7 @@ def test_zoo_sample_with_lora_on_every_linear_layer(name, biased_rows):
     base_plan = autotp.plan(base, tp=2, example_inputs=inputs, vocab="split")
     model = peft.get_peft_model(base, peft.LoraConfig(r=4, target_modules="all-linear"))
     for key, p in model.named_parameters():
-        if "lora_B" in key:
+        if "lora_B" in key or key.endswith("bias"):  # GPT-2's biases start at zero: one added twice would not show
             torch.nn.init.normal_(p, std=0.05)
     report = autotp.check(model, tp=2, example_inputs=inputs, vocab="split")
     assert report.exact, str(report)
@@ -130,8 +146,7 @@ def test_zoo_sample_with_lora_on_every_linear_layer(name, biased_rows):
     # the frozen embedding's gradient is not needed: one activation all-reduce fewer, and one bucket for the adapters
     assert len(backward) + len(adapter_backward) <= len(_split(base_plan, "backward")[0])
     assert [c.operator.value for c in adapter_backward] == ["grad_sum"]
-    assert all(c.shape[-1] == "4" and ".lora_A" in c.module for c in adapter_forward)
-    assert bool(adapter_forward) == biased_rows
+    assert not adapter_forward  # no adapter all-reduced on its own
 
 
 def test_ia3_split_with_its_base_and_dora_exact():
