@@ -198,39 +198,52 @@ class BiasedMlp(torch.nn.Module):
 
 def biased_bases() -> dict:
     """GPT-2 (``Conv1D``) and ``BiasedMlp`` (``nn.Linear``), biases drawn non-zero (GPT-2 starts them at zero, where a
-    bias added tp times would not show), with the peft targets of each."""
-    out = {"gpt2": (models.build("hf_gpt2"), ["c_attn", "c_proj", "c_fc"]), "linear": (BiasedMlp(), ["up", "down"])}
+    bias added tp times would not show), with the peft targets and the hidden size of each."""
+    out = {"gpt2": (models.build("hf_gpt2"), ["c_attn", "c_proj", "c_fc"], 64),
+           "linear": (BiasedMlp(), ["up", "down"], 32)}
     torch.manual_seed(2)
-    for model, _ in out.values():
+    for model, *_ in out.values():
         for name, p in model.named_parameters():
             if name.endswith("bias"):
                 torch.nn.init.normal_(p, std=0.1)
     return out
 
 
+def against_one_process(model, base, world: int, hidden: int, **settings) -> dict:
+    """The run-time collectives of a training step of the adapted ``model`` and of its ``base`` model alone at
+    tp=world (``settings``: more ``autotp.parallelize`` options), the largest difference from one process of the loss
+    and of every parameter after one SGD step of learning rate 1 (so: of every gradient), this rank's bucket, and the
+    bytes of one activation (2 x 8 tokens of ``hidden`` features, float32)."""
+    x, y = models.tokens(2, 8, 1), models.tokens(2, 8, 2)
+    ref = copy.deepcopy(model)
+    pm = autotp.parallelize(model, tp=world, example_inputs=(x,), quiet=True, **settings)
+    counts = {"adapted": counted(pm, x, y, step=True),
+              "base": counted(autotp.parallelize(base, tp=world, example_inputs=(x,), quiet=True, **settings), x, y)}
+    ref_loss = _loss(ref(x), y)
+    ref_loss.backward()
+    torch.optim.SGD([p for p in ref.parameters() if p.requires_grad], lr=1.0).step()
+    full = pm.full_state_dict()
+    worst = max((full[k] - v).abs().max().item() for k, v in ref.state_dict().items() if v.is_floating_point())
+    return {**counts, "loss": abs(counts["adapted"]["loss"] - ref_loss.item()), "worst": worst,
+            "bucket": bucket_bytes(pm), "activation": 2 * 8 * hidden * 4}
+
+
 def biased_rows(rank: int, world: int) -> dict:
-    """For each of ``biased_bases``: the run-time collectives of a training step of the LoRA model (biases trained
-    too: peft's ``bias="all"``) and of its base model alone at tp=world, and the largest difference from one process
-    of the loss and of every parameter after one SGD step of learning rate 1 (so: of every gradient)."""
+    """``against_one_process`` for each of ``biased_bases``, with LoRA on every projection and the biases trained too
+    (peft's ``bias="all"``)."""
     import peft
 
-    x, y = models.tokens(2, 8, 1), models.tokens(2, 8, 2)
     out = {}
-    for name, (base, targets) in biased_bases().items():
+    for name, (base, targets, hidden) in biased_bases().items():
         model = peft.get_peft_model(copy.deepcopy(base), peft.LoraConfig(r=RANK, target_modules=targets, bias="all"))
         torch.manual_seed(1)
         for key, p in model.named_parameters():
             if "lora_B" in key:
                 torch.nn.init.normal_(p, std=0.05)
-        ref = copy.deepcopy(model)
-        pm = autotp.parallelize(model, tp=world, example_inputs=(x,), quiet=True)
-        counts = {"adapted": counted(pm, x, y, step=True),
-                  "base": counted(autotp.parallelize(base, tp=world, example_inputs=(x,), quiet=True), x, y)}
-        ref_loss = _loss(ref(x), y)
-        ref_loss.backward()
-        torch.optim.SGD([p for p in ref.parameters() if p.requires_grad], lr=1.0).step()
-        full = pm.full_state_dict()
-        worst = max((full[k] - v).abs().max().item() for k, v in ref.state_dict().items() if v.is_floating_point())
-        out[name] = {**counts, "loss": abs(counts["adapted"]["loss"] - ref_loss.item()), "worst": worst,
-                     "bucket": bucket_bytes(pm)}
+        out[name] = against_one_process(model, base, world, hidden)
     return out
+
+
+def sequence_parallel(rank: int, world: int) -> dict:
+    """``against_one_process`` for the tiny Llama with LoRA on all seven projections, under sequence parallelism."""
+    return against_one_process(adapted(), llama(), world, 64, sequence_parallel=True)
