@@ -133,7 +133,15 @@ def training(rank: int, world: int, tp: int, pp: int, dropout: float, dp: int = 
     frozen_params = sum(1 for p in pm.parameters() if not p.requires_grad)
     return {"losses": losses, "ref_losses": ref_losses, "norms": norms, "worst": worst, "moved": moved,
             "frozen_grads": frozen_grads, "frozen_state": frozen_state, "frozen_params": frozen_params,
-            "rank": dist.get_rank(), "reduces": reduces, "bucket": bucket_bytes(pm)}
+            "rank": dist.get_rank(), "reduces": reduces, "bucket": bucket_bytes(pm), "trained": trained_bytes(pm)}
+
+
+def trained_bytes(pm) -> int:
+    """Bytes of this rank's parts of the parameters that train."""
+    from torch.distributed.tensor import DTensor
+
+    held = [p.to_local() if isinstance(p, DTensor) else p for p in pm.parameters() if p.requires_grad]
+    return sum(p.numel() * p.element_size() for p in held)
 
 
 def _logits(out):

@@ -73,11 +73,17 @@ def test_biased_row_layers_carry_their_adapters_in_the_base_all_reduce():
         _at_the_base_models_collectives(name, r)
 
 
-@pytest.mark.parametrize("tp,pp,dp,dropout", [(2, 1, 1, 0.0), (2, 1, 1, 0.1), (2, 2, 1, 0.0), (2, 1, 2, 0.0)])
+SLOW = pytest.mark.slow
+
+
+@pytest.mark.parametrize("tp,pp,dp,dropout", [(2, 1, 1, 0.0), (2, 1, 1, 0.1), (2, 2, 1, 0.0), (2, 1, 2, 0.0),
+                                              pytest.param(2, 2, 2, 0.0, marks=SLOW),
+                                              pytest.param(4, 1, 1, 0.0, marks=SLOW)])
 def test_clipped_adamw_steps_exact_and_frozen_base_untouched(tp, pp, dp, dropout):
     """Exact after clipped AdamW steps; each step sums the adapters' gradient shares in one all-reduce, the size of
     the rank's whole adapter matrices, and no adapter-sized all-reduce besides (under a pipeline once per step, not
-    per microbatch; over replicas the bucket spans tp x dp, so the adapters' tp sum and dp mean are that one)."""
+    per microbatch; over replicas the bucket spans the tp x dp ranks, of one pipeline rank under a pipeline, so the
+    adapters' tp sum and dp mean are that one, and the replicas' average carries only the split adapter parts)."""
     results = run_on_ranks(lora_workers.training, tp * pp * dp, tp, pp, dropout, dp)
     for r in results:
         assert r["worst"] < 1e-5, r
@@ -86,6 +92,8 @@ def test_clipped_adamw_steps_exact_and_frozen_base_untouched(tp, pp, dp, dropout
         assert r["frozen_params"] > 0 and r["frozen_grads"] == [] and r["frozen_state"] == [], r
         assert r["bucket"] > 0 and r["reduces"].count(r["bucket"]) == 1, r
         assert lora_workers.RANK * 64 * 4 not in r["reduces"], r  # no adapter summed on its own
+        if dp > 1:
+            assert r["reduces"].count(r["trained"] - r["bucket"]) == 1, r
         got = [v for v in r["losses"] if v is not None]
         if dp == 1:  # a replica's loss is its slice's
             assert got == pytest.approx(r["ref_losses"][:len(got)], rel=1e-5, abs=1e-6) if got else True
