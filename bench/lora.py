@@ -4,8 +4,8 @@ tp=2: step time, and bytes per rank (parameters, gradients, AdamW state, saved a
     python -m bench.lora
 
 A Llama of hidden 512, 4 layers, 8 heads, vocabulary 4096, with peft's LoRA (r=16) on every projection of every
-layer; batch 4 x 128 tokens; AdamW. Ranks are CPU processes over gloo (one thread each). The collectives of one step
-are counted at run time (``bench.comm``).
+layer; batch 4 x 128 tokens; AdamW; at tp=2 without and with sequence parallelism. Ranks are CPU processes over gloo
+(one thread each). The collectives of one step are counted at run time (``bench.comm``).
 """
 
 from __future__ import annotations
@@ -88,13 +88,15 @@ def one_process(rank: int, world: int) -> dict:
 
 
 def on_ranks(rank: int, world: int) -> dict:
-    """The LoRA step and the base model's full fine-tune step at tp=world, with their collectives."""
+    """The LoRA step and the base model's full fine-tune step at tp=world, with their collectives, without and with
+    sequence parallelism."""
     import autotp
 
     x, y = _inputs()
     out = {}
-    for name, build in (("lora", _adapted), ("full", _llama)):
-        pm = autotp.parallelize(build(), tp=world, example_inputs=(x,), quiet=True)
+    for name, build, sp in (("lora", _adapted, False), ("full", _llama, False), ("lora_sp", _adapted, True),
+                            ("full_sp", _llama, True)):
+        pm = autotp.parallelize(build(), tp=world, example_inputs=(x,), quiet=True, sequence_parallel=sp)
         out[name] = _measure(pm, lambda x, y: pm.step(x, target=y, loss_fn=_loss), x, y)
         counts = count_step(lambda: pm(x), lambda o: _loss(o, y))
         out[name]["collectives"] = {d: {op: v["count"] for op, v in per.items()} for d, per in counts.items()}

@@ -113,32 +113,63 @@ def added_once(node: fx.Node, partial: set[str]) -> ArgPath | None:
     return whole[0] if len(args) == 2 and len(held) == 1 and len(whole) == 1 else None
 
 
-def _deferrable(name: str, nodes: dict[str, fx.Node], projections: dict[str, Projection]) -> bool:
-    """A ``g`` that may move later: not a projection whose bias the rewrite adds after it."""
+def bias_path(node: fx.Node) -> ArgPath | None:
+    """Where a projection's op takes its bias (``addmm``'s first argument, ``linear``'s third), if it has one."""
+    if node.target is aten.addmm.default and len(node.args) == 3 and not node.kwargs:
+        return (0,)
+    if node.target is aten.linear.default and len(node.args) == 3 and node.args[2] is not None and not node.kwargs:
+        return (2,)
+    return None
+
+
+def _deferrable(name: str, nodes: dict[str, fx.Node], projections: dict[str, Projection],
+                biased: frozenset[str] = frozenset()) -> bool:
+    """A ``g`` that may move later: not a projection whose bias the rewrite adds after it, unless it is among
+    ``biased`` (bases of adapters, whose bias is then added by one rank only: ``biased_bases``)."""
     proj = projections.get(name)
-    return proj is None or (proj.bias is None and nodes[name].target is not aten.addmm.default)
+    if proj is None or (proj.bias is None and nodes[name].target is not aten.addmm.default):
+        return True
+    return name in biased
+
+
+def biased_bases(adapters, nodes: dict[str, fx.Node], projections: dict[str, Projection], consumed: set) -> frozenset:
+    """The adapters' row-split base layers with a bias (GPT-2's ``Conv1D``, a ``Linear`` with ``bias=True``) whose
+    ``g`` may move past the add of the adapter's partial sum: ``(x_j W_j + b) + s B (A_j x_j)`` summed over the ranks
+    is ``sum_j (x_j W_j + s B A_j x_j) + b`` when one rank adds ``b`` (``ONCE``), so the base's one all-reduce
+    carries the adapter's partial sum too, and the bias is added once. Not a convolution's per-channel bias, nor a
+    bias read through a conversion already."""
+    out = set()
+    for adapter in adapters.values():
+        node, proj = nodes[adapter.base], projections[adapter.base]
+        path = bias_path(node)
+        if path is not None and not proj.spatial and (node.name, path) not in consumed:
+            out.add(node.name)
+    return frozenset(out)
 
 
 def defer_reductions(order: list[fx.Node], reduced: dict[str, Operator], projections: dict[str, Projection],
                      layouts: dict, grad: set[str], consumed: set,
-                     ups: frozenset[str] = frozenset()) -> tuple[dict[str, str], list, set[str]]:
+                     ups: frozenset[str] = frozenset(),
+                     biased: frozenset[str] = frozenset()) -> tuple[dict[str, str], list, set[str]]:
     """Where each deferrable ``g`` of ``reduced`` moves: {node whose ``g`` moves: node after which it runs},
     the (node, path, step) edges of whole operands that must be read through ``f`` or added by one rank (``ONCE``)
     (``consumed``: the edges that already have a conversion, whose operands are not whole as read), and every node
     holding a partial sum. A ``g`` moves past a whole addend (added once) only where that pays: where the sum
     joins other reductions after it, or is all-reduced smaller than it is there (not past a residual add, which
-    would only move the all-reduce)."""
+    would only move the all-reduce). ``biased``: projections with a bias whose ``g`` may move too (``_deferrable``);
+    the bias of each that moves is added by one rank (an ``ONCE`` edge among those returned)."""
     nodes = {n.name: n for n in order}
     unpaid: set[str] = set()
     while True:
         moved, copies, chain, gathered, onces = _deferred(order, reduced, projections, layouts, grad, consumed, unpaid,
-                                                          ups)
+                                                          ups, biased)
         ends = {n: moved.get(next(iter(before)), n) for n, (before, _) in onces.items()}
         # an addend after the last reduction joined the sum, and before nothing smaller: the g may stay before it
         more = {n for n, (before, held) in onces.items()
                 if before == gathered[ends[n]] and not _smaller(nodes[ends[n]], nodes[held])}
         if not more:
-            return moved, copies, chain
+            onces_of_bias = [(s, bias_path(nodes[s]), ONCE) for s in moved if s in biased]
+            return moved, copies + onces_of_bias, chain
         unpaid |= more
 
 
@@ -148,13 +179,14 @@ def _smaller(node: fx.Node, than: fx.Node) -> bool:
     return bool(ratio.is_number and ratio.is_finite and ratio > 1)
 
 
-def _deferred(order, reduced, projections, layouts, grad, consumed, unpaid: set[str], ups=frozenset()):
+def _deferred(order, reduced, projections, layouts, grad, consumed, unpaid: set[str], ups=frozenset(),
+              biased=frozenset()):
     """``defer_reductions``'s walk, adding no whole addend once at the nodes ``unpaid``; also the reductions each
     chain gathers (by the node it ends at), and by each node adding a whole value once, the reductions its
     partial operand gathers and that operand."""
     nodes = {n.name: n for n in order}
     partial = {n for n, op in reduced.items() if op is Operator.G and layouts.get(n) is None
-               and _deferrable(n, nodes, projections)}
+               and _deferrable(n, nodes, projections, biased)}
     source_of = {n: {n} for n in partial}
     onces: dict[str, tuple[set[str], str]] = {}
     chain, copies = set(partial), []
@@ -234,10 +266,12 @@ def carry_partial_sums(prop, order: list[fx.Node], projections: dict[str, Projec
     consumed = {c for conv in prop.conversions.values() for c in conv.consumers}
     adapters = find_adapters(order[0].graph, projections) if order else {}
     nodes = {n.name: n for n in order}
-    # past an adapter's B only where its base's g can join it (a base whose bias the rewrite adds after its g keeps
-    # that g, and the adapter's rank-r sum is then the smaller one to all-reduce)
-    ups = frozenset(u for u, a in adapters.items() if _deferrable(a.base, nodes, projections))
-    moved, copies, chain = defer_reductions(order, prop.reduced, projections, prop.layouts, grad, consumed, ups)
+    # past an adapter's B only where its base's g can join it: a base with a bias joins it with the bias added by one
+    # rank (``biased_bases``); elsewhere the adapter's rank-r sum is the smaller one to all-reduce
+    biased = biased_bases(adapters, nodes, projections, consumed)
+    ups = frozenset(u for u, a in adapters.items() if _deferrable(a.base, nodes, projections, biased))
+    moved, copies, chain = defer_reductions(order, prop.reduced, projections, prop.layouts, grad, consumed, ups,
+                                            biased)
     for source, end in moved.items():
         del prop.reduced[source]
         prop.reduced[end] = Operator.G

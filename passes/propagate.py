@@ -26,6 +26,7 @@ from autotp.passes.graph import (
     sizes,
     tensor_args,
 )
+from autotp.passes.adapter_sequence import carry_sequence_sums
 from autotp.passes.partial import carry_partial_sums
 from autotp.passes.placement import Layout, PlacementKind, Shard
 from autotp.passes.embedding_adapters import split_rows_lookup
@@ -397,4 +398,6 @@ def propagate(graph: fx.Graph, projections: Mapping[str, Projection], embeddings
     result = walker.run(windowed, stop)
     if not (windowed or auto_rows or sequence):  # sequence parallelism reduce-scatters where the rows are
         carry_partial_sums(result, walker.index.order, projections, grad)
+    elif sequence and not (windowed or auto_rows):  # but adapters join their base's all-gather and reduce-scatter
+        carry_sequence_sums(result, walker.index.order, projections, grad)
     return result

@@ -58,14 +58,17 @@ def _events(run) -> list[tuple[str, int]]:
     return seen.events
 
 
-def counted(pm, x, y) -> dict[str, list]:
-    """The collectives of one training step, forward and backward apart."""
+def counted(pm, x, y, step: bool = False) -> dict:
+    """The collectives of one training step, forward and backward apart; with ``step``, then one SGD step of
+    learning rate 1 on the parameters that train, and the loss."""
     holder = {}
     forward = _events(lambda: holder.setdefault("loss", _loss(pm(x), y)))
     backward = _events(lambda: holder["loss"].backward())
+    if step:
+        torch.optim.SGD([p for p in pm.parameters() if p.requires_grad], lr=1.0).step()
     for p in pm.parameters():
         p.grad = None
-    return {"forward": forward, "backward": backward}
+    return {"forward": forward, "backward": backward, "loss": holder["loss"].item()}
 
 
 def collectives(rank: int, world: int) -> dict:
@@ -130,7 +133,15 @@ def training(rank: int, world: int, tp: int, pp: int, dropout: float, dp: int = 
     frozen_params = sum(1 for p in pm.parameters() if not p.requires_grad)
     return {"losses": losses, "ref_losses": ref_losses, "norms": norms, "worst": worst, "moved": moved,
             "frozen_grads": frozen_grads, "frozen_state": frozen_state, "frozen_params": frozen_params,
-            "rank": dist.get_rank(), "reduces": reduces, "bucket": bucket_bytes(pm)}
+            "rank": dist.get_rank(), "reduces": reduces, "bucket": bucket_bytes(pm), "trained": trained_bytes(pm)}
+
+
+def trained_bytes(pm) -> int:
+    """Bytes of this rank's parts of the parameters that train."""
+    from torch.distributed.tensor import DTensor
+
+    held = [p.to_local() if isinstance(p, DTensor) else p for p in pm.parameters() if p.requires_grad]
+    return sum(p.numel() * p.element_size() for p in held)
 
 
 def _logits(out):
@@ -172,3 +183,75 @@ def peft_files(rank: int, world: int, folder: str) -> dict:
     out["merged_weights"] = max((full[f"base_model.model.{k}".replace(".weight", ".base_layer.weight")] - v).abs().max()
                                 .item() for k, v in merged.state_dict().items() if "layers.0.self_attn.q_proj" in k)
     return out
+
+
+class BiasedMlp(torch.nn.Module):
+    """Token embedding, then blocks ``x + down(gelu(up(x)))`` of ``nn.Linear`` layers with biases: the row-split
+    ``down`` adds its bias after its one all-reduce, which its adapter's partial sum must join."""
+
+    def __init__(self, layers: int = 2, dim: int = 32):
+        super().__init__()
+        self.embed = torch.nn.Embedding(models.VOCAB, dim)
+        self.blocks = torch.nn.ModuleList(torch.nn.ModuleDict({"up": torch.nn.Linear(dim, 2 * dim),
+                                                                "down": torch.nn.Linear(2 * dim, dim)})
+                                          for _ in range(layers))
+        self.head = torch.nn.Linear(dim, models.VOCAB, bias=False)
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        for block in self.blocks:
+            x = x + block["down"](torch.nn.functional.gelu(block["up"](x)))
+        return self.head(x)
+
+
+def biased_bases() -> dict:
+    """GPT-2 (``Conv1D``) and ``BiasedMlp`` (``nn.Linear``), biases drawn non-zero (GPT-2 starts them at zero, where a
+    bias added tp times would not show), with the peft targets and the hidden size of each."""
+    out = {"gpt2": (models.build("hf_gpt2"), ["c_attn", "c_proj", "c_fc"], 64),
+           "linear": (BiasedMlp(), ["up", "down"], 32)}
+    torch.manual_seed(2)
+    for model, *_ in out.values():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                torch.nn.init.normal_(p, std=0.1)
+    return out
+
+
+def against_one_process(model, base, world: int, hidden: int, **settings) -> dict:
+    """The run-time collectives of a training step of the adapted ``model`` and of its ``base`` model alone at
+    tp=world (``settings``: more ``autotp.parallelize`` options), the largest difference from one process of the loss
+    and of every parameter after one SGD step of learning rate 1 (so: of every gradient), this rank's bucket, and the
+    bytes of one activation (2 x 8 tokens of ``hidden`` features, float32)."""
+    x, y = models.tokens(2, 8, 1), models.tokens(2, 8, 2)
+    ref = copy.deepcopy(model)
+    pm = autotp.parallelize(model, tp=world, example_inputs=(x,), quiet=True, **settings)
+    counts = {"adapted": counted(pm, x, y, step=True),
+              "base": counted(autotp.parallelize(base, tp=world, example_inputs=(x,), quiet=True, **settings), x, y)}
+    ref_loss = _loss(ref(x), y)
+    ref_loss.backward()
+    torch.optim.SGD([p for p in ref.parameters() if p.requires_grad], lr=1.0).step()
+    full = pm.full_state_dict()
+    worst = max((full[k] - v).abs().max().item() for k, v in ref.state_dict().items() if v.is_floating_point())
+    return {**counts, "loss": abs(counts["adapted"]["loss"] - ref_loss.item()), "worst": worst,
+            "bucket": bucket_bytes(pm), "activation": 2 * 8 * hidden * 4}
+
+
+def biased_rows(rank: int, world: int) -> dict:
+    """``against_one_process`` for each of ``biased_bases``, with LoRA on every projection and the biases trained too
+    (peft's ``bias="all"``)."""
+    import peft
+
+    out = {}
+    for name, (base, targets, hidden) in biased_bases().items():
+        model = peft.get_peft_model(copy.deepcopy(base), peft.LoraConfig(r=RANK, target_modules=targets, bias="all"))
+        torch.manual_seed(1)
+        for key, p in model.named_parameters():
+            if "lora_B" in key:
+                torch.nn.init.normal_(p, std=0.05)
+        out[name] = against_one_process(model, base, world, hidden)
+    return out
+
+
+def sequence_parallel(rank: int, world: int) -> dict:
+    """``against_one_process`` for the tiny Llama with LoRA on all seven projections, under sequence parallelism."""
+    return against_one_process(adapted(), llama(), world, 64, sequence_parallel=True)

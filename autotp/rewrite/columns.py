@@ -46,24 +46,40 @@ def owned_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 class Regather:
     """The second gather of one ``GatherToRegion``'s input, shared by the projections that read its output: the
-    first backward that needs it gathers, the others reuse it, the last one drops it."""
+    first backward that needs it gathers, the others reuse it, the last one drops it.
 
-    def __init__(self, gather: GatherToRegion, readers: int):
-        self.gather, self.readers = gather, readers
-        self.cache: dict[int, list] = {}
+    The readers that will need it say so in their forward (``expect``: those whose weight takes a gradient; a frozen
+    base layer's backward needs only its weight), and the gathered value is found again by the shard's storage, not
+    by the tensor object: autograd hands each backward its own wrapper of a saved tensor."""
+
+    def __init__(self, gather: GatherToRegion):
+        self.gather = gather
+        self.cache: dict[tuple, list] = {}
 
     def start(self) -> None:
         """A new forward: whatever a previous one left (a backward that never ran) is dropped."""
         self.cache.clear()
 
+    @staticmethod
+    def _key(shard: torch.Tensor) -> tuple:
+        return shard.untyped_storage().data_ptr(), shard.storage_offset(), tuple(shard.shape)
+
+    def expect(self, shard: torch.Tensor) -> None:
+        """One more backward will ask for the gathered value of ``shard``."""
+        self.cache.setdefault(self._key(shard), [None, 0])[1] += 1
+
     def whole(self, shard: torch.Tensor) -> torch.Tensor:
-        """The gathered value of ``shard`` (gathered on the first call for it)."""
-        entry = self.cache.get(id(shard))
+        """The gathered value of ``shard`` (gathered on the first call for it; for a caller not expected, a gather
+        of its own)."""
+        key = self._key(shard)
+        entry = self.cache.get(key)
         if entry is None:
-            entry = self.cache[id(shard)] = [self.gather.gathered(shard), self.readers]
+            return self.gather.gathered(shard)
+        if entry[0] is None:
+            entry[0] = self.gather.gathered(shard)
         entry[1] -= 1
         if entry[1] <= 0:
-            del self.cache[id(shard)]
+            del self.cache[key]
         return entry[0]
 
 
@@ -91,10 +107,14 @@ class _RegatheredLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         shard, weight = ctx.saved_tensors
-        x, weight, grad = in_dtype(ctx.dtype, ctx.regather.whole(shard), weight, grad)
+        grad_weight = None
+        if ctx.needs_input_grad[2]:  # a frozen weight (LoRA's base) needs no gathered input
+            x, weight, grad = in_dtype(ctx.dtype, ctx.regather.whole(shard), weight, grad)
+            grad_weight = flat_grad(grad).t() @ x.reshape(-1, x.shape[-1])
+        else:
+            weight, grad = in_dtype(ctx.dtype, weight, grad)
         flat = flat_grad(grad)
-        grad_weight = flat.t() @ x.reshape(-1, x.shape[-1])
-        grad_bias = flat.sum(0) if ctx.has_bias else None
+        grad_bias = flat.sum(0) if ctx.has_bias and ctx.needs_input_grad[3] else None
         return (flat @ weight).view(*grad.shape[:-1], weight.shape[-1]), None, grad_weight, grad_bias, None
 
 
@@ -108,6 +128,8 @@ class RegatheredLinear(nn.Module):
     def forward(self, whole, shard, weight, bias=None):
         if self.first:
             self.regather.start()
+        if torch.is_grad_enabled() and weight.requires_grad:
+            self.regather.expect(shard)
         return _RegatheredLinear.apply(whole, shard, weight, bias, self.regather)
 
 

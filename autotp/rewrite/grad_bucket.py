@@ -9,9 +9,10 @@ of such replicated parameters together once the backward is done; so does this: 
 instead of to autograd. The bucket sums every share over the ranks in one all-reduce when the backward pass ends
 (or, while ``held``, when a pipeline's schedule ends) and adds the sums to the parameters' ``.grad``.
 
-Over data parallelism (``replicate``, one pipeline stage) the bucket's group is the whole tp x dp world and it
-divides by dp: the adapters' tp sum and dp average are one collective. Under ``fsdp`` the parameter the graph reads
-is FSDP's unsharded copy, whose gradient FSDP reduce-scatters itself: there each share is summed where it arrives.
+Over data parallelism (``replicate``) the bucket's group is the tp x dp ranks (with pipelines, those of one pipeline
+rank) and it divides by dp: the adapters' tp sum and dp average are one collective. Under ``fsdp`` the parameter the
+graph reads is FSDP's unsharded copy, whose gradient FSDP reduce-scatters itself: there each share is summed where it
+arrives.
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ class GradBucket:
         """Wait for ``flush`` (a pipeline's schedule runs one backward per microbatch)."""
         self._shares: dict[str, tuple[nn.Parameter, torch.Tensor]] = {}
         self._queued = False
+        self.params: set[int] = set()
+        """The ids of the parameters whose shares it has taken (the replicas' average leaves them to it)."""
 
     def add(self, key: str, param: nn.Parameter, grad: torch.Tensor) -> torch.Tensor | None:
         """Take ``param``'s gradient share (``key``: its name, the same on every rank); returns the gradient autograd
@@ -51,6 +54,7 @@ class GradBucket:
             return self.comm.all_reduce(grad)
         held = self._shares.get(key)
         self._shares[key] = (param, grad if held is None else held[1] + grad)
+        self.params.add(id(param))
         if not self.held and not self._queued:
             self._queued = True
             at_backward_end(self.flush)

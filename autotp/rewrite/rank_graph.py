@@ -201,7 +201,7 @@ class _Surgeon:
     def regather(self, gathered: fx.Node, readers: list[fx.Node]) -> None:
         """Column projections reading ``gathered`` (``nn.Linear``'s op) save its shard, not it, for backward."""
         linears = [n for n in readers if self._linear(n)]
-        shared = Regather(self.gm.get_submodule(gathered.target), len(linears))
+        shared = Regather(self.gm.get_submodule(gathered.target))
         for i, node in enumerate(linears):
             node.op, node.target = "call_module", self.add(RegatheredLinear(shared, first=i == 0))
             node.args = (gathered, gathered.args[0], *node.args[1:])

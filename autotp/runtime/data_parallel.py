@@ -133,6 +133,8 @@ class DataParallel:
     def __init__(self, mesh: Mesh, mode: DataParallelMode, policy: MixedPrecision | None = None):
         self.mesh, self.mode, self.policy = mesh, mode, policy
         self.size, self.rank = mesh.dp, mesh.dp_rank
+        self.bucketed: list = []
+        """The gradient buckets that average over the replicas themselves (``take_buckets``)."""
         self.experts: set[int] = set()
         """Ids of parameters holding experts split among ep ranks above tp (``hold_experts``)."""
         self.expert_replicas = None
@@ -168,8 +170,10 @@ class DataParallel:
 
     def average_gradients(self, params: Iterable[nn.Parameter]) -> None:
         """Average the gradients of ``params`` over the replicas (``replicate``; under fsdp FSDP's hooks already
-        did, but for the experts it leaves whole at ep above tp)."""
-        held = [p for p in _unique(params) if p.grad is not None]
+        did, but for the experts it leaves whole at ep above tp). Parameters in an end-of-backward bucket were
+        reduced over tp x dp there."""
+        done = set().union(*(bucket.params for bucket in self.bucketed))
+        held = [p for p in _unique(params) if p.grad is not None and id(p) not in done]
         if not self.sharded:
             self._average([local(p.grad) for p in held if id(p) not in self.experts], self.mesh.dp_group)
         # an expert's gradient: the rows each expert-parallel group routed to it, summed over the ranks holding it
@@ -215,15 +219,29 @@ class DataParallel:
     def take_buckets(self, buckets, pipelined: bool) -> None:
         """Set up the ranks' end-of-backward gradient buckets (``rewrite.grad_bucket``) for the replicas: under fsdp
         each share is summed where it arrives (FSDP reduce-scatters what the graph's unsharded parameter gets);
-        under ``replicate`` without pipelines the bucket sums over the whole tp x dp world and divides by dp, so the
-        adapters' tp sum and dp average are one all-reduce (a pipeline's step averages after its schedule)."""
+        under ``replicate`` the bucket sums over the tp x dp ranks (the whole world; with pipelines, those of this
+        rank's stages) and divides by dp, so the adapters' tp sum and dp average are one all-reduce, and the replicas'
+        average leaves those parameters alone. ``pipelined``: the buckets are a pipeline's."""
         from autotp.rewrite.comm import TorchComm
 
-        for bucket in buckets:
-            if self.sharded:
+        world, block = dist.get_world_size(), self.mesh.tp * self.size
+        if not buckets:
+            return
+        if self.sharded:
+            for bucket in buckets:
                 bucket.immediate = True
-            elif not pipelined and dist.get_world_size() == self.mesh.tp * self.size:
-                bucket.comm, bucket.scale = TorchComm(None), 1.0 / self.size
+            return
+        if world == block:
+            comm = TorchComm(None)
+        elif pipelined and world == block * self.mesh.pp:
+            # this pipeline rank's tp x dp ranks: the mesh has no such group, and only they need to make it
+            first = self.mesh.pp_rank * block
+            comm = TorchComm(dist.new_group(list(range(first, first + block)), use_local_synchronization=True))
+        else:
+            return
+        for bucket in buckets:
+            bucket.comm, bucket.scale = comm, 1.0 / self.size
+            self.bucketed.append(bucket)  # their parameters' gradients are averaged already
 
     def counts(self) -> bool:
         """Whether this replica's gradients enter a norm over all ranks: each shard under fsdp; under
