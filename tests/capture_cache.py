@@ -20,6 +20,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import os
+import time
 from collections import OrderedDict
 
 import torch
@@ -134,13 +136,30 @@ def cached(capture):
             _COUNTS["hits"] += 1
             return source.captures[how]
         # equal to ``model`` in everything the key holds
+        start = time.process_time()
         captured = capture(source.model, example_inputs, training, speedups=speedups)
         _COUNTS["misses"] += 1
+        _log(model, key, how, time.process_time() - start)
         source.captures[how] = captured
         return captured
 
     cached_capture.__wrapped__ = capture
     return cached_capture
+
+
+LOG = "AUTOTP_TEST_CAPTURE_LOG"
+"""An environment variable naming a file: each capture the memo makes (a miss) appends a line to it (process,
+test, model, mode, CPU seconds, key digest), to find the captures a suite run repeats across tests and ranks."""
+
+
+def _log(model: nn.Module, key, how, seconds: float) -> None:
+    path = os.environ.get(LOG)
+    if not path:
+        return
+    digest = hashlib.blake2b(repr((key, how)).encode(), digest_size=6).hexdigest()  # ids differ across processes
+    test = os.environ.get("PYTEST_CURRENT_TEST", "-").split(" ")[0]
+    with open(path, "a") as f:
+        f.write(f"{os.getpid()}\t{test}\t{type(model).__name__}\t{how[1]}\t{seconds:.2f}\t{digest}\n")
 
 
 def install() -> None:
