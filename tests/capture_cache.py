@@ -20,15 +20,20 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import os
+import time
 from collections import OrderedDict
 
 import torch
 from torch import nn
 
-LIMIT = 32
-"""Models whose captures are kept (least recently used dropped first)."""
+LIMIT = 256
+"""Models whose captures are kept (least recently used dropped first): the suite's files share many (the same tiny
+model on the same tokens), and a tiny model's captures hold a few MB."""
 LARGEST = 20_000_000
 """Elements of the largest model kept (the test models are tiny; a zoo model need not stay in memory)."""
+BUDGET = 100_000_000
+"""Elements of all kept models together (least recently used dropped first past it): the zoo's larger models."""
 _SOURCES: OrderedDict = OrderedDict()
 _COUNTS = {"hits": 0, "misses": 0}
 _BYPASSED = [False]
@@ -127,20 +132,47 @@ def cached(capture):
         source = _SOURCES.get(key)
         if source is None or (source.model is not model and _model_key(source.model) != key):
             source = _SOURCES[key] = _Source(model)  # none yet, or its model was trained since: start again
-            while len(_SOURCES) > LIMIT:
-                _SOURCES.popitem(last=False)
+            _evict()
         _SOURCES.move_to_end(key)
         if how in source.captures:
             _COUNTS["hits"] += 1
             return source.captures[how]
         # equal to ``model`` in everything the key holds
+        start = time.process_time()
         captured = capture(source.model, example_inputs, training, speedups=speedups)
         _COUNTS["misses"] += 1
+        _log(model, key, how, time.process_time() - start)
         source.captures[how] = captured
         return captured
 
     cached_capture.__wrapped__ = capture
     return cached_capture
+
+
+def _elements(model: nn.Module) -> int:
+    return sum(t.numel() for t in (*model.parameters(), *model.buffers()))
+
+
+def _evict() -> None:
+    """Drop the least recently used models past LIMIT models or BUDGET elements (the newest is always kept)."""
+    while len(_SOURCES) > 1 and (len(_SOURCES) > LIMIT or
+                                 sum(_elements(s.model) for s in _SOURCES.values()) > BUDGET):
+        _SOURCES.popitem(last=False)
+
+
+LOG = "AUTOTP_TEST_CAPTURE_LOG"
+"""An environment variable naming a file: each capture the memo makes (a miss) appends a line to it (process,
+test, model, mode, CPU seconds, key digest), to find the captures a suite run repeats across tests and ranks."""
+
+
+def _log(model: nn.Module, key, how, seconds: float) -> None:
+    path = os.environ.get(LOG)
+    if not path:
+        return
+    digest = hashlib.blake2b(repr((key, how)).encode(), digest_size=6).hexdigest()  # ids differ across processes
+    test = os.environ.get("PYTEST_CURRENT_TEST", "-").split(" ")[0]
+    with open(path, "a") as f:
+        f.write(f"{os.getpid()}\t{test}\t{type(model).__name__}\t{how[1]}\t{seconds:.2f}\t{digest}\n")
 
 
 def install() -> None:

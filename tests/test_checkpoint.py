@@ -11,7 +11,7 @@ from autotp.passes.placement import Placement, local_shard, part_of
 
 from autotp.runtime import dcp
 from autotp.runtime.progress import Progress
-from tests import checkpoint_workers
+from tests import capture_cache, checkpoint_workers, models
 from tests.checkpoint_workers import dp_checkpoints
 from tests.distributed import run_on_ranks
 
@@ -89,6 +89,7 @@ def test_checkpoints_with_data_parallel_replicas(tmp_path):
     """Saved by fsdp replicas (dp=2 x tp=2) with AdamW state; loaded by replicate replicas, by fsdp replicas and
     at tp=4: each equals one process after the same steps, and goes on training like it; the safetensors export
     at dp=2 loads back with from_pretrained."""
+    capture_cache.warm(checkpoint_workers.llama(layers=1), models.tokens(8, 12, 5)[:2])  # once, not once per rank
     results = run_on_ranks(dp_checkpoints, 4, str(tmp_path))
     for rank, errors in enumerate(results):
         assert list(errors) == ["fsdp dp=2 trained", "replicate loaded", "replicate after a resumed step", "fsdp loaded",

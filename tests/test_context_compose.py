@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 import autotp
-from tests import context_compose_workers, context_workers, models
+from tests import capture_cache, context_compose_workers, context_workers, models
 from tests.distributed import run_each_on_ranks
 
 
@@ -21,6 +21,8 @@ def test_cp_with_tp_dp_and_pp_train_exactly_on_four_ranks():
     jobs = {"cp2 x tp2": (context_compose_workers.train_composed, "llama", recomputed),
             "cp2 x dp2": (context_compose_workers.train_composed, "odd", {"cp": 2, "dp": 2}),
             "cp2 x pp2": (context_compose_workers.train_composed, "odd", {"cp": 2, "pp": 2})}
+    for _, name, settings in jobs.values():  # captured here once, not once per rank (4 on 2 cores)
+        capture_cache.warm(context_workers.build(name), models.tokens(2 * settings.get("dp", 1), 16, 1)[:2])
     _exact(run_each_on_ranks(4, jobs))
 
 

@@ -12,8 +12,14 @@ import autotp
 from autotp.capture import capture
 from autotp.planning.context_plan import plan_context
 from autotp.rewrite.context_ops import rank_positions
-from tests import context_workers, models
+from tests import capture_cache, context_workers, models
 from tests.distributed import run_on_ranks
+
+
+@pytest.fixture(scope="module")
+def packed_llama():
+    """The Llama on packed documents (cp=2 and cp=4 below) captured here once, not once per rank and run."""
+    capture_cache.warm(context_workers.HF["llama"](), context_workers.BATCHES["packed"]())
 
 
 @pytest.mark.parametrize("name", ["odd", "llama"])
@@ -25,14 +31,14 @@ def test_cp2_trains_exactly_with_a_loss_fn(name):
 
 
 @pytest.mark.parametrize("name, batch", [("llama", "packed"), ("mistral", "padded"), ("gpt2", "padded")])
-def test_cp2_trains_exactly_on_the_models_own_loss(name, batch):
+def test_cp2_trains_exactly_on_the_models_own_loss(name, batch, packed_llama):
     """Packed documents (position ids restarting: block-diagonal causal masks), Mistral's sliding window over a
     left-padded batch, GPT-2's learnt positions over a right-padded one; the model's own shifted loss."""
     for errors in run_on_ranks(context_workers.train_batch, 2, name, batch):
         assert errors["output"] <= 1e-6 and errors["loss"] <= 1e-5 and errors["grad"] <= 1e-6, errors
 
 
-def test_cp4_trains_exactly():
+def test_cp4_trains_exactly(packed_llama):
     """Four ranks, each two of eight chunks of the packed batch."""
     for errors in run_on_ranks(context_workers.train_batch, 4, "llama", "packed"):
         assert errors["loss"] <= 1e-5 and errors["grad"] <= 1e-6, errors

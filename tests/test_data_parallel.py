@@ -19,7 +19,7 @@ import torch
 import autotp
 from autotp.runtime.process import check_world
 from bench.ranks import free_port
-from tests import dp_workers, models
+from tests import capture_cache, dp_workers, models
 from tests.distributed import run_on_ranks
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -31,6 +31,8 @@ MODES = ["fsdp", "replicate"]
 @pytest.fixture(scope="module")
 def layouts():
     configs = [[dp, tp, pp, mode] for dp, tp, pp in LAYOUTS for mode in MODES]
+    # Captured here once: 8 ranks on 2 cores would otherwise capture it four times per core
+    capture_cache.warm(models.build("gpt", layers=1), (models.tokens(2, 16, seed=1),))
     return run_on_ranks(dp_workers.check_layouts, 8, configs)[0]
 
 

@@ -17,7 +17,7 @@ from autotp.planning.machines import MACHINES, machine_named
 from autotp.planning.plan import Plan
 from autotp.passes.steps import CollectiveOp
 from autotp.tools import cli
-from tests import layout_workers, models
+from tests import capture_cache, layout_workers, models
 from tests.distributed import run_on_ranks
 
 CPU = MACHINES["cpu"]
@@ -147,6 +147,8 @@ def test_cli_prints_the_ranked_layouts(capsys):
 
 
 def test_the_chosen_layout_trains_like_one_process():
+    capture_cache.warm(models.build("gpt", layers=2),  # once here, not once per rank
+                       (models.tokens(layout_workers.BATCH, layout_workers.SEQ, seed=1),))
     chosen = run_on_ranks(layout_workers.check_chosen_layouts, 4)[0]
     assert set(chosen) == {"free", "tp=2", "budget"} and chosen["tp=2"].startswith("tp2 "), chosen
     assert chosen["budget"].endswith(" rc") and not chosen["free"].endswith(" rc"), chosen

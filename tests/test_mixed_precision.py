@@ -11,7 +11,7 @@ import torch
 
 import autotp
 from autotp.planning import Plan
-from tests import models
+from tests import capture_cache, models, precision_workers
 from tests.distributed import run_on_ranks
 from tests.precision_workers import pipeline_to_dtype, policy_training, to_dtype, to_dtype_then_train, user_autocast
 
@@ -21,6 +21,18 @@ ROUNDINGS = 2.0
 rounded to bf16 on each rank before the sum (as in Megatron), so the parallel bf16 run is another bf16 rounding of
 the fp32 run, about as far from it as the unsharded bf16 run is: two such runs differ by about √2 of that gap
 (measured: 1.1-1.4x). A fault (a wrong shard, a missing reduction) is orders of magnitude above it."""
+
+
+@pytest.fixture(scope="module")
+def warmed():
+    """The Llamas the ranks parallelize outside autocast, captured here once before they fork: most tests below
+    share them (each rank would otherwise capture its model again, train and eval)."""
+    x = models.tokens(precision_workers.BATCH, precision_workers.SEQ, seed=2)
+    for layers in (2, 4):
+        capture_cache.warm(models.build("hf_llama", layers=layers), (x[:2],))
+    two = models.build("hf_llama", layers=2)
+    for example in (precision_workers._batch(True), (x,)):
+        capture_cache.warm(two, example)
 
 
 def _within_gap(result: dict, pairs) -> None:
@@ -42,7 +54,7 @@ def test_autocast_around_the_module_at_tp2(labels):
             assert result["loss_diff"] < 2e-2 and result["fp32_after"] < 1e-2
 
 
-def test_policy_at_tp2_four_layers_twenty_steps():
+def test_policy_at_tp2_four_layers_twenty_steps(warmed):
     """The issue's measure: a 4-layer model over 20 AdamW steps, bf16 compute over fp32 master weights."""
     result = run_on_ranks(policy_training, 2, {"tp": 2}, {"compute_dtype": "bfloat16"}, 20, 4)[0]
     print("tp=2 policy, 4 layers, 20 steps:", result)
@@ -54,7 +66,7 @@ def test_policy_at_tp2_four_layers_twenty_steps():
     ({"tp": 2}, {"compute_dtype": None, "param_dtype": "bfloat16"}),
     ({"tp": 1, "pp": 2}, {"compute_dtype": "bfloat16"}),
 ])
-def test_policy_on_two_ranks(layout, policy):
+def test_policy_on_two_ranks(layout, policy, warmed):
     result = run_on_ranks(policy_training, 2, layout, policy, 4, 2)[0]
     print(layout, policy, result)
     _within_gap(result, [("loss_diff", "loss_gap"), ("param_diff", "param_gap")])
@@ -64,20 +76,20 @@ def test_policy_on_two_ranks(layout, policy):
     ("replicate", {"compute_dtype": "bfloat16", "reduce_dtype": "bfloat16"}),
     ("fsdp", {"compute_dtype": "bfloat16", "param_dtype": "bfloat16", "reduce_dtype": "float32"}),
 ])
-def test_policy_with_data_parallelism(mode, policy):
+def test_policy_with_data_parallelism(mode, policy, warmed):
     result = run_on_ranks(policy_training, 4, {"tp": 2, "dp": 2, "dp_mode": mode}, policy, 4, 2)[0]
     print(mode, policy, result)
     _within_gap(result, [("loss_diff", "loss_gap"), ("param_diff", "param_gap")])
 
 
-def test_to_dtype_after_parallelizing():
+def test_to_dtype_after_parallelizing(warmed):
     result = run_on_ranks(to_dtype, 2)[0]
     print("pm.to(bfloat16) at tp=2:", result)
     _within_gap(result, [("logits_diff", "logits_gap"), ("loss_diff", "loss_gap")])
     assert result["user_loss_diff"] < 5e-2
 
 
-def test_to_dtype_then_a_step_keeps_the_drift_check():
+def test_to_dtype_then_a_step_keeps_the_drift_check(warmed):
     """pm.to(bfloat16), forward, step, forward: no DriftError, the bf16 unsharded model's output (within its
     bf16-vs-fp32 gap), and a replicated weight changed on one rank is still caught."""
     for result in run_on_ranks(to_dtype_then_train, 2):
@@ -86,7 +98,7 @@ def test_to_dtype_then_a_step_keeps_the_drift_check():
         assert "holds different values on ranks [1]" in result["drift"], result
 
 
-def test_to_dtype_on_a_pipeline():
+def test_to_dtype_on_a_pipeline(warmed):
     result = run_on_ranks(pipeline_to_dtype, 2)[0]
     print("pm.to(bfloat16) at pp=2:", result)
     assert result["loss_diff"] < 5e-2  # the bf16 loss's own rounding (its ulp at 4.8 is 3e-2)

@@ -9,7 +9,7 @@ import torch
 import autotp
 from autotp.passes.steps import CollectiveOp, Direction, Operator
 from examples.gpt import build_gpt
-from tests import models, sequence_workers
+from tests import capture_cache, models, sequence_workers
 from tests.distributed import run_on_ranks
 from tests.inputs_workers import padded_batch
 
@@ -137,6 +137,9 @@ def test_sequence_parallel_trains_exactly_and_saves_less_on_two_ranks():
 
 def test_sequence_parallel_with_pipelines_and_replicas_on_four_ranks():
     """tp=2 x pp=2 (stages pass sequence shards) and dp=2 x tp=2 under FSDP, each against one process."""
+    example = (models.tokens(2, 16, seed=1),)  # both models captured here once, not once per rank (4 on 2 cores)
+    capture_cache.warm(models.build("hf_llama", layers=4), example)
+    capture_cache.warm(models.build("gpt", layers=1), example)
     for rank in run_on_ranks(sequence_workers.on_four_ranks, 4):
         assert rank["pipelined"]["plan"] and rank["pipelined"]["params"] < 1e-5
         assert rank["fsdp"]

@@ -11,18 +11,28 @@ import torch
 import autotp
 from autotp.capture import Signature
 from autotp.runtime.integrations import HFCall, forward_signature
-from tests import trainer_workers
+from tests import capture_cache, trainer_workers
 from tests.distributed import run_on_ranks
 from tests.inputs_workers import hf_llama
 
 pytest.importorskip("accelerate")
+
+
+@pytest.fixture(scope="module")
+def warmed():
+    """The Llama every rank parallelizes, captured here once before the ranks fork, on its inputs with and without
+    ``num_items_in_batch``: each rank of both runs finds them captured."""
+    torch.manual_seed(0)
+    model, example = hf_llama(), trainer_workers.example()
+    for inputs in (example, {k: v for k, v in example.items() if k != "num_items_in_batch"}):
+        capture_cache.warm(model, inputs)
 
 ERROR = 1e-5
 """Largest parameter difference after STEPS AdamW steps (the other multi-rank training tests' bound)."""
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_trainer_and_accelerate_train_as_the_unsharded_model(world):
+def test_trainer_and_accelerate_train_as_the_unsharded_model(world, warmed):
     """tp=2 (world 2) and tp=2 x dp=2 (world 4): 3 Trainer steps (num_items_in_batch honoured, over rows with
     different numbers of label tokens; also with 2 micro-batches accumulated a step) and 3 steps of accelerate's
     loop (with dp=2, also over dp_mode='replicate' replicas), all clipping gradients to a norm below theirs,
