@@ -197,6 +197,11 @@ def _check_context(options) -> None:
                          f"{', '.join(others)}: sequence parallelism would split each cp chunk again over tp, which "
                          "the sequence rewrite does not follow, and torch.compile recompiles the exchanges until "
                          "its recompile limit; drop those settings, or leave cp at 1")
+    if options.ep not in (1, options.tp):
+        # the cp mesh builds no expert-parallel groups of its own: at ep = tp the tp group dispatches the tokens
+        raise InputError(f"cp={options.cp} runs expert parallelism at ep = tp only (ep={options.ep}, tp="
+                         f"{options.tp}): the (dp x cp x tp) mesh has no expert groups across replicas; set ep to "
+                         f"{options.tp} or 1, or leave cp at 1")
 
 
 @dataclass(frozen=True, repr=False)

@@ -94,7 +94,8 @@ def test_generate_is_refused_with_the_reason_in_the_plan():
 
 
 @pytest.mark.parametrize("settings, match", [({"tp": 2, "sequence_parallel": True}, "sequence_parallel"),
-                                             ({"compile": True}, "compile"), ({"cp": 0}, "cp")])
+                                             ({"compile": True}, "compile"), ({"cp": 0}, "cp"),
+                                             ({"tp": 2, "dp": 2, "ep": 4}, "ep = tp only")])
 def test_settings_cp_is_not_verified_with_are_refused(settings, match):
     with pytest.raises(autotp.InputError, match=match):
         autotp.Options(**{"cp": 2, **settings})
