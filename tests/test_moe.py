@@ -75,30 +75,42 @@ def test_looped_experts_share_one_f_and_one_g():
     assert autotp.check(LoopedExperts(), tp=2, example_inputs=(ids,)).exact
 
 
-def _hit_model() -> HitExperts:
+def _hit_model(skips: bool = True) -> HitExperts:
     torch.manual_seed(0)
-    return HitExperts()
+    return HitExperts(skips=skips)
 
 
-def test_a_loop_over_the_experts_hit_is_exact_and_stays_exact_for_an_expert_without_tokens():
-    """``for e in hit.nonzero()``: captured over every expert the example routes to (a loop as long as a tensor's
-    value cannot be traced), exact in the checker; the captured graph agrees with the model on a batch that routes
-    no token to one of them (its iteration, on no rows, adds nothing), and refuses a batch routing to an expert
-    the example never did, with an autotp error."""
+def _never_3(model) -> torch.Tensor:
+    """A batch routing no token to expert 3."""
+    routes = model.routes(torch.arange(64))
+    return torch.arange(64)[(routes != 3).all(-1)][:16].view(2, 8)
+
+
+def test_a_loop_over_the_experts_hit_is_captured_over_every_expert():
+    """``for e in hit.nonzero()``: captured over every expert (a loop as long as a tensor's value cannot be traced;
+    an expert without tokens adds nothing), exact in the checker; captured from an example that routes no token
+    to expert 3, it still computes the model on a batch that does."""
     ids = models.tokens(2, 8, 0) % 64
     assert autotp.check(_hit_model(), tp=2, example_inputs=(ids,)).exact
     model = _hit_model()
-    routes = model.routes(torch.arange(64))
-    never_3 = torch.arange(64)[(routes != 3).all(-1)]
-    captured = capture(model, (ids,), training=False)
-    assert captured.assumptions and "experts the example routes to" in captured.assumptions[0]
-    empty = never_3[:16].view(2, 8)
+    empty = _never_3(model)
+    narrow = capture(model, (empty,), training=False)
+    assert narrow.assumptions and "runs over every expert" in narrow.assumptions[0]
     with torch.no_grad():
-        assert torch.allclose(captured.module(empty)[0] if isinstance(captured.module(empty), tuple)
-                              else captured.module(empty), model.eval()(empty), atol=1e-6)
-    narrow = capture(model, (empty,), training=False)  # an example that routes no token to expert 3
+        for batch in (ids, empty):
+            got = narrow.module(batch)
+            assert torch.allclose(got[0] if isinstance(got, tuple) else got, model.eval()(batch), atol=1e-6)
+
+
+def test_a_loop_that_cannot_run_an_expert_never_hit_is_captured_over_those_hit_and_refuses_others():
+    """Without the check that skips the mask's class for no expert, its ``W[e]`` is past the banks' end: the
+    loop is captured over the experts the example routes to, and a batch routing to another raises an autotp
+    error rather than computing without it."""
+    model = _hit_model(skips=False)
+    narrow = capture(model, (_never_3(model),), training=False)
+    assert "experts the example routes to" in narrow.assumptions[0]
     with pytest.raises(UnseenExpertError, match="routes tokens to an expert that the loop over the experts hit at"):
-        narrow.module(ids)
+        narrow.module(models.tokens(2, 8, 0) % 64)
 
 
 def test_experts_picked_by_name_in_the_loop_and_a_router_cast_to_its_own_dtype_are_captured_and_exact():
@@ -108,7 +120,7 @@ def test_experts_picked_by_name_in_the_loop_and_a_router_cast_to_its_own_dtype_a
     torch.manual_seed(0)
     model = NamedExperts()
     captured = capture(model, (models.tokens(2, 8, 0) % 64,), training=False)
-    assert captured.assumptions and "experts the example routes to" in captured.assumptions[0]
+    assert captured.assumptions and "runs over every expert" in captured.assumptions[0]
     torch.manual_seed(0)
     assert autotp.check(NamedExperts(), tp=2, example_inputs=(models.tokens(2, 8, 0) % 64,)).exact
 

@@ -7,13 +7,15 @@
         out.index_add_(0, token, expert_mlp(x[token]) * weights[token, slot, None])
 
 torch.export cannot trace a loop whose length is a tensor's value. Running the body for an expert that got no
-token changes nothing (its tokens select nothing, so it adds nothing), so the loop is captured over every expert
-the example routes tokens to, in order, whether or not a later batch routes any to it: the expert is a constant
+token changes nothing (its tokens select nothing, so it adds nothing), so the loop is captured over every index
+of the routing vector (every expert, whatever the example routed), in order: the expert is a constant
 in each iteration, its tokens an empty selection when it has none, and a guard on that selection being empty
 takes the branch that computes it (the same ops, on no rows); a body that reads its expert as a Python number
 (``experts[f"expert_{e[0]}"]``) reads the constant. Sound only if each iteration's effect is such a
-write, so the captured graph is checked for it (``check_routed_writes``). A batch that routes tokens to an
-expert the example never did (which the loop would then miss) raises ``UnseenExpertError`` instead (the graph's
+write, so the captured graph is checked for it (``check_routed_writes``). Where a body cannot be traced for an
+index the example never routed to (``W[e]`` past a bank's end, for a class that means "no expert" and is skipped
+by a check the trace cannot see), the loop is captured over the experts the example routes tokens to only, and a
+batch that routes tokens to another (which the loop would then miss) raises ``UnseenExpertError`` (the graph's
 runtime assertion of that, ``unseen_experts``).
 """
 
@@ -140,11 +142,12 @@ def _experts(loops: _Loops, rows: torch.Tensor, routing: torch.Tensor, place: st
     loop = loops.loops
     loops.loops += 1
     loops.places.append(place)
-    outside = torch.ones(routing.shape[0], dtype=torch.bool, device=routing.device)
-    outside[hit] = False
-    with annotate({UNSEEN: place}):
-        missed = (routing & outside).sum().item()
-    check(missed == 0, lambda: f"the batch routes tokens to an expert the example inputs did not ({place})")
+    if len(hit) < routing.shape[0]:  # not every expert: a batch routing to one left out must not pass silently
+        outside = torch.ones(routing.shape[0], dtype=torch.bool, device=routing.device)
+        outside[hit] = False
+        with annotate({UNSEEN: place}):
+            missed = (routing & outside).sum().item()
+        check(missed == 0, lambda: f"the batch routes tokens to an expert the example inputs did not ({place})")
     for expert in hit:
         loops.in_body = True
         with annotate({ITERATION: (loop, expert)}):
@@ -183,16 +186,27 @@ def export_over_routed_experts(wrapper: torch.nn.Module, inputs: tuple, dynamic_
                 b.copy_(kept)
     if not hits:
         return None
-    with routed_loops_over(hits) as places, preserve_node_meta():
-        program = torch.export.export(wrapper, inputs, strict=False, dynamic_shapes=dynamic_shapes)
+    every = {length: set(range(length)) for length in hits}
+    try:
+        program, places = _export_over(every, wrapper, inputs, dynamic_shapes)
+        said = "every expert (every index of its routing vector, whatever the example routed)"
+    except Exception:  # noqa: BLE001 - a body that cannot run for an index never routed to: the experts hit
+        program, places = _export_over(hits, wrapper, inputs, dynamic_shapes)
+        said = ("the experts the example routes to (its body could not be traced for the others); a batch routing "
+                "to another expert raises")
     check_routed_writes(program.graph_module)
     module = program.module()
     unseen_experts(module.graph)
     module.recompile()
-    return module, tuple(
-        f"the loop over the experts the batch routes to at {place} runs over the experts the example routes to, "
-        "each adding nothing when no token is routed to it; a batch routing to another expert raises"
-        for place in dict.fromkeys(places))
+    return module, tuple(f"the loop over the experts the batch routes to at {place} runs over {said}, each "
+                         "adding nothing when no token is routed to it" for place in dict.fromkeys(places))
+
+
+def _export_over(hits: dict[int, set[int]], wrapper: torch.nn.Module, inputs: tuple, dynamic_shapes):
+    """The exported program with each routed loop run over ``hits``, and the loops' places."""
+    with routed_loops_over(hits) as places, preserve_node_meta():
+        program = torch.export.export(wrapper, inputs, strict=False, dynamic_shapes=dynamic_shapes)
+    return program, places
 
 
 @contextlib.contextmanager
