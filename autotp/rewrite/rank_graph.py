@@ -34,6 +34,7 @@ from autotp.rewrite.grad_bucket import GradSum
 from autotp.rewrite.dtypes import drop_dtype_checks
 from autotp.passes.grouped_banks import expert_placements
 from autotp.rewrite.expert_dispatch import dispatch_experts
+from autotp.rewrite.loop_dispatch import dispatch_loops
 from autotp.rewrite.graph_edit import (
     STANDS_FOR,
     copy_graph_module,
@@ -296,6 +297,7 @@ def build_graph(captured: Captured, plan: Plan, rank: int, comm: Communicator | 
     experts = expert_placements(captured, plan)
     if experts:
         dispatch_experts(gm, experts, ep_comm or comm, comm if plan.tp > 1 else None)
+        dispatch_loops(gm, experts, ep_comm or comm, comm if plan.tp > 1 else None)
     if stream is not None:
         replace_random_ops(gm, layouts, stream, rank, plan.tp)
     write_through_data(gm)
