@@ -31,6 +31,8 @@ from tests.ep_workers import (
     _batch,
     expert_parallel,
     expert_parallel_over_dp,
+    loop_experts,
+    one_token_batch,
     to_first_experts,
     with_pipeline,
 )
@@ -190,6 +192,42 @@ def test_ep_over_data_parallel_ranks_trains_exactly_by_all_to_all():
     for label in ranks[0]:
         for d in ("forward", "backward"):
             assert sum(rank[label]["all_to_all"][d] for rank in ranks) == 2 * 2 * rows, (label, d)
+
+
+def _loop_trains_exactly(tp: int) -> None:
+    ranks = run_on_ranks(loop_experts, 2, (tp,))
+    for rank in ranks:
+        for label, r in rank.items():
+            assert r["output"] < 1e-5 and r["one token"] < 1e-5 and max(r["losses"]) < 1e-5, (label, r)
+            assert r["params"] < 1e-5 and max(r["norms"]) < 1e-5 and r["local_experts"] == [2], (label, r)
+    rows = TOP_K * BATCH_DP * SEQ * HIDDEN * 4  # every replica's routed rows
+    for d in ("forward", "backward"):
+        assert sum(rank[f"tp={tp} dp={2 // tp}"]["all_to_all"][d] for rank in ranks) == 2 * 2 * rows, d
+
+
+def test_a_loop_over_the_experts_hit_is_expert_split_and_trains_exactly_over_data_parallel_ranks():
+    """transformers' eager experts (a loop over the experts hit, ``W[e]`` per expert), captured from a batch routing
+    each layer's tokens to 2 of its 4 experts: every expert is reached all the same. At tp=1, dp=2, ep=2: outputs
+    (on batches routing to every expert, and on one routing every token to the same two), the losses of 2 AdamW
+    steps (the auxiliary router loss included), gradient norms and every parameter after them equal the unsharded
+    model's; each rank holds 2 of each bank's 4 experts. Counted at run time, each layer's dispatch and combine
+    carry every routed row once each way. (tp=2, ep=2: the checker below, and on gloo under -m slow.)"""
+    _loop_trains_exactly(1)
+
+
+@pytest.mark.slow  # about 2 minutes on 2 busy cores; the checker covers tp=2, ep=2 by default
+def test_a_loop_over_the_experts_hit_trains_exactly_at_ep_over_tp():
+    _loop_trains_exactly(2)
+
+
+def test_a_loop_over_the_experts_hit_is_exact_in_the_checker_at_ep_over_tp():
+    """Captured from a batch routing every token to the same 2 experts, checked on another routing to all 4."""
+    torch.manual_seed(0)
+    model = BUILDERS["mixtral loop"]()
+    plan = autotp.plan(model, tp=2, ep=2, example_inputs=one_token_batch())
+    assert len(_expert_split(plan)) == 4, plan.notes
+    report = autotp.check(model, plan=plan, example_inputs=_batch(1))
+    assert report.exact, report
 
 
 @pytest.mark.slow  # about 3 minutes on 2 cores: the 2-rank tests cover ep over tp and over dp by default
