@@ -14,6 +14,7 @@ import torch
 
 import autotp
 from autotp.errors import InputError, PlanError
+from autotp.expert_check import full_experts
 from autotp.passes.placement import Placement, PlacementKind
 from autotp.passes.routed_experts import ExpertLayer
 from autotp.planning.expert_layout import NO_BANK, NOT_TP, expert_notes
@@ -220,14 +221,24 @@ def test_a_loop_over_the_experts_hit_trains_exactly_at_ep_over_tp():
     _loop_trains_exactly(2)
 
 
-def test_a_loop_over_the_experts_hit_is_exact_in_the_checker_at_ep_over_tp():
-    """Captured from a batch routing every token to the same 2 experts, checked on another routing to all 4."""
+def test_a_loop_over_the_experts_hit_is_exact_in_the_checker_at_ep_above_tp():
+    """The checker simulates dp x tp ranks at ep above tp (here tp=2 x dp=2, one expert per rank), the loop captured
+    from a batch routing every token to the same 2 experts and checked on a batch routing to all 4."""
     torch.manual_seed(0)
     model = BUILDERS["mixtral loop"]()
-    plan = autotp.plan(model, tp=2, ep=2, example_inputs=one_token_batch())
+    plan = autotp.plan(model, tp=2, dp=2, ep=4, dp_mode="replicate", example_inputs=one_token_batch())
     assert len(_expert_split(plan)) == 4, plan.notes
     report = autotp.check(model, plan=plan, example_inputs=_batch(1))
     assert report.exact, report
+
+
+def test_the_checker_at_ep_above_tp_sums_each_experts_gradient_over_its_groups_and_averages_over_dp():
+    """Each ep group's bank laid end to end in ep-rank order, summed over the groups, divided by dp (every replica
+    runs the same example): the reduction the runtime makes."""
+    plan = autotp.plan(mixtral(), tp=1, dp=4, ep=2, dp_mode="replicate", example_inputs=(_ids(),))
+    name = _expert_split(plan)[0]
+    per_rank = [{name: torch.full((2, 1), float(r))} for r in range(4)]  # (dp, tp) order, ep groups of 2
+    assert full_experts(plan, per_rank, name).flatten().tolist() == [0.5] * 2 + [1.0] * 2  # (0+2)/4, (1+3)/4
 
 
 @pytest.mark.slow  # about 3 minutes on 2 cores: the 2-rank tests cover ep over tp and over dp by default
@@ -258,14 +269,11 @@ def test_ep_with_pipeline_stages_trains_exactly():
 
 def test_ep_above_tp_is_refused_where_it_cannot_be_exact():
     """FSDP would average the experts' gradients over replicas holding other experts; a pipeline's stages dispatch
-    over their tp ranks; the checker simulates one replica's tp ranks."""
+    over their tp ranks."""
     with pytest.raises(InputError, match="needs dp_mode='replicate'"):
         check_ep_layout(autotp.Options(tp=1, dp=2, ep=2))
     with pytest.raises(InputError, match="above tp=1 with pp=2 is not supported"):
         check_pipelined_ep(autotp.Options(tp=1, dp=2, pp=2, ep=2))
-    torch.manual_seed(0)
-    with pytest.raises(InputError, match="the checker simulates the tensor-parallel ranks of one replica"):
-        autotp.check(mixtral(), tp=1, dp=2, ep=2, example_inputs=(_ids(),))
 
 
 def test_the_command_line_takes_ep_and_fixes_it_with_devices(capsys):
