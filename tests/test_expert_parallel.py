@@ -70,10 +70,11 @@ def test_notes_say_where_the_experts_went_and_why():
     assert "no mixture-of-experts router" in expert_notes((), 2, 2, set())[0]
 
 
-@pytest.mark.parametrize("build", [mixtral, deepseek], ids=["mixtral", "deepseek"])
+@pytest.mark.parametrize("build", [mixtral, deepseek, BUILDERS["mixtral loop"]], ids=["mixtral", "deepseek", "loop"])
 def test_each_rank_holds_whole_experts_and_the_routed_rows_are_dispatched_and_combined(build):
     """DeepSeek-V3's router first picks among groups of experts: its experts are counted from the widest top-k;
-    its shared expert keeps its tensor-parallel split."""
+    its shared expert keeps its tensor-parallel split. A loop over the experts lists the collectives of grouped
+    matmuls: all its experts' rows travel together."""
     torch.manual_seed(0)
     plan = autotp.plan(build(), tp=2, ep=2, vocab="whole", example_inputs=(_ids(),))
     assert _expert_split(plan) == [f"model.layers.{i}.mlp.experts.{w}" for i in (0, 1)

@@ -17,6 +17,7 @@ from autotp.passes.propagation import Propagation
 from autotp.passes.steps import COMMUNICATION, CollectiveOp, Direction, Operator, fused
 from autotp.planning.plan import Collective
 from autotp.passes.grouped_banks import expert_matmuls
+from autotp.planning.loop_collectives import loop_collectives
 
 
 def planned_collectives(analysis: Analysis, prop: Propagation, split_banks=frozenset(),
@@ -31,6 +32,8 @@ def planned_collectives(analysis: Analysis, prop: Propagation, split_banks=froze
     found += [(order[node], c) for node, operator in prop.reduced.items()
               for c in _collectives_of(analysis, operator, node, node, grad)]
     found += [(order[node], c) for node, c in expert_chains(analysis, split_banks, prop.tp, ep)]
+    readable = functools.partial(_readable, names=tuple(sorted(analysis.captured.dim_names.items())))
+    found += [(order[node], c) for node, c in loop_collectives(analysis, split_banks, prop.tp, ep, readable)]
     listed = [c for _, c in sorted(found, key=lambda item: item[0])]
     return listed + _gradient_bucket(analysis, prop)
 

@@ -18,7 +18,7 @@ from autotp.options import Options
 from autotp.passes.analysis import Analysis
 from autotp.planning.expert_layout import expert_banks, expert_notes
 from autotp.passes.grouped_banks import banks_of, expert_placements
-from autotp.passes.loop_banks import loop_banks
+from autotp.passes.loop_banks import bank_loops, loop_banks
 from autotp.passes.choices import whole_convolutions
 from autotp.passes.graph import sizes
 from autotp.passes.placement import REPLICATED, Placement, PlacementKind
@@ -260,7 +260,8 @@ def _expert_split(captured: Captured, by_target: dict[str, Placement], options: 
         except PlanError as e:
             return {}, [f"{layer.module}: {layer.experts} routed experts kept under tensor parallelism at ep={ep}: "
                         f"split by their experts, {str(e).split(': ', 1)[-1].split(' (node')[0]}" for layer in layers]
-    return split, expert_notes(layers, ep, tp, {n for n, p in split.items() if p.kind is PlacementKind.EXPERT})
+    return split, expert_notes(layers, ep, tp, {n for n, p in split.items() if p.kind is PlacementKind.EXPERT},
+                               tuple(bank_loops(analysis.graph)[1]) if layers else ())
 
 
 def _refuse_inexact(analysis: Analysis, prop: Propagation) -> None:
