@@ -75,9 +75,9 @@ def test_looped_experts_share_one_f_and_one_g():
     assert autotp.check(LoopedExperts(), tp=2, example_inputs=(ids,)).exact
 
 
-def _hit_model(skips: bool = True) -> HitExperts:
+def _hit_model(skips: bool = True, spare: int = 1) -> HitExperts:
     torch.manual_seed(0)
-    return HitExperts(skips=skips)
+    return HitExperts(skips=skips, spare=spare)
 
 
 def _never_3(model) -> torch.Tensor:
@@ -86,27 +86,37 @@ def _never_3(model) -> torch.Tensor:
     return torch.arange(64)[(routes != 3).all(-1)][:16].view(2, 8)
 
 
+def _computes_every_expert(model, captured) -> None:
+    with torch.no_grad():
+        for batch in (models.tokens(2, 8, 0) % 64, _never_3(model)):
+            got = captured.module(batch)
+            assert torch.allclose(got[0] if isinstance(got, tuple) else got, model.eval()(batch), atol=1e-6)
+
+
 def test_a_loop_over_the_experts_hit_is_captured_over_every_expert():
     """``for e in hit.nonzero()``: captured over every expert (a loop as long as a tensor's value cannot be traced;
     an expert without tokens adds nothing), exact in the checker; captured from an example that routes no token
     to expert 3, it still computes the model on a batch that does."""
-    ids = models.tokens(2, 8, 0) % 64
-    assert autotp.check(_hit_model(), tp=2, example_inputs=(ids,)).exact
+    assert autotp.check(_hit_model(), tp=2, example_inputs=(models.tokens(2, 8, 0) % 64,)).exact
     model = _hit_model()
-    empty = _never_3(model)
-    narrow = capture(model, (empty,), training=False)
-    assert narrow.assumptions and "runs over every expert" in narrow.assumptions[0]
-    with torch.no_grad():
-        for batch in (ids, empty):
-            got = narrow.module(batch)
-            assert torch.allclose(got[0] if isinstance(got, tuple) else got, model.eval()(batch), atol=1e-6)
+    narrow = capture(model, (_never_3(model),), training=False)
+    assert narrow.assumptions and "runs over every expert (every index" in narrow.assumptions[0]
+    _computes_every_expert(model, narrow)
+
+
+def test_a_loop_whose_body_cannot_run_the_class_for_no_expert_is_captured_over_every_other():
+    """Without the check that skips the mask's last class (no expert), its ``W[e]`` is past the banks' end (DBRX's
+    loop): captured over every index but that one, so every expert is still computed."""
+    model = _hit_model(skips=False)
+    narrow = capture(model, (_never_3(model),), training=False)
+    assert "every index of its routing vector but the last" in narrow.assumptions[0]
+    _computes_every_expert(model, narrow)
 
 
 def test_a_loop_that_cannot_run_an_expert_never_hit_is_captured_over_those_hit_and_refuses_others():
-    """Without the check that skips the mask's class for no expert, its ``W[e]`` is past the banks' end: the
-    loop is captured over the experts the example routes to, and a batch routing to another raises an autotp
-    error rather than computing without it."""
-    model = _hit_model(skips=False)
+    """Two classes past the banks' end: the loop is captured over the experts the example routes to, and a batch
+    routing to another raises an autotp error rather than computing without it."""
+    model = _hit_model(skips=False, spare=2)
     narrow = capture(model, (_never_3(model),), training=False)
     assert "experts the example routes to" in narrow.assumptions[0]
     with pytest.raises(UnseenExpertError, match="routes tokens to an expert that the loop over the experts hit at"):

@@ -40,7 +40,7 @@ def expert_banks(layers: tuple[ExpertLayer, ...], banks: dict[str, int], ep: int
     """The banks (parameter name -> experts) to place ``EXPERT``: those of a layer whose experts can be split."""
     out = {}
     for layer in layers:
-        own = {n: e for n, e in banks.items() if n.startswith(layer.module + ".")}
+        own = {n: e for n, e in banks.items() if layer.owns(n)}
         if own and why_kept(layer, ep, tp, True) is None and all(e % ep == 0 for e in own.values()):
             out |= dict.fromkeys(own, EXPERT)
     return out
@@ -58,7 +58,7 @@ def expert_notes(layers: tuple[ExpertLayer, ...], ep: int, tp: int, split: set[s
                 "among ranks; ep changes nothing"]
     notes = []
     for layer in layers:
-        own = sorted(n for n in split if n.startswith(layer.module + "."))
+        own = sorted(n for n in split if layer.owns(n))
         head = f"{layer.module}: {layer.experts} routed experts (top-{layer.top_k}, routed by {layer.router})"
         if own:
             notes.append(f"{head} divided among ep={ep} ranks, {layer.experts // ep} whole experts each "

@@ -42,7 +42,7 @@ def loop_collectives(analysis: Analysis, split_banks, tp: int, ep: int, readable
         if tokens is None:
             continue
         layer = analysis.layer(first.rows.name)
-        k = next((x.top_k for x in layers if layer.startswith(x.module + ".") or layer == x.module), 1)
+        k = next((x.top_k for x in layers if x.owns(layer + ".")), 1)
         rows, *rest = (readable(s) for s in sizes(tokens))
         whole = (str(sympy.sympify(rows) * k), *rest)
         share = (str(sympy.sympify(rows) * k / tp), *rest)

@@ -13,10 +13,10 @@ in each iteration, its tokens an empty selection when it has none, and a guard o
 takes the branch that computes it (the same ops, on no rows); a body that reads its expert as a Python number
 (``experts[f"expert_{e[0]}"]``) reads the constant. Sound only if each iteration's effect is such a
 write, so the captured graph is checked for it (``check_routed_writes``). Where a body cannot be traced for an
-index the example never routed to (``W[e]`` past a bank's end, for a class that means "no expert" and is skipped
-by a check the trace cannot see), the loop is captured over the experts the example routes tokens to only, and a
-batch that routes tokens to another (which the loop would then miss) raises ``UnseenExpertError`` (the graph's
-runtime assertion of that, ``unseen_experts``).
+index the example never routed to (``W[e]`` past a bank's end, for the last class of a mask, meaning "no
+expert"), it is captured over every index but that last one, or failing that over the experts the example routes
+tokens to only; a batch that routes tokens to an index left out (which the loop would then miss) raises
+``UnseenExpertError`` (the graph's runtime assertion of that, ``unseen_experts``).
 """
 
 from __future__ import annotations
@@ -186,20 +186,30 @@ def export_over_routed_experts(wrapper: torch.nn.Module, inputs: tuple, dynamic_
                 b.copy_(kept)
     if not hits:
         return None
-    every = {length: set(range(length)) for length in hits}
-    try:
-        program, places = _export_over(every, wrapper, inputs, dynamic_shapes)
-        said = "every expert (every index of its routing vector, whatever the example routed)"
-    except Exception:  # noqa: BLE001 - a body that cannot run for an index never routed to: the experts hit
-        program, places = _export_over(hits, wrapper, inputs, dynamic_shapes)
-        said = ("the experts the example routes to (its body could not be traced for the others); a batch routing "
-                "to another expert raises")
+    tries = ((_every(hits, 0), "every expert (every index of its routing vector, whatever the example routed)"),
+             # a mask with a class for no expert (``one_hot(..., E + 1)``) whose body cannot run for it
+             (_every(hits, 1), "every expert (every index of its routing vector but the last, a class for no "
+                               "expert, which a batch routing to raises)"),
+             (hits, "the experts the example routes to (its body could not be traced for the others); a batch "
+                    "routing to another expert raises"))
+    for i, (over, said) in enumerate(tries):
+        try:
+            program, places = _export_over(over, wrapper, inputs, dynamic_shapes)
+            break
+        except Exception:  # noqa: BLE001 - a body that cannot run for an index never routed to: the next try
+            if i == len(tries) - 1:
+                raise
     check_routed_writes(program.graph_module)
     module = program.module()
     unseen_experts(module.graph)
     module.recompile()
     return module, tuple(f"the loop over the experts the batch routes to at {place} runs over {said}, each "
                          "adding nothing when no token is routed to it" for place in dict.fromkeys(places))
+
+
+def _every(hits: dict[int, set[int]], last_left_out: int) -> dict[int, set[int]]:
+    """Every index of each routing vector (less its last ``last_left_out``), with the indices ``hits`` names."""
+    return {length: set(range(length - last_left_out)) | hit for length, hit in hits.items()}
 
 
 def _export_over(hits: dict[int, set[int]], wrapper: torch.nn.Module, inputs: tuple, dynamic_shapes):
