@@ -33,11 +33,10 @@ from torch.fx.traceback import annotate, preserve_node_meta
 
 from autotp.torch_private import check, methods_replaced, symbolic_expr
 from autotp.errors import CaptureError, UnseenExpertError
+from autotp.passes.loop_banks import ITERATION  # the key ``passes.loop_banks`` reads the iterations by
 
 aten = torch.ops.aten
 
-ITERATION = "autotp_routed_iteration"
-"""``node.meta["custom"]`` key naming the loop and expert of each node traced inside a routed loop's body."""
 
 UNSEEN = "autotp_unseen_experts"
 """``node.meta["custom"]`` key naming the place of the loop whose check (no token routed to another expert) the
