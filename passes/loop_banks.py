@@ -106,10 +106,10 @@ def expert_chain(nodes: list[fx.Node], expert: int) -> ExpertChain | str | None:
     if len(rows) != 1 or _rows(rows[0]) is None:
         return f"expert {expert}'s first matmul reads {len(rows)} per-row inputs, not its tokens' rows alone"
     chain = _between(rows[0], end, set(nodes))
-    frontier = list(chain)
-    while frontier:  # the weight reads the chain's ops take (a slice, cast or transposed: each step)
-        frontier = [a for n in frontier for a in n.all_input_nodes if a in weights and a not in chain]
-        chain |= set(frontier)
+    chain |= weights  # the expert's reads of its slices (cast, transposed, their checks): they move with it
+    for node in nodes:  # checks on the chain's values (a dtype assertion), which nothing reads
+        if not node.users and node.all_input_nodes and all(a in chain for a in node.all_input_nodes):
+            chain.add(node)
     outside = [n for n in chain if n is not end and any(u not in chain for u in n.users)]
     if outside:
         return f"expert {expert}'s `{outside[0].name}` is read outside its chain"
@@ -138,13 +138,14 @@ def bank_loops(graph: fx.Graph) -> tuple[list[BankLoop], list[str]]:
     for loop, chains in sorted(loops.items()):
         reasons = [c for c in chains if isinstance(c, str)]
         chains = [c for c in chains if isinstance(c, ExpertChain)]
+        if reasons:
+            why.append(reasons[0])
+            continue
         if not chains:
             continue
         banks = {bank_of(s.args[0]).target: int(s.args[0].meta["val"].shape[0]) for c in chains for s in c.selects}
         experts = sorted(c.expert for c in chains)
-        if reasons:
-            why.append(reasons[0])
-        elif len(set(banks.values())) != 1 or experts != list(range(next(iter(banks.values())))):
+        if len(set(banks.values())) != 1 or experts != list(range(next(iter(banks.values())))):
             why.append(f"the loop runs {len(experts)} experts of banks holding {sorted(set(banks.values()))}: it was "
                        "captured over the experts the example routes to only")
         else:
