@@ -235,3 +235,21 @@ def test_qwen4_exp_with_an_indexed_attention_layer_plans_and_is_exact(config):
     assert model.config.layer_types == config["layer_types"]
     report = autotp.check(model, tp=2, example_inputs=(torch.randint(0, 128, (2, 8)),))
     assert report.exact, report
+
+
+def test_each_expert_of_a_loop_over_gated_banks_has_one_chain_from_its_rows_to_its_bias():
+    """``passes.loop_banks``: in the OpenAI privacy filter's loop (fp32 casts and their dtype checks, gate and up
+    in one bank, a bias after each matmul), each expert's chain starts at its tokens' rows, reads its slice of
+    every bank, and ends at the down bias's add, the one value read outside it (by the router's weighting)."""
+    from autotp.passes.loop_banks import bank_loops
+
+    torch.manual_seed(0)
+    captured = capture(GatedBankExperts(), (models.tokens(2, 8, 0) % 64,), training=False)
+    loops, why = bank_loops(captured.module.graph)
+    assert not why and len(loops) == 1 and [c.expert for c in loops[0].chains] == [0, 1, 2, 3]
+    assert set(loops[0].banks.values()) == {4} and len(loops[0].banks) == 4
+    for chain in loops[0].chains:
+        banks = [f"model.{w}" for w in ("gate_up", "gate_up_bias", "down", "down_bias")]
+        assert [s.args[0].target for s in chain.selects] == banks
+        assert chain.end.target is torch.ops.aten.add.Tensor and chain.end.args[1] in chain.nodes
+        assert all(u in chain.nodes for n in chain.nodes if n is not chain.end for u in n.users)
