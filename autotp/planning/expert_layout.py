@@ -14,8 +14,9 @@ from autotp.passes.routed_experts import ExpertLayer
 NO_BANK = ("its experts are neither grouped matmuls over a bank of their matrices nor a loop over the experts reading "
            "their slices of banks (the structures expert parallelism splits): experts written as a list of modules "
            "hold each expert's matrices as separate parameters, which a plan splits along their dims on every rank "
-           "and cannot hold whole on some ranks only; a batched matmul over a bank gathered per token "
-           "(W[expert_ids]) is not split by experts yet. They stay split by tensor parallelism, exact")
+           "and cannot hold whole on some ranks only; a batched matmul over a bank (gathered per token, "
+           "W[expert_ids], or every token through every expert, as Llama 4's) and a static loop over rows split by "
+           "expert (JetMoE's) are not split by experts yet. They stay split by tensor parallelism, exact")
 """Why a layer whose experts are written otherwise (a list of modules, a batched matmul) keeps tensor parallelism."""
 
 NOT_TP = ("an expert-parallel group must hold whole tensor-parallel groups (each tp rank dispatches its share of the "
