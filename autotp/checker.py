@@ -20,9 +20,10 @@ from autotp.torch_private.pytree import tree_leaves, tree_map
 
 from autotp.capture import Captured, capture, example_inputs_of, model_kwargs
 from autotp.errors import AutotpError, CaptureError, InputError, InternalError
+from autotp.expert_check import above_tp, compare_experts, expert_names, expert_ranks
 from autotp.mixed_precision import MixedPrecision
 from autotp.options import Options, Recompute, capture_speedups
-from autotp.passes.placement import PlacementKind, Shard, full_tensor
+from autotp.passes.placement import Shard, full_tensor
 from autotp.plan_choice import choose_plan, required_tp
 from autotp.planning import Plan
 from autotp.planning.machines import machine_for
@@ -186,10 +187,10 @@ def build_ranks(captured: Captured, plan: Plan, seed: int = SEED,
     ``recompute``, blocks recompute their activations in backward as ``parallelize`` makes them."""
     if plan.options.cp > 1:
         return _context_ranks(captured, plan, recompute)
-    if plan.options.ep > plan.tp and any(p.kind is PlacementKind.EXPERT for p in plan.placements.values()):
-        raise InputError(f"the checker simulates the tensor-parallel ranks of one replica, and ep={plan.options.ep} "
-                         f"spreads the experts over data-parallel replicas too (tp={plan.tp}); check at ep=tp "
-                         "(the same dispatch over the tp ranks), and train ep above tp on real ranks")
+    if above_tp(plan):  # the experts spread over replicas too: every rank of dp x tp, each on the same example
+        if recompute is not Recompute.NONE:
+            raise InputError("the checker simulates ep above tp without recompute; check recompute at ep = tp")
+        return expert_ranks(captured, plan, seed)
     comms = ThreadComm.group(plan.tp)
     modules = []
     for rank in range(plan.tp):
@@ -350,8 +351,10 @@ def _compare_step(compare: _Compare, plan: Plan, captured: Captured, reference: 
             if isinstance(want, torch.Tensor):
                 compare("output", f"output {i} on rank {r.comm.rank}", got, want)
         compare("loss", f"loss on rank {r.comm.rank}", r.loss, ref_loss)
-    for first in range(0, len(ranks), plan.tp):  # each cp rank's tp group holds the whole model (tp innermost)
+    for first in range(0, len(ranks), plan.tp):  # each cp rank's (dp replica's) tp group holds the whole model
         _compare_params(compare, plan, captured, reference, ranks[first:first + plan.tp])
+    if above_tp(plan):
+        compare_experts(compare, plan, captured, reference, ranks, LR)
     _compare_buffers(compare, captured, reference, ranks)
 
 
@@ -361,8 +364,9 @@ def _compare_params(compare: _Compare, plan: Plan, captured: Captured, reference
     per_rank = [{captured.aliases.get(captured.param_name(k), k): p for k, p in r.module.named_parameters()}
                 for r in ranks]
     ref_params = dict(reference.named_parameters())
+    spread = expert_names(plan) if above_tp(plan) else set()  # gathered over their ep groups instead
     for name, ref_param in ref_params.items():
-        if name not in per_rank[0]:
+        if name not in per_rank[0] or name in spread:
             continue
         grads = [rank[name].grad if rank[name].grad is not None else torch.zeros_like(rank[name]) for rank in per_rank]
         want = ref_param.grad if ref_param.grad is not None else torch.zeros_like(ref_param)
@@ -418,7 +422,7 @@ def locate(captured: Captured, plan: Plan, modules: list[fx.GraphModule], comms:
                 m.stream.manual_seed(SEED)
         results[rank] = _values(modules[rank], inputs)
 
-    threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in range(plan.tp)]
+    threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in range(len(modules))]
     for t in threads:
         t.start()
     join_fully(threads)
@@ -431,7 +435,7 @@ def locate(captured: Captured, plan: Plan, modules: list[fx.GraphModule], comms:
             lay = layouts.get(node.name)
             expected = want[node.name]
             if isinstance(lay, Shard):
-                expected = local_part(expected, lay, rank, plan.tp)
+                expected = local_part(expected, lay, rank % plan.tp, plan.tp)  # replicas: tp innermost
             value = got[node.name]
             if not close(value, expected):
                 error = float((value.float() - expected.float()).abs().max()) if value.shape == expected.shape \

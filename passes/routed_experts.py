@@ -36,6 +36,12 @@ class ExpertLayer:
     top_k: int
     """Experts each token is routed to."""
 
+    def owns(self, name: str) -> bool:
+        """Whether the parameter (or module) ``name`` belongs to this layer: it lies in the layer's module, or in the
+        module holding that (a router that is a module of its own: DBRX's ``ffn.router`` beside ``ffn.experts``)."""
+        outer = self.module.rpartition(".")[0]
+        return name.startswith(self.module + ".") or (bool(outer) and name.startswith(outer + "."))
+
 
 def _topks(router: fx.Node) -> list[fx.Node]:
     """The top-ks over a fixed number of choices within ``_ROUTER_DEPTH`` ops after ``router``."""

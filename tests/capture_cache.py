@@ -61,7 +61,7 @@ def _value(v):
     if isinstance(v, nn.Module):
         return _model_key(v) if id(v) not in _OPEN else _identity(v)
     if dataclasses.is_dataclass(v) and not isinstance(v, type):
-        return (type(v), tuple((f.name, _value(getattr(v, f.name))) for f in dataclasses.fields(v)))
+        return (type(v), tuple((f.name, _value(getattr(v, f.name))) for f in dataclasses.fields(v)), _private(v))
     if isinstance(v, (tuple, list)):
         return (type(v).__name__, tuple(_value(x) for x in v))
     if isinstance(v, dict):
@@ -71,7 +71,15 @@ def _value(v):
     text = repr(v)  # a config prints its values; an object without a repr of its own, its address
     if callable(v) or "..." in text:  # a function, or a repr that leaves values out: by identity
         return _identity(v)
-    return type(v), text
+    return type(v), text, _private(v)
+
+
+def _private(v) -> tuple:
+    """An object's private settings of plain values, which its repr may leave out (a transformers config's
+    ``_experts_implementation``: the same config prints alike whether its experts loop or run grouped matmuls)."""
+    plain = (type(None), bool, int, float, str)
+    return tuple(sorted((k, x) for k, x in getattr(v, "__dict__", {}).items()
+                        if k.startswith("_") and isinstance(x, plain)))
 
 
 def _identity(v) -> tuple:

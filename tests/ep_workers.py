@@ -25,7 +25,21 @@ def routed(build):
     return made
 
 
-BUILDERS = {"mixtral": routed(mixtral), "deepseek": deepseek}
+def mixtral_loop():
+    """Mixtral with its experts run as transformers' eager loop over the experts hit (``W[e]`` per expert)."""
+    model = mixtral()
+    model.config._experts_implementation = "eager"
+    return model
+
+
+BUILDERS = {"mixtral": routed(mixtral), "deepseek": deepseek, "mixtral loop": routed(mixtral_loop)}
+
+
+def one_token_batch() -> dict:
+    """A batch of one token repeated: every position's hidden state is alike, so each MoE layer routes all its
+    tokens to the same top-k experts (an example that reaches only those)."""
+    ids = torch.full((BATCH, SEQ), 5)
+    return {"input_ids": ids, "labels": ids}
 
 
 def _batch(seed: int) -> dict:
@@ -43,14 +57,15 @@ def to_first_experts(model):
     return model
 
 
-def trained(name: str, world: int, skewed: bool = False) -> dict:
+def trained(name: str, world: int, skewed: bool = False, example: dict | None = None) -> dict:
     """Errors of ``name`` at tp=ep=world against the unsharded model: outputs, STEPS AdamW steps' losses, every
-    parameter afterwards; and where its experts went. ``skewed``: every token routed to the first rank's experts."""
+    parameter afterwards; and where its experts went. ``skewed``: every token routed to the first rank's experts.
+    ``example``: the example inputs captured from (default: a batch like those trained)."""
     torch.manual_seed(0)
     ref = BUILDERS[name]()
     if skewed:
         to_first_experts(ref)
-    pm = autotp.parallelize(ref, tp=world, ep=world, example_inputs=_batch(1))
+    pm = autotp.parallelize(ref, tp=world, ep=world, example_inputs=example or _batch(1))
     first = _batch(2)
     out = {"output": _error(pm(**first).logits, ref(**first).logits)}
     opt, ref_opt = torch.optim.AdamW(pm.parameters(), **ADAM), torch.optim.AdamW(ref.parameters(), **ADAM)
@@ -93,9 +108,19 @@ def counted(name: str, world: int, ep: int) -> dict:
                               if "experts" in c.module})}
 
 
+def loop_experts(rank: int, world: int, tps: tuple[int, ...]) -> dict:
+    """Mixtral's loop over the experts hit, captured from a batch routing each layer's tokens to 2 of its 4 experts,
+    at ep=world over tp (each of ``tps``) x dp ranks (``over_data_parallel``: trained on batches routing to every
+    expert, and its output on the one-token batch)."""
+    one = one_token_batch()
+    return {f"tp={tp} dp={world // tp}": over_data_parallel("mixtral loop", tp, world // tp, world, example=one)
+            for tp in tps}
+
+
 def expert_parallel(rank: int, world: int) -> dict:
-    """Every model trained at ep=world, and Mixtral's collectives at ep=world and ep=1."""
-    out = {name: trained(name, world) for name in BUILDERS}
+    """Every model with experts in banks read by grouped matmuls trained at ep=world, and Mixtral's collectives at
+    ep=world and ep=1."""
+    out = {name: trained(name, world) for name in BUILDERS if name != "mixtral loop"}
     out["mixtral to one rank"] = trained("mixtral", world, skewed=True)
     out["bytes"] = {f"ep={ep}": counted("mixtral", world, ep) for ep in (1, world)}
     return out
@@ -122,18 +147,21 @@ def _reference_loss(ref, batch: dict, dp: int) -> torch.Tensor:
     return sum(ref(**_sliced(batch, r, dp)).loss for r in range(dp)) / dp
 
 
-def over_data_parallel(name: str, tp: int, dp: int, ep: int, skewed: bool = False, mode: str = "replicate") -> dict:
+def over_data_parallel(name: str, tp: int, dp: int, ep: int, skewed: bool = False, mode: str = "replicate",
+                       example: dict | None = None) -> dict:
     """Errors of ``name`` at (tp, dp, ep), replicas under ``mode``, against the unsharded model trained on the
-    replicas' mean loss: outputs, STEPS AdamW steps' losses and gradient norms, every parameter after them; the
+    replicas' mean loss: outputs (also on a batch of one token, routed to one top-k), STEPS AdamW steps' losses and
+    gradient norms, every parameter after them; the
     experts this rank holds; the all-to-all bytes of one forward and backward counted at run time."""
     torch.manual_seed(0)
     ref = BUILDERS[name]()
     if skewed:
         to_first_experts(ref)
-    pm = autotp.parallelize(ref, tp=tp, dp=dp, ep=ep, dp_mode=mode, example_inputs=_batch(1))
+    pm = autotp.parallelize(ref, tp=tp, dp=dp, ep=ep, dp_mode=mode, example_inputs=example or _batch(1))
     mine = lambda batch: _sliced(batch, pm.dp_rank, dp)  # noqa: E731
-    first = _global_batch(2)
-    out = {"output": _error(pm(**mine(first)).logits, ref(**mine(first)).logits)}
+    first, one = _global_batch(2), mine(one_token_batch())
+    out = {"output": _error(pm(**mine(first)).logits, ref(**mine(first)).logits),
+           "one token": _error(pm(**one).logits, ref(**one).logits)}  # every token to the same top-k experts
     opt, ref_opt = torch.optim.AdamW(pm.parameters(), **ADAM), torch.optim.AdamW(ref.parameters(), **ADAM)
     out["losses"] = []
     for step in range(STEPS):

@@ -73,9 +73,10 @@ class _ExpertsHit(nn.Module):
     of a one-hot mask with a class for no expert, skipped, and again when an expert's tokens are none), as eager
     transformers MoE layers are written; ``expert(e, rows)`` is expert ``e`` on its tokens' rows."""
 
-    def __init__(self, dim: int, experts: int, k: int, extra: bool = False, vocab: int = 64):
+    def __init__(self, dim: int, experts: int, k: int, extra: bool = False, vocab: int = 64, skips: bool = True,
+                 spare: int = 1):
         super().__init__()
-        self.k, self.experts, self.extra = k, experts, extra
+        self.k, self.experts, self.extra, self.skips, self.spare = k, experts, extra, skips, spare
         self.embed, self.head = nn.Embedding(vocab, dim), nn.Linear(dim, vocab)
         self.router = nn.Linear(dim, experts, bias=False)
 
@@ -89,11 +90,11 @@ class _ExpertsHit(nn.Module):
         weights, chosen = self.router(x).softmax(-1).topk(self.k, dim=-1)
         out = torch.zeros_like(x)
         with torch.no_grad():
-            mask = torch.nn.functional.one_hot(chosen, self.experts + 1).permute(2, 1, 0)
+            mask = torch.nn.functional.one_hot(chosen, self.experts + self.spare).permute(2, 1, 0)
             hit = (mask.sum(dim=(-1, -2)) > 0).nonzero()
         for expert in hit:
             expert = expert[0]
-            if expert == self.experts:
+            if self.skips and expert == self.experts:  # without it, only the experts hit can be traced
                 continue
             slot, token = torch.where(mask[expert])
             if token.numel() == 0:
@@ -133,10 +134,12 @@ class NamedExperts(nn.Module):
 class HitExperts(_ExpertsHit):
     """Experts in banks (``F.linear(x, W[e])``), run over the experts hit. ``extra``: each iteration also adds its
     expert's bias to every token, which is not a write of its tokens' rows (an expert with no token would still
-    change the result)."""
+    change the result). ``skips=False``: no check skips the mask's classes for no expert (``spare`` of them), whose
+    ``W[e]`` is past the banks' end."""
 
-    def __init__(self, dim: int = 32, experts: int = 4, k: int = TOP_K, extra: bool = False):
-        super().__init__(dim, experts, k, extra)
+    def __init__(self, dim: int = 32, experts: int = 4, k: int = TOP_K, extra: bool = False, skips: bool = True,
+                 spare: int = 1):
+        super().__init__(dim, experts, k, extra, skips=skips, spare=spare)
         self.up = nn.Parameter(torch.randn(experts, 2 * dim, dim) * 0.1)
         self.down = nn.Parameter(torch.randn(experts, dim, 2 * dim) * 0.1)
         self.bias = nn.Parameter(torch.randn(experts, dim) * 0.1)

@@ -14,6 +14,7 @@ import torch
 
 import autotp
 from autotp.errors import InputError, PlanError
+from autotp.expert_check import full_experts
 from autotp.passes.placement import Placement, PlacementKind
 from autotp.passes.routed_experts import ExpertLayer
 from autotp.planning.expert_layout import NO_BANK, NOT_TP, expert_notes
@@ -32,6 +33,8 @@ from tests.ep_workers import (
     _batch,
     expert_parallel,
     expert_parallel_over_dp,
+    loop_experts,
+    one_token_batch,
     to_first_experts,
     with_pipeline,
 )
@@ -68,10 +71,11 @@ def test_notes_say_where_the_experts_went_and_why():
     assert "no mixture-of-experts router" in expert_notes((), 2, 2, set())[0]
 
 
-@pytest.mark.parametrize("build", [mixtral, deepseek], ids=["mixtral", "deepseek"])
+@pytest.mark.parametrize("build", [mixtral, deepseek, BUILDERS["mixtral loop"]], ids=["mixtral", "deepseek", "loop"])
 def test_each_rank_holds_whole_experts_and_the_routed_rows_are_dispatched_and_combined(build):
     """DeepSeek-V3's router first picks among groups of experts: its experts are counted from the widest top-k;
-    its shared expert keeps its tensor-parallel split."""
+    its shared expert keeps its tensor-parallel split. A loop over the experts lists the collectives of grouped
+    matmuls: all its experts' rows travel together."""
     torch.manual_seed(0)
     plan = autotp.plan(build(), tp=2, ep=2, vocab="whole", example_inputs=(_ids(),))
     assert _expert_split(plan) == [f"model.layers.{i}.mlp.experts.{w}" for i in (0, 1)
@@ -192,6 +196,52 @@ def test_ep_over_data_parallel_ranks_trains_exactly_by_all_to_all():
             assert sum(rank[label]["all_to_all"][d] for rank in ranks) == 2 * 2 * rows, (label, d)
 
 
+def _loop_trains_exactly(tp: int) -> None:
+    ranks = run_on_ranks(loop_experts, 2, (tp,))
+    for rank in ranks:
+        for label, r in rank.items():
+            assert r["output"] < 1e-5 and r["one token"] < 1e-5 and max(r["losses"]) < 1e-5, (label, r)
+            assert r["params"] < 1e-5 and max(r["norms"]) < 1e-5 and r["local_experts"] == [2], (label, r)
+    rows = TOP_K * BATCH_DP * SEQ * HIDDEN * 4  # every replica's routed rows
+    for d in ("forward", "backward"):
+        assert sum(rank[f"tp={tp} dp={2 // tp}"]["all_to_all"][d] for rank in ranks) == 2 * 2 * rows, d
+
+
+def test_a_loop_over_the_experts_hit_is_expert_split_and_trains_exactly_over_data_parallel_ranks():
+    """transformers' eager experts (a loop over the experts hit, ``W[e]`` per expert), captured from a batch routing
+    each layer's tokens to 2 of its 4 experts: every expert is reached all the same. At tp=1, dp=2, ep=2: outputs
+    (on batches routing to every expert, and on one routing every token to the same two), the losses of 2 AdamW
+    steps (the auxiliary router loss included), gradient norms and every parameter after them equal the unsharded
+    model's; each rank holds 2 of each bank's 4 experts. Counted at run time, each layer's dispatch and combine
+    carry every routed row once each way. (tp=2, ep=2: the checker below, and on gloo under -m slow.)"""
+    _loop_trains_exactly(1)
+
+
+@pytest.mark.slow  # about 2 minutes on 2 busy cores; the checker covers tp=2, ep=2 by default
+def test_a_loop_over_the_experts_hit_trains_exactly_at_ep_over_tp():
+    _loop_trains_exactly(2)
+
+
+def test_a_loop_over_the_experts_hit_is_exact_in_the_checker_at_ep_above_tp():
+    """The checker simulates dp x tp ranks at ep above tp (here tp=2 x dp=2, one expert per rank), the loop captured
+    from a batch routing every token to the same 2 experts and checked on a batch routing to all 4."""
+    torch.manual_seed(0)
+    model = BUILDERS["mixtral loop"]()
+    plan = autotp.plan(model, tp=2, dp=2, ep=4, dp_mode="replicate", example_inputs=one_token_batch())
+    assert len(_expert_split(plan)) == 4, plan.notes
+    report = autotp.check(model, plan=plan, example_inputs=_batch(1))
+    assert report.exact, report
+
+
+def test_the_checker_at_ep_above_tp_sums_each_experts_gradient_over_its_groups_and_averages_over_dp():
+    """Each ep group's bank laid end to end in ep-rank order, summed over the groups, divided by dp (every replica
+    runs the same example): the reduction the runtime makes."""
+    plan = autotp.plan(mixtral(), tp=1, dp=4, ep=2, dp_mode="replicate", example_inputs=(_ids(),))
+    name = _expert_split(plan)[0]
+    per_rank = [{name: torch.full((2, 1), float(r))} for r in range(4)]  # (dp, tp) order, ep groups of 2
+    assert full_experts(plan, per_rank, name).flatten().tolist() == [0.5] * 2 + [1.0] * 2  # (0+2)/4, (1+3)/4
+
+
 @pytest.mark.slow  # about 3 minutes on 2 cores: the 2-rank tests cover ep over tp and over dp by default
 def test_ep_over_tensor_and_data_parallel_ranks_on_four_ranks():
     """On 4 ranks: tp=2 x dp=2 with ep=4 (one expert per rank, each tp rank dispatching its half of the rows),
@@ -239,14 +289,10 @@ def test_each_pipeline_stage_dispatches_over_its_own_data_and_tensor_parallel_ra
 
 
 def test_ep_above_tp_is_refused_where_it_cannot_be_exact():
-    """FSDP's mixed precision would not cast the experts it leaves whole; the checker simulates one replica's tp
-    ranks."""
+    """FSDP's mixed precision would not cast the experts it leaves whole."""
     with pytest.raises(InputError, match="under dp_mode='fsdp' with mixed_precision is not supported"):
         check_ep_layout(autotp.Options(tp=1, dp=2, ep=2, mixed_precision="bfloat16"))
     check_ep_layout(autotp.Options(tp=1, dp=2, ep=2))  # fsdp leaves the experts whole, reduced over their replicas
-    torch.manual_seed(0)
-    with pytest.raises(InputError, match="the checker simulates the tensor-parallel ranks of one replica"):
-        autotp.check(mixtral(), tp=1, dp=2, ep=2, example_inputs=(_ids(),))
 
 
 def test_the_command_line_takes_ep_and_fixes_it_with_devices(capsys):

@@ -75,30 +75,52 @@ def test_looped_experts_share_one_f_and_one_g():
     assert autotp.check(LoopedExperts(), tp=2, example_inputs=(ids,)).exact
 
 
-def _hit_model() -> HitExperts:
+def _hit_model(skips: bool = True, spare: int = 1) -> HitExperts:
     torch.manual_seed(0)
-    return HitExperts()
+    return HitExperts(skips=skips, spare=spare)
 
 
-def test_a_loop_over_the_experts_hit_is_exact_and_stays_exact_for_an_expert_without_tokens():
-    """``for e in hit.nonzero()``: captured over every expert the example routes to (a loop as long as a tensor's
-    value cannot be traced), exact in the checker; the captured graph agrees with the model on a batch that routes
-    no token to one of them (its iteration, on no rows, adds nothing), and refuses a batch routing to an expert
-    the example never did, with an autotp error."""
-    ids = models.tokens(2, 8, 0) % 64
-    assert autotp.check(_hit_model(), tp=2, example_inputs=(ids,)).exact
-    model = _hit_model()
+def _never_3(model) -> torch.Tensor:
+    """A batch routing no token to expert 3."""
     routes = model.routes(torch.arange(64))
-    never_3 = torch.arange(64)[(routes != 3).all(-1)]
-    captured = capture(model, (ids,), training=False)
-    assert captured.assumptions and "experts the example routes to" in captured.assumptions[0]
-    empty = never_3[:16].view(2, 8)
+    return torch.arange(64)[(routes != 3).all(-1)][:16].view(2, 8)
+
+
+def _computes_every_expert(model, captured) -> None:
     with torch.no_grad():
-        assert torch.allclose(captured.module(empty)[0] if isinstance(captured.module(empty), tuple)
-                              else captured.module(empty), model.eval()(empty), atol=1e-6)
-    narrow = capture(model, (empty,), training=False)  # an example that routes no token to expert 3
+        for batch in (models.tokens(2, 8, 0) % 64, _never_3(model)):
+            got = captured.module(batch)
+            assert torch.allclose(got[0] if isinstance(got, tuple) else got, model.eval()(batch), atol=1e-6)
+
+
+def test_a_loop_over_the_experts_hit_is_captured_over_every_expert():
+    """``for e in hit.nonzero()``: captured over every expert (a loop as long as a tensor's value cannot be traced;
+    an expert without tokens adds nothing), exact in the checker; captured from an example that routes no token
+    to expert 3, it still computes the model on a batch that does."""
+    assert autotp.check(_hit_model(), tp=2, example_inputs=(models.tokens(2, 8, 0) % 64,)).exact
+    model = _hit_model()
+    narrow = capture(model, (_never_3(model),), training=False)
+    assert narrow.assumptions and "runs over every expert (every index" in narrow.assumptions[0]
+    _computes_every_expert(model, narrow)
+
+
+def test_a_loop_whose_body_cannot_run_the_class_for_no_expert_is_captured_over_every_other():
+    """Without the check that skips the mask's last class (no expert), its ``W[e]`` is past the banks' end (DBRX's
+    loop): captured over every index but that one, so every expert is still computed."""
+    model = _hit_model(skips=False)
+    narrow = capture(model, (_never_3(model),), training=False)
+    assert "every index of its routing vector but the last" in narrow.assumptions[0]
+    _computes_every_expert(model, narrow)
+
+
+def test_a_loop_that_cannot_run_an_expert_never_hit_is_captured_over_those_hit_and_refuses_others():
+    """Two classes past the banks' end: the loop is captured over the experts the example routes to, and a batch
+    routing to another raises an autotp error rather than computing without it."""
+    model = _hit_model(skips=False, spare=2)
+    narrow = capture(model, (_never_3(model),), training=False)
+    assert "experts the example routes to" in narrow.assumptions[0]
     with pytest.raises(UnseenExpertError, match="routes tokens to an expert that the loop over the experts hit at"):
-        narrow.module(ids)
+        narrow.module(models.tokens(2, 8, 0) % 64)
 
 
 def test_experts_picked_by_name_in_the_loop_and_a_router_cast_to_its_own_dtype_are_captured_and_exact():
@@ -108,7 +130,7 @@ def test_experts_picked_by_name_in_the_loop_and_a_router_cast_to_its_own_dtype_a
     torch.manual_seed(0)
     model = NamedExperts()
     captured = capture(model, (models.tokens(2, 8, 0) % 64,), training=False)
-    assert captured.assumptions and "experts the example routes to" in captured.assumptions[0]
+    assert captured.assumptions and "runs over every expert" in captured.assumptions[0]
     torch.manual_seed(0)
     assert autotp.check(NamedExperts(), tp=2, example_inputs=(models.tokens(2, 8, 0) % 64,)).exact
 
@@ -213,3 +235,21 @@ def test_qwen4_exp_with_an_indexed_attention_layer_plans_and_is_exact(config):
     assert model.config.layer_types == config["layer_types"]
     report = autotp.check(model, tp=2, example_inputs=(torch.randint(0, 128, (2, 8)),))
     assert report.exact, report
+
+
+def test_each_expert_of_a_loop_over_gated_banks_has_one_chain_from_its_rows_to_its_bias():
+    """``passes.loop_banks``: in the OpenAI privacy filter's loop (fp32 casts and their dtype checks, gate and up
+    in one bank, a bias after each matmul), each expert's chain starts at its tokens' rows, reads its slice of
+    every bank, and ends at the down bias's add, the one value read outside it (by the router's weighting)."""
+    from autotp.passes.loop_banks import bank_loops
+
+    torch.manual_seed(0)
+    captured = capture(GatedBankExperts(), (models.tokens(2, 8, 0) % 64,), training=False)
+    loops, why = bank_loops(captured.module.graph)
+    assert not why and len(loops) == 1 and [c.expert for c in loops[0].chains] == [0, 1, 2, 3]
+    assert set(loops[0].banks.values()) == {4} and len(loops[0].banks) == 4
+    for chain in loops[0].chains:
+        banks = [f"model.{w}" for w in ("gate_up", "gate_up_bias", "down", "down_bias")]
+        assert [s.args[0].target for s in chain.selects] == banks
+        assert chain.end.target is torch.ops.aten.add.Tensor and chain.end.args[1] in chain.nodes
+        assert all(u in chain.nodes for n in chain.nodes if n is not chain.end for u in n.users)

@@ -18,6 +18,7 @@ from autotp.passes.steps import COMMUNICATION, CollectiveOp, Direction, Operator
 from autotp.planning.plan import Collective
 from autotp.passes.embedding_adapters import joined_lookups
 from autotp.passes.grouped_banks import expert_matmuls
+from autotp.planning.loop_collectives import loop_collectives
 
 
 def planned_collectives(analysis: Analysis, prop: Propagation, split_banks=frozenset(),
@@ -33,6 +34,8 @@ def planned_collectives(analysis: Analysis, prop: Propagation, split_banks=froze
     found += [(order[node], c) for node, operator in prop.reduced.items() if node not in joined  # in its base's
               for c in _collectives_of(analysis, operator, node, node, grad)]
     found += [(order[node], c) for node, c in expert_chains(analysis, split_banks, prop.tp, ep)]
+    readable = functools.partial(_readable, names=tuple(sorted(analysis.captured.dim_names.items())))
+    found += [(order[node], c) for node, c in loop_collectives(analysis, split_banks, prop.tp, ep, readable)]
     listed = [c for _, c in sorted(found, key=lambda item: item[0])]
     return listed + _gradient_bucket(analysis, prop)
 

@@ -18,6 +18,7 @@ from autotp.options import Options
 from autotp.passes.analysis import Analysis
 from autotp.planning.expert_layout import expert_banks, expert_notes
 from autotp.passes.grouped_banks import banks_of, expert_placements
+from autotp.passes.loop_banks import bank_loops, loop_banks
 from autotp.passes.choices import whole_convolutions
 from autotp.passes.graph import sizes
 from autotp.passes.placement import REPLICATED, Placement, PlacementKind
@@ -226,11 +227,12 @@ def _reported(plan: Plan, collectives: tuple[Collective, ...]) -> Plan:
 def _check_expert_placements(captured: Captured, plan: Plan) -> None:
     """Refuse an ``expert`` placement the rewrite cannot honour: only a bank read by grouped matmuls, split along
     its experts (dim 0) into whole experts per rank, is computed expert by expert."""
-    banks = banks_of(captured.analysis.graph)
+    banks = banks_of(captured.analysis.graph) | loop_banks(captured.analysis.graph)
     for target, placement in expert_placements(captured, plan).items():
         name = captured.param_name(target)
         if target not in banks or placement.dim != 0 or placement.segments or placement.replicas != 1:
-            raise PlanError(f"{name} is placed 'expert', which splits only a bank of experts read by grouped matmuls, "
+            raise PlanError(f"{name} is placed 'expert', which splits only a bank of experts read by grouped matmuls "
+                            "or a loop over the experts, "
                             "along dim 0 with no segments; place it as autotp.plan does, or re-plan with ep")
         ep = plan.options.ep if plan.options else plan.tp
         if banks[target] % ep or ep % plan.tp:
@@ -245,7 +247,7 @@ def _expert_split(captured: Captured, by_target: dict[str, Placement], options: 
     experts stay under tensor parallelism, and the notes say why."""
     analysis, tp, ep = captured.analysis, options.tp, options.ep
     layers = expert_layers(analysis) if ep > 1 else ()
-    banks = {captured.param_name(t): e for t, e in banks_of(analysis.graph).items()}
+    banks = {captured.param_name(t): e for t, e in (banks_of(analysis.graph) | loop_banks(analysis.graph)).items()}
     split = expert_banks(layers, banks, ep, tp)
     if split:
         # the experts' other parameters (GPT-OSS's biases, picked per row) stay whole: their rows are dispatched
@@ -258,7 +260,8 @@ def _expert_split(captured: Captured, by_target: dict[str, Placement], options: 
         except PlanError as e:
             return {}, [f"{layer.module}: {layer.experts} routed experts kept under tensor parallelism at ep={ep}: "
                         f"split by their experts, {str(e).split(': ', 1)[-1].split(' (node')[0]}" for layer in layers]
-    return split, expert_notes(layers, ep, tp, {n for n, p in split.items() if p.kind is PlacementKind.EXPERT})
+    return split, expert_notes(layers, ep, tp, {n for n, p in split.items() if p.kind is PlacementKind.EXPERT},
+                               tuple(bank_loops(analysis.graph)[1]) if layers else ())
 
 
 def _refuse_inexact(analysis: Analysis, prop: Propagation) -> None:

@@ -36,6 +36,7 @@ from autotp.passes.embedding_adapters import joined_lookups, lookup_rows
 from autotp.rewrite.joined_lookups import reduce_joined
 from autotp.passes.grouped_banks import expert_placements
 from autotp.rewrite.expert_dispatch import dispatch_experts
+from autotp.rewrite.loop_dispatch import dispatch_loops
 from autotp.rewrite.graph_edit import (
     STANDS_FOR,
     copy_graph_module,
@@ -309,6 +310,7 @@ def build_graph(captured: Captured, plan: Plan, rank: int, comm: Communicator | 
     experts = expert_placements(captured, plan)
     if experts:
         dispatch_experts(gm, experts, ep_comm or comm, comm if plan.tp > 1 else None)
+        dispatch_loops(gm, experts, ep_comm or comm, comm if plan.tp > 1 else None)
     if stream is not None:
         replace_random_ops(gm, layouts, stream, rank, plan.tp)
     write_through_data(gm)

@@ -7,14 +7,16 @@
         out.index_add_(0, token, expert_mlp(x[token]) * weights[token, slot, None])
 
 torch.export cannot trace a loop whose length is a tensor's value. Running the body for an expert that got no
-token changes nothing (its tokens select nothing, so it adds nothing), so the loop is captured over every expert
-the example routes tokens to, in order, whether or not a later batch routes any to it: the expert is a constant
+token changes nothing (its tokens select nothing, so it adds nothing), so the loop is captured over every index
+of the routing vector (every expert, whatever the example routed), in order: the expert is a constant
 in each iteration, its tokens an empty selection when it has none, and a guard on that selection being empty
 takes the branch that computes it (the same ops, on no rows); a body that reads its expert as a Python number
 (``experts[f"expert_{e[0]}"]``) reads the constant. Sound only if each iteration's effect is such a
-write, so the captured graph is checked for it (``check_routed_writes``). A batch that routes tokens to an
-expert the example never did (which the loop would then miss) raises ``UnseenExpertError`` instead (the graph's
-runtime assertion of that, ``unseen_experts``).
+write, so the captured graph is checked for it (``check_routed_writes``). Where a body cannot be traced for an
+index the example never routed to (``W[e]`` past a bank's end, for the last class of a mask, meaning "no
+expert"), it is captured over every index but that last one, or failing that over the experts the example routes
+tokens to only; a batch that routes tokens to an index left out (which the loop would then miss) raises
+``UnseenExpertError`` (the graph's runtime assertion of that, ``unseen_experts``).
 """
 
 from __future__ import annotations
@@ -31,11 +33,10 @@ from torch.fx.traceback import annotate, preserve_node_meta
 
 from autotp.torch_private import check, methods_replaced, symbolic_expr
 from autotp.errors import CaptureError, UnseenExpertError
+from autotp.passes.loop_banks import ITERATION  # the key ``passes.loop_banks`` reads the iterations by
 
 aten = torch.ops.aten
 
-ITERATION = "autotp_routed_iteration"
-"""``node.meta["custom"]`` key naming the loop and expert of each node traced inside a routed loop's body."""
 
 UNSEEN = "autotp_unseen_experts"
 """``node.meta["custom"]`` key naming the place of the loop whose check (no token routed to another expert) the
@@ -140,11 +141,12 @@ def _experts(loops: _Loops, rows: torch.Tensor, routing: torch.Tensor, place: st
     loop = loops.loops
     loops.loops += 1
     loops.places.append(place)
-    outside = torch.ones(routing.shape[0], dtype=torch.bool, device=routing.device)
-    outside[hit] = False
-    with annotate({UNSEEN: place}):
-        missed = (routing & outside).sum().item()
-    check(missed == 0, lambda: f"the batch routes tokens to an expert the example inputs did not ({place})")
+    if len(hit) < routing.shape[0]:  # not every expert: a batch routing to one left out must not pass silently
+        outside = torch.ones(routing.shape[0], dtype=torch.bool, device=routing.device)
+        outside[hit] = False
+        with annotate({UNSEEN: place}):
+            missed = (routing & outside).sum().item()
+        check(missed == 0, lambda: f"the batch routes tokens to an expert the example inputs did not ({place})")
     for expert in hit:
         loops.in_body = True
         with annotate({ITERATION: (loop, expert)}):
@@ -183,16 +185,37 @@ def export_over_routed_experts(wrapper: torch.nn.Module, inputs: tuple, dynamic_
                 b.copy_(kept)
     if not hits:
         return None
-    with routed_loops_over(hits) as places, preserve_node_meta():
-        program = torch.export.export(wrapper, inputs, strict=False, dynamic_shapes=dynamic_shapes)
+    tries = ((_every(hits, 0), "every expert (every index of its routing vector, whatever the example routed)"),
+             # a mask with a class for no expert (``one_hot(..., E + 1)``) whose body cannot run for it
+             (_every(hits, 1), "every expert (every index of its routing vector but the last, a class for no "
+                               "expert, which a batch routing to raises)"),
+             (hits, "the experts the example routes to (its body could not be traced for the others); a batch "
+                    "routing to another expert raises"))
+    for i, (over, said) in enumerate(tries):
+        try:
+            program, places = _export_over(over, wrapper, inputs, dynamic_shapes)
+            break
+        except Exception:  # noqa: BLE001 - a body that cannot run for an index never routed to: the next try
+            if i == len(tries) - 1:
+                raise
     check_routed_writes(program.graph_module)
     module = program.module()
     unseen_experts(module.graph)
     module.recompile()
-    return module, tuple(
-        f"the loop over the experts the batch routes to at {place} runs over the experts the example routes to, "
-        "each adding nothing when no token is routed to it; a batch routing to another expert raises"
-        for place in dict.fromkeys(places))
+    return module, tuple(f"the loop over the experts the batch routes to at {place} runs over {said}, each "
+                         "adding nothing when no token is routed to it" for place in dict.fromkeys(places))
+
+
+def _every(hits: dict[int, set[int]], last_left_out: int) -> dict[int, set[int]]:
+    """Every index of each routing vector (less its last ``last_left_out``), with the indices ``hits`` names."""
+    return {length: set(range(length - last_left_out)) | hit for length, hit in hits.items()}
+
+
+def _export_over(hits: dict[int, set[int]], wrapper: torch.nn.Module, inputs: tuple, dynamic_shapes):
+    """The exported program with each routed loop run over ``hits``, and the loops' places."""
+    with routed_loops_over(hits) as places, preserve_node_meta():
+        program = torch.export.export(wrapper, inputs, strict=False, dynamic_shapes=dynamic_shapes)
+    return program, places
 
 
 @contextlib.contextmanager
