@@ -25,6 +25,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from autotp.rewrite.bucket_riders import local, local_sizes, pack, rider_params, slot_numel, unpack
 from autotp.torch_private import at_backward_end, viewed_leaf
 
 _BUCKETS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -46,6 +47,11 @@ class GradBucket:
         self._queued = False
         self.params: set[int] = set()
         """The ids of the parameters whose shares it has taken (the replicas' average leaves them to it)."""
+        self.riders: list[nn.Parameter] = []
+        """Split parameters averaged over the replicas in the same all-reduce, each tp rank's in its own slot of a
+        zero-padded region (``rewrite.bucket_riders``; set by the data parallelism, empty otherwise)."""
+        self.slot = (0, 1, 0)
+        """(this rank's slot, number of slots (tp), elements per slot) of the riders' region."""
 
     def add(self, key: str, param: nn.Parameter, grad: torch.Tensor) -> torch.Tensor | None:
         """Take ``param``'s gradient share (``key``: its name, the same on every rank); returns the gradient autograd
@@ -60,6 +66,19 @@ class GradBucket:
             at_backward_end(self.flush)
         return None
 
+    def take_riders(self, modules: list[nn.Module], skip: set[int], tp_rank: int, tp: int, dp: int,
+                    limit: int) -> set[int]:
+        """Average the other trainable parameters of ``modules`` (not in ``skip``: experts) over the replicas in
+        this bucket's all-reduce, this rank's in slot ``tp_rank`` of ``tp``, when they are of one dtype and the
+        padded region is at most ``limit`` bytes; returns their ids (none when not). A collective over the
+        bucket's ranks (the slot size is agreed once)."""
+        riders = rider_params(modules, bucketed_ids(modules) | skip)
+        slot = slot_numel(self.comm, sum(local_sizes(riders)), tp_rank, tp, dp)
+        if not slot or len({p.dtype for p in riders}) != 1 or tp * slot * riders[0].element_size() > limit:
+            return set()
+        self.riders, self.slot = riders, (tp_rank, tp, slot)
+        return {id(p) for p in riders}
+
     def flush(self) -> None:
         """Sum the shares taken so far over the ranks, in one all-reduce per dtype, and add them to ``.grad``."""
         self._queued = False
@@ -68,12 +87,22 @@ class GradBucket:
         for key in sorted(shares):  # the same order on every rank, whatever order the backward reached them in
             param, grad = shares[key]
             by_dtype.setdefault(grad.dtype, []).append((param, grad))
-        for entries in by_dtype.values():
-            flat = self.comm.all_reduce(torch.cat([g.reshape(-1) for _, g in entries]))
+        riding = self.riders[0].dtype if self.riders else None
+        if riding is not None:
+            by_dtype.setdefault(riding, [])
+        for dtype, entries in by_dtype.items():
+            flat = torch.cat([g.reshape(-1) for _, g in entries])
+            if dtype == riding:  # the split parts' dp average joins this all-reduce (``rewrite.bucket_riders``)
+                grads = [None if p.grad is None else local(p.grad) for p in self.riders]
+                flat = torch.cat([flat, pack(self.riders, grads, self.slot[2], self.slot[0], self.slot[1], dtype)])
+            flat = self.comm.all_reduce(flat)
             if self.scale != 1.0:
                 flat = flat * self.scale
-            for (param, grad), part in zip(entries, flat.split([g.numel() for _, g in entries])):
+            shared = sum(g.numel() for _, g in entries)
+            for (param, grad), part in zip(entries, flat[:shared].split([g.numel() for _, g in entries])):
                 _accumulate(param, part.view_as(grad))
+            if dtype == riding:
+                unpack(flat[shared:], self.riders, grads, self.slot[2], self.slot[0])
 
 
 def _accumulate(param: nn.Parameter, grad: torch.Tensor) -> None:
@@ -140,6 +169,17 @@ class GradSum(nn.Module):
 
     def forward(self, param):
         return _GradSum.apply(param, self.bucket, self.key, [param])
+
+
+def bucketed_ids(modules: Iterable[nn.Module]) -> set[int]:
+    """Ids of the parameters ``modules``' graphs read through a ``GradSum`` (their gradient shares go to a bucket)."""
+    out: set[int] = set()
+    for gm in modules:
+        graph = getattr(gm, "graph", None)
+        for node in graph.nodes if graph is not None else ():
+            if node.op == "call_module" and isinstance(gm.get_submodule(node.target), GradSum):
+                out.add(id(gm.get_parameter(node.args[0].target)))
+    return out
 
 
 def grad_buckets(modules: Iterable[nn.Module]) -> list[GradBucket]:
