@@ -47,6 +47,9 @@ class GradBucket:
         self._queued = False
         self.params: set[int] = set()
         """The ids of the parameters whose shares it has taken (the replicas' average leaves them to it)."""
+        self.expected: set[str] = set()
+        """The keys of every ``GradSum`` over this group (set by the rewrite): once all have their shares, the next
+        all-reduce of an activation's gradient over the group carries them (``reduce_with_shares``)."""
         self.riders: list[nn.Parameter] = []
         """Split parameters averaged over the replicas in the same all-reduce, each tp rank's in its own slot of a
         zero-padded region (``rewrite.bucket_riders``; set by the data parallelism, empty otherwise)."""
@@ -78,6 +81,13 @@ class GradBucket:
             return set()
         self.riders, self.slot = riders, (tp_rank, tp, slot)
         return {id(p) for p in riders}
+
+    def ready(self, comm, dtype: torch.dtype) -> bool:
+        """Whether an all-reduce over ``comm`` of a ``dtype`` gradient may carry the shares now: every expected
+        share is in, all of ``dtype``, summed over that same group as they are (``reduce_with_shares``)."""
+        return (self._queued and not self.held and not self.immediate and self.comm is comm and self.scale == 1.0
+                and not self.riders and bool(self.expected) and self.expected <= self._shares.keys()
+                and all(g.dtype == dtype for _, g in self._shares.values()))
 
     def flush(self) -> None:
         """Sum the shares taken so far over the ranks, in one all-reduce per dtype, and add them to ``.grad``."""
@@ -169,6 +179,23 @@ class GradSum(nn.Module):
 
     def forward(self, param):
         return _GradSum.apply(param, self.bucket, self.key, [param])
+
+
+def reduce_with_shares(comm, grad: torch.Tensor) -> torch.Tensor:
+    """``comm.all_reduce(grad)`` (an ``f``'s backward), carrying the bucket's shares in the same all-reduce when
+    every share the group's graphs read has arrived: the first layer's input all-reduce then sums them too, so the
+    bucket adds no collective of its own. Not while a pipeline holds the bucket, nor over replicas (the bucket's
+    group is then another), nor with shares of another dtype. The ranks run one graph, so they decide alike."""
+    bucket = _BUCKETS.get(comm)
+    if bucket is None or not bucket.ready(comm, grad.dtype):
+        return comm.all_reduce(grad)
+    shares, bucket._shares = bucket._shares, {}
+    entries = [shares[key] for key in sorted(shares)]  # one order on every rank
+    flat = comm.all_reduce(torch.cat([grad.reshape(-1), *(g.reshape(-1) for _, g in entries)]))
+    parts = flat[grad.numel():].split([g.numel() for _, g in entries])
+    for (param, share), part in zip(entries, parts):
+        _accumulate(param, part.view_as(share))
+    return flat[:grad.numel()].view_as(grad)
 
 
 def bucketed_ids(modules: Iterable[nn.Module]) -> set[int]:
