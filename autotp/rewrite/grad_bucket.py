@@ -185,9 +185,11 @@ def reduce_with_shares(comm, grad: torch.Tensor) -> torch.Tensor:
     """``comm.all_reduce(grad)`` (an ``f``'s backward), carrying the bucket's shares in the same all-reduce when
     every share the group's graphs read has arrived: the first layer's input all-reduce then sums them too, so the
     bucket adds no collective of its own. Not while a pipeline holds the bucket, nor over replicas (the bucket's
-    group is then another), nor with shares of another dtype. The ranks run one graph, so they decide alike."""
+    group is then another), nor with shares of another dtype, nor while compiling. The ranks run one graph, so
+    they decide alike."""
     bucket = _BUCKETS.get(comm)
-    if bucket is None or not bucket.ready(comm, grad.dtype):
+    # a compiled backward is traced once: the bucket's state then is no guide to a later step's
+    if bucket is None or torch.compiler.is_compiling() or not bucket.ready(comm, grad.dtype):
         return comm.all_reduce(grad)
     shares, bucket._shares = bucket._shares, {}
     entries = [shares[key] for key in sorted(shares)]  # one order on every rank
