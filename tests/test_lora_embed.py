@@ -6,6 +6,7 @@ run time in the one-process checker (``tests.lora_checks``)."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 import autotp
 
@@ -164,3 +165,39 @@ def test_zoo_sample_with_lora_on_every_linear_layer_counted(name):
     assert len(forward) <= len(base_forward)
     assert len(backward) <= len(base_backward)
     assert [c for c in backward if len(c[1]) == 1 and c[1] not in {s for _, s in base_backward}][-1:] == backward[-1:]
+
+
+class _HeadTransformed(torch.nn.Module):
+    """A token embedding, an MLP block and BERT's head: a transform (dense, GELU, norm) before a vocabulary head."""
+
+    def __init__(self, vocab: int = 128, dim: int = 32):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, dim)
+        self.up, self.down = torch.nn.Linear(dim, 4 * dim), torch.nn.Linear(4 * dim, dim)
+        self.transform, self.norm = torch.nn.Linear(dim, dim), torch.nn.LayerNorm(dim)
+        self.decoder = torch.nn.Linear(dim, vocab)
+
+    def forward(self, ids):
+        h = self.embed(ids)
+        h = h + self.down(torch.relu(self.up(h)))
+        return self.decoder(self.norm(torch.nn.functional.gelu(self.transform(h))))
+
+
+def test_an_adapted_head_transform_stays_whole_as_the_base_keeps_it():
+    """LoRA on every linear layer but the vocabulary head (as BERT's ``all-linear``): the head transform the base
+    keeps whole (it feeds only the vocabulary-split head) stays whole with its adapter, so forward makes the base
+    model's collectives."""
+    import peft
+
+    torch.manual_seed(0)
+    x = models.tokens(2, 8, 1)
+    base = _HeadTransformed()
+    _, base_forward, _ = checked(base, 2, (x,), vocab="split")
+    model = peft.get_peft_model(base, peft.LoraConfig(r=4, target_modules=["up", "down", "transform"]))
+    for key, p in model.named_parameters():
+        if "lora_B" in key:
+            torch.nn.init.normal_(p, std=0.05)
+    report, forward, _ = checked(model, 2, (x,), vocab="split")
+    assert report.exact, str(report)
+    assert repr(report.plan.placements["base_model.model.transform.base_layer.weight"]) == "replicated"
+    assert forward == base_forward
