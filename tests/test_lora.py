@@ -253,3 +253,31 @@ def test_sequence_parallel_adapters_join_the_base_gather_and_reduce_scatter():
         forward = [c for c in report.plan.collectives if c.direction.value == "forward"]
         assert len(forward) == len([c for c in base.collectives if c.direction.value == "forward"])
         assert [c.operator.value for c in report.plan.collectives].count("grad_sum") == 1
+
+
+def test_split_parts_ride_the_bucket_each_in_its_slot():
+    """``rewrite.bucket_riders``: tp ranks with parts of different sizes (an uneven split) pack them into their own
+    slots of one padded region; summed over tp x dp and divided by dp (the bucket's all-reduce), each rank unpacks
+    the dp mean of its own parts, and a part without a gradient stays without one."""
+    import torch
+
+    from autotp.rewrite.bucket_riders import local_sizes, pack, unpack
+
+    tp, dp = 2, 3
+    riders = {0: [torch.nn.Parameter(torch.zeros(3, 2)), torch.nn.Parameter(torch.zeros(4))],
+              1: [torch.nn.Parameter(torch.zeros(2, 2)), torch.nn.Parameter(torch.zeros(4))]}
+    slot = max(sum(local_sizes(r)) for r in riders.values())
+    grads = {(t, d): [torch.randn(3 if t == 0 else 2, 2), None if d == 1 and t == 1 else torch.randn(4)]
+             for t in range(tp) for d in range(dp)}
+    regions = {k: pack(riders[k[0]], g, slot, k[0], tp, torch.float32) for k, g in grads.items()}
+    total = sum(regions.values()) / dp
+    for (t, d), g in grads.items():
+        mine = [None if x is None else x.clone() for x in g]
+        unpack(total, riders[t], mine, slot, t)
+        for i, x in enumerate(mine):
+            if x is None:
+                continue
+            held = [grads[(t, e)][i] for e in range(dp)]
+            want = sum(h for h in held if h is not None) / dp
+            assert torch.allclose(x, want), (t, d, i)
+    assert total.numel() == tp * slot
