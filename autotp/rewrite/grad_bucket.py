@@ -7,10 +7,15 @@ costs one small all-reduce per adapted layer. Megatron's ``finalize_model_grads`
 of such replicated parameters together once the backward is done; so does this: ``GradSum`` (Operator
 ``GRAD_SUM``) reads the parameter unchanged forward and, backward, hands its share to the rank's ``GradBucket``
 instead of to autograd. The bucket sums every share over the ranks in one all-reduce when the backward pass ends
-(or, while ``held``, when a pipeline's schedule ends) and adds the sums to the parameters' ``.grad``.
+(or, while ``held``, when a pipeline's schedule ends) and adds the sums to the parameters' ``.grad``. Each
+``GradSum`` sits next to the layer that reads its parameter, so its share arrives with that layer's backward; an
+``f`` over the same ranks whose all-reduce runs once every share is in (the first layer's input gradient, when an
+adapted or trained embedding needs it) carries them, and the bucket then makes no all-reduce of its own
+(``reduce_with_shares``).
 
 Over data parallelism (``replicate``) the bucket's group is the tp x dp ranks (with pipelines, those of one pipeline
-rank) and it divides by dp: the adapters' tp sum and dp average are one collective. Under ``fsdp`` the parameter the
+rank) and it divides by dp: the adapters' tp sum and dp average are one collective, and their split parts ride
+in it, each tp rank's in its own slot (``bucket_riders``). Under ``fsdp`` the parameter the
 graph reads is FSDP's unsharded copy, whose gradient FSDP reduce-scatters itself: there each share is summed where it
 arrives.
 """
