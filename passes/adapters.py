@@ -79,6 +79,21 @@ def _added_to(node: fx.Node) -> fx.Node | None:
     return None
 
 
+def adapter_adds(graph: fx.Graph, adapters: dict[str, Adapter]) -> set[str]:
+    """The add nodes where an adapter's (scaled) output joins its base projection's: the value after one is the
+    base's output plus a low-rank term, so a choice made from where the base's output goes (a head transform kept
+    whole, ``choices``) looks through it."""
+    nodes = {n.name: n for n in graph.nodes}
+    out = set()
+    for adapter in adapters.values():
+        at = nodes[adapter.up]
+        while (reader := _only_reader(at)) is not None and reader.target in _SCALES:
+            at = reader
+        if reader is not None and reader.target in _ADDS:
+            out.add(reader.name)
+    return out
+
+
 def _added_base(node: fx.Node, by_node: dict[str, Projection]) -> fx.Node | None:
     """The base projection's output that an adapter's output is added to: the add's other operand, or the sum of
     earlier adapters added to it (several adapters on one layer add one after the other)."""

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from typing import Protocol
 
 import sympy
-from autotp.passes.adapters import Adapter, find_adapters
+from autotp.passes.adapters import Adapter, adapter_adds, find_adapters
 from autotp.passes.embedding_adapters import EmbeddingAdapter, find_embedding_adapters
 from autotp.passes.choices import kept_by_choice
 from autotp.passes.graph import grad_nodes, sizes, trainable_attrs
@@ -143,7 +143,8 @@ class Analysis:
         """Projections kept whole on purpose (``choices.kept_by_choice``), with why (found once, read by the
         region search and the planner)."""
         heads = self.vocab.heads if self.vocab else ()
-        found = {n: kept_by_choice(self.nodes[n], self.projections, heads) for n in self.projections}
+        adds = frozenset(adapter_adds(self.graph, self.adapters)) if heads else frozenset()
+        found = {n: kept_by_choice(self.nodes[n], self.projections, heads, adds) for n in self.projections}
         return {n: why for n, why in found.items() if why}
 
     def propagate_placements(self, placements: Mapping[str, Placement], tp: int, sequence_parallel: bool = False,

@@ -38,9 +38,11 @@ def _among_constant(topk: fx.Node) -> bool:
     return static(sizes(topk.args[0])[arg_or_default(topk, 2, "dim", -1)]) is not None
 
 
-def kept_by_choice(node: fx.Node, projections: dict[str, Projection], heads: tuple[str, ...]) -> str | None:
-    """Why the projection ``node`` is kept whole on purpose, or None when it should be split if it can."""
-    if heads and feeds_only_heads(node, projections, heads):
+def kept_by_choice(node: fx.Node, projections: dict[str, Projection], heads: tuple[str, ...],
+                   adapter_adds: frozenset = frozenset()) -> str | None:
+    """Why the projection ``node`` is kept whole on purpose, or None when it should be split if it can
+    (``adapter_adds``: where LoRA adapters' outputs join their bases', ``vocab.feeds_only_heads``)."""
+    if heads and feeds_only_heads(node, projections, heads, adapter_adds):
         return HEAD_TRANSFORM
     if routes(node):
         return ROUTER

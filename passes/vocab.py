@@ -74,10 +74,13 @@ def find_vocab(graph: fx.Graph, projections: dict[str, Projection],
                       heads=heads)
 
 
-def feeds_only_heads(node: fx.Node, projections: dict[str, Projection], heads: tuple[str, ...]) -> bool:
+def feeds_only_heads(node: fx.Node, projections: dict[str, Projection], heads: tuple[str, ...],
+                     adapter_adds: frozenset = frozenset()) -> bool:
     """Whether ``node``'s value goes, alone, straight into an LM head: a chain of single readers whose other
     inputs are parameters (an activation, a norm), as BERT's head transform. Splitting it would gather its
-    output again before the vocabulary-split head, which costs more than it saves (Megatron keeps it whole too)."""
+    output again before the vocabulary-split head, which costs more than it saves (Megatron keeps it whole too).
+    An add in ``adapter_adds`` (a LoRA adapter's output joining its base's) is passed through: the adapted
+    transform is kept whole as the base is, so its adapter adds no collective."""
     for _ in range(16):
         readers = [u for u in node.users if u.users or u.op == "output"]  # checks with no output do not count
         if len(readers) != 1:
@@ -85,6 +88,9 @@ def feeds_only_heads(node: fx.Node, projections: dict[str, Projection], heads: t
         reader = readers[0]
         if reader.name in heads:
             return projections[reader.name].input == node.name
+        if reader.name in adapter_adds:
+            node = reader
+            continue
         if reader.op != "call_function" or reader.name in projections or any(
                 a is not node and a.op != "get_attr" for a in reader.all_input_nodes):
             return False

@@ -6,6 +6,7 @@ run time in the one-process checker (``tests.lora_checks``)."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 import autotp
 
@@ -23,8 +24,9 @@ def test_embedding_adapter_at_the_base_models_collectives(tp):
     """Forward: the base model's collectives, the first all-reduce ``r`` wider (the rank-r lookup beside the
     base's); backward: the base model's (at tp=4 fewer: the base's K/V weights, each held by two ranks, sum their
     gradient shares, which frozen ones need not). With every linear layer adapted too (tp=2), backward: the base
-    model's activation all-reduces (the embedding's adapter needs the gradient a frozen base would not) and the one
-    bucket of the linear adapters' gradient shares. Counted at run time in the checker."""
+    model's activation all-reduces (the embedding's adapter needs the first layer's input gradient, as the base's
+    trained embedding does), the last of them carrying the linear adapters' gradient shares: the base's count.
+    Counted at run time in the checker."""
     x = models.tokens(2, 8, 1)
     _, base_forward, base_backward = checked(lora_workers.llama(1), tp, (x,), vocab="split")
     report, forward, backward = checked(lora_workers.adapted(layers=1, targets=["embed_tokens"]), tp, (x,),
@@ -42,9 +44,9 @@ def test_embedding_adapter_at_the_base_models_collectives(tp):
     report, forward, backward = checked(model, tp, (x,), vocab="split")
     assert report.exact, str(report)
     assert len(forward) == len(base_forward)
-    *activations, bucket = backward
-    assert activations == base_backward
-    assert bucket == ("all_reduce", (len(lora_workers.TARGETS) * lora_workers.RANK * 64,))
+    *activations, last = backward  # the first layer's input all-reduce, carrying every adapter's share
+    assert activations == base_backward[:-1] and len(backward) == len(base_backward)
+    assert last == ("all_reduce", (2 * 8 * 64 + len(lora_workers.TARGETS) * lora_workers.RANK * 64,))
 
 
 @pytest.mark.parametrize("vocab,pad,tp,sequence_parallel", [(129, 3, 2, False), (128, None, 2, True),
@@ -141,9 +143,9 @@ def test_dora_exact_at_tp_4():
 def test_zoo_sample_with_lora_on_every_linear_layer_counted(name):
     """LoRA on every linear layer (``target_modules="all-linear"``) of zoo models beyond Llama, checked at tp=2 and
     counted at run time against the base model: exact; forward at most the base's collectives, backward at most the
-    base's count, the adapters' gradient shares in one bucket (the last collective). BERT is exact only: its
-    row-split layers with a bias each add an all-reduce of their adapter's rank-r partial sum (its g stays before
-    the bias), and its head transform one more."""
+    base's count, the adapters' gradient shares in one bucket (the last collective). BERT's adapted head
+    transform stays whole as the base's does (its adapter's add is looked through), and its row-split layers with
+    a bias carry their adapters in the base's all-reduce."""
     import peft
     import torch
 
@@ -160,8 +162,42 @@ def test_zoo_sample_with_lora_on_every_linear_layer_counted(name):
             torch.nn.init.normal_(p, std=0.05)
     report, forward, backward = checked(model, 2, inputs, vocab="split")
     assert report.exact, str(report)
-    if name == "bert:mlm":  # row-split layers with a bias: exact, above the base's count (docs/finetuning.md)
-        return
     assert len(forward) <= len(base_forward)
     assert len(backward) <= len(base_backward)
     assert [c for c in backward if len(c[1]) == 1 and c[1] not in {s for _, s in base_backward}][-1:] == backward[-1:]
+
+
+class _HeadTransformed(torch.nn.Module):
+    """A token embedding, an MLP block and BERT's head: a transform (dense, GELU, norm) before a vocabulary head."""
+
+    def __init__(self, vocab: int = 128, dim: int = 32):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, dim)
+        self.up, self.down = torch.nn.Linear(dim, 4 * dim), torch.nn.Linear(4 * dim, dim)
+        self.transform, self.norm = torch.nn.Linear(dim, dim), torch.nn.LayerNorm(dim)
+        self.decoder = torch.nn.Linear(dim, vocab)
+
+    def forward(self, ids):
+        h = self.embed(ids)
+        h = h + self.down(torch.relu(self.up(h)))
+        return self.decoder(self.norm(torch.nn.functional.gelu(self.transform(h))))
+
+
+def test_an_adapted_head_transform_stays_whole_as_the_base_keeps_it():
+    """LoRA on every linear layer but the vocabulary head (as BERT's ``all-linear``): the head transform the base
+    keeps whole (it feeds only the vocabulary-split head) stays whole with its adapter, so forward makes the base
+    model's collectives."""
+    import peft
+
+    torch.manual_seed(0)
+    x = models.tokens(2, 8, 1)
+    base = _HeadTransformed()
+    _, base_forward, _ = checked(base, 2, (x,), vocab="split")
+    model = peft.get_peft_model(base, peft.LoraConfig(r=4, target_modules=["up", "down", "transform"]))
+    for key, p in model.named_parameters():
+        if "lora_B" in key:
+            torch.nn.init.normal_(p, std=0.05)
+    report, forward, _ = checked(model, 2, (x,), vocab="split")
+    assert report.exact, str(report)
+    assert repr(report.plan.placements["base_model.model.transform.base_layer.weight"]) == "replicated"
+    assert forward == base_forward

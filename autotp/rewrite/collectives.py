@@ -31,7 +31,7 @@ from autotp.passes.placement import (
 )
 from autotp.passes.steps import Operator
 from autotp.rewrite.comm import Communicator, all_gather_chunks
-from autotp.rewrite.grad_bucket import GradSum
+from autotp.rewrite.grad_bucket import GradSum, reduce_with_shares
 from autotp.rewrite.running_stats import ChannelBatchNorm
 from autotp.rewrite.shards import local_value, runtime_segments
 from autotp.rewrite.vocab_parallel import MEAN, vocab_parallel_cross_entropy
@@ -67,7 +67,7 @@ class _Copy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return ctx.comm.all_reduce(grad), None
+        return reduce_with_shares(ctx.comm, grad), None
 
 
 class _Reduce(torch.autograd.Function):

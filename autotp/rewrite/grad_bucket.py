@@ -7,10 +7,15 @@ costs one small all-reduce per adapted layer. Megatron's ``finalize_model_grads`
 of such replicated parameters together once the backward is done; so does this: ``GradSum`` (Operator
 ``GRAD_SUM``) reads the parameter unchanged forward and, backward, hands its share to the rank's ``GradBucket``
 instead of to autograd. The bucket sums every share over the ranks in one all-reduce when the backward pass ends
-(or, while ``held``, when a pipeline's schedule ends) and adds the sums to the parameters' ``.grad``.
+(or, while ``held``, when a pipeline's schedule ends) and adds the sums to the parameters' ``.grad``. Each
+``GradSum`` sits next to the layer that reads its parameter, so its share arrives with that layer's backward; an
+``f`` over the same ranks whose all-reduce runs once every share is in (the first layer's input gradient, when an
+adapted or trained embedding needs it) carries them, and the bucket then makes no all-reduce of its own
+(``reduce_with_shares``).
 
 Over data parallelism (``replicate``) the bucket's group is the tp x dp ranks (with pipelines, those of one pipeline
-rank) and it divides by dp: the adapters' tp sum and dp average are one collective. Under ``fsdp`` the parameter the
+rank) and it divides by dp: the adapters' tp sum and dp average are one collective, and their split parts ride
+in it, each tp rank's in its own slot (``bucket_riders``). Under ``fsdp`` the parameter the
 graph reads is FSDP's unsharded copy, whose gradient FSDP reduce-scatters itself: there each share is summed where it
 arrives.
 """
@@ -25,6 +30,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from autotp.rewrite.bucket_riders import local, local_sizes, pack, rider_params, slot_numel, unpack
 from autotp.torch_private import at_backward_end, viewed_leaf
 
 _BUCKETS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -46,6 +52,14 @@ class GradBucket:
         self._queued = False
         self.params: set[int] = set()
         """The ids of the parameters whose shares it has taken (the replicas' average leaves them to it)."""
+        self.expected: set[str] = set()
+        """The keys of every ``GradSum`` over this group (set by the rewrite): once all have their shares, the next
+        all-reduce of an activation's gradient over the group carries them (``reduce_with_shares``)."""
+        self.riders: list[nn.Parameter] = []
+        """Split parameters averaged over the replicas in the same all-reduce, each tp rank's in its own slot of a
+        zero-padded region (``rewrite.bucket_riders``; set by the data parallelism, empty otherwise)."""
+        self.slot = (0, 1, 0)
+        """(this rank's slot, number of slots (tp), elements per slot) of the riders' region."""
 
     def add(self, key: str, param: nn.Parameter, grad: torch.Tensor) -> torch.Tensor | None:
         """Take ``param``'s gradient share (``key``: its name, the same on every rank); returns the gradient autograd
@@ -60,6 +74,26 @@ class GradBucket:
             at_backward_end(self.flush)
         return None
 
+    def take_riders(self, modules: list[nn.Module], skip: set[int], tp_rank: int, tp: int, dp: int,
+                    limit: int) -> set[int]:
+        """Average the other trainable parameters of ``modules`` (not in ``skip``: experts) over the replicas in
+        this bucket's all-reduce, this rank's in slot ``tp_rank`` of ``tp``, when they are of one dtype and the
+        padded region is at most ``limit`` bytes; returns their ids (none when not). A collective over the
+        bucket's ranks (the slot size is agreed once)."""
+        riders = rider_params(modules, bucketed_ids(modules) | skip)
+        slot = slot_numel(self.comm, sum(local_sizes(riders)), tp_rank, tp, dp)
+        if not slot or len({p.dtype for p in riders}) != 1 or tp * slot * riders[0].element_size() > limit:
+            return set()
+        self.riders, self.slot = riders, (tp_rank, tp, slot)
+        return {id(p) for p in riders}
+
+    def ready(self, comm, dtype: torch.dtype) -> bool:
+        """Whether an all-reduce over ``comm`` of a ``dtype`` gradient may carry the shares now: every expected
+        share is in, all of ``dtype``, summed over that same group as they are (``reduce_with_shares``)."""
+        return (self._queued and not self.held and not self.immediate and self.comm is comm and self.scale == 1.0
+                and not self.riders and bool(self.expected) and self.expected <= self._shares.keys()
+                and all(g.dtype == dtype for _, g in self._shares.values()))
+
     def flush(self) -> None:
         """Sum the shares taken so far over the ranks, in one all-reduce per dtype, and add them to ``.grad``."""
         self._queued = False
@@ -68,12 +102,22 @@ class GradBucket:
         for key in sorted(shares):  # the same order on every rank, whatever order the backward reached them in
             param, grad = shares[key]
             by_dtype.setdefault(grad.dtype, []).append((param, grad))
-        for entries in by_dtype.values():
-            flat = self.comm.all_reduce(torch.cat([g.reshape(-1) for _, g in entries]))
+        riding = self.riders[0].dtype if self.riders else None
+        if riding is not None:
+            by_dtype.setdefault(riding, [])
+        for dtype, entries in by_dtype.items():
+            flat = torch.cat([g.reshape(-1) for _, g in entries])
+            if dtype == riding:  # the split parts' dp average joins this all-reduce (``rewrite.bucket_riders``)
+                grads = [None if p.grad is None else local(p.grad) for p in self.riders]
+                flat = torch.cat([flat, pack(self.riders, grads, self.slot[2], self.slot[0], self.slot[1], dtype)])
+            flat = self.comm.all_reduce(flat)
             if self.scale != 1.0:
                 flat = flat * self.scale
-            for (param, grad), part in zip(entries, flat.split([g.numel() for _, g in entries])):
+            shared = sum(g.numel() for _, g in entries)
+            for (param, grad), part in zip(entries, flat[:shared].split([g.numel() for _, g in entries])):
                 _accumulate(param, part.view_as(grad))
+            if dtype == riding:
+                unpack(flat[shared:], self.riders, grads, self.slot[2], self.slot[0])
 
 
 def _accumulate(param: nn.Parameter, grad: torch.Tensor) -> None:
@@ -140,6 +184,36 @@ class GradSum(nn.Module):
 
     def forward(self, param):
         return _GradSum.apply(param, self.bucket, self.key, [param])
+
+
+def reduce_with_shares(comm, grad: torch.Tensor) -> torch.Tensor:
+    """``comm.all_reduce(grad)`` (an ``f``'s backward), carrying the bucket's shares in the same all-reduce when
+    every share the group's graphs read has arrived: the first layer's input all-reduce then sums them too, so the
+    bucket adds no collective of its own. Not while a pipeline holds the bucket, nor over replicas (the bucket's
+    group is then another), nor with shares of another dtype, nor while compiling. The ranks run one graph, so
+    they decide alike."""
+    bucket = _BUCKETS.get(comm)
+    # a compiled backward is traced once: the bucket's state then is no guide to a later step's
+    if bucket is None or torch.compiler.is_compiling() or not bucket.ready(comm, grad.dtype):
+        return comm.all_reduce(grad)
+    shares, bucket._shares = bucket._shares, {}
+    entries = [shares[key] for key in sorted(shares)]  # one order on every rank
+    flat = comm.all_reduce(torch.cat([grad.reshape(-1), *(g.reshape(-1) for _, g in entries)]))
+    parts = flat[grad.numel():].split([g.numel() for _, g in entries])
+    for (param, share), part in zip(entries, parts):
+        _accumulate(param, part.view_as(share))
+    return flat[:grad.numel()].view_as(grad)
+
+
+def bucketed_ids(modules: Iterable[nn.Module]) -> set[int]:
+    """Ids of the parameters ``modules``' graphs read through a ``GradSum`` (their gradient shares go to a bucket)."""
+    out: set[int] = set()
+    for gm in modules:
+        graph = getattr(gm, "graph", None)
+        for node in graph.nodes if graph is not None else ():
+            if node.op == "call_module" and isinstance(gm.get_submodule(node.target), GradSum):
+                out.add(id(gm.get_parameter(node.args[0].target)))
+    return out
 
 
 def grad_buckets(modules: Iterable[nn.Module]) -> list[GradBucket]:

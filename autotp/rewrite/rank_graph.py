@@ -171,6 +171,7 @@ class _Surgeon:
             module = module_of(step.operator, self.comm, step.shard)
             if isinstance(module, GradSum):  # its bucket sums the shares in one order on every rank: by name
                 module.key = source
+                module.bucket.expected.add(source)
             value = self.call_module(module, value, (value,))
         for consumer, path in consumers:
             if get_arg(self.nodes[consumer], path) is not self.nodes[source]:
@@ -178,6 +179,12 @@ class _Surgeon:
             with_arg(self.nodes[consumer], path, value)
         if value.op == "call_module" and isinstance(self.gm.get_submodule(value.target), GatherToRegion):
             self.regather(value, [self.nodes[c] for c, path in consumers if path == (0,)])
+        if value.op == "call_module" and isinstance(self.gm.get_submodule(value.target), GradSum):
+            # read where it is used, not at the top: autograd runs the later-made nodes first, so the share then
+            # arrives with its layer's backward, in time to join the layer's own all-reduce (``grad_bucket``)
+            first = next((n for n in self.graph.nodes if n in value.users), None)
+            if first is not None:
+                first.prepend(value)
 
     def _linear(self, node: fx.Node) -> bool:
         """A projection as ``nn.Linear`` runs it (``aten.linear`` with its operands by position)."""

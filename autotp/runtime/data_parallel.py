@@ -135,6 +135,8 @@ class DataParallel:
         self.size, self.rank = mesh.dp, mesh.dp_rank
         self.bucketed: list = []
         """The gradient buckets that average over the replicas themselves (``take_buckets``)."""
+        self.riding: set[int] = set()
+        """Ids of the parameters a bucket averages over the replicas with its own (``take_buckets``)."""
         self.experts: set[int] = set()
         """Ids of parameters holding experts split among ep ranks above tp (``hold_experts``)."""
         self.expert_replicas = None
@@ -172,7 +174,7 @@ class DataParallel:
         """Average the gradients of ``params`` over the replicas (``replicate``; under fsdp FSDP's hooks already
         did, but for the experts it leaves whole at ep above tp). Parameters in an end-of-backward bucket were
         reduced over tp x dp there."""
-        done = set().union(*(bucket.params for bucket in self.bucketed))
+        done = set().union(*(bucket.params for bucket in self.bucketed)) | self.riding
         held = [p for p in _unique(params) if p.grad is not None and id(p) not in done]
         if not self.sharded:
             self._average([local(p.grad) for p in held if id(p) not in self.experts], self.mesh.dp_group)
@@ -216,12 +218,13 @@ class DataParallel:
         for p in params:
             p.register_post_accumulate_grad_hook(hook)
 
-    def take_buckets(self, buckets, pipelined: bool) -> None:
+    def take_buckets(self, buckets, pipelined: bool, modules: Iterable[nn.Module] = ()) -> None:
         """Set up the ranks' end-of-backward gradient buckets (``rewrite.grad_bucket``) for the replicas: under fsdp
         each share is summed where it arrives (FSDP reduce-scatters what the graph's unsharded parameter gets);
         under ``replicate`` the bucket sums over the tp x dp ranks (the whole world; with pipelines, those of this
         rank's stages) and divides by dp, so the adapters' tp sum and dp average are one all-reduce, and the replicas'
-        average leaves those parameters alone. ``pipelined``: the buckets are a pipeline's."""
+        average leaves those parameters alone. ``pipelined``: the buckets are a pipeline's. The other trainable parameters
+        of ``modules`` (the adapters' split parts) ride in that all-reduce when small (``rewrite.bucket_riders``)."""
         from autotp.rewrite.comm import TorchComm
 
         world, block = dist.get_world_size(), self.mesh.tp * self.size
@@ -242,6 +245,14 @@ class DataParallel:
         for bucket in buckets:
             bucket.comm, bucket.scale = comm, 1.0 / self.size
             self.bucketed.append(bucket)  # their parameters' gradients are averaged already
+        self._ride(buckets[0], list(modules))
+
+    def _ride(self, bucket, modules: list[nn.Module]) -> None:
+        """Give ``bucket`` this rank's other trainable parameters to average in its all-reduce (the adapters'
+        split parts, ``rewrite.bucket_riders``), unless a reduction dtype of the policy asks for another sum."""
+        plain = self.policy is None or self.policy.reduce is None
+        self.riding |= bucket.take_riders(modules, self.experts, self.mesh.tp_rank, self.mesh.tp, self.size,
+                                          BUCKET_BYTES if plain else 0)
 
     def counts(self) -> bool:
         """Whether this replica's gradients enter a norm over all ranks: each shard under fsdp; under

@@ -119,7 +119,7 @@ class PipelineModule(RefusesDDP, ParallelBase):
         self._replica = TorchComm(None) if mesh.dp == 1 else self.comm
         self._buckets = grad_buckets([*self.stages.values(), *self.eval_stages.values()])
         if self._dp is not None:
-            self._dp.take_buckets(self._buckets, pipelined=True)
+            self._dp.take_buckets(self._buckets, pipelined=True, modules=list(self.stages.values()))
         self._start(parts.training)
 
     def rank_modules(self) -> list[fx.GraphModule]:

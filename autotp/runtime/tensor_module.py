@@ -49,7 +49,8 @@ class ParallelModule(TrainerFacing, ParallelBase):
             gather.overwritable = False  # a compiled graph may keep its outputs for its own backward
         if self._dp is not None:
             self._dp.average_in_backward(self.parameters())  # replicate: as DDP, at the end of every backward
-            self._dp.take_buckets(grad_buckets([self.module, self.eval_module]), pipelined=False)
+            self._dp.take_buckets(grad_buckets([self.module, self.eval_module]), pipelined=False,
+                                  modules=[self.module])
         self._replicated = self._fingerprints()
         self._start(parts.training)
 
