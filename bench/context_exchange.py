@@ -33,12 +33,9 @@ def build(seed: int = 0) -> torch.nn.Module:
     return build_llama(seed, kv_heads=4)
 
 
-def measure(rank: int, world: int, seq: int, steps: int, cp: int, exchange: str) -> dict:
-    """One rank's figures at ``cp`` by ``exchange``."""
-    model = build()
-    x = torch.randint(0, 1024, (1, seq), generator=torch.Generator().manual_seed(1))
-    y = torch.randint(0, 1024, (1, seq), generator=torch.Generator().manual_seed(2))
-    pm = autotp.parallelize(model, cp=cp, tp=1, example_inputs=x, cp_exchange=exchange)
+def trained(pm, x, y, steps: int) -> tuple[list[float], SavedActivations, int, torch.Tensor]:
+    """``steps`` timed AdamW steps of ``pm`` after one untimed: their times, the last step's bytes saved for
+    backward, the K/V bytes received per step and the last loss."""
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-4)
     times = []
     for step in range(steps + 1):
@@ -52,6 +49,16 @@ def measure(rank: int, world: int, seq: int, steps: int, cp: int, exchange: str)
             times.append(time.perf_counter() - start)
     received = sum(m.received for gm in pm.rank_modules() for name, m in gm.named_modules()
                    if name.startswith(_EXCHANGES)) // (steps + 1)
+    return times, saved, received, loss
+
+
+def measure(rank: int, world: int, seq: int, steps: int, cp: int, exchange: str) -> dict:
+    """One rank's figures at ``cp`` by ``exchange``."""
+    model = build()
+    x = torch.randint(0, 1024, (1, seq), generator=torch.Generator().manual_seed(1))
+    y = torch.randint(0, 1024, (1, seq), generator=torch.Generator().manual_seed(2))
+    pm = autotp.parallelize(model, cp=cp, tp=1, example_inputs=x, cp_exchange=exchange)
+    times, saved, received, loss = trained(pm, x, y, steps)
     c = model.config
     shape = AttentionShape(1, seq, c.num_attention_heads, c.num_key_value_heads,
                            c.hidden_size // c.num_attention_heads)

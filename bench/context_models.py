@@ -17,14 +17,12 @@ from __future__ import annotations
 import argparse
 import resource
 import statistics
-import time
 
 import torch
 
 import autotp
 from autotp.planning.context_exchange import AttentionShape, exchange_cost
-from bench.context_parallel import logits_loss
-from bench.memory import SavedActivations
+from bench.context_exchange import trained
 from bench.ranks import run_on_ranks
 
 RUNS = [(1, "sdpa", "auto"), (2, "sdpa", "auto"), (4, "sdpa", "auto"), (1, "eager", "auto"), (2, "eager", "ring"),
@@ -50,19 +48,7 @@ def measure(rank: int, world: int, seq: int, steps: int, attention: str, exchang
     x = torch.randint(0, 1024, (batch, seq), generator=torch.Generator().manual_seed(1))
     y = torch.randint(0, 1024, (batch, seq), generator=torch.Generator().manual_seed(2))
     pm = autotp.parallelize(model, cp=world, tp=1, example_inputs=x, cp_exchange=exchange)
-    opt = torch.optim.AdamW(pm.parameters(), lr=1e-4)
-    times = []
-    for step in range(steps + 1):
-        start = time.perf_counter()
-        saved = SavedActivations(list(pm.parameters()))
-        with saved:
-            loss = pm.loss(x, target=y, loss_fn=logits_loss)
-        loss.backward()
-        opt.step(), opt.zero_grad()
-        if step:
-            times.append(time.perf_counter() - start)
-    received = sum(m.received for gm in pm.rank_modules() for name, m in gm.named_modules()
-                   if name.startswith(("cp_kv_", "cp_ring_", "cp_ulysses_"))) // (steps + 1)
+    times, saved, received, loss = trained(pm, x, y, steps)
     c = model.config
     shape = AttentionShape(batch, seq, c.n_head, c.n_head, c.n_embd // c.n_head)
     method = "all_gather" if exchange == "auto" else exchange
