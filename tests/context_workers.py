@@ -243,3 +243,18 @@ def exchange_suite(rank: int, world: int, cases, moved: list[tuple[str, str]], s
     spawned group for all of them."""
     return {"errors": train_cases(rank, world, cases),
             "moved": {exchange: saved_and_moved(rank, world, seq, exchange, name) for exchange, name in moved}}
+
+
+def wrong_positions_report(monkeypatch, tp: int, rank: int):
+    """The checker's report on the hand-written decoder at cp=2 (and ``tp``) with simulated ``rank`` told it holds
+    cp rank 0's positions. (The wrong rank may leave its peer waiting at a collective, so the simulated ranks wait
+    20 s here, not 120.)"""
+    from autotp.rewrite.comm import ThreadComm
+
+    group = ThreadComm.group
+    monkeypatch.setattr(ThreadComm, "group", lambda size, timeout=20.0: group(size, timeout))
+
+    def wrong(modules, comms):
+        modules[rank].cp_positions.rank = 0
+
+    return autotp.check(build("odd"), tp, models.tokens(2, 16, 1), cp=2, modules_hook=wrong)

@@ -83,13 +83,5 @@ def test_the_checker_simulates_cp_with_recompute_by_each_exchange():
 def test_the_checker_sees_a_cp_rank_of_one_tp_group_computing_the_wrong_tokens(monkeypatch):
     """Ranks are (cp, tp) with tp innermost: rank 2 is cp rank 1 of tp rank 0; told it holds cp rank 0's tokens,
     its outputs are wrong and the check says so."""
-    from autotp.rewrite.comm import ThreadComm
-
-    group = ThreadComm.group
-    monkeypatch.setattr(ThreadComm, "group", lambda size, timeout=20.0: group(size, timeout))
-
-    def wrong(modules, comms):
-        modules[2].cp_positions.rank = 0
-
-    report = autotp.check(context_workers.build("odd"), 2, models.tokens(2, 16, 1), cp=2, modules_hook=wrong)
+    report = context_workers.wrong_positions_report(monkeypatch, tp=2, rank=2)
     assert not report.exact

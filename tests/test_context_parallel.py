@@ -120,15 +120,7 @@ def test_the_checker_simulates_cp_ranks(name, cp):
 def test_the_checker_sees_a_rank_computing_the_wrong_tokens(monkeypatch):
     """Rank 1 told it holds rank 0's positions: its tokens' outputs are wrong, and the check says so. (The wrong
     rank may leave its peer waiting at a collective, so the simulated ranks wait 20 s here, not 120.)"""
-    from autotp.rewrite.comm import ThreadComm
-
-    group = ThreadComm.group
-    monkeypatch.setattr(ThreadComm, "group", lambda size, timeout=20.0: group(size, timeout))
-
-    def wrong(modules, comms):
-        modules[1].cp_positions.rank = 0
-
-    report = autotp.check(context_workers.build("odd"), 1, models.tokens(2, 16, 1), cp=2, modules_hook=wrong)
+    report = context_workers.wrong_positions_report(monkeypatch, tp=1, rank=1)
     assert not report.exact
 
 
