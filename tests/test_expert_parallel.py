@@ -233,6 +233,13 @@ def test_a_loop_over_the_experts_hit_is_exact_in_the_checker_at_ep_above_tp():
     assert report.exact, report
 
 
+def test_the_checker_at_ep_above_tp_refuses_recompute_saying_where_it_checks_it():
+    torch.manual_seed(0)
+    with pytest.raises(InputError, match="simulates ep above tp without recompute; check recompute at ep = tp"):
+        autotp.check(mixtral(), tp=1, dp=2, ep=2, dp_mode="replicate", recompute="blocks",
+                     example_inputs=(_ids(),))
+
+
 def test_the_checker_at_ep_above_tp_sums_each_experts_gradient_over_its_groups_and_averages_over_dp():
     """Each ep group's bank laid end to end in ep-rank order, summed over the groups, divided by dp (every replica
     runs the same example): the reduction the runtime makes."""
