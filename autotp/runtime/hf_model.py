@@ -23,6 +23,7 @@ from autotp.runtime.fused_head import fused_forward, is_fused_head
 from autotp.passes.placement import Part, part_of
 from autotp.runtime.data_parallel import dp_shard
 from autotp.runtime.peft_adapters import load_adapter, merge_adapters, save_adapters
+from autotp.runtime.peft_habits import PeftHabits
 from autotp.runtime.tp_params import plain
 
 DEFAULT_SHARD_SIZE = "50GB"
@@ -71,7 +72,7 @@ def slice_for(name: str, value, part: Part, own: torch.Tensor) -> torch.Tensor:
     return value
 
 
-class PretrainedModelLike:
+class PretrainedModelLike(PeftHabits):
     """What a parallel module adds to answer like a ``PreTrainedModel`` (mixed into ``ParallelBase``, which provides
     ``plan``, ``model_config``, ``rank_modules``, ``tp_rank``, ``_names`` and ``save``)."""
 
@@ -119,6 +120,7 @@ class PretrainedModelLike:
     def _holders(self) -> dict[str, list[torch.Tensor]]:
         """This rank's tensors under their kept (original) names: one per name, or one per stage holding it (a
         tied weight read by two of this rank's pipeline stages); both modes' graphs share them."""
+        self._adapters_on("reading or loading the state")
         held: dict[str, list[torch.Tensor]] = {}
         for module in self.rank_modules():
             for target, t in module.state_dict(keep_vars=True).items():
@@ -229,18 +231,24 @@ class PretrainedModelLike:
                                  f"locally; leave {name} at {_SAVE_NEUTRAL[name]!r}")
         self.save(save_directory, format="safetensors", max_shard_bytes=shard_bytes(max_shard_size))
 
-    def load_adapter(self, model_id: str | os.PathLike, adapter_name: str = "default") -> None:
+    def load_adapter(self, model_id: str | os.PathLike, adapter_name: str = "default", is_trainable: bool = False,
+                     **kwargs) -> None:
         """Load a LoRA adapter that ``PeftModel.save_pretrained`` (or ``save_pretrained`` here, at any tp) wrote
-        into this peft model's adapter ``adapter_name``: every rank takes its slices."""
-        self._peft_info("load_adapter")
+        into this peft model's adapter ``adapter_name`` (one it had at ``parallelize``): every rank takes its
+        slices. As peft's ``load_adapter``, the module is then in eval mode unless ``is_trainable``."""
+        info = self._peft_info("load_adapter")
+        if adapter_name not in info.configs:
+            raise InputError(f"load_adapter(adapter_name={adapter_name!r}): this parallel module has adapters "
+                             f"{sorted(info.configs)}; peft would add a new one, but the module's graph is fixed at "
+                             "parallelize. Load it into an adapter it has (adapter_name="
+                             f"{self.active_adapters[0]!r}), or add it to the peft model before autotp.parallelize")
+        if kwargs:
+            raise InputError(f"load_adapter takes model_id, adapter_name and is_trainable here, not {sorted(kwargs)}")
         load_adapter(self, model_id, adapter_name)
+        if not is_trainable:
+            self.eval()  # as peft's load_adapter: ready for inference
 
     def merge_adapters(self, adapter_name: str = "default") -> None:
         """Fold the LoRA adapter into the sharded base weights (``merge_and_unload``'s ``W + s * B @ A``), locally
         on every rank, and zero its ``B``: the module then computes what the merged model computes."""
         merge_adapters(self, self._peft_info("merge_adapters"), adapter_name)
-
-    def _peft_info(self, what: str):
-        if getattr(self, "peft", None) is None:
-            raise InputError(f"{what} needs a peft model: parallelize the model peft.get_peft_model returned")
-        return self.peft

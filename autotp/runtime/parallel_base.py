@@ -139,6 +139,7 @@ class ParallelBase(PretrainedModelLike, Checkpointing, Retyped, nn.Module):
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the gradients as ``torch.nn.utils.clip_grad_norm_`` clips the unsharded model's; returns the
         total norm, the same on every rank (collective: every rank must call it, after ``step``)."""
+        self._adapters_on("clip_grad_norm_")
         dp_counts = self._dp.counts() if self._dp is not None else True
         pieces, seen = [], set()
         for module in self.rank_modules():
@@ -162,9 +163,11 @@ class ParallelBase(PretrainedModelLike, Checkpointing, Retyped, nn.Module):
     def local_state_dict(self) -> dict[str, torch.Tensor]:
         """This rank's tensors (tensor-parallel shards for split parameters, whole over data-parallel replicas)
         under the original names; collective over dp under fsdp."""
+        self._adapters_on("reading the state")
         return {name: gathered(t) for module in self.rank_modules() for name, t in self._names.local(module).items()}
 
     def _holding(self) -> Holding:
+        self._adapters_on("a checkpoint")
         own = {n: t for module in self.rank_modules() for n, t in self._names.local(module).items()}
         params = {n: p for module in self.rank_modules() for n, p in self._names.params(module).items()}
         group = self._checkpoint_group()
