@@ -24,6 +24,10 @@ from autotp.errors import InputError
 _FUSED = "_fused_forward"
 """The code name of the forward TRL's ``add_fused_lm_head`` installs (in a module of the ``trl`` package)."""
 
+_OPTIONAL = ("entropy", "is_top1", "mean_logits", "log_sum_sq_probs")
+"""The fused head's optional outputs computed here (SFTTrainer asks for the first two, DPOTrainer for the first three,
+and for the last with WPO weighting)."""
+
 _NEUTRAL = {"temperature": 1.0, "logit_scale": 1.0, "final_logit_softcapping": None}
 """The fused head's logit transforms this replacement computes without (their neutral values)."""
 
@@ -44,11 +48,11 @@ def _settings(function) -> dict:
 def fused_forward(pm, trl_forward):
     """The forward to bind on ``pm`` in place of ``trl_forward`` (TRL's fused head, module docstring); refuses a
     fused head with a temperature, a logit scale or a softcap, or asked for fields beyond ``log_probs``, ``entropy``
-    and ``is_top1`` (what SFTTrainer asks), which this does not reproduce."""
+    ``is_top1``, ``mean_logits`` and ``log_sum_sq_probs``, which this does not reproduce."""
     settings = _settings(trl_forward.__func__)
     odd = {k: settings.get(k, v) for k, v in _NEUTRAL.items() if settings.get(k, v) != v}
     wanted = settings.get("outputs", ("log_probs",))
-    unknown = set(wanted) - {"log_probs", "entropy", "is_top1"}
+    unknown = set(wanted) - {"log_probs", *_OPTIONAL}
     if unknown:
         odd["outputs"] = sorted(unknown)
     if odd:
@@ -76,7 +80,7 @@ def fused_forward(pm, trl_forward):
 
 def per_token(logits: torch.Tensor, labels: torch.Tensor, wanted=("log_probs",)) -> dict:
     """The fused head's per-token fields from ``logits`` and (already shifted) ``labels`` (-100: not scored, zero
-    there): ``log_probs`` always, ``entropy`` and ``is_top1`` when ``wanted``; the others None."""
+    there): ``log_probs`` always, the optional ones (``_OPTIONAL``) when ``wanted``; the others None."""
     mask = labels != -100
     logp = torch.log_softmax(logits, dim=-1)
     fields = {"log_probs": logp.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1).masked_fill(~mask, 0),
@@ -84,5 +88,10 @@ def per_token(logits: torch.Tensor, labels: torch.Tensor, wanted=("log_probs",))
     if "entropy" in wanted:
         fields["entropy"] = -(logp.exp() * logp).sum(-1).masked_fill(~mask, 0)
     if "is_top1" in wanted:
-        fields["is_top1"] = ((logits.argmax(-1) == labels) & mask).to(logits.dtype)
+        fields["is_top1"] = (logits.argmax(-1) == labels) & mask  # bool, as TRL's kernel returns it
+    # metrics and weights, without gradient (TRL's kernel marks them non-differentiable)
+    if "mean_logits" in wanted:
+        fields["mean_logits"] = logits.detach().float().mean(-1).masked_fill(~mask, 0)
+    if "log_sum_sq_probs" in wanted:
+        fields["log_sum_sq_probs"] = torch.logsumexp(2 * logp.detach().float(), -1).masked_fill(~mask, 0)
     return fields
