@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -42,6 +43,7 @@ from autotp.capture import Signature
 from autotp.torch_private import active_ddp_module
 from autotp.errors import InputError, RuntimeSetupError
 from autotp.options import Options
+from autotp.runtime.trl_reference import check_reference
 
 ITEMS = "num_items_in_batch"
 """The keyword Trainer passes so that a loss is normalised over the whole accumulated global batch."""
@@ -121,7 +123,11 @@ class TrainerFacing(RefusesDDP):
     """The original model's ``loss_type`` (``facing``)."""
 
     def add_model_tags(self, tags: list[str] | str) -> None:
-        """Tags for a model card, as ``PreTrainedModel.add_model_tags`` keeps them (TRL's trainers add theirs)."""
+        """Tags for a model card, as ``PreTrainedModel.add_model_tags`` keeps them (TRL's trainers add theirs, and
+        a preference trainer's reference is checked then: ``runtime.trl_reference``)."""
+        # The caller's frame is the TRL trainer's __init__: its ref_model argument and args say which reference it
+        # will use, which nothing it passes to the model does (sys._getframe: CPython's, kept since 2.x).
+        check_reference(self, sys._getframe(1).f_locals)
         held = list(self.__dict__.get("model_tags") or [])
         self.model_tags = held + [t for t in ([tags] if isinstance(tags, str) else tags) if t not in held]
 

@@ -45,9 +45,9 @@ _REFUSED = {"lora_magnitude_vector": "a DoRA layer (its output is rescaled by ma
                                "captured graph does not read)"}
 
 _FIXED_ADAPTERS = ("the parallel module computes the adapters active when it was parallelized ({active}); its graph "
-                   "is fixed then. Arrange the adapters on the peft model first (get_peft_model, add_adapter, "
-                   "load_adapter, set_adapter, delete_adapter), then call autotp.parallelize; to put other weights "
-                   "into an active adapter use pm.load_adapter(folder, adapter_name={first!r})")
+                   "is fixed then. Arrange the adapters on the peft model (get_peft_model, add_adapter, load_adapter, "
+                   "set_adapter, delete_adapter) before autotp.parallelize; to put other weights into an active "
+                   "adapter use pm.load_adapter(folder, adapter_name={first!r})")
 
 
 def adapter_part(key: str, adapters) -> tuple[str, str] | None:
