@@ -70,9 +70,13 @@ class _Random(nn.Module):
         return local_part(full, self.layout, self.rank, self.tp)
 
 
-class Dropout(_Random):
+class Dropout(_Random, nn.Dropout):
     """``dropout(x, p, train)`` (or ``native_dropout``, or in place): the full-size noise, this rank's slice
-    applied."""
+    applied.
+
+    An ``nn.Dropout``, so that what switches a model's dropout off by its modules (TRL's ``disable_dropout_in_model``:
+    ``module.p = 0`` on every ``nn.Dropout``) switches this one off too: with ``p`` 0 it returns its input and draws
+    nothing, as torch's dropout does."""
 
     def __init__(self, stream, layout, rank, tp, target, p: float, train: bool):
         super().__init__(stream, layout if not isinstance(layout, tuple) else layout[0], rank, tp)

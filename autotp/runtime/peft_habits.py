@@ -193,7 +193,10 @@ class PeftHabits:
         if not self.adapters_disabled:
             return
         dropout = {n: c.lora_dropout for n, c in self.peft.configs.items() if getattr(c, "lora_dropout", 0)}
-        if self.training and dropout and any(n in dropout for n in self.active_adapters):
+        # the graph's dropouts are nn.Dropout modules: none left drawing when they were switched off (TRL's
+        # disable_dropout_in_model sets their p to 0)
+        drawing = any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in self.modules())
+        if self.training and drawing and any(n in dropout for n in self.active_adapters):
             raise InputError(f"a forward in train mode with the adapters off and lora_dropout {dropout}: the "
                              "captured graph still draws the adapters' dropout masks, which peft skips while they "
                              "are off, so every later mask would differ from one process's. Call pm.eval() for "
