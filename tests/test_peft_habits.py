@@ -61,6 +61,30 @@ def test_one_process_habits_exact_or_refused_naming_what_to_do():
         pm.gradient_checkpointing_enable()
     pm.gradient_checkpointing_disable()
     pm.enable_input_require_grads()
+    _dropout_off_and_autocast(pm.train(), model.train(), x)
+
+
+def _dropout_off_and_autocast(pm, model, x) -> None:
+    """TRL's disable_dropout_in_model switches the graph's dropouts off as peft's; a step under bf16 autocast is a
+    bf16 rounding of peft's under the same autocast."""
+    trl_utils = pytest.importorskip("trl.trainer.utils")
+    trl_utils.disable_dropout_in_model(pm)
+    trl_utils.disable_dropout_in_model(model)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        mine, theirs = pm(x).logits, model(x).logits
+        _ce(mine, x).backward()
+        _ce(theirs, x).backward()
+    with torch.no_grad():
+        assert torch.equal(pm(x).logits, model(x).logits)  # train mode, dropout off: bit for bit
+    held = pm.state_dict(keep_vars=True)
+    graded = {k: p.grad for k, p in model.named_parameters() if p.grad is not None}
+    assert graded and all(held[k].grad is not None for k in graded)
+    for key, grad in graded.items():
+        torch.testing.assert_close(held[key].grad, grad, rtol=2e-2, atol=2e-3)
+
+
+def _ce(logits, x):
+    return torch.nn.functional.cross_entropy(logits[:, :-1].float().reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1))
 
 
 def test_habits_at_tp_2_match_peft_and_dpo_trains_as_one_process(tmp_path):
