@@ -106,3 +106,19 @@ def test_habits_at_tp_2_match_peft_and_dpo_trains_as_one_process(tmp_path):
         assert "ref_model=" in r["no_reference"] and "matched to the wrong rows" in r["precompute"], r
         assert r["dpo"]["worst"] < 1e-5 and r["dpo"]["moved"] > 1e-3, r
         assert r["generate"] and r["printed"], r
+
+
+def test_fused_head_fields_equal_trls_kernel():
+    """The fused head's fields computed from logits (SFTTrainer's and DPOTrainer's) are those TRL's chunked kernel
+    computes from the hidden states and the head's weight."""
+    kernels = pytest.importorskip("trl.kernels")
+    from autotp.runtime.fused_head import per_token
+
+    torch.manual_seed(0)
+    hidden, weight = torch.randn(6, 16), torch.randn(40, 16)
+    labels = torch.randint(0, 40, (6,))
+    wanted = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
+    theirs = kernels.ChunkedLogProbFunction.apply(hidden, weight, None, labels, 1.0, 8, None, 1.0, wanted[1:])
+    mine = per_token(hidden @ weight.t(), labels, wanted)
+    for name, value in zip(wanted, theirs):
+        torch.testing.assert_close(mine[name], value, rtol=1e-5, atol=1e-5, msg=name)
