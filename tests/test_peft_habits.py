@@ -10,7 +10,7 @@ pytest.importorskip("peft")
 import torch
 
 import autotp
-from autotp.errors import InputError
+from autotp.errors import InputError, ModelPartError
 from tests import capture_cache, lora_workers, models
 
 
@@ -56,6 +56,8 @@ def test_one_process_habits_exact_or_refused_naming_what_to_do():
     for call in (pm.merge_and_unload, pm.unload, pm.get_base_model):
         with pytest.raises(InputError, match="merge_adapters"):
             call()
+    with pytest.raises(ModelPartError, match="add_weighted_adapter is not offered"):
+        pm.add_weighted_adapter(["default"], [1.0], "mix")  # LoraModel's, which PeftModel forwards to
     assert pm.is_gradient_checkpointing is False
     with pytest.raises(InputError, match="recompute='blocks'"):
         pm.gradient_checkpointing_enable()

@@ -23,7 +23,7 @@ from autotp.runtime.fused_head import fused_forward, is_fused_head
 from autotp.passes.placement import Part, part_of
 from autotp.runtime.data_parallel import dp_shard
 from autotp.runtime.peft_adapters import load_adapter, merge_adapters, save_adapters
-from autotp.runtime.peft_habits import PeftHabits
+from autotp.runtime.peft_habits import PeftHabits, unsupported_peft
 from autotp.runtime.tp_params import plain
 
 DEFAULT_SHARD_SIZE = "50GB"
@@ -99,6 +99,7 @@ class PretrainedModelLike(PeftHabits):
             return torch.nn.Module.__getattr__(self, name)
         except AttributeError:
             names = self.__dict__.get("_names")
+            unsupported_peft(self, name)
             if names is None or name not in {key.split(".")[0] for key in names.shapes}:
                 raise
             raise ModelPartError(

@@ -29,7 +29,7 @@ import re
 
 import torch
 
-from autotp.errors import InputError
+from autotp.errors import InputError, ModelPartError
 from autotp.options import Recompute
 
 OFF_VALUES = {"lora_B": 0.0, "lora_embedding_B": 0.0, "ia3_l": 1.0}
@@ -271,6 +271,24 @@ _UNLOAD = ("{what} on a parallel module: it holds one rank's shards of one captu
            "shards, exactly as merge_and_unload computes them); to write a merged checkpoint, save the adapters with "
            "pm.save_pretrained(folder) and merge on one process: PeftModel.from_pretrained(base, folder)"
            ".merge_and_unload().save_pretrained(out); to compute the base model, use `with pm.disable_adapter():`")
+
+
+def unsupported_peft(pm, name: str) -> None:
+    """``ModelPartError`` (an AttributeError: ``hasattr`` stays False) for a ``PeftModel`` method or attribute that a
+    parallel module of a peft model does not offer (``add_weighted_adapter``, ``get_layer_status``, ...), saying so
+    rather than torch's bare "has no attribute"; nothing for any other name."""
+    info = pm.__dict__.get("peft")
+    if info is None or name.startswith("_"):
+        return
+    # PeftModel's own, and its tuner's (LoraModel's add_weighted_adapter), which PeftModel forwards to
+    owners = (type(info.skeleton), type(getattr(info.skeleton, "base_model", None)))
+    if not any(hasattr(owner, name) for owner in owners) or hasattr(torch.nn.Module, name):
+        return
+    raise ModelPartError(f"autotp: peft's PeftModel.{name} is not offered by a parallel module of a peft model (it "
+                         "runs the graph captured at parallelize, with the adapters active then). What it offers of "
+                         "peft's methods, and what to do instead of the others, is listed in docs/finetuning.md, "
+                         "\"peft's methods on a parallel module\"; or call it on the peft model before "
+                         "autotp.parallelize") from None
 
 
 def _stand_in(tensor: torch.Tensor, value: float) -> torch.nn.Parameter:
