@@ -63,7 +63,9 @@ def trained(model, parallelism=None, precompute: bool = False, data=None, ref_mo
                          dataloader_num_workers=0, disable_tqdm=True, max_grad_norm=0.1, bf16=False,
                          gradient_checkpointing=False, precompute_ref_log_probs=precompute,
                          parallelism_config=parallelism)
-        trainer = DPOTrainer(model=model, ref_model=ref_model, args=args, train_dataset=data if data is not None else dataset(), processing_class=sft_workers.tokenizer())
+        trainer = DPOTrainer(model=model, ref_model=ref_model, args=args,
+                             train_dataset=data if data is not None else dataset(),
+                             processing_class=sft_workers.tokenizer())
         trainer.train()
         return [(e.get("loss"), e.get("grad_norm")) for e in trainer.state.log_history if "loss" in e]
 
@@ -81,9 +83,9 @@ def reference() -> dict:
 
 
 def sharded(rank: int, world: int, folder: str) -> dict:
-    """DPOTrainer's steps on the adapted model at tp=world, its reference a frozen parallel module of the adapted
-    model as it starts (what peft's DPOTrainer makes of a frozen copy of the adapter); the largest difference from
-    ``reference`` (saved in ``folder`` by the test) and how far the adapters moved."""
+    """DPOTrainer's steps on the adapted model at tp=world, its reference ``pm.reference_model()`` made before
+    training (frozen copies of the adapters, as peft's DPOTrainer's frozen copy of the adapter); the largest
+    difference from ``reference`` (saved in ``folder`` by the test) and how far the adapters moved."""
     import autotp
     from tests.trainer_workers import reset_accelerate
 
@@ -91,9 +93,7 @@ def sharded(rank: int, world: int, folder: str) -> dict:
     model = lora_workers.adapted()
     start = {k: t.detach().clone() for k, t in model.state_dict().items() if "lora_" in k}
     pm = autotp.parallelize(model, tp=world, example_inputs=example(), quiet=True)
-    ref = autotp.parallelize(lora_workers.adapted().requires_grad_(False), tp=world, example_inputs=example(),
-                             quiet=True)
-    losses = trained(pm, autotp.parallelism_config(pm), ref_model=ref)
+    losses = trained(pm, autotp.parallelism_config(pm), ref_model=pm.reference_model())
     want = torch.load(f"{folder}/reference.pt")
     full = pm.full_state_dict()
     return {"worst": max(float((full[k] - v).abs().max()) for k, v in want["state"].items()),

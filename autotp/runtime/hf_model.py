@@ -24,6 +24,7 @@ from autotp.passes.placement import Part, part_of
 from autotp.runtime.data_parallel import dp_shard
 from autotp.runtime.peft_adapters import load_adapter, merge_adapters, save_adapters
 from autotp.runtime.peft_habits import PeftHabits, unsupported_peft
+from autotp.runtime.reference_model import ReferenceModel, reference_model
 from autotp.runtime.tp_params import plain
 
 DEFAULT_SHARD_SIZE = "50GB"
@@ -248,6 +249,12 @@ class PretrainedModelLike(PeftHabits):
         load_adapter(self, model_id, adapter_name)
         if not is_trainable:
             self.eval()  # as peft's load_adapter: ready for inference
+
+    def reference_model(self) -> ReferenceModel:
+        """This module frozen as it is now, for preference training (TRL's ``DPOTrainer(ref_model=pm.reference_model())``):
+        it runs this module's graphs on copies of its trainable tensors (the adapters' shards), sharing the frozen
+        base (``runtime.reference_model``)."""
+        return reference_model(self)
 
     def merge_adapters(self, adapter_name: str = "default") -> None:
         """Fold the LoRA adapter into the sharded base weights (``merge_and_unload``'s ``W + s * B @ A``), locally

@@ -291,6 +291,18 @@ def unsupported_peft(pm, name: str) -> None:
                          "autotp.parallelize") from None
 
 
+@contextlib.contextmanager
+def reading(pm, stand_ins: dict[int, torch.nn.Parameter]):
+    """Within the block, ``pm``'s graphs read ``stand_ins[id(t)]`` in place of each tensor ``t`` keyed there (its
+    reference's frozen copies); the tensors themselves are not touched."""
+    swapped = _swap(pm, stand_ins)
+    try:
+        yield
+    finally:
+        for owner, leaf, original in swapped:
+            owner._parameters[leaf] = original
+
+
 def _stand_in(tensor: torch.Tensor, value: float) -> torch.nn.Parameter:
     """A frozen parameter like ``tensor`` (its shape, dtype, device and layout) filled with ``value``."""
     return torch.nn.Parameter(torch.full_like(tensor.detach(), value), requires_grad=False)

@@ -12,17 +12,16 @@ module of a peft model fails. With ``ref_model=None`` it then
   batch, so each value is gathered tp times and the values are matched to the wrong rows.
 
 Both are refused when the trainer is built (it adds its tags to the model first thing it does with it), naming the
-exact way: ``ref_model=`` a frozen parallel module of the model as it starts.
+exact way: ``ref_model=pm.reference_model()`` (``runtime.reference_model``).
 """
 
 from __future__ import annotations
 
 from autotp.errors import InputError
 
-_EXACT = ("pass ref_model= a frozen parallel module of the model as it starts, e.g. ref = autotp.parallelize("
-          "<the same peft model, before training>.requires_grad_(False), tp=..., example_inputs=...), then "
-          "DPOTrainer(model=pm, ref_model=ref, ...): the reference log-probs are then those TRL computes for the "
-          "unsharded model")
+_EXACT = ("pass ref_model=pm.reference_model() (made before training: the module with frozen copies of its "
+          "adapters, as TRL's frozen copy of the adapter for the unsharded peft model, sharing the base's shards): "
+          "the reference log-probs are then those TRL computes for the unsharded model")
 
 
 def check_reference(pm, trainer_locals: dict) -> None:
