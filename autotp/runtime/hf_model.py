@@ -251,9 +251,9 @@ class PretrainedModelLike(PeftHabits):
             self.eval()  # as peft's load_adapter: ready for inference
 
     def reference_model(self) -> ReferenceModel:
-        """This module frozen as it is now, for preference training (TRL's ``DPOTrainer(ref_model=pm.reference_model())``):
-        it runs this module's graphs on copies of its trainable tensors (the adapters' shards), sharing the frozen
-        base (``runtime.reference_model``)."""
+        """This module frozen as it is now, for preference training (TRL's
+        ``DPOTrainer(ref_model=pm.reference_model())``): it runs this module's graphs on copies of its trainable
+        tensors (the adapters' shards), sharing the frozen base (``runtime.reference_model``)."""
         return reference_model(self)
 
     def merge_adapters(self, adapter_name: str = "default") -> None:
