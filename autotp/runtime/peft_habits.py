@@ -90,14 +90,6 @@ class PeftHabits:
 
     # What the adapters are.
     @property
-    def peft_config(self) -> dict:
-        """Adapter name -> its peft config, as ``PeftModel.peft_config`` (AttributeError for a model without
-        adapters, as a model that is not a peft model has no such attribute)."""
-        if getattr(self, "peft", None) is None:
-            raise AttributeError("peft_config: this parallel module's model was not a peft model")
-        return self.peft.configs
-
-    @property
     def active_adapters(self) -> list[str]:
         """The adapters the module computes (those active when it was parallelized), as peft's
         ``active_adapters``."""
@@ -280,6 +272,13 @@ def unsupported_peft(pm, name: str) -> None:
     info = pm.__dict__.get("peft")
     if info is None or name.startswith("_"):
         return
+    if name == "peft_config":
+        # Not offered: peft's functions that take a model (get_peft_model_state_dict, set_peft_model_state_dict)
+        # read its peft_config, then its tuner layers, which a parallel module has not: they would return nothing
+        raise ModelPartError("autotp: a parallel module has no peft_config, so that peft's functions taking a model "
+                             "(get_peft_model_state_dict, set_peft_model_state_dict), which would find none of its "
+                             "adapter layers, fail rather than save or load nothing: use pm.save_pretrained(folder) "
+                             "and pm.load_adapter(folder); the adapters' configs are pm.peft.configs")
     # PeftModel's own, and its tuner's (LoraModel's add_weighted_adapter), which PeftModel forwards to
     owners = (type(info.skeleton), type(getattr(info.skeleton, "base_model", None)))
     if not any(hasattr(owner, name) for owner in owners) or hasattr(torch.nn.Module, name):
