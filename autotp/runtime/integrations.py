@@ -169,6 +169,7 @@ class TrainerFacing(RefusesDDP):
 
     def _hf_sorted(self, kwargs: dict) -> HFCall:
         """The keyword arguments of a call (a forward, a step) sorted (``HFCall``)."""
+        self._check_adapters_off()  # pm.step and pm.loss do not run the forward's hooks
         if not kwargs:
             return HFCall(kwargs)
         return HFCall.of(kwargs, self._inputs.names, self._inputs.dtypes, self.model_config,

@@ -180,6 +180,7 @@ class PipelineModule(RefusesDDP, ParallelBase):
         (the backward is of the loss times ``loss_scale``; the returned loss is unscaled).
         """
         scale = checked_scale(loss_scale)
+        self._check_adapters_off()  # a step does not run the forward's hooks
         with guarded("step"):
             return self._step(inputs, kwargs, target, loss_fn, scale)
 
