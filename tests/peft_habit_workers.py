@@ -74,7 +74,18 @@ def habits(rank: int, world: int, folder: str) -> dict:
     out["precompute"] = _refused(lambda: dpo_workers.trained(pm, autotp.parallelism_config(pm), precompute=True))
     out["dpo"] = dpo_workers.sharded(rank, world, folder)
     out.update(generation_off(world))
+    out["pipeline_off"] = pipeline_off(world)
     return out
+
+
+def pipeline_off(world: int) -> float:
+    """The largest difference from peft's outputs with the adapters off, on a pipeline of ``world`` stages (the
+    stand-ins reach every stage's graph)."""
+    model = lora_workers.adapted().eval()
+    x = models.tokens(2, 8, 1)
+    pm = autotp.parallelize(model, tp=1, pp=world, example_inputs=(x,), quiet=True).eval()
+    with torch.no_grad(), pm.disable_adapter(), model.disable_adapter():
+        return (_logits(pm(x)) - _logits(model(x))).abs().max().item()
 
 
 def generation_off(world: int) -> dict:

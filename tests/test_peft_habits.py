@@ -95,7 +95,8 @@ def _ce(logits, x):
 
 def test_habits_at_tp_2_match_peft_and_dpo_trains_as_one_process(tmp_path):
     """On one group of 2 gloo ranks: disable_adapter, the DPO reference pattern's gradients, generation with the
-    adapters off, peft's counts, the refusals, and DPOTrainer against the unsharded peft model's run."""
+    adapters off (also on a 2-stage pipeline), peft's counts, the refusals, and DPOTrainer against the unsharded peft
+    model's run."""
     pytest.importorskip("trl")
     from tests import dpo_workers, peft_habit_workers
     from tests.distributed import run_on_ranks
@@ -111,7 +112,7 @@ def test_habits_at_tp_2_match_peft_and_dpo_trains_as_one_process(tmp_path):
         assert "before autotp.parallelize" in r["set_other"] and "merge_adapters" in r["merge_and_unload"], r
         assert "ref_model=" in r["no_reference"] and "matched to the wrong rows" in r["precompute"], r
         assert r["dpo"]["worst"] < 1e-5 and r["dpo"]["moved"] > 1e-3, r
-        assert r["generate"] and r["printed"], r
+        assert r["generate"] and r["printed"] and r["pipeline_off"] < 1e-5, r
 
 
 def test_fused_head_fields_equal_trls_kernel():
