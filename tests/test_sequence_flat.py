@@ -1,0 +1,81 @@
+"""Sequence parallelism for layers computed on tokens flattened to ``[B*T, C]`` (GPT-2's ``Conv1D``, a hand-written
+``x.reshape(-1, C) @ W``): Megatron's all-gather into each region and reduce-scatter out of it, as for ``[B, T]``
+layers (``passes.sequence_flat``); exact."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+
+import autotp
+from autotp.passes.steps import Operator
+from tests import models
+from tests.test_sequence_parallel import _gpt
+
+transformers = pytest.importorskip("transformers")
+
+
+class FlatMlp(torch.nn.Module):
+    """A residual MLP computed on flattened tokens with bare matrices, its down bias added after the product."""
+
+    def __init__(self, d: int = 64):
+        super().__init__()
+        self.embed, self.norm = torch.nn.Embedding(models.VOCAB, d), torch.nn.LayerNorm(d)
+        self.w_up = torch.nn.Parameter(torch.randn(d, 4 * d) * 0.05)
+        self.w_down = torch.nn.Parameter(torch.randn(4 * d, d) * 0.05)
+        self.b_down = torch.nn.Parameter(torch.randn(d) * 0.1)
+        self.head = torch.nn.Linear(d, models.VOCAB)
+
+    def forward(self, ids):
+        h = self.embed(ids)
+        b, t, c = h.shape
+        y = torch.nn.functional.gelu(self.norm(h).reshape(-1, c) @ self.w_up)
+        return self.head(h + (y @ self.w_down + self.b_down).reshape(b, t, c))
+
+
+def _gpt2(dropout: float = 0.1):
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=models.VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=64, resid_pdrop=dropout,
+        embd_pdrop=dropout, attn_pdrop=dropout))
+
+
+def _counts(plan) -> Counter:
+    return Counter((c.operator, c.op, c.direction) for c in plan.collectives)
+
+
+def test_gpt2_rows_reduce_scatter_and_regions_gather_at_megatrons_count():
+    """GPT-2 plans the collectives ``examples.gpt`` (the same model in ``nn.Linear`` layers) plans, with no
+    all-reduce left forward, less the 4 rows' bias gradient all-reduces: each bias is added by one rank to the
+    partial sum before the reduce-scatter, so its gradient is whole on every rank."""
+    ids = models.tokens(2, 8, 0)
+    flat = autotp.plan(_gpt2(), 2, ids, vocab="split", sequence_parallel=True)
+    linear = autotp.plan(_gpt(), 2, ids, vocab="split", sequence_parallel=True)
+    fewer = _counts(linear) - _counts(flat)
+    assert not (_counts(flat) - _counts(linear)) and sum(fewer.values()) == 4, fewer
+    assert {key[0] for key in fewer} == {Operator.F}
+    assert {c.module for c in linear.collectives if c.operator is Operator.F} - \
+        {c.module for c in flat.collectives if c.operator is Operator.F} == {
+        f"transformer.h.{i}.{part}.c_proj" for i in (0, 1) for part in ("attn", "mlp")}
+    assert Operator.G not in {c.operator for c in flat.collectives} and not flat.notes
+
+
+@pytest.mark.parametrize("name", ["gpt2", "openai-gpt", "flat-mlp"])
+def test_flattened_layers_check_exact_under_sequence_parallelism(name):
+    """Dropout on (GPT-2, OpenAI GPT), bare matrices with a bias added after the product: exact, and every row's
+    reduction a reduce-scatter."""
+    torch.manual_seed(0)
+    model = {"gpt2": _gpt2, "flat-mlp": FlatMlp,
+             "openai-gpt": lambda: transformers.OpenAIGPTLMHeadModel(transformers.OpenAIGPTConfig(
+                 vocab_size=models.VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=64))}[name]()
+    report = autotp.check(model, 2, models.tokens(2, 8, 0), vocab="split", sequence_parallel=True)
+    assert report.exact, str(report)
+    operators = {c.operator for c in report.plan.collectives}
+    assert Operator.G not in operators and Operator.REDUCE_SCATTER in operators, report.plan.collectives
+
+
+def test_a_flattened_model_refuses_a_sequence_tp_does_not_divide_as_others_do():
+    with pytest.raises(autotp.InputError, match="pad the sequence to a multiple of 2"):
+        autotp.check(_gpt2(0.0), 2, models.tokens(2, 7, 0), vocab="split", sequence_parallel=True)
