@@ -79,3 +79,33 @@ def test_flattened_layers_check_exact_under_sequence_parallelism(name):
 def test_a_flattened_model_refuses_a_sequence_tp_does_not_divide_as_others_do():
     with pytest.raises(autotp.InputError, match="pad the sequence to a multiple of 2"):
         autotp.check(_gpt2(0.0), 2, models.tokens(2, 7, 0), vocab="split", sequence_parallel=True)
+
+
+def test_gpt2_with_lora_checks_exact_at_the_base_models_forward_collectives():
+    """LoRA (peft) on c_attn, c_proj and c_fc at tp=2, dropout 0.1 in the model and the adapters: exact, and the
+    forward's collectives are the base model's (the adapters ride on its all-gathers and reduce-scatters)."""
+    peft = pytest.importorskip("peft")
+    base = _gpt2()
+    model = peft.get_peft_model(_gpt2(), peft.LoraConfig(r=4, target_modules=["c_attn", "c_proj", "c_fc"],
+                                                         lora_dropout=0.1, fan_in_fan_out=True))
+    torch.manual_seed(1)
+    for key, p in model.named_parameters():
+        if "lora_B" in key:
+            torch.nn.init.normal_(p, std=0.05)
+    x = models.tokens(2, 8, 1)
+    report = autotp.check(model, 2, (x,), sequence_parallel=True)
+    assert report.exact, str(report)
+    adapted, plain = (Counter({k: n for k, n in _counts(p).items() if k[2].value == "forward"})
+                      for p in (report.plan, autotp.plan(base, 2, (x,), sequence_parallel=True)))
+    assert adapted == plain and Operator.G not in {k[0] for k in adapted}, (adapted, plain)
+
+
+@pytest.mark.slow
+def test_gpt2_sequence_parallel_with_pipelines_on_four_ranks():
+    """tp=2 x pp=2: stages pass GPT-2's sequence shards on; AdamW steps equal one process's."""
+    from tests import capture_cache, sequence_workers
+    from tests.distributed import run_on_ranks
+
+    capture_cache.warm(models.build("hf_gpt2", layers=4), (models.tokens(2, 16, seed=1),))
+    for rank in run_on_ranks(sequence_workers.gpt2_pipelined, 4):
+        assert rank["plan"] and rank["params"] < 1e-5, rank
