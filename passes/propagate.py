@@ -20,7 +20,6 @@ import torch
 from autotp.passes.graph import (
     ArgPath,
     chunk_size,
-    get_arg,
     grad_nodes,
     mutated_args,
     rank,
@@ -28,7 +27,7 @@ from autotp.passes.graph import (
     tensor_args,
 )
 from autotp.passes.adapter_sequence import carry_sequence_sums
-from autotp.passes.sequence_flat import gather_into_flat_regions, unflattened
+from autotp.passes.sequence_flat import gather_into_flat_regions, reduce_when_unflattened, unflattened
 from autotp.passes.partial import carry_partial_sums
 from autotp.passes.placement import Layout, PlacementKind, Shard
 from autotp.passes.embedding_adapters import split_rows_lookup
@@ -47,8 +46,7 @@ from autotp.passes.rules import (
     replicate_all,
     rule_for,
 )
-from autotp.passes.partial import bias_path
-from autotp.passes.steps import COPY, ONCE, Operator, steps_between
+from autotp.passes.steps import COPY, Operator, steps_between
 from torch import fx
 
 aten = torch.ops.aten
@@ -328,15 +326,9 @@ class _Walker:
 
     def flattened_row(self, node: fx.Node, flat: fx.Node, added: list, wants: dict, checks: list) -> Decision:
         """A row layer computed on flattened tokens under sequence parallelism: its partial sum reduce-scatters at
-        ``flat``, where the sequence is a dim again, and its bias is added by one rank (``sequence_flat``)."""
+        ``flat``, where the sequence is a dim again, and its biases are added by one rank (``sequence_flat``)."""
         self.flat.add(flat.name)
-        bias = bias_path(node)
-        for edge in ([(node.name, bias)] if bias is not None else []) + added:
-            source = get_arg(self.nodes[edge[0]], edge[1])
-            self.result.conversions.setdefault((source.name, (ONCE,)), Conversion(source.name, (ONCE,))) \
-                .consumers.append(edge)
-        for n in [node.name] + [e[0] for e in added]:
-            self.result.deferred[n] = flat.name
+        reduce_when_unflattened(self.result, node, flat, added)
         return Decision(None, wants=wants, checks=checks)
 
     def sequence_shard(self, node: fx.Node) -> Shard | None:

@@ -22,9 +22,10 @@ import sympy
 import torch
 from torch import fx
 
-from autotp.passes.graph import meta_val, sizes
+from autotp.passes.graph import get_arg, meta_val, sizes
+from autotp.passes.partial import bias_path
 from autotp.passes.propagation import Conversion
-from autotp.passes.steps import COPY, Operator
+from autotp.passes.steps import COPY, ONCE, Operator
 
 aten = torch.ops.aten
 
@@ -75,6 +76,28 @@ def unflattened(node: fx.Node, sequence: frozenset, whole) -> tuple[fx.Node, lis
             return reader, added
         at = reader
     return None
+
+
+def reduce_when_unflattened(prop, node: fx.Node, flat: fx.Node, added: list[tuple]) -> None:
+    """Record in ``prop`` that row layer ``node``'s reduction runs at ``flat`` (``unflattened``), and that its own
+    bias (``addmm``'s or ``linear``'s) and the whole addends ``added`` on the way are added by one rank only."""
+    bias = bias_path(node)
+    for at, path in ([(node.name, bias)] if bias is not None else []) + added:
+        reader = node if at == node.name else next(u for u in _chain(node, flat) if u.name == at)
+        source = get_arg(reader, path)
+        prop.conversions.setdefault((source.name, (ONCE,)), Conversion(source.name, (ONCE,))).consumers.append(
+            (at, path))
+    for name in [node.name] + [at for at, _ in added]:
+        prop.deferred[name] = flat.name
+
+
+def _chain(node: fx.Node, end: fx.Node) -> list[fx.Node]:
+    """The single readers from ``node`` to ``end``."""
+    out, at = [], node
+    while at is not end:
+        at = _readers(at)[0]
+        out.append(at)
+    return out
 
 
 def _conversion_into(prop, edge: tuple) -> tuple | None:

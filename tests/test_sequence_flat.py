@@ -18,11 +18,13 @@ transformers = pytest.importorskip("transformers")
 
 
 class FlatMlp(torch.nn.Module):
-    """A residual MLP computed on flattened tokens with bare matrices, its down bias added after the product."""
+    """Two residual MLPs computed on flattened tokens: ``nn.Linear`` layers (the row's bias in its ``linear``), then
+    bare matrices with the down bias added after the product."""
 
     def __init__(self, d: int = 64):
         super().__init__()
         self.embed, self.norm = torch.nn.Embedding(models.VOCAB, d), torch.nn.LayerNorm(d)
+        self.up, self.down = torch.nn.Linear(d, 4 * d), torch.nn.Linear(4 * d, d)
         self.w_up = torch.nn.Parameter(torch.randn(d, 4 * d) * 0.05)
         self.w_down = torch.nn.Parameter(torch.randn(4 * d, d) * 0.05)
         self.b_down = torch.nn.Parameter(torch.randn(d) * 0.1)
@@ -31,6 +33,8 @@ class FlatMlp(torch.nn.Module):
     def forward(self, ids):
         h = self.embed(ids)
         b, t, c = h.shape
+        y = torch.nn.functional.gelu(self.up(self.norm(h).reshape(-1, c)))
+        h = h + self.down(y).view(b, t, c)
         y = torch.nn.functional.gelu(self.norm(h).reshape(-1, c) @ self.w_up)
         return self.head(h + (y @ self.w_down + self.b_down).reshape(b, t, c))
 
