@@ -105,8 +105,18 @@ def _conversion_into(prop, edge: tuple) -> tuple | None:
 
 
 def _edges_reading(node: fx.Node) -> set[tuple]:
-    """Every (reader, argument path) edge by which a node reads ``node`` (top-level arguments)."""
-    return {(u.name, (i,)) for u in _readers(node) for i, a in enumerate(u.args) if a is node}
+    """Every (reader, argument path) edge by which a node reads ``node``; a read inside a list or a keyword
+    argument counts as an edge no conversion names, so that a set of conversion consumers never equals it."""
+    edges = set()
+    for u in _readers(node):
+        for i, a in enumerate(u.args):
+            if a is node:
+                edges.add((u.name, (i,)))
+            elif isinstance(a, (list, tuple)) and any(x is node for x in a):
+                edges.add((u.name, "inside a list"))
+        if any(v is node for v in u.kwargs.values()):
+            edges.add((u.name, "by keyword"))
+    return edges
 
 
 def _moved_from(node: fx.Node, edges: set[tuple]) -> fx.Node | None:

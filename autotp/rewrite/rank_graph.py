@@ -212,6 +212,10 @@ class _Surgeon:
         if node.op != "call_function" or node.target not in (aten.view.default, aten.reshape.default) or \
                 len(node.users) != 1 or len(node.args[1]) != 2 or node.args[1][0] != -1:
             return None
+        source = node.args[0].args[0] if node.args[0].op == "call_module" else None  # the gather's input
+        val = source.meta.get("val") if isinstance(source, fx.Node) else None
+        if val is None or node.args[1][1] != val.shape[-1]:
+            return None  # not [B*T, C] of its [B, T, C]: the layer could not run on the unflattened value
         user = next(iter(node.users))
         if user.target is aten.addmm.default and len(user.args) == 3 and user.args[1] is node and not user.kwargs \
                 and user.name in self.analysis.projections:
