@@ -27,6 +27,7 @@ from autotp.passes.graph import (
     tensor_args,
 )
 from autotp.passes.adapter_sequence import carry_sequence_sums
+from autotp.passes.sequence_flat import gather_into_flat_regions, reduce_when_unflattened, unflattened
 from autotp.passes.partial import carry_partial_sums
 from autotp.passes.placement import Layout, PlacementKind, Shard
 from autotp.passes.embedding_adapters import split_rows_lookup
@@ -110,6 +111,8 @@ class _Walker:
         self.ctx = Context(tp=tp, grad=grad)
         self.result = Propagation(tp=tp)
         self.index = index
+        self.flat: set[str] = set()
+        """Reshapes where a row layer computed on flattened tokens reduce-scatters (``sequence_flat``)."""
 
     @property
     def nodes(self) -> dict[str, fx.Node]:
@@ -195,6 +198,8 @@ class _Walker:
             res.hints[origins] = _finer(res.hints.get(origins), decision.hint)
 
     def decide(self, node: fx.Node, ins: dict) -> Decision:
+        if node.name in self.flat:  # a flattened row layer's partial sum, back in a shape with the sequence
+            return Decision(self.sequence_shard(node), reduce=Operator.REDUCE_SCATTER)
         proj = self.projections.get(node.name)
         if proj is not None:
             role = self.role_of(proj, ins)
@@ -302,11 +307,29 @@ class _Walker:
             return Decision(out, wants=wants, checks=size_checks(out, "output features"))
         out = self.sequence_shard(node)
         wants = {x_path: Shard(self.index.rank(x) + proj.in_axis, role.segments or (proj.in_features,))}
+        checks = [(size, "input features") for size in role.segments or (proj.in_features,)]
+        flat = self.unflattened_row(node, proj)
+        if flat is not None:
+            return self.flattened_row(node, *flat, wants, checks)
         bias = next(((p, n) for p, n in tensor_args(node) if n.op == "get_attr" and n.target == proj.bias), None)
         if out is not None and bias is not None and bias[1].name in self.ctx.grad:
             wants[bias[0]] = COPY  # added after the reduce-scatter, to this rank's tokens: its gradient is a share
-        checks = [(size, "input features") for size in role.segments or (proj.in_features,)]
         return Decision(out, wants=wants, checks=checks, reduce=Operator.REDUCE_SCATTER if out else Operator.G)
+
+    def unflattened_row(self, node: fx.Node, proj: Projection) -> tuple | None:
+        """Under sequence parallelism, where a row layer computed on flattened tokens can reduce-scatter, and the
+        biases added to it on the way (``sequence_flat.unflattened``); None elsewhere."""
+        if not self.sequence or proj.spatial or self.sequence_shard(node) is not None:
+            return None
+        return unflattened(node, self.sequence,
+                           lambda a: a.op == "get_attr" and self.param_layouts.get(a.target) is None)
+
+    def flattened_row(self, node: fx.Node, flat: fx.Node, added: list, wants: dict, checks: list) -> Decision:
+        """A row layer computed on flattened tokens under sequence parallelism: its partial sum reduce-scatters at
+        ``flat``, where the sequence is a dim again, and its biases are added by one rank (``sequence_flat``)."""
+        self.flat.add(flat.name)
+        reduce_when_unflattened(self.result, node, flat, added)
+        return Decision(None, wants=wants, checks=checks)
 
     def sequence_shard(self, node: fx.Node) -> Shard | None:
         """Under sequence parallelism, the split along the sequence that a reduction after ``node`` lands in (its
@@ -399,5 +422,6 @@ def propagate(graph: fx.Graph, projections: Mapping[str, Projection], embeddings
     if not (windowed or auto_rows or sequence):  # sequence parallelism reduce-scatters where the rows are
         carry_partial_sums(result, walker.index.order, projections, grad)
     elif sequence and not (windowed or auto_rows):  # but adapters join their base's all-gather and reduce-scatter
+        gather_into_flat_regions(result, walker.index.nodes)
         carry_sequence_sums(result, walker.index.order, projections, grad)
     return result

@@ -253,5 +253,15 @@ def biased_rows(rank: int, world: int) -> dict:
 
 
 def sequence_parallel(rank: int, world: int) -> dict:
-    """``against_one_process`` for the tiny Llama with LoRA on all seven projections, under sequence parallelism."""
-    return against_one_process(adapted(), llama(), world, 64, sequence_parallel=True)
+    """``against_one_process`` under sequence parallelism for the tiny Llama with LoRA on all seven projections, and
+    for GPT-2 (``Conv1D``: tokens flattened to ``[B*T, C]``, biases drawn) with LoRA on c_attn, c_proj and c_fc."""
+    import peft
+
+    base, targets, hidden = biased_bases()["gpt2"]
+    gpt2 = peft.get_peft_model(copy.deepcopy(base), peft.LoraConfig(r=RANK, target_modules=targets, fan_in_fan_out=True))
+    torch.manual_seed(1)
+    for key, p in gpt2.named_parameters():
+        if "lora_B" in key:
+            torch.nn.init.normal_(p, std=0.05)
+    return {"llama": against_one_process(adapted(), llama(), world, 64, sequence_parallel=True),
+            "gpt2": against_one_process(gpt2, base, world, hidden, sequence_parallel=True)}

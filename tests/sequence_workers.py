@@ -65,10 +65,10 @@ def activation_memory(rank: int, world: int) -> dict:
     return result
 
 
-def pipelined(rank: int, world: int) -> dict:
+def pipelined(rank: int, world: int, name: str = "hf_llama") -> dict:
     """tp=2 x pp=2, sequence parallel: every stage passes its sequence shards on; outputs, losses over AdamW
-    steps and every parameter afterwards equal one process's."""
-    ref = models.build("hf_llama", layers=4)
+    steps and every parameter afterwards equal one process's (``name``: a ``models.build`` model of 4 layers)."""
+    ref = models.build(name, layers=4)
     x, y = models.tokens(4, 12, seed=2), models.tokens(4, 12, seed=3)
     pm = autotp.parallelize(ref, tp=2, pp=world // 2, example_inputs=(models.tokens(2, 16, seed=1),), microbatches=2,
                             vocab="split", sequence_parallel=True)
@@ -88,6 +88,11 @@ def on_four_ranks(rank: int, world: int) -> dict:
     """Sequence parallelism with the other two axes: pipelined, and with FSDP replicas."""
     return {"pipelined": pipelined(rank, world),
             "fsdp": check_data_parallel(2, 2, 1, "fsdp", sequence_parallel=True)}
+
+
+def gpt2_pipelined(rank: int, world: int) -> dict:
+    """``pipelined`` for GPT-2, whose layers compute on tokens flattened to ``[B*T, C]``."""
+    return pipelined(rank, world, "hf_gpt2")
 
 
 def sequence_parallel_on_ranks(rank: int, world: int) -> dict:

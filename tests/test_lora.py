@@ -243,8 +243,18 @@ def _at_the_base_models_collectives(name: str, r: dict) -> None:
 def test_sequence_parallel_adapters_join_the_base_gather_and_reduce_scatter():
     """Under sequence parallelism, A on a column-split layer reads the base's all-gathered input and a row-split
     layer's adapter partial sum joins the base's reduce-scatter: exact on gloo at tp=2, at the base model's
-    collectives (counted at run time); exact in the checker at tp=4 and with dropout (drawn whole for A)."""
-    _at_the_base_models_collectives("llama", run_on_ranks(lora_workers.sequence_parallel, 2)[0])
+    collectives (counted at run time), for Llama and for GPT-2 (``Conv1D`` on tokens flattened to ``[B*T, C]``);
+    exact in the checker at tp=4 and with dropout (drawn whole for A)."""
+    results = run_on_ranks(lora_workers.sequence_parallel, 2)[0]
+    for name, result in results.items():
+        _at_the_base_models_collectives(name, result)
+    # GPT-2's base at Megatron's count, as Llama's nn.Linear layers: per region an all-gather in and a reduce-scatter
+    # out forward; backward the reduce-scatter's all-gather, the input's second gather and the gather's reduce-scatter
+    for name, r in results.items():
+        forward = r["base"]["forward"]
+        assert "all_reduce" not in {op for op, _ in forward} and forward.count(["reduce_scatter", 4096]) == 4, forward
+    backward = [[e for e in r["base"]["backward"] if e[1] == r["activation"]] for r in results.values()]
+    assert backward[0] == backward[1] and backward[0].count(["reduce_scatter", 4096]) == 4, backward
     x = models.tokens(2, 8, 1)
     for tp, dropout in ((4, 0.0), (2, 0.1)):
         report = autotp.check(lora_workers.adapted(dropout), tp=tp, example_inputs=(x,), sequence_parallel=True)

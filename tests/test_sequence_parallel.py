@@ -107,13 +107,6 @@ def test_sequence_shards_side_by_side_stay_exact():
     assert report.exact, str(report)
 
 
-def test_flattened_rows_keep_their_all_reduce_with_a_note():
-    torch.manual_seed(0)
-    plan = autotp.plan(models.BUILDERS["hf_gpt2"](), 2, models.tokens(2, 8, 0), vocab="split",
-                       sequence_parallel=True)
-    assert any("sequence_parallel: " in n and "c_proj" in n and "keep their all-reduce" in n for n in plan.notes)
-
-
 def test_sequence_parallel_refuses_what_it_cannot_split():
     layer = torch.nn.TransformerEncoderLayer(64, 4, 128, batch_first=True)
     encoder = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)

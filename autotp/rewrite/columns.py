@@ -4,7 +4,8 @@
 (``GatherToRegion``), and a projection reading it would save the whole gathered input for its weight gradient.
 As Megatron does, it saves the shard instead and all-gathers it again in backward: one all-gather more per region
 input, the whole input no longer held between forward and backward. Projections reading the same gathered value
-(Q, K and V) share that second gather.
+(Q, K and V) share that second gather. ``RegatheredAddmm`` does the same for a layer computed on the gathered input
+flattened to ``[B*T, C]`` (GPT-2's ``Conv1D``).
 
 ``OverlappedColumnLinear``: a projection that alone reads its input through ``f`` starts ``f``'s all-reduce of
 the input gradient, computes its weight gradient meanwhile, and only then waits (Megatron's asynchronous
@@ -131,6 +132,20 @@ class RegatheredLinear(nn.Module):
         if torch.is_grad_enabled() and weight.requires_grad:
             self.regather.expect(shard)
         return _RegatheredLinear.apply(whole, shard, weight, bias, self.regather)
+
+
+class RegatheredAddmm(nn.Module):
+    """``torch.addmm(bias, whole.reshape(-1, C), weight)`` of a gathered ``whole`` (GPT-2's ``Conv1D`` on flattened
+    tokens, its weight stored ``[in, out]``), saving only ``shard``: ``RegatheredLinear`` of the transposed weight,
+    flattened after."""
+
+    def __init__(self, linear: RegatheredLinear):
+        super().__init__()
+        self.linear = linear
+
+    def forward(self, whole, shard, bias, weight):
+        out = self.linear(whole, shard, weight.t(), bias)
+        return out.reshape(-1, out.shape[-1])
 
 
 class _OverlappedColumn(torch.autograd.Function):

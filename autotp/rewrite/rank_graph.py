@@ -27,7 +27,7 @@ from autotp.rewrite.collectives import (
     collective_module,
     split_args,
 )
-from autotp.rewrite.columns import OverlappedColumnLinear, Regather, RegatheredLinear
+from autotp.rewrite.columns import OverlappedColumnLinear, Regather, RegatheredAddmm, RegatheredLinear
 from autotp.rewrite.comm import Communicator
 from autotp.rewrite.data_writes import write_through_data
 from autotp.rewrite.grad_bucket import GradSum
@@ -206,13 +206,38 @@ class _Surgeon:
         node.op, node.target, node.args = "call_module", self.add(OverlappedColumnLinear(self.comm)), args
         return True
 
+    def _flattened_addmm(self, node: fx.Node) -> fx.Node | None:
+        """The projection ``addmm(bias, x.view(-1, C), W)`` when ``node`` is that flattening view read by it alone
+        (GPT-2's ``Conv1D``), else None."""
+        if node.op != "call_function" or node.target not in (aten.view.default, aten.reshape.default) or \
+                len(node.users) != 1 or len(node.args[1]) != 2 or node.args[1][0] != -1:
+            return None
+        source = node.args[0].args[0] if node.args[0].op == "call_module" else None  # the gather's input
+        val = source.meta.get("val") if isinstance(source, fx.Node) else None
+        if val is None or node.args[1][1] != val.shape[-1]:
+            return None  # not [B*T, C] of its [B, T, C]: the layer could not run on the unflattened value
+        user = next(iter(node.users))
+        if user.target is aten.addmm.default and len(user.args) == 3 and user.args[1] is node and not user.kwargs \
+                and user.name in self.analysis.projections:
+            return user
+        return None
+
     def regather(self, gathered: fx.Node, readers: list[fx.Node]) -> None:
-        """Column projections reading ``gathered`` (``nn.Linear``'s op) save its shard, not it, for backward."""
-        linears = [n for n in readers if self._linear(n)]
+        """Column projections reading ``gathered`` (``nn.Linear``'s op, or ``addmm`` of its flattening view) save
+        its shard, not it, for backward."""
+        position = {n: i for i, n in enumerate(self.graph.nodes)}
+        takers = sorted((n for n in readers if self._linear(n) or self._flattened_addmm(n)), key=position.get)
         shared = Regather(self.gm.get_submodule(gathered.target))
-        for i, node in enumerate(linears):
-            node.op, node.target = "call_module", self.add(RegatheredLinear(shared, first=i == 0))
-            node.args = (gathered, gathered.args[0], *node.args[1:])
+        for i, node in enumerate(takers):
+            linear = RegatheredLinear(shared, first=i == 0)
+            addmm = self._flattened_addmm(node)
+            if addmm is None:
+                node.op, node.target = "call_module", self.add(linear)
+                node.args = (gathered, gathered.args[0], *node.args[1:])
+                continue
+            addmm.op, addmm.target = "call_module", self.add(RegatheredAddmm(linear))
+            addmm.args = (gathered, gathered.args[0], addmm.args[0], addmm.args[2])
+            self.graph.erase_node(node)
 
     def replace(self, node: fx.Node, module: nn.Module) -> None:
         """Run ``module`` in place of ``node``'s op, on the same arguments (a parallel version of the op)."""

@@ -1,0 +1,63 @@
+"""Sequence parallelism on a model computing its projections on flattened tokens (GPT-2's ``Conv1D``).
+
+    python -m bench.sequence_flat [--rounds 15]
+
+``bench.sequence_parallel``'s measurement (two gloo CPU ranks, one thread each, tp=2, dropout 0.1, batch 4 x 128:
+bytes each rank saves for backward in one forward, collectives of one ``pm.step`` counted at run time, step times
+alternating) on transformers' ``GPT2LMHeadModel`` of the same shape (4 layers x 256, 8 heads, vocabulary 8192),
+whose layers view ``[B, T, C]`` as ``[B*T, C]`` around each ``addmm``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+import autotp
+from bench.comm import count_calls
+from bench.runtime import alternate, two_rank_command
+from bench.sequence_parallel import MODES, SHAPE, _drop_grads, _saved_bytes, table
+from bench.stats import paired_ratio, summary
+
+RESULTS = Path(__file__).parent / "results" / "sequence_flat.json"
+
+
+def _gpt2():
+    import transformers
+
+    config = transformers.GPT2Config(vocab_size=SHAPE.vocab_size, n_embd=SHAPE.n_embd, n_layer=SHAPE.n_layer,
+                                     n_head=SHAPE.n_head, n_positions=SHAPE.seq, resid_pdrop=0.1, embd_pdrop=0.1,
+                                     attn_pdrop=0.1)
+    return transformers.GPT2LMHeadModel(config)
+
+
+def _measure(rank: int, world: int, rounds: int) -> dict:
+    torch.manual_seed(0)
+    model = _gpt2()
+    gen = torch.Generator().manual_seed(1)
+    x, y = (torch.randint(0, SHAPE.vocab_size, (SHAPE.batch, SHAPE.seq), generator=gen) for _ in range(2))
+    pms = {mode: autotp.parallelize(model, tp=world, example_inputs=x, vocab="split", sequence_parallel=sp)
+           for mode, sp in MODES.items()}
+    losses = {}
+    for mode, pm in pms.items():
+        pm.manual_seed(3)
+        losses[mode] = pm.loss(x, target=y).item()
+    saved = {mode: _saved_bytes(pm, x, y) for mode, pm in pms.items()}
+    comm = {mode: count_calls(lambda pm=pm: (pm.step(x, target=y), _drop_grads(pm))) for mode, pm in pms.items()}
+    samples = alternate({mode: (lambda pm=pm: (pm.step(x, target=y), _drop_grads(pm))) for mode, pm in pms.items()},
+                        rounds)
+    return {"shape": f"GPT2LMHeadModel, {SHAPE.describe()}", "tp": world, "losses": losses,
+            "saved bytes per rank": saved, "collectives": comm, "times": {m: summary(s) for m, s in samples.items()},
+            "sequence parallel / plain": paired_ratio(samples["sequence parallel"], samples["plain"])}
+
+
+def main(argv=None) -> None:
+    """Measure, print the table, write ``bench/results/sequence_flat.json``."""
+    r = two_rank_command(_measure, __doc__, RESULTS, argv)
+    print(f"{r['shape']}; losses {r['losses']}")
+    print(table(r))
+
+
+if __name__ == "__main__":
+    main()
