@@ -91,22 +91,35 @@ def test_embedding_adapter_and_modules_to_save_train_exactly_and_round_trip_peft
     assert result["dora"]["worst"] < 1e-5 and result["dora"]["moved"] > 1e-4, result  # DoRA's AdamW steps too
 
 
-def test_dora_split_with_its_base_layers():
-    """DoRA (``use_dora=True``) split as LoRA is, its magnitude with the base's outputs: exact (tp=4: slow).
-    A column-split layer's row norms are local (no collective); a row-split layer's sum of squares over its split
-    inputs is all-reduced (an ``[out]`` vector, forward only), its output ``v * (W x + s B A x)`` all-reduced once
-    as the base's, and its magnitude's gradient share summed in backward (``[1, out]``)."""
+def _dora():
+    """The one-layer tiny Llama with DoRA on all seven projections, every trained tensor drawn at random."""
     import peft
-    import torch
 
-    x = models.tokens(2, 8, 1)
-    _, base_forward, base_backward = checked(lora_workers.llama(1), 2, (x,))
     model = peft.get_peft_model(lora_workers.llama(1), peft.LoraConfig(r=4, target_modules=lora_workers.TARGETS,
                                                                        use_dora=True))
     torch.manual_seed(1)
     for p in (p for p in model.parameters() if p.requires_grad):
         torch.nn.init.normal_(p, std=0.05)
-    report, forward, backward = checked(model, 2, (x,))
+    return model
+
+
+def _numel(shape) -> int:
+    return int(torch.Size(shape).numel())
+
+
+def test_dora_split_with_its_base_layers():
+    """DoRA (``use_dora=True``) split as LoRA is, its magnitude with the base's outputs: exact, at the base model's
+    collectives (counted at run time in the checker). A column-split layer's row norms are local; a row-split
+    layer's sums of squares over its split inputs ride in the base's one all-reduce (``[out]`` more), and its
+    output ``v * (W x + s B A x)`` is scaled after that sum, so its magnitude's gradient is whole on every rank: no
+    backward collective. Under sequence parallelism the sums of squares ride in the reduce-scatter (a copy in every
+    rank's piece), and the magnitude's gradient share, over this rank's tokens, in the end-of-backward bucket."""
+    from autotp.checker import prepare
+
+    x = models.tokens(2, 8, 1)
+    _, base_forward, base_backward = checked(lora_workers.llama(1), 2, (x,))
+    dora = prepare(_dora(), (x,))  # captured once for both checks
+    report, forward, backward = checked(dora, 2, (x,))
     assert report.exact, str(report)
     at = "base_model.model.model.layers.0."
     placed = {k.removeprefix(at): repr(v) for k, v in report.plan.placements.items() if k.startswith(at)}
@@ -116,11 +129,22 @@ def test_dora_split_with_its_base_layers():
         assert placed[f"{layer}.lora_A.default.weight"] == "replicated"
     for layer in ("self_attn.o_proj", "mlp.down_proj"):
         assert placed[f"{layer}.base_layer.weight"] == placed[f"{layer}.lora_A.default.weight"] == "rowwise(dim=1)"
-    rows = 2
-    assert sorted(forward) == sorted([*base_forward, *[("all_reduce", (64,))] * rows])
-    *rest, bucket = backward
+    # each of the base's two all-reduces (o_proj's and down_proj's outputs) carries that layer's [64] sums
+    assert [(op, (_numel(shape) + 64,)) for op, shape in base_forward] == forward
+    assert len([c for c in report.plan.collectives if c.direction.value == "forward"]) == len(forward)
+    *activations, bucket = backward  # the first layer's input needs no gradient: the bucket takes its place
+    assert activations == base_backward[1:] and len(backward) == len(base_backward)
     assert bucket[0] == "all_reduce" and len(bucket[1]) == 1
-    assert sorted(rest) == sorted([*base_backward[1:], *[("all_reduce", (1, 64))] * rows])
+
+    # sequence parallelism: as plain LoRA (at the base's collectives, ``test_lora``), the reduce-scatters wider
+    _, lora_forward, lora_backward = checked(lora_workers.adapted(layers=1), 2, (x,), sequence_parallel=True)
+    report, forward, backward = checked(dora, 2, (x,), sequence_parallel=True)
+    assert report.exact, str(report)
+    widened = [(op, (_numel(shape) + 64,) if op == "reduce_scatter" else shape) for op, shape in lora_forward]
+    assert forward == widened
+    *activations, bucket = backward
+    assert activations == lora_backward[:-1] and bucket[0] == lora_backward[-1][0] == "all_reduce"
+    assert bucket[1][0] == lora_backward[-1][1][0] + 2 * 64  # the row-split layers' magnitudes' shares
 
 
 @pytest.mark.slow
