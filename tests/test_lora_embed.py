@@ -8,10 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-import autotp
-
 pytest.importorskip("peft")
 
+from autotp.checker import prepare
 from tests import lora_embed_workers, lora_workers, models
 from tests.distributed import run_on_ranks
 from tests.lora_checks import checked
@@ -114,8 +113,6 @@ def test_dora_split_with_its_base_layers():
     output ``v * (W x + s B A x)`` is scaled after that sum, so its magnitude's gradient is whole on every rank: no
     backward collective. Under sequence parallelism the sums of squares ride in the reduce-scatter (a copy in every
     rank's piece), and the magnitude's gradient share, over this rank's tokens, in the end-of-backward bucket."""
-    from autotp.checker import prepare
-
     x = models.tokens(2, 8, 1)
     _, base_forward, base_backward = checked(lora_workers.llama(1), 2, (x,))
     dora = prepare(_dora(), (x,))  # captured once for both checks
@@ -149,16 +146,15 @@ def test_dora_split_with_its_base_layers():
 
 @pytest.mark.slow
 def test_dora_exact_at_tp_4():
-    """Past the 2 KV heads: K/V's DoRA layers held by two ranks per chunk."""
-    import peft
-    import torch
-
-    model = peft.get_peft_model(lora_workers.llama(1), peft.LoraConfig(r=4, target_modules=lora_workers.TARGETS,
-                                                                       use_dora=True))
-    torch.manual_seed(1)
-    for p in (p for p in model.parameters() if p.requires_grad):
-        torch.nn.init.normal_(p, std=0.05)
-    report = autotp.check(model, tp=4, example_inputs=(models.tokens(2, 8, 1),))
+    """Past the 2 KV heads (K/V's DoRA layers held by two ranks per chunk): exact, and forward at the base model's
+    all-reduces, each ``[out]`` wider; with sequence parallelism exact."""
+    x = models.tokens(2, 8, 1)
+    _, base_forward, _ = checked(lora_workers.llama(1), 4, (x,))
+    dora = prepare(_dora(), (x,))
+    report, forward, _ = checked(dora, 4, (x,))
+    assert report.exact, str(report)
+    assert [(op, (_numel(shape) + 64,)) for op, shape in base_forward] == forward
+    report, _, _ = checked(dora, 4, (x,), sequence_parallel=True)
     assert report.exact, str(report)
 
 
@@ -208,20 +204,53 @@ class _HeadTransformed(torch.nn.Module):
 
 
 def test_an_adapted_head_transform_stays_whole_as_the_base_keeps_it():
-    """LoRA on every linear layer but the vocabulary head (as BERT's ``all-linear``): the head transform the base
-    keeps whole (it feeds only the vocabulary-split head) stays whole with its adapter, so forward makes the base
-    model's collectives."""
+    """LoRA on every linear layer but the vocabulary head (as BERT's ``all-linear``), then on the head too (BERT's
+    ``decoder``: its adapter reads the head's input beside it): the head transform the base keeps whole (it feeds
+    only the vocabulary-split head) stays whole with its adapter, the head's adapter split as a column-split
+    layer's (``A`` whole, ``B`` by the vocabulary), so forward makes the base model's collectives."""
     import peft
 
     torch.manual_seed(0)
     x = models.tokens(2, 8, 1)
-    base = _HeadTransformed()
-    _, base_forward, _ = checked(base, 2, (x,), vocab="split")
-    model = peft.get_peft_model(base, peft.LoraConfig(r=4, target_modules=["up", "down", "transform"]))
+    _, base_forward, base_backward = checked(_HeadTransformed(), 2, (x,), vocab="split")
+    for targets in (["up", "down", "transform"], ["up", "down", "transform", "decoder"]):
+        model = peft.get_peft_model(_HeadTransformed(), peft.LoraConfig(r=4, target_modules=targets))
+        for key, p in model.named_parameters():
+            if "lora_B" in key:
+                torch.nn.init.normal_(p, std=0.05)
+        report, forward, backward = checked(model, 2, (x,), vocab="split")
+        assert report.exact, (targets, str(report))
+        placed = {k.removeprefix("base_model.model."): repr(v) for k, v in report.plan.placements.items()}
+        assert placed["transform.base_layer.weight"] == "replicated", targets
+        assert forward == base_forward, targets
+        assert len(backward) <= len(base_backward), targets
+    assert placed["decoder.lora_A.default.weight"] == "replicated"
+    assert placed["decoder.lora_B.default.weight"] == placed["decoder.base_layer.weight"] == "vocab(dim=0)"
+
+
+def test_lora_on_a_tied_vocabulary_head():
+    """LoRA on ``lm_head`` as well as every projection, the head tied to the token embedding: the head's adapter
+    split as the vocabulary head is (``B`` by the vocabulary), exact, forward at the base model's collectives and
+    backward at most the base's (counted at run time in the checker)."""
+    import peft
+    import transformers
+
+    config = transformers.LlamaConfig(vocab_size=models.VOCAB, hidden_size=64, intermediate_size=128,
+                                      num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                                      tie_word_embeddings=True)
+    torch.manual_seed(0)
+    x = models.tokens(2, 8, 1)
+    _, base_forward, base_backward = checked(transformers.LlamaForCausalLM(config), 2, (x,), vocab="split")
+    torch.manual_seed(0)
+    model = peft.get_peft_model(transformers.LlamaForCausalLM(config),
+                                peft.LoraConfig(r=4, target_modules=[*lora_workers.TARGETS, "lm_head"]))
     for key, p in model.named_parameters():
         if "lora_B" in key:
             torch.nn.init.normal_(p, std=0.05)
-    report, forward, _ = checked(model, 2, (x,), vocab="split")
+    report, forward, backward = checked(model, 2, (x,), vocab="split")
     assert report.exact, str(report)
-    assert repr(report.plan.placements["base_model.model.transform.base_layer.weight"]) == "replicated"
+    head = "base_model.model.lm_head."
+    assert repr(report.plan.placements[head + "lora_B.default.weight"]) == "vocab(dim=0)"
+    assert repr(report.plan.placements[head + "lora_A.default.weight"]) == "replicated"
     assert forward == base_forward
+    assert len(backward) <= len(base_backward)
