@@ -26,8 +26,8 @@ import torch
 from torch import fx
 
 from autotp.passes.adapters import Adapter, adapter_adds, find_adapters
-from autotp.passes.propagation import Conversion
-from autotp.passes.steps import COPY, GRAD_SUM, Operator
+from autotp.passes.output_scales import to_bucket, vector_scales, vectors_to_bucket
+from autotp.passes.steps import GRAD_SUM, Operator
 
 aten = torch.ops.aten
 
@@ -118,38 +118,31 @@ def join_norm_sums(prop, nodes: dict[str, fx.Node], scales: list[DoraScale], gra
 
 
 def _magnitude_to_bucket(prop, nodes: dict[str, fx.Node], scale: DoraScale, grad: set[str]) -> None:
-    """Read ``m`` into the bucket (``GRAD_SUM``) in place of ``f`` on ``v``: ``v``'s gradient is linear in ``m``'s
-    through the division by a whole detached ``n``, so summing ``m``'s share sums ``v``'s."""
-    edge = next(((scale.scale, (i,)) for i, a in enumerate(nodes[scale.scale].args) if a is nodes[scale.vector]))
-    key = next((k for k, c in prop.conversions.items() if edge in c.consumers), None)
-    if key is None or prop.conversions[key].steps != (COPY,) or scale.magnitude not in grad:
-        return
-    into_ratio = (scale.ratio, (0,))
-    if nodes[scale.ratio].args[0] is not nodes[scale.magnitude] or any(
-            into_ratio in c.consumers for c in prop.conversions.values()):
-        return  # ``m`` read through a cast, or already converted: keep the ``f``
-    conv = prop.conversions[key]
-    conv.consumers.remove(edge)
-    if not conv.consumers:
-        del prop.conversions[key]
-    bucket = prop.conversions.setdefault((scale.magnitude, (GRAD_SUM,)), Conversion(scale.magnitude, (GRAD_SUM,)))
-    bucket.consumers.append(into_ratio)
+    """Read ``m`` into the bucket in place of ``f`` on ``v`` (``output_scales.to_bucket``): ``v``'s gradient is
+    linear in ``m``'s through the division by a whole detached ``n``. Not where ``m`` is read through a cast."""
+    product = nodes[scale.scale]
+    edge = next((scale.scale, (i,)) for i, a in enumerate(product.args) if a is nodes[scale.vector])
+    if nodes[scale.ratio].args[0] is nodes[scale.magnitude]:
+        to_bucket(prop, edge, scale.magnitude, (scale.ratio, (0,)), grad)
 
 
-def scale_products(graph: fx.Graph, adapters: dict[str, Adapter]) -> frozenset[str]:
-    """The products ``v * p`` a partial sum's reduction must not move past: after them ``v`` would be read through
-    ``f`` (a backward all-reduce of its gradient) and ``q`` could no longer ride in the reduction of ``p``."""
-    return frozenset(s.scale for s in dora_scales(graph, adapters))
+def scale_products(graph: fx.Graph, adapters: dict[str, Adapter], projections: dict) -> frozenset[str]:
+    """The products a partial sum's reduction must not move past: DoRA's ``v * p`` (after it ``v`` would be read
+    through ``f``, a backward all-reduce of its gradient, and ``q`` could no longer ride in the reduction of
+    ``p``) and a projection's output scaled by a trained vector (IA3's, ``output_scales``)."""
+    dora = {s.scale for s in dora_scales(graph, adapters)}
+    return frozenset(dora | {s.product for s in vector_scales(graph, projections)})
 
 
 def join_dora_norms(prop, order: list[fx.Node], projections: dict, grad: set[str]) -> None:
-    """``join_norm_sums`` for every DoRA layer of the graph ``order`` walks (the propagation's last step)."""
+    """``join_norm_sums`` for every DoRA layer of the graph ``order`` walks, and the scaling vectors read through
+    ``f`` into the bucket (``output_scales``): the propagation's last step."""
     if not order:
         return
     graph = order[0].graph
     scales = dora_scales(graph, find_adapters(graph, projections))
-    if scales:
-        join_norm_sums(prop, {n.name: n for n in order}, scales, grad)
+    join_norm_sums(prop, {n.name: n for n in order}, scales, grad)
+    if scales or vectors_to_bucket(prop, vector_scales(graph, projections), grad):
         # the rewrite inserts conversions in this order: the bucket's reads first, as ``carry_sequence_sums`` has them
         bucketed = {k: c for k, c in prop.conversions.items() if c.steps == (GRAD_SUM,)}
         prop.conversions = {**bucketed, **{k: c for k, c in prop.conversions.items() if k not in bucketed}}

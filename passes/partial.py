@@ -275,7 +275,7 @@ def carry_partial_sums(prop, order: list[fx.Node], projections: dict[str, Projec
     biased = biased_bases(adapters, nodes, projections, consumed)
     ups = frozenset(u for u, a in adapters.items() if _deferrable(a.base, nodes, projections, biased))
     moved, copies, chain = defer_reductions(order, prop.reduced, projections, prop.layouts, grad, consumed, ups,
-                                            biased, scale_products(order[0].graph, adapters) if order else frozenset())
+                                            biased, scale_products(order[0].graph, adapters, projections) if order else frozenset())
     for source, end in moved.items():
         del prop.reduced[source]
         prop.reduced[end] = Operator.G
