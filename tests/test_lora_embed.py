@@ -146,14 +146,15 @@ def test_dora_split_with_its_base_layers():
 
 @pytest.mark.slow
 def test_dora_exact_at_tp_4():
-    """Past the 2 KV heads (K/V's DoRA layers held by two ranks per chunk): exact, and forward at the base model's
-    all-reduces, each ``[out]`` wider; with sequence parallelism exact."""
+    """Past the 2 KV heads (K/V's DoRA layers held by two ranks per chunk): exact, forward at the base model's
+    all-reduces, each ``[out]`` wider, backward at the base's count; with sequence parallelism exact."""
     x = models.tokens(2, 8, 1)
-    _, base_forward, _ = checked(lora_workers.llama(1), 4, (x,))
+    _, base_forward, base_backward = checked(lora_workers.llama(1), 4, (x,))
     dora = prepare(_dora(), (x,))
-    report, forward, _ = checked(dora, 4, (x,))
+    report, forward, backward = checked(dora, 4, (x,))
     assert report.exact, str(report)
     assert [(op, (_numel(shape) + 64,)) for op, shape in base_forward] == forward
+    assert len(backward) == len(base_backward)
     report, _, _ = checked(dora, 4, (x,), sequence_parallel=True)
     assert report.exact, str(report)
 
