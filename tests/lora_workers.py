@@ -134,18 +134,22 @@ def training(rank: int, world: int, tp: int, pp: int, dropout: float, dp: int = 
     return {"losses": losses, "ref_losses": ref_losses, "norms": norms, "worst": worst, "moved": moved,
             "frozen_grads": frozen_grads, "frozen_state": frozen_state, "frozen_params": frozen_params,
             "rank": dist.get_rank(), "reduces": reduces, "bucket": bucket_bytes(pm), "trained": trained_bytes(pm),
-            "ia3": ia3_steps(tp, pp) if pp > 1 and dp == 1 and not dropout else None}
+            **({"ia3": other_steps("ia3", tp, pp), "dora": other_steps("dora", tp, pp)}
+               if pp > 1 and dp == 1 and not dropout else {})}
 
 
-def ia3_steps(tp: int, pp: int) -> dict:
-    """AdamW steps of IA3 on all seven projections at tp x pp against one process: the worst parameter difference
-    after them, and the bytes of each all-reduce of the first step."""
+def other_steps(kind: str, tp: int, pp: int) -> dict:
+    """AdamW steps of IA3 (``kind`` "ia3") or DoRA ("dora") on all seven projections at tp x pp against one
+    process: the worst parameter difference after them, how far the adapters moved, and the bytes of each
+    all-reduce of the first step."""
     import peft
 
-    model = peft.get_peft_model(llama(), peft.IA3Config(target_modules=TARGETS, feedforward_modules=["down_proj"]))
+    config = peft.IA3Config(target_modules=TARGETS, feedforward_modules=["down_proj"]) if kind == "ia3" else \
+        peft.LoraConfig(r=RANK, target_modules=TARGETS, use_dora=True)
+    model = peft.get_peft_model(llama(), config)
     torch.manual_seed(1)
     for p in (p for p in model.parameters() if p.requires_grad):
-        torch.nn.init.normal_(p, mean=1.0, std=0.05)
+        torch.nn.init.normal_(p, mean=1.0 if kind == "ia3" else 0.0, std=0.05)
     ref, start = copy.deepcopy(model).train(), copy.deepcopy(model.state_dict())
     x, y = models.tokens(4, 8, 1), models.tokens(4, 8, 2)
     pm = autotp.parallelize(model.train(), tp=tp, pp=pp, example_inputs=(x,), quiet=True)
@@ -161,7 +165,7 @@ def ia3_steps(tp: int, pp: int) -> dict:
         ref_opt.step(), ref_opt.zero_grad()
     full, want = pm.full_state_dict(), ref.state_dict()
     worst = max((full[k] - v).abs().max().item() for k, v in want.items() if v.is_floating_point())
-    moved = max((want[k] - start[k]).abs().max().item() for k in want if "ia3_l" in k)
+    moved = max((want[k] - start[k]).abs().max().item() for k in want if "ia3_l" in k or "lora_" in k)
     return {"worst": worst, "moved": moved, "reduces": reduces}
 
 
