@@ -11,6 +11,7 @@ import torch
 pytest.importorskip("peft")
 
 from autotp.checker import prepare
+from autotp.mixed_precision import MixedPrecision
 from tests import lora_embed_workers, lora_workers, models
 from tests.distributed import run_on_ranks
 from tests.lora_checks import checked
@@ -112,7 +113,8 @@ def test_dora_split_with_its_base_layers():
     layer's sums of squares over its split inputs ride in the base's one all-reduce (``[out]`` more), and its
     output ``v * (W x + s B A x)`` is scaled after that sum, so its magnitude's gradient is whole on every rank: no
     backward collective. Under sequence parallelism the sums of squares ride in the reduce-scatter (a copy in every
-    rank's piece), and the magnitude's gradient share, over this rank's tokens, in the end-of-backward bucket."""
+    rank's piece), and the magnitude's gradient share, over this rank's tokens, in the end-of-backward bucket.
+    Under bfloat16 autocast (a bfloat16 output beside float32 norms) each is all-reduced on its own."""
     x = models.tokens(2, 8, 1)
     _, base_forward, base_backward = checked(lora_workers.llama(1), 2, (x,))
     dora = prepare(_dora(), (x,))  # captured once for both checks
@@ -142,6 +144,10 @@ def test_dora_split_with_its_base_layers():
     *activations, bucket = backward
     assert activations == lora_backward[:-1] and bucket[0] == lora_backward[-1][0] == "all_reduce"
     assert bucket[1][0] == lora_backward[-1][1][0] + 2 * 64  # the row-split layers' magnitudes' shares
+    # under bfloat16 autocast the output is bfloat16 and the norms float32: each all-reduced on its own, exact
+    report, forward, _ = checked(dora, 2, (x,), mixed_precision=MixedPrecision())
+    assert report.exact, str(report)
+    assert ("all_reduce", (64,)) in forward
 
 
 @pytest.mark.slow

@@ -7,7 +7,7 @@ followed by a copy of every rider, so each rank receives its part summed and the
 
 Backward, the carrier's gradient is as its reduction's alone (identity after an all-reduce, an all-gather after a
 reduce-scatter). The riders are read only through a ``detach`` (the planner joins no other): no gradient reaches
-them, and none is returned.
+them, and none is returned. A rider of another dtype than the carrier (under autocast) is all-reduced on its own.
 """
 
 from __future__ import annotations
@@ -75,9 +75,15 @@ class JoinedReduction(nn.Module):
         self.comm, self.split = comm, split
 
     def forward(self, x, *riders):
+        # a rider of another dtype (float32 norms beside a bfloat16 output under autocast) is all-reduced on its
+        # own: a side-by-side sum would cast one of them
+        joined = [r for r in riders if r.dtype == x.dtype]
         if self.split is None:
-            return _JoinedReduce.apply(self.comm, x, *riders)
-        return _JoinedReduceScatter.apply(self.comm, self.split, x, *riders)
+            out = list(_JoinedReduce.apply(self.comm, x, *joined))
+        else:
+            out = list(_JoinedReduceScatter.apply(self.comm, self.split, x, *joined))
+        summed = iter(out[1:])
+        return (out[0], *[next(summed) if r.dtype == x.dtype else self.comm.all_reduce(r.detach()) for r in riders])
 
 
 def reduce_with_riders(carrier: fx.Node, riders: list[fx.Node], module: nn.Module, add_module,
