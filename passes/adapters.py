@@ -94,6 +94,23 @@ def adapter_adds(graph: fx.Graph, adapters: dict[str, Adapter]) -> set[str]:
     return out
 
 
+def adapter_reads(graph: fx.Graph, adapters: dict[str, Adapter], bases: set[str]) -> set[str]:
+    """The nodes by which the adapters on ``bases`` read their layer's input: each one's ``A`` and the dropout and
+    casts before it (read by it alone). A choice made from where a value goes (``vocab.feeds_only_heads``) counts
+    them as the base's reading."""
+    nodes = {n.name: n for n in graph.nodes}
+    out = set()
+    for adapter in adapters.values():
+        if adapter.base not in bases:
+            continue
+        at = nodes[adapter.down]
+        out.add(at.name)
+        while isinstance(at.args[0], fx.Node) and at.args[0].target in _PASS_THROUGH and _only_reader(at.args[0]) is at:
+            at = at.args[0]
+            out.add(at.name)
+    return out
+
+
 def _added_base(node: fx.Node, by_node: dict[str, Projection]) -> fx.Node | None:
     """The base projection's output that an adapter's output is added to: the add's other operand, or the sum of
     earlier adapters added to it (several adapters on one layer add one after the other)."""

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from typing import Protocol
 
 import sympy
-from autotp.passes.adapters import Adapter, adapter_adds, find_adapters
+from autotp.passes.adapters import Adapter, adapter_adds, adapter_reads, find_adapters
 from autotp.passes.embedding_adapters import EmbeddingAdapter, find_embedding_adapters
 from autotp.passes.choices import kept_by_choice
 from autotp.passes.graph import grad_nodes, sizes, trainable_attrs
@@ -144,7 +144,8 @@ class Analysis:
         region search and the planner)."""
         heads = self.vocab.heads if self.vocab else ()
         adds = frozenset(adapter_adds(self.graph, self.adapters)) if heads else frozenset()
-        found = {n: kept_by_choice(self.nodes[n], self.projections, heads, adds) for n in self.projections}
+        reads = frozenset(adapter_reads(self.graph, self.adapters, set(heads)))
+        found = {n: kept_by_choice(self.nodes[n], self.projections, heads, adds, reads) for n in self.projections}
         return {n: why for n, why in found.items() if why}
 
     def propagate_placements(self, placements: Mapping[str, Placement], tp: int, sequence_parallel: bool = False,

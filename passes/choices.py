@@ -39,10 +39,11 @@ def _among_constant(topk: fx.Node) -> bool:
 
 
 def kept_by_choice(node: fx.Node, projections: dict[str, Projection], heads: tuple[str, ...],
-                   adapter_adds: frozenset = frozenset()) -> str | None:
+                   adapter_adds: frozenset = frozenset(), adapter_reads: frozenset = frozenset()) -> str | None:
     """Why the projection ``node`` is kept whole on purpose, or None when it should be split if it can
-    (``adapter_adds``: where LoRA adapters' outputs join their bases', ``vocab.feeds_only_heads``)."""
-    if heads and feeds_only_heads(node, projections, heads, adapter_adds):
+    (``adapter_adds``: where LoRA adapters' outputs join their bases'; ``adapter_reads``: the nodes by which the
+    heads' adapters read the heads' input; ``vocab.feeds_only_heads``)."""
+    if heads and feeds_only_heads(node, projections, heads, adapter_adds, adapter_reads):
         return HEAD_TRANSFORM
     if routes(node):
         return ROUTER

@@ -24,6 +24,7 @@ from torch import fx
 
 from autotp.passes.adapters import copy_before_down, find_adapters, weight_sum
 from autotp.passes.costs import expert_load
+from autotp.passes.dora_norms import scale_products
 from autotp.passes.graph import ArgPath, get_arg, is_tensor, meta_val, sizes, tensor_args
 from autotp.passes.projections import Projection
 from autotp.passes.propagation import Conversion
@@ -150,19 +151,21 @@ def biased_bases(adapters, nodes: dict[str, fx.Node], projections: dict[str, Pro
 def defer_reductions(order: list[fx.Node], reduced: dict[str, Operator], projections: dict[str, Projection],
                      layouts: dict, grad: set[str], consumed: set,
                      ups: frozenset[str] = frozenset(),
-                     biased: frozenset[str] = frozenset()) -> tuple[dict[str, str], list, set[str]]:
+                     biased: frozenset[str] = frozenset(),
+                     stops: frozenset[str] = frozenset()) -> tuple[dict[str, str], list, set[str]]:
     """Where each deferrable ``g`` of ``reduced`` moves: {node whose ``g`` moves: node after which it runs},
     the (node, path, step) edges of whole operands that must be read through ``f`` or added by one rank (``ONCE``)
     (``consumed``: the edges that already have a conversion, whose operands are not whole as read), and every node
     holding a partial sum. A ``g`` moves past a whole addend (added once) only where that pays: where the sum
     joins other reductions after it, or is all-reduced smaller than it is there (not past a residual add, which
     would only move the all-reduce). ``biased``: projections with a bias whose ``g`` may move too (``_deferrable``);
-    the bias of each that moves is added by one rank (an ``ONCE`` edge among those returned)."""
+    the bias of each that moves is added by one rank (an ``ONCE`` edge among those returned). ``stops``: nodes no
+    ``g`` moves past (DoRA's output scales, ``dora_norms``)."""
     nodes = {n.name: n for n in order}
     unpaid: set[str] = set()
     while True:
         moved, copies, chain, gathered, onces = _deferred(order, reduced, projections, layouts, grad, consumed, unpaid,
-                                                          ups, biased)
+                                                          ups, biased, stops)
         ends = {n: moved.get(next(iter(before)), n) for n, (before, _) in onces.items()}
         # an addend after the last reduction joined the sum, and before nothing smaller: the g may stay before it
         more = {n for n, (before, held) in onces.items()
@@ -180,7 +183,7 @@ def _smaller(node: fx.Node, than: fx.Node) -> bool:
 
 
 def _deferred(order, reduced, projections, layouts, grad, consumed, unpaid: set[str], ups=frozenset(),
-              biased=frozenset()):
+              biased=frozenset(), stops=frozenset()):
     """``defer_reductions``'s walk, adding no whole addend once at the nodes ``unpaid``; also the reductions each
     chain gathers (by the node it ends at), and by each node adding a whole value once, the reductions its
     partial operand gathers and that operand."""
@@ -192,7 +195,8 @@ def _deferred(order, reduced, projections, layouts, grad, consumed, unpaid: set[
     chain, copies = set(partial), []
     for node in order:
         held = [a for a in node.all_input_nodes if a.name in partial]
-        if not held or any(len(_readers(a)) != 1 for a in held) or layouts.get(node.name) is not None:
+        if not held or any(len(_readers(a)) != 1 for a in held) or layouts.get(node.name) is not None \
+                or node.name in stops:
             continue
         once = added_once(node, partial) if node.name not in unpaid else None
         whole = [once] if once is not None else linear_in(node, partial, ups)
@@ -271,7 +275,7 @@ def carry_partial_sums(prop, order: list[fx.Node], projections: dict[str, Projec
     biased = biased_bases(adapters, nodes, projections, consumed)
     ups = frozenset(u for u, a in adapters.items() if _deferrable(a.base, nodes, projections, biased))
     moved, copies, chain = defer_reductions(order, prop.reduced, projections, prop.layouts, grad, consumed, ups,
-                                            biased)
+                                            biased, scale_products(order[0].graph, adapters, projections) if order else frozenset())
     for source, end in moved.items():
         del prop.reduced[source]
         prop.reduced[end] = Operator.G

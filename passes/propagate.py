@@ -29,6 +29,7 @@ from autotp.passes.graph import (
 from autotp.passes.adapter_sequence import carry_sequence_sums
 from autotp.passes.sequence_flat import gather_into_flat_regions, reduce_when_unflattened, unflattened
 from autotp.passes.partial import carry_partial_sums
+from autotp.passes.dora_norms import join_dora_norms
 from autotp.passes.placement import Layout, PlacementKind, Shard
 from autotp.passes.embedding_adapters import split_rows_lookup
 from autotp.passes.expert_banks import one_expert
@@ -424,4 +425,6 @@ def propagate(graph: fx.Graph, projections: Mapping[str, Projection], embeddings
     elif sequence and not (windowed or auto_rows):  # but adapters join their base's all-gather and reduce-scatter
         gather_into_flat_regions(result, walker.index.nodes)
         carry_sequence_sums(result, walker.index.order, projections, grad)
+    if not (windowed or auto_rows) and tp > 1:  # DoRA's norms ride in their layer's reduction
+        join_dora_norms(result, walker.index.order, projections, grad)
     return result

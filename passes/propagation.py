@@ -59,6 +59,8 @@ class Propagation:
     would write to a gathered copy)."""
     deferred: dict[str, str] = field(default_factory=dict)
     """Nodes whose partial sums are reduced later (``partial.carry_partial_sums``): node -> node after which."""
+    riders: dict[str, list[str]] = field(default_factory=dict)
+    """Partial sums reduced in another node's reduction, side by side with it (``dora_norms``): node -> riders."""
 
     def steps_of(self, operator: Operator) -> list[Conversion]:
         """Conversions that include a step of ``operator``."""

@@ -75,14 +75,16 @@ def find_vocab(graph: fx.Graph, projections: dict[str, Projection],
 
 
 def feeds_only_heads(node: fx.Node, projections: dict[str, Projection], heads: tuple[str, ...],
-                     adapter_adds: frozenset = frozenset()) -> bool:
+                     adapter_adds: frozenset = frozenset(), adapter_reads: frozenset = frozenset()) -> bool:
     """Whether ``node``'s value goes, alone, straight into an LM head: a chain of single readers whose other
     inputs are parameters (an activation, a norm), as BERT's head transform. Splitting it would gather its
     output again before the vocabulary-split head, which costs more than it saves (Megatron keeps it whole too).
     An add in ``adapter_adds`` (a LoRA adapter's output joining its base's) is passed through: the adapted
-    transform is kept whole as the base is, so its adapter adds no collective."""
+    transform is kept whole as the base is, so its adapter adds no collective. A reader in ``adapter_reads`` (an
+    adapter on the head reading the head's input: LoRA on ``lm_head``, on BERT's ``decoder``) is the head's own: the
+    value still goes only into the head, whose adapter reads it whole as the head does."""
     for _ in range(16):
-        readers = [u for u in node.users if u.users or u.op == "output"]  # checks with no output do not count
+        readers = [u for u in node.users if (u.users or u.op == "output") and u.name not in adapter_reads]
         if len(readers) != 1:
             return False
         reader = readers[0]

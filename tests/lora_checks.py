@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import autotp
+from autotp.checker import Prepared, check_prepared
 
 _COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_reduce_started", "all_gather_started",
                 "all_to_all", "ring_shift_started")
@@ -35,8 +36,12 @@ def _counting(modules, comms, log: list) -> None:
 
 def checked(model, tp: int, inputs, **settings) -> tuple[autotp.CheckReport, list, list]:
     """``autotp.check`` of ``model`` at ``tp``, and the (collective, shape) of each collective rank 0 ran in the
-    forward and in the backward."""
+    forward and in the backward. ``model`` may be a ``checker.prepare``d capture (``inputs`` then unused), to check
+    one capture at several settings."""
     log: list = []
-    report = autotp.check(model, tp=tp, example_inputs=inputs, modules_hook=lambda m, c: _counting(m, c, log),
-                          **settings)
+    hook = lambda m, c: _counting(m, c, log)  # noqa: E731
+    if isinstance(model, Prepared):
+        report = check_prepared(model, tp, modules_hook=hook, **settings)
+    else:
+        report = autotp.check(model, tp=tp, example_inputs=inputs, modules_hook=hook, **settings)
     return report, [e[1:] for e in log if e[0] == "forward"], [e[1:] for e in log if e[0] == "backward"]

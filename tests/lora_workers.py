@@ -133,7 +133,40 @@ def training(rank: int, world: int, tp: int, pp: int, dropout: float, dp: int = 
     frozen_params = sum(1 for p in pm.parameters() if not p.requires_grad)
     return {"losses": losses, "ref_losses": ref_losses, "norms": norms, "worst": worst, "moved": moved,
             "frozen_grads": frozen_grads, "frozen_state": frozen_state, "frozen_params": frozen_params,
-            "rank": dist.get_rank(), "reduces": reduces, "bucket": bucket_bytes(pm), "trained": trained_bytes(pm)}
+            "rank": dist.get_rank(), "reduces": reduces, "bucket": bucket_bytes(pm), "trained": trained_bytes(pm),
+            **({"ia3": other_steps("ia3", tp, pp), "dora": other_steps("dora", tp, pp)}
+               if pp > 1 and dp == 1 and not dropout else {})}
+
+
+def other_steps(kind: str, tp: int, pp: int) -> dict:
+    """AdamW steps of IA3 (``kind`` "ia3") or DoRA ("dora") on all seven projections at tp x pp against one
+    process: the worst parameter difference after them, how far the adapters moved, and the bytes of each
+    all-reduce of the first step."""
+    import peft
+
+    config = peft.IA3Config(target_modules=TARGETS, feedforward_modules=["down_proj"]) if kind == "ia3" else \
+        peft.LoraConfig(r=RANK, target_modules=TARGETS, use_dora=True)
+    model = peft.get_peft_model(llama(), config)
+    torch.manual_seed(1)
+    for p in (p for p in model.parameters() if p.requires_grad):
+        torch.nn.init.normal_(p, mean=1.0 if kind == "ia3" else 0.0, std=0.05)
+    ref, start = copy.deepcopy(model).train(), copy.deepcopy(model.state_dict())
+    x, y = models.tokens(4, 8, 1), models.tokens(4, 8, 2)
+    pm = autotp.parallelize(model.train(), tp=tp, pp=pp, example_inputs=(x,), quiet=True)
+    opt = torch.optim.AdamW([p for p in pm.parameters() if p.requires_grad], **ADAM)
+    ref_opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], **ADAM)
+    reduces = None
+    for _ in range(STEPS):
+        with CommBytes() as seen:
+            pm.step(x, target=y, loss_fn=_loss)
+        reduces = [n for what, n in seen.events if what == "all_reduce"] if reduces is None else reduces
+        opt.step(), opt.zero_grad()
+        _loss(ref(x), y).backward()
+        ref_opt.step(), ref_opt.zero_grad()
+    full, want = pm.full_state_dict(), ref.state_dict()
+    worst = max((full[k] - v).abs().max().item() for k, v in want.items() if v.is_floating_point())
+    moved = max((want[k] - start[k]).abs().max().item() for k in want if "ia3_l" in k or "lora_" in k)
+    return {"worst": worst, "moved": moved, "reduces": reduces}
 
 
 def trained_bytes(pm) -> int:

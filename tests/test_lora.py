@@ -99,6 +99,13 @@ def test_clipped_adamw_steps_exact_and_frozen_base_untouched(tp, pp, dp, dropout
         if dp == 1:  # a replica's loss is its slice's
             assert got == pytest.approx(r["ref_losses"][:len(got)], rel=1e-5, abs=1e-6) if got else True
     assert any(r["losses"][0] is not None for r in results)
+    for r in results if pp > 1 and dp == 1 and not dropout else ():  # IA3 and DoRA on all seven projections
+        for kind in ("ia3", "dora"):
+            got = r[kind]
+            assert got["worst"] < 1e-5 and got["moved"] > 1e-3, (kind, got)
+            # none smaller than an activation (DoRA's bucket of the stage's adapters is larger): no vector's gradient
+            # (IA3's o_proj's, DoRA's row-split magnitudes) summed on its own, no DoRA norm all-reduced on its own
+            assert _by_size([("all_reduce", n) for n in got["reduces"]], 2 * 8)[1] == 0, (kind, got)
 
 
 def test_peft_save_load_merge_and_generate(tmp_path):
@@ -150,31 +157,38 @@ def test_zoo_sample_with_lora_on_every_linear_layer(name):
     assert not adapter_forward  # no adapter all-reduced on its own
 
 
-def test_ia3_split_with_its_base_and_dora_exact():
-    """IA3's scaling vectors split with their base layers' features at the base's collectives; DoRA is exact (split
-    with its base layers: ``test_lora_embed.test_dora_split_with_its_base_layers``)."""
+def test_ia3_split_with_its_base_at_the_base_models_collectives():
+    """IA3 on all seven projections (peft's scaling of ``down_proj``'s input, the others' outputs): the vectors split
+    with their base layers' features, exact, counted at run time in the checker. Forward: the base model's
+    all-reduces. Backward: the base's, less the first (the frozen embedding needs no gradient); a row-split
+    layer's output vector (``o_proj``'s) multiplies the all-reduced output, its gradient whole on every rank. Under
+    sequence parallelism that vector multiplies this rank's tokens and its share is the bucket's ``[64]``. DoRA:
+    ``test_lora_embed.test_dora_split_with_its_base_layers``."""
     import peft
     import torch
 
+    from autotp.checker import prepare
+    from tests.lora_checks import checked
+
     x = models.tokens(2, 8, 1)
-    ia3 = peft.get_peft_model(lora_workers.llama(1), peft.IA3Config(
-        target_modules=["k_proj", "v_proj", "down_proj"], feedforward_modules=["down_proj"]))
-    dora = peft.get_peft_model(lora_workers.llama(1), peft.LoraConfig(
-        r=4, target_modules=lora_workers.TARGETS, use_dora=True))
+    ia3 = peft.get_peft_model(lora_workers.llama(1), peft.IA3Config(target_modules=lora_workers.TARGETS,
+                                                                    feedforward_modules=["down_proj"]))
     torch.manual_seed(1)
-    for model, mean in ((ia3, 1.0), (dora, 0.0)):
-        for p in (p for p in model.parameters() if p.requires_grad):
-            torch.nn.init.normal_(p, mean=mean, std=0.05)
-    report = autotp.check(ia3, tp=2, example_inputs=(x,))
+    for p in (p for p in ia3.parameters() if p.requires_grad):
+        torch.nn.init.normal_(p, mean=1.0, std=0.05)
+    ia3 = prepare(ia3, (x,))
+    _, base_forward, base_backward = checked(lora_workers.llama(1), 2, (x,))
+    report, forward, backward = checked(ia3, 2, (x,))
     assert report.exact, str(report)
     at = "base_model.model.model.layers.0."
     assert repr(report.plan.placements[at + "self_attn.k_proj.ia3_l.default"]) == "colwise(dim=0)"
     assert repr(report.plan.placements[at + "mlp.down_proj.ia3_l.default"]) == "colwise(dim=1)"
-    base = autotp.plan(lora_workers.llama(1), tp=2, example_inputs=(x,))
-    # the base's, less the first f: the frozen embedding needs no gradient
-    assert len(report.plan.collectives) == len(base.collectives) - 1
-    report = autotp.check(dora, tp=2, example_inputs=(x,))
+    assert repr(report.plan.placements[at + "self_attn.o_proj.ia3_l.default"]) == "replicated"
+    assert forward == base_forward and backward == base_backward[1:]
+    report, forward, backward = checked(ia3, 2, (x,), sequence_parallel=True)
     assert report.exact, str(report)
+    assert [op for op, _ in forward] == ["all_gather", "reduce_scatter"] * 2 + ["all_gather"]
+    assert backward[-1] == ("all_reduce", (64,)) and all(op != "all_reduce" for op, _ in backward[:-1])
 
 
 def test_a_hand_written_lora_is_found_from_the_graph_and_a_plain_low_rank_mlp_is_not():

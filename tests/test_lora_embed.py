@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-import autotp
-
 pytest.importorskip("peft")
 
+from autotp.checker import prepare
+from autotp.mixed_precision import MixedPrecision
 from tests import lora_embed_workers, lora_workers, models
 from tests.distributed import run_on_ranks
 from tests.lora_checks import checked
@@ -91,22 +91,34 @@ def test_embedding_adapter_and_modules_to_save_train_exactly_and_round_trip_peft
     assert result["dora"]["worst"] < 1e-5 and result["dora"]["moved"] > 1e-4, result  # DoRA's AdamW steps too
 
 
-def test_dora_split_with_its_base_layers():
-    """DoRA (``use_dora=True``) split as LoRA is, its magnitude with the base's outputs: exact (tp=4: slow).
-    A column-split layer's row norms are local (no collective); a row-split layer's sum of squares over its split
-    inputs is all-reduced (an ``[out]`` vector, forward only), its output ``v * (W x + s B A x)`` all-reduced once
-    as the base's, and its magnitude's gradient share summed in backward (``[1, out]``)."""
+def _dora():
+    """The one-layer tiny Llama with DoRA on all seven projections, every trained tensor drawn at random."""
     import peft
-    import torch
 
-    x = models.tokens(2, 8, 1)
-    _, base_forward, base_backward = checked(lora_workers.llama(1), 2, (x,))
     model = peft.get_peft_model(lora_workers.llama(1), peft.LoraConfig(r=4, target_modules=lora_workers.TARGETS,
                                                                        use_dora=True))
     torch.manual_seed(1)
     for p in (p for p in model.parameters() if p.requires_grad):
         torch.nn.init.normal_(p, std=0.05)
-    report, forward, backward = checked(model, 2, (x,))
+    return model
+
+
+def _numel(shape) -> int:
+    return int(torch.Size(shape).numel())
+
+
+def test_dora_split_with_its_base_layers():
+    """DoRA (``use_dora=True``) split as LoRA is, its magnitude with the base's outputs: exact, at the base model's
+    collectives (counted at run time in the checker). A column-split layer's row norms are local; a row-split
+    layer's sums of squares over its split inputs ride in the base's one all-reduce (``[out]`` more), and its
+    output ``v * (W x + s B A x)`` is scaled after that sum, so its magnitude's gradient is whole on every rank: no
+    backward collective. Under sequence parallelism the sums of squares ride in the reduce-scatter (a copy in every
+    rank's piece), and the magnitude's gradient share, over this rank's tokens, in the end-of-backward bucket.
+    Under bfloat16 autocast (a bfloat16 output beside float32 norms) each is all-reduced on its own."""
+    x = models.tokens(2, 8, 1)
+    _, base_forward, base_backward = checked(lora_workers.llama(1), 2, (x,))
+    dora = prepare(_dora(), (x,))  # captured once for both checks
+    report, forward, backward = checked(dora, 2, (x,))
     assert report.exact, str(report)
     at = "base_model.model.model.layers.0."
     placed = {k.removeprefix(at): repr(v) for k, v in report.plan.placements.items() if k.startswith(at)}
@@ -116,25 +128,40 @@ def test_dora_split_with_its_base_layers():
         assert placed[f"{layer}.lora_A.default.weight"] == "replicated"
     for layer in ("self_attn.o_proj", "mlp.down_proj"):
         assert placed[f"{layer}.base_layer.weight"] == placed[f"{layer}.lora_A.default.weight"] == "rowwise(dim=1)"
-    rows = 2
-    assert sorted(forward) == sorted([*base_forward, *[("all_reduce", (64,))] * rows])
-    *rest, bucket = backward
+    # each of the base's two all-reduces (o_proj's and down_proj's outputs) carries that layer's [64] sums
+    assert [(op, (_numel(shape) + 64,)) for op, shape in base_forward] == forward
+    assert len([c for c in report.plan.collectives if c.direction.value == "forward"]) == len(forward)
+    *activations, bucket = backward  # the first layer's input needs no gradient: the bucket takes its place
+    assert activations == base_backward[1:] and len(backward) == len(base_backward)
     assert bucket[0] == "all_reduce" and len(bucket[1]) == 1
-    assert sorted(rest) == sorted([*base_backward[1:], *[("all_reduce", (1, 64))] * rows])
+
+    # sequence parallelism: as plain LoRA (at the base's collectives, ``test_lora``), the reduce-scatters wider
+    _, lora_forward, lora_backward = checked(lora_workers.adapted(layers=1), 2, (x,), sequence_parallel=True)
+    report, forward, backward = checked(dora, 2, (x,), sequence_parallel=True)
+    assert report.exact, str(report)
+    widened = [(op, (_numel(shape) + 64,) if op == "reduce_scatter" else shape) for op, shape in lora_forward]
+    assert forward == widened
+    *activations, bucket = backward
+    assert activations == lora_backward[:-1] and bucket[0] == lora_backward[-1][0] == "all_reduce"
+    assert bucket[1][0] == lora_backward[-1][1][0] + 2 * 64  # the row-split layers' magnitudes' shares
+    # under bfloat16 autocast the output is bfloat16 and the norms float32: each all-reduced on its own, exact
+    report, forward, _ = checked(dora, 2, (x,), mixed_precision=MixedPrecision())
+    assert report.exact, str(report)
+    assert ("all_reduce", (64,)) in forward
 
 
 @pytest.mark.slow
 def test_dora_exact_at_tp_4():
-    """Past the 2 KV heads: K/V's DoRA layers held by two ranks per chunk."""
-    import peft
-    import torch
-
-    model = peft.get_peft_model(lora_workers.llama(1), peft.LoraConfig(r=4, target_modules=lora_workers.TARGETS,
-                                                                       use_dora=True))
-    torch.manual_seed(1)
-    for p in (p for p in model.parameters() if p.requires_grad):
-        torch.nn.init.normal_(p, std=0.05)
-    report = autotp.check(model, tp=4, example_inputs=(models.tokens(2, 8, 1),))
+    """Past the 2 KV heads (K/V's DoRA layers held by two ranks per chunk): exact, forward at the base model's
+    all-reduces, each ``[out]`` wider, backward at the base's count; with sequence parallelism exact."""
+    x = models.tokens(2, 8, 1)
+    _, base_forward, base_backward = checked(lora_workers.llama(1), 4, (x,))
+    dora = prepare(_dora(), (x,))
+    report, forward, backward = checked(dora, 4, (x,))
+    assert report.exact, str(report)
+    assert [(op, (_numel(shape) + 64,)) for op, shape in base_forward] == forward
+    assert len(backward) == len(base_backward)
+    report, _, _ = checked(dora, 4, (x,), sequence_parallel=True)
     assert report.exact, str(report)
 
 
@@ -184,20 +211,53 @@ class _HeadTransformed(torch.nn.Module):
 
 
 def test_an_adapted_head_transform_stays_whole_as_the_base_keeps_it():
-    """LoRA on every linear layer but the vocabulary head (as BERT's ``all-linear``): the head transform the base
-    keeps whole (it feeds only the vocabulary-split head) stays whole with its adapter, so forward makes the base
-    model's collectives."""
+    """LoRA on every linear layer but the vocabulary head (as BERT's ``all-linear``), then on the head too (BERT's
+    ``decoder``: its adapter reads the head's input beside it): the head transform the base keeps whole (it feeds
+    only the vocabulary-split head) stays whole with its adapter, the head's adapter split as a column-split
+    layer's (``A`` whole, ``B`` by the vocabulary), so forward makes the base model's collectives."""
     import peft
 
     torch.manual_seed(0)
     x = models.tokens(2, 8, 1)
-    base = _HeadTransformed()
-    _, base_forward, _ = checked(base, 2, (x,), vocab="split")
-    model = peft.get_peft_model(base, peft.LoraConfig(r=4, target_modules=["up", "down", "transform"]))
+    _, base_forward, base_backward = checked(_HeadTransformed(), 2, (x,), vocab="split")
+    for targets in (["up", "down", "transform"], ["up", "down", "transform", "decoder"]):
+        model = peft.get_peft_model(_HeadTransformed(), peft.LoraConfig(r=4, target_modules=targets))
+        for key, p in model.named_parameters():
+            if "lora_B" in key:
+                torch.nn.init.normal_(p, std=0.05)
+        report, forward, backward = checked(model, 2, (x,), vocab="split")
+        assert report.exact, (targets, str(report))
+        placed = {k.removeprefix("base_model.model."): repr(v) for k, v in report.plan.placements.items()}
+        assert placed["transform.base_layer.weight"] == "replicated", targets
+        assert forward == base_forward, targets
+        assert len(backward) <= len(base_backward), targets
+    assert placed["decoder.lora_A.default.weight"] == "replicated"
+    assert placed["decoder.lora_B.default.weight"] == placed["decoder.base_layer.weight"] == "vocab(dim=0)"
+
+
+def test_lora_on_a_tied_vocabulary_head():
+    """LoRA on ``lm_head`` as well as every projection, the head tied to the token embedding: the head's adapter
+    split as the vocabulary head is (``B`` by the vocabulary), exact, forward at the base model's collectives and
+    backward at most the base's (counted at run time in the checker)."""
+    import peft
+    import transformers
+
+    config = transformers.LlamaConfig(vocab_size=models.VOCAB, hidden_size=64, intermediate_size=128,
+                                      num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                                      tie_word_embeddings=True)
+    torch.manual_seed(0)
+    x = models.tokens(2, 8, 1)
+    _, base_forward, base_backward = checked(transformers.LlamaForCausalLM(config), 2, (x,), vocab="split")
+    torch.manual_seed(0)
+    model = peft.get_peft_model(transformers.LlamaForCausalLM(config),
+                                peft.LoraConfig(r=4, target_modules=[*lora_workers.TARGETS, "lm_head"]))
     for key, p in model.named_parameters():
         if "lora_B" in key:
             torch.nn.init.normal_(p, std=0.05)
-    report, forward, _ = checked(model, 2, (x,), vocab="split")
+    report, forward, backward = checked(model, 2, (x,), vocab="split")
     assert report.exact, str(report)
-    assert repr(report.plan.placements["base_model.model.transform.base_layer.weight"]) == "replicated"
+    head = "base_model.model.lm_head."
+    assert repr(report.plan.placements[head + "lora_B.default.weight"]) == "vocab(dim=0)"
+    assert repr(report.plan.placements[head + "lora_A.default.weight"]) == "replicated"
     assert forward == base_forward
+    assert len(backward) <= len(base_backward)

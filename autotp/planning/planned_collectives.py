@@ -31,6 +31,7 @@ def planned_collectives(analysis: Analysis, prop: Propagation, split_banks=froze
              for reader, in_step in _readers_by_step(analysis, conv)
              for c in _collectives_of(analysis, step.operator, conv.source, reader, grad, in_step)]
     joined = {lookup for lookups in joined_lookups(analysis, prop).values() for lookup in lookups}
+    joined |= {rider for riders in prop.riders.values() for rider in riders}  # in their carrier's (``dora_norms``)
     found += [(order[node], c) for node, operator in prop.reduced.items() if node not in joined  # in its base's
               for c in _collectives_of(analysis, operator, node, node, grad)]
     found += [(order[node], c) for node, c in expert_chains(analysis, split_banks, prop.tp, ep)]

@@ -34,6 +34,7 @@ from autotp.rewrite.grad_bucket import GradSum
 from autotp.rewrite.dtypes import drop_dtype_checks
 from autotp.passes.embedding_adapters import joined_lookups, lookup_rows
 from autotp.rewrite.joined_lookups import reduce_joined
+from autotp.rewrite.joined_sums import JoinedReduction, reduce_with_riders
 from autotp.passes.grouped_banks import expert_placements
 from autotp.rewrite.expert_dispatch import dispatch_experts
 from autotp.rewrite.loop_dispatch import dispatch_loops
@@ -255,6 +256,11 @@ class _Surgeon:
         for user in users:
             user.replace_input_with(node, out)
 
+    def reduce_joined(self, node: fx.Node, riders: list[fx.Node], shard) -> None:
+        """The reduction after ``node`` (an all-reduce, or a reduce-scatter onto ``shard``) carrying ``riders``' sums
+        (``rewrite.joined_sums``)."""
+        reduce_with_riders(node, riders, JoinedReduction(self.comm, split_args(shard) if shard else None), self.add)
+
     def row(self, node: fx.Node, proj: Projection, reduction: Operator, shard) -> None:
         bias = None
         if node.target is aten.addmm.default:
@@ -303,8 +309,12 @@ class _Surgeon:
             self.convert(conv)
         joined = joined_lookups(self.analysis, prop)
         partners = {lookup for lookups in joined.values() for lookup in lookups}
+        partners |= {rider for riders in prop.riders.values() for rider in riders}  # reduced with their carrier's
         for name, reduction in prop.reduced.items():
             node, shard = self.nodes[name], prop.layouts.get(name)  # a shard: reduce-scattered onto it
+            if name in prop.riders:
+                self.reduce_joined(node, [self.nodes[r] for r in prop.riders[name]], shard)
+                continue
             if name in partners:
                 continue  # an adapter's lookup, reduced with its base lookup's
             rows = lookup_rows(self.analysis, name)

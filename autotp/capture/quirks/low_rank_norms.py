@@ -8,13 +8,14 @@ same product, without the identity) and ``sqrt(sum(x * x, dim))`` (the same norm
 or ``B`` is, and a sum over a split dim is a partial sum one all-reduce completes (``rules_compute.reduction``):
 
 - on a column-split base each rank holds whole rows: its rows' norms are local;
-- on a row-split base each row's sum of squares is a partial sum over the ranks' input features: an all-reduce of
-  an ``[out]`` vector, in the forward only (the norm is detached).
+- on a row-split base each row's sum of squares is a partial sum over the ranks' input features, summed in the
+  forward only (the norm is detached), side by side with the layer's output in its one all-reduce
+  (``passes.dora_norms``).
 
 peft adds DoRA's output to the base layer's as ``W x + (v - 1) * W x + v * s * B(A(x))`` (``v``: magnitude over
 norm), reading ``W x`` twice; written as DoRA's own ``v * (W x + s * B(A(x)))`` the base's output has one reader,
-so a row-split base's partial sum carries through the sum and the product into the base's one all-reduce
-(``passes.partial``), the adapter adding no all-reduce of activations.
+so a row-split base's partial sum and its adapter's are added before the base's one all-reduce (``passes.partial``),
+the adapter adding no all-reduce of activations; ``v`` applies after it (``passes.dora_norms``).
 
 The values are those of the original ops up to float rounding (the same products, summed in another order).
 """
@@ -122,7 +123,7 @@ def write_low_rank_norms(gm: fx.GraphModule) -> int:
             done += 1
         elif (dora := _dora_sum(node)) is not None:
             # ``v * (base + s * low_rank)``, DoRA's own formula: the base's output has one reader, so a row-split
-            # base's partial sum carries through the sum and the product by ``v`` into one all-reduce
+            # base's partial sum and the adapter's are all-reduced once, ``v`` applied to the sum
             v, base, low_rank, s = dora
             _replace(graph, node, [(aten.mul.Tensor, lambda _: (low_rank, s)),
                                    (aten.add.Tensor, lambda value: (base, value)),
