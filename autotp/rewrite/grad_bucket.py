@@ -163,6 +163,9 @@ class _GradSum(torch.autograd.Function):
         if not (param.is_leaf and param.requires_grad):  # not a parameter as stored (a cast): sum the share here
             return ctx.bucket.comm.all_reduce(grad), None, None, None
         now = ctx.bucket.add(ctx.key, param, grad)
+        if now is not None and isinstance(given, DTensor):  # autograd hands a DTensor parameter a DTensor gradient
+            now = DTensor.from_local(now, given.device_mesh, given.placements, run_check=False, shape=given.shape,
+                                     stride=given.stride())
         # zeros rather than None: a module's backward hook between the parameter and here would make its own plain
         # zeros of a DTensor parameter's gradient; these are of the parameter's type (and start its ``.grad``)
         return (now if now is not None else torch.zeros_like(given)), None, None, None
