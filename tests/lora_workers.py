@@ -141,10 +141,12 @@ def training(rank: int, world: int, tp: int, pp: int, dropout: float, dp: int = 
 
 def trainings(rank: int, world: int, tp: int, pp: int, dropout: float, dp: int, modes: tuple[str, ...]) -> dict:
     """``training`` under each data-parallel mode of ``modes``, in one group of ranks; with fsdp at pp=1,
-    ``fsdp_cast`` too."""
+    ``fsdp_cast`` too; at tp=2 x pp=2, ``pipeline_counts`` too."""
     out = {"runs": [training(rank, world, tp, pp, dropout, dp, mode) for mode in modes]}
     if "fsdp" in modes and pp == 1:
         out["cast"] = fsdp_cast(tp, dp)
+    if pp == 2 and tp == 2 and dp == 1:
+        out["pipelines"] = pipeline_counts(rank, world)
     return out
 
 
@@ -306,3 +308,33 @@ def biased_rows(rank: int, world: int) -> dict:
 def sequence_parallel(rank: int, world: int) -> dict:
     """``against_one_process`` for the tiny Llama with LoRA on all seven projections, under sequence parallelism."""
     return against_one_process(adapted(), llama(), world, 64, sequence_parallel=True)
+
+
+PIPELINES = (("gpipe", 2), ("1f1b", 4))
+"""(schedule, microbatches) of ``pipeline_counts``."""
+
+
+def pipeline_counts(rank: int, world: int) -> list[dict]:
+    """At tp=2 x pp=2, for each of ``PIPELINES``: one ``pm.step`` of the adapted model, then an SGD step of learning
+    rate 1, against one process (the largest difference of any parameter, so of any gradient); the step's
+    collectives by kind and its all-reduces' bytes, and those of the base model's full fine-tune laid out alike;
+    whether this rank holds the first stage, this rank's bucket and one microbatch's activation in bytes."""
+    out = []
+    x, y = models.tokens(4, 8, 1), models.tokens(4, 8, 2)
+    for schedule, micro in PIPELINES:
+        model = adapted().train()
+        ref = copy.deepcopy(model)
+        settings = {"tp": 2, "pp": 2, "schedule": schedule, "microbatches": micro}
+        pm = autotp.parallelize(model, example_inputs=(x,), quiet=True, **settings)
+        with CommBytes() as seen:
+            pm.step(x, target=y, loss_fn=_loss)
+        torch.optim.SGD([p for p in pm.parameters() if p.requires_grad], lr=1.0).step()
+        _loss(ref(x), y).backward()
+        torch.optim.SGD([p for p in ref.parameters() if p.requires_grad], lr=1.0).step()
+        full = pm.full_state_dict()
+        worst = max((full[k] - v).abs().max().item() for k, v in ref.state_dict().items() if v.is_floating_point())
+        out.append({"schedule": schedule, "worst": worst, "kinds": kinds(seen.events),
+                    "reduces": [n for what, n in seen.events if what == "all_reduce"],
+                    "base_kinds": step_collectives(llama(), x, y, **settings), "first": pm.holds_first,
+                    "bucket": bucket_bytes(pm), "activation": len(x) // micro * 8 * 64 * 4})
+    return out

@@ -93,12 +93,31 @@ def test_clipped_adamw_steps_exact_and_frozen_base_untouched(tp, pp, dp, dropout
         for r in runs:
             _trained_exactly(r, tp, pp, dp, mode)
         assert any(r["losses"][0] is not None for r in runs)
+    for r in (r for r in results if "pipelines" in r):
+        for run in r["pipelines"]:
+            _pipeline_at_the_base_models_count(run)
     for r in (r for r in results if "cast" in r):
         # a policy casting FSDP's parameters keeps the whole matrices in its sharding: exact, each share summed
         # where it arrives (one all-reduce per adapted layer, 2 x 7, instead of the one bucket)
         bucketed = r["runs"][modes.index("fsdp")]["kinds"]["all_reduce"]
         cast = r["cast"]
         assert cast["worst"] < 1e-5 and cast["kinds"]["all_reduce"] == bucketed - 1 + 2 * len(lora_workers.TARGETS), r
+
+
+def _pipeline_at_the_base_models_count(r: dict) -> None:
+    """One rank's run of ``lora_workers.pipeline_counts``: exact; a step makes the base full fine-tune's
+    collectives. On the later stage the adapters' shares ride in the step's last all-reduce (its first layer's input
+    gradient in the rank's last backward): no bucket all-reduce of its own. On the first stage (its embedding frozen,
+    so one input all-reduce fewer per microbatch than the base's) the bucket stays, one all-reduce."""
+    assert r["worst"] < 1e-5, r
+    got, base = dict(r["kinds"]), dict(r["base_kinds"])
+    reduces, bucket = got.pop("all_reduce"), base.pop("all_reduce")
+    assert got == base, r
+    if r["first"]:
+        assert reduces < bucket and r["reduces"].count(r["bucket"]) == 1, r
+    else:
+        assert reduces == bucket and r["bucket"] not in r["reduces"], r
+        assert r["reduces"][-1] == r["activation"] + r["bucket"], r  # the last carries the shares
 
 
 def _trained_exactly(r: dict, tp: int, pp: int, dp: int, mode: str) -> None:
@@ -109,7 +128,8 @@ def _trained_exactly(r: dict, tp: int, pp: int, dp: int, mode: str) -> None:
     assert r["frozen_params"] > 0 and r["frozen_grads"] == [] and r["frozen_state"] == [], (mode, r)
     split = r["trained"] - r["bucket"]  # the split adapter parts: each tp rank's in its slot of the bucket
     riders = tp * split if dp > 1 and mode == "replicate" else 0
-    assert r["bucket"] > 0 and r["reduces"].count(r["bucket"] + riders) == 1, (mode, r)
+    carried = pp > 1 and dp == 1 and r["reduces"][-1] - r["bucket"] in r["reduces"]  # a later stage's last
+    assert r["bucket"] > 0 and (carried or r["reduces"].count(r["bucket"] + riders) == 1), (mode, r)
     assert lora_workers.RANK * 64 * 4 not in r["reduces"], (mode, r)  # no adapter summed on its own
     assert split not in r["reduces"], (mode, r)  # nor the split parts averaged on their own
     if mode == "fsdp":  # FSDP's all-gathers and reduce-scatters, and all-reduces: the base full fine-tune's
