@@ -15,9 +15,10 @@ of the step) carries them, and the bucket then makes no all-reduce of its own (`
 
 Over data parallelism (``replicate``) the bucket's group is the tp x dp ranks (with pipelines, those of one pipeline
 rank) and it divides by dp: the adapters' tp sum and dp average are one collective, and their split parts ride
-in it, each tp rank's in its own slot (``bucket_riders``). Under ``fsdp`` the parameter the
-graph reads is FSDP's unsharded copy, whose gradient FSDP reduce-scatters itself: there each share is summed where it
-arrives.
+in it, each tp rank's in its own slot (``bucket_riders``). Under ``fsdp`` the whole matrices are left out of FSDP's
+sharding and summed so too (the split parts are FSDP's); under a policy casting FSDP's parameters they stay in it, the
+graph reads FSDP's unsharded copy, whose gradient FSDP reduce-scatters itself, and each share is summed where it
+arrives (``immediate``).
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ class GradBucket:
         self.scale = 1.0
         """Multiplies the sum (1/dp when ``comm`` spans the data-parallel replicas too: their mean)."""
         self.immediate = False
-        """Sum each share where it arrives (under fsdp), as ``f`` on the weight would."""
+        """Sum each share where it arrives (under fsdp with a casting policy), as ``f`` on the weight would."""
         self.held = False
         """Wait for ``flush`` (a pipeline's schedule runs one backward per microbatch)."""
         self.backwards = 0

@@ -227,11 +227,12 @@ class DataParallel:
 
     def take_buckets(self, buckets, pipelined: bool, modules: Iterable[nn.Module] = ()) -> None:
         """Set up the ranks' end-of-backward gradient buckets (``rewrite.grad_bucket``) for the replicas: under fsdp
-        each share is summed where it arrives (FSDP reduce-scatters what the graph's unsharded parameter gets);
-        under ``replicate`` the bucket sums over the tp x dp ranks (the whole world; with pipelines, those of this
-        rank's stages) and divides by dp, so the adapters' tp sum and dp average are one all-reduce, and the replicas'
-        average leaves those parameters alone. ``pipelined``: the buckets are a pipeline's. The other trainable parameters
-        of ``modules`` (the adapters' split parts) ride in that all-reduce when small (``rewrite.bucket_riders``)."""
+        with a casting policy each share is summed where it arrives (FSDP reduce-scatters what the graph's unsharded
+        parameter gets); else (``replicate``, or fsdp leaving the whole matrices out: ``wrap``) the bucket sums over
+        the tp x dp ranks (the whole world; with pipelines, those of this rank's stages) and divides by dp, so the
+        adapters' tp sum and dp average are one all-reduce, and the replicas' average leaves those parameters alone.
+        ``pipelined``: the buckets are a pipeline's. Under ``replicate`` the other trainable parameters of
+        ``modules`` (the adapters' split parts) ride in that all-reduce when small (``rewrite.bucket_riders``)."""
         from autotp.rewrite.comm import TorchComm
 
         world, block = dist.get_world_size(), self.mesh.tp * self.size
