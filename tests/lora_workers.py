@@ -314,18 +314,21 @@ PIPELINES = (("gpipe", 2), ("1f1b", 4))
 """(schedule, microbatches) of ``pipeline_counts``."""
 
 
-def pipeline_counts(rank: int, world: int) -> list[dict]:
-    """At tp=2 x pp=2, for each of ``PIPELINES``: one ``pm.step`` of the adapted model, then an SGD step of learning
-    rate 1, against one process (the largest difference of any parameter, so of any gradient); the step's
-    collectives by kind and its all-reduces' bytes, and those of the base model's full fine-tune laid out alike;
-    whether this rank holds the first stage, this rank's bucket and one microbatch's activation in bytes."""
+def pipeline_counts(rank: int, world: int, layouts=PIPELINES, layers: int = 2) -> list[dict]:
+    """At tp=2 x pp=2, for each (schedule, microbatches) of ``layouts``: one ``pm.step`` of the adapted model (of
+    ``layers`` layers; above 2, a stage per layer), then an SGD step of learning rate 1, against one process (the
+    largest difference of any parameter, so of any gradient); the step's collectives by kind and its all-reduces'
+    bytes, and those of the base model's full fine-tune laid out alike; whether this rank holds the first stage, this
+    rank's bucket and one microbatch's activation in bytes."""
     out = []
     x, y = models.tokens(4, 8, 1), models.tokens(4, 8, 2)
-    for schedule, micro in PIPELINES:
-        model = adapted().train()
+    cuts = [f"model.layers.{i}" for i in range(1, layers)] if layers > 2 else []
+    for schedule, micro in layouts:
+        model = adapted(layers=layers).train()
         ref = copy.deepcopy(model)
         settings = {"tp": 2, "pp": 2, "schedule": schedule, "microbatches": micro}
-        pm = autotp.parallelize(model, example_inputs=(x,), quiet=True, **settings)
+        pm = autotp.parallelize(model, example_inputs=(x,), quiet=True, cuts=[f"base_model.model.{c}" for c in cuts],
+                                **settings)
         with CommBytes() as seen:
             pm.step(x, target=y, loss_fn=_loss)
         torch.optim.SGD([p for p in pm.parameters() if p.requires_grad], lr=1.0).step()
@@ -335,6 +338,6 @@ def pipeline_counts(rank: int, world: int) -> list[dict]:
         worst = max((full[k] - v).abs().max().item() for k, v in ref.state_dict().items() if v.is_floating_point())
         out.append({"schedule": schedule, "worst": worst, "kinds": kinds(seen.events),
                     "reduces": [n for what, n in seen.events if what == "all_reduce"],
-                    "base_kinds": step_collectives(llama(), x, y, **settings), "first": pm.holds_first,
+                    "base_kinds": step_collectives(llama(layers), x, y, cuts=cuts, **settings), "first": pm.holds_first,
                     "bucket": bucket_bytes(pm), "activation": len(x) // micro * 8 * 64 * 4})
     return out

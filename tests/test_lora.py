@@ -104,6 +104,15 @@ def test_clipped_adamw_steps_exact_and_frozen_base_untouched(tp, pp, dp, dropout
         assert cast["worst"] < 1e-5 and cast["kinds"]["all_reduce"] == bucketed - 1 + 2 * len(lora_workers.TARGETS), r
 
 
+@SLOW
+def test_interleaved_pipeline_at_the_base_models_count():
+    """``interleaved1f1b`` (4 stages of a 4-layer model, 4 microbatches): exact; the pipeline rank whose last
+    backward is a later stage's carries the shares in that backward's first input all-reduce, at the base full
+    fine-tune's count; the other (its last backward the first stage's, frozen embedding) keeps the bucket."""
+    for r in run_on_ranks(lora_workers.pipeline_counts, 4, (("interleaved1f1b", 4),), 4):
+        _pipeline_at_the_base_models_count(r[0])
+
+
 def _pipeline_at_the_base_models_count(r: dict) -> None:
     """One rank's run of ``lora_workers.pipeline_counts``: exact; a step makes the base full fine-tune's
     collectives. On the later stage the adapters' shares ride in the step's last all-reduce (its first layer's input
