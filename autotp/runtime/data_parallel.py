@@ -183,8 +183,10 @@ class DataParallel:
         reduced over tp x dp there."""
         done = set().union(*(bucket.params for bucket in self.bucketed)) | self.riding
         held = [p for p in _unique(params) if p.grad is not None and id(p) not in done]
-        if not self.sharded:
-            self._average([local(p.grad) for p in held if id(p) not in self.experts], self.mesh.dp_group)
+        # under fsdp, what it leaves whole for a bucket that could not span tp x dp (its group is then tp's alone)
+        mine = [local(p.grad) for p in held if id(p) not in self.experts and (not self.sharded or id(p) in self.whole)]
+        if mine or not self.sharded:
+            self._average(mine, self.mesh.dp_group)
         # an expert's gradient: the rows each expert-parallel group routed to it, summed over the ranks holding it
         self._average([p.grad for p in held if id(p) in self.experts], self.expert_replicas)
 
@@ -205,8 +207,10 @@ class DataParallel:
         as DDP does: the loop written for one process (``loss.backward()`` per micro-batch, then the optimizer) then
         trains the replicas as one. Each backward averages everything accumulated so far; what earlier backwards
         averaged is already equal on every replica, so the sum stays the mean of the micro-batches' gradients.
-        Under fsdp only the experts FSDP leaves whole (ep above tp) are averaged so."""
-        params = [p for p in _unique(params) if p.requires_grad and (not self.sharded or id(p) in self.experts)]
+        Under fsdp only what FSDP leaves whole (experts at ep above tp, adapters' whole matrices) is averaged so, and
+        the latter only where no bucket averaged them already."""
+        params = [p for p in _unique(params)
+                  if p.requires_grad and (not self.sharded or id(p) in self.experts or id(p) in self.whole)]
         if not params:
             return
         queued = False
