@@ -92,24 +92,25 @@ def bucket_bytes(pm) -> int:
     return total
 
 
-def training(rank: int, world: int, tp: int, pp: int, dropout: float, dp: int = 1) -> dict:
+def training(rank: int, world: int, tp: int, pp: int, dropout: float, dp: int = 1, mode: str = "replicate") -> dict:
     """AdamW steps, clipped, of the adapted model at tp x pp (x dp replicas, each its slice of the batch) against one
     process seeded alike: losses, every parameter after the steps; the frozen base weights get no gradient and no
     optimizer state; the all-reduces of the first step (their bytes) and the size of this rank's gradient bucket."""
     model = adapted(dropout).train()
     ref = copy.deepcopy(model)
     x, y = models.tokens(4, 8, 1), models.tokens(4, 8, 2)
-    settings = {"dp": dp, "dp_mode": "replicate"} if dp > 1 else {}
+    settings = {"dp": dp, "dp_mode": mode} if dp > 1 else {}
     pm = autotp.parallelize(model, tp=tp, pp=pp, example_inputs=(x,), quiet=True, **settings)
     mine = slice(pm.dp_rank * len(x) // dp, (pm.dp_rank + 1) * len(x) // dp)
     torch.manual_seed(100 + rank)  # the ranks' global generators differ: dropout must not depend on them
     pm.manual_seed(SEED)
     opt = torch.optim.AdamW([p for p in pm.parameters() if p.requires_grad], **ADAM)
-    losses, norms, reduces = [], [], None
+    losses, norms, reduces, events = [], [], None, None
     for _ in range(STEPS):
         with CommBytes() as seen:
             loss = pm.step(x[mine], target=y[mine], loss_fn=_loss)
         reduces = [n for what, n in seen.events if what == "all_reduce"] if reduces is None else reduces
+        events = seen.events if events is None else events
         losses.append(float(loss) if loss is not None else None)
         frozen_grads = [n for n, p in pm.named_parameters() if not p.requires_grad and p.grad is not None]
         norms.append(float(pm.clip_grad_norm_(CLIP)))
@@ -123,6 +124,7 @@ def training(rank: int, world: int, tp: int, pp: int, dropout: float, dp: int = 
         torch.nn.utils.clip_grad_norm_([p for p in ref.parameters() if p.requires_grad], CLIP)
         ref_opt.step(), ref_opt.zero_grad()
         ref_losses.append(loss.item())
+    base = step_collectives(llama(), x[mine], y[mine], tp=tp, pp=pp, **settings) if mode == "fsdp" else None
     full = pm.full_state_dict()
     want = ref.state_dict()
     worst = max((full[k] - v).abs().max().item() for k, v in want.items() if v.is_floating_point())
@@ -134,8 +136,7 @@ def training(rank: int, world: int, tp: int, pp: int, dropout: float, dp: int = 
     return {"losses": losses, "ref_losses": ref_losses, "norms": norms, "worst": worst, "moved": moved,
             "frozen_grads": frozen_grads, "frozen_state": frozen_state, "frozen_params": frozen_params,
             "rank": dist.get_rank(), "reduces": reduces, "bucket": bucket_bytes(pm), "trained": trained_bytes(pm),
-            **({"ia3": other_steps("ia3", tp, pp), "dora": other_steps("dora", tp, pp)}
-               if pp > 1 and dp == 1 and not dropout else {})}
+            "kinds": kinds(events), "base_kinds": base}
 
 
 def other_steps(kind: str, tp: int, pp: int) -> dict:
@@ -167,6 +168,59 @@ def other_steps(kind: str, tp: int, pp: int) -> dict:
     worst = max((full[k] - v).abs().max().item() for k, v in want.items() if v.is_floating_point())
     moved = max((want[k] - start[k]).abs().max().item() for k in want if "ia3_l" in k or "lora_" in k)
     return {"worst": worst, "moved": moved, "reduces": reduces}
+
+
+def trainings(rank: int, world: int, tp: int, pp: int, dropout: float, dp: int, modes: tuple[str, ...]) -> dict:
+    """``training`` under each data-parallel mode of ``modes``, in one group of ranks; with fsdp at pp=1,
+    ``fsdp_cast`` too; at tp=2 x pp=2, ``pipeline_counts`` too; under a pipeline without replicas or dropout,
+    ``other_steps`` of IA3 and DoRA."""
+    out = {"runs": [training(rank, world, tp, pp, dropout, dp, mode) for mode in modes]}
+    if pp > 1 and dp == 1 and not dropout:  # IA3 and DoRA on all seven projections
+        out.update(ia3=other_steps("ia3", tp, pp), dora=other_steps("dora", tp, pp))
+    if "fsdp" in modes and pp == 1:
+        out["cast"] = fsdp_cast(tp, dp)
+    if pp == 2 and tp == 2 and dp == 1:
+        out["pipelines"] = pipeline_counts(rank, world)
+    return out
+
+
+def fsdp_cast(tp: int, dp: int) -> dict:
+    """One SGD step under fsdp with a parameter and reduction dtype in the policy (float32, so exact), where FSDP
+    casts what it shards and the adapters' whole matrices stay in its sharding (each share summed where it
+    arrives): the largest difference of any parameter from one process, and the kinds of collectives."""
+    model = adapted().train()
+    ref = copy.deepcopy(model)
+    x, y = models.tokens(4, 8, 1), models.tokens(4, 8, 2)
+    policy = autotp.MixedPrecision(compute_dtype=None, param_dtype="float32", reduce_dtype="float32")
+    pm = autotp.parallelize(model, tp=tp, dp=dp, dp_mode="fsdp", example_inputs=(x,), quiet=True,
+                            mixed_precision=policy)
+    per = len(x) // dp
+    mine = slice(pm.dp_rank * per, (pm.dp_rank + 1) * per)
+    with CommBytes() as seen:
+        pm.step(x[mine], target=y[mine], loss_fn=_loss)
+    torch.optim.SGD([p for p in pm.parameters() if p.requires_grad], lr=1.0).step()
+    _loss(ref(x), y).backward()
+    torch.optim.SGD([p for p in ref.parameters() if p.requires_grad], lr=1.0).step()
+    full = pm.full_state_dict()
+    worst = max((full[k] - v).abs().max().item() for k, v in ref.state_dict().items() if v.is_floating_point())
+    return {"worst": worst, "kinds": kinds(seen.events)}
+
+
+def kinds(events: list[tuple[str, int]]) -> dict[str, int]:
+    """How many collectives of each kind ``events`` (collective, bytes) holds."""
+    out: dict[str, int] = {}
+    for what, _ in events:
+        out[what] = out.get(what, 0) + 1
+    return out
+
+
+def step_collectives(model, x, y, **settings) -> dict[str, int]:
+    """``kinds`` of the collectives of one ``pm.step`` of ``model`` (every parameter trained: a full fine-tune)
+    parallelized with ``settings``."""
+    pm = autotp.parallelize(model, example_inputs=(x,), quiet=True, **settings)
+    with CommBytes() as seen:
+        pm.step(x, target=y, loss_fn=_loss)
+    return kinds(seen.events)
 
 
 def trained_bytes(pm) -> int:
@@ -298,3 +352,36 @@ def sequence_parallel(rank: int, world: int) -> dict:
             torch.nn.init.normal_(p, std=0.05)
     return {"llama": against_one_process(adapted(), llama(), world, 64, sequence_parallel=True),
             "gpt2": against_one_process(gpt2, base, world, hidden, sequence_parallel=True)}
+
+
+PIPELINES = (("gpipe", 2), ("1f1b", 4))
+"""(schedule, microbatches) of ``pipeline_counts``."""
+
+
+def pipeline_counts(rank: int, world: int, layouts=PIPELINES, layers: int = 2) -> list[dict]:
+    """At tp=2 x pp=2, for each (schedule, microbatches) of ``layouts``: one ``pm.step`` of the adapted model (of
+    ``layers`` layers; above 2, a stage per layer), then an SGD step of learning rate 1, against one process (the
+    largest difference of any parameter, so of any gradient); the step's collectives by kind and its all-reduces'
+    bytes, and those of the base model's full fine-tune laid out alike; whether this rank holds the first stage, this
+    rank's bucket and one microbatch's activation in bytes."""
+    out = []
+    x, y = models.tokens(4, 8, 1), models.tokens(4, 8, 2)
+    cuts = [f"model.layers.{i}" for i in range(1, layers)] if layers > 2 else []
+    for schedule, micro in layouts:
+        model = adapted(layers=layers).train()
+        ref = copy.deepcopy(model)
+        settings = {"tp": 2, "pp": 2, "schedule": schedule, "microbatches": micro}
+        pm = autotp.parallelize(model, example_inputs=(x,), quiet=True, cuts=[f"base_model.model.{c}" for c in cuts],
+                                **settings)
+        with CommBytes() as seen:
+            pm.step(x, target=y, loss_fn=_loss)
+        torch.optim.SGD([p for p in pm.parameters() if p.requires_grad], lr=1.0).step()
+        _loss(ref(x), y).backward()
+        torch.optim.SGD([p for p in ref.parameters() if p.requires_grad], lr=1.0).step()
+        full = pm.full_state_dict()
+        worst = max((full[k] - v).abs().max().item() for k, v in ref.state_dict().items() if v.is_floating_point())
+        out.append({"schedule": schedule, "worst": worst, "kinds": kinds(seen.events),
+                    "reduces": [n for what, n in seen.events if what == "all_reduce"],
+                    "base_kinds": step_collectives(llama(layers), x, y, cuts=cuts, **settings), "first": pm.holds_first,
+                    "bucket": bucket_bytes(pm), "activation": len(x) // micro * 8 * 64 * 4})
+    return out

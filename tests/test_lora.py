@@ -83,29 +83,79 @@ def test_clipped_adamw_steps_exact_and_frozen_base_untouched(tp, pp, dp, dropout
     """Exact after clipped AdamW steps; each step sums the adapters' gradient shares in one all-reduce, the size of
     the rank's whole adapter matrices, and no adapter-sized all-reduce besides (under a pipeline once per step, not
     per microbatch; over replicas the bucket spans the tp x dp ranks, of one pipeline rank under a pipeline, so the
-    adapters' tp sum and dp mean are that one; the split adapter parts ride in it, each tp rank's in its own slot of a
-    zero-padded region, so it averages them over dp too: no second all-reduce)."""
-    results = run_on_ranks(lora_workers.training, tp * pp * dp, tp, pp, dropout, dp)
-    for r in results:
-        assert r["worst"] < 1e-5, r
-        assert r["moved"] > 1e-4, r  # the adapters trained
-        assert min(r["norms"]) > lora_workers.CLIP, r  # every step clipped
-        assert r["frozen_params"] > 0 and r["frozen_grads"] == [] and r["frozen_state"] == [], r
-        split = r["trained"] - r["bucket"]  # the split adapter parts: each tp rank's in its slot of the bucket
-        assert r["bucket"] > 0 and r["reduces"].count(r["bucket"] + (tp * split if dp > 1 else 0)) == 1, r
-        assert lora_workers.RANK * 64 * 4 not in r["reduces"], r  # no adapter summed on its own
-        assert split not in r["reduces"], r  # nor the split parts averaged on their own
-        got = [v for v in r["losses"] if v is not None]
-        if dp == 1:  # a replica's loss is its slice's
-            assert got == pytest.approx(r["ref_losses"][:len(got)], rel=1e-5, abs=1e-6) if got else True
-    assert any(r["losses"][0] is not None for r in results)
-    for r in results if pp > 1 and dp == 1 and not dropout else ():  # IA3 and DoRA on all seven projections
+    adapters' tp sum and dp mean are that one). Under ``replicate`` the split adapter parts ride in it, each tp rank's
+    in its own slot of a zero-padded region, so it averages them over dp too: no second all-reduce. Under ``fsdp``
+    the whole matrices are left out of FSDP's sharding and summed so; FSDP reduce-scatters the split parts with the
+    base: the step makes the base model's full fine-tune's collectives under the same fsdp layout, kind by kind."""
+    modes = ("replicate", "fsdp") if dp > 1 else ("replicate",)
+    results = run_on_ranks(lora_workers.trainings, tp * pp * dp, tp, pp, dropout, dp, modes)
+    for mode, runs in zip(modes, zip(*(r["runs"] for r in results))):
+        for r in runs:
+            _trained_exactly(r, tp, pp, dp, mode)
+        assert any(r["losses"][0] is not None for r in runs)
+    for r in (r for r in results if "pipelines" in r):
+        for run in r["pipelines"]:
+            _pipeline_at_the_base_models_count(run)
+    for r in (r for r in results if "ia3" in r):  # IA3 and DoRA on all seven projections
         for kind in ("ia3", "dora"):
             got = r[kind]
             assert got["worst"] < 1e-5 and got["moved"] > 1e-3, (kind, got)
             # none smaller than an activation (DoRA's bucket of the stage's adapters is larger): no vector's gradient
             # (IA3's o_proj's, DoRA's row-split magnitudes) summed on its own, no DoRA norm all-reduced on its own
             assert _by_size([("all_reduce", n) for n in got["reduces"]], 2 * 8)[1] == 0, (kind, got)
+    for r in (r for r in results if "cast" in r):
+        # a policy casting FSDP's parameters keeps the whole matrices in its sharding: exact, each share summed
+        # where it arrives (one all-reduce per adapted layer, 2 x 7, instead of the one bucket)
+        bucketed = r["runs"][modes.index("fsdp")]["kinds"]["all_reduce"]
+        cast = r["cast"]
+        assert cast["worst"] < 1e-5 and cast["kinds"]["all_reduce"] == bucketed - 1 + 2 * len(lora_workers.TARGETS), r
+
+
+@SLOW
+def test_interleaved_pipeline_at_the_base_models_count():
+    """``interleaved1f1b`` (4 stages of a 4-layer model, 4 microbatches): exact; the pipeline rank whose last
+    backward is a later stage's carries the shares in that backward's first input all-reduce, at the base full
+    fine-tune's count; the other (its last backward the first stage's, frozen embedding) keeps the bucket."""
+    for r in run_on_ranks(lora_workers.pipeline_counts, 4, (("interleaved1f1b", 4),), 4):
+        _pipeline_at_the_base_models_count(r[0])
+
+
+def _pipeline_at_the_base_models_count(r: dict) -> None:
+    """One rank's run of ``lora_workers.pipeline_counts``: exact; a step makes the base full fine-tune's
+    collectives. On the later stage the adapters' shares ride in the step's last all-reduce (its first layer's input
+    gradient in the rank's last backward): no bucket all-reduce of its own. On the first stage (its embedding frozen,
+    so one input all-reduce fewer per microbatch than the base's) the bucket stays, one all-reduce."""
+    assert r["worst"] < 1e-5, r
+    got, base = dict(r["kinds"]), dict(r["base_kinds"])
+    reduces, bucket = got.pop("all_reduce"), base.pop("all_reduce")
+    assert got == base, r
+    if r["first"]:
+        assert reduces < bucket and r["reduces"].count(r["bucket"]) == 1, r
+    else:
+        assert reduces == bucket and r["bucket"] not in r["reduces"], r
+        assert r["reduces"][-1] == r["activation"] + r["bucket"], r  # the last carries the shares
+
+
+def _trained_exactly(r: dict, tp: int, pp: int, dp: int, mode: str) -> None:
+    """One rank's ``lora_workers.training`` result under data-parallel ``mode``."""
+    assert r["worst"] < 1e-5, (mode, r)
+    assert r["moved"] > 1e-4, (mode, r)  # the adapters trained
+    assert min(r["norms"]) > lora_workers.CLIP, (mode, r)  # every step clipped
+    assert r["frozen_params"] > 0 and r["frozen_grads"] == [] and r["frozen_state"] == [], (mode, r)
+    split = r["trained"] - r["bucket"]  # the split adapter parts: each tp rank's in its slot of the bucket
+    riders = tp * split if dp > 1 and mode == "replicate" else 0
+    carried = pp > 1 and dp == 1 and r["reduces"][-1] - r["bucket"] in r["reduces"]  # a later stage's last
+    assert r["bucket"] > 0 and (carried or r["reduces"].count(r["bucket"] + riders) == 1), (mode, r)
+    assert lora_workers.RANK * 64 * 4 not in r["reduces"], (mode, r)  # no adapter summed on its own
+    assert split not in r["reduces"], (mode, r)  # nor the split parts averaged on their own
+    if mode == "fsdp":  # FSDP's all-gathers and reduce-scatters, and all-reduces: the base full fine-tune's
+        got, base = dict(r["kinds"]), dict(r["base_kinds"])
+        # under a pipeline with replicas the bucket (over tp x dp) is one all-reduce past a later stage's base
+        extra = got.pop("all_reduce") - base.pop("all_reduce")
+        assert got == base and (extra == 0 if pp == 1 else extra <= 1), (mode, r)
+    got = [v for v in r["losses"] if v is not None]
+    if dp == 1:  # a replica's loss is its slice's
+        assert got == pytest.approx(r["ref_losses"][:len(got)], rel=1e-5, abs=1e-6) if got else True
 
 
 def test_peft_save_load_merge_and_generate(tmp_path):

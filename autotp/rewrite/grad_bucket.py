@@ -10,14 +10,15 @@ instead of to autograd. The bucket sums every share over the ranks in one all-re
 (or, while ``held``, when a pipeline's schedule ends) and adds the sums to the parameters' ``.grad``. Each
 ``GradSum`` sits next to the layer that reads its parameter, so its share arrives with that layer's backward; an
 ``f`` over the same ranks whose all-reduce runs once every share is in (the first layer's input gradient, when an
-adapted or trained embedding needs it) carries them, and the bucket then makes no all-reduce of its own
-(``reduce_with_shares``).
+adapted or trained embedding needs it; under a pipeline, that of a stage's first layer in the rank's last backward
+of the step) carries them, and the bucket then makes no all-reduce of its own (``reduce_with_shares``).
 
 Over data parallelism (``replicate``) the bucket's group is the tp x dp ranks (with pipelines, those of one pipeline
 rank) and it divides by dp: the adapters' tp sum and dp average are one collective, and their split parts ride
-in it, each tp rank's in its own slot (``bucket_riders``). Under ``fsdp`` the parameter the
-graph reads is FSDP's unsharded copy, whose gradient FSDP reduce-scatters itself: there each share is summed where it
-arrives.
+in it, each tp rank's in its own slot (``bucket_riders``). Under ``fsdp`` the whole matrices are left out of FSDP's
+sharding and summed so too (the split parts are FSDP's); under a policy casting FSDP's parameters they stay in it, the
+graph reads FSDP's unsharded copy, whose gradient FSDP reduce-scatters itself, and each share is summed where it
+arrives (``immediate``).
 """
 
 from __future__ import annotations
@@ -45,9 +46,13 @@ class GradBucket:
         self.scale = 1.0
         """Multiplies the sum (1/dp when ``comm`` spans the data-parallel replicas too: their mean)."""
         self.immediate = False
-        """Sum each share where it arrives (under fsdp), as ``f`` on the weight would."""
+        """Sum each share where it arrives (under fsdp with a casting policy), as ``f`` on the weight would."""
         self.held = False
         """Wait for ``flush`` (a pipeline's schedule runs one backward per microbatch)."""
+        self.backwards = 0
+        """While ``held``: how many times each ``GradSum`` hands over a share in the step (its microbatches); 0:
+        unknown. Once every share of the step is in, an all-reduce of an activation's gradient may carry them."""
+        self._arrivals: dict[str, int] = {}
         self._shares: dict[str, tuple[nn.Parameter, torch.Tensor]] = {}
         self._queued = False
         self.params: set[int] = set()
@@ -68,6 +73,7 @@ class GradBucket:
             return self.comm.all_reduce(grad)
         held = self._shares.get(key)
         self._shares[key] = (param, grad if held is None else held[1] + grad)
+        self._arrivals[key] = self._arrivals.get(key, 0) + 1
         self.params.add(id(param))
         if not self.held and not self._queued:
             self._queued = True
@@ -89,14 +95,23 @@ class GradBucket:
 
     def ready(self, comm, dtype: torch.dtype) -> bool:
         """Whether an all-reduce over ``comm`` of a ``dtype`` gradient may carry the shares now: every expected
-        share is in, all of ``dtype``, summed over that same group as they are (``reduce_with_shares``)."""
-        return (self._queued and not self.held and not self.immediate and self.comm is comm and self.scale == 1.0
-                and not self.riders and bool(self.expected) and self.expected <= self._shares.keys()
-                and all(g.dtype == dtype for _, g in self._shares.values()))
+        share is in (while ``held``: every share of the step, the last backward's too), all of ``dtype``, summed over
+        that same group as they are (``reduce_with_shares``)."""
+        return (self._all_in() and not self.immediate and self.comm is comm and self.scale == 1.0
+                and not self.riders and bool(self.expected) and all(g.dtype == dtype for _, g in self._shares.values()))
+
+    def _all_in(self) -> bool:
+        """Whether every share this backward (while ``held``: this step) will hand over has arrived."""
+        if not self.held:
+            return self._queued and self.expected <= self._shares.keys()
+        # a key handing over more or fewer shares than the step's backwards (read twice, or in one graph only) never
+        # matches: the held bucket then sums on its own at the step's end
+        return self.backwards > 0 and all(self._arrivals.get(key, 0) == self.backwards for key in self.expected)
 
     def flush(self) -> None:
         """Sum the shares taken so far over the ranks, in one all-reduce per dtype, and add them to ``.grad``."""
         self._queued = False
+        self._arrivals = {}
         shares, self._shares = self._shares, {}
         by_dtype: dict[torch.dtype, list[tuple[nn.Parameter, torch.Tensor]]] = {}
         for key in sorted(shares):  # the same order on every rank, whatever order the backward reached them in
@@ -163,6 +178,9 @@ class _GradSum(torch.autograd.Function):
         if not (param.is_leaf and param.requires_grad):  # not a parameter as stored (a cast): sum the share here
             return ctx.bucket.comm.all_reduce(grad), None, None, None
         now = ctx.bucket.add(ctx.key, param, grad)
+        if now is not None and isinstance(given, DTensor):  # autograd hands a DTensor parameter a DTensor gradient
+            now = DTensor.from_local(now, given.device_mesh, given.placements, run_check=False, shape=given.shape,
+                                     stride=given.stride())
         # zeros rather than None: a module's backward hook between the parameter and here would make its own plain
         # zeros of a DTensor parameter's gradient; these are of the parameter's type (and start its ``.grad``)
         return (now if now is not None else torch.zeros_like(given)), None, None, None
@@ -189,14 +207,15 @@ class GradSum(nn.Module):
 def reduce_with_shares(comm, grad: torch.Tensor) -> torch.Tensor:
     """``comm.all_reduce(grad)`` (an ``f``'s backward), carrying the bucket's shares in the same all-reduce when
     every share the group's graphs read has arrived: the first layer's input all-reduce then sums them too, so the
-    bucket adds no collective of its own. Not while a pipeline holds the bucket, nor over replicas (the bucket's
-    group is then another), nor with shares of another dtype, nor while compiling. The ranks run one graph, so
-    they decide alike."""
+    bucket adds no collective of its own. Under a pipeline (the bucket ``held``) only once every share of the step
+    is in: in the rank's last backward of the step, at its first layer's input all-reduce. Not over replicas (the
+    bucket's group is then another), nor with shares of another dtype, nor while compiling. The ranks of a stage
+    run one graph and one schedule, so they decide alike."""
     bucket = _BUCKETS.get(comm)
     # a compiled backward is traced once: the bucket's state then is no guide to a later step's
     if bucket is None or torch.compiler.is_compiling() or not bucket.ready(comm, grad.dtype):
         return comm.all_reduce(grad)
-    shares, bucket._shares = bucket._shares, {}
+    shares, bucket._shares, bucket._arrivals = bucket._shares, {}, {}
     entries = [shares[key] for key in sorted(shares)]  # one order on every rank
     flat = comm.all_reduce(torch.cat([grad.reshape(-1), *(g.reshape(-1) for _, g in entries)]))
     parts = flat[grad.numel():].split([g.numel() for _, g in entries])
@@ -226,16 +245,26 @@ def grad_buckets(modules: Iterable[nn.Module]) -> list[GradBucket]:
     return list(found.values())
 
 
-@contextlib.contextmanager
-def held(buckets: list[GradBucket]):
-    """The buckets wait through the block (a pipeline schedule's many backwards) and sum their shares once at its
-    end."""
+def expect_only(buckets: list[GradBucket], modules: Iterable[nn.Module]) -> None:
+    """The buckets expect the shares of the ``GradSum`` modules in ``modules`` alone: a pipeline rank's stages (the
+    rewrite makes every stage's graphs over one communicator, so a bucket's ``expected`` names the other stages'
+    keys too, whose shares never arrive on this rank)."""
+    keys = {child.key for module in modules for child in module.modules() if isinstance(child, GradSum)}
     for bucket in buckets:
-        bucket.held = True
+        bucket.expected &= keys
+
+
+@contextlib.contextmanager
+def held(buckets: list[GradBucket], backwards: int = 0):
+    """The buckets wait through the block (a pipeline schedule's many backwards: ``backwards`` per stage, its
+    microbatches; 0 when unknown) and sum their shares once at its end, unless the step's last all-reduce of an
+    activation's gradient over their group carried them (``reduce_with_shares``)."""
+    for bucket in buckets:
+        bucket.held, bucket.backwards, bucket._arrivals = True, backwards, {}
     try:
         yield
     finally:
         for bucket in buckets:
-            bucket.held = False
+            bucket.held, bucket.backwards = False, 0
     for bucket in buckets:
         bucket.flush()

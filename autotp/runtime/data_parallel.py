@@ -139,6 +139,9 @@ class DataParallel:
         """Ids of the parameters a bucket averages over the replicas with its own (``take_buckets``)."""
         self.experts: set[int] = set()
         """Ids of parameters holding experts split among ep ranks above tp (``hold_experts``)."""
+        self.whole: set[int] = set()
+        """Ids of parameters FSDP leaves whole on every replica because an end-of-backward bucket sums their
+        gradient shares over tp x dp (``wrap``; the adapters' whole matrices)."""
         self.expert_replicas = None
 
     def hold_experts(self, ids: set[int], replicas, count: int) -> None:
@@ -163,9 +166,13 @@ class DataParallel:
         # ``parameters()`` would hand out the whole tensors instead of the shards.
         # ep above tp: a rank's experts are not its dp replicas' (they hold other experts), so FSDP leaves them
         # whole on the rank; their gradients are summed over the ranks holding the same experts (average_gradients)
-        experts = {p for p in unit.parameters() if id(p) in self.experts} or None
+        experts = {p for p in unit.parameters() if id(p) in self.experts}
+        # the adapters' whole matrices (r x d, small) stay whole too: their tp shares and dp mean are then one
+        # all-reduce in the gradient bucket, as under replicate, instead of one tp all-reduce per adapted layer
+        whole = kept_whole([train_graph, eval_graph], self.policy)
+        self.whole |= {id(p) for p in whole}
         fully_shard(unit, mesh=self.mesh.dp_mesh, reshard_after_forward=True, mp_policy=fsdp_policy(self.policy),
-                    ignored_params=experts)
+                    ignored_params=(experts | whole) or None)
         if data_writes(train_graph):  # before FSDP's own pre-forward hook gathers the shards
             unit.register_forward_pre_hook(_write_shards, prepend=True)
         return unit
@@ -176,8 +183,10 @@ class DataParallel:
         reduced over tp x dp there."""
         done = set().union(*(bucket.params for bucket in self.bucketed)) | self.riding
         held = [p for p in _unique(params) if p.grad is not None and id(p) not in done]
-        if not self.sharded:
-            self._average([local(p.grad) for p in held if id(p) not in self.experts], self.mesh.dp_group)
+        # under fsdp, what it leaves whole for a bucket that could not span tp x dp (its group is then tp's alone)
+        mine = [local(p.grad) for p in held if id(p) not in self.experts and (not self.sharded or id(p) in self.whole)]
+        if mine or not self.sharded:
+            self._average(mine, self.mesh.dp_group)
         # an expert's gradient: the rows each expert-parallel group routed to it, summed over the ranks holding it
         self._average([p.grad for p in held if id(p) in self.experts], self.expert_replicas)
 
@@ -198,8 +207,10 @@ class DataParallel:
         as DDP does: the loop written for one process (``loss.backward()`` per micro-batch, then the optimizer) then
         trains the replicas as one. Each backward averages everything accumulated so far; what earlier backwards
         averaged is already equal on every replica, so the sum stays the mean of the micro-batches' gradients.
-        Under fsdp only the experts FSDP leaves whole (ep above tp) are averaged so."""
-        params = [p for p in _unique(params) if p.requires_grad and (not self.sharded or id(p) in self.experts)]
+        Under fsdp only what FSDP leaves whole (experts at ep above tp, adapters' whole matrices) is averaged so, and
+        the latter only where no bucket averaged them already."""
+        params = [p for p in _unique(params)
+                  if p.requires_grad and (not self.sharded or id(p) in self.experts or id(p) in self.whole)]
         if not params:
             return
         queued = False
@@ -220,17 +231,18 @@ class DataParallel:
 
     def take_buckets(self, buckets, pipelined: bool, modules: Iterable[nn.Module] = ()) -> None:
         """Set up the ranks' end-of-backward gradient buckets (``rewrite.grad_bucket``) for the replicas: under fsdp
-        each share is summed where it arrives (FSDP reduce-scatters what the graph's unsharded parameter gets);
-        under ``replicate`` the bucket sums over the tp x dp ranks (the whole world; with pipelines, those of this
-        rank's stages) and divides by dp, so the adapters' tp sum and dp average are one all-reduce, and the replicas'
-        average leaves those parameters alone. ``pipelined``: the buckets are a pipeline's. The other trainable parameters
-        of ``modules`` (the adapters' split parts) ride in that all-reduce when small (``rewrite.bucket_riders``)."""
+        with a casting policy each share is summed where it arrives (FSDP reduce-scatters what the graph's unsharded
+        parameter gets); else (``replicate``, or fsdp leaving the whole matrices out: ``wrap``) the bucket sums over
+        the tp x dp ranks (the whole world; with pipelines, those of this rank's stages) and divides by dp, so the
+        adapters' tp sum and dp average are one all-reduce, and the replicas' average leaves those parameters alone.
+        ``pipelined``: the buckets are a pipeline's. Under ``replicate`` the other trainable parameters of
+        ``modules`` (the adapters' split parts) ride in that all-reduce when small (``rewrite.bucket_riders``)."""
         from autotp.rewrite.comm import TorchComm
 
         world, block = dist.get_world_size(), self.mesh.tp * self.size
         if not buckets:
             return
-        if self.sharded:
+        if self.sharded and not self.whole:  # FSDP reduces the unsharded parameters the graph reads: sum there
             for bucket in buckets:
                 bucket.immediate = True
             return
@@ -245,7 +257,8 @@ class DataParallel:
         for bucket in buckets:
             bucket.comm, bucket.scale = comm, 1.0 / self.size
             self.bucketed.append(bucket)  # their parameters' gradients are averaged already
-        self._ride(buckets[0], list(modules))
+        if not self.sharded:  # under fsdp the split parts are FSDP's, reduce-scattered with the base
+            self._ride(buckets[0], list(modules))
 
     def _ride(self, bucket, modules: list[nn.Module]) -> None:
         """Give ``bucket`` this rank's other trainable parameters to average in its all-reduce (the adapters'
@@ -254,10 +267,23 @@ class DataParallel:
         self.riding |= bucket.take_riders(modules, self.experts, self.mesh.tp_rank, self.mesh.tp, self.size,
                                           BUCKET_BYTES if plain else 0)
 
-    def counts(self) -> bool:
-        """Whether this replica's gradients enter a norm over all ranks: each shard under fsdp; under
-        ``replicate`` every replica holds the same whole gradient, so only the first counts it."""
-        return self.sharded or self.rank == 0
+    def counts(self, param: nn.Parameter | None = None) -> bool:
+        """Whether this replica's gradient of ``param`` enters a norm over all ranks: each shard under fsdp; under
+        ``replicate`` (and for what FSDP leaves whole for a bucket) every replica holds the same whole gradient, so
+        only the first counts it."""
+        return (self.sharded and id(param) not in self.whole) or self.rank == 0
+
+
+def kept_whole(graphs: list[fx.GraphModule], policy: MixedPrecision | None) -> set[nn.Parameter]:
+    """The trainable parameters ``graphs`` read through a ``GradSum`` (an adapter's whole matrix), which FSDP leaves
+    whole so that the gradient bucket reduces them; none under a policy with a parameter or reduction dtype (FSDP
+    would cast the others, not these)."""
+    from autotp.rewrite.grad_bucket import bucketed_ids
+
+    if policy is not None and (policy.param is not None or policy.reduce is not None):
+        return set()
+    ids = bucketed_ids(graphs)
+    return {p for gm in graphs for p in gm.parameters() if id(p) in ids and p.requires_grad}
 
 
 def _unique(params: Iterable[nn.Parameter]) -> list[nn.Parameter]:

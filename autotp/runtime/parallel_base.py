@@ -140,7 +140,6 @@ class ParallelBase(PretrainedModelLike, Checkpointing, Retyped, nn.Module):
         """Clip the gradients as ``torch.nn.utils.clip_grad_norm_`` clips the unsharded model's; returns the
         total norm, the same on every rank (collective: every rank must call it, after ``step``)."""
         self._adapters_on("clip_grad_norm_")
-        dp_counts = self._dp.counts() if self._dp is not None else True
         pieces, seen = [], set()
         for module in self.rank_modules():
             for target, p in module.named_parameters():
@@ -148,6 +147,7 @@ class ParallelBase(PretrainedModelLike, Checkpointing, Retyped, nn.Module):
                     continue
                 seen.add(id(p))
                 split = split_param(self.plan, self._names, target, self.tp_rank)
+                dp_counts = self._dp.counts(p) if self._dp is not None else True
                 counted = is_counted(split, self.tp_rank, dp_counts, self._is_first_holder(target))
                 if self._dp is not None and id(p) in self._dp.experts:  # ep above tp: each expert's first holder
                     counted = self.dp_rank * self.plan.tp + self.tp_rank < self.options.ep

@@ -32,7 +32,7 @@ from autotp.capture.core.kv_cache import PIPELINE_NOTE
 from autotp.errors import InputError, PlanError
 from autotp.options import Schedule
 from autotp.rewrite.comm import TorchComm
-from autotp.rewrite.grad_bucket import grad_buckets, held
+from autotp.rewrite.grad_bucket import expect_only, grad_buckets, held
 from autotp.runtime.batch_agreement import check_same_inputs
 from autotp.runtime.data_parallel import DataParallel, check_unshared, local, unsharded
 from autotp.runtime.integrations import RefusesDDP
@@ -118,6 +118,7 @@ class PipelineModule(RefusesDDP, ParallelBase):
         # the last the target. Without replicas that is the whole world; with them, the tp group is checked.
         self._replica = TorchComm(None) if mesh.dp == 1 else self.comm
         self._buckets = grad_buckets([*self.stages.values(), *self.eval_stages.values()])
+        expect_only(self._buckets, self.stages.values())  # a step's last backward carries this rank's shares
         if self._dp is not None:
             self._dp.take_buckets(self._buckets, pipelined=True, modules=list(self.stages.values()))
         self._start(parts.training)
@@ -199,7 +200,7 @@ class PipelineModule(RefusesDDP, ParallelBase):
         kwargs = {"target": target, "losses": losses} if self.holds_last else {}
         # The schedule is built (its shapes and dtypes inferred) and run under the policy's autocast alike.
         # one sum of the adapters' gradient shares for the step, not one per microbatch's backward
-        with held(self._buckets), deferred(self._output_gathers) as self._split, self.precision_autocast():
+        with held(self._buckets, self.microbatches), deferred(self._output_gathers) as self._split, self.precision_autocast():
             if self._schedule is None:
                 self._schedule = self._make_schedule()
             self._schedule.step(*args, **kwargs)
