@@ -116,7 +116,12 @@ def _model_key(model: nn.Module) -> tuple:
     return type(model), modules, _tensors(model)
 
 
-def _modes() -> tuple:
+def _modes(kind: str) -> tuple:
+    """torch's global modes a capture of ``kind`` depends on. A full capture traces with autocast off
+    (``autotp.capture.core.export.autocast_off``: the same graph inside the user's ``torch.autocast``), so autocast
+    is left out of its key: ranks that parallelize inside autocast find the model captured outside it."""
+    if kind == "full":
+        return torch.is_grad_enabled(), torch.get_default_dtype()
     return torch.is_grad_enabled(), torch.get_default_dtype(), torch.is_autocast_enabled("cpu")
 
 
@@ -138,7 +143,7 @@ def cached(capture, kind: str = "full"):
     def cached_capture(model, example_inputs=None, training=None, *, speedups=None):
         if _BYPASSED[0] or not isinstance(model, nn.Module) or sum(t.numel() for t in model.parameters()) > LARGEST:
             return capture(model, example_inputs, training, speedups=speedups)  # the real one says what is wrong
-        key, how = _model_key(model), (_value(example_inputs), training, _modes(), _speedups(speedups), kind)
+        key, how = _model_key(model), (_value(example_inputs), training, _modes(kind), _speedups(speedups), kind)
         source = _SOURCES.get(key)
         if source is None or (source.model is not model and _model_key(source.model) != key):
             source = _SOURCES[key] = _Source(model)  # none yet, or its model was trained since: start again

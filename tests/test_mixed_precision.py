@@ -25,12 +25,12 @@ the fp32 run, about as far from it as the unsharded bf16 run is: two such runs d
 
 @pytest.fixture(scope="module")
 def warmed():
-    """The Llamas the ranks parallelize outside autocast, captured here once before they fork: most tests below
-    share them (each rank would otherwise capture its model again, train and eval)."""
+    """The Llamas the ranks parallelize, captured here once before they fork: the tests below share them (each rank
+    would otherwise capture its model again, train and eval; a capture inside autocast is the same graph)."""
     _warm_layers(2)
     two = models.build("hf_llama", layers=2)
     x = models.tokens(precision_workers.BATCH, precision_workers.SEQ, seed=2)
-    for example in (precision_workers._batch(True), (x,)):
+    for example in (precision_workers._batch(True), precision_workers._batch(False), (x,)):
         capture_cache.warm(two, example)
 
 
@@ -47,7 +47,7 @@ def _within_gap(result: dict, pairs) -> None:
 
 
 @pytest.mark.parametrize("labels", [True, False])
-def test_autocast_around_the_module_at_tp2(labels):
+def test_autocast_around_the_module_at_tp2(labels, warmed):
     for result in run_on_ranks(user_autocast, 2, labels, 3):
         print(f"autocast around pm, labels={labels}:", result)
         # With labels the loss's ``logits.float()`` was the logits themselves at capture (a cast to their own
