@@ -66,13 +66,7 @@ def _expected_counts(result: dict) -> tuple[dict, dict]:
     return forward, backward
 
 
-TP1_SAMPLE = ["llama", "hf_gpt2", "hf_bert"]
-"""The models checked at tp=1 in the default run (a model of ours, GPT-2's Conv1D, an encoder without a head): at
-tp=1 nothing is split, so every model takes the same path; each is checked split at tp=2 by default. The others at
-tp=1 run with ``-m slow``."""
-
-
-@pytest.mark.parametrize("name", [n if n in TP1_SAMPLE else pytest.param(n, marks=pytest.mark.slow) for n in ALL])
+@pytest.mark.parametrize("name", ALL)
 def test_tp1_single_process(name, warmed):
     """tp=1 needs no process group and changes nothing."""
     results = workers.check_model(name, 1)
