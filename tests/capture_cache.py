@@ -11,8 +11,9 @@ the graph's tensors, and the source's test may have trained it since): else the 
 becomes the source and is captured again.
 
 Only the entry points that treat a capture as read-only use it (``parallelize``, ``check``, the loss graph of
-``step``); ``capture_repeated`` edits the capture of its shortened model and ``pm.generate`` its cache steps,
-so both keep calling torch.export. A failed capture is never stored: clear-error tests see every attempt.
+``step``, and ``plan``'s stamped capture, kept apart from full ones); inside ``capture_repeated`` the capture of
+the shortened model is edited, and ``pm.generate`` edits its cache steps, so both keep calling torch.export
+there. A failed capture is never stored: clear-error tests see every attempt.
 """
 
 from __future__ import annotations
@@ -115,7 +116,12 @@ def _model_key(model: nn.Module) -> tuple:
     return type(model), modules, _tensors(model)
 
 
-def _modes() -> tuple:
+def _modes(kind: str) -> tuple:
+    """torch's global modes a capture of ``kind`` depends on. A full capture traces with autocast off
+    (``autotp.capture.core.export.autocast_off``: the same graph inside the user's ``torch.autocast``), so autocast
+    is left out of its key: ranks that parallelize inside autocast find the model captured outside it."""
+    if kind == "full":
+        return torch.is_grad_enabled(), torch.get_default_dtype()
     return torch.is_grad_enabled(), torch.get_default_dtype(), torch.is_autocast_enabled("cpu")
 
 
@@ -130,13 +136,14 @@ class _Source:
     captures: dict = dataclasses.field(default_factory=dict)
 
 
-def cached(capture):
-    """``capture`` with the memo in front (same signature: model, example_inputs, training)."""
+def cached(capture, kind: str = "full"):
+    """``capture`` with the memo in front (same signature: model, example_inputs, training). ``kind`` names what it
+    makes (a full capture; the planner's stamped one, ``capture_repeated``): each kind is kept apart."""
 
     def cached_capture(model, example_inputs=None, training=None, *, speedups=None):
         if _BYPASSED[0] or not isinstance(model, nn.Module) or sum(t.numel() for t in model.parameters()) > LARGEST:
             return capture(model, example_inputs, training, speedups=speedups)  # the real one says what is wrong
-        key, how = _model_key(model), (_value(example_inputs), training, _modes(), speedups)
+        key, how = _model_key(model), (_value(example_inputs), training, _modes(kind), _speedups(speedups), kind)
         source = _SOURCES.get(key)
         if source is None or (source.model is not model and _model_key(source.model) != key):
             source = _SOURCES[key] = _Source(model)  # none yet, or its model was trained since: start again
@@ -144,6 +151,7 @@ def cached(capture):
         _SOURCES.move_to_end(key)
         if how in source.captures:
             _COUNTS["hits"] += 1
+            _log(model, key, how, None)
             return source.captures[how]
         # equal to ``model`` in everything the key holds
         start = time.process_time()
@@ -155,6 +163,18 @@ def cached(capture):
 
     cached_capture.__wrapped__ = capture
     return cached_capture
+
+
+def _speedups(setting: bool | None):
+    """Whether the capture uses its speed-ups, as it decides (an unset setting reads the environment, which a test may
+    change between captures); the setting itself where it is not valid (the real capture then says why)."""
+    from autotp.capture.speedups.speedup_switch import speedups_enabled
+    from autotp.errors import InputError
+
+    try:
+        return speedups_enabled(setting)
+    except InputError:
+        return ("invalid", setting)
 
 
 def _elements(model: nn.Module) -> int:
@@ -170,17 +190,19 @@ def _evict() -> None:
 
 LOG = "AUTOTP_TEST_CAPTURE_LOG"
 """An environment variable naming a file: each capture the memo makes (a miss) appends a line to it (process,
-test, model, mode, CPU seconds, key digest), to find the captures a suite run repeats across tests and ranks."""
+test, model, kind and mode, CPU seconds, key digest), each capture it serves (a hit) the same line with ``hit`` for
+the seconds, to find the captures a suite run repeats across tests and ranks, and what the memo saves."""
 
 
-def _log(model: nn.Module, key, how, seconds: float) -> None:
+def _log(model: nn.Module, key, how, seconds: float | None) -> None:
     path = os.environ.get(LOG)
     if not path:
         return
     digest = hashlib.blake2b(repr((key, how)).encode(), digest_size=6).hexdigest()  # ids differ across processes
     test = os.environ.get("PYTEST_CURRENT_TEST", "-").split(" ")[0]
+    spent = "hit" if seconds is None else f"{seconds:.2f}"
     with open(path, "a") as f:
-        f.write(f"{os.getpid()}\t{test}\t{type(model).__name__}\t{how[1]}\t{seconds:.2f}\t{digest}\n")
+        f.write(f"{os.getpid()}\t{test}\t{type(model).__name__}\t{how[-1]}:{how[1]}\t{spent}\t{digest}\n")
 
 
 def install() -> None:
@@ -192,6 +214,8 @@ def install() -> None:
     for module in (autotp.api, autotp.checker, autotp.capture.core.with_loss):
         if not hasattr(module.capture, "__wrapped__"):
             module.capture = cached(module.capture)
+    if not hasattr(autotp.api.capture_repeated, "__wrapped__"):  # ``plan``'s: planning only reads the graph
+        autotp.api.capture_repeated = cached(autotp.api.capture_repeated, "stamped")
 
 
 @contextlib.contextmanager

@@ -10,13 +10,22 @@ from torch import nn
 from autotp.capture import capture
 from autotp.errors import InputError
 from autotp.runtime.hf_model import shard_bytes
-from tests import drop_in_workers
+from tests import capture_cache, drop_in_workers
 from tests.distributed import run_on_ranks
 
 pytest.importorskip("transformers")
 
 
-def test_a_tensor_parallel_llama_answers_like_the_model(tmp_path):
+@pytest.fixture(scope="module")
+def warmed():
+    """The Llama the workers parallelize, captured here on its two example inputs (with and without labels) before
+    the ranks fork: each of the four spawns below finds them captured instead of capturing them in every rank."""
+    ids = drop_in_workers._ids(1)
+    for example in ({"input_ids": ids, "labels": ids}, {"input_ids": ids}):
+        capture_cache.warm(drop_in_workers.small_llama(), example)
+
+
+def test_a_tensor_parallel_llama_answers_like_the_model(tmp_path, warmed):
     results = run_on_ranks(drop_in_workers.drop_in_at_two, 2, str(tmp_path / "saved"))
     for rank, r in enumerate(results):
         assert r["config"] and r["generation_config"] and r["device"] == "cpu" and r["dtype"] == "torch.float32", r
@@ -43,13 +52,13 @@ def test_a_tensor_parallel_llama_answers_like_the_model(tmp_path):
     assert first["loaded_exact"] == 0 and first["loaded_type"] == "LlamaForCausalLM", first
 
 
-def test_labels_given_to_a_module_captured_without_them_are_refused():
+def test_labels_given_to_a_module_captured_without_them_are_refused(warmed):
     for r in run_on_ranks(drop_in_workers.labels_not_captured, 2):
         assert r["refused"].startswith("InputError") and "capture with labels" in r["refused"], r
         assert r["without"] < 1e-5, r
 
 
-def test_state_dict_of_pipeline_stages_and_fsdp_replicas():
+def test_state_dict_of_pipeline_stages_and_fsdp_replicas(warmed):
     results = run_on_ranks(drop_in_workers.pipeline_state, 2)
     for r in results:
         assert r["cover"] and r["split"], r

@@ -58,6 +58,9 @@ def test_a_spawned_generation_run_tears_its_group_down_before_exit():
 
 
 def test_generation_at_four_ranks_above_the_kv_heads():
+    ids, _ = generation_workers._prompts()
+    for kind in ("llama", "gpt2"):  # captured here once, not by each of 4 ranks on 2 cores (their cache steps are)
+        capture_cache.warm(generation_workers._small(kind, 2).eval(), (ids,))
     results = run_on_ranks(generation_workers.generation_at_four, 4)
     _check(results, ("llama", "gpt2"))
     for result in results:
