@@ -14,11 +14,8 @@ from pathlib import Path
 
 import torch
 
-import autotp
-from bench.comm import count_calls
-from bench.runtime import alternate, two_rank_command
-from bench.sequence_parallel import MODES, SHAPE, _drop_grads, _saved_bytes, table
-from bench.stats import paired_ratio, summary
+from bench.runtime import two_rank_command
+from bench.sequence_parallel import SHAPE, compare, table
 
 RESULTS = Path(__file__).parent / "results" / "sequence_flat.json"
 
@@ -34,22 +31,7 @@ def _gpt2():
 
 def _measure(rank: int, world: int, rounds: int) -> dict:
     torch.manual_seed(0)
-    model = _gpt2()
-    gen = torch.Generator().manual_seed(1)
-    x, y = (torch.randint(0, SHAPE.vocab_size, (SHAPE.batch, SHAPE.seq), generator=gen) for _ in range(2))
-    pms = {mode: autotp.parallelize(model, tp=world, example_inputs=x, vocab="split", sequence_parallel=sp)
-           for mode, sp in MODES.items()}
-    losses = {}
-    for mode, pm in pms.items():
-        pm.manual_seed(3)
-        losses[mode] = pm.loss(x, target=y).item()
-    saved = {mode: _saved_bytes(pm, x, y) for mode, pm in pms.items()}
-    comm = {mode: count_calls(lambda pm=pm: (pm.step(x, target=y), _drop_grads(pm))) for mode, pm in pms.items()}
-    samples = alternate({mode: (lambda pm=pm: (pm.step(x, target=y), _drop_grads(pm))) for mode, pm in pms.items()},
-                        rounds)
-    return {"shape": f"GPT2LMHeadModel, {SHAPE.describe()}", "tp": world, "losses": losses,
-            "saved bytes per rank": saved, "collectives": comm, "times": {m: summary(s) for m, s in samples.items()},
-            "sequence parallel / plain": paired_ratio(samples["sequence parallel"], samples["plain"])}
+    return compare(_gpt2(), f"GPT2LMHeadModel, {SHAPE.describe()}", world, rounds)
 
 
 def main(argv=None) -> None:

@@ -47,7 +47,13 @@ def _drop_grads(pm) -> None:
 
 def _measure(rank: int, world: int, rounds: int) -> dict:
     torch.manual_seed(0)
-    model = build_gpt(**(SHAPE.gpt_kwargs() | {"dropout": 0.1}))
+    return compare(build_gpt(**(SHAPE.gpt_kwargs() | {"dropout": 0.1})), SHAPE.describe(), world, rounds)
+
+
+def compare(model, shape: str, world: int, rounds: int) -> dict:
+    """``model`` (of ``SHAPE``'s vocabulary, batch and sequence; described by ``shape``) at tp=``world`` with and
+    without sequence parallelism: losses, bytes saved for backward, collectives of a step, alternating step times
+    and their paired ratio (collective: every rank calls it)."""
     gen = torch.Generator().manual_seed(1)
     x, y = (torch.randint(0, SHAPE.vocab_size, (SHAPE.batch, SHAPE.seq), generator=gen) for _ in range(2))
     pms = {mode: autotp.parallelize(model, tp=world, example_inputs=x, vocab="split", sequence_parallel=sp)
@@ -60,7 +66,7 @@ def _measure(rank: int, world: int, rounds: int) -> dict:
     comm = {mode: count_calls(lambda pm=pm: (pm.step(x, target=y), _drop_grads(pm))) for mode, pm in pms.items()}
     samples = alternate({mode: (lambda pm=pm: (pm.step(x, target=y), _drop_grads(pm))) for mode, pm in pms.items()},
                         rounds)
-    return {"shape": SHAPE.describe(), "tp": world, "losses": losses, "saved bytes per rank": saved, "collectives": comm,
+    return {"shape": shape, "tp": world, "losses": losses, "saved bytes per rank": saved, "collectives": comm,
             "times": {m: summary(s) for m, s in samples.items()},
             "sequence parallel / plain": paired_ratio(samples["sequence parallel"], samples["plain"])}
 
