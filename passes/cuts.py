@@ -49,9 +49,11 @@ def _first_of_runs(cuts: list[Cut], weighted: list[int]) -> list[Cut]:
     return kept
 
 
-def find_cuts(graph: fx.Graph, trainable: set[str], grad: set[str] | None = None) -> list[Cut]:
+def find_cuts(graph: fx.Graph, trainable: set[str], grad: set[str] | None = None,
+              frozen: set[str] | None = None) -> list[Cut]:
     """Every place the parameter-dependent dataflow narrows to a single hidden-state tensor, in graph order.
-    ``grad`` (``graph.grad_nodes``) may be passed in when known."""
+    ``grad`` (``graph.grad_nodes``) may be passed in when known; ``frozen`` (the frozen parameters' targets) defaults
+    to the graph's module's parameters that do not require grad."""
     # An fx graph lists every node after its inputs: its own order is the walk's order (a topological order that
     # takes the earliest node ready at each step), with no dataflow graph to build and sort.
     order = [n.name for n in graph.nodes]
@@ -60,7 +62,7 @@ def find_cuts(graph: fx.Graph, trainable: set[str], grad: set[str] | None = None
     grad = grad_nodes(graph, trainable) if grad is None else grad
     computed = {n for n in grad if nodes[n].op == "call_function"}
     # Frozen activations must cross too, so they block a cut (sizes read off them do not: they are numbers).
-    frozen = frozen_attrs(graph.owning_module) - set(trainable)
+    frozen = frozen_attrs(graph.owning_module) - set(trainable) if frozen is None else frozen
     held = {n for n in frozen_activations(graph, frozen, grad) if is_tensor(nodes[n])}
     last_use = {n: max((position[u.name] for u in nodes[n].users), default=position[n]) for n in computed | held}
     remaining = len(computed)
