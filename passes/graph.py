@@ -138,9 +138,9 @@ def frozen_attrs(gm: fx.GraphModule | None) -> set[str]:
 def frozen_activations(graph: fx.Graph, frozen: set[str], grad: set[str]) -> set[str]:
     """Computed nodes that read both a frozen parameter and a model input, through any chain, and carry no
     gradient (``grad``): a frozen embedding's output, the residual stream before the first adapter. They are
-    activations like the ones the gradient flows through, only cheaper to forget: a pipeline stage that needs
-    one must receive it, not recompute it from the inputs (that would repeat the frozen work, and a later stage
-    receives the token ids only as a shape, so torch's stage set-up looks the embedding up at garbage ids)."""
+    activations as much as those the gradient flows through: a pipeline stage that needs one must receive it, not
+    recompute it from the inputs (that would repeat the frozen work, and torch's stage set-up runs a later stage on
+    empty tensors shaped like its inputs, so an embedding looked up there reads garbage ids)."""
     from_param: set[str] = set()
     from_input: set[str] = set()
     for node in graph.nodes:
