@@ -1,10 +1,12 @@
 """Where a model can be cut into pipeline stages: points where the graph narrows to one hidden state.
 
 Walking the graph in order, a cut after position i is possible when exactly one value computed from
-parameters is still needed later: the hidden state, which is all the next stage must receive. Values
-computed only from the inputs and buffers (attention masks, position ids, RoPE tables) do not count:
-every stage recomputes them from the model inputs, which each stage receives. Module names play no
-part; they only label the result.
+parameters is still needed later: the hidden state, which carries the gradient and is all the next stage
+must receive. A value computed from frozen parameters and the inputs (a frozen embedding's output, the
+residual stream of a peft model before its first adapter) counts as well, though no gradient flows through
+it: it too would have to cross. Values computed only from the inputs and buffers (attention masks, position
+ids, RoPE tables) do not count: every stage recomputes them from the model inputs, which each stage
+receives. Module names play no part; they only label the result.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
-from autotp.passes.graph import grad_nodes, is_tensor, rank
+from autotp.passes.graph import frozen_activations, frozen_attrs, grad_nodes, is_tensor, rank
 from autotp.torch_private import set_grad_enabled_op
 
 
@@ -47,9 +49,11 @@ def _first_of_runs(cuts: list[Cut], weighted: list[int]) -> list[Cut]:
     return kept
 
 
-def find_cuts(graph: fx.Graph, trainable: set[str], grad: set[str] | None = None) -> list[Cut]:
+def find_cuts(graph: fx.Graph, trainable: set[str], grad: set[str] | None = None,
+              frozen: set[str] | None = None) -> list[Cut]:
     """Every place the parameter-dependent dataflow narrows to a single hidden-state tensor, in graph order.
-    ``grad`` (``graph.grad_nodes``) may be passed in when known."""
+    ``grad`` (``graph.grad_nodes``) may be passed in when known; ``frozen`` (the frozen parameters' targets) defaults
+    to the graph's module's parameters that do not require grad."""
     # An fx graph lists every node after its inputs: its own order is the walk's order (a topological order that
     # takes the earliest node ready at each step), with no dataflow graph to build and sort.
     order = [n.name for n in graph.nodes]
@@ -57,7 +61,10 @@ def find_cuts(graph: fx.Graph, trainable: set[str], grad: set[str] | None = None
     nodes = {n.name: n for n in graph.nodes}
     grad = grad_nodes(graph, trainable) if grad is None else grad
     computed = {n for n in grad if nodes[n].op == "call_function"}
-    last_use = {n: max((position[u.name] for u in nodes[n].users), default=position[n]) for n in computed}
+    # Frozen activations must cross too, so they block a cut (sizes read off them do not: they are numbers).
+    frozen = frozen_attrs(graph.owning_module) - set(trainable) if frozen is None else frozen
+    held = {n for n in frozen_activations(graph, frozen, grad) if is_tensor(nodes[n])}
+    last_use = {n: max((position[u.name] for u in nodes[n].users), default=position[n]) for n in computed | held}
     remaining = len(computed)
     without_grad = _inside_no_grad(graph)
     live: set[str] = set()
@@ -66,11 +73,13 @@ def find_cuts(graph: fx.Graph, trainable: set[str], grad: set[str] | None = None
         if name in computed:
             live.add(name)
             remaining -= 1
+        elif name in held:
+            live.add(name)
         live = {v for v in live if last_use[v] > i}
         if remaining and len(live) == 1 and name not in without_grad:
             (value,) = live
             node = nodes[value]
-            if (is_tensor(node) and rank(node) >= 2 and value not in without_grad
+            if (value in computed and is_tensor(node) and rank(node) >= 2 and value not in without_grad
                     and (not cuts or cuts[-1].value != value)):
                 cuts.append(Cut(value, i))
     weighted = [position[n] for n in param_users(graph, trainable)]

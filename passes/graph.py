@@ -130,6 +130,35 @@ def trainable_attrs(gm: fx.GraphModule) -> set[str]:
     return {name for name, p in gm.named_parameters() if p.requires_grad}
 
 
+def frozen_attrs(gm: fx.GraphModule | None) -> set[str]:
+    """``get_attr`` targets of parameters that do not require grad (a peft model's base weights)."""
+    return set() if gm is None else {name for name, p in gm.named_parameters() if not p.requires_grad}
+
+
+def frozen_activations(graph: fx.Graph, frozen: set[str], grad: set[str]) -> set[str]:
+    """Computed nodes that read both a frozen parameter and a model input, through any chain, and carry no
+    gradient (``grad``): a frozen embedding's output, the residual stream before the first adapter. They are
+    activations as much as those the gradient flows through: a pipeline stage that needs one must receive it, not
+    recompute it from the inputs (that would repeat the frozen work, and torch's stage set-up runs a later stage on
+    empty tensors shaped like its inputs, so an embedding looked up there reads garbage ids)."""
+    from_param: set[str] = set()
+    from_input: set[str] = set()
+    for node in graph.nodes:
+        if node.op == "placeholder":
+            from_input.add(node.name)
+        elif node.op == "get_attr":
+            if node.target in frozen:
+                from_param.add(node.name)
+        else:
+            reads = {a.name for a in node.all_input_nodes}
+            if reads & from_param:
+                from_param.add(node.name)
+            if reads & from_input:
+                from_input.add(node.name)
+    computed = {n.name for n in graph.nodes if n.op in ("call_function", "call_module", "call_method")}
+    return (from_param & from_input & computed) - grad
+
+
 def grad_nodes(graph: fx.Graph, trainable: set[str]) -> set[str]:
     """Names of nodes whose value depends on a trainable parameter (so gradients flow through them)."""
     out: set[str] = set()

@@ -172,15 +172,18 @@ def other_steps(kind: str, tp: int, pp: int) -> dict:
 
 def trainings(rank: int, world: int, tp: int, pp: int, dropout: float, dp: int, modes: tuple[str, ...]) -> dict:
     """``training`` under each data-parallel mode of ``modes``, in one group of ranks; with fsdp at pp=1,
-    ``fsdp_cast`` too; at tp=2 x pp=2, ``pipeline_counts`` too; under a pipeline without replicas or dropout,
-    ``other_steps`` of IA3 and DoRA."""
+    ``fsdp_cast`` too; at tp=2 x pp=2, ``pipeline_counts`` and ``inner_cut_workers.inner_cuts`` too; under a pipeline
+    without replicas or dropout, ``other_steps`` of IA3 and DoRA."""
     out = {"runs": [training(rank, world, tp, pp, dropout, dp, mode) for mode in modes]}
     if pp > 1 and dp == 1 and not dropout:  # IA3 and DoRA on all seven projections
         out.update(ia3=other_steps("ia3", tp, pp), dora=other_steps("dora", tp, pp))
     if "fsdp" in modes and pp == 1:
         out["cast"] = fsdp_cast(tp, dp)
     if pp == 2 and tp == 2 and dp == 1:
+        from tests.inner_cut_workers import inner_cuts  # it reads this module's model
+
         out["pipelines"] = pipeline_counts(rank, world)
+        out["inner_cuts"] = inner_cuts(rank, world)
     return out
 
 

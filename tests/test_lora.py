@@ -96,6 +96,9 @@ def test_clipped_adamw_steps_exact_and_frozen_base_untouched(tp, pp, dp, dropout
     for r in (r for r in results if "pipelines" in r):
         for run in r["pipelines"]:
             _pipeline_at_the_base_models_count(run)
+    for r in (r for r in results if "inner_cuts" in r):  # cut inside a layer, frozen embedding: each schedule
+        for run in r["inner_cuts"]:
+            assert run["worst"] < 1e-5 and run["moved"] > 1e-4 and run["starts"][0].endswith("layers.0.mlp"), run
     for r in (r for r in results if "ia3" in r):  # IA3 and DoRA on all seven projections
         for kind in ("ia3", "dora"):
             got = r[kind]

@@ -18,7 +18,7 @@ from autotp.torch_private import is_guard_call
 from autotp.errors import PlanError
 from autotp.passes.analysis import Analysis
 from autotp.passes.cuts import Cut, find_cuts, module_starts, unit_index
-from autotp.passes.graph import grad_nodes
+from autotp.passes.graph import frozen_activations, frozen_attrs, grad_nodes
 from autotp.planning.plan import Plan
 from autotp.rewrite.data_writes import stage_of_writes
 
@@ -64,8 +64,9 @@ def unit_of_nodes(gm: fx.GraphModule, original_position: dict[str, int], cuts: S
 class _StageBuilder:
     """Builds the graph of one stage by copying its nodes (and what they need) from the rank graph."""
 
-    def __init__(self, gm: fx.GraphModule, stage_of: dict[str, int], grad: set[str], index: int, bounds: Boundaries):
-        self.gm, self.stage_of, self.grad, self.index = gm, stage_of, grad, index
+    def __init__(self, gm: fx.GraphModule, stage_of: dict[str, int], grad: set[str], index: int, bounds: Boundaries,
+                 frozen: set[str] = frozenset()):
+        self.gm, self.stage_of, self.grad, self.index, self.frozen = gm, stage_of, grad, index, frozen
         self.incoming = bounds.cuts[index - 1].value if index > 0 else None
         self.outgoing = bounds.cuts[index].value if index < len(bounds.cuts) else None
         self.graph = fx.Graph()
@@ -103,11 +104,13 @@ class _StageBuilder:
 
     def _bring(self, node: fx.Node) -> None:
         """A value from another stage: parameters and input-only values are recomputed here."""
-        if node.op == "get_attr" or node.name not in self.grad:
+        if node.op == "get_attr" or (node.name not in self.grad and node.name not in self.frozen):
             self._copy(node)
             return
-        raise PlanError(f"stage {self.index} needs {node.name!r} from another stage, but only the hidden state "
-                        f"{self.incoming!r} crosses the boundary; re-plan this model")
+        why = " (computed from frozen parameters and the inputs)" if node.name in self.frozen else ""
+        raise PlanError(f"stage {self.index} needs {node.name!r}{why} from another stage, but only the hidden state "
+                        f"{self.incoming!r} crosses the boundary; re-plan this model, or pass cuts= at the start of "
+                        "a layer")
 
     def _output(self, output: fx.Node, inputs: list[fx.Node]) -> None:
         if self.outgoing is None:
@@ -136,9 +139,11 @@ def split_stages(gm: fx.GraphModule, analysis: Analysis, plan: Plan, indices: li
     position = {n.name: i for i, n in enumerate(analysis.graph.nodes)}
     stage_of = stage_of_writes(gm, unit_of_nodes(gm, position, bounds.cuts))
     grad = grad_nodes(gm.graph, analysis.trainable)
+    # Values of frozen work are activations too: a stage receives them or fails here, never recomputes them.
+    frozen = frozen_activations(gm.graph, frozen_attrs(analysis.captured.module) - analysis.trainable, grad)
     out = []
     for index in indices:
-        graph = _StageBuilder(gm, stage_of, grad, index, bounds).build()
+        graph = _StageBuilder(gm, stage_of, grad, index, bounds, frozen).build()
         # Drop values assigned to this stage but read only by later ones; the purity check needs an
         # owning module, and rebuilding afterwards copies only the attributes still read.
         graph.owning_module = gm
