@@ -193,7 +193,9 @@ def fsdp_cast(tp: int, dp: int) -> dict:
     - ``bfloat16``: ``param_dtype`` bfloat16 (reduced in it), against the same step in one process on a bfloat16
       copy of the model under bfloat16 autocast (the gradients then cast to the fp32 weights, as FSDP does), and
       against the same policy with the whole matrices left in FSDP's sharding (``sharded``: FSDP casts them and each
-      share is summed where it arrives); the bytes of each all-reduce and this rank's bucket bytes."""
+      share is summed where it arrives); the bytes of each all-reduce and this rank's bucket bytes;
+    - ``replicate``: that bfloat16 policy under ``replicate`` (the graphs cast every parameter, the whole matrices
+      after their ``GradSum``), against one process, and the kinds of collectives."""
     x, y = models.tokens(4, 8, 1), models.tokens(4, 8, 2)
     policy = autotp.MixedPrecision(compute_dtype=None, param_dtype="float32", reduce_dtype="float32")
     full, seen = _cast_step(policy, tp, dp, x, y)
@@ -209,11 +211,14 @@ def fsdp_cast(tp: int, dp: int) -> dict:
                        "reduces": [n for what, n in seen.events if what == "all_reduce"],
                        "sharded_reduces": [n for what, n in sharded_seen.events if what == "all_reduce"],
                        "bucket": bucket, "kinds": kinds(seen.events)}
+    replicated, seen = _cast_step(low, tp, dp, x, y, mode="replicate")
+    out["replicate"] = {"vs_one": _differences(_deltas(replicated, start), one), "kinds": kinds(seen.events)}
     return out
 
 
-def _cast_step(policy, tp: int, dp: int, x, y, keep_whole: bool = True, with_bucket: bool = False):
-    """One SGD step (learning rate 1) of the adapted model under fsdp with ``policy``: the full state dict after it
+def _cast_step(policy, tp: int, dp: int, x, y, keep_whole: bool = True, with_bucket: bool = False,
+               mode: str = "fsdp"):
+    """One SGD step (learning rate 1) of the adapted model under ``mode`` with ``policy``: the full state dict after it
     and the collectives seen (and this rank's bucket bytes, ``with_bucket``). Without ``keep_whole`` the adapters'
     whole matrices stay in FSDP's sharding (FSDP's own treatment of them, to compare with)."""
     from autotp.runtime import data_parallel
@@ -222,7 +227,7 @@ def _cast_step(policy, tp: int, dp: int, x, y, keep_whole: bool = True, with_buc
     if not keep_whole:
         data_parallel.kept_whole = lambda graphs: set()
     try:
-        pm = autotp.parallelize(adapted().train(), tp=tp, dp=dp, dp_mode="fsdp", example_inputs=(x,), quiet=True,
+        pm = autotp.parallelize(adapted().train(), tp=tp, dp=dp, dp_mode=mode, example_inputs=(x,), quiet=True,
                                 mixed_precision=policy)
     finally:
         data_parallel.kept_whole = kept

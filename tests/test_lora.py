@@ -105,6 +105,9 @@ def test_clipped_adamw_steps_exact_and_frozen_base_untouched(tp, pp, dp, dropout
             assert _by_size([("all_reduce", n) for n in got["reduces"]], 2 * 8)[1] == 0, (kind, got)
     for r in (r for r in results if "cast" in r):
         _cast_like_fsdp(r["cast"], r["runs"][modes.index("fsdp")])
+        replicated = r["cast"]["replicate"]  # the casts after the GradSum reads: the bucket, no per-layer sum
+        assert replicated["kinds"] == r["runs"][modes.index("replicate")]["kinds"], replicated
+        _within_bf16(replicated["vs_one"])
 
 
 BF16_ULP = 2.0 ** -7
@@ -127,7 +130,13 @@ def _cast_like_fsdp(cast: dict, plain: dict) -> None:
         # FSDP's treatment (the matrices in its sharding, each share summed where it arrives): the split parts the
         # same bits (the forward is), the whole matrices within the rounding of a bfloat16 sum in another order
         assert diff <= 2 * BF16_ULP * largest and (diff == 0 or _whole(name)), (name, diff, largest)
-    for name, (diff, largest) in low["vs_one"].items():  # one process on the bfloat16 copy: a few roundings apart
+    _within_bf16(low["vs_one"])
+
+
+def _within_bf16(differences: dict) -> None:
+    """Each adapter weight's step within 8 bfloat16 ulps of its largest entry of one process's step on the bfloat16
+    copy (a few roundings apart: the shares, their sum, the sharded matmuls)."""
+    for name, (diff, largest) in differences.items():
         assert 0 < largest and diff <= 8 * BF16_ULP * largest, (name, diff, largest)
 
 
