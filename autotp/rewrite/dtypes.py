@@ -111,6 +111,7 @@ def cast_parameters(gm: fx.GraphModule, dtype: torch.dtype, only: set[int] | Non
 
 
 def _is_grad_sum(gm: fx.GraphModule, node: fx.Node) -> bool:
+    """Whether ``node`` calls a ``GradSum`` (a whole parameter read whose gradient share goes to a bucket)."""
     from autotp.rewrite.grad_bucket import GradSum
 
     return node.op == "call_module" and isinstance(gm.get_submodule(node.target), GradSum)
