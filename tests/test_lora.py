@@ -116,9 +116,9 @@ BF16_ULP = 2.0 ** -7
 
 
 def _cast_like_fsdp(cast: dict, plain: dict) -> None:
-    """``lora_workers.fsdp_cast`` under a policy casting FSDP's parameters: the whole matrices stay out of FSDP and
-    are cast here as FSDP casts the others, so the step makes the policy-free fsdp step's collectives (one bucket
-    all-reduce, none per adapted layer) and computes what FSDP's own treatment of them computes."""
+    """``lora_cast_workers.fsdp_cast`` under a policy casting FSDP's parameters: the whole matrices stay out of FSDP
+    and are cast by autotp as FSDP casts the others, so the step makes the policy-free fsdp step's collectives (one
+    bucket all-reduce, none per adapted layer) and computes what FSDP's own treatment of them computes."""
     assert cast["worst"] < 1e-5 and cast["kinds"] == plain["kinds"], (cast, plain)  # float32: exact
     low = cast["bfloat16"]
     assert low["kinds"] == plain["kinds"], low
