@@ -172,12 +172,14 @@ def other_steps(kind: str, tp: int, pp: int) -> dict:
 
 def trainings(rank: int, world: int, tp: int, pp: int, dropout: float, dp: int, modes: tuple[str, ...]) -> dict:
     """``training`` under each data-parallel mode of ``modes``, in one group of ranks; with fsdp at pp=1,
-    ``fsdp_cast`` too; at tp=2 x pp=2, ``pipeline_counts`` and ``inner_cut_workers.inner_cuts`` too; under a pipeline
-    without replicas or dropout, ``other_steps`` of IA3 and DoRA."""
+    ``lora_cast_workers.fsdp_cast`` too; at tp=2 x pp=2, ``pipeline_counts`` and ``inner_cut_workers.inner_cuts``
+    too; under a pipeline without replicas or dropout, ``other_steps`` of IA3 and DoRA."""
     out = {"runs": [training(rank, world, tp, pp, dropout, dp, mode) for mode in modes]}
     if pp > 1 and dp == 1 and not dropout:  # IA3 and DoRA on all seven projections
         out.update(ia3=other_steps("ia3", tp, pp), dora=other_steps("dora", tp, pp))
     if "fsdp" in modes and pp == 1:
+        from tests.lora_cast_workers import fsdp_cast
+
         out["cast"] = fsdp_cast(tp, dp)
     if pp == 2 and tp == 2 and dp == 1:
         from tests.inner_cut_workers import inner_cuts  # it reads this module's model
@@ -185,28 +187,6 @@ def trainings(rank: int, world: int, tp: int, pp: int, dropout: float, dp: int, 
         out["pipelines"] = pipeline_counts(rank, world)
         out["inner_cuts"] = inner_cuts(rank, world)
     return out
-
-
-def fsdp_cast(tp: int, dp: int) -> dict:
-    """One SGD step under fsdp with a parameter and reduction dtype in the policy (float32, so exact), where FSDP
-    casts what it shards and the adapters' whole matrices stay in its sharding (each share summed where it
-    arrives): the largest difference of any parameter from one process, and the kinds of collectives."""
-    model = adapted().train()
-    ref = copy.deepcopy(model)
-    x, y = models.tokens(4, 8, 1), models.tokens(4, 8, 2)
-    policy = autotp.MixedPrecision(compute_dtype=None, param_dtype="float32", reduce_dtype="float32")
-    pm = autotp.parallelize(model, tp=tp, dp=dp, dp_mode="fsdp", example_inputs=(x,), quiet=True,
-                            mixed_precision=policy)
-    per = len(x) // dp
-    mine = slice(pm.dp_rank * per, (pm.dp_rank + 1) * per)
-    with CommBytes() as seen:
-        pm.step(x[mine], target=y[mine], loss_fn=_loss)
-    torch.optim.SGD([p for p in pm.parameters() if p.requires_grad], lr=1.0).step()
-    _loss(ref(x), y).backward()
-    torch.optim.SGD([p for p in ref.parameters() if p.requires_grad], lr=1.0).step()
-    full = pm.full_state_dict()
-    worst = max((full[k] - v).abs().max().item() for k, v in ref.state_dict().items() if v.is_floating_point())
-    return {"worst": worst, "kinds": kinds(seen.events)}
 
 
 def kinds(events: list[tuple[str, int]]) -> dict[str, int]:

@@ -76,11 +76,13 @@ def floating_dtype(tensors) -> torch.dtype | None:
     return max(counts, key=counts.get) if counts else None
 
 
-def cast_parameters(gm: fx.GraphModule, dtype: torch.dtype) -> int:
-    """Read every floating parameter of ``gm`` through a cast to ``dtype`` (a mixed-precision policy's
-    ``param_dtype``): the graph computes with the cast copy, and its gradient flows back through the cast to the
-    parameter in the parameter's own dtype (the fp32 master weight). Writes to a parameter's ``.data`` keep the
-    parameter itself. Returns how many reads were cast; recompiled if any."""
+def cast_parameters(gm: fx.GraphModule, dtype: torch.dtype, only: set[int] | None = None) -> int:
+    """Read every floating parameter of ``gm`` (of ``only``, ids, when given) through a cast to ``dtype`` (a
+    mixed-precision policy's ``param_dtype``): the graph computes with the cast copy, and its gradient flows back
+    through the cast to the parameter in the parameter's own dtype (the fp32 master weight). Writes to a parameter's
+    ``.data`` keep the parameter itself. A read through a ``GradSum`` is cast after it, so that the ``GradSum`` sees
+    the parameter itself and hands its gradient share to the bucket. Returns how many reads were cast; recompiled if
+    any."""
     from autotp.rewrite.data_writes import data_of
     from autotp.rewrite.graph_edit import get_tensor
 
@@ -89,18 +91,37 @@ def cast_parameters(gm: fx.GraphModule, dtype: torch.dtype) -> int:
         value = get_tensor(gm, node.target)
         if not isinstance(value, torch.nn.Parameter) or not value.is_floating_point() or value.dtype == dtype:
             continue
-        readers = [u for u in node.users if not (u.op == "call_function" and u.target is data_of)]
-        if not readers:
+        if only is not None and id(value) not in only:
             continue
-        with graph.inserting_after(node):
-            copy = graph.call_function(aten._to_copy.default, (node,), {"dtype": dtype})
-        for user in readers:
-            user.replace_input_with(node, copy)
-        cast += 1
+        readers = [u for u in node.users if not (u.op == "call_function" and u.target is data_of)]
+        sums = [u for u in readers if _is_grad_sum(gm, u)]
+        for reader in sums:  # its backward must see the parameter itself, not a cast: cast what it reads out
+            _cast_after(graph, reader, dtype)
+        plain = [u for u in readers if u not in sums]
+        if plain:
+            with graph.inserting_after(node):
+                copy = graph.call_function(aten._to_copy.default, (node,), {"dtype": dtype})
+            for user in plain:
+                user.replace_input_with(node, copy)
+        cast += bool(readers)
     if cast:
         graph.lint()
         gm.recompile()
     return cast
+
+
+def _is_grad_sum(gm: fx.GraphModule, node: fx.Node) -> bool:
+    """Whether ``node`` calls a ``GradSum`` (a whole parameter read whose gradient share goes to a bucket)."""
+    from autotp.rewrite.grad_bucket import GradSum
+
+    return node.op == "call_module" and isinstance(gm.get_submodule(node.target), GradSum)
+
+
+def _cast_after(graph: fx.Graph, node: fx.Node, dtype: torch.dtype) -> None:
+    """Have every reader of ``node`` read its output cast to ``dtype``."""
+    with graph.inserting_after(node):
+        copy = graph.call_function(aten._to_copy.default, (node,), {"dtype": dtype})
+    node.replace_all_uses_with(copy, delete_user_cb=lambda user: user is not copy)
 
 
 def cast_for_policy(gm: fx.GraphModule, options) -> int:

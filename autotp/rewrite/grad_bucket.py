@@ -16,9 +16,11 @@ of the step) carries them, and the bucket then makes no all-reduce of its own (`
 Over data parallelism (``replicate``) the bucket's group is the tp x dp ranks (with pipelines, those of one pipeline
 rank) and it divides by dp: the adapters' tp sum and dp average are one collective, and their split parts ride
 in it, each tp rank's in its own slot (``bucket_riders``). Under ``fsdp`` the whole matrices are left out of FSDP's
-sharding and summed so too (the split parts are FSDP's); under a policy casting FSDP's parameters they stay in it, the
-graph reads FSDP's unsharded copy, whose gradient FSDP reduce-scatters itself, and each share is summed where it
-arrives (``immediate``).
+sharding and summed so too (the split parts are FSDP's); under a policy casting FSDP's parameters the graphs read
+them cast after the ``GradSum`` (as FSDP casts the others: ``runtime.precision.cast_left_out``) and the bucket sums in
+the policy's reduction dtype (``reduce_dtype``), adding the sum to ``.grad`` in the parameter's dtype. A matrix left
+in FSDP's sharding is read as FSDP's unsharded copy, whose gradient FSDP reduce-scatters itself: each share is then
+summed where it arrives (``immediate``).
 """
 
 from __future__ import annotations
@@ -46,7 +48,10 @@ class GradBucket:
         self.scale = 1.0
         """Multiplies the sum (1/dp when ``comm`` spans the data-parallel replicas too: their mean)."""
         self.immediate = False
-        """Sum each share where it arrives (under fsdp with a casting policy), as ``f`` on the weight would."""
+        """Sum each share where it arrives, as ``f`` on the weight would: under fsdp for a parameter in its sharding
+        (the graph reads FSDP's unsharded copy, whose gradient FSDP reduce-scatters when its backward is done)."""
+        self.reduce_dtype: torch.dtype | None = None
+        """The dtype the shares are summed in (a mixed-precision policy's over replicas); None: their own."""
         self.held = False
         """Wait for ``flush`` (a pipeline's schedule runs one backward per microbatch)."""
         self.backwards = 0
@@ -97,8 +102,9 @@ class GradBucket:
         """Whether an all-reduce over ``comm`` of a ``dtype`` gradient may carry the shares now: every expected
         share is in (while ``held``: every share of the step, the last backward's too), all of ``dtype``, summed over
         that same group as they are (``reduce_with_shares``)."""
-        return (self._all_in() and not self.immediate and self.comm is comm and self.scale == 1.0
-                and not self.riders and bool(self.expected) and all(g.dtype == dtype for _, g in self._shares.values()))
+        return (self._all_in() and not self.immediate and self.reduce_dtype in (None, dtype) and self.comm is comm
+                and self.scale == 1.0 and not self.riders and bool(self.expected)
+                and all(g.dtype == dtype for _, g in self._shares.values()))
 
     def _all_in(self) -> bool:
         """Whether every share this backward (while ``held``: this step) will hand over has arrived."""
@@ -125,6 +131,8 @@ class GradBucket:
             if dtype == riding:  # the split parts' dp average joins this all-reduce (``rewrite.bucket_riders``)
                 grads = [None if p.grad is None else local(p.grad) for p in self.riders]
                 flat = torch.cat([flat, pack(self.riders, grads, self.slot[2], self.slot[0], self.slot[1], dtype)])
+            if self.reduce_dtype is not None:  # the policy's reduction dtype; ``_accumulate`` casts back
+                flat = flat.to(self.reduce_dtype)
             flat = self.comm.all_reduce(flat)
             if self.scale != 1.0:
                 flat = flat * self.scale

@@ -27,7 +27,7 @@ from autotp.mixed_precision import MixedPrecision
 from autotp.options import DataParallelMode
 from autotp.passes.parameter_data import data_writes
 from autotp.runtime.mesh import Mesh
-from autotp.runtime.precision import fsdp_policy
+from autotp.runtime.precision import cast_left_out, fsdp_policy
 
 BUCKET_BYTES = 25 * 2**20
 """Gradients are all-reduced in buckets of about this size (DDP's default): one collective per bucket,
@@ -150,6 +150,15 @@ class DataParallel:
         self.experts, self.expert_replicas = ids, replicas if count > 1 else None
 
     @property
+    def reduce_dtype(self) -> torch.dtype | None:
+        """The dtype gradients are averaged over the replicas in: the policy's ``reduce_dtype``; under fsdp, if the
+        policy names none, its ``param_dtype`` (FSDP2 reduces the gradients in the dtype they were computed in,
+        the unsharded parameters' cast one); None: the gradients' own."""
+        if self.policy is None:
+            return None
+        return self.policy.reduce or (self.policy.param if self.sharded else None)
+
+    @property
     def sharded(self) -> bool:
         """Whether parameters, gradients and optimizer state are sharded over the replicas (fsdp)."""
         return self.mode is DataParallelMode.FSDP
@@ -169,8 +178,11 @@ class DataParallel:
         experts = {p for p in unit.parameters() if id(p) in self.experts}
         # the adapters' whole matrices (r x d, small) stay whole too: their tp shares and dp mean are then one
         # all-reduce in the gradient bucket, as under replicate, instead of one tp all-reduce per adapted layer
-        whole = kept_whole([train_graph, eval_graph], self.policy)
+        whole = kept_whole([train_graph, eval_graph])
         self.whole |= {id(p) for p in whole}
+        # FSDP casts only what it shards: the whole matrices are cast here as it would cast them (the experts need
+        # not be: a mixed-precision policy at ep above tp under fsdp is refused, ``expert_groups.check_ep_layout``)
+        cast_left_out([train_graph, eval_graph], {id(p) for p in whole}, self.policy)
         fully_shard(unit, mesh=self.mesh.dp_mesh, reshard_after_forward=True, mp_policy=fsdp_policy(self.policy),
                     ignored_params=(experts | whole) or None)
         if data_writes(train_graph):  # before FSDP's own pre-forward hook gathers the shards
@@ -192,7 +204,7 @@ class DataParallel:
 
     def _average(self, grads: list[torch.Tensor], group) -> None:
         """Sum ``grads`` over ``group`` (None: no other rank) and divide by the replicas (the mean loss's)."""
-        reduce_dtype = self.policy.reduce if self.policy is not None else None
+        reduce_dtype = self.reduce_dtype
         for bucket in _buckets(grads, BUCKET_BYTES):
             flat = torch.cat([g.reshape(-1) for g in bucket])
             flat = flat.to(reduce_dtype) if reduce_dtype is not None else flat  # the policy's reduction dtype
@@ -230,10 +242,9 @@ class DataParallel:
             p.register_post_accumulate_grad_hook(hook)
 
     def take_buckets(self, buckets, pipelined: bool, modules: Iterable[nn.Module] = ()) -> None:
-        """Set up the ranks' end-of-backward gradient buckets (``rewrite.grad_bucket``) for the replicas: under fsdp
-        with a casting policy each share is summed where it arrives (FSDP reduce-scatters what the graph's unsharded
-        parameter gets); else (``replicate``, or fsdp leaving the whole matrices out: ``wrap``) the bucket sums over
-        the tp x dp ranks (the whole world; with pipelines, those of this rank's stages) and divides by dp, so the
+        """Set up the ranks' end-of-backward gradient buckets (``rewrite.grad_bucket``) for the replicas (``replicate``,
+        or fsdp leaving the whole matrices out: ``wrap``): the bucket sums over the tp x dp ranks (the whole world;
+        with pipelines, those of this rank's stages) in the replicas' reduction dtype and divides by dp, so the
         adapters' tp sum and dp average are one all-reduce, and the replicas' average leaves those parameters alone.
         ``pipelined``: the buckets are a pipeline's. Under ``replicate`` the other trainable parameters of
         ``modules`` (the adapters' split parts) ride in that all-reduce when small (``rewrite.bucket_riders``)."""
@@ -255,7 +266,7 @@ class DataParallel:
         else:
             return
         for bucket in buckets:
-            bucket.comm, bucket.scale = comm, 1.0 / self.size
+            bucket.comm, bucket.scale, bucket.reduce_dtype = comm, 1.0 / self.size, self.reduce_dtype
             self.bucketed.append(bucket)  # their parameters' gradients are averaged already
         if not self.sharded:  # under fsdp the split parts are FSDP's, reduce-scattered with the base
             self._ride(buckets[0], list(modules))
@@ -274,14 +285,11 @@ class DataParallel:
         return (self.sharded and id(param) not in self.whole) or self.rank == 0
 
 
-def kept_whole(graphs: list[fx.GraphModule], policy: MixedPrecision | None) -> set[nn.Parameter]:
+def kept_whole(graphs: list[fx.GraphModule]) -> set[nn.Parameter]:
     """The trainable parameters ``graphs`` read through a ``GradSum`` (an adapter's whole matrix), which FSDP leaves
-    whole so that the gradient bucket reduces them; none under a policy with a parameter or reduction dtype (FSDP
-    would cast the others, not these)."""
+    whole so that the gradient bucket reduces them (cast as FSDP would cast them: ``cast_left_out``)."""
     from autotp.rewrite.grad_bucket import bucketed_ids
 
-    if policy is not None and (policy.param is not None or policy.reduce is not None):
-        return set()
     ids = bucketed_ids(graphs)
     return {p for gm in graphs for p in gm.parameters() if id(p) in ids and p.requires_grad}
 

@@ -11,7 +11,7 @@ from torch import fx, nn
 
 from autotp.errors import InputError
 from autotp.mixed_precision import MixedPrecision
-from autotp.rewrite.dtypes import floating_dtype, retype
+from autotp.rewrite.dtypes import cast_parameters, floating_dtype, retype
 
 
 _NARROW = (torch.bfloat16, torch.float16)
@@ -128,3 +128,14 @@ def fsdp_policy(policy: MixedPrecision | None):
     if policy is None:
         return MixedPrecisionPolicy()
     return MixedPrecisionPolicy(param_dtype=policy.param, reduce_dtype=policy.reduce)
+
+
+def cast_left_out(graphs: list[fx.GraphModule], ids: set[int], policy: MixedPrecision | None) -> None:
+    """Have ``graphs`` read the parameters ``ids`` (ones FSDP leaves out of its sharding: the adapters' whole
+    matrices) cast to the policy's ``param_dtype``, as FSDP casts those it shards: the graphs then compute with them
+    in that dtype like with the others, and the cast's gradient flows back to the parameter in its own dtype (FSDP's
+    cast-back of the reduced gradient). A read through a ``GradSum`` is cast after it."""
+    if policy is None or policy.param is None or not ids:
+        return
+    for gm in graphs:
+        cast_parameters(gm, policy.param, only=ids)
