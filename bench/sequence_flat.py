@@ -14,8 +14,7 @@ from pathlib import Path
 
 import torch
 
-from bench.runtime import two_rank_command
-from bench.sequence_parallel import SHAPE, compare, table
+from bench.sequence_parallel import SHAPE, command, compare
 
 RESULTS = Path(__file__).parent / "results" / "sequence_flat.json"
 
@@ -36,9 +35,7 @@ def _measure(rank: int, world: int, rounds: int) -> dict:
 
 def main(argv=None) -> None:
     """Measure, print the table, write ``bench/results/sequence_flat.json``."""
-    r = two_rank_command(_measure, __doc__, RESULTS, argv)
-    print(f"{r['shape']}; losses {r['losses']}")
-    print(table(r))
+    command(_measure, __doc__, RESULTS, argv)
 
 
 if __name__ == "__main__":

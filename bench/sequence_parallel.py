@@ -95,7 +95,13 @@ def table(r: dict) -> str:
 
 def main(argv=None) -> None:
     """Measure, print the table, write ``bench/results/sequence_parallel.json``."""
-    r = two_rank_command(_measure, __doc__, RESULTS, argv)
+    command(_measure, __doc__, RESULTS, argv)
+
+
+def command(measure, doc: str, results: Path, argv=None) -> None:
+    """Run ``measure`` on two ranks with the command line ``argv`` (``doc`` its help), write ``results``, print
+    the shape, the losses and the table."""
+    r = two_rank_command(measure, doc, results, argv)
     print(f"{r['shape']}; losses {r['losses']}")
     print(table(r))
 
