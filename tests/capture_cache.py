@@ -240,6 +240,17 @@ def warm(model: nn.Module, example_inputs) -> None:
         autotp.api.capture(model, example, training=mode)
 
 
+def sources() -> set:
+    """The keys of the models whose captures are kept now."""
+    return set(_SOURCES)
+
+
+def forget(keys: set) -> None:
+    """Drop the captures of the models of ``keys`` (a fixture's, at its teardown)."""
+    for key in keys:
+        _SOURCES.pop(key, None)
+
+
 def counts() -> dict:
     """Hits and misses in this process so far."""
     return dict(_COUNTS)

@@ -51,10 +51,15 @@ def warmed():
     workers build them: the ranks of both gloo tests below find their eval-mode graphs captured (each spawn's ranks
     would otherwise capture them again). Their train-mode graphs are captured again in the ranks: the first forward
     installs transformers' router-logit hooks, so the warmed model no longer equals a fresh one."""
+    before = capture_cache.sources()
     for skewed in (False, True):
         torch.manual_seed(0)
         model = BUILDERS["mixtral"]()
         capture_cache.warm(to_first_experts(model) if skewed else model, _batch(1))
+    yield
+    # the warmed models carry the router-logit hooks their first forward installed: a later file's equal model
+    # must not be served graphs reading their tensors
+    capture_cache.forget(capture_cache.sources() - before)
 
 
 def _expert_split(plan) -> list[str]:
