@@ -129,3 +129,30 @@ def test_fused_head_fields_equal_trls_kernel():
     mine = per_token(hidden @ weight.t(), labels, wanted)
     for name, value in zip(wanted, theirs):
         torch.testing.assert_close(mine[name], value, rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_refusals_without_a_module_to_switch_name_what_to_do():
+    """Switching adapters off or making a reference under fsdp, a reference of a module that trains nothing, and
+    peft's switches on a module of a model peft did not adapt: each an ``InputError`` saying what to use."""
+    from types import SimpleNamespace
+
+    from autotp.runtime.peft_habits import PeftHabits
+    from autotp.runtime.reference_model import reference_model
+
+    fsdp = SimpleNamespace(dp=2, dp_mode="fsdp")
+
+    class Sharded(PeftHabits):
+        peft, options = object(), fsdp
+
+    with pytest.raises(InputError, match="dp_mode='replicate'"):
+        Sharded().disable_adapter_layers()
+    with pytest.raises(InputError, match="reference_model\\(\\) under dp_mode='fsdp'.*dp_mode='replicate'"):
+        reference_model(SimpleNamespace(options=fsdp, parameters=lambda: iter(())))
+    x = models.tokens(2, 8, 1)
+    pm = autotp.parallelize(lora_workers.llama(), tp=1, example_inputs=(x,), quiet=True)
+    with pytest.raises(InputError, match="needs a peft model: parallelize the model peft.get_peft_model returned"):
+        pm.disable_adapter_layers()
+    for p in pm.parameters():
+        p.requires_grad_(False)
+    with pytest.raises(InputError, match="nothing in this module trains"):
+        reference_model(pm)
