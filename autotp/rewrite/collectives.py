@@ -37,8 +37,9 @@ from autotp.rewrite.shards import local_value, runtime_segments
 from autotp.rewrite.vocab_parallel import MEAN, vocab_parallel_cross_entropy
 
 
-def _gathered(comm: Communicator, x: torch.Tensor, dim: int, segments: tuple[int, ...],
-              blocked: bool = False) -> torch.Tensor:
+def gather_along(comm: Communicator, x: torch.Tensor, dim: int, segments: tuple[int, ...],
+                 blocked: bool = False) -> torch.Tensor:
+    """``x`` (this rank's piece along ``dim``, cut by ``segments`` or evenly) gathered whole from ``comm``'s ranks."""
     if segments:  # of static sizes, which a vocabulary's may cut unevenly (repeated over ``blocks`` or not)
         lengths = chunk_lengths(segments, comm.size)
         blocks = x.shape[dim] // lengths[comm.rank]
@@ -48,15 +49,16 @@ def _gathered(comm: Communicator, x: torch.Tensor, dim: int, segments: tuple[int
     return (assemble_blocks if blocked else assemble)(parts, dim, segments)
 
 
-def _sliced(x: torch.Tensor, dim: int, segments: tuple[int, ...], comm: Communicator, blocked: bool,
-            rank: int | None = None) -> torch.Tensor:
+def slice_along(x: torch.Tensor, dim: int, segments: tuple[int, ...], comm: Communicator, blocked: bool,
+                rank: int | None = None) -> torch.Tensor:
+    """This rank's (or ``rank``'s) piece of whole ``x`` along ``dim``, as ``gather_along`` would put it back."""
     return local_value(x, dim, segments, comm.rank if rank is None else rank, comm.size, blocked)
 
 
 def _reduce_scattered(comm: Communicator, x: torch.Tensor, dim: int, segments: tuple[int, ...],
                       blocked: bool) -> torch.Tensor:
     """This rank's part of the sum over ranks of ``x``: every rank sends each peer that peer's part."""
-    return comm.reduce_scatter([_sliced(x, dim, segments, comm, blocked, r) for r in range(comm.size)])
+    return comm.reduce_scatter([slice_along(x, dim, segments, comm, blocked, r) for r in range(comm.size)])
 
 
 class _Copy(torch.autograd.Function):
@@ -81,7 +83,7 @@ class _Reduce(torch.autograd.Function):
 
 
 def _mine(comm: Communicator, x: torch.Tensor, dim: int, segments: tuple[int, ...], blocked: bool) -> torch.Tensor:
-    return _sliced(x, dim, segments, comm, blocked)
+    return slice_along(x, dim, segments, comm, blocked)
 
 
 def _on_split(name: str, forward, backward) -> type[torch.autograd.Function]:
@@ -100,12 +102,12 @@ def _on_split(name: str, forward, backward) -> type[torch.autograd.Function]:
                                                     "backward": staticmethod(run_backward)})
 
 
-_Gather = _on_split("_Gather", _gathered, _mine)
-_Scatter = _on_split("_Scatter", _mine, _gathered)
-_ReduceScatter = _on_split("_ReduceScatter", _reduce_scattered, _gathered)
+_Gather = _on_split("_Gather", gather_along, _mine)
+_Scatter = _on_split("_Scatter", _mine, gather_along)
+_ReduceScatter = _on_split("_ReduceScatter", _reduce_scattered, gather_along)
 # Into a region: its readers each hold this rank's share of the whole gradient (f's all-reduce would sum them);
 # the part this rank keeps is the sum of every rank's share of that part.
-_GatherToRegion = _on_split("_GatherToRegion", _gathered, _reduce_scattered)
+_GatherToRegion = _on_split("_GatherToRegion", gather_along, _reduce_scattered)
 
 
 def _groups(comm: Communicator, parts: list[torch.Tensor], replicas: int) -> list[torch.Tensor]:
@@ -258,7 +260,7 @@ class GatherToRegion(_OnSplit):
 
     def gathered(self, x):
         """The gathered value of ``x`` outside autograd (a reader's second gather, in its backward)."""
-        return _gathered(self.comm, x, self.dim, self.segments, self.blocked)
+        return gather_along(self.comm, x, self.dim, self.segments, self.blocked)
 
 
 class _OnShared(_Collective):

@@ -56,3 +56,14 @@ def get_tensor(gm: nn.Module, target: str):
         return getattr(gm.get_submodule(owner) if owner else gm, name, None)
     except AttributeError:  # no such submodule
         return None
+
+
+def move_before(node: fx.Node, later: fx.Node) -> None:
+    """Move ``node`` (and what it reads that comes after ``later``) just before ``later``: for a value that reads
+    nothing computed between them (an adapter's lookup, a norm of the weights) joining ``later``'s collective."""
+    position = {n: i for i, n in enumerate(later.graph.nodes)}
+    if position[node] < position[later]:
+        return
+    for arg in node.all_input_nodes:
+        move_before(arg, later)
+    later.prepend(node)

@@ -13,20 +13,9 @@ from torch import fx, nn
 
 from autotp.passes.analysis import Analysis
 from autotp.passes.graph import meta_val
-from autotp.rewrite.graph_edit import STANDS_FOR
+from autotp.rewrite.graph_edit import STANDS_FOR, move_before
 
 aten = torch.ops.aten
-
-
-def _hoist(node: fx.Node, before: fx.Node) -> None:
-    """Move ``node`` (and what it reads that comes later) just before ``before``: an adapter's lookup reads only the
-    ids and its table, both ready where the base lookup is."""
-    position = {n: i for i, n in enumerate(before.graph.nodes)}
-    if position[node] < position[before]:
-        return
-    for arg in node.all_input_nodes:
-        _hoist(arg, before)
-    before.prepend(node)
 
 
 def reduce_joined(base: fx.Node, lookups: list[fx.Node], analysis: Analysis, reduction: nn.Module,
@@ -35,7 +24,7 @@ def reduce_joined(base: fx.Node, lookups: list[fx.Node], analysis: Analysis, red
     module (``add_module(module)`` names it in the graph module), each reader then reading its slice of the sum."""
     graph = base.graph
     for lookup in lookups:
-        _hoist(lookup, base)
+        move_before(lookup, base)
     parts = [base, *lookups]
     readers = {part: list(part.users) for part in parts}
     with graph.inserting_after(base):

@@ -17,9 +17,9 @@ import operator
 import torch
 from torch import fx, nn
 
-from autotp.rewrite.collectives import _gathered, _sliced
+from autotp.rewrite.collectives import gather_along, slice_along
 from autotp.rewrite.comm import Communicator
-from autotp.rewrite.graph_edit import STANDS_FOR
+from autotp.rewrite.graph_edit import STANDS_FOR, move_before
 
 
 def _unpacked(flat: torch.Tensor, shapes: list[torch.Size]) -> list[torch.Tensor]:
@@ -54,7 +54,7 @@ class _JoinedReduceScatter(torch.autograd.Function):
     def forward(ctx, comm, split, x, *riders):
         dim, segments, blocked = split
         ctx.args = (comm, split, len(riders))
-        parts = [_sliced(x, dim, segments, comm, blocked, r) for r in range(comm.size)]
+        parts = [slice_along(x, dim, segments, comm, blocked, r) for r in range(comm.size)]
         pieces = [[part, *riders] for part in parts]
         length = max(sum(t.numel() for t in piece) for piece in pieces)  # uneven parts: padded to one length
         mine = comm.reduce_scatter([_flat(piece, length) for piece in pieces])
@@ -63,7 +63,7 @@ class _JoinedReduceScatter(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad, *rider_grads):
         comm, (dim, segments, blocked), riders = ctx.args
-        return (None, None, _gathered(comm, grad, dim, segments, blocked), *[None] * riders)
+        return (None, None, gather_along(comm, grad, dim, segments, blocked), *[None] * riders)
 
 
 class JoinedReduction(nn.Module):
@@ -92,7 +92,7 @@ def reduce_with_riders(carrier: fx.Node, riders: list[fx.Node], module: nn.Modul
     (``add_module(module)`` names it in the graph module); ``bias`` (a row-split layer's) is added after."""
     graph = carrier.graph
     for rider in riders:
-        _before(rider, carrier)
+        move_before(rider, carrier)
     parts = [carrier, *riders]
     readers = {part: list(part.users) for part in parts}
     with graph.inserting_after(carrier):
@@ -125,14 +125,3 @@ def _after_joined(joined: fx.Node, last: fx.Node) -> None:
     for node in moving:
         last.append(node)
         last = node
-
-
-def _before(node: fx.Node, later: fx.Node) -> None:
-    """Move ``node`` (and what it reads that comes after ``later``) just before ``later``: a rider (a norm of the
-    weights) reads nothing the layer computes."""
-    position = {n: i for i, n in enumerate(later.graph.nodes)}
-    if position[node] < position[later]:
-        return
-    for arg in node.all_input_nodes:
-        _before(arg, later)
-    later.prepend(node)
